@@ -1,0 +1,106 @@
+"""Helpers for the experiment files in `configs/`.
+
+A config file calls `base_config(dataset)` for the paper's defaults, sets the
+method fields, and passes its argument string to `apply_variant`, which knows
+the `smoke` (seconds, for tests) and `quick` (minutes on a laptop CPU)
+variants.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+from ml_collections import config_dict
+
+VARIANTS = ("", "paper", "smoke", "quick")
+
+
+def base_config(dataset: str) -> ml_collections.ConfigDict:
+  """The paper's settings (Appendix B) for `mnist` (MLP) or `cifar10` (VGG)."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  c.data = ml_collections.ConfigDict()
+  c.data.name = dataset
+  c.data.data_dir = config_dict.placeholder(str)  # None: $TFDS_DATA_DIR or tfds's default
+  c.data.cache_dir = config_dict.placeholder(str)  # None: ~/.cache/alma_jax
+  c.data.use_cache = True
+  c.data.train_subset = 0  # > 0: use only this many training examples (seeded draw)
+  c.data.test_subset = 0  # > 0: evaluate on only this many test examples
+
+  c.stream = ml_collections.ConfigDict()
+  c.stream.num_megabatches = 500 if dataset == "mnist" else 100
+  c.stream.val_fraction = 0.1
+  c.stream.wait = 1
+  c.stream.replay = 0.0
+  c.stream.init_from_scratch = False
+
+  c.model = ml_collections.ConfigDict()
+  c.model.name = "mlp" if dataset == "mnist" else "vgg"
+  c.model.width = 64  # hidden units (MLP) or channels (VGG); the paper uses 4 ... 64
+
+  c.method = ml_collections.ConfigDict()
+  c.method.name = "sm"
+
+  c.train = ml_collections.ConfigDict()
+  c.train.batch_size = 128
+  c.train.eval_batch_size = 1000
+  c.train.epochs = 100
+  c.train.patience = 25
+  c.train.keep_optimizer_state = False
+  c.train.augment = "none" if dataset == "mnist" else "crop_flip"
+  c.train.steps_per_call = 1
+  c.train.on_divergence = "raise"  # or "rollback"
+  c.train.progress_every_s = 10.0
+
+  c.optimizer = ml_collections.ConfigDict()
+  if dataset == "mnist":
+    c.optimizer.name = "adadelta"
+    c.optimizer.kwargs = ml_collections.ConfigDict({"learning_rate": 1.0})
+    c.optimizer.weight_decay = 0.0
+  else:
+    c.optimizer.name = "sgd"
+    c.optimizer.kwargs = ml_collections.ConfigDict({"learning_rate": 0.01, "momentum": 0.9})
+    c.optimizer.weight_decay = 1e-4
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.num_devices = 0  # 0: all visible devices
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.enabled = True
+  c.checkpoint.max_to_keep = 3
+  return c
+
+
+def apply_variant(c: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:
+  """Shrinks `c` for the `smoke` or `quick` variant (paper settings otherwise)."""
+  arg = (arg or "").strip()
+  if arg not in VARIANTS:
+    raise ValueError(f"config variant {arg!r} is unknown; valid variants: {[v for v in VARIANTS if v]}")
+  mnist = c.data.name != "cifar10"
+  if arg == "smoke":
+    # Seconds: a small slice of the data, a tiny model, a short stream.
+    c.data.train_subset = 2000
+    c.data.test_subset = 1000
+    c.stream.num_megabatches = 4
+    c.model.width = 8
+    c.train.epochs = 2
+    c.train.patience = 2
+    if not mnist:
+      c.data.train_subset = 800
+      c.data.test_subset = 500
+      c.model.width = 4
+      c.train.eval_batch_size = 500
+  elif arg == "quick":
+    if mnist:
+      # The whole MNIST stream (B=500), training every 10 mega-batches.
+      c.stream.wait = 10
+      c.train.epochs = 20
+      c.train.patience = 5
+    else:
+      # 10,000 training images in 10 mega-batches, full test set, C=16.
+      c.data.train_subset = 10000
+      c.stream.num_megabatches = 10
+      c.model.width = 16
+      c.train.epochs = 5
+      c.train.patience = 5
+  return c

@@ -1,0 +1,143 @@
+"""The learner state and the interface every method implements.
+
+A method is a bundle of pure functions over a `Learner` pytree. The training
+loop (`alma_jax.train`) only calls the functions below, so a new method is a
+subclass that overrides a few of them and registers itself by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from alma_jax import models
+
+PyTree = Any
+
+
+@struct.dataclass
+class Learner:
+  """The learner's state: a pytree with a static structure descriptor.
+
+  Attributes:
+    params: the model parameters (for stacked members, a leading axis).
+    model_state: non-trained collections, e.g. `{"batch_stats": ...}`.
+    structure: hashable static description of the architecture (number of
+      members, gating trees, ...). Compiled steps are cached per structure, so
+      a recompilation happens only when growth changes it.
+  """
+
+  params: PyTree
+  model_state: PyTree
+  structure: Hashable = struct.field(pytree_node=False, default=())
+
+
+def masked_cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
+  """Mean cross-entropy over the examples where `mask` is true."""
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  mask = mask.astype(ce.dtype)
+  return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def count_params(params: PyTree) -> int:
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+class Method:
+  """Base class: a single backbone trained by SGD (the SM method).
+
+  Subclasses override what differs. All functions are pure: they take the
+  learner (or its parts) and return new values, never mutating inputs.
+  """
+
+  name = "sm"
+
+  def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
+    self.config = config
+    self.input_shape = tuple(input_shape)
+    self.num_classes = num_classes
+    self.backbone: nn.Module = models.make_backbone(config.model, num_classes)
+
+  # -- construction ---------------------------------------------------------
+  def init_backbone(self, key: jax.Array) -> tuple[PyTree, PyTree]:
+    """Initialises one backbone; returns (params, model_state)."""
+    dummy = jnp.zeros((1,) + self.input_shape, jnp.float32)
+    variables = self.backbone.init(key, dummy, train=False)
+    params = variables["params"]
+    model_state = {k: v for k, v in variables.items() if k != "params"}
+    return params, model_state
+
+  def init(self, key: jax.Array, structure: Hashable | None = None) -> Learner:
+    """A fresh learner. `structure` (when given) is kept, for re-initialisation."""
+    del structure
+    params, model_state = self.init_backbone(key)
+    return Learner(params=params, model_state=model_state, structure=())
+
+  def reinit(self, learner: Learner, key: jax.Array) -> Learner:
+    """Re-initialises all parameters, keeping the learner's structure."""
+    return self.init(key, learner.structure)
+
+  # -- training -------------------------------------------------------------
+  def num_data_orders(self, structure: Hashable) -> int:
+    """How many independent data orders a train step consumes (members)."""
+    del structure
+    return 1
+
+  def partition(self, learner: Learner) -> tuple[PyTree, PyTree]:
+    """Splits params into (trainable, frozen); only `trainable` gets gradients."""
+    return learner.params, None
+
+  def combine(self, learner: Learner, trainable: PyTree) -> PyTree:
+    """Inverse of `partition`: the full params with `trainable` put back."""
+    del learner
+    return trainable
+
+  def apply_backbone(self, params, model_state, x, *, train: bool, mask=None):
+    """Runs one backbone; returns (logits, new_model_state)."""
+    variables = {"params": params, **model_state}
+    if train and model_state:
+      logits, updates = self.backbone.apply(variables, x, train=True, mask=mask,
+                                            mutable=list(model_state))
+      return logits, dict(updates)
+    return self.backbone.apply(variables, x, train=train, mask=mask), model_state
+
+  def loss(self, structure, trainable, frozen, model_state, x, y, mask, rng):
+    """Training loss on a batch; returns (loss, new_model_state).
+
+    `x`, `y` and `mask` carry a leading axis of size `num_data_orders`.
+    """
+    del structure, frozen, rng
+    logits, new_state = self.apply_backbone(trainable, model_state, x[0], train=True, mask=mask[0])
+    return masked_cross_entropy(logits, y[0], mask[0]), new_state
+
+  # -- inference --------------------------------------------------------------
+  def predict(self, structure, params, model_state, x) -> jnp.ndarray:
+    """Log-probabilities of the classes, shape (batch, num_classes)."""
+    del structure
+    logits, _ = self.apply_backbone(params, model_state, x, train=False)
+    return jax.nn.log_softmax(logits)
+
+  # -- growth -------------------------------------------------------------------
+  def before_stage(self, learner: Learner, key: jax.Array, ctx) -> Learner:
+    """Called before each training stage (gEns adds members here)."""
+    del key, ctx
+    return learner
+
+  def after_stage(self, learner: Learner, key: jax.Array, ctx) -> Learner:
+    """Called after each training stage (gMoE splits experts here)."""
+    del key, ctx
+    return learner
+
+  # -- accounting -------------------------------------------------------------
+  def num_params(self, learner: Learner) -> int:
+    return count_params(learner.params)
+
+  def describe(self, learner: Learner) -> dict:
+    """JSON-friendly facts about the current architecture, for progress logs."""
+    return {"num_params": self.num_params(learner)}

@@ -1,0 +1,138 @@
+"""Metrics of the ALMA setting: per-step records folded into an immutable log.
+
+The paper (section 3.1) judges a learner on its whole trajectory over the
+stream: the cumulative error rate (CER) is the sum of the test error over
+t = 0 ... B (t = 0 is the untrained model), memory (Mem) is the sum of the
+parameter counts, and compute (Comp) is the sum of the training FLOPs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+RECORD_KEYS = (
+    "t",
+    "test_error",
+    "num_params",
+    "train_flops",
+    "train_flops_forward",
+    "inference_flops_per_example",
+    "trained",
+    "wall_s",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+  """What the environment measures at time step `t` of the stream.
+
+  Attributes:
+    t: time step, 0 (untrained model) ... B.
+    test_error: error rate on the test set of the model at time t.
+    num_params: number of parameters of the model at time t (all members,
+      experts and gates).
+    train_flops: FLOPs spent training at this step (compiled train step,
+      forward + backward + update, times the number of steps run).
+    train_flops_forward: forward-only FLOPs of the same steps (comparable
+      with the multiply-add counts of the paper's released code).
+    inference_flops_per_example: FLOPs to predict one example at time t.
+    trained: whether the model was updated at this step.
+    wall_s: wall-clock seconds spent on this step (training and evaluation).
+  """
+
+  t: int
+  test_error: float
+  num_params: int
+  train_flops: float
+  train_flops_forward: float
+  inference_flops_per_example: float
+  trained: bool
+  wall_s: float
+
+  def to_dict(self) -> dict[str, Any]:
+    return {k: getattr(self, k) for k in RECORD_KEYS}
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "Record":
+    missing = [k for k in RECORD_KEYS if k not in d]
+    if missing:
+      raise ValueError(f"log record is missing keys {missing}; expected {list(RECORD_KEYS)}")
+    return cls(
+        t=int(d["t"]),
+        test_error=float(d["test_error"]),
+        num_params=int(d["num_params"]),
+        train_flops=float(d["train_flops"]),
+        train_flops_forward=float(d["train_flops_forward"]),
+        inference_flops_per_example=float(d["inference_flops_per_example"]),
+        trained=bool(d["trained"]),
+        wall_s=float(d["wall_s"]),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Log:
+  """An immutable sequence of records; `append` returns a new log."""
+
+  records: tuple[Record, ...] = ()
+
+  def append(self, record: Record) -> "Log":
+    expected = len(self.records)
+    if record.t != expected:
+      raise ValueError(f"record t={record.t} appended to a log of {expected} records; "
+                       f"records must arrive in order t = 0, 1, 2, ...")
+    return Log(self.records + (record,))
+
+  @classmethod
+  def from_records(cls, records: Iterable[Record]) -> "Log":
+    log = cls()
+    for r in records:
+      log = log.append(r)
+    return log
+
+  def __len__(self) -> int:
+    return len(self.records)
+
+  @property
+  def cer(self) -> float:
+    """Cumulative error rate: sum of test errors over t = 0 ... B."""
+    return float(sum(r.test_error for r in self.records))
+
+  @property
+  def mean_error(self) -> float:
+    return self.cer / len(self.records) if self.records else float("nan")
+
+  @property
+  def mem(self) -> int:
+    """Cumulative memory: sum of parameter counts over t = 0 ... B."""
+    return int(sum(r.num_params for r in self.records))
+
+  @property
+  def comp(self) -> float:
+    """Cumulative compute: sum of training FLOPs over the stream."""
+    return float(sum(r.train_flops for r in self.records))
+
+  @property
+  def comp_forward(self) -> float:
+    return float(sum(r.train_flops_forward for r in self.records))
+
+  @property
+  def final_error(self) -> float:
+    return self.records[-1].test_error if self.records else float("nan")
+
+  @property
+  def num_stages(self) -> int:
+    """Number of training stages (steps at which the model was updated)."""
+    return int(sum(r.trained for r in self.records))
+
+  def summary(self) -> dict[str, Any]:
+    return {
+        "cer": self.cer,
+        "mean_error": self.mean_error,
+        "mem": self.mem,
+        "comp": self.comp,
+        "comp_forward": self.comp_forward,
+        "final_error": self.final_error,
+        "num_stages": self.num_stages,
+        "wall_s": float(sum(r.wall_s for r in self.records)),
+    }

@@ -1,0 +1,30 @@
+"""The MNIST backbone: a fully connected network 784 -> H -> H -> classes."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+class MLP(nn.Module):
+  """Three-layer perceptron with ReLU units (paper section 5, H = 4 ... 64).
+
+  `layers(...)` exposes the three dense layers separately so mixtures of
+  experts can replace any of them with a mixture of the same layer.
+  """
+
+  hidden: int = 64
+  num_classes: int = 10
+  depth: int = 2  # number of hidden layers
+
+  @classmethod
+  def from_config(cls, model_config, num_classes: int) -> "MLP":
+    return cls(hidden=model_config.width, num_classes=num_classes)
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray, train: bool = False, mask=None) -> jnp.ndarray:
+    del train, mask  # no batch statistics in this backbone
+    x = x.reshape((x.shape[0], -1))
+    for i in range(self.depth):
+      x = nn.relu(nn.Dense(self.hidden, name=f"dense{i}")(x))
+    return nn.Dense(self.num_classes, name="head")(x)
