@@ -104,3 +104,24 @@ def apply_variant(c: ml_collections.ConfigDict, arg: str | None) -> ml_collectio
       c.train.epochs = 5
       c.train.patience = 5
   return c
+
+
+def protocol(c: ml_collections.ConfigDict, arg: str | None, *, num_megabatches: int, width: int,
+             epochs: int) -> ml_collections.ConfigDict:
+  """A fixed timing protocol: B mega-batches, w=1, no replay, exactly `epochs` per stage.
+
+  `arg` may be `smoke` (a tiny slice of the data, for tests of the protocol files).
+  """
+  c.stream.num_megabatches = num_megabatches
+  c.stream.wait = 1
+  c.stream.replay = 0.0
+  c.model.width = width
+  c.train.epochs = epochs
+  c.train.patience = epochs  # no early stopping within the fixed epochs
+  if arg == "smoke":
+    c.data.train_subset = 1000
+    c.data.test_subset = 500
+    c.train.epochs = c.train.patience = 1
+  elif arg:
+    raise ValueError(f"config variant {arg!r} is unknown for a timing protocol; valid: ['smoke']")
+  return c
