@@ -24,6 +24,7 @@ def base_config(dataset: str) -> ml_collections.ConfigDict:
   c.data.data_dir = config_dict.placeholder(str)  # None: $TFDS_DATA_DIR or tfds's default
   c.data.cache_dir = config_dict.placeholder(str)  # None: ~/.cache/alma_jax
   c.data.use_cache = True
+  c.data.download = False  # True: tfds may download a data set not prepared locally
   c.data.train_subset = 0  # > 0: use only this many training examples (seeded draw)
   c.data.test_subset = 0  # > 0: evaluate on only this many test examples
 
@@ -68,6 +69,7 @@ def base_config(dataset: str) -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.enabled = True
   c.checkpoint.max_to_keep = 3
+  c.checkpoint.every = 1  # checkpoint every this many training stages (and at t=0 and t=B)
   return c
 
 

@@ -1,36 +1,79 @@
 """Entry point: `python -m alma_jax.main --config=configs/mnist_sm.py --workdir=DIR`.
 
 Fields of the config are overridden on the command line, e.g.
-`--config.stream.wait=5 --config.model.width=16`.
+`--config.stream.wait=5 --config.model.width=16`. Rerunning the same command
+resumes the run in DIR; `--overwrite` starts it afresh. Errors are one line on
+stderr, exit code 2 for invalid inputs (config, data, workdir, checkpoints), 1
+for failures while running, 128 + signal number after SIGINT/SIGTERM;
+`--debug` shows tracebacks.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from alma_jax import validation
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, log.jsonl, summary.json.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Discard a previous run's outputs in --workdir "
+                               "(by default a run there is resumed).")
+_DEBUG = flags.DEFINE_bool("debug", False, "Show tracebacks instead of one-line errors.")
 _DISTRIBUTED = flags.DEFINE_bool("jax_distributed", False,
                                  "Call jax.distributed.initialize() (multi-host runs); also "
                                  "enabled by ALMA_JAX_DISTRIBUTED=1.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def _fail(message: str, code: int):
+  print(f"alma_jax: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+  sys.exit(code)
+
+
+def _parse_flags(argv):
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    if "--debug" in argv:
+      raise
+    where = "" if isinstance(e, flags.Error) else "invalid --config override: no such field "
+    _fail(f"{where}{validation.flag_error(e)} (see --helpfull)", 2)
+
+
+def _resume_command() -> str:
+  args = [a for a in sys.argv[1:] if not a.lstrip("-").startswith("overwrite")]
+  return shlex.join(["python", "-m", "alma_jax.main"] + args)
+
+
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    _fail(f"unexpected arguments: {argv[1:]}", 2)
   import jax  # pylint: disable=g-import-not-at-top
   if _DISTRIBUTED.value or os.environ.get("ALMA_JAX_DISTRIBUTED") == "1":
     jax.distributed.initialize()
   logging.info("JAX %s, backend %s, devices: %s", jax.__version__, jax.default_backend(), jax.devices())
   from alma_jax import run  # pylint: disable=g-import-not-at-top
-  run.run(_CONFIG.value, _WORKDIR.value)
+  try:
+    config = _CONFIG.value
+    config.get("seed")  # a config file that failed to load raises here
+  except Exception as e:  # pylint: disable=broad-except
+    _fail(f"--config: {validation.flag_error(e)}", 2)
+  try:
+    run.run(config, _WORKDIR.value, overwrite=_OVERWRITE.value)
+  except run.RunInterrupted as e:
+    _fail(f"{e}; to resume, run the same command again: {_resume_command()}", e.exit_code)
+  except Exception as e:  # pylint: disable=broad-except
+    if _DEBUG.value:
+      raise
+    _fail(*validation.cli_error(e))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -1,10 +1,35 @@
-"""The stream loop (Algorithm 1): wait, replay, grow, train, evaluate, log."""
+"""The stream loop (Algorithm 1): wait, replay, grow, train, evaluate, log.
+
+A run writes `config.json`, `log.jsonl` (one record per time step),
+`checkpoints/` (one orbax checkpoint per training stage, see
+`config.checkpoint`) and, at the end, `summary.json` into its workdir.
+Running the same command again resumes from the last complete checkpoint;
+every random choice is seeded by (config.seed, t), so a resumed run writes
+the same records and summary as an uninterrupted one (wall-clock times
+aside).
+
+SIGINT and SIGTERM stop a run at the next safe point: a stage in progress is
+abandoned (it is recomputed on resume), a log or checkpoint write in progress
+is finished first; then `RunInterrupted` is raised.
+
+Testing hook: the environment variable `ALMA_JAX_TEST_KILL_AT` (a comma
+separated list such as `t=2:checkpoint,summary`) makes the process send
+itself `ALMA_JAX_TEST_KILL_SIGNAL` (default SIGKILL) at the named points:
+`t=N:stage` (before training stage N), `t=N:epoch` (at a progress message of
+stage N), `t=N:log` (after the record of N is logged), `t=N:checkpoint`
+(while the checkpoint of N is being written), `t=N:saved` (after it is
+written) and `summary` (before summary.json is written).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
+import signal
+import threading
 import time
 from typing import Any
 
@@ -12,13 +37,17 @@ import jax
 import numpy as np
 from absl import logging
 
+from alma_jax import checkpoint as ckpt_lib
 from alma_jax import io_utils
-from alma_jax import methods
 from alma_jax import schedule
 from alma_jax import sharding
+from alma_jax import validation
 from alma_jax.data import stream as stream_lib
 from alma_jax.metrics import Log, Record
 from alma_jax.train import Trainer, put_dataset
+
+CONFIG_FILE, LOG_FILE, SUMMARY_FILE = "config.json", "log.jsonl", "summary.json"
+CHECKPOINT_DIR, CORRUPT_DIR = "checkpoints", "checkpoints_unreadable"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +65,8 @@ def load_data(config):
   from alma_jax.data import images  # pylint: disable=g-import-not-at-top
   ds = images.load_image_dataset(config.data.name, data_dir=config.data.data_dir,
                                  cache_dir=config.data.cache_dir,
-                                 use_cache=config.data.use_cache)
+                                 use_cache=config.data.use_cache,
+                                 download=config.data.get("download", False))
   rng = np.random.default_rng([config.seed, 7])
   changes = {}
   if config.data.train_subset:
@@ -70,45 +100,233 @@ def _log_estimate(trainer: Trainer, learner, stream, config) -> None:
                per_step)
 
 
-def run(config, workdir: str) -> dict[str, Any]:
-  """Runs one ALMA stream as configured; writes config.json, log.jsonl, summary.json."""
+# -- interruption ---------------------------------------------------------------------------
+class RunInterrupted(BaseException):
+  """SIGINT/SIGTERM stopped the run; `exit_code` is 128 + the signal number."""
+
+  def __init__(self, signum: int, last_checkpoint: int | None):
+    self.signum = signum
+    self.last_checkpoint = last_checkpoint
+    self.exit_code = 128 + signum
+    where = (f"the last checkpoint is t={last_checkpoint}" if last_checkpoint is not None
+             else "no checkpoint was written yet")
+    super().__init__(f"interrupted by {signal.Signals(signum).name}; {where}")
+
+
+class _Signals:
+  """SIGINT/SIGTERM handlers: raise at once, or after the current `critical()` section."""
+
+  def __init__(self):
+    self.pending: int | None = None
+    self.last_checkpoint: int | None = None
+    self._depth = 0
+    self._old = {}
+
+  def __enter__(self) -> "_Signals":
+    if threading.current_thread() is threading.main_thread():
+      for s in (signal.SIGINT, signal.SIGTERM):
+        self._old[s] = signal.signal(s, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for s, handler in self._old.items():
+      signal.signal(s, handler)
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    if self.pending is None:
+      self.pending = signum
+    if self._depth == 0:
+      raise RunInterrupted(self.pending, self.last_checkpoint)
+
+  @contextlib.contextmanager
+  def critical(self):
+    """A section (a write) that a signal does not interrupt; it acts after it."""
+    self._depth += 1
+    try:
+      yield
+    finally:
+      self._depth -= 1
+    if self._depth == 0 and self.pending is not None:
+      raise RunInterrupted(self.pending, self.last_checkpoint)
+
+
+def _kill_point(point: str, t: int | None = None) -> None:
+  """The testing hook described in the module docstring."""
+  spec = os.environ.get("ALMA_JAX_TEST_KILL_AT")
+  if spec and (point if t is None else f"t={t}:{point}") in spec.split(","):
+    os.kill(os.getpid(), getattr(signal, os.environ.get("ALMA_JAX_TEST_KILL_SIGNAL", "SIGKILL")))
+
+
+# -- the workdir ------------------------------------------------------------------------------
+def _has_progress(workdir: str) -> bool:
+  """Whether `workdir` holds records, checkpoints or a summary of a run."""
+  ckpt_dir, log = os.path.join(workdir, CHECKPOINT_DIR), os.path.join(workdir, LOG_FILE)
+  return (os.path.exists(os.path.join(workdir, SUMMARY_FILE))
+          or (os.path.exists(log) and os.path.getsize(log) > 0)
+          or (os.path.isdir(ckpt_dir) and any(n[:1].isdigit() for n in os.listdir(ckpt_dir))))
+
+
+def _clear_outputs(workdir: str) -> None:
+  """Removes the run outputs from `workdir` (nothing else in it)."""
+  for name in (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, CHECKPOINT_DIR, CORRUPT_DIR):
+    path = os.path.join(workdir, name)
+    if os.path.isdir(path):
+      shutil.rmtree(path)
+    elif os.path.exists(path):
+      os.unlink(path)
+  logging.warning("--overwrite: removed the previous run's outputs from %s", workdir)
+
+
+def _target_builder(method, tx, mesh, key):
+  """(structure, has_opt_state) -> the abstract checkpoint state, replicated on `mesh`."""
+  replicated = sharding.replicated(mesh)
+
+  def build(structure, has_opt_state):
+    learner = jax.eval_shape(lambda k: method.init(k, structure), key)
+    if learner.structure != structure:
+      raise ckpt_lib.IncompatibleCheckpointError(
+          f"method {method.name!r} rebuilds structure {learner.structure!r} from the "
+          f"checkpoint's structure {structure!r}")
+    tree = {"params": learner.params, "model_state": learner.model_state,
+            "key": jax.eval_shape(jax.random.key_data, key)}
+    if has_opt_state:
+      tree["opt_state"] = jax.eval_shape(
+          lambda k: tx.init(method.partition(method.init(k, structure))[0]), key)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
+                        tree)
+
+  return build
+
+
+def _config_checker(config):
+  current = validation.config_dict(config)
+
+  def check(extra):
+    diffs = validation.config_diff(extra.get("config", current), current)
+    if diffs:
+      raise ckpt_lib.IncompatibleCheckpointError(
+          f"the checkpoints were written by a different config: {'; '.join(diffs)}; pass "
+          "--overwrite to discard them")
+
+  return check
+
+
+def _compiled_keys(trainer: Trainer) -> set[str]:
+  return {json.dumps(ckpt_lib.structure_to_json(k)) for k in trainer.compiled}
+
+
+def _should_checkpoint(config, t: int, trained: bool, last: int) -> bool:
+  every = int(config.checkpoint.get("every", 1))
+  return t in (0, last) or (trained and (t // config.stream.wait) % every == 0)
+
+
+# -- the run ----------------------------------------------------------------------------------
+def run(config, workdir: str, *, overwrite: bool = False) -> dict[str, Any]:
+  """Runs (or resumes) one ALMA stream; writes config.json, log.jsonl, summary.json.
+
+  Args:
+    config: the experiment config.
+    workdir: output directory; a run found there is resumed when its config
+      is the same (a different config is an error unless `overwrite`).
+    overwrite: discard the outputs of a previous run in `workdir` first.
+
+  Raises:
+    ValueError: invalid config, data, workdir or checkpoints (nothing is
+      written then).
+    DivergenceError: non-finite training loss (the checkpoints stay intact).
+    RunInterrupted: SIGINT or SIGTERM.
+  """
+  validation.validate(config)
+  validation.check_workdir(workdir)
+  if not overwrite:
+    validation.check_resume(workdir, config, _has_progress(workdir))
+  with _Signals() as signals:
+    return _run(config, workdir, overwrite, signals)
+
+
+def _run(config, workdir: str, overwrite: bool, signals: _Signals) -> dict[str, Any]:
   t_start = time.monotonic()
   timings = {"data_s": 0.0, "train_s": 0.0, "eval_s": 0.0, "io_s": 0.0}
-  os.makedirs(workdir, exist_ok=True)
-  log_path = os.path.join(workdir, "log.jsonl")
-  io_utils.write_json_atomic(os.path.join(workdir, "config.json"), json.loads(config.to_json()))
-  if os.path.exists(log_path):
-    os.unlink(log_path)
+  log_path = os.path.join(workdir, LOG_FILE)
 
-  # -- data and stream ---------------------------------------------------------
-  t0 = time.monotonic()
+  # -- data, stream, method ------------------------------------------------------------------
   mesh = sharding.make_mesh(config.mesh.num_devices)
   ds = load_data(config)
   stream = stream_lib.make_stream(len(ds.train_y), config.stream.num_megabatches,
                                   config.stream.val_fraction, config.seed)
-  schedule.check_wait(stream.num_megabatches, config.stream.wait)
+  validation.validate_data(config, len(ds.train_y), stream)
+  method = validation.make_method(config, ds.train_x.shape[1:], ds.num_classes)
   data = put_dataset(mesh, ds)
-  timings["data_s"] = time.monotonic() - t0
+  timings["data_s"] = time.monotonic() - t_start
   logging.info("data %s: %d train / %d test examples, B=%d mega-batches of ~%d, wait=%d, replay=%.2f",
                config.data.name, len(ds.train_y), len(ds.test_y), stream.num_megabatches,
                len(stream.train[0]) + len(stream.val[0]), config.stream.wait, config.stream.replay)
-
-  # -- learner -------------------------------------------------------------------
-  method = methods.get(config.method.name)(config, data.input_shape, ds.num_classes)
   trainer = Trainer(method, config, data, mesh)
   key = jax.random.key(config.seed)
-  learner = method.init(jax.random.fold_in(key, 0))
-  if jax.default_backend() == "cpu":
-    _log_estimate(trainer, learner, stream, config)
+  num_t = stream.num_megabatches
 
-  log = Log()
+  # -- outputs: start afresh or resume ---------------------------------------------------------
+  ckpt = None
+  try:
+    with signals.critical():
+      if overwrite:
+        _clear_outputs(workdir)
+      snap = None
+      if config.checkpoint.enabled:
+        ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, CHECKPOINT_DIR),
+                                     config.checkpoint.max_to_keep)
+        snap = ckpt.restore_latest(_target_builder(method, trainer.tx, mesh, key),
+                                   quarantine_dir=os.path.join(workdir, CORRUPT_DIR),
+                                   check_extra=_config_checker(config))
+      records = [] if snap is None else [Record.from_dict(r) for r in snap.records]
+      if snap is not None and len(records) != snap.t + 1:
+        raise ckpt_lib.CheckpointError(f"checkpoint step {snap.t} holds {len(records)} records; "
+                                       f"expected {snap.t + 1}")
+      io_utils.write_json_atomic(os.path.join(workdir, CONFIG_FILE), validation.config_dict(config))
+      io_utils.write_jsonl_atomic(log_path, [r.to_dict() for r in records])
+      if (snap is None or snap.t < num_t) and os.path.exists(os.path.join(workdir, SUMMARY_FILE)):
+        os.unlink(os.path.join(workdir, SUMMARY_FILE))
+    return _loop(config, workdir, signals, ckpt, snap, records, stream, method, trainer, key,
+                 timings, t_start)
+  finally:
+    if ckpt is not None:
+      ckpt.close()
+
+
+def _loop(config, workdir, signals, ckpt, snap, records, stream, method, trainer, key, timings,
+          t_start) -> dict[str, Any]:
+  log_path = os.path.join(workdir, LOG_FILE)
+  num_t = stream.num_megabatches
+  log = Log.from_records(records)
+  compiled_before: set[str] = set()
+  elapsed_before = 0.0
   opt_state = None
   last_error = None
-  for t in range(0, stream.num_megabatches + 1):
+  if snap is None:
+    learner = method.init(jax.random.fold_in(key, 0))
+    if jax.default_backend() == "cpu":
+      _log_estimate(trainer, learner, stream, config)
+  else:
+    learner, last_error = snap.learner, records[-1].test_error
+    opt_state = snap.opt_state if config.train.keep_optimizer_state else None
+    compiled_before = set(snap.extra.get("compiled", []))
+    elapsed_before = float(snap.extra.get("elapsed_s", 0.0))
+    for k in timings:
+      timings[k] += float(snap.extra.get("timings", {}).get(k, 0.0))
+    signals.last_checkpoint = snap.t
+    logging.info("resuming %s after t=%d/%d (its last complete checkpoint)", workdir, snap.t, num_t)
+
+  def elapsed():
+    return elapsed_before + time.monotonic() - t_start
+
+  for t in range(len(records), num_t + 1):
     t_step = time.monotonic()
     trained = t > 0 and schedule.is_training_time(t, config.stream.wait)
     flops = trainer.flops(learner)
     train_flops = train_fwd = 0.0
+
+    # -- one stage -------------------------------------------------------------------------------
     if trained:
       stage = schedule.stage_data(stream, t, config.stream.wait, config.stream.replay, config.seed)
       skey = jax.random.fold_in(key, t)
@@ -120,15 +338,26 @@ def run(config, workdir: str) -> dict[str, Any]:
       if not config.train.keep_optimizer_state:
         opt_state = None
       flops = trainer.flops(learner)
+      _kill_point("stage", t)
+
+      def progress(msg, t=t):
+        logging.info(msg)
+        _kill_point("epoch", t)
+
       learner, opt_state, stats = trainer.fit_stage(
           learner, stage.train, stage.val, jax.random.fold_in(skey, 3), t=t, opt_state=opt_state,
-          progress=logging.info)
+          progress=progress)
+      if stats.diverged:
+        logging.warning("stage t=%d diverged; continuing with its best epoch (%d)", t,
+                        stats.best_epoch)
       train_flops = flops["train_step"] * stats.steps_run
       train_fwd = flops["train_step_forward"] * stats.steps_run
       timings["train_s"] += stats.train_s
       timings["eval_s"] += stats.eval_s
       learner = method.after_stage(learner, jax.random.fold_in(skey, 4), ctx)
       flops = trainer.flops(learner)
+
+    # -- evaluate, log, checkpoint -----------------------------------------------------------------
     if last_error is None or trained:  # an unchanged model is not re-evaluated
       t1 = time.monotonic()
       last_error = trainer.test_error(learner)
@@ -139,18 +368,33 @@ def run(config, workdir: str) -> dict[str, Any]:
                  wall_s=time.monotonic() - t_step)
     log = log.append(rec)
     t1 = time.monotonic()
-    io_utils.append_jsonl(log_path, rec.to_dict())
+    with signals.critical():
+      io_utils.append_jsonl(log_path, rec.to_dict())
+      _kill_point("log", t)
+      if ckpt is not None and _should_checkpoint(config, t, trained, num_t):
+        extra = {"compiled": sorted(compiled_before | _compiled_keys(trainer)),
+                 "elapsed_s": elapsed(), "timings": timings,
+                 "config": validation.config_dict(config)}
+        ckpt.start_save(t, learner, opt_state, jax.random.key_data(jax.random.fold_in(key, t)),
+                        [r.to_dict() for r in log.records], extra)
+        _kill_point("checkpoint", t)
+        ckpt.wait()
+        signals.last_checkpoint = t
+        _kill_point("saved", t)
     timings["io_s"] += time.monotonic() - t1
     if trained:
       logging.info("t=%d/%d epochs=%d best_val_acc=%.4f test_error=%.4f %s elapsed=%.1fs", t,
-                   stream.num_megabatches, stats.epochs_run, stats.best_val_accuracy, last_error,
-                   json.dumps(method.describe(learner)), time.monotonic() - t_start)
+                   num_t, stats.epochs_run, stats.best_val_accuracy, last_error,
+                   json.dumps(method.describe(learner)), elapsed())
 
+  # -- summary ---------------------------------------------------------------------------------
   summary = log.summary()
-  summary["wall_s"] = time.monotonic() - t_start
+  summary["wall_s"] = elapsed()
   summary["timings"] = timings
-  summary["num_compilations"] = trainer.num_compilations
-  io_utils.write_json_atomic(os.path.join(workdir, "summary.json"), summary)
+  summary["num_compilations"] = len(compiled_before | _compiled_keys(trainer))
+  _kill_point("summary")
+  with signals.critical():
+    io_utils.write_json_atomic(os.path.join(workdir, SUMMARY_FILE), summary)
   logging.info("done: CER=%.4f mean_error=%.4f final_error=%.4f Mem=%d Comp=%.3e wall=%.1fs",
                summary["cer"], summary["mean_error"], summary["final_error"], summary["mem"],
                summary["comp"], summary["wall_s"])

@@ -109,6 +109,11 @@ class Trainer:
       self.num_compilations += 1
     return self._cache[key]
 
+  @property
+  def compiled(self) -> tuple[tuple[str, Hashable], ...]:
+    """The (kind, structure) keys of the functions compiled so far."""
+    return tuple(self._cache)
+
   def _step_fn(self, structure):
     """The pure single train step on one batch of indices (D, b)."""
     method, tx, data_aug = self.method, self.tx, self.augment

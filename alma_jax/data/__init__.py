@@ -1,0 +1,1 @@
+"""Data: tfds image sets with a decoded cache, the mega-batch stream, augmentation."""

@@ -1,0 +1,331 @@
+"""Bad inputs give one clear error naming the field, and lose nothing (alma_jax/validation.py)."""
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from alma_jax import checkpoint
+from alma_jax import config_lib
+from alma_jax import io_utils
+from alma_jax import run
+from alma_jax import validation
+from alma_jax.train import DivergenceError
+from tests.conftest import requires_mnist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def smoke(**fields):
+  """The MNIST smoke config on one device, with dotted `fields` overridden."""
+  c = config_lib.apply_variant(config_lib.base_config("mnist"), "smoke")
+  c.mesh.num_devices = 1
+  for path, value in fields.items():
+    *parents, leaf = path.split("__")
+    node = c
+    for p in parents:
+      node = node[p]
+    with node.ignore_type():
+      node[leaf] = value
+  return c
+
+
+# (case id, {field__path: bad value}, expected message regex). All names the field.
+CONFIG_CASES = [
+    ("wait_not_divisor", {"stream__num_megabatches": 10, "stream__wait": 3},
+     r"^config\.stream\.wait=3 does not divide config\.stream\.num_megabatches=10; "
+     r"allowed values: \[1, 2, 5, 10\]$"),
+    ("wait_zero", {"stream__wait": 0}, r"config\.stream\.wait=0 must be >= 1"),
+    ("wait_float", {"stream__wait": 2.0}, r"config\.stream\.wait=2\.0 must be an integer"),
+    ("num_megabatches_zero", {"stream__num_megabatches": 0},
+     r"config\.stream\.num_megabatches=0 must be >= 1"),
+    ("replay_above_one", {"stream__replay": 1.5}, r"config\.stream\.replay=1\.5 must be in \[0\.0, 1\.0\]"),
+    ("replay_negative", {"stream__replay": -0.1}, r"config\.stream\.replay=-0\.1 must be in"),
+    ("replay_string", {"stream__replay": "half"}, r"config\.stream\.replay='half' must be a number"),
+    ("val_fraction_zero", {"stream__val_fraction": 0.0},
+     r"config\.stream\.val_fraction=0\.0 must be in \(0\.0, 1\.0\)"),
+    ("val_fraction_one", {"stream__val_fraction": 1.0}, r"config\.stream\.val_fraction=1\.0 must be in"),
+    ("val_fraction_nan", {"stream__val_fraction": float("nan")}, r"config\.stream\.val_fraction=nan"),
+    ("width_zero", {"model__width": 0}, r"config\.model\.width=0 must be >= 1"),
+    ("unknown_backbone", {"model__name": "resnet"},
+     r"config\.model\.name='resnet' is unknown; valid names: \['mlp', 'vgg'\]"),
+    ("unknown_method", {"method__name": "boosting"},
+     r"config\.method\.name='boosting' is unknown; valid names: \[.*'sm'.*\]"),
+    ("num_members_zero", {"method__num_members": 0}, r"config\.method\.num_members=0 must be >= 1"),
+    ("epochs_zero", {"train__epochs": 0}, r"config\.train\.epochs=0 must be >= 1"),
+    ("epochs_float", {"train__epochs": 2.5}, r"config\.train\.epochs=2\.5 must be an integer"),
+    ("patience_zero", {"train__patience": 0}, r"config\.train\.patience=0 must be >= 1"),
+    ("batch_size_zero", {"train__batch_size": 0}, r"config\.train\.batch_size=0 must be >= 1"),
+    ("eval_batch_size_neg", {"train__eval_batch_size": -1},
+     r"config\.train\.eval_batch_size=-1 must be >= 1"),
+    ("steps_per_call_zero", {"train__steps_per_call": 0},
+     r"config\.train\.steps_per_call=0 must be >= 1"),
+    ("seed_string", {"seed": "0"}, r"config\.seed='0' must be an integer, got str"),
+    ("seed_bool", {"seed": True}, r"config\.seed=True must be an integer, got bool"),
+    ("on_divergence", {"train__on_divergence": "ignore"},
+     r"config\.train\.on_divergence='ignore' is unknown; valid values: \['raise', 'rollback'\]"),
+    ("augment", {"train__augment": "mixup"},
+     r"config\.train\.augment='mixup' is unknown; valid values: \['crop_flip', 'none'\]"),
+    ("keep_optimizer_state", {"train__keep_optimizer_state": "yes"},
+     r"config\.train\.keep_optimizer_state='yes' must be true or false"),
+    ("progress_negative", {"train__progress_every_s": -1.0},
+     r"config\.train\.progress_every_s=-1\.0 must be in"),
+    ("max_to_keep_zero", {"checkpoint__max_to_keep": 0},
+     r"config\.checkpoint\.max_to_keep=0 must be >= 1"),
+    ("checkpoint_every_zero", {"checkpoint__every": 0}, r"config\.checkpoint\.every=0 must be >= 1"),
+    ("num_devices_negative", {"mesh__num_devices": -1}, r"config\.mesh\.num_devices=-1 must be >= 0"),
+    ("num_devices_too_many", {"mesh__num_devices": 4096},
+     r"config\.mesh\.num_devices=4096 but only \d+ cpu devices are visible"),
+    ("train_subset_negative", {"data__train_subset": -5},
+     r"config\.data\.train_subset=-5 must be >= 0"),
+    ("test_subset_negative", {"data__test_subset": -1}, r"config\.data\.test_subset=-1 must be >= 0"),
+    ("unknown_dataset", {"data__name": "imagenet"},
+     r"config\.data\.name='imagenet' is not available offline: no prepared tfds copy in "
+     r".*imagenet and no decoded copy in .* data sets prepared in .*: \[.*\]; "
+     r"set TFDS_DATA_DIR .* or set config\.data\.download=True"),
+    ("dataset_name_empty", {"data__name": ""}, r"config\.data\.name='' must be the name of a tfds"),
+    ("download_not_bool", {"data__download": "yes"},
+     r"config\.data\.download='yes' must be true or false"),
+    ("unknown_optimizer", {"optimizer__name": "sgdd"},
+     r"config\.optimizer\.name='sgdd' is unknown; valid names: \[.*'adadelta'.*\]"),
+    ("optimizer_kwargs", {"optimizer__kwargs": {"lr": 0.1}},
+     r"config\.optimizer.*\['lr'\].*optax\.adadelta does not take"),
+    ("weight_decay_negative", {"optimizer__weight_decay": -1.0},
+     r"config\.optimizer\.weight_decay=-1\.0 must be in"),
+]
+
+
+def _tree_digest(path):
+  """A digest of every file (name and content) under `path`."""
+  h = hashlib.sha256()
+  for root, dirs, files in sorted(os.walk(path)):
+    dirs.sort()
+    for name in sorted(files):
+      p = os.path.join(root, name)
+      h.update(os.path.relpath(p, path).encode())
+      with open(p, "rb") as f:
+        h.update(f.read())
+  return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+  """A completed MNIST smoke run (its workdir is copied, never changed)."""
+  wd = str(tmp_path_factory.mktemp("finished"))
+  c = smoke()
+  summary = run.run(c, wd)
+  return wd, c, summary
+
+
+def _copy(src, tmp_path):
+  dst = str(tmp_path / "wd")
+  shutil.copytree(src, dst)
+  return dst
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES, ids=[c[0] for c in CONFIG_CASES])
+def test_bad_config_fields(case, tmp_path):
+  _, fields, pattern = case
+  wd = str(tmp_path / "wd")
+  os.makedirs(wd)
+  with open(os.path.join(wd, "notes.txt"), "w") as f:
+    f.write("kept")
+  before = _tree_digest(wd)
+  with pytest.raises(ValueError, match=pattern) as info:  # ConfigError or DatasetUnavailableError
+    run.run(smoke(**fields), wd, overwrite=True)
+  assert "\n" not in validation.one_line(info.value)
+  assert validation.exit_code(info.value) == 2
+  assert _tree_digest(wd) == before  # nothing written, nothing removed
+
+
+def test_at_least_thirty_distinct_bad_inputs():
+  assert len({c[0] for c in CONFIG_CASES}) >= 30
+
+
+def test_valid_configs_pass():
+  for arg in ("", "smoke", "quick"):
+    for name in ("mnist", "cifar10"):
+      c = config_lib.apply_variant(config_lib.base_config(name), arg)
+      c.data.download = True  # the data need not be here
+      validation.validate(c)
+
+
+# -- inputs that need the data or a workdir ------------------------------------------------------
+@requires_mnist
+@pytest.mark.parametrize("fields, pattern", [
+    ({"train__batch_size": 1000},
+     r"^config\.train\.batch_size=1000 is larger than the training part of a mega-batch \(450 "
+     r"examples: 2000 training examples in config\.stream\.num_megabatches=4 .*use at most 450$"),
+    ({"data__train_subset": 10, "stream__num_megabatches": 20},
+     r"config\.stream\.num_megabatches=20 exceeds the 10 training examples"),
+    ({"data__train_subset": 12, "stream__num_megabatches": 12},
+     r"config\.stream\.num_megabatches=12 leaves a mega-batch with \d+ training and \d+ validation"),
+], ids=["batch_larger_than_megabatch", "more_megabatches_than_examples", "empty_megabatches"])
+def test_data_dependent_fields(fields, pattern, tmp_path):
+  wd = str(tmp_path / "wd")
+  with pytest.raises(ValueError, match=pattern) as info:
+    run.run(smoke(**fields), wd)
+  assert validation.exit_code(info.value) == 2
+  assert os.listdir(wd) == []  # no config.json that would block the corrected rerun
+
+
+def test_missing_dataset_names_the_place_and_the_variable(tmp_path):
+  c = smoke(data__data_dir=str(tmp_path / "no_data"), data__use_cache=False)
+  with pytest.raises(ValueError, match=r"no_data.*TFDS_DATA_DIR") as info:
+    run.run(c, str(tmp_path / "wd"))
+  assert validation.exit_code(info.value) == 2
+
+
+def test_unwritable_workdir(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("x")
+  with pytest.raises(validation.ConfigError, match=r"--workdir=.*a_file/sub is not writable"):
+    run.run(smoke(), str(blocker / "sub"))
+  with pytest.raises(validation.ConfigError, match=r"--workdir=.*a_file exists and is not a dir"):
+    run.run(smoke(), str(blocker))
+  assert blocker.read_text() == "x"
+
+
+@requires_mnist
+def test_config_mismatch_on_resume_names_fields_and_keeps_the_run(finished_run, tmp_path):
+  wd = _copy(finished_run[0], tmp_path)
+  before = _tree_digest(wd)
+  with pytest.raises(validation.ConfigError,
+                     match=r"holds a run with a different config: config\.model\.width: 8 → 16; "
+                           r"config\.stream\.wait: 1 → 2; .*--overwrite"):
+    run.run(smoke(model__width=16, stream__wait=2), wd)
+  assert _tree_digest(wd) == before
+
+
+@requires_mnist
+def test_unreadable_config_json(finished_run, tmp_path):
+  wd = _copy(finished_run[0], tmp_path)
+  with open(os.path.join(wd, "config.json"), "w") as f:
+    f.write("{trunc")
+  before = _tree_digest(wd)
+  with pytest.raises(validation.ConfigError, match=r"config\.json cannot be read"):
+    run.run(smoke(), wd)
+  assert _tree_digest(wd) == before
+
+
+def _corrupt(step_dir):
+  for root, _, files in os.walk(os.path.join(step_dir, "state")):
+    for name in files:
+      with open(os.path.join(root, name), "wb") as f:
+        f.write(b"\x00garbage")
+
+
+@requires_mnist
+def test_all_checkpoints_corrupt_is_an_error_that_keeps_them(finished_run, tmp_path):
+  wd = _copy(finished_run[0], tmp_path)
+  ckpt_dir = os.path.join(wd, "checkpoints")
+  for step in os.listdir(ckpt_dir):
+    _corrupt(os.path.join(ckpt_dir, step))
+  before = _tree_digest(wd)
+  with pytest.raises(checkpoint.CheckpointError, match=r"no checkpoint in .*checkpoints can be "
+                                                       r"restored \(step 4: .*step 3: .*step 2: "):
+    run.run(smoke(), wd)
+  assert _tree_digest(wd) == before
+
+
+@requires_mnist
+def test_corrupt_latest_checkpoint_falls_back_and_finishes_identically(finished_run, tmp_path):
+  wd = _copy(finished_run[0], tmp_path)
+  _corrupt(os.path.join(wd, "checkpoints", "4"))
+  summary = run.run(smoke(), wd)
+  assert strip(summary) == strip(finished_run[2])
+  assert len(os.listdir(os.path.join(wd, "checkpoints_unreadable"))) == 1
+
+
+@requires_mnist
+def test_incompatible_checkpoint_written_by_another_config(finished_run, tmp_path):
+  wd = _copy(finished_run[0], tmp_path)
+  os.unlink(os.path.join(wd, "config.json"))  # only the checkpoints know the old config now
+  before = _tree_digest(wd)
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"checkpoints were written by a different config: "
+                           r"config\.model\.width: 8 → 16"):
+    run.run(smoke(model__width=16), wd)
+  assert _tree_digest(wd) == before
+
+
+def strip(summary):
+  return {k: v for k, v in summary.items() if k not in ("wall_s", "timings")}
+
+
+# -- divergence ------------------------------------------------------------------------------------
+def diverging(**fields):
+  # One step per epoch (the whole stage is a batch): epoch 1 gives huge but finite
+  # weights, epoch 2 non-finite ones.
+  return smoke(train__batch_size=450, optimizer__name="sgd",
+               optimizer__kwargs={"learning_rate": 1e20}, train__epochs=3, train__patience=3,
+               **fields)
+
+
+@requires_mnist
+def test_divergence_names_stage_and_epoch_and_keeps_the_checkpoint(tmp_path):
+  wd = str(tmp_path / "wd")
+  with pytest.raises(DivergenceError, match=r"stage t=1 epoch 2: non-finite") as info:
+    run.run(diverging(), wd)
+  assert validation.exit_code(info.value) == 1
+  assert [r["t"] for r in io_utils.read_jsonl(os.path.join(wd, "log.jsonl"))] == [0]
+  with checkpoint.Checkpointer(os.path.join(wd, "checkpoints"), 3) as ckpt:
+    assert ckpt.steps() == [0]
+    assert ckpt.read_meta(0)["t"] == 0
+
+
+@requires_mnist
+def test_rollback_continues_from_the_best_epoch(tmp_path, caplog):
+  wd = str(tmp_path / "wd")
+  summary = run.run(diverging(train__on_divergence="rollback"), wd)
+  assert "stage t=1 epoch 2: non-finite loss or parameters; rolling back to the best epoch (1)" \
+      in caplog.text
+  assert "stage t=1 diverged; continuing with its best epoch (1)" in caplog.text
+  records = io_utils.read_jsonl(os.path.join(wd, "log.jsonl"))
+  assert [r["t"] for r in records] == [0, 1, 2, 3, 4] and summary["num_stages"] == 4
+  assert all(0.0 <= r["test_error"] <= 1.0 for r in records)
+
+
+# -- through the command line: one line on stderr and the exit code -------------------------------
+def _main(args, timeout=120):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  return subprocess.run([sys.executable, "-m", "alma_jax.main"] + args, cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _check_one_line(proc, code, pattern):
+  assert proc.returncode == code, proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr
+  errors = [l for l in proc.stderr.splitlines() if l.startswith("alma_jax: error: ")]
+  assert len(errors) == 1, proc.stderr[-2000:]
+  assert errors[0] == proc.stderr.rstrip("\n").splitlines()[-1]
+  assert re.search(pattern, errors[0]), errors[0]
+
+
+@pytest.mark.parametrize("args, code, pattern", [
+    (["--config.stream.wait=3"], 2,
+     r"config\.stream\.wait=3 does not divide config\.stream\.num_megabatches=4; "
+     r"allowed values: \[1, 2, 4\]"),
+    (["--config.stream.wiat=3"], 2, r"wiat"),
+    (["--config.train.epochs=many"], 2, r"config\.train\.epochs"),
+], ids=["bad_wait", "unknown_field", "bad_type"])
+def test_command_line_errors_are_one_line(args, code, pattern, tmp_path):
+  proc = _main(["--config=configs/mnist_sm.py:smoke", f"--workdir={tmp_path}/wd"] + args)
+  _check_one_line(proc, code, pattern)
+
+
+@requires_mnist
+def test_command_line_mismatch_and_divergence(finished_run, tmp_path):
+  wd = _copy(finished_run[0], tmp_path)
+  proc = _main(["--config=configs/mnist_sm.py:smoke", f"--workdir={wd}",
+                "--config.mesh.num_devices=1", "--config.model.width=9"])
+  _check_one_line(proc, 2, r"config\.model\.width: 8 → 9")
+  proc = _main(["--config=configs/mnist_sm.py:smoke", f"--workdir={tmp_path}/div",
+                "--config.mesh.num_devices=1", "--config.train.batch_size=450",
+                "--config.optimizer.name=sgd", "--config.optimizer.kwargs.learning_rate=1e20",
+                "--config.train.epochs=3"])
+  _check_one_line(proc, 1, r"stage t=1 epoch 2: non-finite")
