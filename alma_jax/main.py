@@ -19,7 +19,11 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from alma_jax import validation
+from alma_jax import cpu_tuning
+
+cpu_tuning.apply()  # before JAX allocates its first buffer
+
+from alma_jax import validation  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, log.jsonl, summary.json.")
@@ -29,7 +33,24 @@ _DEBUG = flags.DEFINE_bool("debug", False, "Show tracebacks instead of one-line 
 _DISTRIBUTED = flags.DEFINE_bool("jax_distributed", False,
                                  "Call jax.distributed.initialize() (multi-host runs); also "
                                  "enabled by ALMA_JAX_DISTRIBUTED=1.")
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache_dir", None,
+    "Persistent cache of compiled XLA programs, shared by runs (a sweep compiles each model "
+    "once). Default: $ALMA_JAX_COMPILATION_CACHE_DIR, else <cache dir>/xla (the cache dir is "
+    "$ALMA_JAX_CACHE_DIR or ~/.cache/alma_jax); 'none' turns it off.")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _enable_compilation_cache(jax) -> str | None:
+  path = _COMPILATION_CACHE.value or os.environ.get("ALMA_JAX_COMPILATION_CACHE_DIR")
+  if not path:
+    from alma_jax.data import images  # pylint: disable=g-import-not-at-top
+    path = os.path.join(images.default_cache_dir(), "xla")
+  if path.lower() == "none":
+    return None
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+  return path
 
 
 def _fail(message: str, code: int):
@@ -58,15 +79,18 @@ def main(argv):
   import jax  # pylint: disable=g-import-not-at-top
   if _DISTRIBUTED.value or os.environ.get("ALMA_JAX_DISTRIBUTED") == "1":
     jax.distributed.initialize()
-  logging.info("JAX %s, backend %s, devices: %s", jax.__version__, jax.default_backend(), jax.devices())
-  from alma_jax import run  # pylint: disable=g-import-not-at-top
+  cache = _enable_compilation_cache(jax)
+  logging.info("JAX %s, backend %s, devices: %s; allocator tuned for XLA:CPU: %s; compilation "
+               "cache: %s", jax.__version__, jax.default_backend(), jax.devices(),
+               cpu_tuning.is_applied(), cache)
+  from alma_jax import run, timing  # pylint: disable=g-import-not-at-top
   try:
     config = _CONFIG.value
     config.get("seed")  # a config file that failed to load raises here
   except Exception as e:  # pylint: disable=broad-except
     _fail(f"--config: {validation.flag_error(e)}", 2)
   try:
-    run.run(config, _WORKDIR.value, overwrite=_OVERWRITE.value)
+    run.run(config, _WORKDIR.value, overwrite=_OVERWRITE.value, startup_s=timing.process_age_s())
   except run.RunInterrupted as e:
     _fail(f"{e}; to resume, run the same command again: {_resume_command()}", e.exit_code)
   except Exception as e:  # pylint: disable=broad-except

@@ -41,6 +41,7 @@ from alma_jax import checkpoint as ckpt_lib
 from alma_jax import io_utils
 from alma_jax import schedule
 from alma_jax import sharding
+from alma_jax import timing
 from alma_jax import validation
 from alma_jax.data import stream as stream_lib
 from alma_jax.metrics import Log, Record
@@ -91,9 +92,11 @@ def _stage_sizes(stream, config) -> list[int]:
 
 def _log_estimate(trainer: Trainer, learner, stream, config) -> None:
   """Logs an upper bound on the training time (all epochs, no early stop)."""
-  per_step = trainer.seconds_per_step(learner)
   b = config.train.batch_size
   steps = sum(-(-n // b) for n in _stage_sizes(stream, config)) * config.train.epochs
+  if steps < 5000:  # a short run: measuring would cost a noticeable part of it
+    return
+  per_step = trainer.seconds_per_step(learner)
   est = per_step * steps
   logging.info("estimated training time: at most %.0f s (%.1f h) for %d steps at %.4f s/step "
                "(growing models get slower; early stopping shortens it)", est, est / 3600, steps,
@@ -222,7 +225,8 @@ def _should_checkpoint(config, t: int, trained: bool, last: int) -> bool:
 
 
 # -- the run ----------------------------------------------------------------------------------
-def run(config, workdir: str, *, overwrite: bool = False) -> dict[str, Any]:
+def run(config, workdir: str, *, overwrite: bool = False,
+        startup_s: float | None = None) -> dict[str, Any]:
   """Runs (or resumes) one ALMA stream; writes config.json, log.jsonl, summary.json.
 
   Args:
@@ -230,6 +234,8 @@ def run(config, workdir: str, *, overwrite: bool = False) -> dict[str, Any]:
     workdir: output directory; a run found there is resumed when its config
       is the same (a different config is an error unless `overwrite`).
     overwrite: discard the outputs of a previous run in `workdir` first.
+    startup_s: seconds the process spent before this call (interpreter and
+      imports), reported in the summary's timing breakdown.
 
   Raises:
     ValueError: invalid config, data, workdir or checkpoints (nothing is
@@ -242,23 +248,24 @@ def run(config, workdir: str, *, overwrite: bool = False) -> dict[str, Any]:
   if not overwrite:
     validation.check_resume(workdir, config, _has_progress(workdir))
   with _Signals() as signals:
-    return _run(config, workdir, overwrite, signals)
+    return _run(config, workdir, overwrite, signals, startup_s)
 
 
-def _run(config, workdir: str, overwrite: bool, signals: _Signals) -> dict[str, Any]:
+def _run(config, workdir: str, overwrite: bool, signals: _Signals,
+         startup_s: float | None) -> dict[str, Any]:
   t_start = time.monotonic()
-  timings = {"data_s": 0.0, "train_s": 0.0, "eval_s": 0.0, "io_s": 0.0}
+  timer = timing.Breakdown()
   log_path = os.path.join(workdir, LOG_FILE)
 
   # -- data, stream, method ------------------------------------------------------------------
-  mesh = sharding.make_mesh(config.mesh.num_devices)
-  ds = load_data(config)
-  stream = stream_lib.make_stream(len(ds.train_y), config.stream.num_megabatches,
-                                  config.stream.val_fraction, config.seed)
-  validation.validate_data(config, len(ds.train_y), stream)
-  method = validation.make_method(config, ds.train_x.shape[1:], ds.num_classes)
-  data = put_dataset(mesh, ds)
-  timings["data_s"] = time.monotonic() - t_start
+  with timer("data_s"):
+    mesh = sharding.make_mesh(config.mesh.num_devices)
+    ds = load_data(config)
+    stream = stream_lib.make_stream(len(ds.train_y), config.stream.num_megabatches,
+                                    config.stream.val_fraction, config.seed)
+    validation.validate_data(config, len(ds.train_y), stream)
+    method = validation.make_method(config, ds.train_x.shape[1:], ds.num_classes)
+    data = put_dataset(mesh, ds)
   logging.info("data %s: %d train / %d test examples, B=%d mega-batches of ~%d, wait=%d, replay=%.2f",
                config.data.name, len(ds.train_y), len(ds.test_y), stream.num_megabatches,
                len(stream.train[0]) + len(stream.val[0]), config.stream.wait, config.stream.replay)
@@ -288,14 +295,14 @@ def _run(config, workdir: str, overwrite: bool, signals: _Signals) -> dict[str, 
       if (snap is None or snap.t < num_t) and os.path.exists(os.path.join(workdir, SUMMARY_FILE)):
         os.unlink(os.path.join(workdir, SUMMARY_FILE))
     return _loop(config, workdir, signals, ckpt, snap, records, stream, method, trainer, key,
-                 timings, t_start)
+                 timer, t_start, startup_s)
   finally:
     if ckpt is not None:
       ckpt.close()
 
 
-def _loop(config, workdir, signals, ckpt, snap, records, stream, method, trainer, key, timings,
-          t_start) -> dict[str, Any]:
+def _loop(config, workdir, signals, ckpt, snap, records, stream, method, trainer, key, timer,
+          t_start, startup_s) -> dict[str, Any]:
   log_path = os.path.join(workdir, LOG_FILE)
   num_t = stream.num_megabatches
   log = Log.from_records(records)
@@ -306,14 +313,14 @@ def _loop(config, workdir, signals, ckpt, snap, records, stream, method, trainer
   if snap is None:
     learner = method.init(jax.random.fold_in(key, 0))
     if jax.default_backend() == "cpu":
-      _log_estimate(trainer, learner, stream, config)
+      with timer("train_s"):  # compiles the train step the first stage will use
+        _log_estimate(trainer, learner, stream, config)
   else:
     learner, last_error = snap.learner, records[-1].test_error
     opt_state = snap.opt_state if config.train.keep_optimizer_state else None
     compiled_before = set(snap.extra.get("compiled", []))
     elapsed_before = float(snap.extra.get("elapsed_s", 0.0))
-    for k in timings:
-      timings[k] += float(snap.extra.get("timings", {}).get(k, 0.0))
+    timer.add(snap.extra.get("timings", {}))
     signals.last_checkpoint = snap.t
     logging.info("resuming %s after t=%d/%d (its last complete checkpoint)", workdir, snap.t, num_t)
 
@@ -352,28 +359,25 @@ def _loop(config, workdir, signals, ckpt, snap, records, stream, method, trainer
                         stats.best_epoch)
       train_flops = flops["train_step"] * stats.steps_run
       train_fwd = flops["train_step_forward"] * stats.steps_run
-      timings["train_s"] += stats.train_s
-      timings["eval_s"] += stats.eval_s
+      timer.add({"train_s": stats.train_s, "eval_s": stats.eval_s})
       learner = method.after_stage(learner, jax.random.fold_in(skey, 4), ctx)
       flops = trainer.flops(learner)
 
     # -- evaluate, log, checkpoint -----------------------------------------------------------------
     if last_error is None or trained:  # an unchanged model is not re-evaluated
-      t1 = time.monotonic()
-      last_error = trainer.test_error(learner)
-      timings["eval_s"] += time.monotonic() - t1
+      with timer("eval_s"):
+        last_error = trainer.test_error(learner)
     rec = Record(t=t, test_error=last_error, num_params=method.num_params(learner),
                  train_flops=train_flops, train_flops_forward=train_fwd,
                  inference_flops_per_example=flops["inference_per_example"], trained=trained,
                  wall_s=time.monotonic() - t_step)
     log = log.append(rec)
-    t1 = time.monotonic()
-    with signals.critical():
+    with timer("io_s"), signals.critical():
       io_utils.append_jsonl(log_path, rec.to_dict())
       _kill_point("log", t)
       if ckpt is not None and _should_checkpoint(config, t, trained, num_t):
         extra = {"compiled": sorted(compiled_before | _compiled_keys(trainer)),
-                 "elapsed_s": elapsed(), "timings": timings,
+                 "elapsed_s": elapsed(), "timings": timer.as_dict(),
                  "config": validation.config_dict(config)}
         ckpt.start_save(t, learner, opt_state, jax.random.key_data(jax.random.fold_in(key, t)),
                         [r.to_dict() for r in log.records], extra)
@@ -381,7 +385,6 @@ def _loop(config, workdir, signals, ckpt, snap, records, stream, method, trainer
         ckpt.wait()
         signals.last_checkpoint = t
         _kill_point("saved", t)
-    timings["io_s"] += time.monotonic() - t1
     if trained:
       logging.info("t=%d/%d epochs=%d best_val_acc=%.4f test_error=%.4f %s elapsed=%.1fs", t,
                    num_t, stats.epochs_run, stats.best_val_accuracy, last_error,
@@ -390,6 +393,13 @@ def _loop(config, workdir, signals, ckpt, snap, records, stream, method, trainer
   # -- summary ---------------------------------------------------------------------------------
   summary = log.summary()
   summary["wall_s"] = elapsed()
+  # The parts of wall_s; other_s is what none of them covers (FLOP counting,
+  # growth, Python between steps). startup_s (interpreter and imports before
+  # the run began) comes before wall_s and is reported on its own.
+  timings = timer.as_dict()
+  timings["other_s"] = (max(0.0, summary["wall_s"] - sum(timings[p] for p in timing.PARTS)))
+  if startup_s is not None:
+    timings["startup_s"] = startup_s
   summary["timings"] = timings
   summary["num_compilations"] = len(compiled_before | _compiled_keys(trainer))
   _kill_point("summary")

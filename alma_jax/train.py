@@ -20,6 +20,7 @@ import optax
 from absl import logging
 
 from alma_jax import sharding
+from alma_jax import timing
 from alma_jax.data import augment
 from alma_jax.methods.base import Learner, Method
 from alma_jax.optim import make_optimizer
@@ -62,6 +63,7 @@ class StageStats:
   train_s: float
   eval_s: float
   diverged: bool = False
+  compile_s: float = 0.0  # compilation inside the stage (not part of train_s/eval_s)
 
 
 def _padded_orders(rng: np.random.Generator, idx: np.ndarray, num_orders: int, batch: int,
@@ -79,7 +81,9 @@ def _padded_orders(rng: np.random.Generator, idx: np.ndarray, num_orders: int, b
   return (out.reshape(shape).transpose(1, 0, 2), mask.reshape(shape).transpose(1, 0, 2), steps)
 
 
+@jax.jit
 def tree_all_finite(tree) -> jax.Array:
+  """Whether every element of every leaf is finite (one compiled reduction)."""
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
@@ -184,6 +188,14 @@ class Trainer:
 
     return self._cached("eval", structure, build)
 
+  def place(self, tree):
+    """Replicates `tree` on the mesh (a no-op for leaves already there).
+
+    Every state entering a compiled step goes through here, so that the
+    step sees the same input shardings at every call and compiles once.
+    """
+    return sharding.put_replicated(self.mesh, tree)
+
   # -- evaluation ---------------------------------------------------------------
   def _eval_chunks(self, idx: np.ndarray):
     b = self.eval_batch_size
@@ -201,6 +213,7 @@ class Trainer:
     xs, ys = (self.data.train_x, self.data.train_y) if split == "train" else (
         self.data.test_x, self.data.test_y)
     fn = self.eval_fn(learner.structure)
+    learner = self.place(learner)
     correct, loss = 0, 0.0
     results = [fn(learner.params, learner.model_state, xs, ys, self.data.mean, self.data.std, i, m)
                for i, m in self._eval_chunks(idx)]
@@ -298,48 +311,52 @@ class Trainer:
                        "validation examples; both must be >= 1")
     method = self.method
     structure = learner.structure
-    trainable, frozen = method.partition(learner)
+    trainable, frozen = self.place(method.partition(learner))
     trainable = jax.tree.map(jnp.copy, trainable)  # the step donates its inputs
-    model_state = jax.tree.map(jnp.copy, learner.model_state)
-    if opt_state is None:
-      opt_state = self.tx.init(trainable)
+    model_state = jax.tree.map(jnp.copy, self.place(learner.model_state))
+    opt_state = self.place(self.tx.init(trainable) if opt_state is None else opt_state)
     fn = self.train_fn(structure)
     d = method.num_data_orders(structure)
     np_rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
     dd = self.data
     best, best_acc, best_epoch, since_best = learner, -1.0, 0, 0
-    steps_run, last_loss, train_s, eval_s = 0, float("nan"), 0.0, 0.0
+    steps_run, last_loss = 0, float("nan")
+    timer = timing.Breakdown()
+
+    def stats(**kw):
+      spent = timer.as_dict()
+      return StageStats(epoch, best_epoch, max(best_acc, 0.0), steps_run, last_loss,
+                        spent["train_s"], spent["eval_s"], compile_s=spent["compile_s"], **kw)
+
     last_report = time.monotonic()
     epoch = 0
     for epoch in range(1, int(cfg.epochs) + 1):
-      t0 = time.monotonic()
-      idx, mask, steps = _padded_orders(np_rng, train_idx, d, self.batch_size, self.steps_per_call)
-      k = self.steps_per_call
-      losses = []
-      for c in range(idx.shape[0] // k):
-        sl = slice(c * k, (c + 1) * k)
-        trainable, opt_state, model_state, loss = fn(
-            trainable, frozen, opt_state, model_state, dd.train_x, dd.train_y, dd.mean, dd.std,
-            sharding.put_batch(self.mesh, idx[sl], 2), sharding.put_batch(self.mesh, mask[sl], 2),
-            key, np.uint32(epoch * 100003 + c))
-        losses.append(loss)
-      steps_run += steps
-      losses = np.concatenate([np.asarray(l) for l in losses])[:steps]
-      last_loss = float(np.mean(losses))
-      train_s += time.monotonic() - t0
+      with timer("train_s"):
+        idx, mask, steps = _padded_orders(np_rng, train_idx, d, self.batch_size,
+                                          self.steps_per_call)
+        k = self.steps_per_call
+        losses = []
+        for c in range(idx.shape[0] // k):
+          sl = slice(c * k, (c + 1) * k)
+          trainable, opt_state, model_state, loss = fn(
+              trainable, frozen, opt_state, model_state, dd.train_x, dd.train_y, dd.mean, dd.std,
+              sharding.put_batch(self.mesh, idx[sl], 2),
+              sharding.put_batch(self.mesh, mask[sl], 2), key, np.uint32(epoch * 100003 + c))
+          losses.append(loss)
+        steps_run += steps
+        losses = np.concatenate([np.asarray(l) for l in losses])[:steps]
+        last_loss = float(np.mean(losses))
       current = Learner(params=method.combine(learner, trainable), model_state=model_state,
                         structure=structure)
       if not (np.all(np.isfinite(losses)) and bool(tree_all_finite(trainable))):
         if cfg.get("on_divergence", "raise") == "rollback":
           logging.warning("stage t=%d epoch %d: non-finite loss or parameters; rolling back to "
                           "the best epoch (%d) and ending the stage", t, epoch, best_epoch)
-          return best, None, StageStats(epoch, best_epoch, max(best_acc, 0.0), steps_run,
-                                        last_loss, train_s, eval_s, diverged=True)
+          return best, None, stats(diverged=True)
         raise DivergenceError(f"stage t={t} epoch {epoch}: non-finite training loss or parameters "
                               "(set config.train.on_divergence='rollback' to roll back and continue)")
-      t1 = time.monotonic()
-      acc, _ = self.evaluate(current, val_idx, "train")
-      eval_s += time.monotonic() - t1
+      with timer("eval_s"):
+        acc, _ = self.evaluate(current, val_idx, "train")
       if acc > best_acc:
         best = jax.tree.map(jnp.copy, current)
         best_acc, best_epoch, since_best = acc, epoch, 0
@@ -351,8 +368,7 @@ class Trainer:
                  f"best={best_acc:.4f}@{best_epoch}")
       if since_best >= int(cfg.patience):
         break
-    return best, opt_state, StageStats(epoch, best_epoch, best_acc, steps_run, last_loss, train_s,
-                                       eval_s)
+    return best, opt_state, stats()
 
 
 def _cost_flops(jitted, args) -> float:

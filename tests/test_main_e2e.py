@@ -41,10 +41,30 @@ def check_outputs(workdir, num_megabatches):
   return records, summary
 
 
+# Runs the entry point in-process and then reports which heavy modules it imported.
+_MAIN_AND_REPORT_IMPORTS = """
+import runpy, sys
+sys.argv = ["alma_jax.main"] + sys.argv[1:]
+try:
+  runpy.run_module("alma_jax.main", run_name="__main__")
+except SystemExit as e:
+  if e.code:
+    raise
+print("IMPORTED:", sorted(m for m in ("tensorflow", "tensorflow_datasets", "matplotlib")
+                          if m in sys.modules))
+"""
+
+
 @requires_mnist
 def test_mnist_sm_smoke_end_to_end(tmp_path):
-  proc = run_main("configs/mnist_sm.py:smoke", tmp_path)
+  # Warm the decoded-data cache first, so the run below must not import TensorFlow.
+  from alma_jax.data import images  # pylint: disable=g-import-not-at-top
+  images.load_image_dataset("mnist")
+  cmd = [sys.executable, "-c", _MAIN_AND_REPORT_IMPORTS, "--config=configs/mnist_sm.py:smoke",
+         f"--workdir={tmp_path}", "--config.mesh.num_devices=1"]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "IMPORTED: []" in proc.stdout, proc.stdout[-2000:]
   records, summary = check_outputs(tmp_path, 4)
   assert not records[0]["trained"] and all(r["trained"] for r in records[1:])
   assert records[0]["train_flops"] == 0 and records[1]["train_flops"] > 0
@@ -52,6 +72,14 @@ def test_mnist_sm_smoke_end_to_end(tmp_path):
   # two epochs each (~0.6 with the smoke config's 8 hidden units).
   assert summary["final_error"] < min(0.75, records[0]["test_error"] - 0.15)
   assert summary["num_stages"] == 4
+  # The timing breakdown covers the run: every part is non-negative, the parts
+  # and the unattributed rest add up to wall_s, and the rest is small.
+  timings = summary["timings"]
+  parts = ("data_s", "compile_s", "train_s", "eval_s", "io_s", "other_s")
+  assert all(timings[p] >= 0 for p in parts) and timings["startup_s"] > 0
+  assert sum(timings[p] for p in parts) == pytest.approx(summary["wall_s"], rel=1e-6)
+  assert timings["compile_s"] > 0 and timings["train_s"] > 0
+  assert timings["other_s"] < 0.35 * summary["wall_s"], timings
 
 
 @requires_cifar10

@@ -63,12 +63,17 @@ class Method:
     self.input_shape = tuple(input_shape)
     self.num_classes = num_classes
     self.backbone: nn.Module = models.make_backbone(config.model, num_classes)
+    self._init_fn = None
 
   # -- construction ---------------------------------------------------------
   def init_backbone(self, key: jax.Array) -> tuple[PyTree, PyTree]:
     """Initialises one backbone; returns (params, model_state)."""
-    dummy = jnp.zeros((1,) + self.input_shape, jnp.float32)
-    variables = self.backbone.init(key, dummy, train=False)
+    if self._init_fn is None:
+      # One compiled program: run eagerly, the initialisers' many small ops
+      # take seconds on CPU.
+      dummy = jnp.zeros((1,) + self.input_shape, jnp.float32)
+      self._init_fn = jax.jit(lambda k: self.backbone.init(k, dummy, train=False))
+    variables = self._init_fn(key)
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
     return params, model_state
