@@ -38,6 +38,9 @@ def base_config(dataset: str) -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.name = "mlp" if dataset == "mnist" else "vgg"
   c.model.width = 64  # hidden units (MLP) or channels (VGG); the paper uses 4 ... 64
+  # VGG convolution gradients: "xla", "chunked_dw" (faster weight gradient on
+  # CPU) or "auto" (chosen per backend and width; see alma_jax/models/conv.py).
+  c.model.conv_impl = "auto"
 
   c.method = ml_collections.ConfigDict()
   c.method.name = "sm"

@@ -189,6 +189,8 @@ def validate(config) -> None:
   _check_stream(config)
   _choice(config, "model.name", models.BACKBONES, "names")
   _int(config, "model.width", 1)
+  from alma_jax.models import conv  # pylint: disable=g-import-not-at-top
+  _choice(config, "model.conv_impl", conv.IMPLS, default="auto")
   _choice(config, "method.name", methods.names(), "names")
   if _get(config, "method.num_members", None) is not None:
     _int(config, "method.num_members", 1)

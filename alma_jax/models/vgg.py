@@ -12,6 +12,8 @@ from typing import Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from alma_jax.models import conv
+
 BLOCKS = (2, 2, 4, 4, 4)
 
 
@@ -31,11 +33,12 @@ class ConvBlock(nn.Module):
 
   width: int
   num_convs: int
+  conv_impl: str = "xla"  # see alma_jax.models.conv
 
   @nn.compact
   def __call__(self, x, train: bool = False, mask=None):
     for i in range(self.num_convs):
-      x = nn.Conv(self.width, (3, 3), padding="SAME", use_bias=False, name=f"conv{i}")(x)
+      x = conv.Conv3x3(self.width, impl=self.conv_impl, name=f"conv{i}")(x)
       x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
                        name=f"bn{i}")(x, mask=mask)
       x = nn.relu(x)
@@ -48,15 +51,17 @@ class VGG(nn.Module):
   width: int = 64
   num_classes: int = 10
   blocks: Sequence[int] = BLOCKS
+  conv_impl: str = "xla"
 
   @classmethod
   def from_config(cls, model_config, num_classes: int) -> "VGG":
-    return cls(width=model_config.width, num_classes=num_classes)
+    impl = conv.resolve_impl(model_config.get("conv_impl", "auto"), model_config.width)
+    return cls(width=model_config.width, num_classes=num_classes, conv_impl=impl)
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False, mask=None) -> jnp.ndarray:
     bn_mask = None if mask is None else mask[:, None, None, None]
     for i, n in enumerate(self.blocks):
-      x = ConvBlock(self.width, n, name=f"block{i}")(x, train, bn_mask)
+      x = ConvBlock(self.width, n, self.conv_impl, name=f"block{i}")(x, train, bn_mask)
     x = x.reshape((x.shape[0], -1))
     return nn.Dense(self.num_classes, name="head")(x)

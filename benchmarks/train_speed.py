@@ -1,0 +1,237 @@
+"""Training and evaluation speed of every backbone and method, per device.
+
+For each row (backbone, width, method, convolution implementation) it builds
+the real compiled train step of `alma_jax.train.Trainer` on synthetic data
+and reports:
+  * train img/s: median and min-max over repeats after a warm-up (an image is
+    one example seen by one trained member: an Ens step of batch 128 with 5
+    members counts 640);
+  * compile s: the first call's tracing and compilation;
+  * eval img/s;
+  * GFLOP/s achieved, from XLA's FLOP count of the train step, and its
+    fraction of this device's peak as measured here (a large f32 matmul);
+  * compilations: all compiled functions of the structure after one stage
+    (train step, evaluation on the validation and the test split), and the
+    number added by a second stage of the same structure (must be 0).
+
+Usage:
+  python benchmarks/train_speed.py                  # every row, Markdown + JSON
+  python benchmarks/train_speed.py --rows=vgg16_sm,vgg16_sm_xla --repeats=7
+  python benchmarks/train_speed.py --quick          # fewer repeats and rows
+  python benchmarks/train_speed.py --xla_ynn        # with XLA:CPU's YNN fusions
+It runs unchanged on GPU/TPU (see benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from alma_jax import cpu_tuning  # pylint: disable=wrong-import-position
+
+YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce"
+
+# name -> (backbone, width, method, method overrides, model overrides)
+ROWS = {
+    "mlp4_sm": ("mlp", 4, "sm", {}, {}),
+    "mlp64_sm": ("mlp", 64, "sm", {}, {}),
+    "mlp64_ens5": ("mlp", 64, "ens", {"num_members": 5}, {}),
+    "mlp64_umix5": ("mlp", 64, "umix", {"num_members": 5}, {}),
+    "mlp64_gmoe4": ("mlp", 64, "gmoe", {"initial_experts": 4}, {}),
+    "vgg4_sm": ("vgg", 4, "sm", {}, {"conv_impl": "auto"}),
+    "vgg4_sm_xla": ("vgg", 4, "sm", {}, {"conv_impl": "xla"}),
+    "vgg4_sm_chunked": ("vgg", 4, "sm", {}, {"conv_impl": "chunked_dw"}),
+    "vgg16_sm": ("vgg", 16, "sm", {}, {"conv_impl": "auto"}),
+    "vgg16_sm_xla": ("vgg", 16, "sm", {}, {"conv_impl": "xla"}),
+    "vgg16_sm_chunked": ("vgg", 16, "sm", {}, {"conv_impl": "chunked_dw"}),
+    "vgg64_sm": ("vgg", 64, "sm", {}, {"conv_impl": "auto"}),
+    "vgg64_sm_xla": ("vgg", 64, "sm", {}, {"conv_impl": "xla"}),
+    "vgg64_sm_chunked": ("vgg", 64, "sm", {}, {"conv_impl": "chunked_dw"}),
+    "vgg16_ens5": ("vgg", 16, "ens", {"num_members": 5}, {}),
+    "vgg16_umix5": ("vgg", 16, "umix", {"num_members": 5}, {}),
+    "vgg16_gmoe4": ("vgg", 16, "gmoe", {"initial_experts": 4}, {}),
+    "vgg64_ens5": ("vgg", 64, "ens", {"num_members": 5}, {}),
+    "vgg64_umix5": ("vgg", 64, "umix", {"num_members": 5}, {}),
+    "vgg64_gmoe4": ("vgg", 64, "gmoe", {"initial_experts": 4}, {}),
+}
+QUICK_ROWS = ("mlp4_sm", "mlp64_sm", "mlp64_ens5", "vgg4_sm", "vgg16_sm_xla", "vgg16_sm_chunked",
+              "vgg16_ens5")
+
+
+def _parse():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--rows", default="", help=f"comma-separated rows (default all): {list(ROWS)}")
+  p.add_argument("--quick", action="store_true", help=f"only {QUICK_ROWS}, 3 repeats")
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--seconds_per_repeat", type=float, default=2.0)
+  p.add_argument("--batch_size", type=int, default=128)
+  p.add_argument("--xla_ynn", action="store_true", help=f"set XLA_FLAGS={YNN_FLAG} (CPU)")
+  p.add_argument("--no_malloc_tuning", action="store_true")
+  p.add_argument("--json", default="", help="write the results here as JSON")
+  return p.parse_args()
+
+
+def _peak_gflops(jax, jnp, n=2048, repeats=5) -> float:
+  """f32 matmul rate of this device: the yardstick for 'fraction of peak'."""
+  a = jnp.ones((n, n), jnp.float32)
+  f = jax.jit(lambda x: x @ x)
+  f(a).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    f(a).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def _synthetic(np, shape, n_train=512, n_test=1000):
+  rng = np.random.default_rng(0)
+  import types  # pylint: disable=g-import-not-at-top
+  return types.SimpleNamespace(
+      train_x=rng.integers(0, 256, (n_train,) + shape).astype(np.uint8),
+      train_y=rng.integers(0, 10, n_train).astype(np.int32),
+      test_x=rng.integers(0, 256, (n_test,) + shape).astype(np.uint8),
+      test_y=rng.integers(0, 10, n_test).astype(np.int32),
+      mean=np.full(shape[-1:], 0.45, np.float32), std=np.full(shape[-1:], 0.25, np.float32),
+      num_classes=10)
+
+
+def bench_row(name, args, jax, jnp, np):
+  from alma_jax import config_lib, methods, sharding, timing  # pylint: disable=g-import-not-at-top
+  from alma_jax.train import Trainer, put_dataset  # pylint: disable=g-import-not-at-top
+  backbone, width, method_name, method_kw, model_kw = ROWS[name]
+  if method_name not in methods.names():
+    return {"row": name, "skipped": f"method {method_name!r} is not available"}
+  c = config_lib.base_config("mnist" if backbone == "mlp" else "cifar10")
+  c.method.name = method_name
+  c.model.width = width
+  for k, v in model_kw.items():
+    c.model[k] = v
+  for k, v in method_kw.items():
+    c.method[k] = v
+  c.train.batch_size = args.batch_size
+  c.train.eval_batch_size = 500
+  c.mesh.num_devices = 1
+  shape = (28, 28, 1) if backbone == "mlp" else (32, 32, 3)
+  ds = _synthetic(np, shape)
+  mesh = sharding.make_mesh(1)
+  data = put_dataset(mesh, ds)
+  method = methods.get(method_name)(c, data.input_shape, ds.num_classes)
+  trainer = Trainer(method, c, data, mesh)
+  learner = method.init(jax.random.key(0))
+  structure = learner.structure
+  d = method.num_data_orders(structure)
+  b = args.batch_size
+  flops = trainer.flops(learner)
+
+  trainable, frozen = trainer.place(method.partition(learner))
+  state = jax.tree.map(jnp.copy, trainer.place(  # copies: the step donates its inputs
+      (trainable, trainer.tx.init(trainable), learner.model_state)))
+  fn = trainer.train_fn(structure)
+  rng = np.random.default_rng(1)
+
+  def call(state, i):
+    idx = rng.integers(0, len(ds.train_y), (1, d, b)).astype(np.int32)
+    out = fn(state[0], frozen, state[1], state[2], data.train_x, data.train_y, data.mean,
+             data.std, sharding.put_batch(mesh, idx, 2),
+             sharding.put_batch(mesh, np.ones((1, d, b), bool), 2), jax.random.key(0),
+             np.uint32(i))
+    return out[:3], out[3]
+
+  c0, t0 = timing.compile_seconds(), time.perf_counter()
+  state, loss = call(state, 0)
+  jax.block_until_ready(loss)
+  first_call_s = time.perf_counter() - t0
+  compile_s = timing.compile_seconds() - c0
+  t0 = time.perf_counter()
+  state, loss = call(state, 1)
+  jax.block_until_ready(loss)
+  step_s = time.perf_counter() - t0
+  steps = max(1, int(args.seconds_per_repeat / max(step_s, 1e-4)))
+  rates = []
+  for r in range(args.repeats):
+    t0 = time.perf_counter()
+    for i in range(steps):
+      state, loss = call(state, 2 + r * steps + i)
+    jax.block_until_ready(loss)
+    rates.append(steps * b * d / (time.perf_counter() - t0))
+  med = statistics.median(rates)
+
+  # evaluation
+  learner_now = learner
+  idx = np.arange(len(ds.test_y), dtype=np.int32)
+  trainer.evaluate(learner_now, idx, "test")  # compiles
+  t0 = time.perf_counter()
+  for _ in range(2):
+    trainer.evaluate(learner_now, idx, "test")
+  eval_rate = 2 * len(idx) / (time.perf_counter() - t0)
+
+  # compilations per stage: two short stages of the same structure
+  c.train.epochs, c.train.patience = 1, 1
+  tr_idx, val_idx = np.arange(b, dtype=np.int32), np.arange(b, b + 64, dtype=np.int32)
+  out, _, _ = trainer.fit_stage(learner, tr_idx, val_idx, jax.random.key(2), t=1)
+  first_stage = trainer.num_compilations
+  before = trainer.num_compilations
+  trainer.fit_stage(out, tr_idx, val_idx, jax.random.key(3), t=2)
+  second_stage = trainer.num_compilations - before
+
+  gflops = flops["train_step"] * med / (b * d) / 1e9
+  return {"row": name, "backbone": backbone, "width": width, "method": method_name,
+          "conv_impl": getattr(method.backbone, "conv_impl", None), "members": d,
+          "train_img_s": med, "train_img_s_min": min(rates), "train_img_s_max": max(rates),
+          "repeats": len(rates), "steps_per_repeat": steps, "compile_s": compile_s,
+          "first_call_s": first_call_s, "eval_img_s": eval_rate,
+          "train_step_gflop": flops["train_step"] / 1e9, "gflop_s": gflops,
+          "compilations_first_stage": first_stage, "compilations_second_stage": second_stage}
+
+
+def main():
+  args = _parse()
+  if args.xla_ynn:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + YNN_FLAG).strip()
+  if not args.no_malloc_tuning:
+    cpu_tuning.apply()
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  if args.quick:
+    args.repeats = min(args.repeats, 3)
+  names = ([r for r in args.rows.split(",") if r] if args.rows else
+           list(QUICK_ROWS if args.quick else ROWS))
+  for n in names:
+    if n not in ROWS:
+      raise SystemExit(f"--rows: unknown row {n!r}; valid rows: {list(ROWS)}")
+  peak = _peak_gflops(jax, jnp)
+  env = {"backend": jax.default_backend(), "devices": str(jax.devices()),
+         "jax": jax.__version__, "malloc_tuned": cpu_tuning.is_applied(),
+         "xla_flags": os.environ.get("XLA_FLAGS", ""), "peak_matmul_gflop_s": peak}
+  print(f"# train speed on {env['backend']} ({env['devices']}), jax {env['jax']}, allocator tuned: "
+        f"{env['malloc_tuned']}, XLA_FLAGS={env['xla_flags']!r}, matmul peak {peak:.1f} GFLOP/s",
+        flush=True)
+  print("| row | conv | train img/s (median, min-max) | compile s | eval img/s | GFLOP/s | "
+        "% peak | compiled functions / added by a 2nd stage |")
+  print("|---|---|---|---|---|---|---|---|", flush=True)
+  results = []
+  for n in names:
+    r = bench_row(n, args, jax, jnp, np)
+    results.append(r)
+    if "skipped" in r:
+      print(f"| {n} | skipped: {r['skipped']} |||||||", flush=True)
+      continue
+    print(f"| {n} | {r['conv_impl'] or '-'} | {r['train_img_s']:,.0f} ({r['train_img_s_min']:,.0f}-"
+          f"{r['train_img_s_max']:,.0f}) | {r['compile_s']:.1f} | {r['eval_img_s']:,.0f} | "
+          f"{r['gflop_s']:.1f} | {100 * r['gflop_s'] / peak:.0f}% | "
+          f"{r['compilations_first_stage']}/{r['compilations_second_stage']} |", flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"env": env, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()
