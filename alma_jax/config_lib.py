@@ -24,7 +24,9 @@ def base_config(dataset: str) -> ml_collections.ConfigDict:
   c.data.data_dir = config_dict.placeholder(str)  # None: $TFDS_DATA_DIR or tfds's default
   c.data.cache_dir = config_dict.placeholder(str)  # None: ~/.cache/alma_jax
   c.data.use_cache = True
-  c.data.download = False  # True: tfds may download a data set not prepared locally
+  # May tfds download a data set that is not prepared locally? "yes", "no", or
+  # "auto": when its download host answers (offline runs then fail at once).
+  c.data.download = "auto"
   c.data.train_subset = 0  # > 0: use only this many training examples (seeded draw)
   c.data.test_subset = 0  # > 0: evaluate on only this many test examples
 

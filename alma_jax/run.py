@@ -67,7 +67,7 @@ def load_data(config):
   ds = images.load_image_dataset(config.data.name, data_dir=config.data.data_dir,
                                  cache_dir=config.data.cache_dir,
                                  use_cache=config.data.use_cache,
-                                 download=config.data.get("download", False))
+                                 download=config.data.get("download", "auto"))
   rng = np.random.default_rng([config.seed, 7])
   changes = {}
   if config.data.train_subset:

@@ -100,14 +100,16 @@ def _versions(root: str, marker: str) -> list[str]:
 
 
 def check_dataset_available(config) -> None:
-  """Without `config.data.download`, the data set must be prepared or cached locally.
+  """Unless tfds may and can download it, the data set must be prepared or cached locally.
 
   tfds would otherwise try to download it, which offline means minutes of
-  retries before it fails.
+  retries before it fails; `data.download="auto"` (the default) probes the
+  download host first.
   """
   from alma_jax.data import images  # pylint: disable=g-import-not-at-top
   name = config.data.name
-  if _get(config, "data.download", False):
+  download = _get(config, "data.download", "auto")
+  if download == "yes":
     return
   data_dir = (config.data.data_dir or os.environ.get("TFDS_DATA_DIR")
               or os.path.join(os.path.expanduser("~"), "tensorflow_datasets"))
@@ -116,14 +118,18 @@ def check_dataset_available(config) -> None:
     return
   if config.data.use_cache and _versions(os.path.join(cache_dir, name), "meta.json"):
     return
+  if download == "auto" and images.internet_reachable():
+    return
   local = sorted(d for d in os.listdir(data_dir) if os.path.isdir(os.path.join(data_dir, d))
                  ) if os.path.isdir(data_dir) else []
   cached = " nor" if not config.data.use_cache else f" and no decoded copy in {cache_dir}/{name} nor"
   raise images.DatasetUnavailableError(
       f"config.data.name={name!r} is not available offline: no prepared tfds copy in "
-      f"{os.path.join(data_dir, name)}{cached} a download allowed; data sets prepared in "
+      f"{os.path.join(data_dir, name)}{cached} a download possible ("
+      f"{'no internet connection' if download == 'auto' else 'config.data.download=no'}); "
+      "data sets prepared in "
       f"{data_dir}: {local}; set TFDS_DATA_DIR (or config.data.data_dir) to a folder holding "
-      "prepared tfds data, or set config.data.download=True to let tfds download it")
+      "prepared tfds data, or set config.data.download=yes to let tfds download it")
 
 
 def _check_stream(config) -> None:
@@ -181,7 +187,8 @@ def validate(config) -> None:
   _int(config, "data.train_subset", 0, default=0)
   _int(config, "data.test_subset", 0, default=0)
   _bool(config, "data.use_cache", True)
-  _bool(config, "data.download", False)
+  from alma_jax.data import images as images_lib  # pylint: disable=g-import-not-at-top
+  _choice(config, "data.download", images_lib.DOWNLOAD_CHOICES, default="auto")
   for path in ("data.data_dir", "data.cache_dir"):
     v = _get(config, path, None)
     if v is not None and not isinstance(v, str):

@@ -72,7 +72,7 @@ def test_corrupt_cache_is_detected_and_rebuilt(mnist_fresh, tmp_path, monkeypatc
   # this one is replaced by the fixture's arrays to keep the test fast.
   calls = []
 
-  def decode(name, data_dir, download=False):
+  def decode(name, data_dir, download="no"):
     del data_dir, download
     calls.append(name)
     arrays = {f: getattr(fresh, f) for f in ("train_x", "train_y", "test_x", "test_y")}
@@ -116,7 +116,7 @@ def test_unknown_name_lists_valid_names(tmp_path):
 def test_mock_data_goes_through_the_loader(tmp_path):
   with tfds.testing.mock_data(num_examples=12):
     ds = images.load_image_dataset("cifar10", cache_dir=str(tmp_path), use_cache=False,
-                                    download=True)  # mock_data fakes the download
+                                    download="yes")  # mock_data fakes the download
   assert ds.train_x.shape == (12, 32, 32, 3) and ds.train_x.dtype == np.uint8
   assert ds.num_classes == 10 and ds.mean.shape == (3,)
   assert ((ds.train_y >= 0) & (ds.train_y < 10)).all()

@@ -86,10 +86,10 @@ CONFIG_CASES = [
     ("unknown_dataset", {"data__name": "imagenet"},
      r"config\.data\.name='imagenet' is not available offline: no prepared tfds copy in "
      r".*imagenet and no decoded copy in .* data sets prepared in .*: \[.*\]; "
-     r"set TFDS_DATA_DIR .* or set config\.data\.download=True"),
+     r"set TFDS_DATA_DIR .* or set config\.data\.download=yes"),
     ("dataset_name_empty", {"data__name": ""}, r"config\.data\.name='' must be the name of a tfds"),
-    ("download_not_bool", {"data__download": "yes"},
-     r"config\.data\.download='yes' must be true or false"),
+    ("download_unknown", {"data__download": "maybe"},
+     r"config\.data\.download='maybe' is unknown; valid values: \['auto', 'no', 'yes'\]"),
     ("unknown_optimizer", {"optimizer__name": "sgdd"},
      r"config\.optimizer\.name='sgdd' is unknown; valid names: \[.*'adadelta'.*\]"),
     ("optimizer_kwargs", {"optimizer__kwargs": {"lr": 0.1}},
@@ -150,7 +150,7 @@ def test_valid_configs_pass():
   for arg in ("", "smoke", "quick"):
     for name in ("mnist", "cifar10"):
       c = config_lib.apply_variant(config_lib.base_config(name), arg)
-      c.data.download = True  # the data need not be here
+      c.data.download = "yes"  # the data need not be here
       validation.validate(c)
 
 

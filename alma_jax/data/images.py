@@ -47,6 +47,21 @@ def default_cache_dir() -> str:
   return os.path.join(base, "alma_jax")
 
 
+DOWNLOAD_CHOICES = ("auto", "yes", "no")
+DOWNLOAD_HOST = ("storage.googleapis.com", 443)  # where tfds downloads from
+
+
+def internet_reachable(timeout: float = 2.0) -> bool:
+  """Whether tfds's download host answers (a quick probe, so that an offline
+  machine fails at once instead of after minutes of download retries)."""
+  import socket  # pylint: disable=g-import-not-at-top
+  try:
+    socket.create_connection(DOWNLOAD_HOST, timeout=timeout).close()
+    return True
+  except OSError:
+    return False
+
+
 def _tfds_dir(data_dir: str | None) -> str | None:
   return data_dir or os.environ.get("TFDS_DATA_DIR")
 
@@ -135,14 +150,14 @@ def _read_cache(folder: str) -> tuple[dict[str, np.ndarray], dict]:
 
 # -- tfds ----------------------------------------------------------------------
 def _load_tfds(name: str, data_dir: str | None,
-               download: bool = False) -> tuple[dict[str, np.ndarray], dict]:
+               download: str = "auto") -> tuple[dict[str, np.ndarray], dict]:
   """Decodes both splits with tensorflow_datasets (imported only here)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf.config.set_visible_devices([], "GPU")  # keep TensorFlow off accelerators
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   where = _tfds_dir(data_dir) or "tfds's default directory (~/tensorflow_datasets)"
   hint = ("set TFDS_DATA_DIR or config.data.data_dir to a folder holding prepared tfds data, "
-          "or run once with internet access")
+          "or run once with internet access (config.data.download=auto or yes)")
   try:
     builder = tfds.builder(name, data_dir=data_dir)
   except Exception as e:  # pylint: disable=broad-except
@@ -151,10 +166,10 @@ def _load_tfds(name: str, data_dir: str | None,
         f"config.data.name={name!r} is not a tfds data set ({type(e).__name__}); valid names "
         f"include {known[:10]} ... ({len(known)} in all)") from e
   if not builder.is_prepared():
-    if not download:
+    if download == "no" or (download == "auto" and not internet_reachable()):
+      why = "downloads are off" if download == "no" else "there is no internet connection"
       raise DatasetUnavailableError(
-          f"data set {name!r} is not prepared in {where}; {hint} (with "
-          "config.data.download=True)")
+          f"data set {name!r} is not prepared in {where} and {why}; {hint}")
     try:
       builder.download_and_prepare()
     except Exception as e:  # pylint: disable=broad-except
@@ -186,7 +201,7 @@ def _make(arrays, info, timings) -> ImageDataset:
 
 
 def load_image_dataset(name: str, *, data_dir: str | None = None, cache_dir: str | None = None,
-                       use_cache: bool = True, download: bool = False) -> ImageDataset:
+                       use_cache: bool = True, download: str = "auto") -> ImageDataset:
   """Loads a tfds image-classification data set by name.
 
   Args:
@@ -194,12 +209,15 @@ def load_image_dataset(name: str, *, data_dir: str | None = None, cache_dir: str
     data_dir: tfds data directory; None means $TFDS_DATA_DIR or tfds's default.
     cache_dir: decoded-array cache; None means `default_cache_dir()`.
     use_cache: read and write the cache.
-    download: let tfds download and prepare a data set missing from `data_dir`
-      (offline, tfds retries for minutes before it gives up).
+    download: whether tfds may download and prepare a data set missing from
+      `data_dir`: "yes", "no", or "auto" (when its download host answers;
+      offline, tfds would retry for minutes before giving up).
 
   Raises:
     DatasetUnavailableError: unknown name, or no prepared copy and no download.
   """
+  if download not in DOWNLOAD_CHOICES:
+    raise ValueError(f"download={download!r} is not valid; valid values: {list(DOWNLOAD_CHOICES)}")
   t0 = time.monotonic()
   cache_dir = cache_dir or default_cache_dir()
   if use_cache:
