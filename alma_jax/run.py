@@ -379,7 +379,9 @@ def _loop(config, workdir, signals, ckpt, snap, records, stream, method, trainer
         extra = {"compiled": sorted(compiled_before | _compiled_keys(trainer)),
                  "elapsed_s": elapsed(), "timings": timer.as_dict(),
                  "config": validation.config_dict(config)}
-        ckpt.start_save(t, learner, opt_state, jax.random.key_data(jax.random.fold_in(key, t)),
+        # The optimizer state is part of the state only when stages share it.
+        kept = opt_state if config.train.keep_optimizer_state else None
+        ckpt.start_save(t, learner, kept, jax.random.key_data(jax.random.fold_in(key, t)),
                         [r.to_dict() for r in log.records], extra)
         _kill_point("checkpoint", t)
         ckpt.wait()

@@ -183,7 +183,7 @@ def bench_row(name, args, jax, jnp, np):
 
   gflops = flops["train_step"] * med / (b * d) / 1e9
   return {"row": name, "backbone": backbone, "width": width, "method": method_name,
-          "conv_impl": getattr(method.backbone, "conv_impl", None), "members": d,
+          "conv_impl": getattr(getattr(method, "backbone", None), "conv_impl", None), "members": d,
           "train_img_s": med, "train_img_s_min": min(rates), "train_img_s_max": max(rates),
           "repeats": len(rates), "steps_per_repeat": steps, "compile_s": compile_s,
           "first_call_s": first_call_s, "eval_img_s": eval_rate,

@@ -1,0 +1,438 @@
+"""Tree-gated mixtures of experts (paper Appendix A, eq. 3, Fig. 6) and the gMoE backbones.
+
+A mixture layer holds E experts of the same architecture, stacked on a
+leading axis, and a binary tree of gates. Every internal node of the tree has
+a gate, a linear map of the layer's gate features followed by a 2-way
+softmax; a leaf is an expert. The weight of a leaf is the product of the gate
+probabilities on its root-to-leaf path, so the leaf weights of an input sum
+to 1; a layer with a single expert has no gate and weight 1.
+
+The tree is static (it lives in the learner's `structure`) and is encoded
+with nested tuples, so that it is hashable and JSON-friendly:
+
+* a leaf is an `int`, the index of its expert on the stacked axis;
+* an internal node is `(gate, left, right)`, `gate` being the index of its
+  gate on the stacked gate axis; `left` takes probability 0 of the gate's
+  softmax, `right` probability 1;
+* the "flat" ablation (early version, section 5.2) is `("flat", E)`: one
+  softmax gate with E outputs over all experts.
+
+A layer's structure is `(gate_features, tree)`; the learner's structure is
+the tuple of its mixture layers' structures.
+
+Gating is "soft" (the weighted sum over all leaves) or "hard": in training
+each gate samples a child and the straight-through estimator passes the
+gradient to the probabilities (Bengio et al., 2013); at test time each gate
+takes its more probable child (greedy descent from the root, as the
+released code does). Greedy descent, unlike the arg-max over leaf weights,
+is unchanged by a split, since the two new children are equal.
+
+Parameters (and BatchNorm statistics under `model_state["batch_stats"]`)
+are stored per layer under `mix{l}`: `{"experts": stacked expert params,
+"gates": {"kernel": (G, F, 2), "bias": (G, 2)}}` (no "gates" when G = 0), or
+`{"experts": ..., "gate": {"kernel": (F, E), "bias": (E,)}}` for flat gating.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Hashable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from alma_jax.models import conv
+from alma_jax.models import vgg
+
+PyTree = Any
+Tree = Hashable
+FLAT = "flat"
+
+
+# -- trees -----------------------------------------------------------------------------
+def is_flat(tree: Tree) -> bool:
+  return isinstance(tree, tuple) and len(tree) == 2 and tree[0] == FLAT
+
+
+def balanced_tree(num_experts: int, flat: bool = False) -> Tree:
+  """A tree with leaves 0 ... num_experts-1; gates numbered in pre-order."""
+  if num_experts < 1:
+    raise ValueError(f"a mixture needs at least one expert, got {num_experts}")
+  if flat:
+    return (FLAT, num_experts)
+  counter = [0]
+
+  def build(lo: int, hi: int) -> Tree:
+    if hi - lo == 1:
+      return lo
+    gate = counter[0]
+    counter[0] += 1
+    mid = (lo + hi + 1) // 2
+    return (gate, build(lo, mid), build(mid, hi))
+
+  return build(0, num_experts)
+
+
+def leaves(tree: Tree) -> list[int]:
+  """Expert indices of the leaves, left to right."""
+  if is_flat(tree):
+    return list(range(tree[1]))
+  if isinstance(tree, int):
+    return [tree]
+  return leaves(tree[1]) + leaves(tree[2])
+
+
+def num_experts(tree: Tree) -> int:
+  return len(leaves(tree))
+
+
+def num_gates(tree: Tree) -> int:
+  """Internal nodes of a tree (for flat gating: 1, the single softmax)."""
+  if is_flat(tree):
+    return 1
+  return 0 if isinstance(tree, int) else 1 + num_gates(tree[1]) + num_gates(tree[2])
+
+
+def check_tree(tree: Tree) -> None:
+  """Raises ValueError unless experts and gates are numbered 0 ... n-1 exactly once."""
+  if is_flat(tree):
+    if not isinstance(tree[1], int) or tree[1] < 1:
+      raise ValueError(f"invalid flat gating {tree!r}")
+    return
+  gates = []
+
+  def walk(node):
+    if isinstance(node, int) and not isinstance(node, bool):
+      return
+    if not (isinstance(node, tuple) and len(node) == 3 and isinstance(node[0], int)):
+      raise ValueError(f"invalid gating tree node {node!r} in {tree!r}")
+    gates.append(node[0])
+    walk(node[1])
+    walk(node[2])
+
+  walk(tree)
+  if sorted(leaves(tree)) != list(range(num_experts(tree))) or sorted(gates) != list(
+      range(len(gates))):
+    raise ValueError(f"gating tree {tree!r} must number its experts and gates 0, 1, ... once")
+
+
+def split_leaf(tree: Tree, leaf: int) -> Tree:
+  """The tree with leaf `leaf` turned into a new gate over (leaf, new expert E).
+
+  The new gate gets index G (the number of gates) and the new expert index E
+  (the number of experts): both are appended to their stacked axes. For flat
+  gating one more output is added.
+  """
+  if leaf not in leaves(tree):
+    raise ValueError(f"expert {leaf} is not a leaf of the gating tree {tree!r}; "
+                     f"leaves: {leaves(tree)}")
+  if is_flat(tree):
+    return (FLAT, tree[1] + 1)
+  new_gate, new_expert = num_gates(tree), num_experts(tree)
+
+  def walk(node):
+    if isinstance(node, int):
+      return (new_gate, node, new_expert) if node == leaf else node
+    return (node[0], walk(node[1]), walk(node[2]))
+
+  return walk(tree)
+
+
+def tree_dict(tree: Tree) -> dict:
+  """A nested dict of the tree, for drawing: {"gate": g, "children": [...]} or {"expert": e}."""
+  if is_flat(tree):
+    return {"gate": 0, "children": [{"expert": e} for e in range(tree[1])]}
+  if isinstance(tree, int):
+    return {"expert": tree}
+  return {"gate": tree[0], "children": [tree_dict(tree[1]), tree_dict(tree[2])]}
+
+
+# -- gates -------------------------------------------------------------------------------
+def adaptive_pool_size(size: int, pool: int) -> int:
+  """Output side of the gate's average pool: the largest divisor of `size` <= `pool`."""
+  return max(d for d in range(1, min(pool, size) + 1) if size % d == 0)
+
+
+def gate_features(x: jnp.ndarray, pool: int) -> jnp.ndarray:
+  """Gate input: with `pool` > 0, image maps are average-pooled to (at most) pool x pool;
+  then flattened."""
+  if pool and x.ndim == 4:
+    n, h, w, c = x.shape
+    oh, ow = adaptive_pool_size(h, pool), adaptive_pool_size(w, pool)
+    x = x.reshape(n, oh, h // oh, ow, w // ow, c).mean(axis=(2, 4))
+  return x.reshape((x.shape[0], -1))
+
+
+def init_gate_kernel(key: jax.Array, features: int, outputs: int) -> jnp.ndarray:
+  """LeCun-normal kernel (Flax Dense's default), fan-in = `features`."""
+  return nn.initializers.lecun_normal()(key, (features, outputs), jnp.float32)
+
+
+def init_gates(key: jax.Array, tree: Tree, features: int) -> dict:
+  """Randomly initialised gate params of a layer ({} for a single expert in a tree)."""
+  if is_flat(tree):
+    e = tree[1]
+    return {"gate": {"kernel": init_gate_kernel(key, features, e), "bias": jnp.zeros((e,))}}
+  g = num_gates(tree)
+  if g == 0:
+    return {}
+  kernels = jax.vmap(lambda k: init_gate_kernel(k, features, 2))(jax.random.split(key, g))
+  return {"gates": {"kernel": kernels, "bias": jnp.zeros((g, 2))}}
+
+
+def _node_values(tree, lp, feats, *, train: bool, hard: bool, rng):
+  """Per-node (or, flat, per-expert) gate values: probabilities, or hard one-hots."""
+  if is_flat(tree):
+    logits = feats @ lp["gate"]["kernel"] + lp["gate"]["bias"]
+    probs = jax.nn.softmax(logits, -1)
+    if not hard:
+      return probs
+    choice = jax.random.categorical(rng, logits) if train else jnp.argmax(probs, -1)
+  else:
+    g = lp["gates"]
+    probs = jax.nn.softmax(jnp.einsum("bf,gfk->bgk", feats, g["kernel"]) + g["bias"], -1)
+    if not hard:
+      return probs
+    if train:
+      # One uniform per (gate, example), keyed by the gate's index: a split keeps the old
+      # gates' draws, so the sampled path (and the loss) is unchanged by it.
+      keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(probs.shape[1]))
+      u = jax.vmap(lambda k: jax.random.uniform(k, (probs.shape[0],)))(keys).T
+      choice = (u < probs[..., 1]).astype(jnp.int32)
+    else:
+      choice = jnp.argmax(probs, -1)
+  one_hot = jax.nn.one_hot(choice, probs.shape[-1], dtype=probs.dtype)
+  if train:  # straight-through: the forward value is the one-hot, the gradient that of probs
+    return one_hot + probs - jax.lax.stop_gradient(probs)
+  return one_hot
+
+
+def _tree_product(tree: Tree, values: jnp.ndarray) -> jnp.ndarray:
+  """(b, G, 2) node values -> (b, E) leaf weights: products along root-to-leaf paths."""
+  cols: dict[int, jnp.ndarray] = {}
+
+  def walk(node, w):
+    if isinstance(node, int):
+      cols[node] = w
+      return
+    g, left, right = node
+    for side, child in ((0, left), (1, right)):
+      v = values[:, g, side]
+      walk(child, v if w is None else w * v)
+
+  walk(tree, None)
+  return jnp.stack([cols[e] for e in range(len(cols))], -1)
+
+
+def leaf_weights(tree: Tree, lp: dict, feats: jnp.ndarray, *, train: bool = False,
+                 hard: bool = False, rng: jax.Array | None = None) -> jnp.ndarray:
+  """Weights (b, E) of the layer's experts for gate features `feats` (b, F).
+
+  Soft: probabilities summing to 1 per example. Hard: a one-hot vector (in
+  training, with the straight-through gradient; `rng` is then required).
+  """
+  if not is_flat(tree) and isinstance(tree, int):
+    return jnp.ones((feats.shape[0], 1), feats.dtype)
+  if hard and train and rng is None:
+    raise ValueError("hard gating in training needs a PRNG key")
+  values = _node_values(tree, lp, feats, train=train, hard=hard, rng=rng)
+  return values if is_flat(tree) else _tree_product(tree, values)
+
+
+def greedy_leaf(tree: Tree, weights: jnp.ndarray) -> jnp.ndarray:
+  """(b, E) leaf weights -> (b,) the leaf reached by descending from the root to the child
+  whose subtree holds more weight (the left one on ties); flat gating: the arg-max."""
+  if is_flat(tree):
+    return jnp.argmax(weights, -1)
+
+  def walk(node):
+    if isinstance(node, int):
+      return weights[:, node], jnp.full(weights.shape[:1], node)
+    (mass_l, leaf_l), (mass_r, leaf_r) = walk(node[1]), walk(node[2])
+    return mass_l + mass_r, jnp.where(mass_r > mass_l, leaf_r, leaf_l)
+
+  return walk(tree)[1]
+
+
+# -- experts -----------------------------------------------------------------------------
+class DenseExpert(nn.Module):
+  """One MLP layer as an expert: flatten, Dense(features), ReLU."""
+
+  features: int
+
+  @nn.compact
+  def __call__(self, x, train: bool = False, mask=None):
+    del train, mask
+    return nn.relu(nn.Dense(self.features, name="dense")(x.reshape((x.shape[0], -1))))
+
+
+class Head(nn.Module):
+  """The shared linear classifier on the flattened features."""
+
+  num_classes: int
+
+  @nn.compact
+  def __call__(self, x, train: bool = False, mask=None):
+    del train, mask
+    return nn.Dense(self.num_classes, name="dense")(x.reshape((x.shape[0], -1)))
+
+
+def _bn_mask(mask, x):
+  return None if mask is None else mask.reshape((-1,) + (1,) * (x.ndim - 1))
+
+
+def apply_module(module: nn.Module, params, stats, x, *, train: bool, mask=None):
+  """Applies one module; returns (output, new BatchNorm stats or None)."""
+  variables = {"params": params}
+  if stats is not None:
+    variables["batch_stats"] = stats
+  if train and stats is not None:
+    y, updates = module.apply(variables, x, train=True, mask=_bn_mask(mask, x),
+                              mutable=["batch_stats"])
+    return y, updates["batch_stats"]
+  return module.apply(variables, x, train=train, mask=_bn_mask(mask, x)), stats
+
+
+def init_module(module: nn.Module, key: jax.Array, x_shape: Sequence[int]):
+  """(params, batch_stats or None) of `module` for inputs of shape (1,) + x_shape."""
+  variables = module.init(key, jnp.zeros((1,) + tuple(x_shape), jnp.float32), train=False)
+  return variables["params"], variables.get("batch_stats")
+
+
+# -- the backbone ----------------------------------------------------------------------------
+def layer_name(layer: int) -> str:
+  return f"mix{layer}"
+
+
+@dataclasses.dataclass(frozen=True)
+class MoENet:
+  """A backbone whose middle layers are mixtures: stem -> mixtures -> head.
+
+  Attributes:
+    stem: shared layers before the first mixture (None: none).
+    experts: the expert module of each mixture layer.
+    head: the shared classifier.
+    gate_pool: side of the average pool of image gate inputs (0: no pooling).
+    gather_hard_eval: with hard gating at test time, run only the chosen
+      expert of each example by gathering its parameters (cheap for dense
+      layers); otherwise all experts run and the chosen output is selected.
+  """
+
+  stem: nn.Module | None
+  experts: tuple[nn.Module, ...]
+  head: nn.Module
+  gate_pool: int = 0
+  gather_hard_eval: bool = False
+
+  def layer_input_shapes(self, input_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    """Per-example input shapes of each mixture layer, then of the head."""
+    key = jax.random.key(0)
+
+    def output(module, x):
+      return jax.eval_shape(lambda k, a: module.init_with_output(k, a, train=False)[0], key, x)
+
+    x = jax.ShapeDtypeStruct((1,) + tuple(input_shape), jnp.float32)
+    if self.stem is not None:
+      x = output(self.stem, x)
+    shapes = [tuple(x.shape[1:])]
+    for module in self.experts:
+      x = output(module, x)
+      shapes.append(tuple(x.shape[1:]))
+    return shapes
+
+  def gate_feature_dims(self, input_shape: Sequence[int]) -> list[int]:
+    dims = []
+    for s in self.layer_input_shapes(input_shape)[:-1]:
+      f = jax.eval_shape(lambda a: gate_features(a, self.gate_pool),
+                         jax.ShapeDtypeStruct((1,) + s, jnp.float32))
+      dims.append(int(f.shape[-1]))
+    return dims
+
+
+def make_net(model_config, num_classes: int, gate_pool: int = 4) -> MoENet:
+  """MLP: both hidden layers are mixtures. VGG: the blocks after the first are mixtures."""
+  width = int(model_config.width)
+  if model_config.name == "mlp":
+    experts = tuple(DenseExpert(width) for _ in range(2))
+    # The gates see the flattened layer input (no pooling).
+    return MoENet(None, experts, Head(num_classes), gate_pool=0, gather_hard_eval=True)
+  if model_config.name == "vgg":
+    impl = conv.resolve_impl(model_config.get("conv_impl", "auto"), width)
+    experts = tuple(vgg.ConvBlock(width, n, impl) for n in vgg.BLOCKS[1:])
+    return MoENet(vgg.ConvBlock(width, vgg.BLOCKS[0], impl), experts, Head(num_classes),
+                  gate_pool)
+  raise ValueError(f"config.model.name={model_config.name!r} has no mixture-of-experts version; "
+                   "valid names: ['mlp', 'vgg']")
+
+
+def init(net: MoENet, key: jax.Array, structure, input_shape) -> tuple[dict, dict]:
+  """Params and model state of `net` for `structure` (experts initialised independently)."""
+  shapes = net.layer_input_shapes(input_shape)
+  k_stem, k_head, k_layers = jax.random.split(key, 3)
+  params, stats = {}, {}
+  x_shape = tuple(input_shape)
+  if net.stem is not None:
+    params["stem"], s = init_module(net.stem, k_stem, x_shape)
+    if s is not None:
+      stats["stem"] = s
+  for l, (module, (feat_dim, tree), shape) in enumerate(zip(net.experts, structure, shapes)):
+    k_exp, k_gate = jax.random.split(jax.random.fold_in(k_layers, l))
+    keys = jax.random.split(k_exp, num_experts(tree))
+    p, s = jax.vmap(lambda k, m=module, sh=shape: init_module(m, k, sh))(keys)
+    params[layer_name(l)] = {"experts": p, **init_gates(k_gate, tree, feat_dim)}
+    if s is not None:
+      stats[layer_name(l)] = s
+  params["head"], _ = init_module(net.head, k_head, shapes[-1])
+  return params, ({"batch_stats": stats} if stats else {})
+
+
+@functools.lru_cache(maxsize=256)
+def jitted_init(net: MoENet, structure, input_shape: tuple[int, ...]):
+  """`init` compiled for one (net, structure, input shape); shared by equal nets."""
+  return jax.jit(lambda key: init(net, key, structure, input_shape))
+
+
+def mixture(net: MoENet, layer: int, tree: Tree, lp: dict, stats, x, *, train: bool, hard: bool,
+            mask=None, rng=None):
+  """One mixture layer: returns (output, new stacked stats, leaf weights (b, E))."""
+  module = net.experts[layer]
+  weights = leaf_weights(tree, lp, gate_features(x, net.gate_pool), train=train, hard=hard,
+                         rng=rng)
+  if hard and not train and net.gather_hard_eval and weights.shape[-1] > 1:
+    chosen = jnp.argmax(weights, -1)
+    per_example = jax.tree.map(lambda a: a[chosen], (lp["experts"], stats))
+    y = jax.vmap(lambda p, s, xi: apply_module(module, p, s, xi[None], train=False)[0][0])(
+        *per_example, x)
+    return y, stats, weights
+
+  def run(p, s):
+    return apply_module(module, p, s, x, train=train, mask=mask)
+
+  ys, new_stats = jax.vmap(run)(lp["experts"], stats)
+  y = jnp.einsum("be,eb...->b...", weights.astype(ys.dtype), ys)
+  return y, new_stats, weights
+
+
+def apply(net: MoENet, structure, params, model_state, x, *, train: bool, hard: bool = False,
+          mask=None, rng=None):
+  """The whole backbone; returns (logits, new model_state, [leaf weights of each layer])."""
+  stats = model_state.get("batch_stats", {})
+  new_stats = dict(stats)
+  if net.stem is not None:
+    x, s = apply_module(net.stem, params["stem"], stats.get("stem"), x, train=train, mask=mask)
+    if s is not None:
+      new_stats["stem"] = s
+  all_weights = []
+  for l, (_, tree) in enumerate(structure):
+    name = layer_name(l)
+    lrng = None if rng is None else jax.random.fold_in(rng, l)
+    x, s, w = mixture(net, l, tree, params[name], stats.get(name), x, train=train, hard=hard,
+                      mask=mask, rng=lrng)
+    if s is not None:
+      new_stats[name] = s
+    all_weights.append(w)
+  logits = net.head.apply({"params": params["head"]}, x)
+  new_state = {"batch_stats": new_stats} if new_stats else {}
+  return logits, new_state, all_weights

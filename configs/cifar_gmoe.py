@@ -1,0 +1,38 @@
+"""gMoE (growing tree-gated mixture of experts) on CIFAR-10: reduced VGG19, SGD, B=100.
+
+The four VGG blocks after the first are mixtures (the first block and the
+classifier are shared); a block's gate is a 4x4 average pool of its input,
+flattened, then a linear map per tree node. After every training stage each
+mixture splits the expert with the largest cumulative validation loss.
+
+Run:
+  python -m alma_jax.main --config=configs/cifar_gmoe.py --workdir=/tmp/cifar_gmoe
+Variants:
+  :smoke  seconds: 800 training / 500 test images, B=4, C=4, 2 epochs.
+  :quick  the whole training set in B=10 mega-batches, C=16, 3 epochs per
+          stage; minutes on a 2-core CPU.
+The default is the paper's setting (C=64, B=100, w=1, 100 epochs, SGD lr 0.01,
+momentum 0.9, weight decay 1e-4, crop+flip, soft gating): up to 101 experts
+per block, meant for a GPU. The early version's ablations (its section 5.2)
+grow every 2 stages from 2 experts:
+  --config.method.initial_experts=2 --config.method.grow_every=2
+  --config.method.tree=False                        flat gating
+  --config.method.grow=False                        fixed MoE (2 experts per block)
+Hard gating at test time still runs every VGG expert (see alma_jax/methods/gmoe.py).
+"""
+
+from alma_jax import config_lib
+
+
+def get_config(arg=None):
+  c = config_lib.base_config("cifar10")
+  c.method.name = "gmoe"
+  c.method.gating = "soft"  # or "hard"
+  c.method.tree = True  # False: one flat softmax gate over all experts
+  c.method.grow = True  # False: a fixed MoE with initial_experts experts per block
+  c.method.initial_experts = 1  # paper: 1; released code: 2
+  c.method.grow_every = 1  # grow after every this many training stages
+  c.method.split_by = "loss"  # paper: "loss"; released code: "usage"
+  c.method.gate_pool = 4  # a block's gate sees its input average-pooled to 4x4
+  c.method.max_experts = 0  # stop splitting a block at this many experts (0: no limit)
+  return config_lib.apply_variant(c, arg)
