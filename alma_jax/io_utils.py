@@ -9,6 +9,7 @@ JSON-lines log is appended one fsynced line at a time; a line torn by a crash
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -28,13 +29,17 @@ def _fsync_dir(directory: str) -> None:
     os.close(fd)
 
 
-def write_text_atomic(path: str, text: str) -> None:
-  """Replaces `path` with `text` through a temp file + fsync + rename."""
+@contextlib.contextmanager
+def atomic_writer(path: str, mode: str = "w"):
+  """Yields a file that replaces `path` (fsync + rename) when the block ends.
+
+  If the block raises, `path` is left as it was and the temp file removed.
+  """
   directory = os.path.dirname(os.path.abspath(path))
   fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
   try:
-    with os.fdopen(fd, "w") as f:
-      f.write(text)
+    with os.fdopen(fd, mode) as f:
+      yield f
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -43,6 +48,12 @@ def write_text_atomic(path: str, text: str) -> None:
       os.unlink(tmp)
     raise
   _fsync_dir(directory)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+  """Replaces `path` with `text` through a temp file + fsync + rename."""
+  with atomic_writer(path) as f:
+    f.write(text)
 
 
 def write_json_atomic(path: str, obj: Any) -> None:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 import time
 import zlib
 
 import numpy as np
 from absl import logging
+
+from alma_jax import io_utils
 
 CACHE_FORMAT = 2
 SPLITS = ("train", "test")
@@ -95,33 +96,16 @@ def _crc(a: np.ndarray) -> int:
   return zlib.crc32(memoryview(flat)) & 0xFFFFFFFF
 
 
-def _atomic_save(path: str, array: np.ndarray) -> None:
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".npy")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      np.save(f, array)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
-
-
 def _write_cache(folder: str, arrays: dict[str, np.ndarray], info: dict) -> None:
   os.makedirs(folder, exist_ok=True)
   meta = dict(info, format=CACHE_FORMAT, arrays={})
   for key, a in arrays.items():
-    _atomic_save(os.path.join(folder, f"{key}.npy"), a)
+    with io_utils.atomic_writer(os.path.join(folder, f"{key}.npy"), "wb") as f:
+      np.save(f, a)
     meta["arrays"][key] = {"shape": list(a.shape), "dtype": str(a.dtype),
                            "crc32": _crc(a)}
-  fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
-  with os.fdopen(fd, "w") as f:
-    json.dump(meta, f, indent=1)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, os.path.join(folder, "meta.json"))  # written last: marks the cache complete
+  # Written last: its presence marks the cache complete.
+  io_utils.write_json_atomic(os.path.join(folder, "meta.json"), meta)
 
 
 def _read_cache(folder: str) -> tuple[dict[str, np.ndarray], dict]:

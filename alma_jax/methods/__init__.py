@@ -18,14 +18,8 @@ def register(cls: type[Method]) -> type[Method]:
 def _load_builtin() -> None:
   # Importing the modules registers their methods.
   from alma_jax.methods import sm  # pylint: disable=g-import-not-at-top,unused-import
-  try:
-    from alma_jax.methods import ensemble  # pylint: disable=unused-import
-  except ImportError:
-    pass
-  try:
-    from alma_jax.methods import gmoe  # pylint: disable=unused-import
-  except ImportError:
-    pass
+  from alma_jax.methods import ensemble  # pylint: disable=g-import-not-at-top,unused-import
+  from alma_jax.methods import gmoe  # pylint: disable=g-import-not-at-top,unused-import
 
 
 def names() -> list[str]:

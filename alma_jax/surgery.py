@@ -1,0 +1,98 @@
+"""Surgery: pure growth edits of the learner pytree.
+
+Every function here takes a `Learner` (stacked parameters, model state and
+static structure) and returns a new one; inputs are never modified. Members
+of an ensemble are stacked on the leading axis of every leaf of `params` and
+`model_state`, so growing an ensemble concatenates on axis 0 and leaves the
+existing slices bitwise unchanged.
+
+  add_member: appends k ensemble members (fresh or copies of the last one).
+
+Optimizer state is not kept across growth: a method that grows raises a
+`ConfigError` for `config.train.keep_optimizer_state=True`, so the trainer
+builds a fresh optimizer state for the grown parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from alma_jax.methods.base import Learner
+
+PyTree = Any
+MEMBER_INITS = ("copy", "fresh")
+
+
+def num_members(tree: PyTree) -> int:
+  """The size of the leading (member) axis shared by all leaves of `tree`."""
+  sizes = {a.shape[0] for a in jax.tree.leaves(tree)}
+  if len(sizes) != 1:
+    raise ValueError(f"the leaves of a stacked tree must share their leading axis; got {sorted(sizes)}")
+  return sizes.pop()
+
+
+def stack_members(members: list[PyTree]) -> PyTree:
+  """[tree_0, ..., tree_{n-1}] (same structure) -> one tree with a leading axis n."""
+  return jax.tree.map(lambda *a: jnp.stack(a), *members)
+
+
+def _new_members(state: Learner, key: jax.Array, init: str, k: int,
+                 init_fn: Callable | None) -> tuple[PyTree, PyTree]:
+  """k new members, stacked: fresh ones from `init_fn`, or copies of the last member."""
+  if init == "copy":
+    last = lambda a: jnp.repeat(a[-1:], k, axis=0)
+    return jax.tree.map(last, state.params), jax.tree.map(last, state.model_state)
+  if init_fn is None:
+    raise ValueError("add_member(init='fresh') needs init_fn: key -> (params, model_state) of one member")
+  members = [init_fn(jax.random.fold_in(key, j)) for j in range(k)]
+  return stack_members([m[0] for m in members]), stack_members([m[1] for m in members])
+
+
+def _concat(old: PyTree, new: PyTree, what: str) -> PyTree:
+  if jax.tree.structure(old) != jax.tree.structure(new):
+    raise ValueError(f"the new members' {what} do not have the existing members' tree structure")
+
+  def cat(a, b):
+    if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
+      raise ValueError(f"a new member's {what} leaf {b.shape[1:]} {b.dtype} does not match the "
+                       f"existing {a.shape[1:]} {a.dtype}")
+    return jnp.concatenate([a, b], axis=0)
+
+  return jax.tree.map(cat, old, new)
+
+
+def add_member(state: Learner, key: jax.Array, *, init: str = "fresh", k: int = 1,
+               init_fn: Callable[[jax.Array], tuple[PyTree, PyTree]] | None = None) -> Learner:
+  """Appends `k` members to a stacked ensemble (gEns growth, paper section 4.2).
+
+  Args:
+    state: an ensemble learner whose structure is `(num_members, num_trainable)`
+      and whose params/model_state leaves are stacked on axis 0 (not modified).
+    key: PRNG key of the new members (member j of the k uses `fold_in(key, j)`).
+    init: "fresh" (a new random network from `init_fn`; the paper's text) or
+      "copy" (a copy of the last member; the paper's released code).
+    k: how many members to add.
+    init_fn: key -> (params, model_state) of one unstacked member; needed for
+      "fresh".
+
+  Returns:
+    A new learner with `num_members + k` members whose first `num_members`
+    slices are the old members, bitwise; its structure is
+    `(num_members + k, k)`: the new members are the trainable ones.
+  """
+  if init not in MEMBER_INITS:
+    raise ValueError(f"add_member: init={init!r} is unknown; valid values: {list(MEMBER_INITS)}")
+  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    raise ValueError(f"add_member: k={k!r} must be an integer >= 1")
+  n = num_members(state.params)
+  if not (isinstance(state.structure, tuple) and len(state.structure) == 2
+          and state.structure[0] == n):
+    raise ValueError(f"add_member needs an ensemble learner with structure (num_members, "
+                     f"num_trainable) and {n} stacked members; got structure {state.structure!r}")
+  params, model_state = _new_members(state, key, init, k, init_fn)
+  return Learner(params=_concat(state.params, params, "params"),
+                 model_state=_concat(state.model_state, model_state, "model_state"),
+                 structure=(n + k, k))

@@ -1,0 +1,151 @@
+"""vmap over stacked members vs. a Python loop over them, per backbone and backend.
+
+Times the real compiled train step of Ens (`Trainer.train_fn`: gather,
+augmentation, forward, backward and optimizer update on a batch of 128 per
+member) for N members under `config.method.strategy` = "vmap" and "loop",
+and one SM step for reference. Reports the median of `--repeats` calls after
+a compiling and a warm-up call (the settings interleaved, so that load from
+other processes hits all of them alike), and the rule `strategy="auto"`
+applies on this backend (`alma_jax.methods.ensemble.choose_strategy`).
+
+Measured on a 2-core CPU (XLA:CPU, N=5): the MLP (H=64) runs about as fast
+either way (vmap/loop 0.8-1.4 across runs on a loaded machine), the VGG
+(C=16) about 25x slower with vmap, whose vmapped convolutions become grouped
+convolutions; hence "auto" = loop for the VGG on CPU.
+
+  python benchmarks/ensemble_strategy.py                    # mlp H=64, vgg C=16, N=5
+  python benchmarks/ensemble_strategy.py --vgg_width=32 --repeats=9 --out=strategy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from alma_jax import cpu_tuning  # pylint: disable=wrong-import-position
+
+cpu_tuning.apply()  # as alma_jax.main does, before JAX allocates anything
+
+import jax  # pylint: disable=wrong-import-position,g-import-not-at-top
+import jax.numpy as jnp  # pylint: disable=wrong-import-position,g-import-not-at-top
+import numpy as np  # pylint: disable=wrong-import-position,g-import-not-at-top
+
+from alma_jax import config_lib  # pylint: disable=wrong-import-position,g-import-not-at-top
+from alma_jax import methods  # pylint: disable=wrong-import-position,g-import-not-at-top
+from alma_jax import sharding  # pylint: disable=wrong-import-position,g-import-not-at-top
+from alma_jax.methods import ensemble  # pylint: disable=wrong-import-position,g-import-not-at-top
+from alma_jax.train import DeviceData, Trainer  # pylint: disable=wrong-import-position,g-import-not-at-top
+
+DATASETS = {"mlp": ("mnist", (28, 28, 1)), "vgg": ("cifar10", (32, 32, 3))}
+
+
+def make_trainer(model: str, width: int, method: str, members: int, strategy: str):
+  dataset, shape = DATASETS[model]
+  c = config_lib.base_config(dataset)
+  c.model.width = width
+  c.method.name = method
+  c.method.num_members = members
+  c.method.strategy = strategy
+  c.mesh.num_devices = 1
+  mesh = sharding.make_mesh(1)
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 255, (1024,) + shape).astype(np.uint8)
+  y = rng.integers(0, 10, 1024).astype(np.int32)
+  stats = np.full((shape[-1],), 0.4, np.float32), np.full((shape[-1],), 0.25, np.float32)
+  data = DeviceData(*sharding.put_replicated(mesh, [x, y, x[:128], y[:128], *stats]))
+  m = methods.get(method)(c, shape, 10)
+  return m, Trainer(m, c, data, mesh)
+
+
+def stepper(model: str, width: int, method: str, members: int, strategy: str):
+  """A function that runs one compiled train step and returns its seconds.
+
+  The first call compiles; every call gets fresh copies of the state (the
+  step donates its inputs), made before the clock starts.
+  """
+  m, trainer = make_trainer(model, width, method, members, strategy)
+  learner = m.init(jax.random.key(0))
+  trainable, frozen = m.partition(learner)
+  d = m.num_data_orders(learner.structure)
+  idx = sharding.put_batch(trainer.mesh, np.zeros((1, d, 128), np.int32), 2)
+  mask = sharding.put_batch(trainer.mesh, np.ones((1, d, 128), bool), 2)
+  fn = trainer.train_fn(learner.structure)
+  dd = trainer.data
+  calls = [0]
+
+  def step() -> float:
+    args = jax.block_until_ready(jax.tree.map(
+        jnp.copy, (trainable, trainer.tx.init(trainable), learner.model_state)))
+    t0 = time.perf_counter()
+    out = fn(args[0], frozen, args[1], args[2], dd.train_x, dd.train_y, dd.mean, dd.std, idx,
+             mask, jax.random.key(0), np.uint32(calls[0]))
+    jax.block_until_ready(out)
+    calls[0] += 1
+    return time.perf_counter() - t0
+
+  return step
+
+
+def time_settings(settings: dict, repeats: int) -> dict:
+  """Median seconds per step of each setting, the settings interleaved round by round.
+
+  Interleaving spreads the noise of other processes on a shared machine over
+  all settings alike. Two untimed calls (compilation, warm-up) come first.
+  """
+  steps = {name: stepper(*args) for name, args in settings.items()}
+  for step in steps.values():
+    step(), step()
+  times = {name: [] for name in steps}
+  for _ in range(repeats):
+    for name, step in steps.items():
+      times[name].append(step())
+  return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--members", type=int, default=5)
+  p.add_argument("--mlp_width", type=int, default=64)
+  p.add_argument("--vgg_width", type=int, default=16)
+  p.add_argument("--models", default="mlp,vgg")
+  p.add_argument("--repeats", type=int, default=7, help="timed calls per setting (median)")
+  p.add_argument("--out", default="", help="also write the results as JSON here")
+  args = p.parse_args(argv)
+  backend = jax.default_backend()
+  print(f"backend={backend} devices={jax.devices()[0].device_kind} cpus={os.cpu_count()} "
+        f"N={args.members} batch=128 repeats={args.repeats} (median ms per train step)")
+  header = f"{'model':<10}{'sm x1':>10}{'vmap':>10}{'loop':>10}{'vmap/loop':>11}{'best':>6}{'auto':>6}"
+  print(header)
+  rows = []
+  for model in args.models.split(","):
+    width = args.mlp_width if model == "mlp" else args.vgg_width
+    t = time_settings({"sm": (model, width, "sm", 1, "auto"),
+                       **{s: (model, width, "ens", args.members, s) for s in ("vmap", "loop")}},
+                      args.repeats)
+    sm = t.pop("sm")
+    best = min(t, key=t.get)
+    auto = ensemble.choose_strategy("auto", model, backend)
+    row = {"model": model, "width": width, "members": args.members, "backend": backend,
+           "sm_ms": 1e3 * sm, "vmap_ms": 1e3 * t["vmap"], "loop_ms": 1e3 * t["loop"],
+           "vmap_over_loop": t["vmap"] / t["loop"], "best": best, "auto": auto}
+    rows.append(row)
+    print(f"{model + str(width):<10}{row['sm_ms']:>10.1f}{row['vmap_ms']:>10.1f}"
+          f"{row['loop_ms']:>10.1f}{row['vmap_over_loop']:>11.2f}{best:>6}{auto:>6}", flush=True)
+  print(f"auto rule on {backend}: loop for {list(ensemble.LOOP_ON_CPU) if backend == 'cpu' else []}"
+        ", vmap otherwise")
+  mismatch = [r["model"] for r in rows if r["best"] != r["auto"] and
+              max(r["vmap_ms"], r["loop_ms"]) > 1.1 * min(r["vmap_ms"], r["loop_ms"])]
+  if mismatch:
+    print(f"WARNING: auto picks the slower strategy (by > 10%) for {mismatch} on {backend}")
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,53 @@
+"""gEns (growing ensemble) on CIFAR-10: reduced VGG19 with BatchNorm, SGD, B=100.
+
+Start here. gEns (paper section 4.2) is an ensemble that grows with the data:
+  * it starts with `initial_members` networks (1), all trained at the first
+    stage, as SM would be;
+  * before every later stage it appends `grow_by` new networks (k=1) and
+    trains only them on the stage's data, each with its own data order; the
+    older members stay frozen (their weights and BatchNorm statistics never
+    change again);
+  * it predicts the mean of all members' probabilities.
+So the training cost per stage stays that of k networks, while the memory
+and the inference cost grow by k networks per stage: with w=1 and B=100 it
+ends with 100 members. The log's num_params counts all members, train_flops
+the steps of the trained members only, inference FLOPs all members.
+
+Run:
+  python -m alma_jax.main --config=configs/cifar_gens.py --workdir=/tmp/cifar_gens
+Variants (the argument after the colon):
+  :smoke  seconds: 800 training / 500 test images, B=4, C=4, 2 epochs.
+  :quick  10,000 training images (a seeded subset) in B=10 mega-batches, the
+          full test set, C=16, at most 5 epochs per stage: 10 members at the end.
+The default is the paper's setting (C=64, B=100, w=1, 100 epochs, patience
+25, SGD lr 0.01, momentum 0.9, weight decay 1e-4, crop+flip): meant for a GPU.
+
+Options (override any with --config.method.<field>=<value>):
+  initial_members  networks at the start, trained at the first stage (1).
+  grow_by          k: networks added and trained at every later stage (paper: 1).
+  new_member       "fresh": a new randomly initialised network (the paper's text);
+                   "copy": a copy of the last member, which then keeps training
+                   (the paper's released code).
+  strategy         how the members run inside the compiled step: "vmap" (one
+                   batched computation), "loop" (one network after the other in
+                   the same compiled function) or "auto" (loop for the VGG on CPU,
+                   where vmapped convolutions are slow; vmap otherwise; see
+                   benchmarks/ensemble_strategy.py).
+Related fields: --config.stream.wait=W trains (and grows) every W mega-batches;
+--config.stream.replay=R also trains the new member on a fraction R of past
+data; --config.stream.init_from_scratch=True makes new members fresh even with
+new_member="copy". config.train.keep_optimizer_state must stay False (each
+stage trains different networks).
+"""
+
+from alma_jax import config_lib
+
+
+def get_config(arg=None):
+  c = config_lib.base_config("cifar10")
+  c.method.name = "gens"
+  c.method.initial_members = 1
+  c.method.grow_by = 1
+  c.method.new_member = "fresh"  # paper's text; "copy": the released code
+  c.method.strategy = "auto"
+  return config_lib.apply_variant(c, arg)

@@ -1,0 +1,28 @@
+"""Ens (an ensemble of N independently trained MLPs) on MNIST: Adadelta, B=500.
+
+Each member has its own random initialisation and its own data order and is
+trained on every stage's data; the prediction is the mean of the members'
+probabilities (paper section 4.1).
+
+Run:
+  python -m alma_jax.main --config=configs/mnist_ens.py --workdir=/tmp/mnist_ens
+Variants (the argument after the colon):
+  :smoke  a few seconds: 2,000 training images, B=4, H=8, 2 epochs (tests use it).
+  :quick  the whole stream (B=500) with waiting time w=10 and at most 20 epochs
+          per stage.
+The default is the paper's setting (N=5 members of H=64, w=1, 100 epochs,
+patience 25). Options:
+  --config.method.num_members=3         N (paper: 5; released code: 3)
+  --config.method.strategy=vmap|loop    how members run in the compiled step
+                                        (auto: vmap for the MLP)
+"""
+
+from alma_jax import config_lib
+
+
+def get_config(arg=None):
+  c = config_lib.base_config("mnist")
+  c.method.name = "ens"
+  c.method.num_members = 5
+  c.method.strategy = "auto"
+  return config_lib.apply_variant(c, arg)
