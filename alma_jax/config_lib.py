@@ -18,6 +18,9 @@ def base_config(dataset: str) -> ml_collections.ConfigDict:
   """The paper's settings (Appendix B) for `mnist` (MLP) or `cifar10` (VGG)."""
   c = ml_collections.ConfigDict()
   c.seed = 0
+  # > 1: train the seeds seed, seed+1, ... together as one vmapped program
+  # (alma_jax/seeds.py); each seed's outputs go to <workdir>/seed_<seed>/.
+  c.num_seeds = 1
 
   c.data = ml_collections.ConfigDict()
   c.data.name = dataset

@@ -49,6 +49,7 @@ from alma_jax.train import Trainer, put_dataset
 
 CONFIG_FILE, LOG_FILE, SUMMARY_FILE = "config.json", "log.jsonl", "summary.json"
 CHECKPOINT_DIR, CORRUPT_DIR = "checkpoints", "checkpoints_unreadable"
+SEED_DIR_PREFIX = "seed_"  # outputs of one seed when config.num_seeds > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,18 +62,29 @@ class StageContext:
   trainer: Trainer
 
 
-def load_data(config):
-  """The dataset named in `config.data`, cut to the configured subsets."""
+def subset_indices(config, num_train: int, seed: int) -> np.ndarray | None:
+  """The training examples (sorted indices) a run with `seed` uses; None: all of them."""
+  if not config.data.train_subset:
+    return None
+  rng = np.random.default_rng([seed, 7])
+  n = min(int(config.data.train_subset), num_train)
+  return np.sort(rng.choice(num_train, n, replace=False))
+
+
+def load_data(config, *, subset_train: bool = True):
+  """The dataset named in `config.data`, cut to the configured subsets.
+
+  With `subset_train=False` the whole training split is kept (several seeds
+  then pick their own subsets with `subset_indices`).
+  """
   from alma_jax.data import images  # pylint: disable=g-import-not-at-top
   ds = images.load_image_dataset(config.data.name, data_dir=config.data.data_dir,
                                  cache_dir=config.data.cache_dir,
                                  use_cache=config.data.use_cache,
                                  download=config.data.get("download", "auto"))
-  rng = np.random.default_rng([config.seed, 7])
   changes = {}
-  if config.data.train_subset:
-    n = min(int(config.data.train_subset), len(ds.train_y))
-    sel = np.sort(rng.choice(len(ds.train_y), n, replace=False))
+  sel = subset_indices(config, len(ds.train_y), config.seed) if subset_train else None
+  if sel is not None:
     changes.update(train_x=np.asarray(ds.train_x[sel]), train_y=np.asarray(ds.train_y[sel]))
   if config.data.test_subset:
     n = min(int(config.data.test_subset), len(ds.test_y))
@@ -172,7 +184,8 @@ def _has_progress(workdir: str) -> bool:
 
 def _clear_outputs(workdir: str) -> None:
   """Removes the run outputs from `workdir` (nothing else in it)."""
-  for name in (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, CHECKPOINT_DIR, CORRUPT_DIR):
+  seed_dirs = [n for n in os.listdir(workdir) if n.startswith(SEED_DIR_PREFIX)]
+  for name in (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, CHECKPOINT_DIR, CORRUPT_DIR, *seed_dirs):
     path = os.path.join(workdir, name)
     if os.path.isdir(path):
       shutil.rmtree(path)
@@ -181,21 +194,25 @@ def _clear_outputs(workdir: str) -> None:
   logging.warning("--overwrite: removed the previous run's outputs from %s", workdir)
 
 
-def _target_builder(method, tx, mesh, key):
-  """(structure, has_opt_state) -> the abstract checkpoint state, replicated on `mesh`."""
+def _target_builder(method, tx, mesh, key, lift=lambda f: f):
+  """(structure, has_opt_state) -> the abstract checkpoint state, replicated on `mesh`.
+
+  `lift` maps a function of one key to the function of `key` that builds the
+  state (`jax.vmap` for the stacked learners of several seeds).
+  """
   replicated = sharding.replicated(mesh)
 
   def build(structure, has_opt_state):
-    learner = jax.eval_shape(lambda k: method.init(k, structure), key)
+    learner = jax.eval_shape(lift(lambda k: method.init(k, structure)), key)
     if learner.structure != structure:
       raise ckpt_lib.IncompatibleCheckpointError(
           f"method {method.name!r} rebuilds structure {learner.structure!r} from the "
           f"checkpoint's structure {structure!r}")
     tree = {"params": learner.params, "model_state": learner.model_state,
-            "key": jax.eval_shape(jax.random.key_data, key)}
+            "key": jax.eval_shape(lift(jax.random.key_data), key)}
     if has_opt_state:
       tree["opt_state"] = jax.eval_shape(
-          lambda k: tx.init(method.partition(method.init(k, structure))[0]), key)
+          lift(lambda k: tx.init(method.partition(method.init(k, structure))[0])), key)
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
                         tree)
 
@@ -248,6 +265,9 @@ def run(config, workdir: str, *, overwrite: bool = False,
   if not overwrite:
     validation.check_resume(workdir, config, _has_progress(workdir))
   with _Signals() as signals:
+    if int(config.get("num_seeds", 1)) > 1:
+      from alma_jax import seeds  # pylint: disable=g-import-not-at-top
+      return seeds.run_seeds(config, workdir, overwrite, signals, startup_s)
     return _run(config, workdir, overwrite, signals, startup_s)
 
 

@@ -7,6 +7,8 @@ of an ensemble are stacked on the leading axis of every leaf of `params` and
 existing slices bitwise unchanged.
 
   add_member: appends k ensemble members (fresh or copies of the last one).
+  split_expert: turns one expert of a tree-gated mixture layer into a gate
+    over the old expert and an exact copy (gMoE growth).
 
 Optimizer state is not kept across growth: a method that grows raises a
 `ConfigError` for `config.train.keep_optimizer_state=True`, so the trainer
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from alma_jax.methods.base import Learner
+from alma_jax.models import moe
 
 PyTree = Any
 MEMBER_INITS = ("copy", "fresh")
@@ -96,3 +99,61 @@ def add_member(state: Learner, key: jax.Array, *, init: str = "fresh", k: int = 
   return Learner(params=_concat(state.params, params, "params"),
                  model_state=_concat(state.model_state, model_state, "model_state"),
                  structure=(n + k, k))
+
+
+def _append_copy(tree, index: int):
+  """Appends slice `index` of every stacked leaf of `tree` at the end of axis 0."""
+  return jax.tree.map(lambda a: jnp.concatenate([a, a[index:index + 1]], axis=0), tree)
+
+
+def split_expert(state: Learner, layer: int, leaf: int, key: jax.Array) -> Learner:
+  """Splits expert `leaf` of mixture layer `layer` into two (eq. 3 of the paper).
+
+  Tree gating: the leaf becomes an internal node with a new gate (LeCun-normal
+  kernel drawn from `key`, zero bias); its children are the old expert (left)
+  and an exact copy of it (right), appended to the stacked experts together
+  with a copy of its BatchNorm statistics. As the two children are equal, the
+  network computes the same function before and after the split, for any
+  value of the new gate, with soft and hard gating alike.
+
+  Flat gating (ablation): the copy is added as a new output of the single
+  softmax gate (a new random kernel column, zero bias); this changes the
+  weights of all experts, so the function changes.
+
+  Args:
+    state: the learner (not modified).
+    layer: index of the mixture layer (0 = the first mixture).
+    leaf: the expert to split (its index on the stacked axis).
+    key: PRNG key of the new gate.
+
+  Returns:
+    A new learner with one more expert (and one more gate) in `layer`.
+  """
+  structure = state.structure
+  if not 0 <= layer < len(structure):
+    raise ValueError(f"layer {layer} is not a mixture layer; the learner has {len(structure)}")
+  feat_dim, tree = structure[layer]
+  new_tree = moe.split_leaf(tree, leaf)  # checks that `leaf` is a leaf
+  name = moe.layer_name(layer)
+  lp = dict(state.params[name])
+  lp["experts"] = _append_copy(lp["experts"], leaf)
+  if moe.is_flat(tree):
+    g = lp["gate"]
+    column = moe.init_gate_kernel(key, feat_dim, 1).astype(g["kernel"].dtype)
+    lp["gate"] = {"kernel": jnp.concatenate([g["kernel"], column], axis=1),
+                  "bias": jnp.concatenate([g["bias"], jnp.zeros((1,), g["bias"].dtype)])}
+  else:
+    kernel = moe.init_gate_kernel(key, feat_dim, 2)[None]
+    bias = jnp.zeros((1, 2))
+    if "gates" in lp:
+      old = lp["gates"]
+      kernel = jnp.concatenate([old["kernel"], kernel.astype(old["kernel"].dtype)], axis=0)
+      bias = jnp.concatenate([old["bias"], bias.astype(old["bias"].dtype)], axis=0)
+    lp["gates"] = {"kernel": kernel, "bias": bias}
+  params = {**state.params, name: lp}
+  model_state = state.model_state
+  stats = model_state.get("batch_stats", {})
+  if name in stats:
+    model_state = {**model_state, "batch_stats": {**stats, name: _append_copy(stats[name], leaf)}}
+  new_structure = structure[:layer] + ((feat_dim, new_tree),) + structure[layer + 1:]
+  return Learner(params=params, model_state=model_state, structure=new_structure)

@@ -134,59 +134,60 @@ class Trainer:
 
     return step
 
-  def train_fn(self, structure):
-    """Jitted K-step function: (K, D, b) indices -> new state and K losses.
+  def chunk_fn(self, structure):
+    """The pure K-step function: (K, D, b) indices -> new state and K losses.
 
     With K > 1 the steps run in a `lax.scan`; a step whose mask is all false
     (padding up to a whole number of calls) leaves the state untouched.
     """
+    step = self._step_fn(structure)
 
-    def build():
-      step = self._step_fn(structure)
+    def chunk(trainable, frozen, opt_state, model_state, data_x, data_y, mean, std, idx, mask, key,
+              counter):
+      rng = jax.random.fold_in(key, counter)
+      if idx.shape[0] == 1:
+        tr, os, ms, loss = step(trainable, frozen, opt_state, model_state, data_x, data_y,
+                                mean, std, idx[0], mask[0], rng)
+        return tr, os, ms, loss[None]
 
-      def chunk(trainable, frozen, opt_state, model_state, data_x, data_y, mean, std, idx, mask, key,
-                counter):
-        rng = jax.random.fold_in(key, counter)
-        if idx.shape[0] == 1:
-          tr, os, ms, loss = step(trainable, frozen, opt_state, model_state, data_x, data_y,
-                                  mean, std, idx[0], mask[0], rng)
-          return tr, os, ms, loss[None]
+      def body(carry, inp):
+        idx_k, mask_k, i = inp
 
-        def body(carry, inp):
-          idx_k, mask_k, i = inp
+        def run(c):
+          out = step(c[0], frozen, c[1], c[2], data_x, data_y, mean, std, idx_k, mask_k,
+                     jax.random.fold_in(rng, i))
+          return out[:3], out[3]
 
-          def run(c):
-            out = step(c[0], frozen, c[1], c[2], data_x, data_y, mean, std, idx_k, mask_k,
-                       jax.random.fold_in(rng, i))
-            return out[:3], out[3]
+        return jax.lax.cond(jnp.any(mask_k), run, lambda c: (c, jnp.float32(0.0)), carry)
 
-          return jax.lax.cond(jnp.any(mask_k), run, lambda c: (c, jnp.float32(0.0)), carry)
+      carry, losses = jax.lax.scan(body, (trainable, opt_state, model_state),
+                                   (idx, mask, jnp.arange(idx.shape[0])))
+      return (*carry, losses)
 
-        carry, losses = jax.lax.scan(body, (trainable, opt_state, model_state),
-                                     (idx, mask, jnp.arange(idx.shape[0])))
-        return (*carry, losses)
+    return chunk
 
-      return jax.jit(chunk, donate_argnums=(0, 2, 3))
+  def train_fn(self, structure):
+    """`chunk_fn(structure)` jitted, its state arguments donated."""
+    return self._cached("train", structure,
+                        lambda: jax.jit(self.chunk_fn(structure), donate_argnums=(0, 2, 3)))
 
-    return self._cached("train", structure, build)
+  def eval_body(self, structure):
+    """The pure evaluation of one chunk: (number correct, summed loss)."""
+    method = self.method
+
+    def evaluate(params, model_state, data_x, data_y, mean, std, idx, mask):
+      x = augment.prepare_batch(data_x[idx], mean, std, augment="none", rng=None)
+      logp = method.predict(structure, params, model_state, x)
+      y = data_y[idx]
+      correct = (jnp.argmax(logp, -1) == y) & mask
+      nll = -jnp.take_along_axis(logp, y[:, None], axis=-1)[:, 0]
+      return jnp.sum(correct), jnp.sum(jnp.where(mask, nll, 0.0))
+
+    return evaluate
 
   def eval_fn(self, structure):
-    """Jitted evaluation of one chunk: (number correct, summed loss)."""
-
-    def build():
-      method = self.method
-
-      def evaluate(params, model_state, data_x, data_y, mean, std, idx, mask):
-        x = augment.prepare_batch(data_x[idx], mean, std, augment="none", rng=None)
-        logp = method.predict(structure, params, model_state, x)
-        y = data_y[idx]
-        correct = (jnp.argmax(logp, -1) == y) & mask
-        nll = -jnp.take_along_axis(logp, y[:, None], axis=-1)[:, 0]
-        return jnp.sum(correct), jnp.sum(jnp.where(mask, nll, 0.0))
-
-      return jax.jit(evaluate)
-
-    return self._cached("eval", structure, build)
+    """`eval_body(structure)` jitted."""
+    return self._cached("eval", structure, lambda: jax.jit(self.eval_body(structure)))
 
   def place(self, tree):
     """Replicates `tree` on the mesh (a no-op for leaves already there).

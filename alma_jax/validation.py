@@ -201,6 +201,8 @@ def validate(config) -> None:
   _choice(config, "method.name", methods.names(), "names")
   if _get(config, "method.num_members", None) is not None:
     _int(config, "method.num_members", 1)
+  from alma_jax import seeds  # pylint: disable=g-import-not-at-top
+  seeds.check_config(config)
   _check_train(config)
   _check_optimizer(config)
   _check_runtime(config)

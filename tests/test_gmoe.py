@@ -1,4 +1,4 @@
-"""Tests of the growing mixture of experts (alma_jax/methods/gmoe.py, models/moe.py, growth_moe.py)."""
+"""Tests of the growing mixture of experts (alma_jax/methods/gmoe.py, models/moe.py, growth_moe.py, surgery.split_expert)."""
 
 import functools
 import os
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from alma_jax import growth_moe
+from alma_jax import surgery
 from alma_jax import train
 from alma_jax import validation
 from alma_jax.methods import base
@@ -81,9 +82,9 @@ def loss_and_predictions(method, learner, x, y, mask, rng):
 
 def grow_twice(learner):
   """Splits leaf 1 of layer 0, then the new expert 2 of layer 0 and leaf 0 of layer 1."""
-  learner = growth_moe.split_expert(learner, 0, 1, jax.random.key(11))
-  learner = growth_moe.split_expert(learner, 0, 2, jax.random.key(12))
-  return growth_moe.split_expert(learner, 1, 0, jax.random.key(13))
+  learner = surgery.split_expert(learner, 0, 1, jax.random.key(11))
+  learner = surgery.split_expert(learner, 0, 2, jax.random.key(12))
+  return surgery.split_expert(learner, 1, 0, jax.random.key(13))
 
 
 # -- trees and gates ----------------------------------------------------------------------
@@ -175,9 +176,9 @@ def test_vgg_split_preserves_function_and_batch_stats():
   learner = method.init(jax.random.key(0))
   assert gmoe.experts_per_layer(learner.structure) == [1, 1, 1, 1]
   x, y, mask = batch(CIFAR, n=4)
-  grown = growth_moe.split_expert(learner, 1, 0, jax.random.key(1))
-  grown = growth_moe.split_expert(grown, 3, 0, jax.random.key(3))  # its gate pools 2x2 maps
-  grown = growth_moe.split_expert(randomize_gates(grown, jax.random.key(9)), 1, 1,
+  grown = surgery.split_expert(learner, 1, 0, jax.random.key(1))
+  grown = surgery.split_expert(grown, 3, 0, jax.random.key(3))  # its gate pools 2x2 maps
+  grown = surgery.split_expert(randomize_gates(grown, jax.random.key(9)), 1, 1,
                                   jax.random.key(7))
   assert gmoe.experts_per_layer(grown.structure) == [1, 3, 1, 2]
   before = loss_and_predictions(method, learner, x, y, mask, jax.random.key(5))
@@ -202,7 +203,7 @@ def test_flat_gate_split_changes_the_function():
   assert learner.structure[0][1] == ("flat", 2)
   x, y, mask = batch()
   before = loss_and_predictions(method, learner, x, y, mask, jax.random.key(5))
-  grown = growth_moe.split_expert(learner, 0, 0, jax.random.key(3))
+  grown = surgery.split_expert(learner, 0, 0, jax.random.key(3))
   assert grown.structure[0][1] == ("flat", 3)
   chex.assert_shape(grown.params["mix0"]["gate"]["kernel"], (784, 3))
   after = loss_and_predictions(method, grown, x, y, mask, jax.random.key(5))
@@ -213,7 +214,7 @@ def test_param_count_grows_by_one_expert_and_one_gate_per_split_layer():
   h = 4
   method = make_method(width=h)
   split = lambda l, layer: jax.eval_shape(  # shapes only: nothing to compile
-      lambda l: growth_moe.split_expert(l, layer, 0, jax.random.key(1)), l)
+      lambda l: surgery.split_expert(l, layer, 0, jax.random.key(1)), l)
   learner = jax.eval_shape(method.init, jax.random.key(0))
   n0 = method.num_params(learner)
   assert n0 == (784 * h + h) + (h * h + h) + (h * 10 + 10)  # the SM network, no gate
@@ -282,8 +283,8 @@ def _inference_flops(method, num_experts=1):
   """Compiler FLOPs of predicting one example (as Trainer.flops counts them), from shapes."""
   learner = jax.eval_shape(method.init, jax.random.key(0))
   for e in range(num_experts - 1):
-    learner = jax.eval_shape(lambda l, e=e: growth_moe.split_expert(
-        growth_moe.split_expert(l, 0, e, jax.random.key(0)), 1, e, jax.random.key(1)), learner)
+    learner = jax.eval_shape(lambda l, e=e: surgery.split_expert(
+        surgery.split_expert(l, 0, e, jax.random.key(0)), 1, e, jax.random.key(1)), learner)
   x = jax.ShapeDtypeStruct((100,) + MNIST, jnp.float32)
   predict = jax.jit(functools.partial(method.predict, learner.structure))
   return train._cost_flops(predict, (learner.params, learner.model_state, x)) / 100  # pylint: disable=protected-access

@@ -13,10 +13,10 @@ from tests.conftest import requires_cifar10, requires_mnist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_main(config, workdir, *flags):
+def run_main(config, workdir, *flags, env=None):
   cmd = [sys.executable, "-m", "alma_jax.main", f"--config={config}", f"--workdir={workdir}",
          "--config.mesh.num_devices=1", *flags]
-  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
 
 
 def check_outputs(workdir, num_megabatches):

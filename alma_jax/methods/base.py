@@ -71,7 +71,9 @@ class Method:
     if self._init_fn is None:
       # One compiled program: run eagerly, the initialisers' many small ops
       # take seconds on CPU.
-      dummy = jnp.zeros((1,) + self.input_shape, jnp.float32)
+      # A numpy array: the first call may come inside a transformation (vmap,
+      # eval_shape), where a jnp array would be a tracer leaking into the cache.
+      dummy = np.zeros((1,) + self.input_shape, np.float32)
       self._init_fn = jax.jit(lambda k: self.backbone.init(k, dummy, train=False))
     variables = self._init_fn(key)
     params = variables["params"]

@@ -5,7 +5,7 @@ blocks after the first are mixtures (the first block and the classifier are
 shared); a block's gate sees its input average-pooled to 4x4.
 
 After every `grow_every`-th training stage, each mixture layer splits its
-losing expert (`alma_jax.growth_moe.split_expert`), chosen on the stage's
+losing expert (`alma_jax.surgery.split_expert`), chosen on the stage's
 validation data by `split_by`: "loss" (the largest cumulative loss of the
 examples routed through it, weighted by the routing weight; the paper) or
 "usage" (the largest cumulative routing weight; the released code).
@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from alma_jax import growth_moe
+from alma_jax import surgery
 from alma_jax import validation
 from alma_jax.data import augment
 from alma_jax.methods import base
@@ -212,7 +213,7 @@ class GrowingMoE(base.Method):
       if self.max_experts and len(layer_scores) >= self.max_experts:
         continue
       leaf = growth_moe.losing_expert(layer_scores)
-      learner = growth_moe.split_expert(learner, layer, leaf, jax.random.fold_in(key, layer))
+      learner = surgery.split_expert(learner, layer, leaf, jax.random.fold_in(key, layer))
     return learner
 
   def after_stage(self, learner: base.Learner, key: jax.Array, ctx) -> base.Learner:

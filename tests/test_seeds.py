@@ -1,0 +1,122 @@
+"""Tests of several seeds in one vmapped program (alma_jax/seeds.py)."""
+
+import json
+import os
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from alma_jax import seeds as seeds_lib
+from alma_jax import validation
+from alma_jax.methods.base import Learner
+from tests import helpers
+from tests.conftest import requires_mnist
+from tests.test_main_e2e import check_outputs, run_main
+
+
+def _stack(trees):
+  return jax.tree.map(lambda *a: np.stack(a), *trees)
+
+
+@pytest.mark.parametrize("method_name,patience", [("sm", 1), ("ens", 3)])
+def test_vmapped_stage_matches_separate_stages(method_name, patience):
+  # Two seeds with different data, keys and (with patience 1) different stopping epochs.
+  ds = helpers.synthetic_dataset(n_train=400, n_test=64)
+  config = helpers.small_config(method=method_name, width=8, epochs=4, patience=patience)
+  config.method.num_members = 2
+  method, trainer = helpers.make_trainer(config, ds)
+  st = seeds_lib.SeedTrainer(trainer, 2)
+  rng = np.random.default_rng(0)
+  train_idx = np.stack([rng.permutation(300)[:250] for _ in range(2)]).astype(np.int32)
+  val_idx = np.stack([300 + rng.permutation(100)[:60] for _ in range(2)]).astype(np.int32)
+  learners = [method.init(jax.random.key(s)) for s in (3, 4)]
+  keys = [jax.random.key(10 + s) for s in (3, 4)]
+  separate = [trainer.fit_stage(l, train_idx[i], val_idx[i], keys[i])
+              for i, l in enumerate(learners)]
+  stacked = Learner(params=_stack([l.params for l in learners]),
+                    model_state=_stack([l.model_state for l in learners]),
+                    structure=learners[0].structure)
+  best, _, stats = st.fit_stage(stacked, train_idx, val_idx, seeds_lib._stack_keys(keys), t=1,
+                                seeds=[3, 4])
+  for i, (learner, _, s) in enumerate(separate):
+    chex.assert_trees_all_close(seeds_lib.unstack(best, i).params, learner.params,
+                                atol=1e-5, rtol=1e-4)
+    assert stats.epochs_run[i] == s.epochs_run
+    assert stats.best_epoch[i] == s.best_epoch
+    assert stats.steps_run[i] == s.steps_run
+    assert stats.best_val_accuracy[i] == pytest.approx(s.best_val_accuracy)
+  # The per-seed evaluation agrees with the single-learner one.
+  acc = st.evaluate(best, val_idx, "train")
+  for i in range(2):
+    single, _ = trainer.evaluate(seeds_lib.unstack(best, i), val_idx[i], "train")
+    assert acc[i] == pytest.approx(single)
+
+
+def test_num_seeds_is_validated():
+  config = helpers.small_config(method="gmoe")
+  config.num_seeds = 3
+  with pytest.raises(validation.ConfigError, match=r"config.num_seeds=3 .*valid names: "
+                     r"\['ens', 'gens', 'sm', 'umix'\]"):
+    seeds_lib.check_config(config)
+  config.num_seeds = 0
+  with pytest.raises(validation.ConfigError, match=r"config.num_seeds=0 must be >= 1"):
+    seeds_lib.check_config(config)
+  config.method.name = "gens"
+  config.num_seeds = 2
+  assert seeds_lib.check_config(config) == 2
+
+
+def test_mean_summary():
+  out = seeds_lib.mean_summary([{"cer": 1.0, "mem": 4}, {"cer": 3.0, "mem": 4}])
+  assert out == {"cer": 2.0, "cer_std": 1.0, "mem": 4.0, "mem_std": 0.0}
+
+
+def _read(path):
+  with open(path) as f:
+    return [json.loads(l) for l in f] if path.endswith(".jsonl") else json.load(f)
+
+
+@requires_mnist
+def test_two_seeds_end_to_end_match_separate_runs_and_resume(tmp_path):
+  cfg = "configs/mnist_gens.py:smoke"
+  both = tmp_path / "both"
+  proc = run_main(cfg, both, "--config.num_seeds=2", "--config.seed=5")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  top = _read(str(both / "summary.json"))
+  assert top["seeds"] == [5, 6] and len(top["per_seed"]) == 2
+  assert top["cer"] == pytest.approx(np.mean([s["cer"] for s in top["per_seed"]]))
+  for seed in (5, 6):
+    check_outputs(str(both / f"seed_{seed}"), 4)
+    assert _read(str(both / f"seed_{seed}" / "config.json"))["seed"] == seed
+  # The second seed is what a separate run with that seed gives.
+  for seed in (6,):
+    sep = tmp_path / f"sep{seed}"
+    proc = run_main(cfg, sep, f"--config.seed={seed}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = _read(str(both / f"seed_{seed}" / "log.jsonl"))
+    expected = _read(str(sep / "log.jsonl"))
+    for r, e in zip(records, expected):
+      assert r["num_params"] == e["num_params"] and r["trained"] == e["trained"]
+      assert r["train_flops"] == pytest.approx(e["train_flops"], rel=1e-6)
+      assert r["test_error"] == pytest.approx(e["test_error"], abs=0.01)
+  # The two seeds differ (own streams, initialisations and data orders).
+  errors = [[r["test_error"] for r in _read(str(both / f"seed_{s}" / "log.jsonl"))] for s in (5, 6)]
+  assert errors[0] != errors[1]
+
+  # Killed after the checkpoint of t=2, the run resumes to the same logs.
+  killed = tmp_path / "killed"
+  env = dict(os.environ, ALMA_JAX_TEST_KILL_AT="t=2:saved")
+  proc = run_main(cfg, killed, "--config.num_seeds=2", "--config.seed=5", env=env)
+  assert proc.returncode != 0
+  assert not (killed / "summary.json").exists()
+  proc = run_main(cfg, killed, "--config.num_seeds=2", "--config.seed=5")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "resuming" in proc.stderr
+  for seed in (5, 6):
+    got = _read(str(killed / f"seed_{seed}" / "log.jsonl"))
+    want = _read(str(both / f"seed_{seed}" / "log.jsonl"))
+    for g, w in zip(got, want):
+      g.pop("wall_s"), w.pop("wall_s")
+    assert got == want
