@@ -30,6 +30,16 @@ from alma_jax.methods.base import Learner
 
 FORMAT_VERSION = 1
 
+
+class _OrbaxInfoFilter:
+  """Drops orbax's INFO/DEBUG lines (several per save) from the run's log; warnings stay."""
+
+  def filter(self, record) -> bool:
+    return record.levelno >= logging.converter.STANDARD_WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+logging.get_absl_logger().addFilter(_OrbaxInfoFilter())
+
 # (structure, has_opt_state) -> abstract state dict (jax.ShapeDtypeStruct leaves)
 # with keys "params", "model_state", "key" and, when asked, "opt_state".
 BuildTarget = Callable[[Hashable, bool], dict]

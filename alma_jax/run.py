@@ -48,6 +48,9 @@ from alma_jax.metrics import Log, Record
 from alma_jax.train import Trainer, put_dataset
 
 CONFIG_FILE, LOG_FILE, SUMMARY_FILE = "config.json", "log.jsonl", "summary.json"
+# One line per training stage: t and the method's description of the architecture
+# after it (members, experts per mixture layer, ...), for plots of growth.
+ARCH_FILE = "architecture.jsonl"
 CHECKPOINT_DIR, CORRUPT_DIR = "checkpoints", "checkpoints_unreadable"
 SEED_DIR_PREFIX = "seed_"  # outputs of one seed when config.num_seeds > 1
 
@@ -185,13 +188,21 @@ def _has_progress(workdir: str) -> bool:
 def _clear_outputs(workdir: str) -> None:
   """Removes the run outputs from `workdir` (nothing else in it)."""
   seed_dirs = [n for n in os.listdir(workdir) if n.startswith(SEED_DIR_PREFIX)]
-  for name in (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, CHECKPOINT_DIR, CORRUPT_DIR, *seed_dirs):
+  for name in (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, ARCH_FILE, CHECKPOINT_DIR, CORRUPT_DIR,
+               *seed_dirs):
     path = os.path.join(workdir, name)
     if os.path.isdir(path):
       shutil.rmtree(path)
     elif os.path.exists(path):
       os.unlink(path)
   logging.warning("--overwrite: removed the previous run's outputs from %s", workdir)
+
+
+def sync_architecture_log(workdir: str, last_t: int) -> None:
+  """Keeps the lines of `ARCH_FILE` up to `last_t` (what a resumed run has done)."""
+  path = os.path.join(workdir, ARCH_FILE)
+  kept = [r for r in io_utils.read_jsonl(path) if r["t"] <= last_t] if os.path.exists(path) else []
+  io_utils.write_jsonl_atomic(path, kept)
 
 
 def _target_builder(method, tx, mesh, key, lift=lambda f: f):
@@ -312,6 +323,7 @@ def _run(config, workdir: str, overwrite: bool, signals: _Signals,
                                        f"expected {snap.t + 1}")
       io_utils.write_json_atomic(os.path.join(workdir, CONFIG_FILE), validation.config_dict(config))
       io_utils.write_jsonl_atomic(log_path, [r.to_dict() for r in records])
+      sync_architecture_log(workdir, len(records) - 1)
       if (snap is None or snap.t < num_t) and os.path.exists(os.path.join(workdir, SUMMARY_FILE)):
         os.unlink(os.path.join(workdir, SUMMARY_FILE))
     return _loop(config, workdir, signals, ckpt, snap, records, stream, method, trainer, key,
@@ -394,6 +406,9 @@ def _loop(config, workdir, signals, ckpt, snap, records, stream, method, trainer
     log = log.append(rec)
     with timer("io_s"), signals.critical():
       io_utils.append_jsonl(log_path, rec.to_dict())
+      if trained:
+        arch = method.describe(learner)
+        io_utils.append_jsonl(os.path.join(workdir, ARCH_FILE), {"t": t, **arch})
       _kill_point("log", t)
       if ckpt is not None and _should_checkpoint(config, t, trained, num_t):
         extra = {"compiled": sorted(compiled_before | _compiled_keys(trainer)),
@@ -410,7 +425,7 @@ def _loop(config, workdir, signals, ckpt, snap, records, stream, method, trainer
     if trained:
       logging.info("t=%d/%d epochs=%d best_val_acc=%.4f test_error=%.4f %s elapsed=%.1fs", t,
                    num_t, stats.epochs_run, stats.best_val_accuracy, last_error,
-                   json.dumps(method.describe(learner)), elapsed())
+                   json.dumps(arch), elapsed())
 
   # -- summary ---------------------------------------------------------------------------------
   summary = log.summary()

@@ -19,6 +19,7 @@ Outputs in the workdir:
                  `log.jsonl` and `summary.json` of that seed, as a separate
                  run writes them;
   config.json    the config as given;
+  architecture.jsonl  the architecture after each stage (the same for all seeds);
   summary.json   each summary metric's mean over seeds and its standard
                  deviation (`<metric>_std`), the per-seed summaries, and the
                  time breakdown of the whole program;
@@ -286,6 +287,7 @@ def run_seeds(config, workdir: str, overwrite: bool, signals, startup_s: float |
                                    validation.config_dict(seed_config(config, sd)))
         io_utils.write_jsonl_atomic(os.path.join(_seed_dir(workdir, sd), run_lib.LOG_FILE),
                                     [r.to_dict() for r in records[i]])
+      run_lib.sync_architecture_log(workdir, len(records[0]) - 1)
       if snap is None or snap.t < s.num_megabatches:
         for path in [workdir] + [_seed_dir(workdir, sd) for sd in seeds]:
           if os.path.exists(os.path.join(path, run_lib.SUMMARY_FILE)):
@@ -349,6 +351,9 @@ def run_seeds(config, workdir: str, overwrite: bool, signals, startup_s: float |
       with timer("io_s"), signals.critical():
         for sd, r in zip(seeds, recs):
           io_utils.append_jsonl(os.path.join(_seed_dir(workdir, sd), run_lib.LOG_FILE), r.to_dict())
+        if trained:
+          arch = method.describe(unstack(learner, 0))
+          io_utils.append_jsonl(os.path.join(workdir, run_lib.ARCH_FILE), {"t": t, **arch})
         run_lib._kill_point("log", t)  # pylint: disable=protected-access
         if ckpt is not None and run_lib._should_checkpoint(config, t, trained, s.num_megabatches):  # pylint: disable=protected-access
           extra = {"compiled": sorted(compiled_before | run_lib._compiled_keys(trainer)),  # pylint: disable=protected-access
@@ -365,7 +370,7 @@ def run_seeds(config, workdir: str, overwrite: bool, signals, startup_s: float |
       if trained:
         logging.info("t=%d/%d seeds=%d epochs=%s test_error=%.4f±%.4f %s elapsed=%.1fs", t,
                      s.num_megabatches, num, stats.epochs_run.tolist(), float(np.mean(errors)),
-                     float(np.std(errors)), json.dumps(method.describe(unstack(learner, 0))),
+                     float(np.std(errors)), json.dumps(arch),
                      elapsed())
 
     # -- summaries ------------------------------------------------------------------------------------

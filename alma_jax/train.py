@@ -68,14 +68,23 @@ class StageStats:
 
 def _padded_orders(rng: np.random.Generator, idx: np.ndarray, num_orders: int, batch: int,
                    steps_per_call: int) -> tuple[np.ndarray, np.ndarray, int]:
-  """Per-order shuffles of `idx`, padded to whole calls: (calls*K, D, b) arrays."""
+  """Per-order shuffles of `idx`, padded to whole calls: (calls*K, D, b) arrays.
+
+  The padding slots hold real examples (the order repeated from its start)
+  with mask False: the loss ignores them, while BatchNorm computes its batch
+  statistics over the whole batch of real images. (Masked BatchNorm
+  statistics are avoided on purpose: on XLA:CPU, jax 0.10.2, their jitted
+  gradient inside `jax.vmap` is wrong, see tests/test_ensemble.py.)
+  """
   n = len(idx)
   steps = -(-n // batch)
   total_steps = -(-steps // steps_per_call) * steps_per_call
   out = np.zeros((num_orders, total_steps * batch), np.int32)
   mask = np.zeros((num_orders, total_steps * batch), bool)
   for d in range(num_orders):
-    out[d, :n] = idx[rng.permutation(n)]
+    order = idx[rng.permutation(n)]
+    out[d, :n] = order
+    out[d, n:] = np.resize(order, total_steps * batch - n)
     mask[d, :n] = True
   shape = (num_orders, total_steps, batch)
   return (out.reshape(shape).transpose(1, 0, 2), mask.reshape(shape).transpose(1, 0, 2), steps)

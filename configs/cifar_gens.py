@@ -17,8 +17,8 @@ Run:
   python -m alma_jax.main --config=configs/cifar_gens.py --workdir=/tmp/cifar_gens
 Variants (the argument after the colon):
   :smoke  seconds: 800 training / 500 test images, B=4, C=4, 2 epochs.
-  :quick  10,000 training images (a seeded subset) in B=10 mega-batches, the
-          full test set, C=16, at most 5 epochs per stage: 10 members at the end.
+  :quick  the whole training set in B=10 mega-batches, C=16, 3 epochs per
+          stage: 10 members at the end, one trained per stage.
 The default is the paper's setting (C=64, B=100, w=1, 100 epochs, patience
 25, SGD lr 0.01, momentum 0.9, weight decay 1e-4, crop+flip): meant for a GPU.
 

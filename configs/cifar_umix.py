@@ -9,7 +9,8 @@ Run:
   python -m alma_jax.main --config=configs/cifar_umix.py --workdir=/tmp/cifar_umix
 Variants:
   :smoke  seconds: 800 training / 500 test images, B=4, C=4, 2 epochs.
-  :quick  10,000 training images in B=10 mega-batches, C=16, at most 5 epochs.
+  :quick  the whole training set in B=10 mega-batches, C=16, 3 epochs per
+          stage; five networks, so about five times cifar_sm.py:quick.
 The default is the paper's setting (N=5 members of C=64, B=100, w=1).
 Options: --config.method.num_members=N, --config.method.strategy=vmap|loop.
 """

@@ -150,33 +150,33 @@ def test_vmap_and_loop_strategies_agree(model, width, shape, name):
     method = make(name, model, width, shape, num_members=3, strategy=strategy)
     assert method.run_as == strategy
     learner = method.init(jax.random.key(0))
-    # VGG: no padded examples, see test_known_xla_cpu_bug_masked_batchnorm_reshape_pool.
-    x, y, mask = batch(method.num_data_orders(learner.structure), 8, shape, padded=model == "mlp")
+    x, y, mask = batch(method.num_data_orders(learner.structure), 8, shape, padded=True)
     (loss, state), grads = loss_and_grads(method, learner, x, y, mask)
     logp = jax.jit(method.predict, static_argnums=0)(learner.structure, learner.params,
                                                     learner.model_state, x[0])
     out.append((loss, state, grads, logp))
-  chex.assert_trees_all_close(out[0], out[1], atol=1e-5, rtol=1e-4)
+  # The VGG's BatchNorm over 8 images of width 2 amplifies summation-order differences.
+  tol = {"atol": 1e-5, "rtol": 1e-4} if model == "mlp" else {"atol": 1e-4, "rtol": 1e-3}
+  chex.assert_trees_all_close(out[0], out[1], **tol)
 
 
-@pytest.mark.xfail(reason="XLA:CPU (jax 0.10.2): the jitted gradient of flax's masked BatchNorm "
-                   "followed by the reshape+max 2x2 pool differs from finite differences and from "
-                   "the op-by-op gradient; with vmap and with a loop differently", strict=False)
-def test_known_xla_cpu_bug_masked_batchnorm_reshape_pool():
-  from flax.linen import normalization  # pylint: disable=g-import-not-at-top
-  from alma_jax.models import vgg  # pylint: disable=g-import-not-at-top
-  rng = np.random.default_rng(0)
-  x, w = rng.normal(size=(8, 4, 4, 2)), rng.normal(size=(8, 2, 2, 2))
-  k = jnp.asarray(rng.normal(size=(3, 3, 2, 2)), jnp.float32)
-  m = jnp.asarray(np.arange(8) < 5)[:, None, None, None]
+def test_vmapped_vgg_gradient_on_a_padded_batch_matches_op_by_op():
+  # Masked BatchNorm statistics made XLA:CPU's jitted gradient inside vmap wrong
+  # (max difference ~7 against the op-by-op gradient); the VGG now normalises
+  # over the whole batch, whose padding slots hold real images.
+  method = make("ens", "vgg", 2, CIFAR, num_members=2, strategy="vmap")
+  learner = method.init(jax.random.key(0))
+  x, y, mask = batch(2, 8, CIFAR, padded=True)
+  trainable, frozen = method.partition(learner)
 
-  def f(k):
-    y = jax.lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    mu, var = normalization._compute_stats(y, (0, 1, 2), None, mask=m)  # pylint: disable=protected-access
-    y = vgg.max_pool_2x2((y - mu) * jax.lax.rsqrt(var + 1e-5))
-    return jnp.sum(jnp.where(m, y * w, 0.0))
+  def loss(tr):
+    return method.loss(learner.structure, tr, frozen, learner.model_state, x, y, mask,
+                       jax.random.key(0))[0]
 
-  np.testing.assert_allclose(jax.jit(jax.grad(f))(k), jax.grad(f)(k), atol=1e-3)
+  jitted = jax.jit(jax.grad(loss))(trainable)
+  with jax.disable_jit():
+    op_by_op = jax.grad(loss)(trainable)
+  chex.assert_trees_all_close(jitted, op_by_op, atol=2e-3, rtol=1e-3)
 
 
 def test_chunked_vmap_matches_loop():

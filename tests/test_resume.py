@@ -31,10 +31,11 @@ def _strip(d):
 
 
 def _outputs(wd):
-  """log.jsonl and summary.json of `wd` without the wall-clock fields."""
+  """log.jsonl, summary.json (without the wall-clock fields) and architecture.jsonl of `wd`."""
   log = [_strip(r) for r in io_utils.read_jsonl(os.path.join(wd, "log.jsonl"))]
+  arch = io_utils.read_jsonl(os.path.join(wd, run.ARCH_FILE))
   with open(os.path.join(wd, "summary.json")) as f:
-    return log, _strip(json.load(f))
+    return log, _strip(json.load(f)), arch
 
 
 def _main(wd, kill_at=None, sig="SIGKILL", extra=()):
@@ -71,6 +72,7 @@ def test_torn_log_line_is_ignored_and_cut_before_the_next_append(tmp_path):
 # -- SIGKILL at several points, SIGTERM, then resume -----------------------------------------------
 @requires_mnist
 def test_killed_runs_resume_to_identical_outputs(baseline, tmp_path):
+  assert [a["t"] for a in baseline[2]] == [1, 2, 3, 4]  # one architecture line per stage
   wd = str(tmp_path / "wd")
   ckpt_dir = os.path.join(wd, "checkpoints")
   # 1. killed after the record of t=1 is logged, before its checkpoint

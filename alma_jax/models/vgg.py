@@ -29,7 +29,15 @@ def max_pool_2x2(x: jnp.ndarray) -> jnp.ndarray:
 
 
 class ConvBlock(nn.Module):
-  """`num_convs` x (conv3x3 -> BatchNorm -> ReLU), then a 2x2 max-pool."""
+  """`num_convs` x (conv3x3 -> BatchNorm -> ReLU), then a 2x2 max-pool.
+
+  BatchNorm's training statistics cover the whole batch, `mask` (the real
+  examples of a padded batch) is not used: the trainer fills padding slots
+  with real images (`alma_jax.train._padded_orders`). Masked statistics would
+  be exact for a partial batch, but XLA:CPU (jax 0.10.2) computes their
+  jitted gradient inside `jax.vmap` (ensemble members, gMoE experts, seeds)
+  wrongly.
+  """
 
   width: int
   num_convs: int
@@ -37,10 +45,11 @@ class ConvBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x, train: bool = False, mask=None):
+    del mask
     for i in range(self.num_convs):
       x = conv.Conv3x3(self.width, impl=self.conv_impl, name=f"conv{i}")(x)
       x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                       name=f"bn{i}")(x, mask=mask)
+                       name=f"bn{i}")(x)
       x = nn.relu(x)
     return max_pool_2x2(x)
 
@@ -60,8 +69,7 @@ class VGG(nn.Module):
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False, mask=None) -> jnp.ndarray:
-    bn_mask = None if mask is None else mask[:, None, None, None]
     for i, n in enumerate(self.blocks):
-      x = ConvBlock(self.width, n, self.conv_impl, name=f"block{i}")(x, train, bn_mask)
+      x = ConvBlock(self.width, n, self.conv_impl, name=f"block{i}")(x, train, mask)
     x = x.reshape((x.shape[0], -1))
     return nn.Dense(self.num_classes, name="head")(x)
