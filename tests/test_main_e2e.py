@@ -92,3 +92,19 @@ def test_cifar_sm_smoke_end_to_end_with_waiting(tmp_path):
   assert records[1]["test_error"] == records[0]["test_error"]
   assert records[1]["train_flops"] == 0
   assert summary["num_stages"] == 2
+
+
+@requires_mnist
+@requires_cifar10
+@pytest.mark.parametrize("config", ["mnist_ens", "mnist_umix", "mnist_gmoe", "cifar_ens",
+                                    "cifar_umix", "cifar_gens", "cifar_gmoe"])
+def test_every_method_config_runs_end_to_end(config, tmp_path):
+  # mnist_sm, cifar_sm and mnist_gens have end-to-end tests of their own.
+  proc = run_main(f"configs/{config}.py:smoke", tmp_path, "--config.train.epochs=1",
+                  "--config.train.patience=1")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  records, summary = check_outputs(str(tmp_path), 4)
+  assert summary["num_stages"] == 4 and all(r["train_flops"] > 0 for r in records[1:])
+  arch = [json.loads(l) for l in open(os.path.join(tmp_path, "architecture.jsonl"))]
+  assert [a["t"] for a in arch] == [1, 2, 3, 4]
+  assert [a["num_params"] for a in arch] == [r["num_params"] for r in records[1:]]

@@ -66,6 +66,10 @@ CONFIG_CASES = [
      r"config\.train\.steps_per_call=0 must be >= 1"),
     ("seed_string", {"seed": "0"}, r"config\.seed='0' must be an integer, got str"),
     ("seed_bool", {"seed": True}, r"config\.seed=True must be an integer, got bool"),
+    ("num_seeds_zero", {"num_seeds": 0}, r"config\.num_seeds=0 must be >= 1"),
+    ("num_seeds_with_gmoe", {"num_seeds": 2, "method__name": "gmoe"},
+     r"config\.num_seeds=2 needs a method whose growth is the same for every seed; "
+     r"config\.method\.name='gmoe' is not one; valid names: \['ens', 'gens', 'sm', 'umix'\]"),
     ("on_divergence", {"train__on_divergence": "ignore"},
      r"config\.train\.on_divergence='ignore' is unknown; valid values: \['raise', 'rollback'\]"),
     ("augment", {"train__augment": "mixup"},
