@@ -123,27 +123,34 @@ class SeedTrainer:
     return tr._cached("seeds_train", structure, lambda: jax.jit(  # pylint: disable=protected-access
         jax.vmap(tr.chunk_fn(structure), in_axes=axes), donate_argnums=(0, 2, 3)))
 
-  def eval_fn(self, structure) -> Callable:
+  def eval_fn(self, structure, shared: bool) -> Callable:
+    """Vmapped evaluation; `shared`: all seeds see the same examples (one index vector)."""
     tr = self.trainer
-    axes = (0, 0, None, None, None, None, 0, 0)
-    return tr._cached("seeds_eval", structure, lambda: jax.jit(  # pylint: disable=protected-access
-        jax.vmap(tr.eval_body(structure), in_axes=axes)))
+    ex = None if shared else 0
+    axes = (0, 0, None, None, None, None, ex, ex)
+    return tr._cached(f"seeds_eval_{'shared' if shared else 'own'}", structure,  # pylint: disable=protected-access
+                      lambda: jax.jit(jax.vmap(tr.eval_body(structure), in_axes=axes)))
 
   def evaluate(self, learner: Learner, idx: np.ndarray, split: str) -> np.ndarray:
-    """Per-seed accuracy of the stacked `learner` on examples `idx[s]` (S, n) of `split`."""
+    """Per-seed accuracy of the stacked `learner` on examples `idx` of `split`.
+
+    `idx` is (S, n), the examples of each seed, or (n,), the same examples
+    for all seeds (the test set), which are then gathered once per batch.
+    """
     tr, d = self.trainer, self.trainer.data
     xs, ys = (d.train_x, d.train_y) if split == "train" else (d.test_x, d.test_y)
-    fn = self.eval_fn(learner.structure)
+    shared = idx.ndim == 1
+    fn = self.eval_fn(learner.structure, shared)
     learner = tr.place(learner)
-    b, n = tr.eval_batch_size, idx.shape[1]
+    b, n = tr.eval_batch_size, idx.shape[-1]
     results = []
     for s in range(0, n, b):
-      part = np.zeros((self.num_seeds, b), np.int32)
-      part[:, :min(b, n - s)] = idx[:, s:s + b]
-      mask = np.broadcast_to(np.arange(b) < n - s, part.shape)
+      part = np.zeros(idx.shape[:-1] + (b,), np.int32)
+      part[..., :min(b, n - s)] = idx[..., s:s + b]
+      mask = np.ascontiguousarray(np.broadcast_to(np.arange(b) < n - s, part.shape))
       results.append(fn(learner.params, learner.model_state, xs, ys, d.mean, d.std,
-                        sharding.put_batch(tr.mesh, part, 1),
-                        sharding.put_batch(tr.mesh, np.ascontiguousarray(mask), 1))[0])
+                        sharding.put_batch(tr.mesh, part, part.ndim - 1),
+                        sharding.put_batch(tr.mesh, mask, mask.ndim - 1))[0])
     return np.sum([np.asarray(c) for c in results], axis=0) / n
 
   def fit_stage(self, learner: Learner, train_idx: np.ndarray, val_idx: np.ndarray,
@@ -310,7 +317,7 @@ def run_seeds(config, workdir: str, overwrite: bool, signals, startup_s: float |
       logging.info("resuming %s after t=%d/%d (its last complete checkpoint)", workdir, snap.t,
                    s.num_megabatches)
     elapsed = lambda: elapsed_before + time.monotonic() - t_start
-    test_idx = np.broadcast_to(np.arange(len(ds.test_y), dtype=np.int32), (num, len(ds.test_y)))
+    test_idx = np.arange(len(ds.test_y), dtype=np.int32)
 
     for t in range(len(records[0]), s.num_megabatches + 1):
       t_step = time.monotonic()

@@ -47,11 +47,15 @@ def test_vmapped_stage_matches_separate_stages(method_name, patience):
     assert stats.best_epoch[i] == s.best_epoch
     assert stats.steps_run[i] == s.steps_run
     assert stats.best_val_accuracy[i] == pytest.approx(s.best_val_accuracy)
-  # The per-seed evaluation agrees with the single-learner one.
-  acc = st.evaluate(best, val_idx, "train")
+  # The per-seed evaluation agrees with the single-learner one, on each seed's own
+  # examples and on examples shared by all seeds.
+  test_idx = np.arange(50, dtype=np.int32)
+  acc, shared = st.evaluate(best, val_idx, "train"), st.evaluate(best, test_idx, "test")
   for i in range(2):
     single, _ = trainer.evaluate(seeds_lib.unstack(best, i), val_idx[i], "train")
     assert acc[i] == pytest.approx(single)
+    single, _ = trainer.evaluate(seeds_lib.unstack(best, i), test_idx, "test")
+    assert shared[i] == pytest.approx(single)
 
 
 def test_num_seeds_is_validated():
