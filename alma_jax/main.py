@@ -50,7 +50,7 @@ def _enable_compilation_cache(jax) -> str | None:
     return None
   jax.config.update("jax_compilation_cache_dir", path)
   if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # the user's setting wins
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   return path
 
 

@@ -50,6 +50,7 @@ from alma_jax import sharding
 from alma_jax import timing
 from alma_jax import validation
 from alma_jax.data import stream as stream_lib
+from alma_jax.methods import ensemble
 from alma_jax.methods.base import Learner
 from alma_jax.metrics import Log, Record
 from alma_jax.train import DivergenceError, Trainer, _padded_orders, put_dataset, tree_all_finite
@@ -258,6 +259,11 @@ def run_seeds(config, workdir: str, overwrite: bool, signals, startup_s: float |
     validation.validate_data(config, n_train, streams[0])
     method = validation.make_method(config, ds.train_x.shape[1:], ds.num_classes)
     data = put_dataset(mesh, ds)
+  if jax.default_backend() == "cpu" and config.model.name in ensemble.LOOP_ON_CPU:
+    logging.warning("config.num_seeds=%d with config.model.name=%r on CPU: vmapped convolutions "
+                    "run as grouped convolutions, many times slower than separate runs "
+                    "(benchmarks/ensemble_strategy.py); separate runs are faster here", num,
+                    config.model.name)
   trainer = Trainer(method, config, data, mesh)
   st = SeedTrainer(trainer, num)
   keys = _stack_keys([jax.random.key(sd) for sd in seeds])

@@ -50,6 +50,8 @@ ROWS = {
     "vgg16_sm": ("vgg", 16, "sm", {}, {"conv_impl": "auto"}),
     "vgg16_sm_xla": ("vgg", 16, "sm", {}, {"conv_impl": "xla"}),
     "vgg16_sm_chunked": ("vgg", 16, "sm", {}, {"conv_impl": "chunked_dw"}),
+    "vgg32_sm_xla": ("vgg", 32, "sm", {}, {"conv_impl": "xla"}),
+    "vgg32_sm_chunked": ("vgg", 32, "sm", {}, {"conv_impl": "chunked_dw"}),
     "vgg64_sm": ("vgg", 64, "sm", {}, {"conv_impl": "auto"}),
     "vgg64_sm_xla": ("vgg", 64, "sm", {}, {"conv_impl": "xla"}),
     "vgg64_sm_chunked": ("vgg", 64, "sm", {}, {"conv_impl": "chunked_dw"}),

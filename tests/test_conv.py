@@ -48,6 +48,8 @@ def test_vgg_with_either_impl_has_the_same_parameters_and_gradients():
 
 def test_auto_rule_and_bad_values():
   assert conv.resolve_impl("auto", 64, "cpu") == "chunked_dw"
+  assert conv.resolve_impl("auto", 32, "cpu") == "chunked_dw"
+  assert conv.resolve_impl("auto", 16, "cpu") == "xla"
   assert conv.resolve_impl("auto", 4, "cpu") == "xla"
   assert conv.resolve_impl("auto", 64, "gpu") == "xla"
   assert conv.resolve_impl("xla", 64, "cpu") == "xla"

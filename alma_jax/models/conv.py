@@ -24,6 +24,7 @@ from jax import lax
 IMPLS = ("auto", "xla", "chunked_dw")
 DIMENSION_NUMBERS = ("NHWC", "HWIO", "NHWC")
 DW_CHUNK = 16  # images per weight-gradient chunk
+CHUNKED_MIN_WIDTH = 32  # "auto" on CPU: chunked_dw from this width up
 
 
 def resolve_impl(impl: str, width: int, backend: str | None = None) -> str:
@@ -33,9 +34,11 @@ def resolve_impl(impl: str, width: int, backend: str | None = None) -> str:
   if impl != "auto":
     return impl
   backend = backend or jax.default_backend()
-  # On CPU the chunked weight gradient wins from width 16 up (1.05-1.3x per
-  # step); on accelerators XLA's kernels are the ones to use.
-  return "chunked_dw" if backend == "cpu" and width >= 16 else "xla"
+  # On CPU (glibc allocator tuned, jax 0.10.2) the chunked weight gradient
+  # wins from width 32 up (whole step 1.33x at C=32, 1.25-1.3x at C=64) and
+  # loses below (0.78x at C=16, 0.77x at C=4); benchmarks/train_speed.py. On
+  # accelerators XLA's kernels are the ones to use.
+  return "chunked_dw" if backend == "cpu" and width >= CHUNKED_MIN_WIDTH else "xla"
 
 
 def _conv(x: jnp.ndarray, kernel: jnp.ndarray) -> jnp.ndarray:
