@@ -430,14 +430,7 @@ def _loop(config, workdir, signals, ckpt, snap, records, stream, method, trainer
   # -- summary ---------------------------------------------------------------------------------
   summary = log.summary()
   summary["wall_s"] = elapsed()
-  # The parts of wall_s; other_s is what none of them covers (FLOP counting,
-  # growth, Python between steps). startup_s (interpreter and imports before
-  # the run began) comes before wall_s and is reported on its own.
-  timings = timer.as_dict()
-  timings["other_s"] = (max(0.0, summary["wall_s"] - sum(timings[p] for p in timing.PARTS)))
-  if startup_s is not None:
-    timings["startup_s"] = startup_s
-  summary["timings"] = timings
+  summary["timings"] = timer.report(summary["wall_s"], startup_s)
   summary["num_compilations"] = len(compiled_before | _compiled_keys(trainer))
   _kill_point("summary")
   with signals.critical():

@@ -388,14 +388,8 @@ def run_seeds(config, workdir: str, overwrite: bool, signals, startup_s: float |
 
     # -- summaries ------------------------------------------------------------------------------------
     wall_s = elapsed()
-    per_seed = []
-    for sd, log in zip(seeds, logs):
-      summary = dict(log.summary(), wall_s=wall_s)
-      per_seed.append(summary)
-    timings = timer.as_dict()
-    timings["other_s"] = max(0.0, wall_s - sum(timings[p] for p in timing.PARTS))
-    if startup_s is not None:
-      timings["startup_s"] = startup_s
+    per_seed = [dict(log.summary(), wall_s=wall_s) for log in logs]
+    timings = timer.report(wall_s, startup_s)
     top = dict(mean_summary(per_seed), seeds=seeds, num_seeds=num, per_seed=per_seed,
                wall_s=wall_s, timings=timings,
                num_compilations=len(compiled_before | run_lib._compiled_keys(trainer)))  # pylint: disable=protected-access

@@ -88,3 +88,13 @@ class Breakdown:
     out = dict(self._parts)
     out["compile_s"] += compile_seconds() - self._compile_start
     return out
+
+  def report(self, wall_s: float, startup_s: float | None) -> dict[str, float]:
+    """The parts for a run's summary: `other_s` is what none of them covers in
+    `wall_s` (FLOP counting, growth, Python between steps); `startup_s`
+    (before the run began) is reported on its own."""
+    out = self.as_dict()
+    out["other_s"] = max(0.0, wall_s - sum(out[p] for p in PARTS))
+    if startup_s is not None:
+      out["startup_s"] = startup_s
+    return out
