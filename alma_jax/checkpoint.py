@@ -35,7 +35,8 @@ class _OrbaxInfoFilter:
   """Drops orbax's INFO/DEBUG lines (several per save) from the run's log; warnings stay."""
 
   def filter(self, record) -> bool:
-    return record.levelno >= logging.converter.STANDARD_WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+    return (record.levelno >= logging.converter.STANDARD_WARNING
+            or f"{os.sep}orbax{os.sep}" not in record.pathname)
 
 
 logging.get_absl_logger().addFilter(_OrbaxInfoFilter())

@@ -53,7 +53,7 @@ from alma_jax.data import stream as stream_lib
 from alma_jax.methods import ensemble
 from alma_jax.methods.base import Learner
 from alma_jax.metrics import Log, Record
-from alma_jax.train import DivergenceError, Trainer, _padded_orders, put_dataset, tree_all_finite
+from alma_jax.train import Trainer, _padded_orders, divergence_error, put_dataset, tree_all_finite
 
 SUPPORTED_METHODS = ("ens", "gens", "sm", "umix")
 
@@ -143,16 +143,9 @@ class SeedTrainer:
     shared = idx.ndim == 1
     fn = self.eval_fn(learner.structure, shared)
     learner = tr.place(learner)
-    b, n = tr.eval_batch_size, idx.shape[-1]
-    results = []
-    for s in range(0, n, b):
-      part = np.zeros(idx.shape[:-1] + (b,), np.int32)
-      part[..., :min(b, n - s)] = idx[..., s:s + b]
-      mask = np.ascontiguousarray(np.broadcast_to(np.arange(b) < n - s, part.shape))
-      results.append(fn(learner.params, learner.model_state, xs, ys, d.mean, d.std,
-                        sharding.put_batch(tr.mesh, part, part.ndim - 1),
-                        sharding.put_batch(tr.mesh, mask, mask.ndim - 1))[0])
-    return np.sum([np.asarray(c) for c in results], axis=0) / n
+    results = [fn(learner.params, learner.model_state, xs, ys, d.mean, d.std, i, m)[0]
+               for i, m in tr.eval_chunks(idx)]
+    return np.sum([np.asarray(c) for c in results], axis=0) / idx.shape[-1]
 
   def fit_stage(self, learner: Learner, train_idx: np.ndarray, val_idx: np.ndarray,
                 keys: jax.Array, *, t: int, seeds: list[int], opt_state=None,
@@ -199,9 +192,7 @@ class SeedTrainer:
       if bad.any():
         which = [seeds[i] for i in np.flatnonzero(bad)]
         if cfg.get("on_divergence", "raise") != "rollback":
-          raise DivergenceError(f"stage t={t} epoch {epoch} (seeds {which}): non-finite training "
-                                "loss or parameters (set config.train.on_divergence='rollback' to "
-                                "roll back and continue)")
+          raise divergence_error(t, epoch, f" (seeds {which})")
         logging.warning("stage t=%d epoch %d: non-finite loss or parameters for seeds %s; they "
                         "roll back to their best epoch and end the stage", t, epoch, which)
         diverged |= bad

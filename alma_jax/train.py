@@ -30,6 +30,13 @@ class DivergenceError(RuntimeError):
   """A non-finite loss or parameter appeared during training."""
 
 
+def divergence_error(t: int, epoch: int, where: str = "") -> DivergenceError:
+  """The error of a stage whose loss or parameters became non-finite."""
+  return DivergenceError(f"stage t={t} epoch {epoch}{where}: non-finite training loss or "
+                         "parameters (set config.train.on_divergence='rollback' to roll back and "
+                         "continue)")
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceData:
   """The data set resident on the devices (uint8 images, int32 labels)."""
@@ -207,14 +214,16 @@ class Trainer:
     return sharding.put_replicated(self.mesh, tree)
 
   # -- evaluation ---------------------------------------------------------------
-  def _eval_chunks(self, idx: np.ndarray):
-    b = self.eval_batch_size
-    for s in range(0, len(idx), b):
-      part = idx[s:s + b]
-      pad = np.zeros((b,), np.int32)
-      pad[:len(part)] = part
-      mask = np.arange(b) < len(part)
-      yield (sharding.put_batch(self.mesh, pad, 0), sharding.put_batch(self.mesh, mask, 0))
+  def eval_chunks(self, idx: np.ndarray):
+    """(indices, mask) batches of `eval_batch_size` along the last axis of `idx`,
+    the last one padded; leading axes (several seeds) are kept."""
+    b, n = self.eval_batch_size, idx.shape[-1]
+    for s in range(0, n, b):
+      pad = np.zeros(idx.shape[:-1] + (b,), np.int32)
+      pad[..., :min(b, n - s)] = idx[..., s:s + b]
+      mask = np.ascontiguousarray(np.broadcast_to(np.arange(b) < n - s, pad.shape))
+      yield (sharding.put_batch(self.mesh, pad, pad.ndim - 1),
+             sharding.put_batch(self.mesh, mask, mask.ndim - 1))
 
   def evaluate(self, learner: Learner, idx: np.ndarray, split: str) -> tuple[float, float]:
     """Accuracy and mean loss of `learner` on examples `idx` of `split`."""
@@ -226,7 +235,7 @@ class Trainer:
     learner = self.place(learner)
     correct, loss = 0, 0.0
     results = [fn(learner.params, learner.model_state, xs, ys, self.data.mean, self.data.std, i, m)
-               for i, m in self._eval_chunks(idx)]
+               for i, m in self.eval_chunks(idx)]
     for c, l in results:
       correct += int(c)
       loss += float(l)
@@ -363,8 +372,7 @@ class Trainer:
           logging.warning("stage t=%d epoch %d: non-finite loss or parameters; rolling back to "
                           "the best epoch (%d) and ending the stage", t, epoch, best_epoch)
           return best, None, stats(diverged=True)
-        raise DivergenceError(f"stage t={t} epoch {epoch}: non-finite training loss or parameters "
-                              "(set config.train.on_divergence='rollback' to roll back and continue)")
+        raise divergence_error(t, epoch)
       with timer("eval_s"):
         acc, _ = self.evaluate(current, val_idx, "train")
       if acc > best_acc:
