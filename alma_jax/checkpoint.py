@@ -28,7 +28,7 @@ from absl import logging
 
 from alma_jax.methods.base import Learner
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the state is stacked on a population axis
 
 
 class _OrbaxInfoFilter:

@@ -1,84 +1,113 @@
-"""Helpers for the experiment files in `configs/`.
+"""The config's fields and the helpers of the experiment files in `configs/`.
 
-A config file calls `base_config(dataset)` for the paper's defaults, sets the
-method fields, and passes its argument string to `apply_variant`, which knows
-the `smoke` (seconds, for tests) and `quick` (minutes on a laptop CPU)
-variants.
+`BASE_FIELDS` declares every field a run reads (path, default, check, doc);
+methods declare their own (`Method.FIELDS`). A config file calls
+`base_config(dataset, method)` for the paper's defaults of the base fields
+and the method's fields, overrides what its experiment changes, and passes
+its argument string to `apply_variant`, which knows the `smoke` (seconds, for
+tests) and `quick` (minutes on a laptop CPU) variants.
 """
 
 from __future__ import annotations
 
+import math
+
 import ml_collections
-from ml_collections import config_dict
+
+from alma_jax import fields as F
+from alma_jax import methods
+from alma_jax import models
+from alma_jax import optim
+from alma_jax.data import augment
+from alma_jax.data import images
+from alma_jax.models import conv
 
 VARIANTS = ("", "paper", "smoke", "quick")
+_MNIST_OR = lambda mnist, other: F.ByDataset({"mnist": mnist}, other)  # pylint: disable=invalid-name
+
+BASE_FIELDS = (
+    F.Field("seed", 0, F.integer(), "the random seed (stream, initialisation, data order)"),
+    F.Field("num_seeds", 1, F.integer(1), "> 1: train seeds seed ... seed+num_seeds-1 as one "
+            "vmapped program; each seed's outputs go to <workdir>/seed_<seed>/"),
+    # -- data
+    F.Field("data.name", "mnist", F.text("the name of a tfds data set"), "tfds data set name"),
+    F.Field("data.data_dir", None, F.optional_path(),
+            "prepared tfds data (None: $TFDS_DATA_DIR or tfds's default)", resumable=True),
+    F.Field("data.cache_dir", None, F.optional_path(),
+            "decoded-array cache (None: $ALMA_JAX_CACHE_DIR or ~/.cache/alma_jax)", resumable=True),
+    F.Field("data.use_cache", True, F.boolean(), "keep decoded arrays as .npy files",
+            resumable=True),
+    F.Field("data.download", "auto", F.choice(images.DOWNLOAD_CHOICES),
+            "may tfds download a data set that is not prepared locally: yes, no, or auto (when "
+            "its download host answers)", resumable=True),
+    F.Field("data.train_subset", 0, F.integer(0), "> 0: use only this many training examples"),
+    F.Field("data.test_subset", 0, F.integer(0), "> 0: evaluate on only this many test examples"),
+    # -- stream
+    F.Field("stream.num_megabatches", _MNIST_OR(500, 100), F.integer(1), "B"),
+    F.Field("stream.val_fraction", 0.1, F.number(0.0, 1.0, open_lo=True, open_hi=True),
+            "fraction of each mega-batch kept as its validation set"),
+    F.Field("stream.wait", 1, F.integer(1),
+            "waiting time w: training at t = w, 2w, ..., B; must divide B"),
+    F.Field("stream.replay", 0.0, F.number(0.0, 1.0),
+            "fraction of all earlier mega-batches added to each stage"),
+    F.Field("stream.init_from_scratch", False, F.boolean(),
+            "re-initialise before each stage instead of fine-tuning"),
+    # -- model
+    F.Field("model.name", _MNIST_OR("mlp", "vgg"), F.choice(lambda: models.BACKBONES, "names"),
+            "backbone"),
+    F.Field("model.width", 64, F.integer(1), "hidden units H (MLP) or channels C (VGG)"),
+    F.Field("model.conv_impl", "auto", F.choice(conv.IMPLS),
+            "VGG convolution gradients: xla, chunked_dw, or auto (by backend and width)"),
+    # -- method (its own fields are declared by the method)
+    F.Field("method.name", "sm", F.choice(methods.names, "names"), "the method"),
+    # -- training
+    F.Field("train.batch_size", 128, F.integer(1), "training batch size"),
+    F.Field("train.eval_batch_size", 1000, F.integer(1), "evaluation batch size"),
+    F.Field("train.epochs", 100, F.integer(1), "at most this many epochs per stage"),
+    F.Field("train.patience", 25, F.integer(1),
+            "stop a stage after this many epochs without a better validation accuracy"),
+    F.Field("train.keep_optimizer_state", False, F.boolean(),
+            "keep the optimizer state across stages (default: fresh each stage)"),
+    F.Field("train.augment", _MNIST_OR("none", "crop_flip"), F.choice(augment.AUGMENTATIONS),
+            "crop_flip (random crop with 4-pixel padding and flip, in the step) or none"),
+    F.Field("train.steps_per_call", 1, F.integer(1),
+            "train steps per compiled call (a lax.scan over them)"),
+    F.Field("train.on_divergence", "raise", F.choice(("raise", "rollback")),
+            "a non-finite loss raises, or rolls the stage back to its best epoch"),
+    F.Field("train.progress_every_s", 10.0, F.number(0.0, math.inf),
+            "at most one progress line per this many seconds within a stage", resumable=True),
+    # -- optimizer
+    F.Field("optimizer.name", _MNIST_OR("adadelta", "sgd"), F.choice(optim.OPTIMIZERS, "names"),
+            "an optax optimizer by name"),
+    F.Field("optimizer.kwargs",
+            _MNIST_OR({"learning_rate": 1.0}, {"learning_rate": 0.01, "momentum": 0.9}),
+            F.mapping(), "the optimizer's arguments"),
+    F.Field("optimizer.weight_decay", _MNIST_OR(0.0, 1e-4), F.number(0.0, math.inf),
+            "PyTorch-style coupled weight decay"),
+    # -- devices and checkpoints
+    F.Field("mesh.num_devices", 0, F.integer(0), "devices of the data-parallel mesh (0: all)"),
+    F.Field("checkpoint.enabled", True, F.boolean(), "write checkpoints", resumable=True),
+    F.Field("checkpoint.max_to_keep", 3, F.integer(1), "keep the last few checkpoints",
+            resumable=True),
+    F.Field("checkpoint.every", 1, F.integer(1),
+            "checkpoint after every this many training stages (and at t=0 and t=B)",
+            resumable=True),
+)
+
+BASE_FIELDS_BY_PATH = {f.path: f for f in BASE_FIELDS}
 
 
-def base_config(dataset: str) -> ml_collections.ConfigDict:
-  """The paper's settings (Appendix B) for `mnist` (MLP) or `cifar10` (VGG)."""
-  c = ml_collections.ConfigDict()
-  c.seed = 0
-  # > 1: train the seeds seed, seed+1, ... together as one vmapped program
-  # (alma_jax/seeds.py); each seed's outputs go to <workdir>/seed_<seed>/.
-  c.num_seeds = 1
+def resumable_paths() -> tuple[str, ...]:
+  """Fields that may differ when a run is resumed (they do not change results)."""
+  return tuple(f.path for f in BASE_FIELDS if f.resumable)
 
-  c.data = ml_collections.ConfigDict()
+
+def base_config(dataset: str, method: str = "sm") -> ml_collections.ConfigDict:
+  """The paper's settings (Appendix B) for `dataset` (MNIST: MLP; others: VGG) and `method`."""
+  c = F.fill(ml_collections.ConfigDict(), BASE_FIELDS, dataset)
   c.data.name = dataset
-  c.data.data_dir = config_dict.placeholder(str)  # None: $TFDS_DATA_DIR or tfds's default
-  c.data.cache_dir = config_dict.placeholder(str)  # None: ~/.cache/alma_jax
-  c.data.use_cache = True
-  # May tfds download a data set that is not prepared locally? "yes", "no", or
-  # "auto": when its download host answers (offline runs then fail at once).
-  c.data.download = "auto"
-  c.data.train_subset = 0  # > 0: use only this many training examples (seeded draw)
-  c.data.test_subset = 0  # > 0: evaluate on only this many test examples
-
-  c.stream = ml_collections.ConfigDict()
-  c.stream.num_megabatches = 500 if dataset == "mnist" else 100
-  c.stream.val_fraction = 0.1
-  c.stream.wait = 1
-  c.stream.replay = 0.0
-  c.stream.init_from_scratch = False
-
-  c.model = ml_collections.ConfigDict()
-  c.model.name = "mlp" if dataset == "mnist" else "vgg"
-  c.model.width = 64  # hidden units (MLP) or channels (VGG); the paper uses 4 ... 64
-  # VGG convolution gradients: "xla", "chunked_dw" (faster weight gradient on
-  # CPU) or "auto" (chosen per backend and width; see alma_jax/models/conv.py).
-  c.model.conv_impl = "auto"
-
-  c.method = ml_collections.ConfigDict()
-  c.method.name = "sm"
-
-  c.train = ml_collections.ConfigDict()
-  c.train.batch_size = 128
-  c.train.eval_batch_size = 1000
-  c.train.epochs = 100
-  c.train.patience = 25
-  c.train.keep_optimizer_state = False
-  c.train.augment = "none" if dataset == "mnist" else "crop_flip"
-  c.train.steps_per_call = 1
-  c.train.on_divergence = "raise"  # or "rollback"
-  c.train.progress_every_s = 10.0
-
-  c.optimizer = ml_collections.ConfigDict()
-  if dataset == "mnist":
-    c.optimizer.name = "adadelta"
-    c.optimizer.kwargs = ml_collections.ConfigDict({"learning_rate": 1.0})
-    c.optimizer.weight_decay = 0.0
-  else:
-    c.optimizer.name = "sgd"
-    c.optimizer.kwargs = ml_collections.ConfigDict({"learning_rate": 0.01, "momentum": 0.9})
-    c.optimizer.weight_decay = 1e-4
-
-  c.mesh = ml_collections.ConfigDict()
-  c.mesh.num_devices = 0  # 0: all visible devices
-
-  c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.enabled = True
-  c.checkpoint.max_to_keep = 3
-  c.checkpoint.every = 1  # checkpoint every this many training stages (and at t=0 and t=B)
-  return c
+  c.method.name = method
+  return F.fill(c, methods.get(method).FIELDS, dataset)
 
 
 def apply_variant(c: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:

@@ -23,7 +23,7 @@ from alma_jax import cpu_tuning
 
 cpu_tuning.apply()  # before JAX allocates its first buffer
 
-from alma_jax import validation  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, log.jsonl, summary.json.")
@@ -66,7 +66,7 @@ def _parse_flags(argv):
     if "--debug" in argv:
       raise
     where = "" if isinstance(e, flags.Error) else "invalid --config override: no such field "
-    _fail(f"{where}{validation.flag_error(e)} (see --helpfull)", 2)
+    _fail(f"{where}{errors.flag_error(e)} (see --helpfull)", 2)
 
 
 def _resume_command() -> str:
@@ -89,7 +89,7 @@ def main(argv):
     config = _CONFIG.value
     config.get("seed")  # a config file that failed to load raises here
   except Exception as e:  # pylint: disable=broad-except
-    _fail(f"--config: {validation.flag_error(e)}", 2)
+    _fail(f"--config: {errors.flag_error(e)}", 2)
   try:
     run.run(config, _WORKDIR.value, overwrite=_OVERWRITE.value, startup_s=timing.process_age_s())
   except run.RunInterrupted as e:
@@ -97,7 +97,7 @@ def main(argv):
   except Exception as e:  # pylint: disable=broad-except
     if _DEBUG.value:
       raise
-    _fail(*validation.cli_error(e))
+    _fail(*errors.cli_error(e))
 
 
 if __name__ == "__main__":

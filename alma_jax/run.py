@@ -1,35 +1,27 @@
 """The stream loop (Algorithm 1): wait, replay, grow, train, evaluate, log.
 
+A run is a population of S learners walking one stream loop: S = 1 is an
+ordinary run; `config.num_seeds = S > 1` trains the seeds `seed`, ...,
+`seed + S - 1` of one config together, stacked on a leading axis, each with
+what a separate run of that seed would have (stream partition, training
+subset, initialisation, data order, early stopping).
+
 A run writes `config.json`, `log.jsonl` (one record per time step),
-`checkpoints/` (one orbax checkpoint per training stage, see
-`config.checkpoint`) and, at the end, `summary.json` into its workdir.
-Running the same command again resumes from the last complete checkpoint;
-every random choice is seeded by (config.seed, t), so a resumed run writes
-the same records and summary as an uninterrupted one (wall-clock times
-aside).
-
-SIGINT and SIGTERM stop a run at the next safe point: a stage in progress is
-abandoned (it is recomputed on resume), a log or checkpoint write in progress
-is finished first; then `RunInterrupted` is raised.
-
-Testing hook: the environment variable `ALMA_JAX_TEST_KILL_AT` (a comma
-separated list such as `t=2:checkpoint,summary`) makes the process send
-itself `ALMA_JAX_TEST_KILL_SIGNAL` (default SIGKILL) at the named points:
-`t=N:stage` (before training stage N), `t=N:epoch` (at a progress message of
-stage N), `t=N:log` (after the record of N is logged), `t=N:checkpoint`
-(while the checkpoint of N is being written), `t=N:saved` (after it is
-written) and `summary` (before summary.json is written).
+`architecture.jsonl`, `checkpoints/` (orbax, see `config.checkpoint`) and, at
+the end, `summary.json` into its workdir; with S > 1 each seed's
+`config.json`, `log.jsonl` and `summary.json` go to `seed_<seed>/` and the
+top-level `summary.json` holds each metric's mean and standard deviation over
+the seeds. Running the same command again resumes from the last complete
+checkpoint; every random choice is seeded by (seed, t), so a resumed run
+writes the same records and summary as an uninterrupted one (wall-clock
+times aside). Signals and the kill-point test hook: `alma_jax.interrupts`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import shutil
-import signal
-import threading
 import time
 from typing import Any
 
@@ -38,31 +30,28 @@ import numpy as np
 from absl import logging
 
 from alma_jax import checkpoint as ckpt_lib
+from alma_jax import interrupts
 from alma_jax import io_utils
+from alma_jax import methods
+from alma_jax import population
 from alma_jax import schedule
 from alma_jax import sharding
 from alma_jax import timing
+from alma_jax import train
 from alma_jax import validation
+from alma_jax import workdir as wd
+from alma_jax.data import images
 from alma_jax.data import stream as stream_lib
+from alma_jax.interrupts import RunInterrupted, kill_point
 from alma_jax.metrics import Log, Record
-from alma_jax.train import Trainer, put_dataset
+from alma_jax.optim import make_optimizer
+from alma_jax.steps import Steps
+from alma_jax.tasks import images as image_task
 
-CONFIG_FILE, LOG_FILE, SUMMARY_FILE = "config.json", "log.jsonl", "summary.json"
-# One line per training stage: t and the method's description of the architecture
-# after it (members, experts per mixture layer, ...), for plots of growth.
-ARCH_FILE = "architecture.jsonl"
-CHECKPOINT_DIR, CORRUPT_DIR = "checkpoints", "checkpoints_unreadable"
-SEED_DIR_PREFIX = "seed_"  # outputs of one seed when config.num_seeds > 1
-
-
-@dataclasses.dataclass(frozen=True)
-class StageContext:
-  """What growth functions may look at: the stage's data and the trainer."""
-
-  t: int
-  train_idx: np.ndarray
-  val_idx: np.ndarray
-  trainer: Trainer
+__all__ = ["run", "RunInterrupted", "load_data", "subset_indices"]
+VGG_SEEDS_WARNING = ("config.num_seeds=%d with config.model.name=%r on CPU: vmapped convolutions "
+                     "run as grouped convolutions, many times slower than separate runs "
+                     "(benchmarks/ensemble_strategy.py); separate runs are faster here")
 
 
 def subset_indices(config, num_train: int, seed: int) -> np.ndarray | None:
@@ -74,25 +63,24 @@ def subset_indices(config, num_train: int, seed: int) -> np.ndarray | None:
   return np.sort(rng.choice(num_train, n, replace=False))
 
 
-def load_data(config, *, subset_train: bool = True):
-  """The dataset named in `config.data`, cut to the configured subsets.
+def load_data(config, seeds: list[int]):
+  """The data set of `config.data` and each seed's training subset (None: all examples).
 
-  With `subset_train=False` the whole training split is kept (several seeds
-  then pick their own subsets with `subset_indices`).
+  With one seed the subset is cut out of the loaded arrays (and None returned
+  for it); several seeds keep the whole training split and index into it.
   """
-  from alma_jax.data import images  # pylint: disable=g-import-not-at-top
   ds = images.load_image_dataset(config.data.name, data_dir=config.data.data_dir,
-                                 cache_dir=config.data.cache_dir,
-                                 use_cache=config.data.use_cache,
-                                 download=config.data.get("download", "auto"))
+                                 cache_dir=config.data.cache_dir, use_cache=config.data.use_cache,
+                                 download=config.data.download)
   changes = {}
-  sel = subset_indices(config, len(ds.train_y), config.seed) if subset_train else None
-  if sel is not None:
+  subsets = [subset_indices(config, len(ds.train_y), sd) for sd in seeds]
+  if len(seeds) == 1 and subsets[0] is not None:
+    sel, subsets = subsets[0], [None]
     changes.update(train_x=np.asarray(ds.train_x[sel]), train_y=np.asarray(ds.train_y[sel]))
   if config.data.test_subset:
     n = min(int(config.data.test_subset), len(ds.test_y))
     changes.update(test_x=np.asarray(ds.test_x[:n]), test_y=np.asarray(ds.test_y[:n]))
-  return dataclasses.replace(ds, **changes) if changes else ds
+  return (dataclasses.replace(ds, **changes) if changes else ds), subsets
 
 
 def _stage_sizes(stream, config) -> list[int]:
@@ -105,154 +93,10 @@ def _stage_sizes(stream, config) -> list[int]:
   return sizes
 
 
-def _log_estimate(trainer: Trainer, learner, stream, config) -> None:
-  """Logs an upper bound on the training time (all epochs, no early stop)."""
-  b = config.train.batch_size
-  steps = sum(-(-n // b) for n in _stage_sizes(stream, config)) * config.train.epochs
-  if steps < 5000:  # a short run: measuring would cost a noticeable part of it
-    return
-  per_step = trainer.seconds_per_step(learner)
-  est = per_step * steps
-  logging.info("estimated training time: at most %.0f s (%.1f h) for %d steps at %.4f s/step "
-               "(growing models get slower; early stopping shortens it)", est, est / 3600, steps,
-               per_step)
-
-
-# -- interruption ---------------------------------------------------------------------------
-class RunInterrupted(BaseException):
-  """SIGINT/SIGTERM stopped the run; `exit_code` is 128 + the signal number."""
-
-  def __init__(self, signum: int, last_checkpoint: int | None):
-    self.signum = signum
-    self.last_checkpoint = last_checkpoint
-    self.exit_code = 128 + signum
-    where = (f"the last checkpoint is t={last_checkpoint}" if last_checkpoint is not None
-             else "no checkpoint was written yet")
-    super().__init__(f"interrupted by {signal.Signals(signum).name}; {where}")
-
-
-class _Signals:
-  """SIGINT/SIGTERM handlers: raise at once, or after the current `critical()` section."""
-
-  def __init__(self):
-    self.pending: int | None = None
-    self.last_checkpoint: int | None = None
-    self._depth = 0
-    self._old = {}
-
-  def __enter__(self) -> "_Signals":
-    if threading.current_thread() is threading.main_thread():
-      for s in (signal.SIGINT, signal.SIGTERM):
-        self._old[s] = signal.signal(s, self._handle)
-    return self
-
-  def __exit__(self, *exc) -> None:
-    for s, handler in self._old.items():
-      signal.signal(s, handler)
-
-  def _handle(self, signum, frame) -> None:
-    del frame
-    if self.pending is None:
-      self.pending = signum
-    if self._depth == 0:
-      raise RunInterrupted(self.pending, self.last_checkpoint)
-
-  @contextlib.contextmanager
-  def critical(self):
-    """A section (a write) that a signal does not interrupt; it acts after it."""
-    self._depth += 1
-    try:
-      yield
-    finally:
-      self._depth -= 1
-    if self._depth == 0 and self.pending is not None:
-      raise RunInterrupted(self.pending, self.last_checkpoint)
-
-
-def _kill_point(point: str, t: int | None = None) -> None:
-  """The testing hook described in the module docstring."""
-  spec = os.environ.get("ALMA_JAX_TEST_KILL_AT")
-  if spec and (point if t is None else f"t={t}:{point}") in spec.split(","):
-    os.kill(os.getpid(), getattr(signal, os.environ.get("ALMA_JAX_TEST_KILL_SIGNAL", "SIGKILL")))
-
-
-# -- the workdir ------------------------------------------------------------------------------
-def _has_progress(workdir: str) -> bool:
-  """Whether `workdir` holds records, checkpoints or a summary of a run."""
-  ckpt_dir, log = os.path.join(workdir, CHECKPOINT_DIR), os.path.join(workdir, LOG_FILE)
-  return (os.path.exists(os.path.join(workdir, SUMMARY_FILE))
-          or (os.path.exists(log) and os.path.getsize(log) > 0)
-          or (os.path.isdir(ckpt_dir) and any(n[:1].isdigit() for n in os.listdir(ckpt_dir))))
-
-
-def _clear_outputs(workdir: str) -> None:
-  """Removes the run outputs from `workdir` (nothing else in it)."""
-  seed_dirs = [n for n in os.listdir(workdir) if n.startswith(SEED_DIR_PREFIX)]
-  for name in (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, ARCH_FILE, CHECKPOINT_DIR, CORRUPT_DIR,
-               *seed_dirs):
-    path = os.path.join(workdir, name)
-    if os.path.isdir(path):
-      shutil.rmtree(path)
-    elif os.path.exists(path):
-      os.unlink(path)
-  logging.warning("--overwrite: removed the previous run's outputs from %s", workdir)
-
-
-def sync_architecture_log(workdir: str, last_t: int) -> None:
-  """Keeps the lines of `ARCH_FILE` up to `last_t` (what a resumed run has done)."""
-  path = os.path.join(workdir, ARCH_FILE)
-  kept = [r for r in io_utils.read_jsonl(path) if r["t"] <= last_t] if os.path.exists(path) else []
-  io_utils.write_jsonl_atomic(path, kept)
-
-
-def _target_builder(method, tx, mesh, key, lift=lambda f: f):
-  """(structure, has_opt_state) -> the abstract checkpoint state, replicated on `mesh`.
-
-  `lift` maps a function of one key to the function of `key` that builds the
-  state (`jax.vmap` for the stacked learners of several seeds).
-  """
-  replicated = sharding.replicated(mesh)
-
-  def build(structure, has_opt_state):
-    learner = jax.eval_shape(lift(lambda k: method.init(k, structure)), key)
-    if learner.structure != structure:
-      raise ckpt_lib.IncompatibleCheckpointError(
-          f"method {method.name!r} rebuilds structure {learner.structure!r} from the "
-          f"checkpoint's structure {structure!r}")
-    tree = {"params": learner.params, "model_state": learner.model_state,
-            "key": jax.eval_shape(lift(jax.random.key_data), key)}
-    if has_opt_state:
-      tree["opt_state"] = jax.eval_shape(
-          lift(lambda k: tx.init(method.partition(method.init(k, structure))[0])), key)
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
-                        tree)
-
-  return build
-
-
-def _config_checker(config):
-  current = validation.config_dict(config)
-
-  def check(extra):
-    diffs = validation.config_diff(extra.get("config", current), current)
-    if diffs:
-      raise ckpt_lib.IncompatibleCheckpointError(
-          f"the checkpoints were written by a different config: {'; '.join(diffs)}; pass "
-          "--overwrite to discard them")
-
-  return check
-
-
-def _compiled_keys(trainer: Trainer) -> set[str]:
-  return {json.dumps(ckpt_lib.structure_to_json(k)) for k in trainer.compiled}
-
-
 def _should_checkpoint(config, t: int, trained: bool, last: int) -> bool:
-  every = int(config.checkpoint.get("every", 1))
-  return t in (0, last) or (trained and (t // config.stream.wait) % every == 0)
+  return t in (0, last) or (trained and (t // config.stream.wait) % config.checkpoint.every == 0)
 
 
-# -- the run ----------------------------------------------------------------------------------
 def run(config, workdir: str, *, overwrite: bool = False,
         startup_s: float | None = None) -> dict[str, Any]:
   """Runs (or resumes) one ALMA stream; writes config.json, log.jsonl, summary.json.
@@ -265,177 +109,331 @@ def run(config, workdir: str, *, overwrite: bool = False,
     startup_s: seconds the process spent before this call (interpreter and
       imports), reported in the summary's timing breakdown.
 
+  Returns:
+    The summary (with S > 1: the mean and standard deviation over the seeds).
+
   Raises:
     ValueError: invalid config, data, workdir or checkpoints (nothing is
       written then).
     DivergenceError: non-finite training loss (the checkpoints stay intact).
     RunInterrupted: SIGINT or SIGTERM.
   """
-  validation.validate(config)
-  validation.check_workdir(workdir)
+  config = validation.validate(config)
+  wd.check_writable(workdir)
   if not overwrite:
-    validation.check_resume(workdir, config, _has_progress(workdir))
-  with _Signals() as signals:
-    if int(config.get("num_seeds", 1)) > 1:
-      from alma_jax import seeds  # pylint: disable=g-import-not-at-top
-      return seeds.run_seeds(config, workdir, overwrite, signals, startup_s)
-    return _run(config, workdir, overwrite, signals, startup_s)
+    wd.check_resume(workdir, config)
+  with interrupts.Signals() as signals:
+    loop = _Loop(config, workdir, signals, startup_s)
+    try:
+      return loop.run(overwrite)
+    finally:
+      loop.close()
 
 
-def _run(config, workdir: str, overwrite: bool, signals: _Signals,
-         startup_s: float | None) -> dict[str, Any]:
-  t_start = time.monotonic()
-  timer = timing.Breakdown()
-  log_path = os.path.join(workdir, LOG_FILE)
+class _Loop:
+  """One run's stream loop; each method is one step of Algorithm 1."""
 
-  # -- data, stream, method ------------------------------------------------------------------
-  with timer("data_s"):
-    mesh = sharding.make_mesh(config.mesh.num_devices)
-    ds = load_data(config)
-    stream = stream_lib.make_stream(len(ds.train_y), config.stream.num_megabatches,
-                                    config.stream.val_fraction, config.seed)
-    validation.validate_data(config, len(ds.train_y), stream)
-    method = validation.make_method(config, ds.train_x.shape[1:], ds.num_classes)
-    data = put_dataset(mesh, ds)
-  logging.info("data %s: %d train / %d test examples, B=%d mega-batches of ~%d, wait=%d, replay=%.2f",
-               config.data.name, len(ds.train_y), len(ds.test_y), stream.num_megabatches,
-               len(stream.train[0]) + len(stream.val[0]), config.stream.wait, config.stream.replay)
-  trainer = Trainer(method, config, data, mesh)
-  key = jax.random.key(config.seed)
-  num_t = stream.num_megabatches
+  def __init__(self, config, workdir: str, signals: interrupts.Signals, startup_s):
+    self.config, self.workdir, self.signals, self.startup_s = config, workdir, signals, startup_s
+    self.t_start, self.timer = time.monotonic(), timing.Breakdown()
+    self.seeds = [int(config.seed) + i for i in range(int(config.num_seeds))]
+    self.out_dirs = ([workdir] if len(self.seeds) == 1
+                     else [wd.seed_dir(workdir, sd) for sd in self.seeds])
+    self.ckpt = None
+    self.elapsed_before, self.compiled_before = 0.0, set()
+    self._flop_cache: dict = {}
+    with self.timer("data_s"):
+      self._setup()
+
+  # -- data, streams, method, compiled steps --------------------------------------------------
+  def _setup(self) -> None:
+    c, s = self.config, self.config.stream
+    self.mesh = sharding.make_mesh(c.mesh.num_devices)
+    ds, self.subsets = load_data(c, self.seeds)
+    n_train = len(ds.train_y) if self.subsets[0] is None else len(self.subsets[0])
+    self.streams = [stream_lib.make_stream(n_train, s.num_megabatches, s.val_fraction, sd)
+                    for sd in self.seeds]
+    validation.validate_data(c, n_train, self.streams[0])
+    self.method = methods.make(c, ds.train_x.shape[1:], ds.num_classes)
+    self.steps = Steps.from_config(c, self.method, image_task.ImageTask.from_config(c),
+                                   make_optimizer(c.optimizer), image_task.device_data(ds),
+                                   self.mesh)
+    self.keys = population.keys(self.seeds)
+    self.num_t = s.num_megabatches
+    logging.info("data %s: %d train / %d test examples, B=%d mega-batches of ~%d, wait=%d, "
+                 "replay=%.2f, seeds %s", c.data.name, n_train, len(ds.test_y), self.num_t,
+                 len(self.streams[0].train[0]) + len(self.streams[0].val[0]), s.wait, s.replay,
+                 self.seeds)
+    if (len(self.seeds) > 1 and jax.default_backend() == "cpu"
+        and c.model.name in ("vgg",)):
+      logging.warning(VGG_SEEDS_WARNING, len(self.seeds), c.model.name)
+
+  def _to_train_split(self, i: int, idx: np.ndarray) -> np.ndarray:
+    sub = self.subsets[i]
+    return idx if sub is None else sub[idx].astype(np.int32)
+
+  def close(self) -> None:
+    if self.ckpt is not None:
+      self.ckpt.close()
+
+  def elapsed(self) -> float:
+    return self.elapsed_before + time.monotonic() - self.t_start
 
   # -- outputs: start afresh or resume ---------------------------------------------------------
-  ckpt = None
-  try:
-    with signals.critical():
+  def _target_builder(self):
+    """(structure, has_opt_state) -> the abstract stacked checkpoint state, replicated."""
+    method, tx, keys = self.method, self.steps.tx, self.keys
+    replicated = sharding.replicated(self.mesh)
+
+    def build(structure, has_opt_state):
+      learner = jax.eval_shape(jax.vmap(lambda k: method.init(k, structure)), keys)
+      if learner.structure != structure:
+        raise ckpt_lib.IncompatibleCheckpointError(
+            f"method {method.name!r} rebuilds structure {learner.structure!r} from the "
+            f"checkpoint's structure {structure!r}")
+      tree = {"params": learner.params, "model_state": learner.model_state,
+              "key": jax.eval_shape(jax.vmap(jax.random.key_data), keys)}
+      if has_opt_state:
+        tree["opt_state"] = jax.eval_shape(
+            jax.vmap(lambda k: tx.init(method.partition(method.init(k, structure))[0])), keys)
+      return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
+                          tree)
+
+    return build
+
+  def _check_saved_config(self, extra: dict) -> None:
+    current = wd.config_dict(self.config)
+    diffs = wd.config_diff(extra.get("config", current), current)
+    if diffs:
+      raise ckpt_lib.IncompatibleCheckpointError(
+          f"the checkpoints were written by a different config: {'; '.join(diffs)}; pass "
+          "--overwrite to discard them")
+
+  def _restore(self):
+    """The latest readable checkpoint (None: start afresh) and each seed's records in it."""
+    c = self.config
+    if not c.checkpoint.enabled:
+      return None, [[] for _ in self.seeds]
+    self.ckpt = ckpt_lib.Checkpointer(os.path.join(self.workdir, wd.CHECKPOINT_DIR),
+                                      c.checkpoint.max_to_keep)
+    snap = self.ckpt.restore_latest(self._target_builder(),
+                                    quarantine_dir=os.path.join(self.workdir, wd.CORRUPT_DIR),
+                                    check_extra=self._check_saved_config)
+    if snap is None:
+      return None, [[] for _ in self.seeds]
+    if len(snap.records) != snap.t + 1:
+      raise ckpt_lib.CheckpointError(f"checkpoint step {snap.t} holds {len(snap.records)} time "
+                                     f"steps; expected {snap.t + 1}")
+    return snap, [[Record.from_dict(r["seeds"][i]) for r in snap.records]
+                  for i in range(len(self.seeds))]
+
+  def _open_outputs(self, overwrite: bool):
+    """Restores (or starts) the run and rewrites its outputs to match; returns the snapshot."""
+    with self.signals.critical():
       if overwrite:
-        _clear_outputs(workdir)
-      snap = None
-      if config.checkpoint.enabled:
-        ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, CHECKPOINT_DIR),
-                                     config.checkpoint.max_to_keep)
-        snap = ckpt.restore_latest(_target_builder(method, trainer.tx, mesh, key),
-                                   quarantine_dir=os.path.join(workdir, CORRUPT_DIR),
-                                   check_extra=_config_checker(config))
-      records = [] if snap is None else [Record.from_dict(r) for r in snap.records]
-      if snap is not None and len(records) != snap.t + 1:
-        raise ckpt_lib.CheckpointError(f"checkpoint step {snap.t} holds {len(records)} records; "
-                                       f"expected {snap.t + 1}")
-      io_utils.write_json_atomic(os.path.join(workdir, CONFIG_FILE), validation.config_dict(config))
-      io_utils.write_jsonl_atomic(log_path, [r.to_dict() for r in records])
-      sync_architecture_log(workdir, len(records) - 1)
-      if (snap is None or snap.t < num_t) and os.path.exists(os.path.join(workdir, SUMMARY_FILE)):
-        os.unlink(os.path.join(workdir, SUMMARY_FILE))
-    return _loop(config, workdir, signals, ckpt, snap, records, stream, method, trainer, key,
-                 timer, t_start, startup_s)
-  finally:
-    if ckpt is not None:
-      ckpt.close()
+        wd.clear_outputs(self.workdir)
+      snap, records = self._restore()
+      io_utils.write_json_atomic(os.path.join(self.workdir, wd.CONFIG_FILE),
+                                 wd.config_dict(self.config))
+      for out, sd, recs in zip(self.out_dirs, self.seeds, records):
+        os.makedirs(out, exist_ok=True)
+        if out != self.workdir:
+          io_utils.write_json_atomic(os.path.join(out, wd.CONFIG_FILE),
+                                     wd.config_dict(_seed_config(self.config, sd)))
+        io_utils.write_jsonl_atomic(os.path.join(out, wd.LOG_FILE), [r.to_dict() for r in recs])
+      wd.sync_architecture_log(self.workdir, len(records[0]) - 1)
+      if snap is None or snap.t < self.num_t:
+        for path in {self.workdir, *self.out_dirs}:
+          if os.path.exists(os.path.join(path, wd.SUMMARY_FILE)):
+            os.unlink(os.path.join(path, wd.SUMMARY_FILE))
+    self.logs = [Log.from_records(r) for r in records]
+    return snap
 
+  def _start(self, snap):
+    """(learner, optimizer state, last test errors) to continue from."""
+    if snap is None:
+      learner = population.stack([self.method.init(jax.random.fold_in(k, 0))
+                                  for k in self.keys])
+      if jax.default_backend() == "cpu":
+        with self.timer("train_s"):  # compiles the train step the first stage will use
+          self._log_estimate(learner)
+      return learner, None, None
+    self.compiled_before = set(snap.extra.get("compiled", []))
+    self.elapsed_before = float(snap.extra.get("elapsed_s", 0.0))
+    self.timer.add(snap.extra.get("timings", {}))
+    self.signals.last_checkpoint = snap.t
+    logging.info("resuming %s after t=%d/%d (its last complete checkpoint)", self.workdir, snap.t,
+                 self.num_t)
+    opt_state = snap.opt_state if self.config.train.keep_optimizer_state else None
+    return snap.learner, opt_state, np.asarray([log.records[-1].test_error for log in self.logs])
 
-def _loop(config, workdir, signals, ckpt, snap, records, stream, method, trainer, key, timer,
-          t_start, startup_s) -> dict[str, Any]:
-  log_path = os.path.join(workdir, LOG_FILE)
-  num_t = stream.num_megabatches
-  log = Log.from_records(records)
-  compiled_before: set[str] = set()
-  elapsed_before = 0.0
-  opt_state = None
-  last_error = None
-  if snap is None:
-    learner = method.init(jax.random.fold_in(key, 0))
-    if jax.default_backend() == "cpu":
-      with timer("train_s"):  # compiles the train step the first stage will use
-        _log_estimate(trainer, learner, stream, config)
-  else:
-    learner, last_error = snap.learner, records[-1].test_error
-    opt_state = snap.opt_state if config.train.keep_optimizer_state else None
-    compiled_before = set(snap.extra.get("compiled", []))
-    elapsed_before = float(snap.extra.get("elapsed_s", 0.0))
-    timer.add(snap.extra.get("timings", {}))
-    signals.last_checkpoint = snap.t
-    logging.info("resuming %s after t=%d/%d (its last complete checkpoint)", workdir, snap.t, num_t)
+  def _log_estimate(self, learner) -> None:
+    """Logs an upper bound on the training time (all epochs, no early stop)."""
+    b = self.config.train.batch_size
+    n = sum(-(-m // b) for m in _stage_sizes(self.streams[0], self.config))
+    total = n * self.config.train.epochs
+    if total < 5000:  # a short run: measuring would cost a noticeable part of it
+      return
+    per_step = self.steps.seconds_per_step(learner)
+    est = per_step * total
+    logging.info("estimated training time: at most %.0f s (%.1f h) for %d steps at %.4f s/step "
+                 "(growing models get slower; early stopping shortens it)", est, est / 3600,
+                 total, per_step)
 
-  def elapsed():
-    return elapsed_before + time.monotonic() - t_start
-
-  for t in range(len(records), num_t + 1):
-    t_step = time.monotonic()
-    trained = t > 0 and schedule.is_training_time(t, config.stream.wait)
-    flops = trainer.flops(learner)
-    train_flops = train_fwd = 0.0
-
-    # -- one stage -------------------------------------------------------------------------------
-    if trained:
-      stage = schedule.stage_data(stream, t, config.stream.wait, config.stream.replay, config.seed)
-      skey = jax.random.fold_in(key, t)
-      ctx = StageContext(t=t, train_idx=stage.train, val_idx=stage.val, trainer=trainer)
-      if config.stream.init_from_scratch:
-        learner = method.reinit(learner, jax.random.fold_in(skey, 1))
-        opt_state = None
-      learner = method.before_stage(learner, jax.random.fold_in(skey, 2), ctx)
-      if not config.train.keep_optimizer_state:
-        opt_state = None
-      flops = trainer.flops(learner)
-      _kill_point("stage", t)
-
-      def progress(msg, t=t):
-        logging.info(msg)
-        _kill_point("epoch", t)
-
-      learner, opt_state, stats = trainer.fit_stage(
-          learner, stage.train, stage.val, jax.random.fold_in(skey, 3), t=t, opt_state=opt_state,
-          progress=progress)
-      if stats.diverged:
-        logging.warning("stage t=%d diverged; continuing with its best epoch (%d)", t,
-                        stats.best_epoch)
-      train_flops = flops["train_step"] * stats.steps_run
-      train_fwd = flops["train_step_forward"] * stats.steps_run
-      timer.add({"train_s": stats.train_s, "eval_s": stats.eval_s})
-      learner = method.after_stage(learner, jax.random.fold_in(skey, 4), ctx)
-      flops = trainer.flops(learner)
-
-    # -- evaluate, log, checkpoint -----------------------------------------------------------------
-    if last_error is None or trained:  # an unchanged model is not re-evaluated
-      with timer("eval_s"):
-        last_error = trainer.test_error(learner)
-    rec = Record(t=t, test_error=last_error, num_params=method.num_params(learner),
-                 train_flops=train_flops, train_flops_forward=train_fwd,
-                 inference_flops_per_example=flops["inference_per_example"], trained=trained,
-                 wall_s=time.monotonic() - t_step)
-    log = log.append(rec)
-    with timer("io_s"), signals.critical():
-      io_utils.append_jsonl(log_path, rec.to_dict())
+  # -- the stream ---------------------------------------------------------------------------------
+  def run(self, overwrite: bool) -> dict[str, Any]:
+    snap = self._open_outputs(overwrite)
+    learner, opt_state, errors = self._start(snap)
+    for t in range(len(self.logs[0].records), self.num_t + 1):
+      t_step = time.monotonic()
+      trained = t > 0 and schedule.is_training_time(t, self.config.stream.wait)
+      spent, stats = (np.zeros(len(self.seeds)), np.zeros(len(self.seeds))), None
       if trained:
-        arch = method.describe(learner)
-        io_utils.append_jsonl(os.path.join(workdir, ARCH_FILE), {"t": t, **arch})
-      _kill_point("log", t)
-      if ckpt is not None and _should_checkpoint(config, t, trained, num_t):
-        extra = {"compiled": sorted(compiled_before | _compiled_keys(trainer)),
-                 "elapsed_s": elapsed(), "timings": timer.as_dict(),
-                 "config": validation.config_dict(config)}
-        # The optimizer state is part of the state only when stages share it.
-        kept = opt_state if config.train.keep_optimizer_state else None
-        ckpt.start_save(t, learner, kept, jax.random.key_data(jax.random.fold_in(key, t)),
-                        [r.to_dict() for r in log.records], extra)
-        _kill_point("checkpoint", t)
-        ckpt.wait()
-        signals.last_checkpoint = t
-        _kill_point("saved", t)
-    if trained:
-      logging.info("t=%d/%d epochs=%d best_val_acc=%.4f test_error=%.4f %s elapsed=%.1fs", t,
-                   num_t, stats.epochs_run, stats.best_val_accuracy, last_error,
-                   json.dumps(arch), elapsed())
+        learner, opt_state, stats, spent = self._stage(t, learner, opt_state)
+      if errors is None or trained:  # an unchanged model is not re-evaluated
+        with self.timer("eval_s"):
+          acc, _ = self.steps.evaluate(learner, "test",
+                                       np.arange(self.steps.data.size("test"), dtype=np.int32))
+          errors = 1.0 - acc
+      self._record(t, learner, errors, spent, trained, time.monotonic() - t_step)
+      self._save(t, learner, opt_state, trained)
+      if trained:
+        self._report(t, stats, errors, learner)
+    return self._summarise()
 
-  # -- summary ---------------------------------------------------------------------------------
-  summary = log.summary()
-  summary["wall_s"] = elapsed()
-  summary["timings"] = timer.report(summary["wall_s"], startup_s)
-  summary["num_compilations"] = len(compiled_before | _compiled_keys(trainer))
-  _kill_point("summary")
-  with signals.critical():
-    io_utils.write_json_atomic(os.path.join(workdir, SUMMARY_FILE), summary)
-  logging.info("done: CER=%.4f mean_error=%.4f final_error=%.4f Mem=%d Comp=%.3e wall=%.1fs",
-               summary["cer"], summary["mean_error"], summary["final_error"], summary["mem"],
-               summary["comp"], summary["wall_s"])
-  return summary
+  def _contexts(self, t: int) -> list[methods.StageContext]:
+    s = self.config.stream
+    stage = t // s.wait
+    out = []
+    for i, sd in enumerate(self.seeds):
+      data = schedule.stage_data(self.streams[i], t, s.wait, s.replay, sd)
+      out.append(methods.StageContext(
+          t=t, stage=stage, is_first=stage == 1, train_idx=self._to_train_split(i, data.train),
+          val_idx=self._to_train_split(i, data.val), reduce=self.steps.reduce))
+    return out
+
+  def _each(self, fn, learner, keys, contexts):
+    """Applies `fn(learner_i, key_i, ctx_i)` to every member and restacks the population."""
+    return population.stack([fn(l, keys[i], contexts[i])
+                             for i, l in enumerate(population.members(learner))])
+
+  def _stage(self, t: int, learner, opt_state):
+    """Growth, one training stage and growth after it.
+
+    Returns (learner, opt_state, stats, (train FLOPs, forward FLOPs) per member).
+    """
+    c, method = self.config, self.method
+    contexts = self._contexts(t)
+    skeys = population.fold(self.keys, t)
+    if c.stream.init_from_scratch:
+      learner = self._each(lambda l, k, _: method.reinit(l, k), learner,
+                           population.fold(skeys, 1), contexts)
+      opt_state = None
+    learner = self._each(method.before_stage, learner, population.fold(skeys, 2), contexts)
+    if not c.train.keep_optimizer_state:
+      opt_state = None
+    kill_point("stage", t)
+
+    def progress(msg):
+      logging.info(msg)
+      kill_point("epoch", t)
+
+    learner, opt_state, stats = train.fit_stage(
+        self.steps, learner, np.stack([x.train_idx for x in contexts]),
+        np.stack([x.val_idx for x in contexts]), population.fold(skeys, 3), t=t,
+        opt_state=opt_state, progress=progress, labels=self.seeds)
+    if stats.diverged.any():
+      logging.warning("stage t=%d diverged; continuing with its best epoch (%s)", t,
+                      ", ".join(str(e) for e in stats.best_epoch))
+    self.timer.add({"train_s": stats.train_s, "eval_s": stats.eval_s})
+    flops = self._flops(population.unstack(learner, 0))  # of the structure that trained
+    spent = (flops["train_step"] * stats.steps_run, flops["train_step_forward"] * stats.steps_run)
+    learner = self._each(method.after_stage, learner, population.fold(skeys, 4), contexts)
+    return learner, opt_state, stats, spent
+
+  # -- evaluate, log, checkpoint --------------------------------------------------------------------
+  def _record(self, t, learner, errors, spent, trained, wall_s) -> None:
+    first = population.unstack(learner, 0)
+    flops = self._flops(first)
+    num_params = self.method.num_params(first)
+    records = [Record(t=t, test_error=float(errors[i]), num_params=num_params,
+                      train_flops=float(spent[0][i]), train_flops_forward=float(spent[1][i]),
+                      inference_flops_per_example=flops["inference_per_example"],
+                      trained=trained, wall_s=wall_s) for i in range(len(self.seeds))]
+    self.logs = [log.append(r) for log, r in zip(self.logs, records)]
+    with self.timer("io_s"), self.signals.critical():
+      for out, r in zip(self.out_dirs, records):
+        io_utils.append_jsonl(os.path.join(out, wd.LOG_FILE), r.to_dict())
+      if trained:
+        io_utils.append_jsonl(os.path.join(self.workdir, wd.ARCH_FILE),
+                              {"t": t, **self.method.describe(first)})
+      kill_point("log", t)
+
+  def _flops(self, learner) -> dict[str, float]:
+    if learner.structure not in self._flop_cache:
+      self._flop_cache[learner.structure] = self.steps.flops(learner)
+    return self._flop_cache[learner.structure]
+
+  def _compiled_names(self) -> set[str]:
+    return self.compiled_before | {json.dumps(ckpt_lib.structure_to_json(k))
+                                   for k in self.steps.compiled}
+
+  def _save(self, t: int, learner, opt_state, trained: bool) -> None:
+    if self.ckpt is None or not _should_checkpoint(self.config, t, trained, self.num_t):
+      return
+    with self.timer("io_s"), self.signals.critical():
+      extra = {"compiled": sorted(self._compiled_names()), "elapsed_s": self.elapsed(),
+               "timings": self.timer.as_dict(), "config": wd.config_dict(self.config)}
+      # The optimizer state is part of the state only when stages share it.
+      kept = opt_state if self.config.train.keep_optimizer_state else None
+      records = [{"t": j, "seeds": [log.records[j].to_dict() for log in self.logs]}
+                 for j in range(t + 1)]
+      self.ckpt.start_save(t, learner, kept,
+                           jax.random.key_data(population.fold(self.keys, t)), records, extra)
+      kill_point("checkpoint", t)
+      self.ckpt.wait()
+      self.signals.last_checkpoint = t
+      kill_point("saved", t)
+
+  def _report(self, t: int, stats, errors, learner) -> None:
+    arch = json.dumps(self.method.describe(population.unstack(learner, 0)))
+    if len(self.seeds) == 1:
+      logging.info("t=%d/%d epochs=%d best_val_acc=%.4f test_error=%.4f %s elapsed=%.1fs", t,
+                   self.num_t, stats.epochs_run[0], stats.best_val_accuracy[0], errors[0], arch,
+                   self.elapsed())
+    else:
+      logging.info("t=%d/%d seeds=%d epochs=%s test_error=%.4f±%.4f %s elapsed=%.1fs", t,
+                   self.num_t, len(self.seeds), stats.epochs_run.tolist(), float(np.mean(errors)),
+                   float(np.std(errors)), arch, self.elapsed())
+
+  # -- summary -----------------------------------------------------------------------------------
+  def _summarise(self) -> dict[str, Any]:
+    wall_s = self.elapsed()
+    per_seed = [dict(log.summary(), wall_s=wall_s) for log in self.logs]
+    extra = {"timings": self.timer.report(wall_s, self.startup_s),
+             "num_compilations": len(self._compiled_names())}
+    if len(self.seeds) == 1:
+      top = dict(per_seed[0], **extra)
+    else:
+      top = dict(population.mean_summary(per_seed), seeds=self.seeds, num_seeds=len(self.seeds),
+                 per_seed=per_seed, wall_s=wall_s, **extra)
+      top.pop("wall_s_std")
+    kill_point("summary")
+    with self.signals.critical():
+      if len(self.seeds) > 1:
+        for out, summary in zip(self.out_dirs, per_seed):
+          io_utils.write_json_atomic(os.path.join(out, wd.SUMMARY_FILE), summary)
+      io_utils.write_json_atomic(os.path.join(self.workdir, wd.SUMMARY_FILE), top)
+    logging.info("done: %d seed(s), CER=%.4f mean_error=%.4f final_error=%.4f Mem=%d Comp=%.3e "
+                 "wall=%.1fs", len(self.seeds), top["cer"], top["mean_error"], top["final_error"],
+                 top["mem"], top["comp"], wall_s)
+    return top
+
+
+def _seed_config(config, seed: int):
+  """The config of a separate run of `seed` (what its seed directory records)."""
+  c = config.copy_and_resolve_references()
+  with c.unlocked():
+    c.seed = seed
+    c.num_seeds = 1
+  return c

@@ -14,6 +14,5 @@ from alma_jax import config_lib
 
 
 def get_config(arg=None):
-  c = config_lib.base_config("cifar10")
-  c.method.name = "sm"
+  c = config_lib.base_config("cifar10", "sm")
   return config_lib.apply_variant(c, arg)

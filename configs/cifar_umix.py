@@ -19,8 +19,5 @@ from alma_jax import config_lib
 
 
 def get_config(arg=None):
-  c = config_lib.base_config("cifar10")
-  c.method.name = "umix"
-  c.method.num_members = 5
-  c.method.strategy = "auto"
+  c = config_lib.base_config("cifar10", "umix")
   return config_lib.apply_variant(c, arg)

@@ -20,10 +20,5 @@ from alma_jax import config_lib
 
 
 def get_config(arg=None):
-  c = config_lib.base_config("mnist")
-  c.method.name = "gens"
-  c.method.initial_members = 1
-  c.method.grow_by = 1
-  c.method.new_member = "fresh"  # paper's text; "copy": the released code
-  c.method.strategy = "auto"
+  c = config_lib.base_config("mnist", "gens")
   return config_lib.apply_variant(c, arg)

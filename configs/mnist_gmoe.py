@@ -24,14 +24,5 @@ from alma_jax import config_lib
 
 
 def get_config(arg=None):
-  c = config_lib.base_config("mnist")
-  c.method.name = "gmoe"
-  c.method.gating = "soft"  # or "hard"
-  c.method.tree = True  # False: one flat softmax gate over all experts
-  c.method.grow = True  # False: a fixed MoE with initial_experts experts per layer
-  c.method.initial_experts = 1  # paper: 1; released code: 2
-  c.method.grow_every = 1  # grow after every this many training stages
-  c.method.split_by = "loss"  # paper: "loss"; released code: "usage"
-  c.method.gate_pool = 4  # VGG only: a block's gate sees its input average-pooled to 4x4
-  c.method.max_experts = 0  # stop splitting a layer at this many experts (0: no limit)
+  c = config_lib.base_config("mnist", "gmoe")
   return config_lib.apply_variant(c, arg)

@@ -1,4 +1,4 @@
-"""Small synthetic data sets and trainers shared by the tests."""
+"""Small synthetic data sets, configs and compiled steps shared by the tests."""
 
 from __future__ import annotations
 
@@ -9,8 +9,13 @@ import numpy as np
 
 from alma_jax import config_lib
 from alma_jax import methods
+from alma_jax import population
 from alma_jax import sharding
-from alma_jax.train import Trainer, put_dataset
+from alma_jax import validation
+from alma_jax.methods.base import StageContext
+from alma_jax.optim import make_optimizer
+from alma_jax.steps import Steps
+from alma_jax.tasks import images as image_task
 
 
 def synthetic_dataset(n_train=512, n_test=128, shape=(28, 28, 1), num_classes=10, seed=0,
@@ -35,8 +40,7 @@ def synthetic_dataset(n_train=512, n_test=128, shape=(28, 28, 1), num_classes=10
 
 
 def small_config(dataset="mnist", method="sm", width=8, **train):
-  c = config_lib.base_config(dataset)
-  c.method.name = method
+  c = config_lib.base_config(dataset, method)
   c.model.width = width
   c.train.epochs = 2
   c.train.patience = 2
@@ -46,12 +50,35 @@ def small_config(dataset="mnist", method="sm", width=8, **train):
   return c
 
 
-def make_trainer(config, ds, num_devices=1):
+def make_steps(config, ds, num_devices=1):
+  """(method, Steps) of `config` on data set `ds` (a `synthetic_dataset`)."""
+  config = validation.complete(config)
   mesh = sharding.make_mesh(num_devices)
-  data = put_dataset(mesh, ds)
-  method = methods.get(config.method.name)(config, data.input_shape, ds.num_classes)
-  return method, Trainer(method, config, data, mesh)
+  method = methods.make(config, ds.train_x.shape[1:], ds.num_classes)
+  steps = Steps.from_config(config, method, image_task.ImageTask.from_config(config),
+                            make_optimizer(config.optimizer), image_task.device_data(ds), mesh)
+  return method, steps
 
 
 def init(method, seed=0):
   return method.init(jax.random.key(seed))
+
+
+def evaluate(steps, learner, idx, split="train"):
+  """Accuracy of one (unstacked) learner on examples `idx` of `split`."""
+  acc, _ = steps.evaluate(population.stack([learner]), split, np.asarray(idx, np.int32))
+  return float(acc[0])
+
+
+def test_error(steps, learner):
+  return 1.0 - evaluate(steps, learner, np.arange(steps.data.size("test")), "test")
+
+
+def context(t, stage=None, steps=None, train_idx=None, val_idx=None):
+  """A stage context of time step `t` (stage number `stage`, default t)."""
+  stage = t if stage is None else stage
+  empty = np.zeros((0,), np.int32)
+  return StageContext(t=t, stage=stage, is_first=stage == 1,
+                      train_idx=empty if train_idx is None else train_idx,
+                      val_idx=empty if val_idx is None else val_idx,
+                      reduce=None if steps is None else steps.reduce)

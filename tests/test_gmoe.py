@@ -1,4 +1,4 @@
-"""Tests of the growing mixture of experts (alma_jax/methods/gmoe.py, models/moe.py, growth_moe.py, surgery.split_expert)."""
+"""Tests of the growing mixture of experts (alma_jax/methods/gmoe.py with split_expert, models/moe.py)."""
 
 import functools
 import os
@@ -9,14 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from alma_jax import growth_moe
-from alma_jax import surgery
+from alma_jax import methods
+from alma_jax import steps as steps_lib
 from alma_jax import train
-from alma_jax import validation
+from alma_jax.errors import ConfigError
 from alma_jax.methods import base
 from alma_jax.methods import gmoe
 from alma_jax.models import moe
-from alma_jax.run import StageContext
 from tests import helpers
 from tests.conftest import requires_mnist
 
@@ -82,9 +81,9 @@ def loss_and_predictions(method, learner, x, y, mask, rng):
 
 def grow_twice(learner):
   """Splits leaf 1 of layer 0, then the new expert 2 of layer 0 and leaf 0 of layer 1."""
-  learner = surgery.split_expert(learner, 0, 1, jax.random.key(11))
-  learner = surgery.split_expert(learner, 0, 2, jax.random.key(12))
-  return surgery.split_expert(learner, 1, 0, jax.random.key(13))
+  learner = gmoe.split_expert(learner, 0, 1, jax.random.key(11))
+  learner = gmoe.split_expert(learner, 0, 2, jax.random.key(12))
+  return gmoe.split_expert(learner, 1, 0, jax.random.key(13))
 
 
 # -- trees and gates ----------------------------------------------------------------------
@@ -176,9 +175,9 @@ def test_vgg_split_preserves_function_and_batch_stats():
   learner = method.init(jax.random.key(0))
   assert gmoe.experts_per_layer(learner.structure) == [1, 1, 1, 1]
   x, y, mask = batch(CIFAR, n=4)
-  grown = surgery.split_expert(learner, 1, 0, jax.random.key(1))
-  grown = surgery.split_expert(grown, 3, 0, jax.random.key(3))  # its gate pools 2x2 maps
-  grown = surgery.split_expert(randomize_gates(grown, jax.random.key(9)), 1, 1,
+  grown = gmoe.split_expert(learner, 1, 0, jax.random.key(1))
+  grown = gmoe.split_expert(grown, 3, 0, jax.random.key(3))  # its gate pools 2x2 maps
+  grown = gmoe.split_expert(randomize_gates(grown, jax.random.key(9)), 1, 1,
                                   jax.random.key(7))
   assert gmoe.experts_per_layer(grown.structure) == [1, 3, 1, 2]
   before = loss_and_predictions(method, learner, x, y, mask, jax.random.key(5))
@@ -203,7 +202,7 @@ def test_flat_gate_split_changes_the_function():
   assert learner.structure[0][1] == ("flat", 2)
   x, y, mask = batch()
   before = loss_and_predictions(method, learner, x, y, mask, jax.random.key(5))
-  grown = surgery.split_expert(learner, 0, 0, jax.random.key(3))
+  grown = gmoe.split_expert(learner, 0, 0, jax.random.key(3))
   assert grown.structure[0][1] == ("flat", 3)
   chex.assert_shape(grown.params["mix0"]["gate"]["kernel"], (784, 3))
   after = loss_and_predictions(method, grown, x, y, mask, jax.random.key(5))
@@ -214,7 +213,7 @@ def test_param_count_grows_by_one_expert_and_one_gate_per_split_layer():
   h = 4
   method = make_method(width=h)
   split = lambda l, layer: jax.eval_shape(  # shapes only: nothing to compile
-      lambda l: surgery.split_expert(l, layer, 0, jax.random.key(1)), l)
+      lambda l: gmoe.split_expert(l, layer, 0, jax.random.key(1)), l)
   learner = jax.eval_shape(method.init, jax.random.key(0))
   n0 = method.num_params(learner)
   assert n0 == (784 * h + h) + (h * h + h) + (h * 10 + 10)  # the SM network, no gate
@@ -235,12 +234,12 @@ def test_split_picks_the_arg_max_leaf_for_both_criteria():
                        [0.5, 0.5, 0.0]])
   losses = jnp.array([0.1, 0.2, 0.1, 5.0, 100.0])
   mask = jnp.array([True, True, True, True, False])  # the padded example does not count
-  usage = growth_moe.expert_scores(weights, losses, mask, "usage")
-  loss = growth_moe.expert_scores(weights, losses, mask, "loss")
+  usage = gmoe.expert_scores(weights, losses, mask, "usage")
+  loss = gmoe.expert_scores(weights, losses, mask, "loss")
   chex.assert_trees_all_close(usage, jnp.array([2.2, 0.5, 1.3]), atol=1e-6)
   chex.assert_trees_all_close(loss, jnp.array([0.78, 0.56, 4.06]), atol=1e-6)
-  assert growth_moe.losing_expert(usage) == 0
-  assert growth_moe.losing_expert(loss) == 2
+  assert gmoe.losing_expert(usage) == 0
+  assert gmoe.losing_expert(loss) == 2
   # The method splits the arg-max leaf of every layer.
   method = make_method(initial_experts=2)
   learner = method.init(jax.random.key(0))
@@ -257,22 +256,23 @@ def test_compiles_once_per_structure_and_grows_after_stages():
   c = helpers.small_config(method="gmoe", width=4, epochs=1)
   c.method.split_by = "usage"
   c.method.grow_every = 2
-  method, trainer = helpers.make_trainer(c, ds)
+  method, steps = helpers.make_steps(c, ds)
   # The train step traces the loss, evaluation traces predict: once per structure each.
   method.loss = chex.assert_max_traces(method.loss, n=2)
   method.predict = chex.assert_max_traces(method.predict, n=2)
   learner = helpers.init(method)
   train_idx, val_idx = np.arange(150, dtype=np.int32), np.arange(150, 200, dtype=np.int32)
-  ctx = lambda t: StageContext(t=t, train_idx=train_idx, val_idx=val_idx, trainer=trainer)
+  ctx = lambda t: helpers.context(t, steps=steps, train_idx=train_idx, val_idx=val_idx)
   for t in (1, 2, 3, 4):
-    learner, _, _ = trainer.fit_stage(learner, train_idx, val_idx, jax.random.key(t))
+    learner, _, _ = train.fit_one(steps, learner, train_idx, val_idx, jax.random.key(t))
     if t < 4:
       learner = method.after_stage(learner, jax.random.key(10 + t), ctx(t))
       assert gmoe.experts_per_layer(learner.structure) == [1 + t // 2] * 2  # grows at t=2
   chex.assert_tree_all_finite(learner.params)
-  kinds = [k for k, _ in trainer.compiled]
-  assert kinds.count("train") == 2 and kinds.count("eval") == 2
-  assert trainer.num_compilations == 4
+  kinds = [k[0].split()[0] for k in steps.compiled]
+  # Train and evaluate each structure once; the growth scores once, before the split at t=2.
+  assert kinds.count("train") == 2 and kinds.count("eval") == 2 and kinds.count("reduce") == 1
+  assert steps.num_compilations == 5
   # The learner is rebuilt from its structure alone (checkpoint restore).
   shapes = jax.eval_shape(lambda k: method.init(k, learner.structure), jax.random.key(0))
   chex.assert_trees_all_equal_shapes_and_dtypes(shapes.params, learner.params)
@@ -280,14 +280,14 @@ def test_compiles_once_per_structure_and_grows_after_stages():
 
 
 def _inference_flops(method, num_experts=1):
-  """Compiler FLOPs of predicting one example (as Trainer.flops counts them), from shapes."""
+  """Compiler FLOPs of predicting one example (as Steps.flops counts them), from shapes."""
   learner = jax.eval_shape(method.init, jax.random.key(0))
   for e in range(num_experts - 1):
-    learner = jax.eval_shape(lambda l, e=e: surgery.split_expert(
-        surgery.split_expert(l, 0, e, jax.random.key(0)), 1, e, jax.random.key(1)), learner)
+    learner = jax.eval_shape(lambda l, e=e: gmoe.split_expert(
+        gmoe.split_expert(l, 0, e, jax.random.key(0)), 1, e, jax.random.key(1)), learner)
   x = jax.ShapeDtypeStruct((100,) + MNIST, jnp.float32)
-  predict = jax.jit(functools.partial(method.predict, learner.structure))
-  return train._cost_flops(predict, (learner.params, learner.model_state, x)) / 100  # pylint: disable=protected-access
+  predict = functools.partial(method.predict, learner.structure)
+  return steps_lib._cost_flops(predict, (learner.params, learner.model_state, x)) / 100  # pylint: disable=protected-access
 
 
 def test_hard_gating_inference_runs_one_path_on_the_mlp():
@@ -329,16 +329,16 @@ def test_bad_fields_give_clear_errors(field, value, message):
   c.method.initial_experts = 3
   with c.method.ignore_type():
     c.method[field] = value
-  with pytest.raises(validation.ConfigError, match=message):
-    validation.make_method(c, MNIST, 10)
+  with pytest.raises(ConfigError, match=message):
+    methods.make(c, MNIST, 10)
 
 
 def test_keeping_the_optimizer_state_across_growth_is_refused():
   c = helpers.small_config(method="gmoe", keep_optimizer_state=True)
-  with pytest.raises(validation.ConfigError, match=r"config\.train\.keep_optimizer_state=True"):
-    validation.make_method(c, MNIST, 10)
+  with pytest.raises(ConfigError, match=r"config\.train\.keep_optimizer_state=True"):
+    methods.make(c, MNIST, 10)
   c.method.grow = False  # a fixed MoE keeps its shapes
-  validation.make_method(c, MNIST, 10)
+  methods.make(c, MNIST, 10)
 
 
 @pytest.mark.parametrize("name", ["mnist_gmoe", "cifar_gmoe"])
@@ -350,10 +350,10 @@ def test_config_files_set_every_method_field(name):
   for variant in ("", "smoke", "quick"):
     c = module.get_config(variant)
     assert c.method.name == "gmoe"
-    assert set(gmoe.DEFAULTS) <= set(c.method.keys())
+    assert {f.name for f in gmoe.GrowingMoE.FIELDS} <= set(c.method.keys())
   c = module.get_config("smoke")
   c.mesh.num_devices = 1
-  validation.make_method(c, MNIST if name.startswith("mnist") else CIFAR, 10)
+  methods.make(c, MNIST if name.startswith("mnist") else CIFAR, 10)
 
 
 @requires_mnist

@@ -17,6 +17,7 @@ from alma_jax import checkpoint
 from alma_jax import config_lib
 from alma_jax import io_utils
 from alma_jax import run
+from alma_jax import workdir
 from tests.conftest import requires_mnist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +34,7 @@ def _strip(d):
 def _outputs(wd):
   """log.jsonl, summary.json (without the wall-clock fields) and architecture.jsonl of `wd`."""
   log = [_strip(r) for r in io_utils.read_jsonl(os.path.join(wd, "log.jsonl"))]
-  arch = io_utils.read_jsonl(os.path.join(wd, run.ARCH_FILE))
+  arch = io_utils.read_jsonl(os.path.join(wd, workdir.ARCH_FILE))
   with open(os.path.join(wd, "summary.json")) as f:
     return log, _strip(json.load(f)), arch
 

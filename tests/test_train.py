@@ -1,4 +1,4 @@
-"""Tests of the training stage (alma_jax/train.py) on synthetic data."""
+"""Tests of the training stage (alma_jax/train.py) and compiled steps (alma_jax/steps.py)."""
 
 import chex
 import jax
@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from alma_jax import errors
 from alma_jax import train
 from tests import helpers
 
@@ -15,8 +16,8 @@ def test_mlp_train_step_flops_match_analytic_count():
   c = helpers.small_config(width=h)
   c.optimizer.name = "sgd"
   c.optimizer.kwargs = {"learning_rate": 0.1}
-  method, trainer = helpers.make_trainer(c, helpers.synthetic_dataset(n_train=256))
-  flops = trainer.flops(helpers.init(method))
+  method, steps = helpers.make_steps(c, helpers.synthetic_dataset(n_train=256))
+  flops = steps.flops(helpers.init(method))
   dims = [(d, h), (h, h), (h, k)]
   matmul_fwd = sum(2 * b * i * o for i, o in dims)
   matmul_bwd = sum(2 * b * i * o for i, o in dims) + sum(2 * b * i * o for i, o in dims[1:])
@@ -37,16 +38,16 @@ def test_mlp_train_step_flops_match_analytic_count():
 def test_fit_stage_learns_and_keeps_the_best_epoch():
   ds = helpers.synthetic_dataset(n_train=1024, n_test=256)
   c = helpers.small_config(width=16, epochs=6, patience=6)
-  method, trainer = helpers.make_trainer(c, ds)
+  method, steps = helpers.make_steps(c, ds)
   learner = helpers.init(method)
-  err0 = trainer.test_error(learner)
-  best, _, stats = trainer.fit_stage(learner, np.arange(900, dtype=np.int32),
+  err0 = helpers.test_error(steps, learner)
+  best, _, stats = train.fit_one(steps, learner, np.arange(900, dtype=np.int32),
                                      np.arange(900, 1024, dtype=np.int32), jax.random.key(1))
-  assert stats.epochs_run == 6 and 1 <= stats.best_epoch <= 6
-  assert stats.steps_run == 6 * 8  # ceil(900 / 128) = 8 steps per epoch
-  acc, _ = trainer.evaluate(best, np.arange(900, 1024, dtype=np.int32), "train")
-  assert acc == pytest.approx(stats.best_val_accuracy)
-  assert trainer.test_error(best) < min(err0, 0.5)
+  assert stats.epochs_run.tolist() == [6] and 1 <= stats.best_epoch[0] <= 6
+  assert stats.steps_run.tolist() == [6 * 8]  # ceil(900 / 128) = 8 steps per epoch
+  acc = helpers.evaluate(steps, best, np.arange(900, 1024, dtype=np.int32))
+  assert acc == pytest.approx(stats.best_val_accuracy[0])
+  assert helpers.test_error(steps, best) < min(err0, 0.5)
   # The input learner is untouched (the step donates copies, not the originals).
   chex.assert_trees_all_equal(learner.params, helpers.init(method).params)
 
@@ -55,28 +56,28 @@ def test_early_stopping_with_patience():
   ds = helpers.synthetic_dataset(n_train=512, learnable=False)
   c = helpers.small_config(width=8, epochs=50, patience=1)
   c.optimizer.kwargs = {"learning_rate": 0.0}  # nothing changes: no epoch improves on the first
-  method, trainer = helpers.make_trainer(c, ds)
-  _, _, stats = trainer.fit_stage(helpers.init(method), np.arange(400, dtype=np.int32),
+  method, steps = helpers.make_steps(c, ds)
+  _, _, stats = train.fit_one(steps, helpers.init(method), np.arange(400, dtype=np.int32),
                                   np.arange(400, 512, dtype=np.int32), jax.random.key(0))
-  assert stats.epochs_run == 2 and stats.best_epoch == 1
+  assert stats.epochs_run.tolist() == [2] and stats.best_epoch.tolist() == [1]
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_partial_last_batch_is_masked_not_recompiled(k):
   ds = helpers.synthetic_dataset(n_train=600)
   c = helpers.small_config(width=8, steps_per_call=k)
-  method, trainer = helpers.make_trainer(c, ds)
+  method, steps = helpers.make_steps(c, ds)
   learner = helpers.init(method)
   for n in (300, 200, 457):  # different stage sizes, same compiled step
-    learner, _, _ = trainer.fit_stage(learner, np.arange(n, dtype=np.int32),
+    learner, _, _ = train.fit_one(steps, learner, np.arange(n, dtype=np.int32),
                                       np.arange(500, 600, dtype=np.int32), jax.random.key(n))
-  assert trainer.num_compilations == 2  # one train and one eval function
+  assert steps.num_compilations == 2  # one train and one eval function (validation and test)
   chex.assert_tree_all_finite(learner.params)
 
 
 def test_padding_slots_hold_real_examples_and_are_masked():
   idx = np.arange(100, 110, dtype=np.int32)
-  orders, mask, steps = train._padded_orders(np.random.default_rng(0), idx, 2, 4, 2)
+  orders, mask, steps = train.padded_orders(np.random.default_rng(0), idx, 2, 4, 2)
   assert steps == 3 and orders.shape == mask.shape == (4, 2, 4)  # 3 steps padded to 2 calls of 2
   for d in range(2):
     flat, m = orders[:, d].ravel(), mask[:, d].ravel()
@@ -91,10 +92,10 @@ def test_steps_per_call_gives_the_same_result():
   results = []
   for k in (1, 4):
     c = helpers.small_config(width=8, steps_per_call=k)
-    method, trainer = helpers.make_trainer(c, ds)
-    best, _, stats = trainer.fit_stage(helpers.init(method), np.arange(500, dtype=np.int32),
+    method, steps = helpers.make_steps(c, ds)
+    best, _, stats = train.fit_one(steps, helpers.init(method), np.arange(500, dtype=np.int32),
                                        np.arange(500, 600, dtype=np.int32), jax.random.key(3))
-    results.append((best.params, stats.steps_run))
+    results.append((best.params, stats.steps_run.tolist()))
   assert results[0][1] == results[1][1]
   chex.assert_trees_all_close(results[0][0], results[1][0], atol=1e-5)
 
@@ -104,8 +105,8 @@ def test_sharded_step_matches_single_device():
   out = []
   for n_dev in (1, 8):
     c = helpers.small_config(width=8)
-    method, trainer = helpers.make_trainer(c, ds, num_devices=n_dev)
-    best, _, _ = trainer.fit_stage(helpers.init(method), np.arange(400, dtype=np.int32),
+    method, steps = helpers.make_steps(c, ds, num_devices=n_dev)
+    best, _, _ = train.fit_one(steps, helpers.init(method), np.arange(400, dtype=np.int32),
                                    np.arange(400, 512, dtype=np.int32), jax.random.key(0))
     out.append(best.params)
   assert len(jax.devices()) == 8
@@ -115,11 +116,11 @@ def test_sharded_step_matches_single_device():
 def test_vgg_crop_flip_stage_runs_with_batchnorm():
   ds = helpers.synthetic_dataset(n_train=300, n_test=64, shape=(32, 32, 3))
   c = helpers.small_config("cifar10", width=4)
-  method, trainer = helpers.make_trainer(c, ds)
+  method, steps = helpers.make_steps(c, ds)
   learner = helpers.init(method)
-  best, _, stats = trainer.fit_stage(learner, np.arange(250, dtype=np.int32),
+  best, _, stats = train.fit_one(steps, learner, np.arange(250, dtype=np.int32),
                                      np.arange(250, 300, dtype=np.int32), jax.random.key(0))
-  assert stats.steps_run == 2 * 2
+  assert stats.steps_run.tolist() == [2 * 2]
   stats_before = learner.model_state["batch_stats"]
   stats_after = best.model_state["batch_stats"]
   assert not np.allclose(jax.tree.leaves(stats_before)[0], jax.tree.leaves(stats_after)[0])
@@ -130,9 +131,9 @@ def test_divergence_raises_with_stage_and_epoch():
   ds = helpers.synthetic_dataset(n_train=300)
   c = helpers.small_config(width=8)
   c.optimizer.kwargs = {"learning_rate": float("nan")}
-  method, trainer = helpers.make_trainer(c, ds)
-  with pytest.raises(train.DivergenceError, match="stage t=7 epoch 1"):
-    trainer.fit_stage(helpers.init(method), np.arange(250, dtype=np.int32),
+  method, steps = helpers.make_steps(c, ds)
+  with pytest.raises(errors.DivergenceError, match="stage t=7 epoch 1"):
+    train.fit_one(steps, helpers.init(method), np.arange(250, dtype=np.int32),
                       np.arange(250, 300, dtype=np.int32), jax.random.key(0), t=7)
 
 

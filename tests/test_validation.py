@@ -12,9 +12,10 @@ import pytest
 from alma_jax import checkpoint
 from alma_jax import config_lib
 from alma_jax import io_utils
+from alma_jax import errors
 from alma_jax import run
 from alma_jax import validation
-from alma_jax.train import DivergenceError
+from alma_jax.errors import ConfigError, DivergenceError
 from tests.conftest import requires_mnist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +56,8 @@ CONFIG_CASES = [
      r"config\.model\.name='resnet' is unknown; valid names: \['mlp', 'vgg'\]"),
     ("unknown_method", {"method__name": "boosting"},
      r"config\.method\.name='boosting' is unknown; valid names: \[.*'sm'.*\]"),
-    ("num_members_zero", {"method__num_members": 0}, r"config\.method\.num_members=0 must be >= 1"),
+    ("num_members_zero", {"method__name": "ens", "method__num_members": 0},
+     r"config\.method\.num_members=0 must be >= 1"),
     ("epochs_zero", {"train__epochs": 0}, r"config\.train\.epochs=0 must be >= 1"),
     ("epochs_float", {"train__epochs": 2.5}, r"config\.train\.epochs=2\.5 must be an integer"),
     ("patience_zero", {"train__patience": 0}, r"config\.train\.patience=0 must be >= 1"),
@@ -141,8 +143,8 @@ def test_bad_config_fields(case, tmp_path):
   before = _tree_digest(wd)
   with pytest.raises(ValueError, match=pattern) as info:  # ConfigError or DatasetUnavailableError
     run.run(smoke(**fields), wd, overwrite=True)
-  assert "\n" not in validation.one_line(info.value)
-  assert validation.exit_code(info.value) == 2
+  assert "\n" not in errors.one_line(info.value)
+  assert errors.exit_code(info.value) == 2
   assert _tree_digest(wd) == before  # nothing written, nothing removed
 
 
@@ -170,7 +172,7 @@ def test_data_dependent_fields(fields, pattern, tmp_path):
   wd = str(tmp_path / "wd")
   with pytest.raises(ValueError, match=pattern) as info:
     run.run(smoke(**fields), wd)
-  assert validation.exit_code(info.value) == 2
+  assert errors.exit_code(info.value) == 2
   assert os.listdir(wd) == []  # no config.json that would block the corrected rerun
 
 
@@ -178,15 +180,15 @@ def test_missing_dataset_names_the_place_and_the_variable(tmp_path):
   c = smoke(data__data_dir=str(tmp_path / "no_data"), data__use_cache=False)
   with pytest.raises(ValueError, match=r"no_data.*TFDS_DATA_DIR") as info:
     run.run(c, str(tmp_path / "wd"))
-  assert validation.exit_code(info.value) == 2
+  assert errors.exit_code(info.value) == 2
 
 
 def test_unwritable_workdir(tmp_path):
   blocker = tmp_path / "a_file"
   blocker.write_text("x")
-  with pytest.raises(validation.ConfigError, match=r"--workdir=.*a_file/sub is not writable"):
+  with pytest.raises(ConfigError, match=r"--workdir=.*a_file/sub is not writable"):
     run.run(smoke(), str(blocker / "sub"))
-  with pytest.raises(validation.ConfigError, match=r"--workdir=.*a_file exists and is not a dir"):
+  with pytest.raises(ConfigError, match=r"--workdir=.*a_file exists and is not a dir"):
     run.run(smoke(), str(blocker))
   assert blocker.read_text() == "x"
 
@@ -195,7 +197,7 @@ def test_unwritable_workdir(tmp_path):
 def test_config_mismatch_on_resume_names_fields_and_keeps_the_run(finished_run, tmp_path):
   wd = _copy(finished_run[0], tmp_path)
   before = _tree_digest(wd)
-  with pytest.raises(validation.ConfigError,
+  with pytest.raises(ConfigError,
                      match=r"holds a run with a different config: config\.model\.width: 8 → 16; "
                            r"config\.stream\.wait: 1 → 2; .*--overwrite"):
     run.run(smoke(model__width=16, stream__wait=2), wd)
@@ -208,7 +210,7 @@ def test_unreadable_config_json(finished_run, tmp_path):
   with open(os.path.join(wd, "config.json"), "w") as f:
     f.write("{trunc")
   before = _tree_digest(wd)
-  with pytest.raises(validation.ConfigError, match=r"config\.json cannot be read"):
+  with pytest.raises(ConfigError, match=r"config\.json cannot be read"):
     run.run(smoke(), wd)
   assert _tree_digest(wd) == before
 
@@ -272,7 +274,7 @@ def test_divergence_names_stage_and_epoch_and_keeps_the_checkpoint(tmp_path):
   wd = str(tmp_path / "wd")
   with pytest.raises(DivergenceError, match=r"stage t=1 epoch 2: non-finite") as info:
     run.run(diverging(), wd)
-  assert validation.exit_code(info.value) == 1
+  assert errors.exit_code(info.value) == 1
   assert [r["t"] for r in io_utils.read_jsonl(os.path.join(wd, "log.jsonl"))] == [0]
   with checkpoint.Checkpointer(os.path.join(wd, "checkpoints"), 3) as ckpt:
     assert ckpt.steps() == [0]

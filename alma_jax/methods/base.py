@@ -1,13 +1,17 @@
-"""The learner state and the interface every method implements.
+"""The learner state, the stage context and the interface every method implements.
 
 A method is a bundle of pure functions over a `Learner` pytree. The training
-loop (`alma_jax.train`) only calls the functions below, so a new method is a
-subclass that overrides a few of them and registers itself by name.
+loop (`alma_jax.run`, `alma_jax.train`, `alma_jax.steps`) only calls the
+functions of `Method` below, so a new method is one file: a subclass that
+declares its config fields (`FIELDS`), overrides what it needs and registers
+itself by name (`alma_jax.methods.register`). Methods built on one Flax
+backbone from `config.model` mix in `SingleBackbone`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+import dataclasses
+from typing import Any, Callable, Hashable
 
 import flax.linen as nn
 import jax
@@ -16,6 +20,7 @@ import numpy as np
 import optax
 from flax import struct
 
+from alma_jax import fields
 from alma_jax import models
 
 PyTree = Any
@@ -38,6 +43,30 @@ class Learner:
   structure: Hashable = struct.field(pytree_node=False, default=())
 
 
+@dataclasses.dataclass(frozen=True)
+class StageContext:
+  """What a method may look at around a training stage (one learner of the population).
+
+  Attributes:
+    t: the time step of the stage.
+    stage: its index among the stages (1 = the first).
+    is_first: whether it is the first stage of the stream.
+    train_idx, val_idx: the stage's training and validation examples
+      (indices into the training split).
+    reduce: `reduce(fn, learner, idx)` sums, over the examples `idx` of the
+      training split (unaugmented), what `fn(structure, params, model_state,
+      x, y, mask, task)` returns for each batch (a pytree of arrays), compiled
+      once per (fn, structure); for scoring passes before or after a stage.
+  """
+
+  t: int
+  stage: int
+  is_first: bool
+  train_idx: np.ndarray
+  val_idx: np.ndarray
+  reduce: Callable[..., PyTree]
+
+
 def masked_cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
   """Mean cross-entropy over the examples where `mask` is true."""
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
@@ -50,41 +79,34 @@ def count_params(params: PyTree) -> int:
 
 
 class Method:
-  """Base class: a single backbone trained by SGD (the SM method).
+  """The interface of a method; subclasses implement `init`, `loss` and `predict`.
 
-  Subclasses override what differs. All functions are pure: they take the
-  learner (or its parts) and return new values, never mutating inputs.
+  All functions are pure: they take the learner (or its parts) and return
+  new values, never mutating their inputs.
+
+  Class attributes:
+    name: the registry name (`config.method.name`).
+    FIELDS: the method's own config fields (`alma_jax.fields.Field`, paths
+      under "method."); their checked values are `self.opts.<field name>`.
+    same_growth_for_every_seed: whether the architecture grows the same way
+      for every seed, so that several seeds can share one program
+      (`config.num_seeds`).
   """
 
-  name = "sm"
+  name = ""
+  FIELDS: tuple[fields.Field, ...] = ()
+  same_growth_for_every_seed = True
 
   def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
     self.config = config
     self.input_shape = tuple(input_shape)
     self.num_classes = num_classes
-    self.backbone: nn.Module = models.make_backbone(config.model, num_classes)
-    self._init_fn = None
+    self.opts = fields.resolve(config, self.FIELDS)
 
   # -- construction ---------------------------------------------------------
-  def init_backbone(self, key: jax.Array) -> tuple[PyTree, PyTree]:
-    """Initialises one backbone; returns (params, model_state)."""
-    if self._init_fn is None:
-      # One compiled program: run eagerly, the initialisers' many small ops
-      # take seconds on CPU.
-      # A numpy array: the first call may come inside a transformation (vmap,
-      # eval_shape), where a jnp array would be a tracer leaking into the cache.
-      dummy = np.zeros((1,) + self.input_shape, np.float32)
-      self._init_fn = jax.jit(lambda k: self.backbone.init(k, dummy, train=False))
-    variables = self._init_fn(key)
-    params = variables["params"]
-    model_state = {k: v for k, v in variables.items() if k != "params"}
-    return params, model_state
-
   def init(self, key: jax.Array, structure: Hashable | None = None) -> Learner:
-    """A fresh learner. `structure` (when given) is kept, for re-initialisation."""
-    del structure
-    params, model_state = self.init_backbone(key)
-    return Learner(params=params, model_state=model_state, structure=())
+    """A fresh learner; with `structure` (a checkpoint's), one of that structure."""
+    raise NotImplementedError
 
   def reinit(self, learner: Learner, key: jax.Array) -> Learner:
     """Re-initialises all parameters, keeping the learner's structure."""
@@ -105,39 +127,26 @@ class Method:
     del learner
     return trainable
 
-  def apply_backbone(self, params, model_state, x, *, train: bool, mask=None):
-    """Runs one backbone; returns (logits, new_model_state)."""
-    variables = {"params": params, **model_state}
-    if train and model_state:
-      logits, updates = self.backbone.apply(variables, x, train=True, mask=mask,
-                                            mutable=list(model_state))
-      return logits, dict(updates)
-    return self.backbone.apply(variables, x, train=train, mask=mask), model_state
-
   def loss(self, structure, trainable, frozen, model_state, x, y, mask, rng):
     """Training loss on a batch; returns (loss, new_model_state).
 
     `x`, `y` and `mask` carry a leading axis of size `num_data_orders`.
     """
-    del structure, frozen, rng
-    logits, new_state = self.apply_backbone(trainable, model_state, x[0], train=True, mask=mask[0])
-    return masked_cross_entropy(logits, y[0], mask[0]), new_state
+    raise NotImplementedError
 
   # -- inference --------------------------------------------------------------
   def predict(self, structure, params, model_state, x) -> jnp.ndarray:
     """Log-probabilities of the classes, shape (batch, num_classes)."""
-    del structure
-    logits, _ = self.apply_backbone(params, model_state, x, train=False)
-    return jax.nn.log_softmax(logits)
+    raise NotImplementedError
 
   # -- growth -------------------------------------------------------------------
-  def before_stage(self, learner: Learner, key: jax.Array, ctx) -> Learner:
-    """Called before each training stage (gEns adds members here)."""
+  def before_stage(self, learner: Learner, key: jax.Array, ctx: StageContext) -> Learner:
+    """Called before each training stage (gEns adds members, gMoE splits experts)."""
     del key, ctx
     return learner
 
-  def after_stage(self, learner: Learner, key: jax.Array, ctx) -> Learner:
-    """Called after each training stage (gMoE splits experts here)."""
+  def after_stage(self, learner: Learner, key: jax.Array, ctx: StageContext) -> Learner:
+    """Called after each training stage."""
     del key, ctx
     return learner
 
@@ -148,3 +157,35 @@ class Method:
   def describe(self, learner: Learner) -> dict:
     """JSON-friendly facts about the current architecture, for progress logs."""
     return {"num_params": self.num_params(learner)}
+
+
+class SingleBackbone:
+  """Mixin for methods built on the one Flax backbone that `config.model` names."""
+
+  def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
+    super().__init__(config, input_shape, num_classes)
+    self.backbone: nn.Module = models.make_backbone(config.model, num_classes)
+    self._init_fn = None
+
+  def init_backbone(self, key: jax.Array) -> tuple[PyTree, PyTree]:
+    """Initialises one backbone; returns (params, model_state)."""
+    if self._init_fn is None:
+      # One compiled program: run eagerly, the initialisers' many small ops
+      # take seconds on CPU. A numpy dummy: the first call may come inside a
+      # transformation (vmap, eval_shape), where a jnp array would be a
+      # tracer leaking into the cache.
+      dummy = np.zeros((1,) + self.input_shape, np.float32)
+      self._init_fn = jax.jit(lambda k: self.backbone.init(k, dummy, train=False))
+    variables = self._init_fn(key)
+    params = variables["params"]
+    model_state = {k: v for k, v in variables.items() if k != "params"}
+    return params, model_state
+
+  def apply_backbone(self, params, model_state, x, *, train: bool, mask=None):
+    """Runs one backbone; returns (logits, new_model_state)."""
+    variables = {"params": params, **model_state}
+    if train and model_state:
+      logits, updates = self.backbone.apply(variables, x, train=True, mask=mask,
+                                            mutable=list(model_state))
+      return logits, dict(updates)
+    return self.backbone.apply(variables, x, train=train, mask=mask), model_state

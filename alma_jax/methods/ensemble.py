@@ -16,44 +16,42 @@ i > 0 from `fold_in(key, i)`, so a one-member Ens is SM.
         with the same mean logits.
   gens: starts from `initial_members` members, trained at the first stage;
         before every later stage `grow_by` new members are appended
-        (`alma_jax.surgery.add_member`) and only they are trained, each with
-        its own data order, while the older ones stay frozen. Prediction: log
-        of the mean of all members' probabilities.
+        (`add_member`, a pure edit of the stacked pytrees) and only they are
+        trained, each with its own data order, while the older ones stay
+        frozen. Prediction: log of the mean of all members' probabilities.
 
-Config fields (`config.method.*`; missing ones take `DEFAULTS`):
-  num_members: N of ens and umix (paper: 5; released code: 3).
-  initial_members, grow_by, new_member: gens only (see `GrowingEnsemble`).
-  strategy: how members run inside a compiled step: "vmap" (`jax.vmap` over
-    the member axis), "loop" (a Python loop over the members' slices, unrolled
-    in the same jitted function) or "auto". vmap turns convolutions into
-    grouped convolutions, which XLA:CPU runs several times slower than
-    separate ones (see benchmarks/ensemble_strategy.py), so "auto" is "loop"
-    for the VGG backbone on CPU and "vmap" otherwise. With vmap, more than
-    `VMAP_CHUNK` members run as a Python loop over chunks of that many, which
-    bounds the memory of the activations.
+`method.strategy` says how members run inside a compiled step: "vmap"
+(`jax.vmap` over the member axis), "loop" (a Python loop over the members'
+slices, unrolled in the same jitted function) or "auto". vmap turns
+convolutions into grouped convolutions, which XLA:CPU runs several times
+slower than separate ones (see benchmarks/ensemble_strategy.py), so "auto" is
+"loop" for the VGG backbone on CPU and "vmap" otherwise. With vmap, more than
+`VMAP_CHUNK` members run as a Python loop over chunks of that many, which
+bounds the memory of the activations.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable
 
 import jax
 import jax.numpy as jnp
 
-from alma_jax import surgery
-from alma_jax import validation
+from alma_jax import fields as F
+from alma_jax.errors import ConfigError
 from alma_jax.methods import base
-from alma_jax.methods import register
+from alma_jax.methods.registry import register
 
-DEFAULTS = {"num_members": 5, "initial_members": 1, "grow_by": 1, "new_member": "fresh",
-            "strategy": "auto"}
-STRATEGIES = ("auto", "loop", "vmap")
-NEW_MEMBERS = surgery.MEMBER_INITS
+PyTree = Any
+MEMBER_INITS = ("copy", "fresh")
 VMAP_CHUNK = 32
 # Backbones that "auto" runs as a loop on CPU (convolutions; measured by
 # benchmarks/ensemble_strategy.py).
 LOOP_ON_CPU = ("vgg",)
+STRATEGY = F.Field("method.strategy", "auto", F.choice(("auto", "loop", "vmap")),
+                   "how members run in a compiled step: vmap, loop, or auto (loop for the VGG "
+                   "on CPU, vmap elsewhere)")
 
 
 def choose_strategy(strategy: str, model_name: str, backend: str | None = None) -> str:
@@ -62,6 +60,20 @@ def choose_strategy(strategy: str, model_name: str, backend: str | None = None) 
     return strategy
   backend = backend or jax.default_backend()
   return "loop" if backend == "cpu" and model_name in LOOP_ON_CPU else "vmap"
+
+
+# -- stacked members ------------------------------------------------------------------------------
+def num_members(tree: PyTree) -> int:
+  """The size of the leading (member) axis shared by all leaves of `tree`."""
+  sizes = {a.shape[0] for a in jax.tree.leaves(tree)}
+  if len(sizes) != 1:
+    raise ValueError(f"the leaves of a stacked tree must share their leading axis; got {sorted(sizes)}")
+  return sizes.pop()
+
+
+def stack_members(members: list[PyTree]) -> PyTree:
+  """[tree_0, ..., tree_{n-1}] (same structure) -> one tree with a leading axis n."""
+  return jax.tree.map(lambda *a: jnp.stack(a), *members)
 
 
 def member(tree, i: int):
@@ -79,10 +91,9 @@ def map_members(fn: Callable, stacked: tuple, strategy: str, chunk: int = VMAP_C
     strategy: "vmap" or "loop" (see the module docstring).
     chunk: with "vmap", at most this many members per vmapped call.
   """
-  n = surgery.num_members(stacked)
+  n = num_members(stacked)
   if strategy == "loop":
-    outs = [fn(*member(stacked, i)) for i in range(n)]
-    return surgery.stack_members(outs)
+    return stack_members([fn(*member(stacked, i)) for i in range(n)])
   if strategy != "vmap":
     raise ValueError(f"strategy {strategy!r} is not 'vmap' or 'loop'")
   if n <= chunk:
@@ -103,44 +114,99 @@ def _restack(frozen, trainable, num_frozen: int):
   return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=0), frozen, trainable)
 
 
+# -- growth: add_member ---------------------------------------------------------------------------
+def _new_members(state: base.Learner, key: jax.Array, init: str, k: int,
+                 init_fn: Callable | None) -> tuple[PyTree, PyTree]:
+  """k new members, stacked: fresh ones from `init_fn`, or copies of the last member."""
+  if init == "copy":
+    last = lambda a: jnp.repeat(a[-1:], k, axis=0)
+    return jax.tree.map(last, state.params), jax.tree.map(last, state.model_state)
+  if init_fn is None:
+    raise ValueError("add_member(init='fresh') needs init_fn: key -> (params, model_state) of one member")
+  members = [init_fn(jax.random.fold_in(key, j)) for j in range(k)]
+  return stack_members([m[0] for m in members]), stack_members([m[1] for m in members])
+
+
+def _concat(old: PyTree, new: PyTree, what: str) -> PyTree:
+  if jax.tree.structure(old) != jax.tree.structure(new):
+    raise ValueError(f"the new members' {what} do not have the existing members' tree structure")
+
+  def cat(a, b):
+    if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
+      raise ValueError(f"a new member's {what} leaf {b.shape[1:]} {b.dtype} does not match the "
+                       f"existing {a.shape[1:]} {a.dtype}")
+    return jnp.concatenate([a, b], axis=0)
+
+  return jax.tree.map(cat, old, new)
+
+
+def add_member(state: base.Learner, key: jax.Array, *, init: str = "fresh", k: int = 1,
+               init_fn: Callable[[jax.Array], tuple[PyTree, PyTree]] | None = None) -> base.Learner:
+  """Appends `k` members to a stacked ensemble (gEns growth, paper section 4.2).
+
+  Args:
+    state: an ensemble learner whose structure is `(num_members, num_trainable)`
+      and whose params/model_state leaves are stacked on axis 0 (not modified).
+    key: PRNG key of the new members (member j of the k uses `fold_in(key, j)`).
+    init: "fresh" (a new random network from `init_fn`; the paper's text) or
+      "copy" (a copy of the last member; the paper's released code).
+    k: how many members to add.
+    init_fn: key -> (params, model_state) of one unstacked member; needed for
+      "fresh".
+
+  Returns:
+    A new learner with `num_members + k` members whose first `num_members`
+    slices are the old members, bitwise; its structure is
+    `(num_members + k, k)`: the new members are the trainable ones.
+  """
+  if init not in MEMBER_INITS:
+    raise ValueError(f"add_member: init={init!r} is unknown; valid values: {list(MEMBER_INITS)}")
+  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    raise ValueError(f"add_member: k={k!r} must be an integer >= 1")
+  n = num_members(state.params)
+  if not (isinstance(state.structure, tuple) and len(state.structure) == 2
+          and state.structure[0] == n):
+    raise ValueError(f"add_member needs an ensemble learner with structure (num_members, "
+                     f"num_trainable) and {n} stacked members; got structure {state.structure!r}")
+  params, model_state = _new_members(state, key, init, k, init_fn)
+  return base.Learner(params=_concat(state.params, params, "params"),
+                      model_state=_concat(state.model_state, model_state, "model_state"),
+                      structure=(n + k, k))
+
+
+# -- the methods --------------------------------------------------------------------------------------
 @register
-class Ensemble(base.Method):
+class Ensemble(base.SingleBackbone, base.Method):
   """Ens: N independently trained members; the mean of their probabilities."""
 
   name = "ens"
+  FIELDS = (F.Field("method.num_members", 5, F.integer(1), "N (paper: 5; released code: 3)"),
+            STRATEGY)
 
-  def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
-    super().__init__(config, input_shape, num_classes)
-    c = config
-    self.strategy = validation._choice(c, "method.strategy", STRATEGIES,  # pylint: disable=protected-access
-                                       default=DEFAULTS["strategy"])
-    self.num_members = self._num_members_field()
-
-  def _num_members_field(self) -> int:
-    return validation._int(self.config, "method.num_members", 1,  # pylint: disable=protected-access
-                           default=DEFAULTS["num_members"])
+  @property
+  def initial_members(self) -> int:
+    return self.opts.num_members
 
   @property
   def run_as(self) -> str:
     """The strategy actually used: "vmap" or "loop"."""
-    return choose_strategy(self.strategy, self.config.model.name)
+    return choose_strategy(self.opts.strategy, self.config.model.name)
 
   # -- construction ---------------------------------------------------------------------------
   def initial_structure(self) -> tuple[int, int]:
-    return (self.num_members, self.num_members)
+    return (self.initial_members, self.initial_members)
 
   def check_structure(self, structure) -> None:
     if structure != self.initial_structure():
       raise ValueError(f"structure {structure!r} does not fit {self.name} with "
-                       f"config.method.num_members={self.num_members}; expected "
+                       f"config.method.num_members={self.initial_members}; expected "
                        f"{self.initial_structure()!r}")
 
   def init_members(self, key: jax.Array, n: int):
     """(params, model_state) of n members stacked; member 0 from `key` as SM."""
     keys = [key] + [jax.random.fold_in(key, i) for i in range(1, n)]
     members = [self.init_backbone(k) for k in keys]
-    return (surgery.stack_members([m[0] for m in members]),
-            surgery.stack_members([m[1] for m in members]))
+    return stack_members([m[0] for m in members]), stack_members([m[1] for m in members])
 
   def init(self, key: jax.Array, structure: Hashable | None = None) -> base.Learner:
     if structure is None or structure == ():
@@ -232,6 +298,7 @@ class UniformMixture(Ensemble):
     return jax.nn.log_softmax(logits)
 
 
+
 @register
 class GrowingEnsemble(Ensemble):
   """gEns: adds `grow_by` members before every stage but the first; trains only those.
@@ -240,34 +307,31 @@ class GrowingEnsemble(Ensemble):
   "when starting with a single component and until the next growing step,
   the cost of training gEns is equal to SM"; Appendix B.1: one model is
   trained at every mega-batch). Growing before the first stage as well would
-  leave an untrained, frozen member in the average forever.
-
-  Config fields:
-    initial_members: members at the start, all trained at the first stage.
-    grow_by: k, members added (and trained) at every later stage (paper: 1).
-    new_member: "fresh" (a new random network; paper's text) or "copy" (a copy
-      of the last member; the paper's released code). With
-      config.stream.init_from_scratch=True new members are always fresh.
-  Old members are never retrained, so `reinit` keeps them: from-scratch
-  training only makes the new members fresh.
+  leave an untrained, frozen member in the average forever. With
+  config.stream.init_from_scratch=True new members are always fresh; old
+  members are never retrained, so `reinit` keeps them.
   """
 
   name = "gens"
+  FIELDS = (F.Field("method.initial_members", 1, F.integer(1),
+                    "members at the start, all trained at the first stage"),
+            F.Field("method.grow_by", 1, F.integer(1),
+                    "k, members added (and trained) before every later stage (paper: 1)"),
+            F.Field("method.new_member", "fresh", F.choice(MEMBER_INITS),
+                    "fresh (a new random network; the paper's text) or copy (of the last "
+                    "member; the released code)"),
+            STRATEGY)
 
   def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
     super().__init__(config, input_shape, num_classes)
-    c = config
-    self.grow_by = validation._int(c, "method.grow_by", 1, default=DEFAULTS["grow_by"])  # pylint: disable=protected-access
-    self.new_member = validation._choice(c, "method.new_member", NEW_MEMBERS,  # pylint: disable=protected-access
-                                         default=DEFAULTS["new_member"])
-    if bool(c.train.get("keep_optimizer_state", False)):
-      raise validation.ConfigError(
+    if bool(config.train.get("keep_optimizer_state", False)):
+      raise ConfigError(
           "config.train.keep_optimizer_state=True is not supported by gens: every stage trains "
           "new members; allowed values: [False]")
 
-  def _num_members_field(self) -> int:
-    return validation._int(self.config, "method.initial_members", 1,  # pylint: disable=protected-access
-                           default=DEFAULTS["initial_members"])
+  @property
+  def initial_members(self) -> int:
+    return self.opts.initial_members
 
   def check_structure(self, structure) -> None:
     ok = (isinstance(structure, tuple) and len(structure) == 2
@@ -280,13 +344,10 @@ class GrowingEnsemble(Ensemble):
     del key
     return learner
 
-  def is_first_stage(self, t: int) -> bool:
-    return t <= int(self.config.stream.get("wait", 1))
-
   def before_stage(self, learner: base.Learner, key: jax.Array, ctx) -> base.Learner:
     """Appends `grow_by` members (they alone are trained), except before the first stage."""
-    if self.is_first_stage(ctx.t):
+    if ctx.is_first:
       return learner
     scratch = bool(self.config.stream.get("init_from_scratch", False))
-    return surgery.add_member(learner, key, init="fresh" if scratch else self.new_member,
-                              k=self.grow_by, init_fn=self.init_backbone)
+    return add_member(learner, key, init="fresh" if scratch else self.opts.new_member,
+                      k=self.opts.grow_by, init_fn=self.init_backbone)

@@ -5,23 +5,11 @@ blocks after the first are mixtures (the first block and the classifier are
 shared); a block's gate sees its input average-pooled to 4x4.
 
 After every `grow_every`-th training stage, each mixture layer splits its
-losing expert (`alma_jax.surgery.split_expert`), chosen on the stage's
-validation data by `split_by`: "loss" (the largest cumulative loss of the
-examples routed through it, weighted by the routing weight; the paper) or
-"usage" (the largest cumulative routing weight; the released code).
-
-Config fields (`config.method.*`; missing ones take `DEFAULTS`):
-  gating: "soft" (weighted sum over all experts) or "hard" (one expert per
-    example: sampled with a straight-through gradient in training, greedy at
-    test time).
-  tree: True (binary gating tree, function-preserving splits) or False (the
-    "flat" ablation: one softmax over all experts).
-  grow: False gives the fixed-MoE ablation (`initial_experts` experts).
-  initial_experts: experts per layer at the start (paper: 1; released: 2).
-  grow_every: grow after every this many training stages.
-  split_by: "loss" or "usage".
-  gate_pool: side of the average pool of a VGG block's gate input.
-  max_experts: stop splitting a layer at this many experts (0: no limit).
+losing expert (`split_expert`, a pure edit of the learner pytree), chosen on
+the stage's validation data by `split_by`: "loss" (the largest cumulative
+loss of the examples routed through it, weighted by the routing weight; the
+paper) or "usage" (the largest cumulative routing weight; the released code).
+The config fields are declared in `GrowingMoE.FIELDS`.
 
 Compute: soft gating and hard gating in training run every expert. Hard
 gating at test time runs only the chosen expert of each example for the MLP
@@ -39,23 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alma_jax import growth_moe
-from alma_jax import surgery
-from alma_jax import validation
-from alma_jax.data import augment
+from alma_jax import fields as F
+from alma_jax.errors import ConfigError
 from alma_jax.methods import base
-from alma_jax.methods import register
+from alma_jax.methods.registry import register
 from alma_jax.models import moe
 
-DEFAULTS = {"gating": "soft", "tree": True, "grow": True, "initial_experts": 1, "grow_every": 1,
-            "split_by": "loss", "gate_pool": 4, "max_experts": 0}
 GATINGS = ("soft", "hard")
 SPLIT_BY = ("loss", "usage")
-
-# The field checks of alma_jax.validation, so that messages read the same everywhere.
-_choice = validation._choice  # pylint: disable=protected-access
-_bool = validation._bool  # pylint: disable=protected-access
-_int = validation._int  # pylint: disable=protected-access
 
 
 def gating_tree(learner: base.Learner, layer: int) -> dict:
@@ -71,47 +50,150 @@ def experts_per_layer(structure) -> list[int]:
   return [moe.num_experts(tree) for _, tree in structure]
 
 
+# -- growth: which expert to split, and the split ------------------------------------------------
+def expert_scores(weights: jnp.ndarray, losses: jnp.ndarray, mask: jnp.ndarray,
+                  split_by: str) -> jnp.ndarray:
+  """Per-expert growth scores of a batch: (b, E) routing weights -> (E,).
+
+  Args:
+    weights: routing weight of each example through each expert (soft: the
+      leaf probability; hard: 1 for the chosen expert, 0 otherwise).
+    losses: per-example loss (b,).
+    mask: which examples count (b,).
+    split_by: "loss" (cumulative loss routed through the expert, weighted by
+      the routing weight: the paper) or "usage" (cumulative routing weight:
+      the released code).
+  """
+  m = mask.astype(weights.dtype)
+  if split_by == "loss":
+    m = m * losses.astype(weights.dtype)
+  elif split_by != "usage":
+    raise ValueError(f"config.method.split_by={split_by!r} is unknown; valid values: "
+                     f"{list(SPLIT_BY)}")
+  return jnp.einsum("be,b->e", weights, m)
+
+
+def losing_expert(scores) -> int:
+  """The expert to split: the arg-max of the cumulative scores (first one on ties)."""
+  scores = np.asarray(scores)
+  if scores.ndim != 1 or scores.size == 0:
+    raise ValueError(f"expected a non-empty vector of expert scores, got shape {scores.shape}")
+  return int(np.argmax(scores))
+
+
+def _append_copy(tree, index: int):
+  """Appends slice `index` of every stacked leaf of `tree` at the end of axis 0."""
+  return jax.tree.map(lambda a: jnp.concatenate([a, a[index:index + 1]], axis=0), tree)
+
+
+def _grown_gates(lp: dict, tree, feat_dim: int, key: jax.Array) -> dict:
+  """The gate parameters of layer params `lp` after a split of `tree`."""
+  if moe.is_flat(tree):
+    g = lp["gate"]
+    column = moe.init_gate_kernel(key, feat_dim, 1).astype(g["kernel"].dtype)
+    return {"gate": {"kernel": jnp.concatenate([g["kernel"], column], axis=1),
+                     "bias": jnp.concatenate([g["bias"], jnp.zeros((1,), g["bias"].dtype)])}}
+  kernel = moe.init_gate_kernel(key, feat_dim, 2)[None]
+  bias = jnp.zeros((1, 2))
+  if "gates" in lp:
+    old = lp["gates"]
+    kernel = jnp.concatenate([old["kernel"], kernel.astype(old["kernel"].dtype)], axis=0)
+    bias = jnp.concatenate([old["bias"], bias.astype(old["bias"].dtype)], axis=0)
+  return {"gates": {"kernel": kernel, "bias": bias}}
+
+
+def split_expert(state: base.Learner, layer: int, leaf: int, key: jax.Array) -> base.Learner:
+  """Splits expert `leaf` of mixture layer `layer` into two (eq. 3 of the paper).
+
+  Tree gating: the leaf becomes an internal node with a new gate (LeCun-normal
+  kernel drawn from `key`, zero bias); its children are the old expert (left)
+  and an exact copy of it (right), appended to the stacked experts together
+  with a copy of its BatchNorm statistics. As the two children are equal, the
+  network computes the same function before and after the split, for any
+  value of the new gate, with soft and hard gating alike.
+
+  Flat gating (ablation): the copy is added as a new output of the single
+  softmax gate (a new random kernel column, zero bias); this changes the
+  weights of all experts, so the function changes.
+
+  Args:
+    state: the learner (not modified).
+    layer: index of the mixture layer (0 = the first mixture).
+    leaf: the expert to split (its index on the stacked axis).
+    key: PRNG key of the new gate.
+
+  Returns:
+    A new learner with one more expert (and one more gate) in `layer`.
+  """
+  structure = state.structure
+  if not 0 <= layer < len(structure):
+    raise ValueError(f"layer {layer} is not a mixture layer; the learner has {len(structure)}")
+  feat_dim, tree = structure[layer]
+  new_tree = moe.split_leaf(tree, leaf)  # checks that `leaf` is a leaf
+  name = moe.layer_name(layer)
+  lp = dict(state.params[name])
+  lp["experts"] = _append_copy(lp["experts"], leaf)
+  lp.update(_grown_gates(lp, tree, feat_dim, key))
+  params = {**state.params, name: lp}
+  model_state = state.model_state
+  stats = model_state.get("batch_stats", {})
+  if name in stats:
+    model_state = {**model_state, "batch_stats": {**stats, name: _append_copy(stats[name], leaf)}}
+  new_structure = structure[:layer] + ((feat_dim, new_tree),) + structure[layer + 1:]
+  return base.Learner(params=params, model_state=model_state, structure=new_structure)
+
+
+# -- the method ------------------------------------------------------------------------------------
 @register
 class GrowingMoE(base.Method):
   """Tree-gated mixture of experts that splits its losing expert after each stage."""
 
   name = "gmoe"
+  same_growth_for_every_seed = False  # splits follow each seed's data
+  FIELDS = (
+      F.Field("method.gating", "soft", F.choice(GATINGS),
+              "soft (weighted sum over all experts) or hard (one expert per example: sampled "
+              "with a straight-through gradient in training, greedy at test time)"),
+      F.Field("method.tree", True, F.boolean(),
+              "binary gating tree (function-preserving splits); False: one flat softmax gate"),
+      F.Field("method.grow", True, F.boolean(),
+              "False: a fixed MoE with initial_experts experts per layer"),
+      F.Field("method.initial_experts", 1, F.integer(1),
+              "experts per layer at the start (paper: 1; released code: 2)"),
+      F.Field("method.grow_every", 1, F.integer(1), "grow after every this many training stages"),
+      F.Field("method.split_by", "loss", F.choice(SPLIT_BY),
+              "the expert to split: largest routed validation loss (paper) or usage "
+              "(released code)"),
+      F.Field("method.gate_pool", 4, F.integer(1),
+              "side of the average pool of a VGG block's gate input"),
+      F.Field("method.max_experts", 0, F.integer(0),
+              "stop splitting a layer at this many experts (0: no limit)"),
+  )
 
   def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
-    self.config = config
-    self.input_shape = tuple(input_shape)
-    self.num_classes = num_classes
-    c, d = config, DEFAULTS
-    self.gating = _choice(c, "method.gating", GATINGS, default=d["gating"])
-    self.tree = _bool(c, "method.tree", default=d["tree"])
-    self.grow = _bool(c, "method.grow", default=d["grow"])
-    self.initial_experts = _int(c, "method.initial_experts", 1, default=d["initial_experts"])
-    self.grow_every = _int(c, "method.grow_every", 1, default=d["grow_every"])
-    self.split_by = _choice(c, "method.split_by", SPLIT_BY, default=d["split_by"])
-    self.gate_pool = _int(c, "method.gate_pool", 1, default=d["gate_pool"])
-    self.max_experts = _int(c, "method.max_experts", 0, default=d["max_experts"])
-    if self.max_experts and self.max_experts < self.initial_experts:
-      raise validation.ConfigError(
-          f"config.method.max_experts={self.max_experts} is below config.method.initial_experts="
-          f"{self.initial_experts}; use 0 (no limit) or at least {self.initial_experts}")
-    if self.grow and bool(c.train.get("keep_optimizer_state", False)):
-      raise validation.ConfigError(
+    super().__init__(config, input_shape, num_classes)
+    o = self.opts
+    if o.max_experts and o.max_experts < o.initial_experts:
+      raise ConfigError(
+          f"config.method.max_experts={o.max_experts} is below config.method.initial_experts="
+          f"{o.initial_experts}; use 0 (no limit) or at least {o.initial_experts}")
+    if o.grow and bool(config.train.get("keep_optimizer_state", False)):
+      raise ConfigError(
           "config.train.keep_optimizer_state=True is not supported by gmoe with "
           "config.method.grow=True: a split changes the parameter shapes; allowed values: [False]")
-    self.net = moe.make_net(c.model, num_classes, self.gate_pool)
+    self.net = moe.make_net(config.model, num_classes, o.gate_pool)
     self._feat_dims: list[int] | None = None
-    self._score_fns: dict[Hashable, object] = {}
     self._route_fns: dict[Hashable, object] = {}
 
   @property
   def hard(self) -> bool:
-    return self.gating == "hard"
+    return self.opts.gating == "hard"
 
   # -- construction ---------------------------------------------------------------------------
   def initial_structure(self) -> tuple:
     if self._feat_dims is None:
       self._feat_dims = self.net.gate_feature_dims(self.input_shape)
-    tree = moe.balanced_tree(self.initial_experts, flat=not self.tree)
+    tree = moe.balanced_tree(self.opts.initial_experts, flat=not self.opts.tree)
     return tuple((f, tree) for f in self._feat_dims)
 
   def check_structure(self, structure) -> None:
@@ -119,10 +201,10 @@ class GrowingMoE(base.Method):
     if ok:
       for (f, tree), (f0, _) in zip(structure, self.initial_structure()):
         moe.check_tree(tree)
-        ok = ok and f == f0 and moe.is_flat(tree) == (not self.tree)
+        ok = ok and f == f0 and moe.is_flat(tree) == (not self.opts.tree)
     if not ok:
       raise ValueError(f"structure {structure!r} does not fit gmoe with config.model.name="
-                       f"{self.config.model.name!r} and config.method.tree={self.tree}")
+                       f"{self.config.model.name!r} and config.method.tree={self.opts.tree}")
 
   def init(self, key: jax.Array, structure: Hashable | None = None) -> base.Learner:
     if structure is None or structure == ():
@@ -136,9 +218,6 @@ class GrowingMoE(base.Method):
     """(logits, new model_state, [leaf weights (b, E) per mixture layer])."""
     return moe.apply(self.net, structure, params, model_state, x, train=train, hard=self.hard,
                      mask=mask, rng=rng)
-
-  def apply_backbone(self, params, model_state, x, *, train: bool, mask=None):
-    raise NotImplementedError("gmoe needs the learner's structure: use GrowingMoE.forward")
 
   def loss(self, structure, trainable, frozen, model_state, x, y, mask, rng):
     del frozen
@@ -171,56 +250,30 @@ class GrowingMoE(base.Method):
     return np.asarray(moe.greedy_leaf(tree, self.routing_weights(learner, x)[layer]))
 
   # -- growth -----------------------------------------------------------------------------------
-  def _score_fn(self, structure):
-    if structure not in self._score_fns:
-      split_by = self.split_by
+  def score_batch(self, structure, params, model_state, x, y, mask, task):
+    """Per-expert growth scores (`split_by`) of one batch, for every mixture layer."""
+    logits, _, weights = self.forward(structure, params, model_state, x, train=False)
+    _, nll = task.per_example(jax.nn.log_softmax(logits), y)
+    return [expert_scores(w, nll, mask, self.opts.split_by) for w in weights]
 
-      def scores(params, model_state, data_x, data_y, mean, std, idx, mask):
-        x = augment.prepare_batch(data_x[idx], mean, std, augment="none", rng=None)
-        logits, _, weights = self.forward(structure, params, model_state, x, train=False)
-        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), data_y[idx][:, None], -1)[:, 0]
-        return [growth_moe.expert_scores(w, nll, mask, split_by) for w in weights]
-
-      self._score_fns[structure] = jax.jit(scores)
-    return self._score_fns[structure]
-
-  def expert_scores(self, learner: base.Learner, trainer, idx: np.ndarray) -> list[np.ndarray]:
-    """Cumulative per-expert scores (`split_by`) of every mixture layer on training examples
-    `idx` (the stage's validation examples)."""
-    fn = self._score_fn(learner.structure)
-    d = trainer.data
-    b = int(self.config.train.eval_batch_size)
-    total = [np.zeros(n) for n in experts_per_layer(learner.structure)]
-    for s in range(0, len(idx), b):
-      part = np.zeros((b,), np.int32)
-      part[:len(idx[s:s + b])] = idx[s:s + b]
-      mask = np.arange(b) < len(idx[s:s + b])
-      out = fn(learner.params, learner.model_state, d.train_x, d.train_y, d.mean, d.std,
-               jnp.asarray(part), jnp.asarray(mask))
-      total = [t + np.asarray(o, np.float64) for t, o in zip(total, out)]
-    return total
-
-  def should_grow(self, t: int) -> bool:
-    """Whether to grow after the training stage at time step `t`."""
-    if not self.grow:
-      return False
-    stage = t // int(self.config.stream.get("wait", 1))
-    return stage % self.grow_every == 0
+  def should_grow(self, stage: int) -> bool:
+    """Whether to grow after training stage number `stage` (1 = the first)."""
+    return self.opts.grow and stage % self.opts.grow_every == 0
 
   def grow_learner(self, learner: base.Learner, scores, key: jax.Array) -> base.Learner:
     """Splits the losing expert (arg-max of `scores[l]`) of every layer below `max_experts`."""
     for layer, layer_scores in enumerate(scores):
-      if self.max_experts and len(layer_scores) >= self.max_experts:
+      if self.opts.max_experts and len(layer_scores) >= self.opts.max_experts:
         continue
-      leaf = growth_moe.losing_expert(layer_scores)
-      learner = surgery.split_expert(learner, layer, leaf, jax.random.fold_in(key, layer))
+      leaf = losing_expert(layer_scores)
+      learner = split_expert(learner, layer, leaf, jax.random.fold_in(key, layer))
     return learner
 
   def after_stage(self, learner: base.Learner, key: jax.Array, ctx) -> base.Learner:
-    if not self.should_grow(ctx.t):
+    if not self.should_grow(ctx.stage):
       return learner
-    scores = self.expert_scores(learner, ctx.trainer, np.asarray(ctx.val_idx, np.int32))
-    return self.grow_learner(learner, scores, key)
+    scores = ctx.reduce(self.score_batch, learner, np.asarray(ctx.val_idx, np.int32))
+    return self.grow_learner(learner, [np.asarray(s, np.float64) for s in scores], key)
 
   # -- accounting -------------------------------------------------------------------------------
   def describe(self, learner: base.Learner) -> dict:

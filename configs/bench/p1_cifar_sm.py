@@ -10,6 +10,5 @@ from alma_jax import config_lib
 
 
 def get_config(arg=None):
-  c = config_lib.base_config("cifar10")
-  c.method.name = "sm"
+  c = config_lib.base_config("cifar10", "sm")
   return config_lib.protocol(c, arg, num_megabatches=10, width=16, epochs=2)

@@ -7,7 +7,5 @@ from alma_jax import config_lib
 
 
 def get_config(arg=None):
-  c = config_lib.base_config("cifar10")
-  c.method.name = "ens"
-  c.method.num_members = 5
+  c = config_lib.base_config("cifar10", "ens")
   return config_lib.protocol(c, arg, num_megabatches=10, width=16, epochs=2)

@@ -7,6 +7,5 @@ from alma_jax import config_lib
 
 
 def get_config(arg=None):
-  c = config_lib.base_config("mnist")
-  c.method.name = "gmoe"
+  c = config_lib.base_config("mnist", "gmoe")
   return config_lib.protocol(c, arg, num_megabatches=10, width=64, epochs=5)

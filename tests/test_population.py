@@ -1,4 +1,4 @@
-"""Tests of several seeds in one vmapped program (alma_jax/seeds.py)."""
+"""Tests of several seeds as one population (alma_jax/population.py, train.py, run.py)."""
 
 import json
 import os
@@ -8,16 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-from alma_jax import seeds as seeds_lib
+from alma_jax import population
+from alma_jax import train
 from alma_jax import validation
-from alma_jax.methods.base import Learner
+from alma_jax.errors import ConfigError
 from tests import helpers
 from tests.conftest import requires_mnist
 from tests.test_main_e2e import check_outputs, run_main
-
-
-def _stack(trees):
-  return jax.tree.map(lambda *a: np.stack(a), *trees)
 
 
 @pytest.mark.parametrize("method_name,patience", [("sm", 1), ("ens", 3)])
@@ -26,54 +23,51 @@ def test_vmapped_stage_matches_separate_stages(method_name, patience):
   ds = helpers.synthetic_dataset(n_train=400, n_test=64)
   config = helpers.small_config(method=method_name, width=8, epochs=4, patience=patience)
   config.method.num_members = 2
-  method, trainer = helpers.make_trainer(config, ds)
-  st = seeds_lib.SeedTrainer(trainer, 2)
+  method, steps = helpers.make_steps(config, ds)
   rng = np.random.default_rng(0)
   train_idx = np.stack([rng.permutation(300)[:250] for _ in range(2)]).astype(np.int32)
   val_idx = np.stack([300 + rng.permutation(100)[:60] for _ in range(2)]).astype(np.int32)
   learners = [method.init(jax.random.key(s)) for s in (3, 4)]
   keys = [jax.random.key(10 + s) for s in (3, 4)]
-  separate = [trainer.fit_stage(l, train_idx[i], val_idx[i], keys[i])
+  separate = [train.fit_one(steps, l, train_idx[i], val_idx[i], keys[i])
               for i, l in enumerate(learners)]
-  stacked = Learner(params=_stack([l.params for l in learners]),
-                    model_state=_stack([l.model_state for l in learners]),
-                    structure=learners[0].structure)
-  best, _, stats = st.fit_stage(stacked, train_idx, val_idx, seeds_lib._stack_keys(keys), t=1,
-                                seeds=[3, 4])
+  best, _, stats = train.fit_stage(steps, population.stack(learners), train_idx, val_idx,
+                                   population.stack_keys(keys), t=1, labels=[3, 4])
   for i, (learner, _, s) in enumerate(separate):
-    chex.assert_trees_all_close(seeds_lib.unstack(best, i).params, learner.params,
+    chex.assert_trees_all_close(population.unstack(best, i).params, learner.params,
                                 atol=1e-5, rtol=1e-4)
-    assert stats.epochs_run[i] == s.epochs_run
-    assert stats.best_epoch[i] == s.best_epoch
-    assert stats.steps_run[i] == s.steps_run
-    assert stats.best_val_accuracy[i] == pytest.approx(s.best_val_accuracy)
+    assert stats.epochs_run[i] == s.epochs_run[0]
+    assert stats.best_epoch[i] == s.best_epoch[0]
+    assert stats.steps_run[i] == s.steps_run[0]
+    assert stats.best_val_accuracy[i] == pytest.approx(s.best_val_accuracy[0])
   # The per-seed evaluation agrees with the single-learner one, on each seed's own
   # examples and on examples shared by all seeds.
   test_idx = np.arange(50, dtype=np.int32)
-  acc, shared = st.evaluate(best, val_idx, "train"), st.evaluate(best, test_idx, "test")
+  acc, _ = steps.evaluate(best, "train", val_idx)
+  shared, _ = steps.evaluate(best, "test", test_idx)
   for i in range(2):
-    single, _ = trainer.evaluate(seeds_lib.unstack(best, i), val_idx[i], "train")
-    assert acc[i] == pytest.approx(single)
-    single, _ = trainer.evaluate(seeds_lib.unstack(best, i), test_idx, "test")
-    assert shared[i] == pytest.approx(single)
+    assert acc[i] == pytest.approx(helpers.evaluate(steps, population.unstack(best, i), val_idx[i]))
+    assert shared[i] == pytest.approx(
+        helpers.evaluate(steps, population.unstack(best, i), test_idx, "test"))
 
 
+@requires_mnist
 def test_num_seeds_is_validated():
   config = helpers.small_config(method="gmoe")
   config.num_seeds = 3
-  with pytest.raises(validation.ConfigError, match=r"config.num_seeds=3 .*valid names: "
+  with pytest.raises(ConfigError, match=r"config.num_seeds=3 .*valid names: "
                      r"\['ens', 'gens', 'sm', 'umix'\]"):
-    seeds_lib.check_config(config)
+    validation.validate(config)
   config.num_seeds = 0
-  with pytest.raises(validation.ConfigError, match=r"config.num_seeds=0 must be >= 1"):
-    seeds_lib.check_config(config)
-  config.method.name = "gens"
+  with pytest.raises(ConfigError, match=r"config.num_seeds=0 must be >= 1"):
+    validation.validate(config)
+  config = helpers.small_config(method="gens")
   config.num_seeds = 2
-  assert seeds_lib.check_config(config) == 2
+  assert validation.validate(config).num_seeds == 2
 
 
 def test_mean_summary():
-  out = seeds_lib.mean_summary([{"cer": 1.0, "mem": 4}, {"cer": 3.0, "mem": 4}])
+  out = population.mean_summary([{"cer": 1.0, "mem": 4}, {"cer": 3.0, "mem": 4}])
   assert out == {"cer": 2.0, "cer_std": 1.0, "mem": 4.0, "mem_std": 0.0}
 
 

@@ -1,0 +1,78 @@
+"""SIGINT/SIGTERM handling of a run and the test hook that kills it at named points.
+
+SIGINT and SIGTERM stop a run at the next safe point: a stage in progress is
+abandoned (it is recomputed on resume), a log or checkpoint write in progress
+(`Signals.critical()`) is finished first; then `RunInterrupted` is raised.
+
+Testing hook: the environment variable `ALMA_JAX_TEST_KILL_AT` (a comma
+separated list such as `t=2:checkpoint,summary`) makes the process send
+itself `ALMA_JAX_TEST_KILL_SIGNAL` (default SIGKILL) at the named points:
+`t=N:stage` (before training stage N), `t=N:epoch` (at a progress message of
+stage N), `t=N:log` (after the record of N is logged), `t=N:checkpoint`
+(while the checkpoint of N is being written), `t=N:saved` (after it is
+written) and `summary` (before summary.json is written).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+
+
+class RunInterrupted(BaseException):
+  """SIGINT/SIGTERM stopped the run; `exit_code` is 128 + the signal number."""
+
+  def __init__(self, signum: int, last_checkpoint: int | None):
+    self.signum = signum
+    self.last_checkpoint = last_checkpoint
+    self.exit_code = 128 + signum
+    where = (f"the last checkpoint is t={last_checkpoint}" if last_checkpoint is not None
+             else "no checkpoint was written yet")
+    super().__init__(f"interrupted by {signal.Signals(signum).name}; {where}")
+
+
+class Signals:
+  """SIGINT/SIGTERM handlers: raise at once, or after the current `critical()` section."""
+
+  def __init__(self):
+    self.pending: int | None = None
+    self.last_checkpoint: int | None = None
+    self._depth = 0
+    self._old = {}
+
+  def __enter__(self) -> "Signals":
+    if threading.current_thread() is threading.main_thread():
+      for s in (signal.SIGINT, signal.SIGTERM):
+        self._old[s] = signal.signal(s, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for s, handler in self._old.items():
+      signal.signal(s, handler)
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    if self.pending is None:
+      self.pending = signum
+    if self._depth == 0:
+      raise RunInterrupted(self.pending, self.last_checkpoint)
+
+  @contextlib.contextmanager
+  def critical(self):
+    """A section (a write) that a signal does not interrupt; it acts after it."""
+    self._depth += 1
+    try:
+      yield
+    finally:
+      self._depth -= 1
+    if self._depth == 0 and self.pending is not None:
+      raise RunInterrupted(self.pending, self.last_checkpoint)
+
+
+def kill_point(point: str, t: int | None = None) -> None:
+  """The testing hook described in the module docstring."""
+  spec = os.environ.get("ALMA_JAX_TEST_KILL_AT")
+  if spec and (point if t is None else f"t={t}:{point}") in spec.split(","):
+    os.kill(os.getpid(), getattr(signal, os.environ.get("ALMA_JAX_TEST_KILL_SIGNAL", "SIGKILL")))

@@ -1,0 +1,40 @@
+"""Methods by name: `config.method.name` -> a `Method` subclass."""
+
+from __future__ import annotations
+
+from alma_jax.errors import ConfigError
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register(cls: type) -> type:
+  """Class decorator: makes a method available under `cls.name`."""
+  if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+    raise ValueError(f"method name {cls.name!r} registered twice")
+  _REGISTRY[cls.name] = cls
+  return cls
+
+
+def names() -> list[str]:
+  return sorted(_REGISTRY)
+
+
+def get(name: str) -> type:
+  """The method class registered under `name`."""
+  if name not in _REGISTRY:
+    raise ConfigError(f"config.method.name={name!r} is unknown; valid names: {names()}")
+  return _REGISTRY[name]
+
+
+def make(config, input_shape, num_classes):
+  """Constructs the configured method (its constructor checks its own fields)."""
+  cls = get(config.method.name)
+  try:
+    return cls(config, tuple(input_shape), int(num_classes))
+  except ConfigError:
+    raise
+  except (TypeError, ValueError, KeyError, AttributeError) as e:
+    msg = " ".join(str(e).split())
+    if "config." not in msg:
+      msg = f"config.method (method {config.method.name!r}): {msg}"
+    raise ConfigError(msg) from e

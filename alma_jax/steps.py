@@ -1,0 +1,307 @@
+"""The compiled programs of a run: train chunks, evaluation and scoring passes.
+
+This module is the only place where steps are `jax.jit`ted, and `Steps` holds
+the one compile cache of a run (so `Steps.num_compilations` is the number of
+programs the run compiled). Data enters a program as pytrees: the train
+state (`TrainState`), the resident data (`tasks.images.DeviceData`), a batch
+of indices (`Batch`) and PRNG keys.
+
+Every train and evaluation program runs a population of S learners stacked
+on a leading axis: S > 1 (several seeds) through `jax.vmap`, S = 1 through a
+squeeze of that axis, so an ordinary run compiles the unbatched step.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from alma_jax import sharding
+from alma_jax.methods.base import Learner, Method
+
+PyTree = Any
+# A train call's PRNG counter is epoch * CALLS_BOUND + call: distinct for
+# every call of a stage as long as an epoch has fewer calls than this.
+CALLS_BOUND = 100003
+
+
+@struct.dataclass
+class TrainState:
+  """What a train step updates: trainable params, optimizer and model state (and frozen params)."""
+
+  trainable: PyTree
+  frozen: PyTree
+  model_state: PyTree
+  opt_state: PyTree
+
+
+@struct.dataclass
+class Batch:
+  """Indices into the resident data and which of them are real examples (mask)."""
+
+  idx: jax.Array
+  mask: jax.Array
+
+
+def over_population(fn: Callable, in_axes: Sequence[int | None], num: int) -> Callable:
+  """`fn` of one learner -> `fn` of a stacked population of `num` learners.
+
+  `in_axes[i]` is 0 for arguments stacked on the population axis and None for
+  shared ones. With num > 1 this is `jax.vmap`; with num = 1 the axis is
+  squeezed and restored, so the program is the unbatched one.
+  """
+  if num > 1:
+    return jax.vmap(fn, in_axes=tuple(in_axes))
+
+  def squeezed(*args):
+    args = [a if ax is None else jax.tree.map(lambda v: v[0], a) for a, ax in zip(args, in_axes)]
+    return jax.tree.map(lambda v: v[None], fn(*args))
+
+  return squeezed
+
+
+def call_counter(epoch: int, call: int) -> np.uint32:
+  return np.uint32(epoch * CALLS_BOUND + call)
+
+
+class Steps:
+  """The compiled steps of one run, cached per (kind, learner structure, population)."""
+
+  def __init__(self, method: Method, task, tx: optax.GradientTransformation, data, mesh, *,
+               batch_size: int, eval_batch_size: int, steps_per_call: int = 1):
+    self.method, self.task, self.tx, self.mesh = method, task, tx, mesh
+    self.data = sharding.put_replicated(mesh, data)
+    self.batch_size = int(batch_size)
+    self.eval_batch_size = int(eval_batch_size)
+    self.steps_per_call = int(steps_per_call)
+    self._cache: dict[tuple, Callable] = {}
+
+  @classmethod
+  def from_config(cls, config, method: Method, task, tx, data, mesh) -> "Steps":
+    t = config.train
+    return cls(method, task, tx, data, mesh, batch_size=t.batch_size,
+               eval_batch_size=t.eval_batch_size, steps_per_call=t.get("steps_per_call", 1))
+
+  # -- the compile cache ---------------------------------------------------------------------
+  def _compiled(self, key: tuple, build: Callable[[], Callable], donate=()) -> Callable:
+    """The jitted `build()` for `key`, built once; the run's only `jax.jit` of a step."""
+    if key not in self._cache:
+      self._cache[key] = jax.jit(build(), donate_argnums=donate)
+    return self._cache[key]
+
+  @property
+  def compiled(self) -> tuple[tuple, ...]:
+    """The keys (kind, structure, population) of the programs compiled so far."""
+    return tuple(self._cache)
+
+  @property
+  def num_compilations(self) -> int:
+    return len(self._cache)
+
+  def place(self, tree):
+    """Replicates `tree` on the mesh, so that every call sees the same input shardings."""
+    return sharding.put_replicated(self.mesh, tree)
+
+  def put_batch(self, array: np.ndarray):
+    """Places an index or mask array, split along its last (batch) axis."""
+    return sharding.put_batch(self.mesh, array, array.ndim - 1)
+
+  # -- training ---------------------------------------------------------------------------------
+  def step_body(self, structure) -> Callable:
+    """One train step of one learner: (state, data, idx (D, b), mask, rng) -> (state, loss)."""
+    method, task, tx = self.method, self.task, self.tx
+    loss_fn = functools.partial(method.loss, structure)
+
+    def step(state: TrainState, data, idx, mask, rng):
+      x, y = task.inputs(data, idx, rng)
+      (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+          state.trainable, state.frozen, state.model_state, x, y, mask, jax.random.fold_in(rng, 1))
+      updates, opt_state = tx.update(grads, state.opt_state, state.trainable)
+      return TrainState(optax.apply_updates(state.trainable, updates), state.frozen, model_state,
+                        opt_state), loss
+
+    return step
+
+  def chunk_body(self, structure) -> Callable:
+    """K train steps of one learner: (state, data, Batch (K, D, b), key, counter) ->
+    (state, K losses, whether the trainable params are all finite).
+
+    With K > 1 the steps run in a `lax.scan`; a step whose mask is all false
+    (padding up to a whole number of calls) leaves the state untouched.
+    """
+    step = self.step_body(structure)
+
+    def chunk(state: TrainState, data, batch: Batch, key, counter):
+      rng = jax.random.fold_in(key, counter)
+      if batch.idx.shape[0] == 1:
+        state, loss = step(state, data, batch.idx[0], batch.mask[0], rng)
+        losses = loss[None]
+      else:
+        def body(st, inp):
+          idx, mask, i = inp
+          run = lambda s: step(s, data, idx, mask, jax.random.fold_in(rng, i))
+          return jax.lax.cond(jnp.any(mask), run, lambda s: (s, jnp.float32(0.0)), st)
+
+        state, losses = jax.lax.scan(body, state, (batch.idx, batch.mask,
+                                                   jnp.arange(batch.idx.shape[0])))
+      return state, losses, all_finite(state.trainable)
+
+    return chunk
+
+  def train_fn(self, structure, num: int) -> Callable:
+    """The compiled train chunk of a population of `num`; the state is donated."""
+    return self._compiled(("train", structure, num), lambda: over_population(
+        self.chunk_body(structure), (0, None, 0, 0, None), num), donate=(0,))
+
+  def train_call(self, structure, state: TrainState, batch: Batch, keys, counter):
+    """Runs one compiled train chunk; returns (state, losses (S, K), finite (S,))."""
+    fn = self.train_fn(structure, int(keys.shape[0]))
+    return fn(state, self.data, batch, keys, counter)
+
+  def init_state(self, learner: Learner, opt_state=None) -> TrainState:
+    """The train state of a stacked `learner` (copies: the train step donates it)."""
+    trainable, frozen = jax.vmap(self.method.partition)(learner)
+    if opt_state is None:
+      opt_state = jax.vmap(self.tx.init)(trainable)
+    state = TrainState(trainable, frozen, learner.model_state, opt_state)
+    return jax.tree.map(jnp.copy, self.place(state))
+
+  # -- evaluation ------------------------------------------------------------------------------
+  def eval_body(self, structure) -> Callable:
+    """(params, model_state, data, Batch) of one learner -> (number correct, summed NLL)."""
+    method, task = self.method, self.task
+
+    def evaluate(params, model_state, data, batch: Batch):
+      x, y = task.inputs(data, batch.idx)
+      errors, nll = task.per_example(method.predict(structure, params, model_state, x), y)
+      return (jnp.sum((errors == 0) & batch.mask),
+              jnp.sum(jnp.where(batch.mask, nll, 0.0)))
+
+    return evaluate
+
+  def eval_fn(self, structure, num: int, shared: bool) -> Callable:
+    """Compiled evaluation of a population; `shared`: one index batch for every learner."""
+    axes = (0, 0, None, None if shared else 0)
+    return self._compiled(("eval_shared" if shared else "eval", structure, num),
+                          lambda: over_population(self.eval_body(structure), axes, num))
+
+  def eval_batches(self, idx: np.ndarray):
+    """`Batch`es of `eval_batch_size` along the last axis of `idx` (the last one padded)."""
+    b, n = self.eval_batch_size, idx.shape[-1]
+    for s in range(0, n, b):
+      pad = np.zeros(idx.shape[:-1] + (b,), np.int32)
+      pad[..., :min(b, n - s)] = idx[..., s:s + b]
+      mask = np.ascontiguousarray(np.broadcast_to(np.arange(b) < n - s, pad.shape))
+      yield Batch(self.put_batch(pad), self.put_batch(mask))
+
+  def evaluate(self, learner: Learner, split: str, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-member (accuracy, mean NLL) of a stacked `learner` on examples `idx` of `split`.
+
+    `idx` is (S, n), each member's own examples, or (n,), the same examples
+    for every member (gathered once per batch when S > 1).
+    """
+    num = int(jax.tree.leaves(learner.params)[0].shape[0])
+    if idx.shape[-1] == 0:
+      raise ValueError(f"cannot evaluate on an empty {split} set")
+    idx = self.task.global_index(self.data, split, idx)
+    shared = idx.ndim == 1 and num > 1
+    if idx.ndim == 1 and not shared:
+      idx = np.broadcast_to(idx, (num, idx.shape[0]))
+    fn = self.eval_fn(learner.structure, num, shared)
+    learner = self.place(learner)
+    results = [fn(learner.params, learner.model_state, self.data, b)
+               for b in self.eval_batches(idx)]
+    correct = np.sum([np.asarray(c, np.int64) for c, _ in results], axis=0)
+    nll = np.sum([np.asarray(l, np.float64) for _, l in results], axis=0)
+    return correct / idx.shape[-1], nll / idx.shape[-1]
+
+  # -- scoring passes ------------------------------------------------------------------------
+  def reduce(self, fn: Callable, learner: Learner, idx: np.ndarray) -> PyTree:
+    """Sums `fn(structure, params, model_state, x, y, mask, task)` over batches of training
+    examples `idx` (unaugmented) for one (unstacked) learner, in float64 on the host."""
+    structure, task = learner.structure, self.task
+
+    def build():
+      def body(params, model_state, data, batch: Batch):
+        x, y = task.inputs(data, batch.idx)
+        return fn(structure, params, model_state, x, y, batch.mask, task)
+      return body
+
+    name = f"reduce {getattr(fn, '__qualname__', repr(fn))}"
+    compiled = self._compiled((name, structure, 1), build)
+    learner = self.place(learner)
+    idx = self.task.global_index(self.data, "train", np.asarray(idx, np.int32))
+    total = None
+    for b in self.eval_batches(idx):
+      out = jax.tree.map(lambda a: np.asarray(a, np.float64),
+                         compiled(learner.params, learner.model_state, self.data, b))
+      total = out if total is None else jax.tree.map(np.add, total, out)
+    return total
+
+  # -- accounting ------------------------------------------------------------------------------
+  def flops(self, learner: Learner) -> dict[str, float]:
+    """Compiler FLOP counts for one (unstacked) learner's structure.
+
+    `train_step`: one train step (forward, backward and update) on a batch;
+    `train_step_forward`: the forward pass of the training loss alone;
+    `inference_per_example`: predicting one example.
+    Counted by XLA's cost analysis of the lowered (not compiled) functions.
+    """
+    structure, method = learner.structure, self.method
+    trainable, frozen = method.partition(learner)
+    d, b = method.num_data_orders(structure), self.batch_size
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)  # pylint: disable=unnecessary-lambda-assignment
+    state = TrainState(trainable, frozen, learner.model_state,
+                       jax.eval_shape(self.tx.init, trainable))
+    rng = jax.eval_shape(lambda: jax.random.key(0))
+    idx, mask = spec((d, b), jnp.int32), spec((d, b), jnp.bool_)
+    train = _cost_flops(self.step_body(structure), (state, self.data, idx, mask, rng))
+    x = jax.eval_shape(lambda data, i: self.task.inputs(data, i)[0], self.data, idx)
+    y = jax.eval_shape(lambda data, i: self.task.inputs(data, i)[1], self.data, idx)
+
+    def forward(trainable, frozen, model_state, x, y, mask, rng):
+      return method.loss(structure, trainable, frozen, model_state, x, y, mask, rng)[0]
+
+    fwd = _cost_flops(forward, (trainable, frozen, learner.model_state, x, y, mask, rng))
+    eb = self.eval_batch_size
+    xe = spec((eb,) + tuple(x.shape[2:]), x.dtype)
+    infer = _cost_flops(functools.partial(method.predict, structure),
+                        (learner.params, learner.model_state, xe)) / eb
+    return {"train_step": train, "train_step_forward": fwd, "inference_per_example": infer}
+
+  def seconds_per_step(self, learner: Learner, repeats: int = 3) -> float:
+    """Times the compiled train call of a stacked `learner` on dummy indices (it is untouched)."""
+    num = int(jax.tree.leaves(learner.params)[0].shape[0])
+    d, k = self.method.num_data_orders(learner.structure), self.steps_per_call
+    idx = np.zeros((num, k, d, self.batch_size), np.int32)
+    batch = Batch(self.put_batch(idx), self.put_batch(np.ones(idx.shape, bool)))
+    keys = jax.random.split(jax.random.key(0), num)
+    times = []
+    for r in range(repeats + 1):
+      t0 = time.monotonic()
+      jax.block_until_ready(self.train_call(learner.structure, self.init_state(learner), batch,
+                                            keys, np.uint32(r)))
+      if r:  # the first call compiles
+        times.append(time.monotonic() - t0)
+    return float(np.median(times)) / k
+
+
+def all_finite(tree) -> jax.Array:
+  """Whether every element of every leaf of `tree` is finite."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def _cost_flops(fn: Callable, args) -> float:
+  """FLOPs of `fn` on `args` from XLA's cost analysis of its lowering."""
+  cost = jax.jit(fn).lower(*args).cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  return float((cost or {}).get("flops", 0.0))

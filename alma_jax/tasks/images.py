@@ -1,0 +1,81 @@
+"""Image classification: uint8 images gathered on the device, augmented and normalised.
+
+The resident data (`DeviceData`, a pytree) holds the uint8 images and int32
+labels of both splits and the per-channel mean and standard deviation. A
+step receives index arrays only; `ImageTask.inputs` gathers, augments (in
+training, from the step's PRNG key) and normalises inside the compiled step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from alma_jax.data import augment
+
+
+@struct.dataclass
+class DeviceData:
+  """The data set resident on the devices: both splits in one array.
+
+  `x` holds the uint8 training images followed by the test images, `y` their
+  int32 labels; index i of the test split is `num_train + i`. One array for
+  both splits lets one compiled evaluation program serve validation (training
+  split) and test alike.
+  """
+
+  x: jax.Array
+  y: jax.Array
+  mean: jax.Array
+  std: jax.Array
+  num_train: int = struct.field(pytree_node=False)
+
+  @property
+  def input_shape(self) -> tuple[int, ...]:
+    return tuple(self.x.shape[1:])
+
+  def size(self, split: str) -> int:
+    return self.num_train if split == "train" else int(self.y.shape[0]) - self.num_train
+
+
+def device_data(ds) -> DeviceData:
+  """An `ImageDataset`-like object (numpy arrays) as a `DeviceData` of numpy arrays."""
+  return DeviceData(x=np.concatenate([np.asarray(ds.train_x), np.asarray(ds.test_x)]),
+                    y=np.concatenate([np.asarray(ds.train_y), np.asarray(ds.test_y)]),
+                    mean=np.asarray(ds.mean, np.float32), std=np.asarray(ds.std, np.float32),
+                    num_train=len(ds.train_y))
+
+
+class ImageTask:
+  """Classification of images by argmax, trained with optional crop+flip augmentation."""
+
+  def __init__(self, augmentation: str = "none"):
+    if augmentation not in augment.AUGMENTATIONS:
+      raise ValueError(f"config.train.augment={augmentation!r} is unknown; valid values: "
+                       f"{list(augment.AUGMENTATIONS)}")
+    self.augmentation = augmentation
+
+  @classmethod
+  def from_config(cls, config) -> "ImageTask":
+    return cls(config.train.augment)
+
+  @staticmethod
+  def global_index(data: DeviceData, split: str, idx: np.ndarray) -> np.ndarray:
+    """Indices into one split -> indices into the resident data (host side)."""
+    if split not in ("train", "test"):
+      raise ValueError(f"split {split!r} is unknown; valid values: ['test', 'train']")
+    return np.asarray(idx, np.int32) + (0 if split == "train" else np.int32(data.num_train))
+
+  def inputs(self, data: DeviceData, idx, rng=None):
+    """(normalised inputs, labels) of resident examples `idx`; `rng`: training augmentation."""
+    x = augment.prepare_batch(data.x[idx], data.mean, data.std,
+                              augment=self.augmentation if rng is not None else "none", rng=rng)
+    return x, data.y[idx]
+
+  def per_example(self, logp, y):
+    """(error 0/1, negative log-likelihood) of every example."""
+    errors = (jnp.argmax(logp, -1) != y).astype(jnp.float32)
+    nll = -jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0]
+    return errors, nll

@@ -1,0 +1,125 @@
+"""The run's output directory: file names, checks, resume compatibility, clean-up.
+
+A workdir holds `config.json`, `log.jsonl`, `summary.json`,
+`architecture.jsonl` and `checkpoints/` (and `seed_<seed>/` folders with
+the outputs of each seed when several seeds share a program).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from typing import Any, Sequence
+
+from absl import logging
+
+from alma_jax import config_lib
+from alma_jax import io_utils
+from alma_jax.errors import ConfigError
+
+CONFIG_FILE, LOG_FILE, SUMMARY_FILE = "config.json", "log.jsonl", "summary.json"
+# One line per training stage: t and the method's description of the architecture
+# after it (members, experts per mixture layer, ...), for plots of growth.
+ARCH_FILE = "architecture.jsonl"
+CHECKPOINT_DIR, CORRUPT_DIR = "checkpoints", "checkpoints_unreadable"
+SEED_DIR_PREFIX = "seed_"  # outputs of one seed when config.num_seeds > 1
+
+
+def seed_dir(workdir: str, seed: int) -> str:
+  return os.path.join(workdir, f"{SEED_DIR_PREFIX}{seed}")
+
+
+def check_writable(workdir: str) -> None:
+  """The workdir exists (created if needed) and is writable."""
+  if not workdir:
+    raise ConfigError("--workdir is empty; give a directory for the run's outputs")
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ConfigError(f"--workdir={workdir} exists and is not a directory")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=workdir, prefix=".write-test-")
+    os.close(fd)
+    os.unlink(probe)
+  except OSError as e:
+    raise ConfigError(f"--workdir={workdir} is not writable: {e.strerror or e}") from e
+
+
+def has_progress(workdir: str) -> bool:
+  """Whether `workdir` holds records, checkpoints or a summary of a run."""
+  ckpt_dir, log = os.path.join(workdir, CHECKPOINT_DIR), os.path.join(workdir, LOG_FILE)
+  return (os.path.exists(os.path.join(workdir, SUMMARY_FILE))
+          or (os.path.exists(log) and os.path.getsize(log) > 0)
+          or (os.path.isdir(ckpt_dir) and any(n[:1].isdigit() for n in os.listdir(ckpt_dir))))
+
+
+def clear_outputs(workdir: str) -> None:
+  """Removes the run outputs from `workdir` (nothing else in it)."""
+  seed_dirs = [n for n in os.listdir(workdir) if n.startswith(SEED_DIR_PREFIX)]
+  for name in (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, ARCH_FILE, CHECKPOINT_DIR, CORRUPT_DIR,
+               *seed_dirs):
+    path = os.path.join(workdir, name)
+    if os.path.isdir(path):
+      shutil.rmtree(path)
+    elif os.path.exists(path):
+      os.unlink(path)
+  logging.warning("--overwrite: removed the previous run's outputs from %s", workdir)
+
+
+def sync_architecture_log(workdir: str, last_t: int) -> None:
+  """Keeps the lines of `ARCH_FILE` up to `last_t` (what a resumed run has done)."""
+  path = os.path.join(workdir, ARCH_FILE)
+  kept = [r for r in io_utils.read_jsonl(path) if r["t"] <= last_t] if os.path.exists(path) else []
+  io_utils.write_jsonl_atomic(path, kept)
+
+
+# -- config compatibility ---------------------------------------------------------------------
+def config_dict(config) -> dict:
+  return json.loads(config.to_json())
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  """Nested dicts -> {"a.b.c": leaf}."""
+  if isinstance(tree, dict) and tree:
+    out = {}
+    for k, v in tree.items():
+      out.update(flatten(v, f"{prefix}{k}."))
+    return out
+  return {prefix[:-1]: tree}
+
+
+def _is_nan(v) -> bool:
+  return isinstance(v, float) and math.isnan(v)
+
+
+def config_diff(old: dict, new: dict, ignore: Sequence[str] | None = None) -> list[str]:
+  """'config.path: old → new' for every differing field (dotted paths) but the resumable ones."""
+  ignore = config_lib.resumable_paths() if ignore is None else ignore
+  a, b = flatten(old), flatten(new)
+  absent = "<absent>"
+  diffs = []
+  for k in sorted(set(a) | set(b)):
+    if k in ignore:
+      continue
+    va, vb = a.get(k, absent), b.get(k, absent)
+    if va != vb and not (_is_nan(va) and _is_nan(vb)):
+      diffs.append(f"config.{k}: {va!r} → {vb!r}")
+  return diffs
+
+
+def check_resume(workdir: str, config) -> None:
+  """Raises when `workdir` holds progress of a run with a different config."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not has_progress(workdir) or not os.path.exists(path):
+    return
+  hint = "choose another --workdir, or pass --overwrite to discard the old run's outputs"
+  try:
+    old = io_utils.read_json(path)
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"{path} cannot be read ({e}); {hint}") from e
+  diffs = config_diff(old, config_dict(config))
+  if diffs:
+    raise ConfigError(f"--workdir={workdir} holds a run with a different config: "
+                      f"{'; '.join(diffs)}; rerun with the old values to resume it, or {hint}")
