@@ -24,6 +24,7 @@ from alma_jax import cpu_tuning
 cpu_tuning.apply()  # before JAX allocates its first buffer
 
 from alma_jax import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.data import images  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, log.jsonl, summary.json.")
@@ -44,7 +45,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 def _enable_compilation_cache(jax) -> str | None:
   path = _COMPILATION_CACHE.value or os.environ.get("ALMA_JAX_COMPILATION_CACHE_DIR")
   if not path:
-    from alma_jax.data import images  # pylint: disable=g-import-not-at-top
     path = os.path.join(images.default_cache_dir(), "xla")
   if path.lower() == "none":
     return None

@@ -19,7 +19,6 @@ times aside). Signals and the kill-point test hook: `alma_jax.interrupts`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -40,47 +39,17 @@ from alma_jax import timing
 from alma_jax import train
 from alma_jax import validation
 from alma_jax import workdir as wd
-from alma_jax.data import images
 from alma_jax.data import stream as stream_lib
 from alma_jax.interrupts import RunInterrupted, kill_point
 from alma_jax.metrics import Log, Record
 from alma_jax.optim import make_optimizer
 from alma_jax.steps import Steps
-from alma_jax.tasks import images as image_task
+from alma_jax import tasks
 
-__all__ = ["run", "RunInterrupted", "load_data", "subset_indices"]
+__all__ = ["run", "RunInterrupted"]
 VGG_SEEDS_WARNING = ("config.num_seeds=%d with config.model.name=%r on CPU: vmapped convolutions "
                      "run as grouped convolutions, many times slower than separate runs "
                      "(benchmarks/ensemble_strategy.py); separate runs are faster here")
-
-
-def subset_indices(config, num_train: int, seed: int) -> np.ndarray | None:
-  """The training examples (sorted indices) a run with `seed` uses; None: all of them."""
-  if not config.data.train_subset:
-    return None
-  rng = np.random.default_rng([seed, 7])
-  n = min(int(config.data.train_subset), num_train)
-  return np.sort(rng.choice(num_train, n, replace=False))
-
-
-def load_data(config, seeds: list[int]):
-  """The data set of `config.data` and each seed's training subset (None: all examples).
-
-  With one seed the subset is cut out of the loaded arrays (and None returned
-  for it); several seeds keep the whole training split and index into it.
-  """
-  ds = images.load_image_dataset(config.data.name, data_dir=config.data.data_dir,
-                                 cache_dir=config.data.cache_dir, use_cache=config.data.use_cache,
-                                 download=config.data.download)
-  changes = {}
-  subsets = [subset_indices(config, len(ds.train_y), sd) for sd in seeds]
-  if len(seeds) == 1 and subsets[0] is not None:
-    sel, subsets = subsets[0], [None]
-    changes.update(train_x=np.asarray(ds.train_x[sel]), train_y=np.asarray(ds.train_y[sel]))
-  if config.data.test_subset:
-    n = min(int(config.data.test_subset), len(ds.test_y))
-    changes.update(test_x=np.asarray(ds.test_x[:n]), test_y=np.asarray(ds.test_y[:n]))
-  return (dataclasses.replace(ds, **changes) if changes else ds), subsets
 
 
 def _stage_sizes(stream, config) -> list[int]:
@@ -149,15 +118,15 @@ class _Loop:
   def _setup(self) -> None:
     c, s = self.config, self.config.stream
     self.mesh = sharding.make_mesh(c.mesh.num_devices)
-    ds, self.subsets = load_data(c, self.seeds)
+    task = tasks.for_config(c)
+    ds, self.subsets = task.load(c, self.seeds)
     n_train = len(ds.train_y) if self.subsets[0] is None else len(self.subsets[0])
     self.streams = [stream_lib.make_stream(n_train, s.num_megabatches, s.val_fraction, sd)
                     for sd in self.seeds]
     validation.validate_data(c, n_train, self.streams[0])
     self.method = methods.make(c, ds.train_x.shape[1:], ds.num_classes)
-    self.steps = Steps.from_config(c, self.method, image_task.ImageTask.from_config(c),
-                                   make_optimizer(c.optimizer), image_task.device_data(ds),
-                                   self.mesh)
+    self.steps = Steps.from_config(c, self.method, task, make_optimizer(c.optimizer),
+                                   task.device_data(ds), self.mesh)
     self.keys = population.keys(self.seeds)
     self.num_t = s.num_megabatches
     logging.info("data %s: %d train / %d test examples, B=%d mega-batches of ~%d, wait=%d, "
@@ -309,7 +278,8 @@ class _Loop:
       data = schedule.stage_data(self.streams[i], t, s.wait, s.replay, sd)
       out.append(methods.StageContext(
           t=t, stage=stage, is_first=stage == 1, train_idx=self._to_train_split(i, data.train),
-          val_idx=self._to_train_split(i, data.val), reduce=self.steps.reduce))
+          val_idx=self._to_train_split(i, data.val), reduce=self.steps.reduce,
+          scan=self.steps.scan))
     return out
 
   def _each(self, fn, learner, keys, contexts):

@@ -125,7 +125,7 @@ class Steps:
           state.trainable, state.frozen, state.model_state, x, y, mask, jax.random.fold_in(rng, 1))
       updates, opt_state = tx.update(grads, state.opt_state, state.trainable)
       return TrainState(optax.apply_updates(state.trainable, updates), state.frozen, model_state,
-                        opt_state), loss
+                        opt_state), loss.astype(jnp.float32)  # reported, in any precision
 
     return step
 
@@ -222,7 +222,15 @@ class Steps:
     nll = np.sum([np.asarray(l, np.float64) for _, l in results], axis=0)
     return correct / idx.shape[-1], nll / idx.shape[-1]
 
-  # -- scoring passes ------------------------------------------------------------------------
+  # -- passes over data for growth (scoring, fitting candidates) ------------------------------
+  def _pass_fn(self, kind: str, fn: Callable, structure, build: Callable) -> Callable:
+    name = f"{kind} {getattr(fn, '__qualname__', repr(fn))}"
+    return self._compiled((name, structure, 1), build)
+
+  def _train_batches(self, idx: np.ndarray):
+    idx = self.task.global_index(self.data, "train", np.asarray(idx, np.int32))
+    return self.eval_batches(idx)
+
   def reduce(self, fn: Callable, learner: Learner, idx: np.ndarray) -> PyTree:
     """Sums `fn(structure, params, model_state, x, y, mask, task)` over batches of training
     examples `idx` (unaugmented) for one (unstacked) learner, in float64 on the host."""
@@ -234,16 +242,32 @@ class Steps:
         return fn(structure, params, model_state, x, y, batch.mask, task)
       return body
 
-    name = f"reduce {getattr(fn, '__qualname__', repr(fn))}"
-    compiled = self._compiled((name, structure, 1), build)
+    compiled = self._pass_fn("reduce", fn, structure, build)
     learner = self.place(learner)
-    idx = self.task.global_index(self.data, "train", np.asarray(idx, np.int32))
     total = None
-    for b in self.eval_batches(idx):
+    for b in self._train_batches(idx):
       out = jax.tree.map(lambda a: np.asarray(a, np.float64),
                          compiled(learner.params, learner.model_state, self.data, b))
       total = out if total is None else jax.tree.map(np.add, total, out)
     return total
+
+  def scan(self, fn: Callable, carry: PyTree, learner: Learner, idx: np.ndarray) -> PyTree:
+    """Threads `carry = fn(structure, params, model_state, x, y, mask, carry, task)` through
+    batches of training examples `idx` (unaugmented, in order) for one (unstacked) learner,
+    one compiled call per batch; e.g. a few optimisation steps of growth candidates."""
+    structure, task = learner.structure, self.task
+
+    def build():
+      def body(params, model_state, data, batch: Batch, carry):
+        x, y = task.inputs(data, batch.idx)
+        return fn(structure, params, model_state, x, y, batch.mask, carry, task)
+      return body
+
+    compiled = self._pass_fn("scan", fn, structure, build)
+    learner = self.place(learner)
+    for b in self._train_batches(idx):
+      carry = compiled(learner.params, learner.model_state, self.data, b, carry)
+    return carry
 
   # -- accounting ------------------------------------------------------------------------------
   def flops(self, learner: Learner) -> dict[str, float]:

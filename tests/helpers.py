@@ -64,6 +64,19 @@ def init(method, seed=0):
   return method.init(jax.random.key(seed))
 
 
+def float64(tree):
+  """`tree` with its floating-point leaves in float64 (use inside `jax.enable_x64(True)`).
+
+  Tests that compare two orders of the same float32 arithmetic after several
+  training steps run both in float64: rounding differences then stay below
+  ~1e-12 (unit roundoff 1.1e-16 amplified by at most ~1e4 through a few
+  steps), so a tolerance of 1e-9 cannot flag them, while a real difference
+  (another data order, a wrong mask) is of order 1e-3 or more.
+  """
+  return jax.tree.map(lambda a: a.astype(np.float64) if np.issubdtype(a.dtype, np.floating)
+                      else a, tree)
+
+
 def evaluate(steps, learner, idx, split="train"):
   """Accuracy of one (unstacked) learner on examples `idx` of `split`."""
   acc, _ = steps.evaluate(population.stack([learner]), split, np.asarray(idx, np.int32))
@@ -81,4 +94,5 @@ def context(t, stage=None, steps=None, train_idx=None, val_idx=None):
   return StageContext(t=t, stage=stage, is_first=stage == 1,
                       train_idx=empty if train_idx is None else train_idx,
                       val_idx=empty if val_idx is None else val_idx,
-                      reduce=None if steps is None else steps.reduce)
+                      reduce=None if steps is None else steps.reduce,
+                      scan=None if steps is None else steps.scan)

@@ -90,27 +90,32 @@ def test_padding_slots_hold_real_examples_and_are_masked():
 def test_steps_per_call_gives_the_same_result():
   ds = helpers.synthetic_dataset(n_train=600)
   results = []
-  for k in (1, 4):
-    c = helpers.small_config(width=8, steps_per_call=k)
-    method, steps = helpers.make_steps(c, ds)
-    best, _, stats = train.fit_one(steps, helpers.init(method), np.arange(500, dtype=np.int32),
-                                       np.arange(500, 600, dtype=np.int32), jax.random.key(3))
-    results.append((best.params, stats.steps_run.tolist()))
+  with jax.enable_x64(True):  # a scan and single calls round differently: see helpers.float64
+    for k in (1, 4):
+      c = helpers.small_config(width=8, steps_per_call=k)
+      method, steps = helpers.make_steps(c, ds)
+      best, _, stats = train.fit_one(steps, helpers.float64(helpers.init(method)),
+                                     np.arange(500, dtype=np.int32),
+                                     np.arange(500, 600, dtype=np.int32), jax.random.key(3))
+      assert jax.tree.leaves(best.params)[0].dtype == jnp.float64
+      results.append((best.params, stats.steps_run.tolist()))
   assert results[0][1] == results[1][1]
-  chex.assert_trees_all_close(results[0][0], results[1][0], atol=1e-5)
+  chex.assert_trees_all_close(results[0][0], results[1][0], atol=1e-9, rtol=1e-9)
 
 
 def test_sharded_step_matches_single_device():
   ds = helpers.synthetic_dataset(n_train=512)
   out = []
-  for n_dev in (1, 8):
-    c = helpers.small_config(width=8)
-    method, steps = helpers.make_steps(c, ds, num_devices=n_dev)
-    best, _, _ = train.fit_one(steps, helpers.init(method), np.arange(400, dtype=np.int32),
-                                   np.arange(400, 512, dtype=np.int32), jax.random.key(0))
-    out.append(best.params)
+  with jax.enable_x64(True):  # 8 devices sum the batch in another order: see helpers.float64
+    for n_dev in (1, 8):
+      c = helpers.small_config(width=8)
+      method, steps = helpers.make_steps(c, ds, num_devices=n_dev)
+      best, _, _ = train.fit_one(steps, helpers.float64(helpers.init(method)),
+                                 np.arange(400, dtype=np.int32),
+                                 np.arange(400, 512, dtype=np.int32), jax.random.key(0))
+      out.append(best.params)
   assert len(jax.devices()) == 8
-  chex.assert_trees_all_close(out[0], out[1], atol=1e-5)
+  chex.assert_trees_all_close(out[0], out[1], atol=1e-9, rtol=1e-9)
 
 
 def test_vgg_crop_flip_stage_runs_with_batchnorm():
@@ -146,3 +151,30 @@ def test_random_crop_flip_shapes_and_content():
   for i in range(2):
     vals = set(np.asarray(y[i]).ravel().tolist()) - {0.0}
     assert vals <= set(np.asarray(x[i]).ravel().tolist())
+
+
+def test_reduce_and_scan_pass_over_training_examples_once_compiled():
+  ds = helpers.synthetic_dataset(n_train=300)
+  c = helpers.small_config(width=4, eval_batch_size=128)
+  method, steps = helpers.make_steps(c, ds)
+  learner = helpers.init(method)
+  idx = np.arange(10, 260, dtype=np.int32)  # two full batches of 128 and a padded one
+
+  def count(structure, params, model_state, x, y, mask, task):
+    del structure, params, model_state, task
+    return {"n": jnp.sum(mask), "labels": jnp.sum(jnp.where(mask, y, 0)),
+            "pixels": jnp.sum(jnp.where(mask[:, None, None, None], x, 0.0))}
+
+  def visit(structure, params, model_state, x, y, mask, carry, task):
+    del structure, params, model_state, x, task
+    return carry + jnp.sum(jnp.where(mask, y, 0))
+
+  out = steps.reduce(count, learner, idx)
+  assert out["n"] == 250 and out["labels"] == ds.train_y[10:260].sum()
+  normalised = (ds.train_x[10:260].astype(np.float64) / 255.0 - 0.4) / 0.25
+  # Summing n float32 values of magnitude <= m errs by at most n * m * 6e-8 (any order).
+  bound = normalised.size * np.abs(normalised).max() * 6e-8
+  assert out["pixels"] == pytest.approx(normalised.sum(), abs=bound)
+  assert int(steps.scan(visit, jnp.int32(0), learner, idx)) == ds.train_y[10:260].sum()
+  steps.reduce(count, learner, idx[:7])
+  assert steps.num_compilations == 2  # one program per pass function, reused

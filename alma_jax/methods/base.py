@@ -57,6 +57,9 @@ class StageContext:
       training split (unaugmented), what `fn(structure, params, model_state,
       x, y, mask, task)` returns for each batch (a pytree of arrays), compiled
       once per (fn, structure); for scoring passes before or after a stage.
+    scan: `scan(fn, carry, learner, idx)` threads `carry = fn(structure, params,
+      model_state, x, y, mask, carry, task)` through those batches in order
+      (for fitting growth candidates).
   """
 
   t: int
@@ -65,6 +68,7 @@ class StageContext:
   train_idx: np.ndarray
   val_idx: np.ndarray
   reduce: Callable[..., PyTree]
+  scan: Callable[..., PyTree] | None = None
 
 
 def masked_cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
@@ -79,7 +83,8 @@ def count_params(params: PyTree) -> int:
 
 
 class Method:
-  """The interface of a method; subclasses implement `init`, `loss` and `predict`.
+  """The interface of a method; subclasses implement `init` and `logits` (or `loss` and
+  `predict`).
 
   All functions are pure: they take the learner (or its parts) and return
   new values, never mutating their inputs.
@@ -127,17 +132,30 @@ class Method:
     del learner
     return trainable
 
+  def logits(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
+    """(logits, new_model_state) of the whole model on a batch `x`.
+
+    Methods trained on one data order implement this; `loss` and `predict`
+    follow from it (methods with several data orders override those instead).
+    """
+    raise NotImplementedError
+
   def loss(self, structure, trainable, frozen, model_state, x, y, mask, rng):
     """Training loss on a batch; returns (loss, new_model_state).
 
-    `x`, `y` and `mask` carry a leading axis of size `num_data_orders`.
+    `x`, `y` and `mask` carry a leading axis of size `num_data_orders`. By
+    default: the masked cross-entropy of `logits` on the one data order.
     """
-    raise NotImplementedError
+    del frozen
+    logits, new_state = self.logits(structure, trainable, model_state, x[0], train=True,
+                                    mask=mask[0], rng=rng)
+    return masked_cross_entropy(logits, y[0], mask[0]), new_state
 
   # -- inference --------------------------------------------------------------
   def predict(self, structure, params, model_state, x) -> jnp.ndarray:
     """Log-probabilities of the classes, shape (batch, num_classes)."""
-    raise NotImplementedError
+    logits, _ = self.logits(structure, params, model_state, x, train=False)
+    return jax.nn.log_softmax(logits)
 
   # -- growth -------------------------------------------------------------------
   def before_stage(self, learner: Learner, key: jax.Array, ctx: StageContext) -> Learner:

@@ -281,22 +281,16 @@ class UniformMixture(Ensemble):
     del structure
     return 1
 
-  def mean_logits(self, params, model_state, x, *, train: bool, mask=None):
+  # One model on one data order: the cross-entropy and log-softmax of `logits`.
+  loss = base.Method.loss
+  predict = base.Method.predict
+
+  def logits(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
+    """The mean of the members' logits."""
+    del structure, rng
     logits, new_state = self.member_logits(params, model_state, x, train=train, mask=mask,
                                            stacked_x=False)
     return jnp.mean(logits, axis=0), new_state
-
-  def loss(self, structure, trainable, frozen, model_state, x, y, mask, rng):
-    """Cross-entropy of the members' mean logits (one data order, x[0])."""
-    del structure, frozen, rng
-    logits, new_state = self.mean_logits(trainable, model_state, x[0], train=True, mask=mask[0])
-    return base.masked_cross_entropy(logits, y[0], mask[0]), new_state
-
-  def predict(self, structure, params, model_state, x) -> jnp.ndarray:
-    del structure
-    logits, _ = self.mean_logits(params, model_state, x, train=False)
-    return jax.nn.log_softmax(logits)
-
 
 
 @register

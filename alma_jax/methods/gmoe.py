@@ -219,15 +219,10 @@ class GrowingMoE(base.Method):
     return moe.apply(self.net, structure, params, model_state, x, train=train, hard=self.hard,
                      mask=mask, rng=rng)
 
-  def loss(self, structure, trainable, frozen, model_state, x, y, mask, rng):
-    del frozen
-    logits, new_state, _ = self.forward(structure, trainable, model_state, x[0], train=True,
-                                        mask=mask[0], rng=rng)
-    return base.masked_cross_entropy(logits, y[0], mask[0]), new_state
-
-  def predict(self, structure, params, model_state, x) -> jnp.ndarray:
-    logits, _, _ = self.forward(structure, params, model_state, x, train=False)
-    return jax.nn.log_softmax(logits)
+  def logits(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
+    logits, new_state, _ = self.forward(structure, params, model_state, x, train=train,
+                                        mask=mask, rng=rng)
+    return logits, new_state
 
   # -- inspection -----------------------------------------------------------------------------
   def gating_tree(self, learner: base.Learner, layer: int) -> dict:

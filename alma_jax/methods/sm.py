@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Hashable
 
 import jax
-import jax.numpy as jnp
 
 from alma_jax.methods import base
 from alma_jax.methods.registry import register
@@ -22,12 +21,6 @@ class SingleModel(base.SingleBackbone, base.Method):
     params, model_state = self.init_backbone(key)
     return base.Learner(params=params, model_state=model_state, structure=())
 
-  def loss(self, structure, trainable, frozen, model_state, x, y, mask, rng):
-    del structure, frozen, rng
-    logits, new_state = self.apply_backbone(trainable, model_state, x[0], train=True, mask=mask[0])
-    return base.masked_cross_entropy(logits, y[0], mask[0]), new_state
-
-  def predict(self, structure, params, model_state, x) -> jnp.ndarray:
-    del structure
-    logits, _ = self.apply_backbone(params, model_state, x, train=False)
-    return jax.nn.log_softmax(logits)
+  def logits(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
+    del structure, rng
+    return self.apply_backbone(params, model_state, x, train=train, mask=mask)

@@ -8,12 +8,15 @@ training, from the step's PRNG key) and normalises inside the compiled step.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
 from alma_jax.data import augment
+from alma_jax.data import images
 
 
 @struct.dataclass
@@ -48,6 +51,35 @@ def device_data(ds) -> DeviceData:
                     num_train=len(ds.train_y))
 
 
+def subset_indices(config, num_train: int, seed: int) -> np.ndarray | None:
+  """The training examples (sorted indices) a run with `seed` uses; None: all of them."""
+  if not config.data.train_subset:
+    return None
+  rng = np.random.default_rng([seed, 7])
+  n = min(int(config.data.train_subset), num_train)
+  return np.sort(rng.choice(num_train, n, replace=False))
+
+
+def load_data(config, seeds: list[int]):
+  """The data set of `config.data` and each seed's training subset (None: all examples).
+
+  With one seed the subset is cut out of the loaded arrays (and None returned
+  for it); several seeds keep the whole training split and index into it.
+  """
+  ds = images.load_image_dataset(config.data.name, data_dir=config.data.data_dir,
+                                 cache_dir=config.data.cache_dir, use_cache=config.data.use_cache,
+                                 download=config.data.download)
+  changes = {}
+  subsets = [subset_indices(config, len(ds.train_y), sd) for sd in seeds]
+  if len(seeds) == 1 and subsets[0] is not None:
+    sel, subsets = subsets[0], [None]
+    changes.update(train_x=np.asarray(ds.train_x[sel]), train_y=np.asarray(ds.train_y[sel]))
+  if config.data.test_subset:
+    n = min(int(config.data.test_subset), len(ds.test_y))
+    changes.update(test_x=np.asarray(ds.test_x[:n]), test_y=np.asarray(ds.test_y[:n]))
+  return (dataclasses.replace(ds, **changes) if changes else ds), subsets
+
+
 class ImageTask:
   """Classification of images by argmax, trained with optional crop+flip augmentation."""
 
@@ -60,6 +92,9 @@ class ImageTask:
   @classmethod
   def from_config(cls, config) -> "ImageTask":
     return cls(config.train.augment)
+
+  load = staticmethod(load_data)
+  device_data = staticmethod(device_data)
 
   @staticmethod
   def global_index(data: DeviceData, split: str, idx: np.ndarray) -> np.ndarray:
