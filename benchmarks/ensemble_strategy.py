@@ -1,12 +1,13 @@
 """vmap over stacked members vs. a Python loop over them, per backbone and backend.
 
-Times the real compiled train step of Ens (`Trainer.train_fn`: gather,
-augmentation, forward, backward and optimizer update on a batch of 128 per
-member) for N members under `config.method.strategy` = "vmap" and "loop",
-and one SM step for reference. Reports the median of `--repeats` calls after
-a compiling and a warm-up call (the settings interleaved, so that load from
-other processes hits all of them alike), and the rule `strategy="auto"`
-applies on this backend (`alma_jax.methods.ensemble.choose_strategy`).
+Times the real compiled train step of Ens (`alma_jax.steps.Steps.train_call`
+for a population of one learner: gather, augmentation, forward, backward and
+optimizer update on a batch of 128 per member) for N members under
+`config.method.strategy` = "vmap" and "loop", and one SM step for
+reference. Reports the median of `--repeats` calls after a compiling and a
+warm-up call (the settings interleaved, so that load from other processes
+hits all of them alike), and the rule `strategy="auto"` applies on this
+backend (`alma_jax.methods.ensemble.choose_strategy`).
 
 Measured on a 2-core CPU (XLA:CPU, N=5): the MLP (H=64) runs about as fast
 either way (vmap/loop 0.8-1.4 across runs on a loaded machine), the VGG
@@ -24,6 +25,7 @@ import json
 import os
 import sys
 import time
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,61 +34,65 @@ from alma_jax import cpu_tuning  # pylint: disable=wrong-import-position
 cpu_tuning.apply()  # as alma_jax.main does, before JAX allocates anything
 
 import jax  # pylint: disable=wrong-import-position,g-import-not-at-top
-import jax.numpy as jnp  # pylint: disable=wrong-import-position,g-import-not-at-top
 import numpy as np  # pylint: disable=wrong-import-position,g-import-not-at-top
 
 from alma_jax import config_lib  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax import methods  # pylint: disable=wrong-import-position,g-import-not-at-top
+from alma_jax import optim  # pylint: disable=wrong-import-position,g-import-not-at-top
+from alma_jax import population  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax import sharding  # pylint: disable=wrong-import-position,g-import-not-at-top
+from alma_jax import validation  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax.methods import ensemble  # pylint: disable=wrong-import-position,g-import-not-at-top
-from alma_jax.train import DeviceData, Trainer  # pylint: disable=wrong-import-position,g-import-not-at-top
+from alma_jax.steps import Batch, Steps  # pylint: disable=wrong-import-position,g-import-not-at-top
+from alma_jax.tasks import images as image_task  # pylint: disable=wrong-import-position,g-import-not-at-top
 
 DATASETS = {"mlp": ("mnist", (28, 28, 1)), "vgg": ("cifar10", (32, 32, 3))}
 
 
-def make_trainer(model: str, width: int, method: str, members: int, strategy: str):
+def make_steps(model: str, width: int, method: str, members: int, strategy: str):
+  """(method, Steps) of one setting on 1024 synthetic training images."""
   dataset, shape = DATASETS[model]
-  c = config_lib.base_config(dataset)
+  c = config_lib.base_config(dataset, method)
   c.model.width = width
-  c.method.name = method
-  c.method.num_members = members
-  c.method.strategy = strategy
+  if method != "sm":
+    c.method.num_members = members
+    c.method.strategy = strategy
   c.mesh.num_devices = 1
+  c = validation.complete(c)
   mesh = sharding.make_mesh(1)
   rng = np.random.default_rng(0)
   x = rng.integers(0, 255, (1024,) + shape).astype(np.uint8)
   y = rng.integers(0, 10, 1024).astype(np.int32)
-  stats = np.full((shape[-1],), 0.4, np.float32), np.full((shape[-1],), 0.25, np.float32)
-  data = DeviceData(*sharding.put_replicated(mesh, [x, y, x[:128], y[:128], *stats]))
-  m = methods.get(method)(c, shape, 10)
-  return m, Trainer(m, c, data, mesh)
+  ds = types.SimpleNamespace(train_x=x, train_y=y, test_x=x[:128], test_y=y[:128],
+                             mean=np.full((shape[-1],), 0.4, np.float32),
+                             std=np.full((shape[-1],), 0.25, np.float32))
+  m = methods.make(c, shape, 10)
+  return m, Steps.from_config(c, m, image_task.ImageTask.from_config(c),
+                              optim.make_optimizer(c.optimizer), image_task.device_data(ds), mesh)
 
 
 def stepper(model: str, width: int, method: str, members: int, strategy: str):
   """A function that runs one compiled train step and returns its seconds.
 
-  The first call compiles; every call gets fresh copies of the state (the
-  step donates its inputs), made before the clock starts.
+  The first call compiles; every call gets a fresh copy of the train state
+  (the call donates it), made before the clock starts. A call of K =
+  `config.train.steps_per_call` steps counts 1/K of its time per step.
   """
-  m, trainer = make_trainer(model, width, method, members, strategy)
-  learner = m.init(jax.random.key(0))
-  trainable, frozen = m.partition(learner)
-  d = m.num_data_orders(learner.structure)
-  idx = sharding.put_batch(trainer.mesh, np.zeros((1, d, 128), np.int32), 2)
-  mask = sharding.put_batch(trainer.mesh, np.ones((1, d, 128), bool), 2)
-  fn = trainer.train_fn(learner.structure)
-  dd = trainer.data
+  m, steps = make_steps(model, width, method, members, strategy)
+  learner = population.stack([m.init(jax.random.key(0))])  # a population of one
+  d, k = m.num_data_orders(learner.structure), steps.steps_per_call
+  shape = (1, k, d, steps.batch_size)
+  batch = Batch(steps.put_batch(np.zeros(shape, np.int32)), steps.put_batch(np.ones(shape, bool)))
+  keys = population.stack_keys([jax.random.key(0)])
   calls = [0]
 
   def step() -> float:
-    args = jax.block_until_ready(jax.tree.map(
-        jnp.copy, (trainable, trainer.tx.init(trainable), learner.model_state)))
+    state = jax.block_until_ready(steps.init_state(learner))
     t0 = time.perf_counter()
-    out = fn(args[0], frozen, args[1], args[2], dd.train_x, dd.train_y, dd.mean, dd.std, idx,
-             mask, jax.random.key(0), np.uint32(calls[0]))
+    out = steps.train_call(learner.structure, state, batch, keys, np.uint32(calls[0]))
     jax.block_until_ready(out)
     calls[0] += 1
-    return time.perf_counter() - t0
+    return (time.perf_counter() - t0) / k
 
   return step
 

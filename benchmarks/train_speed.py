@@ -1,8 +1,9 @@
 """Training and evaluation speed of every backbone and method, per device.
 
 For each row (backbone, width, method, convolution implementation) it builds
-the real compiled train step of `alma_jax.train.Trainer` on synthetic data
-and reports:
+the real compiled train call of `alma_jax.steps.Steps` (a population of one
+learner, `config.train.steps_per_call` steps per call) on synthetic data and
+reports:
   * train img/s: median and min-max over repeats after a warm-up (an image is
     one example seen by one trained member: an Ens step of batch 128 with 5
     members counts 640);
@@ -10,9 +11,11 @@ and reports:
   * eval img/s;
   * GFLOP/s achieved, from XLA's FLOP count of the train step, and its
     fraction of this device's peak as measured here (a large f32 matmul);
-  * compilations: all compiled functions of the structure after one stage
-    (train step, evaluation on the validation and the test split), and the
-    number added by a second stage of the same structure (must be 0).
+  * compilations: all programs in the run's compile cache (`Steps.
+    num_compilations`) after one stage of the structure (the train call and
+    the evaluation program, which serves the validation and the test split
+    alike), and the number added by a second stage of the same structure
+    (must be 0).
 
 Usage:
   python benchmarks/train_speed.py                  # every row, Markdown + JSON
@@ -105,13 +108,17 @@ def _synthetic(np, shape, n_train=512, n_test=1000):
 
 
 def bench_row(name, args, jax, jnp, np):
-  from alma_jax import config_lib, methods, sharding, timing  # pylint: disable=g-import-not-at-top
-  from alma_jax.train import Trainer, put_dataset  # pylint: disable=g-import-not-at-top
+  del jnp
+  # pylint: disable=g-import-not-at-top
+  from alma_jax import config_lib, methods, optim, population, sharding, timing, validation
+  from alma_jax.steps import Batch, Steps
+  from alma_jax.tasks import images as image_task
+  from alma_jax.train import fit_one
+  # pylint: enable=g-import-not-at-top
   backbone, width, method_name, method_kw, model_kw = ROWS[name]
   if method_name not in methods.names():
     return {"row": name, "skipped": f"method {method_name!r} is not available"}
-  c = config_lib.base_config("mnist" if backbone == "mlp" else "cifar10")
-  c.method.name = method_name
+  c = config_lib.base_config("mnist" if backbone == "mlp" else "cifar10", method_name)
   c.model.width = width
   for k, v in model_kw.items():
     c.model[k] = v
@@ -119,32 +126,33 @@ def bench_row(name, args, jax, jnp, np):
     c.method[k] = v
   c.train.batch_size = args.batch_size
   c.train.eval_batch_size = 500
+  c.train.epochs, c.train.patience = 1, 1  # the two short stages counting compilations
   c.mesh.num_devices = 1
+  c = validation.complete(c)
   shape = (28, 28, 1) if backbone == "mlp" else (32, 32, 3)
   ds = _synthetic(np, shape)
   mesh = sharding.make_mesh(1)
-  data = put_dataset(mesh, ds)
-  method = methods.get(method_name)(c, data.input_shape, ds.num_classes)
-  trainer = Trainer(method, c, data, mesh)
+  method = methods.make(c, shape, ds.num_classes)
+  steps = Steps.from_config(c, method, image_task.ImageTask.from_config(c),
+                            optim.make_optimizer(c.optimizer), image_task.device_data(ds), mesh)
   learner = method.init(jax.random.key(0))
+  stacked = population.stack([learner])  # a population of one (S = 1)
   structure = learner.structure
   d = method.num_data_orders(structure)
+  k = steps.steps_per_call
   b = args.batch_size
-  flops = trainer.flops(learner)
+  flops = steps.flops(learner)
 
-  trainable, frozen = trainer.place(method.partition(learner))
-  state = jax.tree.map(jnp.copy, trainer.place(  # copies: the step donates its inputs
-      (trainable, trainer.tx.init(trainable), learner.model_state)))
-  fn = trainer.train_fn(structure)
+  state = steps.init_state(stacked)  # a copy: the train call donates it
+  keys = population.stack_keys([jax.random.key(0)])
+  mask = steps.put_batch(np.ones((1, k, d, b), bool))
   rng = np.random.default_rng(1)
 
   def call(state, i):
-    idx = rng.integers(0, len(ds.train_y), (1, d, b)).astype(np.int32)
-    out = fn(state[0], frozen, state[1], state[2], data.train_x, data.train_y, data.mean,
-             data.std, sharding.put_batch(mesh, idx, 2),
-             sharding.put_batch(mesh, np.ones((1, d, b), bool), 2), jax.random.key(0),
-             np.uint32(i))
-    return out[:3], out[3]
+    idx = rng.integers(0, len(ds.train_y), (1, k, d, b)).astype(np.int32)
+    state, losses, _ = steps.train_call(structure, state, Batch(steps.put_batch(idx), mask),
+                                        keys, np.uint32(i))
+    return state, losses
 
   c0, t0 = timing.compile_seconds(), time.perf_counter()
   state, loss = call(state, 0)
@@ -154,43 +162,42 @@ def bench_row(name, args, jax, jnp, np):
   t0 = time.perf_counter()
   state, loss = call(state, 1)
   jax.block_until_ready(loss)
-  step_s = time.perf_counter() - t0
-  steps = max(1, int(args.seconds_per_repeat / max(step_s, 1e-4)))
+  call_s = time.perf_counter() - t0
+  calls = max(1, int(args.seconds_per_repeat / max(call_s, 1e-4)))
   rates = []
   for r in range(args.repeats):
     t0 = time.perf_counter()
-    for i in range(steps):
-      state, loss = call(state, 2 + r * steps + i)
+    for i in range(calls):
+      state, loss = call(state, 2 + r * calls + i)
     jax.block_until_ready(loss)
-    rates.append(steps * b * d / (time.perf_counter() - t0))
+    rates.append(calls * k * b * d / (time.perf_counter() - t0))
   med = statistics.median(rates)
 
   # evaluation
-  learner_now = learner
   idx = np.arange(len(ds.test_y), dtype=np.int32)
-  trainer.evaluate(learner_now, idx, "test")  # compiles
+  steps.evaluate(stacked, "test", idx)  # compiles
   t0 = time.perf_counter()
   for _ in range(2):
-    trainer.evaluate(learner_now, idx, "test")
+    steps.evaluate(stacked, "test", idx)
   eval_rate = 2 * len(idx) / (time.perf_counter() - t0)
 
   # compilations per stage: two short stages of the same structure
-  c.train.epochs, c.train.patience = 1, 1
   tr_idx, val_idx = np.arange(b, dtype=np.int32), np.arange(b, b + 64, dtype=np.int32)
-  out, _, _ = trainer.fit_stage(learner, tr_idx, val_idx, jax.random.key(2), t=1)
-  first_stage = trainer.num_compilations
-  before = trainer.num_compilations
-  trainer.fit_stage(out, tr_idx, val_idx, jax.random.key(3), t=2)
-  second_stage = trainer.num_compilations - before
+  out, _, _ = fit_one(steps, learner, tr_idx, val_idx, jax.random.key(2), t=1)
+  first_stage = steps.num_compilations
+  before = steps.num_compilations
+  fit_one(steps, out, tr_idx, val_idx, jax.random.key(3), t=2)
+  second_stage = steps.num_compilations - before
 
   gflops = flops["train_step"] * med / (b * d) / 1e9
   return {"row": name, "backbone": backbone, "width": width, "method": method_name,
           "conv_impl": getattr(getattr(method, "backbone", None), "conv_impl", None), "members": d,
           "train_img_s": med, "train_img_s_min": min(rates), "train_img_s_max": max(rates),
-          "repeats": len(rates), "steps_per_repeat": steps, "compile_s": compile_s,
-          "first_call_s": first_call_s, "eval_img_s": eval_rate,
+          "repeats": len(rates), "steps_per_repeat": calls * k, "steps_per_call": k,
+          "compile_s": compile_s, "first_call_s": first_call_s, "eval_img_s": eval_rate,
           "train_step_gflop": flops["train_step"] / 1e9, "gflop_s": gflops,
-          "compilations_first_stage": first_stage, "compilations_second_stage": second_stage}
+          "compilations_first_stage": first_stage, "compilations_second_stage": second_stage,
+          "compiled": [str(key[0]) for key in steps.compiled]}
 
 
 def main():
