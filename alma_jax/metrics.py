@@ -17,6 +17,8 @@ RECORD_KEYS = (
     "num_params",
     "train_flops",
     "train_flops_forward",
+    "train_macs",
+    "growth_flops",
     "inference_flops_per_example",
     "trained",
     "wall_s",
@@ -34,8 +36,12 @@ class Record:
       experts and gates).
     train_flops: FLOPs spent training at this step (compiled train step,
       forward + backward + update, times the number of steps run).
-    train_flops_forward: forward-only FLOPs of the same steps (comparable
-      with the multiply-add counts of the paper's released code).
+    train_flops_forward: forward-only FLOPs of the same steps.
+    train_macs: forward multiply-adds times the real training examples
+      processed (no padding, no evaluation or growth passes): the unit of the
+      paper's "training FLOPs" and of its released code.
+    growth_flops: FLOPs of the passes over data that growth ran at this step
+      (gMoE's expert scores, Firefly's candidates), not part of train_flops.
     inference_flops_per_example: FLOPs to predict one example at time t.
     trained: whether the model was updated at this step.
     wall_s: wall-clock seconds spent on this step (training and evaluation).
@@ -46,6 +52,8 @@ class Record:
   num_params: int
   train_flops: float
   train_flops_forward: float
+  train_macs: float
+  growth_flops: float
   inference_flops_per_example: float
   trained: bool
   wall_s: float
@@ -64,6 +72,8 @@ class Record:
         num_params=int(d["num_params"]),
         train_flops=float(d["train_flops"]),
         train_flops_forward=float(d["train_flops_forward"]),
+        train_macs=float(d["train_macs"]),
+        growth_flops=float(d["growth_flops"]),
         inference_flops_per_example=float(d["inference_flops_per_example"]),
         trained=bool(d["trained"]),
         wall_s=float(d["wall_s"]),
@@ -117,6 +127,16 @@ class Log:
     return float(sum(r.train_flops_forward for r in self.records))
 
   @property
+  def comp_paper(self) -> float:
+    """Cumulative forward multiply-adds x training examples (the paper's compute unit)."""
+    return float(sum(r.train_macs for r in self.records))
+
+  @property
+  def comp_growth(self) -> float:
+    """Cumulative FLOPs of growth's passes over data."""
+    return float(sum(r.growth_flops for r in self.records))
+
+  @property
   def final_error(self) -> float:
     return self.records[-1].test_error if self.records else float("nan")
 
@@ -128,10 +148,13 @@ class Log:
   def summary(self) -> dict[str, Any]:
     return {
         "cer": self.cer,
+        "cer_percent": 100.0 * self.cer,
         "mean_error": self.mean_error,
         "mem": self.mem,
         "comp": self.comp,
         "comp_forward": self.comp_forward,
+        "comp_paper": self.comp_paper,
+        "comp_growth": self.comp_growth,
         "final_error": self.final_error,
         "num_stages": self.num_stages,
         "wall_s": float(sum(r.wall_s for r in self.records)),

@@ -43,16 +43,16 @@ def members(learner: Learner) -> list[Learner]:
   return [unstack(learner, i) for i in range(size(learner.params))]
 
 
-def select(take: np.ndarray, new: PyTree, old: PyTree) -> PyTree:
-  """Per member: `new` where `take[s]`, else `old` (trees with a leading population axis)."""
+def select_units(method, take: np.ndarray, new: Learner, old: Learner) -> Learner:
+  """Per member s and selection unit u: `new` where `take[s, u]`, else `old`."""
   take = np.asarray(take, bool)
   if take.all():
     return jax.tree.map(jnp.copy, new)
   if not take.any():
     return old
-  t = jnp.asarray(take)
-  return jax.tree.map(lambda a, b: jnp.where(t.reshape((-1,) + (1,) * (a.ndim - 1)), a, b),
-                      new, old)
+  structure = new.structure
+  return jax.vmap(lambda t, a, b: method.select_units(structure, t, a, b))(jnp.asarray(take),
+                                                                          new, old)
 
 
 def keys(seeds: Sequence[int]) -> jax.Array:

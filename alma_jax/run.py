@@ -256,7 +256,7 @@ class _Loop:
     for t in range(len(self.logs[0].records), self.num_t + 1):
       t_step = time.monotonic()
       trained = t > 0 and schedule.is_training_time(t, self.config.stream.wait)
-      spent, stats = (np.zeros(len(self.seeds)), np.zeros(len(self.seeds))), None
+      spent, stats = {}, None
       if trained:
         learner, opt_state, stats, spent = self._stage(t, learner, opt_state)
       if errors is None or trained:  # an unchanged model is not re-evaluated
@@ -290,10 +290,11 @@ class _Loop:
   def _stage(self, t: int, learner, opt_state):
     """Growth, one training stage and growth after it.
 
-    Returns (learner, opt_state, stats, (train FLOPs, forward FLOPs) per member).
+    Returns (learner, opt_state, stats, the compute spent per member: Record fields).
     """
     c, method = self.config, self.method
     contexts = self._contexts(t)
+    passes_before = self.steps.pass_flops
     skeys = population.fold(self.keys, t)
     if c.stream.init_from_scratch:
       learner = self._each(lambda l, k, _: method.reinit(l, k), learner,
@@ -317,8 +318,13 @@ class _Loop:
                       ", ".join(str(e) for e in stats.best_epoch))
     self.timer.add({"train_s": stats.train_s, "eval_s": stats.eval_s})
     flops = self._flops(population.unstack(learner, 0))  # of the structure that trained
-    spent = (flops["train_step"] * stats.steps_run, flops["train_step_forward"] * stats.steps_run)
+    examples = np.asarray([len(x.train_idx) for x in contexts]) * stats.epochs_run
+    spent = {"train_flops": flops["train_step"] * stats.steps_run,
+             "train_flops_forward": flops["train_step_forward"] * stats.steps_run,
+             "train_macs": flops["train_macs_per_example"] * examples}
     learner = self._each(method.after_stage, learner, population.fold(skeys, 4), contexts)
+    spent["growth_flops"] = np.full(len(self.seeds), (self.steps.pass_flops - passes_before)
+                                    / len(self.seeds))
     return learner, opt_state, stats, spent
 
   # -- evaluate, log, checkpoint --------------------------------------------------------------------
@@ -326,8 +332,9 @@ class _Loop:
     first = population.unstack(learner, 0)
     flops = self._flops(first)
     num_params = self.method.num_params(first)
+    fields = ("train_flops", "train_flops_forward", "train_macs", "growth_flops")
     records = [Record(t=t, test_error=float(errors[i]), num_params=num_params,
-                      train_flops=float(spent[0][i]), train_flops_forward=float(spent[1][i]),
+                      **{f: float(spent[f][i]) if f in spent else 0.0 for f in fields},
                       inference_flops_per_example=flops["inference_per_example"],
                       trained=trained, wall_s=wall_s) for i in range(len(self.seeds))]
     self.logs = [log.append(r) for log, r in zip(self.logs, records)]

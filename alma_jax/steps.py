@@ -23,6 +23,7 @@ import numpy as np
 import optax
 from flax import struct
 
+from alma_jax import accounting
 from alma_jax import sharding
 from alma_jax.methods.base import Learner, Method
 
@@ -82,6 +83,8 @@ class Steps:
     self.eval_batch_size = int(eval_batch_size)
     self.steps_per_call = int(steps_per_call)
     self._cache: dict[tuple, Callable] = {}
+    self._pass_costs: dict[tuple, float] = {}
+    self.pass_flops = 0.0  # FLOPs of the passes over data (`reduce`, `scan`) so far
 
   @classmethod
   def from_config(cls, config, method: Method, task, tx, data, mesh) -> "Steps":
@@ -175,14 +178,17 @@ class Steps:
 
   # -- evaluation ------------------------------------------------------------------------------
   def eval_body(self, structure) -> Callable:
-    """(params, model_state, data, Batch) of one learner -> (number correct, summed NLL)."""
+    """(params, model_state, data, Batch) of one learner -> (number correct, summed NLL,
+    number correct of each selection unit (U,))."""
     method, task = self.method, self.task
 
     def evaluate(params, model_state, data, batch: Batch):
       x, y = task.inputs(data, batch.idx)
-      errors, nll = task.per_example(method.predict(structure, params, model_state, x), y)
-      return (jnp.sum((errors == 0) & batch.mask),
-              jnp.sum(jnp.where(batch.mask, nll, 0.0)))
+      logp, unit_logp = method.predict_units(structure, params, model_state, x)
+      errors, nll = task.per_example(logp, y)
+      unit_errors, _ = jax.vmap(lambda lp: task.per_example(lp, y))(unit_logp)
+      return (jnp.sum((errors == 0) & batch.mask), jnp.sum(jnp.where(batch.mask, nll, 0.0)),
+              jnp.sum((unit_errors == 0) & batch.mask, axis=-1))
 
     return evaluate
 
@@ -201,8 +207,9 @@ class Steps:
       mask = np.ascontiguousarray(np.broadcast_to(np.arange(b) < n - s, pad.shape))
       yield Batch(self.put_batch(pad), self.put_batch(mask))
 
-  def evaluate(self, learner: Learner, split: str, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-member (accuracy, mean NLL) of a stacked `learner` on examples `idx` of `split`.
+  def evaluate_units(self, learner: Learner, split: str, idx: np.ndarray):
+    """Per-member (accuracy, mean NLL, accuracy of each selection unit (S, U)) of a stacked
+    `learner` on examples `idx` of `split`.
 
     `idx` is (S, n), each member's own examples, or (n,), the same examples
     for every member (gathered once per batch when S > 1).
@@ -218,14 +225,27 @@ class Steps:
     learner = self.place(learner)
     results = [fn(learner.params, learner.model_state, self.data, b)
                for b in self.eval_batches(idx)]
-    correct = np.sum([np.asarray(c, np.int64) for c, _ in results], axis=0)
-    nll = np.sum([np.asarray(l, np.float64) for _, l in results], axis=0)
-    return correct / idx.shape[-1], nll / idx.shape[-1]
+    n = idx.shape[-1]
+    correct, nll, units = (np.sum([np.asarray(r[i], np.float64) for r in results], axis=0)
+                           for i in range(3))
+    return correct / n, nll / n, units / n
+
+  def evaluate(self, learner: Learner, split: str, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-member (accuracy, mean NLL) of a stacked `learner`; see `evaluate_units`."""
+    acc, nll, _ = self.evaluate_units(learner, split, idx)
+    return acc, nll
 
   # -- passes over data for growth (scoring, fitting candidates) ------------------------------
   def _pass_fn(self, kind: str, fn: Callable, structure, build: Callable) -> Callable:
     name = f"{kind} {getattr(fn, '__qualname__', repr(fn))}"
     return self._compiled((name, structure, 1), build)
+
+  def _count_pass(self, kind: str, fn: Callable, structure, body: Callable, args) -> None:
+    """Adds the FLOPs of one batch of a pass (counted once per function and structure)."""
+    key = (kind, fn, structure)
+    if key not in self._pass_costs:
+      self._pass_costs[key] = accounting.count(body, *args).flops
+    self.pass_flops += self._pass_costs[key]
 
   def _train_batches(self, idx: np.ndarray):
     idx = self.task.global_index(self.data, "train", np.asarray(idx, np.int32))
@@ -246,8 +266,9 @@ class Steps:
     learner = self.place(learner)
     total = None
     for b in self._train_batches(idx):
-      out = jax.tree.map(lambda a: np.asarray(a, np.float64),
-                         compiled(learner.params, learner.model_state, self.data, b))
+      args = (learner.params, learner.model_state, self.data, b)
+      self._count_pass("reduce", fn, structure, build(), args)
+      out = jax.tree.map(lambda a: np.asarray(a, np.float64), compiled(*args))
       total = out if total is None else jax.tree.map(np.add, total, out)
     return total
 
@@ -266,39 +287,47 @@ class Steps:
     compiled = self._pass_fn("scan", fn, structure, build)
     learner = self.place(learner)
     for b in self._train_batches(idx):
-      carry = compiled(learner.params, learner.model_state, self.data, b, carry)
+      args = (learner.params, learner.model_state, self.data, b, carry)
+      self._count_pass("scan", fn, structure, build(), args)
+      carry = compiled(*args)
     return carry
 
   # -- accounting ------------------------------------------------------------------------------
   def flops(self, learner: Learner) -> dict[str, float]:
-    """Compiler FLOP counts for one (unstacked) learner's structure.
+    """FLOP and multiply-add counts for one (unstacked) learner's structure.
 
     `train_step`: one train step (forward, backward and update) on a batch;
     `train_step_forward`: the forward pass of the training loss alone;
+    `train_macs_per_example`: the forward multiply-adds of the training loss
+    per training example (what the paper's "training FLOPs" count);
     `inference_per_example`: predicting one example.
-    Counted by XLA's cost analysis of the lowered (not compiled) functions.
+    Counted from the traced computations (`alma_jax.accounting`), the same on
+    every backend.
     """
     structure, method = learner.structure, self.method
     trainable, frozen = method.partition(learner)
     d, b = method.num_data_orders(structure), self.batch_size
-    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)  # pylint: disable=unnecessary-lambda-assignment
+    spec = jax.ShapeDtypeStruct
     state = TrainState(trainable, frozen, learner.model_state,
                        jax.eval_shape(self.tx.init, trainable))
     rng = jax.eval_shape(lambda: jax.random.key(0))
     idx, mask = spec((d, b), jnp.int32), spec((d, b), jnp.bool_)
-    train = _cost_flops(self.step_body(structure), (state, self.data, idx, mask, rng))
-    x = jax.eval_shape(lambda data, i: self.task.inputs(data, i)[0], self.data, idx)
-    y = jax.eval_shape(lambda data, i: self.task.inputs(data, i)[1], self.data, idx)
+    train = accounting.count(self.step_body(structure), state, self.data, idx, mask, rng)
+    if train.flops <= 0:
+      raise ValueError(f"counting the FLOPs of {method.name!r}'s train step found no arithmetic; "
+                       "its loss must use differentiable array operations")
+    x, y = jax.eval_shape(self.task.inputs, self.data, idx)
 
     def forward(trainable, frozen, model_state, x, y, mask, rng):
       return method.loss(structure, trainable, frozen, model_state, x, y, mask, rng)[0]
 
-    fwd = _cost_flops(forward, (trainable, frozen, learner.model_state, x, y, mask, rng))
+    fwd = accounting.count(forward, trainable, frozen, learner.model_state, x, y, mask, rng)
     eb = self.eval_batch_size
     xe = spec((eb,) + tuple(x.shape[2:]), x.dtype)
-    infer = _cost_flops(functools.partial(method.predict, structure),
-                        (learner.params, learner.model_state, xe)) / eb
-    return {"train_step": train, "train_step_forward": fwd, "inference_per_example": infer}
+    infer = accounting.count(functools.partial(method.predict, structure), learner.params,
+                             learner.model_state, xe)
+    return {"train_step": train.flops, "train_step_forward": fwd.flops,
+            "train_macs_per_example": fwd.macs / b, "inference_per_example": infer.flops / eb}
 
   def seconds_per_step(self, learner: Learner, repeats: int = 3) -> float:
     """Times the compiled train call of a stacked `learner` on dummy indices (it is untouched)."""
@@ -321,11 +350,3 @@ def all_finite(tree) -> jax.Array:
   """Whether every element of every leaf of `tree` is finite."""
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
-
-
-def _cost_flops(fn: Callable, args) -> float:
-  """FLOPs of `fn` on `args` from XLA's cost analysis of its lowering."""
-  cost = jax.jit(fn).lower(*args).cost_analysis()
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else {}
-  return float((cost or {}).get("flops", 0.0))

@@ -64,10 +64,10 @@ def padded_orders(rng: np.random.Generator, idx: np.ndarray, num_orders: int, ba
 
 @dataclasses.dataclass
 class _Progress:
-  """The running state of a stage's early stopping, per member."""
+  """The running state of a stage's early stopping, per member (and selection unit)."""
 
   best: Learner
-  best_acc: np.ndarray
+  best_acc: np.ndarray  # (S, U): each selection unit's best validation accuracy
   best_epoch: np.ndarray
   since_best: np.ndarray
   epochs_run: np.ndarray
@@ -132,12 +132,14 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
   if train_idx.shape[-1] < 1 or val_idx.shape[-1] < 1:
     raise ValueError(f"stage t={t} has {train_idx.shape[-1]} training and {val_idx.shape[-1]} "
                      "validation examples; both must be >= 1")
-  structure = learner.structure
+  structure, method = learner.structure, steps.method
   state = steps.init_state(learner, opt_state)
   rngs = [population.numpy_rng(keys[i]) for i in range(num)]
   zeros = lambda: np.zeros(num, int)  # pylint: disable=unnecessary-lambda-assignment
-  p = _Progress(learner, np.full(num, -1.0), zeros(), zeros(), zeros(), zeros(),
+  units = method.num_units(structure)
+  p = _Progress(learner, np.full((num, units), -1.0), zeros(), zeros(), zeros(), zeros(),
                 np.ones(num, bool), np.zeros(num, bool))
+  delta = float(cfg.get("patience_delta", 0.0))
   timer, last_report = timing.Breakdown(), time.monotonic()
   for epoch in range(1, int(cfg.epochs) + 1):
     with timer("train_s"):
@@ -147,31 +149,44 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
     bad = p.active & ~(np.all(np.isfinite(losses), axis=1) & finite)
     if bad.any():
       _stop_diverged(p, bad, t, epoch, labels, cfg.get("on_divergence", "raise"))
-    current = Learner(params=jax.vmap(steps.method.combine)(learner, state.trainable),
+      if not p.active.any():
+        break
+    current = Learner(params=jax.vmap(method.combine)(learner, state.trainable),
                       model_state=state.model_state, structure=structure)
     with timer("eval_s"):
-      acc, _ = steps.evaluate(current, "train", val_idx)
-    improved = p.active & (acc > p.best_acc)
-    p.best = population.select(improved, current, p.best)
-    p.best_acc = np.where(improved, acc, p.best_acc)
-    p.best_epoch = np.where(improved, epoch, p.best_epoch)
-    p.since_best = np.where(improved, 0, p.since_best + p.active)
-    p.active &= p.since_best < int(cfg.patience)
+      acc, _, unit_acc = steps.evaluate_units(current, "train", val_idx)
+    _keep_best(p, method, current, unit_acc, epoch, delta, int(cfg.patience))
     if progress is not None and time.monotonic() - last_report >= cfg.get("progress_every_s", 10.0):
       last_report = time.monotonic()
       progress(_progress_line(t, epoch, cfg.epochs, losses, acc, p))
     if not p.active.any():
       break
+  best_acc = p.best_acc[:, 0]
+  if method.units_are_parts:  # the selected members together
+    with timer("eval_s"):
+      best_acc, _ = steps.evaluate(p.best, "train", val_idx)
   spent = timer.as_dict()
-  stats = StageStats(p.epochs_run, p.best_epoch, np.maximum(p.best_acc, 0.0), p.steps_run,
+  stats = StageStats(p.epochs_run, p.best_epoch, np.maximum(best_acc, 0.0), p.steps_run,
                      p.diverged, spent["train_s"], spent["eval_s"])
   return p.best, (None if p.diverged.any() else state.opt_state), stats
+
+
+def _keep_best(p: _Progress, method, current: Learner, unit_acc: np.ndarray, epoch: int,
+               delta: float, patience: int) -> None:
+  """Keeps each unit's best epoch; a member's patience restarts when any of its units improves."""
+  improved = p.active[:, None] & (unit_acc > p.best_acc + delta)
+  p.best = population.select_units(method, improved, current, p.best)
+  p.best_acc = np.where(improved, unit_acc, p.best_acc)
+  any_improved = improved.any(axis=1)
+  p.best_epoch = np.where(any_improved, epoch, p.best_epoch)
+  p.since_best = np.where(any_improved, 0, p.since_best + p.active)
+  p.active &= p.since_best < patience
 
 
 def _progress_line(t, epoch, epochs, losses, acc, p: _Progress) -> str:
   if len(acc) == 1:
     return (f"  t={t} epoch {epoch}/{epochs} loss={np.mean(losses):.4f} val_acc={acc[0]:.4f} "
-            f"best={p.best_acc[0]:.4f}@{p.best_epoch[0]}")
+            f"best={np.max(p.best_acc[0]):.4f}@{p.best_epoch[0]}")
   return (f"  t={t} epoch {epoch}/{epochs} loss={np.mean(losses):.4f} val_acc={np.mean(acc):.4f} "
           f"(mean of {len(acc)} seeds, {int(p.active.sum())} training)")
 

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 from alma_jax import methods
+from alma_jax import population
 from alma_jax import train
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
@@ -341,3 +342,82 @@ def test_mnist_gens_smoke_end_to_end(tmp_path):
   assert inference[4] == pytest.approx(4 * inference[0], rel=0.05)
   assert all(f > 0 for f in flops)
   assert records[-1]["test_error"] < records[0]["test_error"]
+
+
+# -- best-epoch selection per member ----------------------------------------------------------------
+def _filled(learner, value):
+  return learner.replace(params=jax.tree.map(lambda a: jnp.full_like(a, value), learner.params))
+
+
+def test_each_ens_member_keeps_its_own_best_epoch():
+  method = make("ens", num_members=2)
+  learner = method.init(jax.random.key(0))
+  p = train._Progress(population.stack([_filled(learner, 0.0)]), np.full((1, 2), -1.0),  # pylint: disable=protected-access
+                      *[np.zeros(1, int) for _ in range(4)], np.ones(1, bool), np.zeros(1, bool))
+  # Member accuracies per epoch: member 0 is best at epoch 2, member 1 at epoch 1; an
+  # ensemble-level rule would keep a single epoch for both.
+  for epoch, accs in enumerate([[0.5, 0.9], [0.8, 0.6], [0.7, 0.7], [0.1, 0.1]], start=1):
+    current = population.stack([_filled(learner, float(epoch))])
+    train._keep_best(p, method, current, np.asarray([accs]), epoch, 0.0, 2)  # pylint: disable=protected-access
+  kernel = np.asarray(p.best.params["head"]["kernel"][0])
+  assert np.all(kernel[0] == 2.0) and np.all(kernel[1] == 1.0)
+  np.testing.assert_array_equal(p.best_acc, [[0.8, 0.9]])
+  # Patience restarts when any member improves (epoch 2), so the stage ends after epoch 4.
+  assert p.best_epoch.tolist() == [2] and p.since_best.tolist() == [2]
+  assert not p.active.any()
+
+
+def test_patience_delta_requires_a_clear_improvement():
+  method = make("sm")
+  learner = method.init(jax.random.key(0))
+  p = train._Progress(population.stack([learner]), np.full((1, 1), -1.0),  # pylint: disable=protected-access
+                      *[np.zeros(1, int) for _ in range(4)], np.ones(1, bool), np.zeros(1, bool))
+  for epoch, acc in enumerate([0.5, 0.505, 0.52], start=1):
+    train._keep_best(p, method, population.stack([learner]), np.asarray([[acc]]), epoch, 0.01, 5)  # pylint: disable=protected-access
+  assert p.best_epoch.tolist() == [3] and p.best_acc.tolist() == [[0.52]]
+
+
+def test_gens_selects_its_new_member_by_its_own_accuracy():
+  method = make("gens", "mlp", 4)
+  learner = method.init(jax.random.key(0))
+  for t in (2, 3):
+    learner = method.before_stage(learner, jax.random.key(t), helpers.context(t))
+  assert learner.structure == (3, 1) and method.num_units(learner.structure) == 1
+  x = batch(1)[0][0]
+  logp, units = method.predict_units(learner.structure, learner.params, learner.model_state, x)
+  logits = member_logits(method, learner, x)
+  np.testing.assert_allclose(np.asarray(units[0]), np.asarray(jax.nn.log_softmax(logits[2])),
+                             atol=1e-6)
+  np.testing.assert_allclose(np.asarray(logp), np.asarray(
+      method.predict(learner.structure, learner.params, learner.model_state, x)), atol=1e-6)
+  changed = _filled(learner, 5.0)
+  kept = method.select_units(learner.structure, jnp.array([True]), changed, learner)
+  head = np.asarray(kept.params["head"]["kernel"])
+  assert np.all(head[2] == 5.0)  # the trained member from `new`
+  np.testing.assert_array_equal(head[:2], np.asarray(learner.params["head"]["kernel"][:2]))
+
+
+def test_gens_copies_the_last_member_by_default():
+  method = make("gens", "mlp", 4)
+  learner = method.init(jax.random.key(0))
+  grown = method.before_stage(learner, jax.random.key(1), helpers.context(2))
+  chex.assert_trees_all_equal(ensemble.member(grown.params, 1), ensemble.member(learner.params, 0))
+
+
+def test_umix_sum_and_gens_logit_options():
+  x = batch(1)[0][0]
+  mean, summed = make("umix", num_members=3), make("umix", num_members=3, combine="sum")
+  learner = mean.init(jax.random.key(0))
+  logits = member_logits(mean, learner, x)
+  for method, combined in ((mean, logits.mean(0)), (summed, logits.sum(0))):
+    np.testing.assert_allclose(
+        np.asarray(method.predict(learner.structure, learner.params, learner.model_state, x)),
+        np.asarray(jax.nn.log_softmax(combined)), atol=1e-5)
+  gens = make("gens", "mlp", 4, combine="logits")
+  grown = gens.before_stage(gens.init(jax.random.key(0)), jax.random.key(1), helpers.context(2))
+  grown = _filled(grown, 0.0).replace(params=jax.tree.map(
+      lambda a: a.at[1].add(0.1), _filled(grown, 0.0).params))
+  logits = member_logits(gens, grown, x)
+  np.testing.assert_allclose(
+      np.asarray(gens.predict(grown.structure, grown.params, grown.model_state, x)),
+      np.asarray(jax.nn.log_softmax(logits.mean(0))), atol=1e-5)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from alma_jax import methods
-from alma_jax import steps as steps_lib
+from alma_jax import accounting
 from alma_jax import train
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
@@ -256,7 +256,7 @@ def test_split_picks_the_arg_max_leaf_for_both_criteria():
 
 
 # -- training, compilation, growth in the stream -------------------------------------------
-def test_compiles_once_per_structure_and_grows_after_stages():
+def test_compiles_once_per_structure_and_grows_before_stages():
   ds = helpers.synthetic_dataset(n_train=200, n_test=32)
   c = helpers.small_config(method="gmoe", width=4, epochs=1)
   c.method.split_by = "usage"
@@ -269,13 +269,13 @@ def test_compiles_once_per_structure_and_grows_after_stages():
   train_idx, val_idx = np.arange(150, dtype=np.int32), np.arange(150, 200, dtype=np.int32)
   ctx = lambda t: helpers.context(t, steps=steps, train_idx=train_idx, val_idx=val_idx)
   for t in (1, 2, 3, 4):
+    learner = method.before_stage(learner, jax.random.key(10 + t), ctx(t))
+    # Stages 1 and 2 train the initial experts; the split comes before stage 3 (every 2).
+    assert gmoe.experts_per_layer(learner.structure) == [1 + (t >= 3)] * 2
     learner, _, _ = train.fit_one(steps, learner, train_idx, val_idx, jax.random.key(t))
-    if t < 4:
-      learner = method.after_stage(learner, jax.random.key(10 + t), ctx(t))
-      assert gmoe.experts_per_layer(learner.structure) == [1 + t // 2] * 2  # grows at t=2
   chex.assert_tree_all_finite(learner.params)
   kinds = [k[0].split()[0] for k in steps.compiled]
-  # Train and evaluate each structure once; the growth scores once, before the split at t=2.
+  # Train and evaluate each structure once; the growth scores once, before the split at t=3.
   assert kinds.count("train") == 2 and kinds.count("eval") == 2 and kinds.count("reduce") == 1
   assert steps.num_compilations == 5
   # The learner is rebuilt from its structure alone (checkpoint restore).
@@ -292,7 +292,7 @@ def _inference_flops(method, num_experts=1):
         gmoe.split_expert(l, 0, e, jax.random.key(0)), 1, e, jax.random.key(1)), learner)
   x = jax.ShapeDtypeStruct((100,) + MNIST, jnp.float32)
   predict = functools.partial(method.predict, learner.structure)
-  return steps_lib._cost_flops(predict, (learner.params, learner.model_state, x)) / 100  # pylint: disable=protected-access
+  return accounting.count(predict, learner.params, learner.model_state, x).flops / 100
 
 
 def test_hard_gating_inference_runs_one_path_on_the_mlp():

@@ -9,8 +9,8 @@ from alma_jax.metrics import Log, Record, RECORD_KEYS
 
 def rec(t, err, params, flops, trained=True):
   return Record(t=t, test_error=err, num_params=params, train_flops=flops,
-                train_flops_forward=flops / 3, inference_flops_per_example=10.0, trained=trained,
-                wall_s=0.5)
+                train_flops_forward=flops / 3, train_macs=flops / 6, growth_flops=flops / 10,
+                inference_flops_per_example=10.0, trained=trained, wall_s=0.5)
 
 
 def test_cer_mem_comp_on_hand_made_log():
@@ -23,11 +23,13 @@ def test_cer_mem_comp_on_hand_made_log():
   assert log.mean_error == pytest.approx(2.1 / 4)
   assert log.mem == 700
   assert log.comp == pytest.approx(9e6)
+  assert log.comp_paper == pytest.approx(1.5e6) and log.comp_growth == pytest.approx(9e5)
   assert log.final_error == pytest.approx(0.2)
   assert log.num_stages == 2
   s = log.summary()
   for k in ("cer", "mean_error", "mem", "comp", "final_error", "num_stages", "wall_s"):
     assert k in s
+  assert s["cer_percent"] == pytest.approx(210.0) and s["comp_paper"] == pytest.approx(1.5e6)
   assert s["wall_s"] == pytest.approx(2.0)
 
 

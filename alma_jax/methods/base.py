@@ -157,6 +157,27 @@ class Method:
     logits, _ = self.logits(structure, params, model_state, x, train=False)
     return jax.nn.log_softmax(logits)
 
+  # -- best-epoch selection -----------------------------------------------------
+  # A stage keeps, for each "unit" of the trained parameters, the epoch where that unit's
+  # own validation accuracy was best: one unit by default (the whole model); an ensemble's
+  # members are units of their own (`units_are_parts`).
+  units_are_parts = False
+
+  def num_units(self, structure) -> int:
+    """How many independently selected parts the trained parameters have."""
+    del structure
+    return 1
+
+  def predict_units(self, structure, params, model_state, x):
+    """(log-probabilities of the model (b, C), of each unit (U, b, C))."""
+    logp = self.predict(structure, params, model_state, x)
+    return logp, logp[None]
+
+  def select_units(self, structure, take, new: Learner, old: Learner) -> Learner:
+    """`new` for the units where `take` (U,) is true, `old` for the others."""
+    del structure
+    return jax.tree.map(lambda a, b: jnp.where(take[0], a, b), new, old)
+
   # -- growth -------------------------------------------------------------------
   def before_stage(self, learner: Learner, key: jax.Array, ctx: StageContext) -> Learner:
     """Called before each training stage (gEns adds members, gMoE splits experts)."""

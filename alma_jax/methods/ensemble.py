@@ -260,9 +260,34 @@ class Ensemble(base.SingleBackbone, base.Method):
 
   # -- inference ------------------------------------------------------------------------------------
   def predict(self, structure, params, model_state, x) -> jnp.ndarray:
-    """log(mean_i softmax(logits_i)) over all members."""
+    """The members' combined prediction (`combine_members`)."""
     logits, _ = self.member_logits(params, model_state, x, train=False, stacked_x=False)
-    return jax.nn.logsumexp(jax.nn.log_softmax(logits), axis=0) - math.log(structure[0])
+    return self.combine_members(logits, structure[0])
+
+  def combine_members(self, logits, n: int) -> jnp.ndarray:
+    """log(mean_i softmax(logits_i)): the mean of the members' probabilities."""
+    return jax.nn.logsumexp(jax.nn.log_softmax(logits), axis=0) - math.log(n)
+
+  # -- best-epoch selection: every trained member on its own ------------------------------------
+  units_are_parts = True
+
+  def num_units(self, structure) -> int:
+    return structure[1]
+
+  def predict_units(self, structure, params, model_state, x):
+    n, k = structure
+    logits, _ = self.member_logits(params, model_state, x, train=False, stacked_x=False)
+    return self.combine_members(logits, n), jax.nn.log_softmax(logits[n - k:])
+
+  def select_units(self, structure, take, new: base.Learner, old: base.Learner) -> base.Learner:
+    n, k = structure
+    members = jnp.concatenate([jnp.zeros((n - k,), bool), take])
+
+    def pick(a, b):
+      return jnp.where(members.reshape((n,) + (1,) * (a.ndim - 1)), a, b)
+
+    return old.replace(params=jax.tree.map(pick, new.params, old.params),
+                       model_state=jax.tree.map(pick, new.model_state, old.model_state))
 
   # -- accounting -------------------------------------------------------------------------------------
   def describe(self, learner: base.Learner) -> dict:
@@ -273,24 +298,34 @@ class Ensemble(base.SingleBackbone, base.Method):
 
 @register
 class UniformMixture(Ensemble):
-  """UMix: one model whose logits are the mean of the members' logits."""
+  """UMix: one model whose logits are the mean (or sum) of the members' logits."""
 
   name = "umix"
+  FIELDS = Ensemble.FIELDS + (
+      F.Field("method.combine", "mean", F.choice(("mean", "sum")),
+              "the members' logits are averaged (the paper) or summed (the released code; "
+              "with SGD a sum gives every member N times the gradient)"),)
 
   def num_data_orders(self, structure) -> int:
     del structure
     return 1
 
-  # One model on one data order: the cross-entropy and log-softmax of `logits`.
+  # One model on one data order: the cross-entropy and log-softmax of `logits`, selected as
+  # a whole.
   loss = base.Method.loss
   predict = base.Method.predict
+  units_are_parts = False
+  num_units = base.Method.num_units
+  predict_units = base.Method.predict_units
+  select_units = base.Method.select_units
 
   def logits(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
     """The mean of the members' logits."""
     del structure, rng
     logits, new_state = self.member_logits(params, model_state, x, train=train, mask=mask,
                                            stacked_x=False)
-    return jnp.mean(logits, axis=0), new_state
+    combined = jnp.sum(logits, axis=0) if self.opts.combine == "sum" else jnp.mean(logits, axis=0)
+    return combined, new_state
 
 
 @register
@@ -311,9 +346,12 @@ class GrowingEnsemble(Ensemble):
                     "members at the start, all trained at the first stage"),
             F.Field("method.grow_by", 1, F.integer(1),
                     "k, members added (and trained) before every later stage (paper: 1)"),
-            F.Field("method.new_member", "fresh", F.choice(MEMBER_INITS),
-                    "fresh (a new random network; the paper's text) or copy (of the last "
-                    "member; the released code)"),
+            F.Field("method.new_member", "copy", F.choice(MEMBER_INITS),
+                    "copy (of the last member, which then keeps learning: the released code, "
+                    "the paper's Fig. 9) or fresh (a new random network)"),
+            F.Field("method.combine", "probs", F.choice(("probs", "logits")),
+                    "predict the mean of the members' probabilities (the paper) or the softmax "
+                    "of their mean logits (the released code)"),
             STRATEGY)
 
   def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
@@ -337,6 +375,11 @@ class GrowingEnsemble(Ensemble):
   def reinit(self, learner: base.Learner, key: jax.Array) -> base.Learner:
     del key
     return learner
+
+  def combine_members(self, logits, n: int) -> jnp.ndarray:
+    if self.opts.combine == "logits":
+      return jax.nn.log_softmax(jnp.mean(logits, axis=0))
+    return super().combine_members(logits, n)
 
   def before_stage(self, learner: base.Learner, key: jax.Array, ctx) -> base.Learner:
     """Appends `grow_by` members (they alone are trained), except before the first stage."""

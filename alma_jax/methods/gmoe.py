@@ -4,11 +4,14 @@ MLP: both hidden layers are mixtures (the classifier is shared). VGG: the
 blocks after the first are mixtures (the first block and the classifier are
 shared); a block's gate sees its input average-pooled to 4x4.
 
-After every `grow_every`-th training stage, each mixture layer splits its
-losing expert (`split_expert`, a pure edit of the learner pytree), chosen on
-the stage's validation data by `split_by`: "loss" (the largest cumulative
-loss of the examples routed through it, weighted by the routing weight; the
-paper) or "usage" (the largest cumulative routing weight; the released code).
+Before every `grow_every`-th training stage but the first (Algorithm 1 of the
+paper and the released code: a split expert is trained before it counts in
+Mem or in the test error), each mixture layer splits its losing expert
+(`split_expert`, a pure edit of the learner pytree), chosen on the new
+stage's validation data by `split_by`: "loss" (the largest cumulative loss
+of the examples routed through it, weighted by the routing weight; the
+paper) or "usage" (the largest cumulative routing weight; the released
+code). By default it grows about 10 times over the stream.
 The config fields are declared in `GrowingMoE.FIELDS`.
 
 Compute: soft gating and hard gating in training run every expert. Hard
@@ -160,7 +163,9 @@ class GrowingMoE(base.Method):
               "False: a fixed MoE with initial_experts experts per layer"),
       F.Field("method.initial_experts", 1, F.integer(1),
               "experts per layer at the start (paper: 1; released code: 2)"),
-      F.Field("method.grow_every", 1, F.integer(1), "grow after every this many training stages"),
+      F.Field("method.grow_every", 0, F.integer(0),
+              "grow before every this many-th stage; 0: about 10 growths over the stream "
+              "(every max(1, stages // 10) stages; the released runs reach 6-11 experts)"),
       F.Field("method.split_by", "loss", F.choice(SPLIT_BY),
               "the expert to split: largest routed validation loss (paper) or usage "
               "(released code)"),
@@ -251,9 +256,17 @@ class GrowingMoE(base.Method):
     _, nll = task.per_example(jax.nn.log_softmax(logits), y)
     return [expert_scores(w, nll, mask, self.opts.split_by) for w in weights]
 
+  @property
+  def grow_period(self) -> int:
+    """Stages between growths (`grow_every`, or its automatic value)."""
+    if self.opts.grow_every:
+      return self.opts.grow_every
+    stages = self.config.stream.num_megabatches // self.config.stream.wait
+    return max(1, stages // 10)
+
   def should_grow(self, stage: int) -> bool:
-    """Whether to grow after training stage number `stage` (1 = the first)."""
-    return self.opts.grow and stage % self.opts.grow_every == 0
+    """Whether to grow before training stage number `stage` (1 = the first: never)."""
+    return self.opts.grow and stage > 1 and (stage - 1) % self.grow_period == 0
 
   def grow_learner(self, learner: base.Learner, scores, key: jax.Array) -> base.Learner:
     """Splits the losing expert (arg-max of `scores[l]`) of every layer below `max_experts`."""
@@ -264,7 +277,8 @@ class GrowingMoE(base.Method):
       learner = split_expert(learner, layer, leaf, jax.random.fold_in(key, layer))
     return learner
 
-  def after_stage(self, learner: base.Learner, key: jax.Array, ctx) -> base.Learner:
+  def before_stage(self, learner: base.Learner, key: jax.Array, ctx) -> base.Learner:
+    """Splits the losing experts, scored on the new stage's validation data, before it trains."""
     if not self.should_grow(ctx.stage):
       return learner
     scores = ctx.reduce(self.score_batch, learner, np.asarray(ctx.val_idx, np.int32))
