@@ -21,6 +21,7 @@ from alma_jax import optim
 from alma_jax.data import augment
 from alma_jax.data import images
 from alma_jax.models import conv
+from alma_jax.models import inits
 
 VARIANTS = ("", "paper", "smoke", "quick")
 _MNIST_OR = lambda mnist, other: F.ByDataset({"mnist": mnist}, other)  # pylint: disable=invalid-name
@@ -58,6 +59,9 @@ BASE_FIELDS = (
     F.Field("model.width", 64, F.integer(1), "hidden units H (MLP) or channels C (VGG)"),
     F.Field("model.conv_impl", "auto", F.choice(conv.IMPLS),
             "VGG convolution gradients: xla, chunked_dw, or auto (by backend and width)"),
+    F.Field("model.init", "lecun", F.choice(inits.INITS),
+            "initialisation: lecun (Flax: LeCun-normal kernels, zero biases) or torch (PyTorch's "
+            "default, as in the released code: kernels and biases U(+-1/sqrt(fan_in)))"),
     # -- method (its own fields are declared by the method)
     F.Field("method.name", "sm", F.choice(methods.names, "names"), "the method"),
     # -- training
@@ -66,6 +70,9 @@ BASE_FIELDS = (
     F.Field("train.epochs", 100, F.integer(1), "at most this many epochs per stage"),
     F.Field("train.patience", 25, F.integer(1),
             "stop a stage after this many epochs without a better validation accuracy"),
+    F.Field("train.patience_delta", 0.0, F.number(0.0, math.inf),
+            "an epoch improves when its validation accuracy (a fraction) exceeds the best by "
+            "more than this (released code: 0.001)"),
     F.Field("train.keep_optimizer_state", False, F.boolean(),
             "keep the optimizer state across stages (default: fresh each stage)"),
     F.Field("train.augment", _MNIST_OR("none", "crop_flip"), F.choice(augment.AUGMENTATIONS),
@@ -80,8 +87,10 @@ BASE_FIELDS = (
     F.Field("optimizer.name", _MNIST_OR("adadelta", "sgd"), F.choice(optim.OPTIMIZERS, "names"),
             "an optax optimizer by name"),
     F.Field("optimizer.kwargs",
-            _MNIST_OR({"learning_rate": 1.0}, {"learning_rate": 0.01, "momentum": 0.9}),
-            F.mapping(), "the optimizer's arguments"),
+            _MNIST_OR({"learning_rate": 1.0},
+                      {"learning_rate": 0.01, "momentum": 0.9, "nesterov": False}),
+            F.mapping(), "the optimizer's arguments (CIFAR: nesterov=True for the released "
+            "code's gMoE and Firefly)"),
     F.Field("optimizer.weight_decay", _MNIST_OR(0.0, 1e-4), F.number(0.0, math.inf),
             "PyTorch-style coupled weight decay"),
     # -- devices and checkpoints

@@ -11,10 +11,21 @@ Variants:
   :smoke  seconds: 800 training / 500 test images, B=4, C=4, 2 epochs.
   :quick  the whole training set in B=10 mega-batches, C=16, 3 epochs per
           stage; minutes on a 2-core CPU.
-The default is the paper's setting (C=64, B=100, w=1, 100 epochs, SGD lr 0.01,
-momentum 0.9, weight decay 1e-4, crop+flip, soft gating): up to 101 experts
-per block, meant for a GPU. The early version's ablations (its section 5.2)
-grow every 2 stages from 2 experts:
+The default is ONE setting, not the paper's sweep: C=64, B=100, w=1, at most 100
+epochs per stage, SGD lr 0.01, momentum 0.9, weight decay 1e-4, crop+flip,
+soft gating; meant for a GPU (how many experts a block reaches depends on
+config.method.grow_every).
+The paper's CIFAR-10 figures sweep widths C from 4 to 64 (section 5; Appendix
+B.1.2 names 4, 8 and 32 channels) and waiting times (section 6.1 and Fig. 3
+name w = 2, 10 and 100; Fig. 4 is w=10 with and without replay); w=1 is not
+among the waiting times the text names. The paper's other settings:
+  --config.model.width=4|8|32          C
+  --config.stream.wait=2|10|100        w (a divisor of B=100)
+  --config.stream.replay=1.0           also train on every earlier mega-batch
+The released code trained gMoE with Nesterov momentum and PyTorch's
+initialisation: --config.optimizer.kwargs.nesterov=True --config.model.init=torch.
+The early version's ablations (its section 5.2) grow every 2 stages from 2
+experts:
   --config.method.initial_experts=2 --config.method.grow_every=2
   --config.method.tree=False                        flat gating
   --config.method.grow=False                        fixed MoE (2 experts per block)

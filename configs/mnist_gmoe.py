@@ -9,10 +9,18 @@ Run:
 Variants (the argument after the colon):
   :smoke  a few seconds: 2,000 training images, B=4, H=8, 2 epochs (tests use it).
   :quick  the whole stream (B=500) with waiting time w=10 and at most 20 epochs
-          per stage (50 stages, so up to 51 experts per layer); minutes on a CPU.
-The default is the paper's setting (H=64, w=1, 100 epochs, patience 25, soft
-gating, one initial expert): 500 stages, so up to 501 experts per layer (soft
-gating runs them all); meant for a GPU. Ablations on the command line:
+          per stage (50 stages, a split every grow_every of them); minutes on a CPU.
+The default is ONE setting, not the paper's sweep: H=64, B=500, w=1, at most 100
+epochs per stage with patience 25, soft gating, one initial expert; meant for
+a GPU (soft gating runs every expert; how many a layer reaches depends on
+config.method.grow_every).
+The paper's MNIST figures (Fig. 3 bottom, Fig. 7) sweep hidden sizes H from 4
+to 64 (section 5; Appendix B.1.1 names 4, 8 and 32) and waiting times, whose
+values the text does not list. The paper's other settings:
+  --config.model.width=4|8|32          H
+  --config.stream.wait=10              w (a divisor of B=500: 2, 5, 10, 50, ...)
+  --config.stream.replay=1.0           also train on every earlier mega-batch
+Ablations on the command line:
   --config.method.gating=hard          hard gating (straight-through estimator)
   --config.method.split_by=usage       the released code's split criterion
   --config.method.initial_experts=2    the released code's initial mixture

@@ -6,8 +6,17 @@ Variants (the argument after the colon):
   :smoke  a few seconds: 2,000 training images, B=4, H=8, 2 epochs (tests use it).
   :quick  the whole stream (B=500) with waiting time w=10 and at most 20 epochs
           per stage; about a minute on a 2-core CPU.
-The default is the paper's setting (H=64, w=1, 100 epochs, patience 25): 500
-stages of up to 100 epochs, hours on a CPU.
+The default is ONE setting, not the paper's sweep: B=500, w=1, H=64, at most 100
+epochs per stage with patience 25 (the released code's), Adadelta lr 1: 500
+stages, hours on a CPU.
+The paper's MNIST figures (Fig. 3 bottom, Fig. 7) sweep hidden sizes H from 4
+to 64 (section 5; Appendix B.1.1 names 4, 8 and 32) and waiting times, whose
+values the text does not list. The paper's other settings:
+  --config.model.width=4|8|32          H
+  --config.stream.wait=10              w (a divisor of B=500: 2, 5, 10, 50, ...)
+  --config.stream.replay=1.0           also train on every earlier mega-batch
+The released code's choices: --config.model.init=torch (PyTorch's default
+initialisation), --config.train.patience_delta=0.001.
 """
 
 from alma_jax import config_lib

@@ -9,7 +9,14 @@ Run:
 Variants:
   :smoke  a few seconds: 2,000 training images, B=4, H=8, 2 epochs.
   :quick  the whole stream (B=500) with w=10 and at most 20 epochs per stage.
-The default is the paper's setting (N=5 members of H=64, w=1, 100 epochs).
+The default is ONE setting, not the paper's sweep: N=5 members of H=64, B=500,
+w=1, at most 100 epochs per stage.
+The paper's MNIST figures (Fig. 3 bottom, Fig. 7) sweep hidden sizes H from 4
+to 64 (section 5; Appendix B.1.1 names 4, 8 and 32) and waiting times, whose
+values the text does not list. The paper's other settings:
+  --config.model.width=4|8|32          H
+  --config.stream.wait=10              w (a divisor of B=500: 2, 5, 10, 50, ...)
+  --config.stream.replay=1.0           also train on every earlier mega-batch
 Options: --config.method.num_members=N, --config.method.strategy=vmap|loop.
 """
 

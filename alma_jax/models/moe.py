@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from alma_jax.models import conv
+from alma_jax.models import inits
 from alma_jax.models import vgg
 
 PyTree = Any
@@ -170,16 +171,27 @@ def init_gate_kernel(key: jax.Array, features: int, outputs: int) -> jnp.ndarray
   return nn.initializers.lecun_normal()(key, (features, outputs), jnp.float32)
 
 
-def init_gates(key: jax.Array, tree: Tree, features: int) -> dict:
+def init_gate(key: jax.Array, features: int, outputs: int,
+              scheme: str = "lecun") -> tuple[jnp.ndarray, jnp.ndarray]:
+  """(kernel (features, outputs), bias (outputs,)) of one new gate.
+
+  "lecun": `init_gate_kernel(key, ...)` and a zero bias. "torch": PyTorch's
+  `nn.Linear(features, outputs)` default, the released code's gates: kernel
+  and bias U(-1/sqrt(features), 1/sqrt(features)).
+  """
+  return inits.linear_params(key, features, outputs, scheme)
+
+
+def init_gates(key: jax.Array, tree: Tree, features: int, scheme: str = "lecun") -> dict:
   """Randomly initialised gate params of a layer ({} for a single expert in a tree)."""
   if is_flat(tree):
-    e = tree[1]
-    return {"gate": {"kernel": init_gate_kernel(key, features, e), "bias": jnp.zeros((e,))}}
+    kernel, bias = init_gate(key, features, tree[1], scheme)
+    return {"gate": {"kernel": kernel, "bias": bias}}
   g = num_gates(tree)
   if g == 0:
     return {}
-  kernels = jax.vmap(lambda k: init_gate_kernel(k, features, 2))(jax.random.split(key, g))
-  return {"gates": {"kernel": kernels, "bias": jnp.zeros((g, 2))}}
+  kernels, biases = jax.vmap(lambda k: init_gate(k, features, 2, scheme))(jax.random.split(key, g))
+  return {"gates": {"kernel": kernels, "bias": biases}}
 
 
 def _node_values(tree, lp, feats, *, train: bool, hard: bool, rng):
@@ -261,22 +273,26 @@ class DenseExpert(nn.Module):
   """One MLP layer as an expert: flatten, Dense(features), ReLU."""
 
   features: int
+  init_scheme: str = "lecun"  # see alma_jax.models.inits
 
   @nn.compact
   def __call__(self, x, train: bool = False, mask=None):
     del train, mask
-    return nn.relu(nn.Dense(self.features, name="dense")(x.reshape((x.shape[0], -1))))
+    x = x.reshape((x.shape[0], -1))
+    return nn.relu(inits.dense(self.features, self.init_scheme, x.shape[-1], "dense")(x))
 
 
 class Head(nn.Module):
   """The shared linear classifier on the flattened features."""
 
   num_classes: int
+  init_scheme: str = "lecun"  # see alma_jax.models.inits
 
   @nn.compact
   def __call__(self, x, train: bool = False, mask=None):
     del train, mask
-    return nn.Dense(self.num_classes, name="dense")(x.reshape((x.shape[0], -1)))
+    x = x.reshape((x.shape[0], -1))
+    return inits.dense(self.num_classes, self.init_scheme, x.shape[-1], "dense")(x)
 
 
 def _bn_mask(mask, x):
@@ -318,6 +334,8 @@ class MoENet:
     gather_hard_eval: with hard gating at test time, run only the chosen
       expert of each example by gathering its parameters (cheap for dense
       layers); otherwise all experts run and the chosen output is selected.
+    init_scheme: how gates are initialised ("lecun" or "torch", see
+      `init_gate`); the modules carry their own scheme.
   """
 
   stem: nn.Module | None
@@ -325,6 +343,7 @@ class MoENet:
   head: nn.Module
   gate_pool: int = 0
   gather_hard_eval: bool = False
+  init_scheme: str = "lecun"
 
   def layer_input_shapes(self, input_shape: Sequence[int]) -> list[tuple[int, ...]]:
     """Per-example input shapes of each mixture layer, then of the head."""
@@ -352,17 +371,23 @@ class MoENet:
 
 
 def make_net(model_config, num_classes: int, gate_pool: int = 4) -> MoENet:
-  """MLP: both hidden layers are mixtures. VGG: the blocks after the first are mixtures."""
+  """MLP: both hidden layers are mixtures. VGG: the blocks after the first are mixtures.
+
+  `model_config.init` ("lecun" when absent) initialises experts, stem, head
+  and gates alike.
+  """
   width = int(model_config.width)
+  scheme = inits.check(model_config.get("init", "lecun"))
+  head = Head(num_classes, scheme)
   if model_config.name == "mlp":
-    experts = tuple(DenseExpert(width) for _ in range(2))
+    experts = tuple(DenseExpert(width, scheme) for _ in range(2))
     # The gates see the flattened layer input (no pooling).
-    return MoENet(None, experts, Head(num_classes), gate_pool=0, gather_hard_eval=True)
+    return MoENet(None, experts, head, gate_pool=0, gather_hard_eval=True, init_scheme=scheme)
   if model_config.name == "vgg":
     impl = conv.resolve_impl(model_config.get("conv_impl", "auto"), width)
-    experts = tuple(vgg.ConvBlock(width, n, impl) for n in vgg.BLOCKS[1:])
-    return MoENet(vgg.ConvBlock(width, vgg.BLOCKS[0], impl), experts, Head(num_classes),
-                  gate_pool)
+    experts = tuple(vgg.ConvBlock(width, n, impl, scheme) for n in vgg.BLOCKS[1:])
+    return MoENet(vgg.ConvBlock(width, vgg.BLOCKS[0], impl, scheme), experts, head, gate_pool,
+                  init_scheme=scheme)
   raise ValueError(f"config.model.name={model_config.name!r} has no mixture-of-experts version; "
                    "valid names: ['mlp', 'vgg']")
 
@@ -381,7 +406,7 @@ def init(net: MoENet, key: jax.Array, structure, input_shape) -> tuple[dict, dic
     k_exp, k_gate = jax.random.split(jax.random.fold_in(k_layers, l))
     keys = jax.random.split(k_exp, num_experts(tree))
     p, s = jax.vmap(lambda k, m=module, sh=shape: init_module(m, k, sh))(keys)
-    params[layer_name(l)] = {"experts": p, **init_gates(k_gate, tree, feat_dim)}
+    params[layer_name(l)] = {"experts": p, **init_gates(k_gate, tree, feat_dim, net.init_scheme)}
     if s is not None:
       stats[layer_name(l)] = s
   params["head"], _ = init_module(net.head, k_head, shapes[-1])

@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from alma_jax.models import conv
+from alma_jax.models import inits
 
 BLOCKS = (2, 2, 4, 4, 4)
 
@@ -37,17 +38,23 @@ class ConvBlock(nn.Module):
   be exact for a partial batch, but XLA:CPU (jax 0.10.2) computes their
   jitted gradient inside `jax.vmap` (ensemble members, gMoE experts, seeds)
   wrongly.
+
+  The convolutions have no bias: BatchNorm subtracts the batch mean right
+  after them, so a bias would get a zero gradient in training (PyTorch's
+  VGG has one, as `nn.Conv2d` does by default).
   """
 
   width: int
   num_convs: int
   conv_impl: str = "xla"  # see alma_jax.models.conv
+  init_scheme: str = "lecun"  # see alma_jax.models.inits
 
   @nn.compact
   def __call__(self, x, train: bool = False, mask=None):
     del mask
     for i in range(self.num_convs):
-      x = conv.Conv3x3(self.width, impl=self.conv_impl, name=f"conv{i}")(x)
+      x = conv.Conv3x3(self.width, impl=self.conv_impl, kernel_init=inits.kernel_init(
+          self.init_scheme), name=f"conv{i}")(x)
       x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
                        name=f"bn{i}")(x)
       x = nn.relu(x)
@@ -61,15 +68,18 @@ class VGG(nn.Module):
   num_classes: int = 10
   blocks: Sequence[int] = BLOCKS
   conv_impl: str = "xla"
+  init_scheme: str = "lecun"  # see alma_jax.models.inits
 
   @classmethod
   def from_config(cls, model_config, num_classes: int) -> "VGG":
     impl = conv.resolve_impl(model_config.get("conv_impl", "auto"), model_config.width)
-    return cls(width=model_config.width, num_classes=num_classes, conv_impl=impl)
+    return cls(width=model_config.width, num_classes=num_classes, conv_impl=impl,
+               init_scheme=inits.check(model_config.get("init", "lecun")))
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False, mask=None) -> jnp.ndarray:
     for i, n in enumerate(self.blocks):
-      x = ConvBlock(self.width, n, self.conv_impl, name=f"block{i}")(x, train, mask)
+      x = ConvBlock(self.width, n, self.conv_impl, self.init_scheme, name=f"block{i}")(
+          x, train, mask)
     x = x.reshape((x.shape[0], -1))
-    return nn.Dense(self.num_classes, name="head")(x)
+    return inits.dense(self.num_classes, self.init_scheme, x.shape[-1], "head")(x)
