@@ -139,7 +139,7 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
   units = method.num_units(structure)
   p = _Progress(learner, np.full((num, units), -1.0), zeros(), zeros(), zeros(), zeros(),
                 np.ones(num, bool), np.zeros(num, bool))
-  delta = float(cfg.get("patience_delta", 0.0))
+  delta = float(cfg.patience_delta)
   timer, last_report = timing.Breakdown(), time.monotonic()
   for epoch in range(1, int(cfg.epochs) + 1):
     with timer("train_s"):

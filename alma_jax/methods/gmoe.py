@@ -89,15 +89,16 @@ def _append_copy(tree, index: int):
   return jax.tree.map(lambda a: jnp.concatenate([a, a[index:index + 1]], axis=0), tree)
 
 
-def _grown_gates(lp: dict, tree, feat_dim: int, key: jax.Array) -> dict:
+def _grown_gates(lp: dict, tree, feat_dim: int, key: jax.Array, scheme: str) -> dict:
   """The gate parameters of layer params `lp` after a split of `tree`."""
   if moe.is_flat(tree):
     g = lp["gate"]
-    column = moe.init_gate_kernel(key, feat_dim, 1).astype(g["kernel"].dtype)
-    return {"gate": {"kernel": jnp.concatenate([g["kernel"], column], axis=1),
-                     "bias": jnp.concatenate([g["bias"], jnp.zeros((1,), g["bias"].dtype)])}}
-  kernel = moe.init_gate_kernel(key, feat_dim, 2)[None]
-  bias = jnp.zeros((1, 2))
+    column, bias = moe.init_gate(key, feat_dim, 1, scheme)
+    return {"gate": {"kernel": jnp.concatenate([g["kernel"], column.astype(g["kernel"].dtype)],
+                                               axis=1),
+                     "bias": jnp.concatenate([g["bias"], bias.astype(g["bias"].dtype)])}}
+  kernel, bias = moe.init_gate(key, feat_dim, 2, scheme)
+  kernel, bias = kernel[None], bias[None]
   if "gates" in lp:
     old = lp["gates"]
     kernel = jnp.concatenate([old["kernel"], kernel.astype(old["kernel"].dtype)], axis=0)
@@ -105,11 +106,13 @@ def _grown_gates(lp: dict, tree, feat_dim: int, key: jax.Array) -> dict:
   return {"gates": {"kernel": kernel, "bias": bias}}
 
 
-def split_expert(state: base.Learner, layer: int, leaf: int, key: jax.Array) -> base.Learner:
+def split_expert(state: base.Learner, layer: int, leaf: int, key: jax.Array,
+                 scheme: str = "lecun") -> base.Learner:
   """Splits expert `leaf` of mixture layer `layer` into two (eq. 3 of the paper).
 
-  Tree gating: the leaf becomes an internal node with a new gate (LeCun-normal
-  kernel drawn from `key`, zero bias); its children are the old expert (left)
+  Tree gating: the leaf becomes an internal node with a new gate (drawn from
+  `key` by `scheme`: LeCun-normal kernel and zero bias, or PyTorch's Linear
+  default, see `alma_jax.models.moe.init_gate`); its children are the old expert (left)
   and an exact copy of it (right), appended to the stacked experts together
   with a copy of its BatchNorm statistics. As the two children are equal, the
   network computes the same function before and after the split, for any
@@ -124,6 +127,7 @@ def split_expert(state: base.Learner, layer: int, leaf: int, key: jax.Array) -> 
     layer: index of the mixture layer (0 = the first mixture).
     leaf: the expert to split (its index on the stacked axis).
     key: PRNG key of the new gate.
+    scheme: the initialisation of the new gate ("lecun" or "torch").
 
   Returns:
     A new learner with one more expert (and one more gate) in `layer`.
@@ -136,7 +140,7 @@ def split_expert(state: base.Learner, layer: int, leaf: int, key: jax.Array) -> 
   name = moe.layer_name(layer)
   lp = dict(state.params[name])
   lp["experts"] = _append_copy(lp["experts"], leaf)
-  lp.update(_grown_gates(lp, tree, feat_dim, key))
+  lp.update(_grown_gates(lp, tree, feat_dim, key, scheme))
   params = {**state.params, name: lp}
   model_state = state.model_state
   stats = model_state.get("batch_stats", {})
@@ -274,7 +278,8 @@ class GrowingMoE(base.Method):
       if self.opts.max_experts and len(layer_scores) >= self.opts.max_experts:
         continue
       leaf = losing_expert(layer_scores)
-      learner = split_expert(learner, layer, leaf, jax.random.fold_in(key, layer))
+      learner = split_expert(learner, layer, leaf, jax.random.fold_in(key, layer),
+                             self.net.init_scheme)
     return learner
 
   def before_stage(self, learner: base.Learner, key: jax.Array, ctx) -> base.Learner:
