@@ -5,15 +5,68 @@ directory), so readers see the old or the new content, never a mix. The
 JSON-lines log is appended one fsynced line at a time; a line torn by a crash
 (no trailing newline) is ignored by `read_jsonl` and cut off by the next
 `append_jsonl`.
+
+Files are created with the permissions of an ordinary `open` (0o666 less the
+umask). Temp files are named `.tmp-<pid>-<host tag>-...`, so that those left
+by a killed writer can be recognised and removed (`remove_stale_temporaries`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import re
+import socket
 import tempfile
+import threading
+import time
 from typing import Any, Iterable
+
+
+# -- processes, hosts, permissions --------------------------------------------------------------
+def host_tag(host: str | None = None) -> str:
+  """8 hex digits naming a host (of `socket.gethostname()` by default)."""
+  return hashlib.sha1((host or socket.gethostname()).encode()).hexdigest()[:8]
+
+
+def process_alive(pid: int) -> bool:
+  """Whether a process `pid` exists on this host (of any user)."""
+  if pid <= 0:
+    return False
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True  # it exists, owned by another user
+  except OSError:
+    return True  # cannot tell: assume it is alive
+  return True
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def current_umask() -> int:
+  """The process's umask, read without changing it where the OS allows.
+
+  Linux reports it in /proc/self/status; elsewhere it is read by setting and
+  restoring it (under a lock; a file created by another thread in that instant
+  would get the restrictive mask 0o077).
+  """
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("Umask:"):
+          return int(line.split()[1], 8)
+  except (OSError, ValueError, IndexError):
+    pass
+  with _UMASK_LOCK:
+    mask = os.umask(0o077)
+    os.umask(mask)
+  return mask
 
 
 def _fsync_dir(directory: str) -> None:
@@ -29,15 +82,52 @@ def _fsync_dir(directory: str) -> None:
     os.close(fd)
 
 
+# -- temp files ------------------------------------------------------------------------------------
+TEMP_PREFIX = ".tmp-"
+_TEMP_NAME = re.compile(r"^\.tmp-(\d+)-([0-9a-f]{8})-")
+STALE_TEMP_AGE_S = 24 * 3600.0
+
+
+def remove_stale_temporaries(directory: str, max_age_s: float = STALE_TEMP_AGE_S) -> list[str]:
+  """Removes the temp files of `atomic_writer` in `directory` left by writers that died.
+
+  A temp file is stale when its writer (the pid in its name) no longer runs
+  on this host, or when it is older than `max_age_s` (a writer on another
+  host, or a temp file of an older naming). Returns the removed paths.
+  """
+  try:
+    names = os.listdir(directory)
+  except OSError:
+    return []
+  here, now, removed = host_tag(), time.time(), []
+  for name in names:
+    if not name.startswith(TEMP_PREFIX):
+      continue
+    path = os.path.join(directory, name)
+    m = _TEMP_NAME.match(name)
+    try:
+      dead = m is not None and m.group(2) == here and not process_alive(int(m.group(1)))
+      if dead or now - os.lstat(path).st_mtime > max_age_s:
+        if os.path.isfile(path) or os.path.islink(path):
+          os.unlink(path)
+          removed.append(path)
+    except OSError:
+      continue  # removed meanwhile, or not ours to remove
+  return removed
+
+
 @contextlib.contextmanager
 def atomic_writer(path: str, mode: str = "w"):
   """Yields a file that replaces `path` (fsync + rename) when the block ends.
 
   If the block raises, `path` is left as it was and the temp file removed.
+  The file gets the permissions of an ordinary `open` (0o666 less the umask).
   """
   directory = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{TEMP_PREFIX}{os.getpid()}-{host_tag()}-",
+                             suffix=f"-{os.path.basename(path)}")
   try:
+    os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp creates 0o600
     with os.fdopen(fd, mode) as f:
       yield f
       f.flush()
