@@ -405,7 +405,7 @@ def _loop(config, workdir, signals, ckpt, snap, records, stream, method, trainer
                  wall_s=time.monotonic() - t_step)
     log = log.append(rec)
     with timer("io_s"), signals.critical():
-      io_utils.append_jsonl(log_path, rec.to_dict())
+      io_utils.append_record(log_path, rec.to_dict())
       if trained:
         arch = method.describe(learner)
         io_utils.append_jsonl(os.path.join(workdir, ARCH_FILE), {"t": t, **arch})

@@ -354,7 +354,7 @@ def run_seeds(config, workdir: str, overwrite: bool, signals, startup_s: float |
       logs = [log.append(r) for log, r in zip(logs, recs)]
       with timer("io_s"), signals.critical():
         for sd, r in zip(seeds, recs):
-          io_utils.append_jsonl(os.path.join(_seed_dir(workdir, sd), run_lib.LOG_FILE), r.to_dict())
+          io_utils.append_record(os.path.join(_seed_dir(workdir, sd), run_lib.LOG_FILE), r.to_dict())
         if trained:
           arch = method.describe(unstack(learner, 0))
           io_utils.append_jsonl(os.path.join(workdir, run_lib.ARCH_FILE), {"t": t, **arch})

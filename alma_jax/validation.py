@@ -317,7 +317,8 @@ def check_resume(workdir: str, config, has_progress: bool) -> None:
 def one_line(exc: BaseException) -> str:
   """A readable single line for `exc` (type name added for unexpected errors)."""
   msg = " ".join(str(exc).split())
-  if isinstance(exc, ValueError) or type(exc).__name__ == "DivergenceError":
+  if (isinstance(exc, ValueError) or type(exc).__name__ == "DivergenceError"
+      or getattr(exc, "plain_message", False)):
     return msg or type(exc).__name__
   return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
 
@@ -331,7 +332,7 @@ def cli_error(exc: BaseException) -> tuple[str, int]:
   """(one-line message, exit code) for an exception that ends a command-line run."""
   from alma_jax.train import DivergenceError  # pylint: disable=g-import-not-at-top
   msg = one_line(exc)
-  if not isinstance(exc, (ValueError, DivergenceError)):
+  if not isinstance(exc, (ValueError, DivergenceError)) and not getattr(exc, "plain_message", False):
     msg += " (rerun with --debug for the traceback)"
   return msg, exit_code(exc)
 

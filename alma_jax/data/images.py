@@ -104,8 +104,10 @@ def _write_cache(folder: str, arrays: dict[str, np.ndarray], info: dict) -> None
       np.save(f, a)
     meta["arrays"][key] = {"shape": list(a.shape), "dtype": str(a.dtype),
                            "crc32": _crc(a)}
-  # Written last: its presence marks the cache complete.
-  io_utils.write_json_atomic(os.path.join(folder, "meta.json"), meta)
+  # Written last: its presence marks the cache complete. (atomic_writer, not
+  # write_json_atomic: a failed cache write is a warning, not a run's error.)
+  with io_utils.atomic_writer(os.path.join(folder, "meta.json")) as f:
+    f.write(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
 def remove_stale_temporaries(cache_dir: str, name: str) -> None:
