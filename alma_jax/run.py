@@ -43,6 +43,7 @@ from alma_jax import schedule
 from alma_jax import sharding
 from alma_jax import timing
 from alma_jax import validation
+from alma_jax import workdir_lock
 from alma_jax.data import stream as stream_lib
 from alma_jax.metrics import Log, Record
 from alma_jax.train import Trainer, put_dataset
@@ -267,19 +268,20 @@ def run(config, workdir: str, *, overwrite: bool = False,
 
   Raises:
     ValueError: invalid config, data, workdir or checkpoints (nothing is
-      written then).
+      written then), or another run holds `workdir`.
     DivergenceError: non-finite training loss (the checkpoints stay intact).
     RunInterrupted: SIGINT or SIGTERM.
   """
   validation.validate(config)
   validation.check_workdir(workdir)
-  if not overwrite:
-    validation.check_resume(workdir, config, _has_progress(workdir))
-  with _Signals() as signals:
-    if int(config.get("num_seeds", 1)) > 1:
-      from alma_jax import seeds  # pylint: disable=g-import-not-at-top
-      return seeds.run_seeds(config, workdir, overwrite, signals, startup_s)
-    return _run(config, workdir, overwrite, signals, startup_s)
+  with workdir_lock.hold(workdir, primary=jax.process_index() == 0):
+    if not overwrite:
+      validation.check_resume(workdir, config, _has_progress(workdir))
+    with _Signals() as signals:
+      if int(config.get("num_seeds", 1)) > 1:
+        from alma_jax import seeds  # pylint: disable=g-import-not-at-top
+        return seeds.run_seeds(config, workdir, overwrite, signals, startup_s)
+      return _run(config, workdir, overwrite, signals, startup_s)
 
 
 def _run(config, workdir: str, overwrite: bool, signals: _Signals,
