@@ -43,6 +43,7 @@ from alma_jax import schedule
 from alma_jax import sharding
 from alma_jax import timing
 from alma_jax import validation
+from alma_jax import workdir_checks
 from alma_jax import workdir_lock
 from alma_jax.data import stream as stream_lib
 from alma_jax.metrics import Log, Record
@@ -277,6 +278,7 @@ def run(config, workdir: str, *, overwrite: bool = False,
   with workdir_lock.hold(workdir, primary=jax.process_index() == 0):
     if not overwrite:
       validation.check_resume(workdir, config, _has_progress(workdir))
+    workdir_checks.check_outputs(workdir, config, overwrite)
     with _Signals() as signals:
       if int(config.get("num_seeds", 1)) > 1:
         from alma_jax import seeds  # pylint: disable=g-import-not-at-top
