@@ -33,8 +33,9 @@ class DivergenceError(RuntimeError):
 def divergence_error(t: int, epoch: int, where: str = "") -> DivergenceError:
   """The error of a stage whose loss or parameters became non-finite."""
   return DivergenceError(f"stage t={t} epoch {epoch}{where}: non-finite training loss or "
-                         "parameters (set config.train.on_divergence='rollback' to roll back and "
-                         "continue)")
+                         "parameters; rerun the same command with "
+                         "--config.train.on_divergence=rollback to resume from the last checkpoint "
+                         "(each diverging stage then keeps its best epoch and the run goes on)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,10 +25,10 @@ class ConfigError(ValueError):
   """An invalid config field, input or output location."""
 
 
-# Fields that may differ when a run is resumed: they do not change results.
+# Fields that may differ when a run is resumed: they do not change the records already written.
 RESUMABLE_FIELDS = ("data.data_dir", "data.cache_dir", "data.use_cache", "data.download",
                     "train.progress_every_s", "checkpoint.enabled", "checkpoint.max_to_keep",
-                    "checkpoint.every")
+                    "checkpoint.every", "train.on_divergence")
 ON_DIVERGENCE = ("raise", "rollback")
 _MISSING = object()
 
