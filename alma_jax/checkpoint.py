@@ -11,13 +11,27 @@ A checkpoint at time step t holds two items:
 Restoring needs a target tree of the right shapes, and the shapes follow the
 structure (growth changes them): `restore` reads `meta` first and asks the
 caller to build the abstract state for the saved structure.
+
+A full or read-only file system raises `io_utils.WorkdirWriteError` naming
+the checkpoint: before a save the directory is probed for writability and
+free space (orbax's background threads otherwise log several tracebacks,
+and on a read-only file system keep the process alive for minutes after the
+error), and an error of the file system during the save is turned into it,
+with orbax's tracebacks of that save left out of the log.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import json
+import logging as py_logging
 import os
+import re
 import shutil
+import sys
+import tempfile
 import time
 from typing import Any, Callable, Hashable
 
@@ -26,6 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from alma_jax import io_utils
 from alma_jax.methods.base import Learner
 
 FORMAT_VERSION = 2  # 2: the state is stacked on a population axis
@@ -40,6 +55,60 @@ class _OrbaxInfoFilter:
 
 
 logging.get_absl_logger().addFilter(_OrbaxInfoFilter())
+
+
+class _HoldOrbaxErrors:
+  """Holds back orbax's ERROR lines (tracebacks of its background threads) during a save."""
+
+  def __init__(self):
+    self.held = []
+
+  def filter(self, record) -> bool:
+    if record.levelno >= py_logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname:
+      self.held.append(record)
+      return False
+    return True
+
+
+class _QuietClosedLoops:
+  """sys.unraisablehook that drops one harmless report of a failed save.
+
+  When one part of an orbax save fails, the event loop of its thread closes
+  while tensorstore still calls back into it, and Python reports
+  "RuntimeError: Event loop is closed" with a traceback on stderr.
+  Everything else goes to the previous hook.
+  """
+
+  def __init__(self):
+    self.previous = sys.unraisablehook
+
+  def __call__(self, unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"):
+      self.previous(unraisable)
+
+  def install(self) -> None:
+    sys.unraisablehook = self
+
+  def uninstall(self) -> None:
+    if sys.unraisablehook is self:
+      sys.unraisablehook = self.previous
+
+
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")  # how tensorstore reports errno
+
+
+def _write_errno(exc: BaseException) -> int | None:
+  """The errno of a full or read-only file system behind an error of orbax, if it is one."""
+  seen = 0
+  while exc is not None and seen < 8:
+    if io_utils.is_write_error(exc):
+      return exc.errno
+    m = _OS_ERROR_CODE.search(str(exc))
+    if m and io_utils.is_write_error(OSError(int(m.group(1)), "")):
+      return int(m.group(1))
+    exc, seen = exc.__cause__ or exc.__context__, seen + 1
+  return None
 
 # (structure, has_opt_state) -> abstract state dict (jax.ShapeDtypeStruct leaves)
 # with keys "params", "model_state", "key" and, when asked, "opt_state".
@@ -118,6 +187,10 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(max_to_keep=int(max_to_keep), create=True,
                                            cleanup_tmp_directories=True)
     self._mngr = ocp.CheckpointManager(self.directory, options=options)
+    self._saving: int | None = None  # the step being written
+    self._held: _HoldOrbaxErrors | None = None
+    self._save_failed = False  # a save failed for a full or read-only file system
+    self._quiet: _QuietClosedLoops | None = None
 
   def steps(self) -> list[int]:
     """The steps of all complete checkpoints, oldest first."""
@@ -125,17 +198,88 @@ class Checkpointer:
 
   # -- saving ---------------------------------------------------------------------
   def start_save(self, t: int, learner: Learner, opt_state, key_data, records, extra=None):
-    """Starts writing the checkpoint of step `t`; `wait` finishes it."""
+    """Starts writing the checkpoint of step `t`; `wait` finishes it.
+
+    Raises `io_utils.WorkdirWriteError` when the directory is not writable
+    or lacks the space for it (nothing is written then).
+    """
     meta = {"format": FORMAT_VERSION, "t": int(t),
             "structure": structure_to_json(learner.structure),
             "has_opt_state": opt_state is not None, "records": list(records),
             "extra": dict(extra or {})}
-    args = ocp.args.Composite(state=ocp.args.StandardSave(_state_tree(learner, opt_state, key_data)),
-                              meta=ocp.args.JsonSave(meta))
-    self._mngr.save(int(t), args=args, force=True)
+    state = _state_tree(learner, opt_state, key_data)
+    self._check_writable(int(t), state, meta)
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+    self._saving = int(t)
+    self._held = _HoldOrbaxErrors()
+    logging.get_absl_logger().addFilter(self._held)
+    with self._write_errors(finished=False):
+      self._mngr.save(int(t), args=args, force=True)
 
   def wait(self) -> None:
-    self._mngr.wait_until_finished()
+    """Waits until the checkpoint being written is complete; raises its errors."""
+    with self._write_errors(finished=True):
+      self._mngr.wait_until_finished()
+
+  def _check_writable(self, step: int, state, meta) -> None:
+    """Raises `WorkdirWriteError` unless the directory takes a file and has room for `state`."""
+    path = os.path.join(self.directory, str(step))
+    with io_utils.output_errors(path):
+      os.makedirs(self.directory, exist_ok=True)
+      fd, probe = tempfile.mkstemp(dir=self.directory, prefix=".write-test-")
+      try:
+        os.write(fd, b"x")
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+        os.unlink(probe)
+    # The arrays' bytes (uncompressed; OCDBT may need less) and 256 KiB for its metadata.
+    need = sum(int(getattr(x, "nbytes", 8)) for x in jax.tree.leaves(state))
+    need += len(json.dumps(meta)) + 2**18
+    try:
+      free = shutil.disk_usage(self.directory).free
+    except OSError:
+      return
+    if free < need:
+      raise io_utils.WorkdirWriteError(
+          path, errno.ENOSPC, f"No space left on device (it needs about {need / 2**20:.1f} MiB, "
+          f"{free / 2**20:.1f} MiB are free)")
+
+  @contextlib.contextmanager
+  def _write_errors(self, finished: bool):
+    """Turns a file system error of the save in progress into `WorkdirWriteError`.
+
+    `finished`: the block ends the save (orbax's held error lines are then logged).
+    """
+    try:
+      yield
+    except BaseException as e:
+      err = _write_errno(e)
+      if err is None:
+        self._end_save(report=True)
+        raise
+      # Other threads of the failed save may still log the same error: their lines
+      # stay held until `close`. Its partial folder is removed when a run opens the
+      # directory again (cleanup_tmp_directories).
+      self._save_failed = True
+      if self._quiet is None:
+        self._quiet = _QuietClosedLoops()
+        self._quiet.install()
+      path = os.path.join(self.directory, str(self._saving))
+      logging.info("orbax could not write %s: %s", path, " ".join(str(e).split())[:500])
+      raise io_utils.WorkdirWriteError(path, err) from e
+    if finished:
+      self._end_save(report=True)
+
+  def _end_save(self, report: bool) -> None:
+    """Removes the hold on orbax's error lines; `report` logs the held ones."""
+    held, self._held = self._held, None
+    if held is None:
+      return
+    logging.get_absl_logger().removeFilter(held)
+    if report:
+      for record in held.held:
+        logging.get_absl_logger().handle(record)
 
   def save(self, t: int, learner: Learner, opt_state, key_data, records, extra=None) -> None:
     """Writes the checkpoint of step `t` and waits until it is complete on disk."""
@@ -226,7 +370,13 @@ class Checkpointer:
     self._mngr.reload()
 
   def close(self) -> None:
-    self._mngr.close()
+    try:
+      self._mngr.close()
+    finally:
+      self._end_save(report=not self._save_failed)
+      if self._quiet is not None:
+        self._quiet.uninstall()
+        self._quiet = None
 
   def __enter__(self) -> "Checkpointer":
     return self

@@ -80,7 +80,9 @@ BASE_FIELDS = (
     F.Field("train.steps_per_call", 1, F.integer(1),
             "train steps per compiled call (a lax.scan over them)"),
     F.Field("train.on_divergence", "raise", F.choice(("raise", "rollback")),
-            "a non-finite loss raises, or rolls the stage back to its best epoch"),
+            "a non-finite loss raises, or rolls the stage back to its best epoch (may change "
+            "when a run resumes: it does not change the records already written)",
+            resumable=True),
     F.Field("train.progress_every_s", 10.0, F.number(0.0, math.inf),
             "at most one progress line per this many seconds within a stage", resumable=True),
     # -- optimizer

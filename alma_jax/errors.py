@@ -21,14 +21,20 @@ class DivergenceError(RuntimeError):
 def divergence_error(t: int, epoch: int, where: str = "") -> DivergenceError:
   """The error of a stage whose loss or parameters became non-finite."""
   return DivergenceError(f"stage t={t} epoch {epoch}{where}: non-finite training loss or "
-                         "parameters (set config.train.on_divergence='rollback' to roll back and "
-                         "continue)")
+                         "parameters; rerun the same command with "
+                         "--config.train.on_divergence=rollback to resume from the last checkpoint "
+                         "(each diverging stage then keeps its best epoch and the run goes on)")
+
+
+def _plain(exc: BaseException) -> bool:
+  """Errors whose message says all (invalid inputs, divergence, a full disk)."""
+  return isinstance(exc, (ValueError, DivergenceError)) or getattr(exc, "plain_message", False)
 
 
 def one_line(exc: BaseException) -> str:
   """A readable single line for `exc` (type name added for unexpected errors)."""
   msg = " ".join(str(exc).split())
-  if isinstance(exc, (ValueError, DivergenceError)):
+  if _plain(exc):
     return msg or type(exc).__name__
   return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
 
@@ -41,7 +47,7 @@ def exit_code(exc: BaseException) -> int:
 def cli_error(exc: BaseException) -> tuple[str, int]:
   """(one-line message, exit code) for an exception that ends a command-line run."""
   msg = one_line(exc)
-  if not isinstance(exc, (ValueError, DivergenceError)):
+  if not _plain(exc):
     msg += " (rerun with --debug for the traceback)"
   return msg, exit_code(exc)
 

@@ -4,16 +4,121 @@ A JSON file is replaced atomically (temp file, fsync, rename, fsync of the
 directory), so readers see the old or the new content, never a mix. The
 JSON-lines log is appended one fsynced line at a time; a line torn by a crash
 (no trailing newline) is ignored by `read_jsonl` and cut off by the next
-`append_jsonl`.
+`append_jsonl`. `append_record` appends to the metrics log only the record
+that follows its last one (t = last t + 1), so the log cannot interleave two
+writers or skip a step.
+
+Files are created with the permissions of an ordinary `open` (0o666 less the
+umask). Temp files are named `.tmp-<pid>-<host tag>-...`, so that those left
+by a killed writer can be recognised and removed (`remove_stale_temporaries`).
+
+A full, read-only or forbidden file system (ENOSPC, EDQUOT, EROFS, EACCES,
+EPERM) while writing a run's outputs raises `WorkdirWriteError`, one line
+naming the path; the file being written is left as it was.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
 import os
+import re
+import socket
 import tempfile
+import threading
+import time
 from typing import Any, Iterable
+
+
+# -- errors of a full or read-only file system ------------------------------------------------
+# errno -> what the user can do about it.
+_WRITE_ERRNOS = {
+    errno.ENOSPC: "free space",
+    errno.EDQUOT: "free space (or raise the disk quota)",
+    errno.EROFS: "make the file system writable",
+    errno.EACCES: "fix the permissions",
+    errno.EPERM: "fix the permissions",
+}
+
+
+class WorkdirWriteError(RuntimeError):
+  """A run's output could not be written: the file system is full, read-only or forbidden.
+
+  Attributes: `path` (what was being written) and `errno`.
+  """
+
+  # Its message is complete for the user: no type name or traceback hint on the command line.
+  plain_message = True
+
+  def __init__(self, path: str, err: int, strerror: str | None = None):
+    self.path = path
+    self.errno = err
+    fix = _WRITE_ERRNOS.get(err, "fix the file system")
+    super().__init__(f"cannot write {path}: {strerror or os.strerror(err)}; the checkpoints and "
+                     f"log.jsonl written so far are intact — {fix} and run the same command "
+                     "again to resume")
+
+
+def is_write_error(exc: BaseException) -> bool:
+  """Whether `exc` is an OSError of a full, read-only or forbidden file system."""
+  return isinstance(exc, OSError) and exc.errno in _WRITE_ERRNOS
+
+
+@contextlib.contextmanager
+def output_errors(path: str):
+  """Turns an OSError of a full or read-only file system inside the block into `WorkdirWriteError`."""
+  try:
+    yield
+  except OSError as e:
+    if not is_write_error(e):
+      raise
+    raise WorkdirWriteError(path, e.errno, e.strerror) from e
+
+
+# -- processes, hosts, permissions --------------------------------------------------------------
+def host_tag(host: str | None = None) -> str:
+  """8 hex digits naming a host (of `socket.gethostname()` by default)."""
+  return hashlib.sha1((host or socket.gethostname()).encode()).hexdigest()[:8]
+
+
+def process_alive(pid: int) -> bool:
+  """Whether a process `pid` exists on this host (of any user)."""
+  if pid <= 0:
+    return False
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True  # it exists, owned by another user
+  except OSError:
+    return True  # cannot tell: assume it is alive
+  return True
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def current_umask() -> int:
+  """The process's umask, read without changing it where the OS allows.
+
+  Linux reports it in /proc/self/status; elsewhere it is read by setting and
+  restoring it (under a lock; a file created by another thread in that instant
+  would get the restrictive mask 0o077).
+  """
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("Umask:"):
+          return int(line.split()[1], 8)
+  except (OSError, ValueError, IndexError):
+    pass
+  with _UMASK_LOCK:
+    mask = os.umask(0o077)
+    os.umask(mask)
+  return mask
 
 
 def _fsync_dir(directory: str) -> None:
@@ -29,15 +134,52 @@ def _fsync_dir(directory: str) -> None:
     os.close(fd)
 
 
+# -- temp files ------------------------------------------------------------------------------------
+TEMP_PREFIX = ".tmp-"
+_TEMP_NAME = re.compile(r"^\.tmp-(\d+)-([0-9a-f]{8})-")
+STALE_TEMP_AGE_S = 24 * 3600.0
+
+
+def remove_stale_temporaries(directory: str, max_age_s: float = STALE_TEMP_AGE_S) -> list[str]:
+  """Removes the temp files of `atomic_writer` in `directory` left by writers that died.
+
+  A temp file is stale when its writer (the pid in its name) no longer runs
+  on this host, or when it is older than `max_age_s` (a writer on another
+  host, or a temp file of an older naming). Returns the removed paths.
+  """
+  try:
+    names = os.listdir(directory)
+  except OSError:
+    return []
+  here, now, removed = host_tag(), time.time(), []
+  for name in names:
+    if not name.startswith(TEMP_PREFIX):
+      continue
+    path = os.path.join(directory, name)
+    m = _TEMP_NAME.match(name)
+    try:
+      dead = m is not None and m.group(2) == here and not process_alive(int(m.group(1)))
+      if dead or now - os.lstat(path).st_mtime > max_age_s:
+        if os.path.isfile(path) or os.path.islink(path):
+          os.unlink(path)
+          removed.append(path)
+    except OSError:
+      continue  # removed meanwhile, or not ours to remove
+  return removed
+
+
 @contextlib.contextmanager
 def atomic_writer(path: str, mode: str = "w"):
   """Yields a file that replaces `path` (fsync + rename) when the block ends.
 
   If the block raises, `path` is left as it was and the temp file removed.
+  The file gets the permissions of an ordinary `open` (0o666 less the umask).
   """
   directory = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{TEMP_PREFIX}{os.getpid()}-{host_tag()}-",
+                             suffix=f"-{os.path.basename(path)}")
   try:
+    os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp creates 0o600
     with os.fdopen(fd, mode) as f:
       yield f
       f.flush()
@@ -51,8 +193,11 @@ def atomic_writer(path: str, mode: str = "w"):
 
 
 def write_text_atomic(path: str, text: str) -> None:
-  """Replaces `path` with `text` through a temp file + fsync + rename."""
-  with atomic_writer(path) as f:
+  """Replaces `path` with `text` through a temp file + fsync + rename.
+
+  Raises `WorkdirWriteError` when the file system is full or read-only.
+  """
+  with output_errors(path), atomic_writer(path) as f:
     f.write(text)
 
 
@@ -97,20 +242,76 @@ def _cut_torn_tail(f) -> None:
   f.truncate(0)
 
 
+def _last_line(f) -> bytes | None:
+  """The last non-blank line of an open ("r+b") file that ends with a newline; None if none."""
+  pos = f.seek(0, os.SEEK_END)
+  tail = b""
+  while pos > 0:
+    step = min(4096, pos)
+    pos -= step
+    f.seek(pos)
+    tail = f.read(step) + tail
+    lines = tail.split(b"\n")
+    # lines[0] may be cut at the chunk start; any later non-blank line is complete
+    complete = [l for l in lines[1:] if l.strip()]
+    if complete:
+      return complete[-1]
+  return tail.strip() or None
+
+
+class LogOrderError(RuntimeError):
+  """A record that does not follow the log's last record (t = last t + 1)."""
+
+
+def _append(path: str, line: bytes, check=None) -> None:
+  with output_errors(path):
+    with open(path, "ab"):
+      pass  # create the file if needed
+    with open(path, "r+b") as f:
+      _cut_torn_tail(f)
+      if check is not None:
+        check(f)
+      size = f.seek(0, os.SEEK_END)
+      try:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+      except OSError:
+        try:  # leave the file as it was, without a torn line
+          f.truncate(size)
+        except OSError:
+          pass  # the next append cuts the torn line off
+        raise
+
+
 def append_jsonl(path: str, obj: Any) -> None:
   """Appends one JSON line and fsyncs, so a crash never leaves half a line.
 
-  A torn last line left by an earlier crash is cut off first.
+  A torn last line left by an earlier crash is cut off first. Raises
+  `WorkdirWriteError` when the file system is full or read-only (the file is
+  then left as it was).
   """
-  line = _line(obj).encode()
-  with open(path, "ab"):
-    pass  # create the file if needed
-  with open(path, "r+b") as f:
-    _cut_torn_tail(f)
-    f.seek(0, os.SEEK_END)
-    f.write(line)
-    f.flush()
-    os.fsync(f.fileno())
+  _append(path, _line(obj).encode())
+
+
+def append_record(path: str, record: dict) -> None:
+  """`append_jsonl` for the metrics log: `record["t"]` must follow the last record's t.
+
+  Raises `LogOrderError` (nothing is written) unless `record["t"]` is the last
+  record's t + 1, or 0 for an empty log.
+  """
+  t = record["t"]
+
+  def check(f):
+    last = _last_line(f)
+    last_t = None if last is None else json.loads(last)["t"]
+    expected = 0 if last_t is None else last_t + 1
+    if t != expected:
+      where = "it is empty" if last_t is None else f"its last record is t={last_t}"
+      raise LogOrderError(f"refusing to append the record of t={t} to {path}: {where} (expected "
+                          f"t={expected}); is another process writing to this workdir?")
+
+  _append(path, _line(record).encode(), check)
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -39,6 +39,7 @@ from alma_jax import timing
 from alma_jax import train
 from alma_jax import validation
 from alma_jax import workdir as wd
+from alma_jax import workdir_lock
 from alma_jax.data import stream as stream_lib
 from alma_jax.interrupts import RunInterrupted, kill_point
 from alma_jax.metrics import Log, Record
@@ -83,20 +84,22 @@ def run(config, workdir: str, *, overwrite: bool = False,
 
   Raises:
     ValueError: invalid config, data, workdir or checkpoints (nothing is
-      written then).
+      written then), or another run holds `workdir`.
     DivergenceError: non-finite training loss (the checkpoints stay intact).
     RunInterrupted: SIGINT or SIGTERM.
   """
   config = validation.validate(config)
   wd.check_writable(workdir)
-  if not overwrite:
-    wd.check_resume(workdir, config)
-  with interrupts.Signals() as signals:
-    loop = _Loop(config, workdir, signals, startup_s)
-    try:
-      return loop.run(overwrite)
-    finally:
-      loop.close()
+  with workdir_lock.hold(workdir, primary=jax.process_index() == 0):
+    if not overwrite:
+      wd.check_resume(workdir, config)
+    wd.check_outputs(workdir, config, overwrite)
+    with interrupts.Signals() as signals:
+      loop = _Loop(config, workdir, signals, startup_s)
+      try:
+        return loop.run(overwrite)
+      finally:
+        loop.close()
 
 
 class _Loop:
@@ -340,7 +343,7 @@ class _Loop:
     self.logs = [log.append(r) for log, r in zip(self.logs, records)]
     with self.timer("io_s"), self.signals.critical():
       for out, r in zip(self.out_dirs, records):
-        io_utils.append_jsonl(os.path.join(out, wd.LOG_FILE), r.to_dict())
+        io_utils.append_record(os.path.join(out, wd.LOG_FILE), r.to_dict())
       if trained:
         io_utils.append_jsonl(os.path.join(self.workdir, wd.ARCH_FILE),
                               {"t": t, **self.method.describe(first)})

@@ -1,8 +1,14 @@
 """Runs a grid of configs: method x waiting time x width x replay x seed, ...
 
-Each grid point is one `python -m alma_jax.main` run with its own workdir
-(named after its overrides), so finished points are skipped on a rerun and
-interrupted ones resume.
+Each grid point is one `python -m alma_jax.main` run with its own workdir,
+named after its overrides and a short hash of its resolved config (config
+file, variant and every `--config.*` flag, extra ones after `--` included;
+fields that a run may change on resume, such as data paths, aside). A point
+is skipped only when its workdir holds a summary.json and a config.json equal
+to the point's config; a point without a summary resumes, and a workdir
+holding a different config is refused with the differing fields named. So a
+rerun of a sweep skips what is done, and a sweep with another config file or
+other flags gets workdirs of its own.
 
 Examples:
   # Print the commands of a 2 x 3 grid without running them.
@@ -19,10 +25,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import shlex
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for alma_jax
+from alma_jax import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -44,12 +54,35 @@ def points(grid):
     yield list(zip(fields, combo))
 
 
-def command(config: str, root: str, point, extra: list[str]) -> tuple[list[str], str]:
+def command(config: str, root: str, point, extra: list[str]) -> tuple[list[str], str, dict]:
+  """(command line, workdir, resolved config) of one grid point."""
+  flags = [f"--config.{f}={v}" for f, v in point] + extra
+  try:
+    resolved = config_resolve.resolved_dict(config, flags)
+  except config_resolve.ConfigResolveError as e:
+    raise SystemExit(f"sweep: error: {e}") from e
   name = "_".join(f"{f.split('.')[-1]}-{v}" for f, v in point) or "default"
-  workdir = os.path.join(root, name)
+  workdir = os.path.join(root, f"{name}-{config_resolve.config_hash(resolved)}")
   cmd = [sys.executable, "-m", "alma_jax.main", f"--config={config}", f"--workdir={workdir}"]
-  cmd += [f"--config.{f}={v}" for f, v in point] + extra
-  return cmd, workdir
+  return cmd + flags, workdir, resolved
+
+
+def status(workdir: str, resolved: dict) -> tuple[str, str]:
+  """("run" | "done" | "refuse", why) for the point of config `resolved` in `workdir`."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    return "run", ""  # new (or its outputs are checked by the run itself)
+  try:
+    with open(path) as f:
+      stored = json.load(f)
+  except (OSError, ValueError) as e:
+    return "refuse", f"{path} cannot be read ({e})"
+  diffs = config_resolve.same_run(stored, resolved)
+  if diffs:
+    return "refuse", f"{workdir} holds a run of a different config: {'; '.join(diffs)}"
+  if os.path.exists(os.path.join(workdir, "summary.json")):
+    return "done", ""
+  return "run", ""
 
 
 def main(argv=None):
@@ -64,16 +97,19 @@ def main(argv=None):
   runs = [command(args.config, args.root, pt, args.extra) for pt in points(parse_grid(args.grid))]
   if args.slurm:
     lines = ["#!/bin/bash", f"#SBATCH --array=0-{len(runs) - 1}", "#SBATCH --gres=gpu:1", "CMDS=("]
-    lines += [f"  {shlex.quote(shlex.join(c))}" for c, _ in runs] + [")", 'eval "${CMDS[$SLURM_ARRAY_TASK_ID]}"']
+    lines += [f"  {shlex.quote(shlex.join(c))}" for c, _, _ in runs] + [")", 'eval "${CMDS[$SLURM_ARRAY_TASK_ID]}"']
     with open(args.slurm, "w") as f:
       f.write("\n".join(lines) + "\n")
     print(f"wrote {args.slurm} with {len(runs)} tasks")
     return 0
   failed = 0
-  for i, (cmd, workdir) in enumerate(runs):
-    done = os.path.exists(os.path.join(workdir, "summary.json"))
-    print(f"[{i + 1}/{len(runs)}] {'done, skipped: ' if done else ''}{shlex.join(cmd)}", flush=True)
-    if args.dry_run or done:
+  for i, (cmd, workdir, resolved) in enumerate(runs):
+    state, why = status(workdir, resolved)
+    label = {"run": "", "done": "done, skipped: ", "refuse": f"refused ({why}): "}[state]
+    print(f"[{i + 1}/{len(runs)}] {label}{shlex.join(cmd)}", flush=True)
+    if state == "refuse":
+      failed += 1
+    if args.dry_run or state != "run":
       continue
     failed += subprocess.call(cmd) != 0
   if failed:

@@ -77,8 +77,8 @@ def test_a_config_lacking_fields_is_completed_with_their_defaults():
 def test_resumable_fields_are_those_declared_resumable():
   assert set(config_lib.resumable_paths()) == {
       "data.data_dir", "data.cache_dir", "data.use_cache", "data.download",
-      "train.progress_every_s", "checkpoint.enabled", "checkpoint.max_to_keep",
-      "checkpoint.every"}
+      "train.progress_every_s", "train.on_divergence", "checkpoint.enabled",
+      "checkpoint.max_to_keep", "checkpoint.every"}
 
 
 def test_readme_names_every_declared_field():

@@ -334,6 +334,33 @@ def test_command_line_mismatch_and_divergence(finished_run, tmp_path):
   _check_one_line(proc, 1, r"stage t=1 epoch 2: non-finite")
 
 
+@requires_mnist
+def test_the_divergence_advice_resumes_the_run(tmp_path):
+  wd = str(tmp_path / "div")
+  args = ["--config=configs/mnist_sm.py:smoke", f"--workdir={wd}", "--config.mesh.num_devices=1",
+          "--config.train.batch_size=450", "--config.optimizer.name=sgd",
+          "--config.optimizer.kwargs.learning_rate=1e20", "--config.train.epochs=3",
+          "--config.train.patience=3"]
+  proc = _main(args)
+  _check_one_line(proc, 1, r"stage t=1 epoch 2: non-finite training loss or parameters; rerun the "
+                           r"same command with --config\.train\.on_divergence=rollback to resume "
+                           r"from the last checkpoint")
+  first = io_utils.read_jsonl(os.path.join(wd, "log.jsonl"))
+  assert [r["t"] for r in first] == [0]
+  # Following the advice resumes the run (train.on_divergence may change on resume).
+  proc = _main(args + ["--config.train.on_divergence=rollback"])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert f"resuming {wd} after t=0/4" in proc.stderr
+  resumed = [{k: v for k, v in r.items() if k != "wall_s"}
+             for r in io_utils.read_jsonl(os.path.join(wd, "log.jsonl"))]
+  # ... to the records of a run that rolled back from the start.
+  fresh = str(tmp_path / "fresh")
+  run.run(diverging(train__on_divergence="rollback"), fresh)
+  assert resumed == [{k: v for k, v in r.items() if k != "wall_s"}
+                     for r in io_utils.read_jsonl(os.path.join(fresh, "log.jsonl"))]
+  assert [r["t"] for r in resumed] == [0, 1, 2, 3, 4]
+
+
 def test_batch_larger_than_a_stage_is_a_warning_not_an_error(caplog):
   # The paper's MNIST setting: B=500 gives 108 training examples per
   # mega-batch, less than the batch of 128.

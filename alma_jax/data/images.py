@@ -104,8 +104,23 @@ def _write_cache(folder: str, arrays: dict[str, np.ndarray], info: dict) -> None
       np.save(f, a)
     meta["arrays"][key] = {"shape": list(a.shape), "dtype": str(a.dtype),
                            "crc32": _crc(a)}
-  # Written last: its presence marks the cache complete.
-  io_utils.write_json_atomic(os.path.join(folder, "meta.json"), meta)
+  # Written last: its presence marks the cache complete. (atomic_writer, not
+  # write_json_atomic: a failed cache write is a warning, not a run's error.)
+  with io_utils.atomic_writer(os.path.join(folder, "meta.json")) as f:
+    f.write(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+def remove_stale_temporaries(cache_dir: str, name: str) -> None:
+  """Removes the temp files of cache writes of `name` that were killed (any version)."""
+  root = os.path.join(cache_dir, name)
+  try:
+    versions = [os.path.join(root, v) for v in os.listdir(root)]
+  except OSError:
+    return
+  for folder in versions:
+    if os.path.isdir(folder):
+      for path in io_utils.remove_stale_temporaries(folder):
+        logging.info("removed %s, left by a cache write that did not finish", path)
 
 
 def _read_cache(folder: str) -> tuple[dict[str, np.ndarray], dict]:
@@ -205,6 +220,7 @@ def load_image_dataset(name: str, *, data_dir: str | None = None, cache_dir: str
   t0 = time.monotonic()
   cache_dir = cache_dir or default_cache_dir()
   if use_cache:
+    remove_stale_temporaries(cache_dir, name)
     prepared = _prepared_versions(name, data_dir)
     cached = _cached_versions(name, cache_dir)
     candidates = [v for v in cached if v in prepared] if prepared else (cached if len(cached) == 1 else [])
