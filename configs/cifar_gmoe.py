@@ -2,8 +2,10 @@
 
 The four VGG blocks after the first are mixtures (the first block and the
 classifier are shared); a block's gate is a 4x4 average pool of its input,
-flattened, then a linear map per tree node. After every training stage each
-mixture splits the expert with the largest cumulative validation loss.
+flattened, then a linear map per tree node. Before a training stage (every
+grow_every-th one but the first; by default about 10 growths over the
+stream) each mixture splits the expert with the largest cumulative loss on
+the new stage's validation data.
 
 Run:
   python -m alma_jax.main --config=configs/cifar_gmoe.py --workdir=/tmp/cifar_gmoe

@@ -1,8 +1,10 @@
 """gMoE (growing tree-gated mixture of experts) on MNIST: the paper's MLP, Adadelta, B=500.
 
-Both hidden layers of the MLP are mixtures; after every training stage each
-layer splits the expert with the largest cumulative validation loss (paper
-Appendix A).
+Both hidden layers of the MLP are mixtures. Before a training stage (every
+grow_every-th one but the first; by default about 10 growths over the
+stream) each layer splits the expert with the largest cumulative loss on the
+new stage's validation data (paper Appendix A), so a split is trained before
+it counts.
 
 Run:
   python -m alma_jax.main --config=configs/mnist_gmoe.py --workdir=/tmp/mnist_gmoe

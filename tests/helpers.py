@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import types
 
 import jax
 import numpy as np
 
 from alma_jax import config_lib
+from alma_jax import io_utils
 from alma_jax import methods
 from alma_jax import population
 from alma_jax import sharding
 from alma_jax import validation
+from alma_jax import workdir
 from alma_jax.methods.base import StageContext
 from alma_jax.optim import make_optimizer
 from alma_jax.steps import Steps
@@ -96,3 +101,46 @@ def context(t, stage=None, steps=None, train_idx=None, val_idx=None):
                       val_idx=empty if val_idx is None else val_idx,
                       reduce=None if steps is None else steps.reduce,
                       scan=None if steps is None else steps.scan)
+
+
+# -- whole runs --------------------------------------------------------------------------------
+WALL_TIME_FIELDS = ("wall_s", "timings")
+
+
+def smoke(**fields):
+  """The MNIST smoke config on one device, with `fields` (paths joined by "__") overridden."""
+  c = config_lib.apply_variant(config_lib.base_config("mnist"), "smoke")
+  c.mesh.num_devices = 1
+  for path, value in fields.items():
+    *parents, leaf = path.split("__")
+    node = c
+    for p in parents:
+      node = node[p]
+    with node.ignore_type():
+      node[leaf] = value
+  return c
+
+
+def strip_wall_times(d):
+  return {k: v for k, v in d.items() if k not in WALL_TIME_FIELDS}
+
+
+def outputs(wd):
+  """log.jsonl, summary.json (without the wall-clock fields) and architecture.jsonl of `wd`."""
+  log = [strip_wall_times(r) for r in io_utils.read_jsonl(os.path.join(wd, "log.jsonl"))]
+  arch = io_utils.read_jsonl(os.path.join(wd, workdir.ARCH_FILE))
+  with open(os.path.join(wd, "summary.json")) as f:
+    return log, strip_wall_times(json.load(f)), arch
+
+
+def tree_digest(path):
+  """A digest of every file (name and content) under `path`."""
+  h = hashlib.sha256()
+  for root, dirs, files in sorted(os.walk(path)):
+    dirs.sort()
+    for name in sorted(files):
+      p = os.path.join(root, name)
+      h.update(os.path.relpath(p, path).encode())
+      with open(p, "rb") as f:
+        h.update(f.read())
+  return h.hexdigest()

@@ -1,7 +1,6 @@
 """Tests of FLOP and multiply-add counting (alma_jax/accounting.py, Steps.flops, comp_paper)."""
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp

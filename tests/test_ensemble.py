@@ -9,7 +9,6 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from alma_jax import methods
@@ -308,7 +307,6 @@ def test_gens_rejects_keeping_the_optimizer_state():
 
 
 def test_config_files_set_the_method_fields():
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top,unused-import
   import importlib.util  # pylint: disable=g-import-not-at-top
   for stem in ("mnist_ens", "mnist_umix", "mnist_gens", "cifar_ens", "cifar_umix", "cifar_gens"):
     spec = importlib.util.spec_from_file_location(stem, os.path.join(ROOT, "configs", f"{stem}.py"))

@@ -20,7 +20,6 @@ from alma_jax import models
 from alma_jax import optim
 from alma_jax import validation
 from alma_jax.errors import ConfigError
-from alma_jax.models import inits
 from alma_jax.models import moe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,7 +5,6 @@ variable ALMA_JAX_TEST_KILL_AT names the point at which the process sends
 itself ALMA_JAX_TEST_KILL_SIGNAL (SIGKILL by default).
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -17,26 +16,17 @@ from alma_jax import checkpoint
 from alma_jax import config_lib
 from alma_jax import io_utils
 from alma_jax import run
-from alma_jax import workdir
+from tests import helpers
 from tests.conftest import requires_mnist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WALL_TIME_FIELDS = ("wall_s", "timings")
 # progress_every_s=0 reports (and reaches the `epoch` hook) after every epoch.
 ARGS = ["--config=configs/mnist_sm.py:smoke", "--config.mesh.num_devices=1",
         "--config.train.progress_every_s=0"]
 
 
-def _strip(d):
-  return {k: v for k, v in d.items() if k not in WALL_TIME_FIELDS}
 
 
-def _outputs(wd):
-  """log.jsonl, summary.json (without the wall-clock fields) and architecture.jsonl of `wd`."""
-  log = [_strip(r) for r in io_utils.read_jsonl(os.path.join(wd, "log.jsonl"))]
-  arch = io_utils.read_jsonl(os.path.join(wd, workdir.ARCH_FILE))
-  with open(os.path.join(wd, "summary.json")) as f:
-    return log, _strip(json.load(f)), arch
 
 
 def _main(wd, kill_at=None, sig="SIGKILL", extra=()):
@@ -53,7 +43,7 @@ def baseline(tmp_path_factory):
   wd = str(tmp_path_factory.mktemp("uninterrupted"))
   proc = _main(wd)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  return _outputs(wd)
+  return helpers.outputs(wd)
 
 
 # -- the JSON-lines log ------------------------------------------------------------------------------
@@ -101,7 +91,7 @@ def test_killed_runs_resume_to_identical_outputs(baseline, tmp_path):
   # 5. the resumed run finishes with the outputs of the uninterrupted one
   proc = _main(wd)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert _outputs(wd) == baseline
+  assert helpers.outputs(wd) == baseline
 
 
 @requires_mnist
@@ -121,9 +111,9 @@ def test_sigint_finishes_the_checkpoint_write_then_stops(baseline, tmp_path, mon
     assert ckpt.steps() == [0, 1, 2]  # the interrupted write completed
   monkeypatch.delenv("ALMA_JAX_TEST_KILL_AT")
   run.run(c, wd)
-  assert _outputs(wd) == baseline
+  assert helpers.outputs(wd) == baseline
   run.run(c, wd)  # a finished run: restored from its last checkpoint, same outputs
-  assert _outputs(wd) == baseline
+  assert helpers.outputs(wd) == baseline
 
 
 def test_checkpoint_times():

@@ -1,6 +1,5 @@
 """Bad inputs give one clear error naming the field, and lose nothing (alma_jax/validation.py)."""
 
-import hashlib
 import os
 import re
 import shutil
@@ -16,23 +15,12 @@ from alma_jax import errors
 from alma_jax import run
 from alma_jax import validation
 from alma_jax.errors import ConfigError, DivergenceError
+from tests import helpers
 from tests.conftest import requires_mnist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def smoke(**fields):
-  """The MNIST smoke config on one device, with dotted `fields` overridden."""
-  c = config_lib.apply_variant(config_lib.base_config("mnist"), "smoke")
-  c.mesh.num_devices = 1
-  for path, value in fields.items():
-    *parents, leaf = path.split("__")
-    node = c
-    for p in parents:
-      node = node[p]
-    with node.ignore_type():
-      node[leaf] = value
-  return c
 
 
 # (case id, {field__path: bad value}, expected message regex). All names the field.
@@ -105,24 +93,13 @@ CONFIG_CASES = [
 ]
 
 
-def _tree_digest(path):
-  """A digest of every file (name and content) under `path`."""
-  h = hashlib.sha256()
-  for root, dirs, files in sorted(os.walk(path)):
-    dirs.sort()
-    for name in sorted(files):
-      p = os.path.join(root, name)
-      h.update(os.path.relpath(p, path).encode())
-      with open(p, "rb") as f:
-        h.update(f.read())
-  return h.hexdigest()
 
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
   """A completed MNIST smoke run (its workdir is copied, never changed)."""
   wd = str(tmp_path_factory.mktemp("finished"))
-  c = smoke()
+  c = helpers.smoke()
   summary = run.run(c, wd)
   return wd, c, summary
 
@@ -140,12 +117,12 @@ def test_bad_config_fields(case, tmp_path):
   os.makedirs(wd)
   with open(os.path.join(wd, "notes.txt"), "w") as f:
     f.write("kept")
-  before = _tree_digest(wd)
+  before = helpers.tree_digest(wd)
   with pytest.raises(ValueError, match=pattern) as info:  # ConfigError or DatasetUnavailableError
-    run.run(smoke(**fields), wd, overwrite=True)
+    run.run(helpers.smoke(**fields), wd, overwrite=True)
   assert "\n" not in errors.one_line(info.value)
   assert errors.exit_code(info.value) == 2
-  assert _tree_digest(wd) == before  # nothing written, nothing removed
+  assert helpers.tree_digest(wd) == before  # nothing written, nothing removed
 
 
 def test_at_least_thirty_distinct_bad_inputs():
@@ -171,13 +148,13 @@ def test_valid_configs_pass():
 def test_data_dependent_fields(fields, pattern, tmp_path):
   wd = str(tmp_path / "wd")
   with pytest.raises(ValueError, match=pattern) as info:
-    run.run(smoke(**fields), wd)
+    run.run(helpers.smoke(**fields), wd)
   assert errors.exit_code(info.value) == 2
   assert os.listdir(wd) == []  # no config.json that would block the corrected rerun
 
 
 def test_missing_dataset_names_the_place_and_the_variable(tmp_path):
-  c = smoke(data__data_dir=str(tmp_path / "no_data"), data__use_cache=False)
+  c = helpers.smoke(data__data_dir=str(tmp_path / "no_data"), data__use_cache=False)
   with pytest.raises(ValueError, match=r"no_data.*TFDS_DATA_DIR") as info:
     run.run(c, str(tmp_path / "wd"))
   assert errors.exit_code(info.value) == 2
@@ -187,21 +164,21 @@ def test_unwritable_workdir(tmp_path):
   blocker = tmp_path / "a_file"
   blocker.write_text("x")
   with pytest.raises(ConfigError, match=r"--workdir=.*a_file/sub is not writable"):
-    run.run(smoke(), str(blocker / "sub"))
+    run.run(helpers.smoke(), str(blocker / "sub"))
   with pytest.raises(ConfigError, match=r"--workdir=.*a_file exists and is not a dir"):
-    run.run(smoke(), str(blocker))
+    run.run(helpers.smoke(), str(blocker))
   assert blocker.read_text() == "x"
 
 
 @requires_mnist
 def test_config_mismatch_on_resume_names_fields_and_keeps_the_run(finished_run, tmp_path):
   wd = _copy(finished_run[0], tmp_path)
-  before = _tree_digest(wd)
+  before = helpers.tree_digest(wd)
   with pytest.raises(ConfigError,
                      match=r"holds a run with a different config: config\.model\.width: 8 → 16; "
                            r"config\.stream\.wait: 1 → 2; .*--overwrite"):
-    run.run(smoke(model__width=16, stream__wait=2), wd)
-  assert _tree_digest(wd) == before
+    run.run(helpers.smoke(model__width=16, stream__wait=2), wd)
+  assert helpers.tree_digest(wd) == before
 
 
 @requires_mnist
@@ -209,10 +186,10 @@ def test_unreadable_config_json(finished_run, tmp_path):
   wd = _copy(finished_run[0], tmp_path)
   with open(os.path.join(wd, "config.json"), "w") as f:
     f.write("{trunc")
-  before = _tree_digest(wd)
+  before = helpers.tree_digest(wd)
   with pytest.raises(ConfigError, match=r"config\.json cannot be read"):
-    run.run(smoke(), wd)
-  assert _tree_digest(wd) == before
+    run.run(helpers.smoke(), wd)
+  assert helpers.tree_digest(wd) == before
 
 
 def _corrupt(step_dir):
@@ -228,18 +205,18 @@ def test_all_checkpoints_corrupt_is_an_error_that_keeps_them(finished_run, tmp_p
   ckpt_dir = os.path.join(wd, "checkpoints")
   for step in os.listdir(ckpt_dir):
     _corrupt(os.path.join(ckpt_dir, step))
-  before = _tree_digest(wd)
+  before = helpers.tree_digest(wd)
   with pytest.raises(checkpoint.CheckpointError, match=r"no checkpoint in .*checkpoints can be "
                                                        r"restored \(step 4: .*step 3: .*step 2: "):
-    run.run(smoke(), wd)
-  assert _tree_digest(wd) == before
+    run.run(helpers.smoke(), wd)
+  assert helpers.tree_digest(wd) == before
 
 
 @requires_mnist
 def test_corrupt_latest_checkpoint_falls_back_and_finishes_identically(finished_run, tmp_path):
   wd = _copy(finished_run[0], tmp_path)
   _corrupt(os.path.join(wd, "checkpoints", "4"))
-  summary = run.run(smoke(), wd)
+  summary = run.run(helpers.smoke(), wd)
   assert strip(summary) == strip(finished_run[2])
   assert len(os.listdir(os.path.join(wd, "checkpoints_unreadable"))) == 1
 
@@ -248,12 +225,12 @@ def test_corrupt_latest_checkpoint_falls_back_and_finishes_identically(finished_
 def test_incompatible_checkpoint_written_by_another_config(finished_run, tmp_path):
   wd = _copy(finished_run[0], tmp_path)
   os.unlink(os.path.join(wd, "config.json"))  # only the checkpoints know the old config now
-  before = _tree_digest(wd)
+  before = helpers.tree_digest(wd)
   with pytest.raises(checkpoint.CheckpointError,
                      match=r"checkpoints were written by a different config: "
                            r"config\.model\.width: 8 → 16"):
-    run.run(smoke(model__width=16), wd)
-  assert _tree_digest(wd) == before
+    run.run(helpers.smoke(model__width=16), wd)
+  assert helpers.tree_digest(wd) == before
 
 
 def strip(summary):
@@ -264,7 +241,7 @@ def strip(summary):
 def diverging(**fields):
   # One step per epoch (the whole stage is a batch): epoch 1 gives huge but finite
   # weights, epoch 2 non-finite ones.
-  return smoke(train__batch_size=450, optimizer__name="sgd",
+  return helpers.smoke(train__batch_size=450, optimizer__name="sgd",
                optimizer__kwargs={"learning_rate": 1e20}, train__epochs=3, train__patience=3,
                **fields)
 

@@ -2,7 +2,6 @@
 stale temp files and file permissions (alma_jax/io_utils.py, checkpoint.py, workdir.py)."""
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -18,35 +17,22 @@ import orbax.checkpoint as ocp
 import pytest
 
 from alma_jax import checkpoint
-from alma_jax import config_lib
 from alma_jax import io_utils
 from alma_jax import run
 from alma_jax import errors
 from alma_jax import workdir as workdir_lib
 from alma_jax.data import images
+from tests import helpers
 from tests.conftest import requires_mnist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WALL_TIME_FIELDS = ("wall_s", "timings")
 B = 4  # mega-batches of the smoke config
 
 
-def smoke():
-  c = config_lib.apply_variant(config_lib.base_config("mnist"), "smoke")
-  c.mesh.num_devices = 1
-  return c
 
 
-def _strip(d):
-  return {k: v for k, v in d.items() if k not in WALL_TIME_FIELDS}
 
 
-def _outputs(wd):
-  """log.jsonl, summary.json (without the wall-clock fields) and architecture.jsonl of `wd`."""
-  log = [_strip(r) for r in io_utils.read_jsonl(os.path.join(wd, "log.jsonl"))]
-  arch = io_utils.read_jsonl(os.path.join(wd, workdir_lib.ARCH_FILE))
-  with open(os.path.join(wd, "summary.json")) as f:
-    return log, _strip(json.load(f)), arch
 
 
 def _log_lines(wd):
@@ -62,24 +48,14 @@ def _steps(wd):
     return ckpt.steps()
 
 
-def _tree_digest(path):
-  h = hashlib.sha256()
-  for root, dirs, files in os.walk(path):
-    dirs.sort()
-    for name in sorted(files):
-      p = os.path.join(root, name)
-      h.update(os.path.relpath(p, path).encode())
-      with open(p, "rb") as f:
-        h.update(f.read())
-  return h.hexdigest()
 
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
   """(workdir, outputs) of an uninterrupted smoke run."""
   wd = str(tmp_path_factory.mktemp("uninterrupted"))
-  run.run(smoke(), wd)
-  return wd, _outputs(wd)
+  run.run(helpers.smoke(), wd)
+  return wd, helpers.outputs(wd)
 
 
 def _copy(src, tmp_path):
@@ -151,13 +127,13 @@ def test_full_disk_while_logging_keeps_the_log_and_resumes(finished, tmp_path, m
 
   monkeypatch.setattr(io_utils, "open", fake_open, raising=False)
   with pytest.raises(io_utils.WorkdirWriteError) as info:
-    run.run(smoke(), wd)
+    run.run(helpers.smoke(), wd)
   _check_cli_message(info.value, os.path.join(wd, "log.jsonl"))
   assert [r["t"] for r in _log_lines(wd)] == [0, 1]  # the half-written line was taken back
   assert _steps(wd) == [0, 1]
   monkeypatch.undo()
-  run.run(smoke(), wd)
-  assert _outputs(wd) == finished[1]
+  run.run(helpers.smoke(), wd)
+  assert helpers.outputs(wd) == finished[1]
 
 
 @requires_mnist
@@ -177,7 +153,7 @@ def test_full_disk_while_checkpointing_is_one_error_and_resumes(finished, tmp_pa
   monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", save_fn)
   with caplog.at_level(logging.INFO):
     with pytest.raises(io_utils.WorkdirWriteError) as info:
-      run.run(smoke(), wd)
+      run.run(helpers.smoke(), wd)
   ckpt_dir = os.path.join(wd, "checkpoints")
   _check_cli_message(info.value, os.path.join(ckpt_dir, "3"))
   # orbax's error lines (each with a traceback) are left out; the cause is logged once.
@@ -187,8 +163,8 @@ def test_full_disk_while_checkpointing_is_one_error_and_resumes(finished, tmp_pa
   assert _steps(wd) == [0, 1, 2]
   assert [r["t"] for r in _log_lines(wd)] == [0, 1, 2, 3]
   monkeypatch.undo()
-  run.run(smoke(), wd)
-  assert _outputs(wd) == finished[1]
+  run.run(helpers.smoke(), wd)
+  assert helpers.outputs(wd) == finished[1]
   assert sorted(os.listdir(ckpt_dir)) == ["2", "3", "4"]  # the partial checkpoint is gone
 
 
@@ -211,7 +187,7 @@ def test_checkpoint_directory_probed_before_saving(failure, finished, tmp_path, 
 
   monkeypatch.setattr(checkpoint.Checkpointer, "_check_writable", check)
   with pytest.raises(io_utils.WorkdirWriteError) as info:
-    run.run(smoke(), wd)
+    run.run(helpers.smoke(), wd)
   path = os.path.join(wd, "checkpoints", "2")
   msg, code = errors.cli_error(info.value)
   assert code == 1
@@ -225,8 +201,8 @@ def test_checkpoint_directory_probed_before_saving(failure, finished, tmp_path, 
   assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["0", "1"]
   assert [r["t"] for r in _log_lines(wd)] == [0, 1, 2]
   monkeypatch.undo()
-  run.run(smoke(), wd)
-  assert _outputs(wd) == finished[1]
+  run.run(helpers.smoke(), wd)
+  assert helpers.outputs(wd) == finished[1]
 
 
 def test_cli_message_of_a_write_error_is_the_error_alone():
@@ -251,42 +227,42 @@ def test_records_without_checkpoints_are_not_overwritten(deleted, finished, tmp_
   for name in deleted:
     path = os.path.join(wd, name)
     shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
-  before = _tree_digest(wd)
+  before = helpers.tree_digest(wd)
   with pytest.raises(workdir_lib.UnresumableWorkdirError,
                      match=_NO_CHECKPOINT.format(wd=re.escape(wd))) as info:
-    run.run(smoke(), wd)
+    run.run(helpers.smoke(), wd)
   assert errors.exit_code(info.value) == 2
-  assert _tree_digest(wd) == before
-  run.run(smoke(), wd, overwrite=True)
-  assert _outputs(wd) == finished[1]
+  assert helpers.tree_digest(wd) == before
+  run.run(helpers.smoke(), wd, overwrite=True)
+  assert helpers.outputs(wd) == finished[1]
 
 
 @requires_mnist
 def test_checkpointing_off_does_not_overwrite_records(finished, tmp_path):
   wd = _copy(finished[0], tmp_path)
-  c = smoke()
+  c = helpers.smoke()
   c.checkpoint.enabled = False
-  before = _tree_digest(wd)
+  before = helpers.tree_digest(wd)
   with pytest.raises(workdir_lib.UnresumableWorkdirError,
                      match=r"but config\.checkpoint\.enabled=False, so the run cannot resume "
                            r"\(rerun with --config\.checkpoint\.enabled=True to resume from its "
                            r"checkpoint t=4\); a new run would overwrite them: pass --overwrite"):
     run.run(c, wd)
-  assert _tree_digest(wd) == before
+  assert helpers.tree_digest(wd) == before
 
 
 def test_a_log_of_t0_alone_is_a_run_killed_before_its_first_checkpoint(tmp_path):
   wd = str(tmp_path)
   io_utils.append_record(os.path.join(wd, "log.jsonl"), {"t": 0})
-  workdir_lib.check_outputs(wd, smoke(), overwrite=False)  # started again, nothing lost
+  workdir_lib.checkhelpers.outputs(wd, helpers.smoke(), overwrite=False)  # started again, nothing lost
   io_utils.append_record(os.path.join(wd, "log.jsonl"), {"t": 1})
   with pytest.raises(workdir_lib.UnresumableWorkdirError, match=r"records of t=0\.\.1 of a run"):
-    workdir_lib.check_outputs(wd, smoke(), overwrite=False)
+    workdir_lib.checkhelpers.outputs(wd, helpers.smoke(), overwrite=False)
   os.makedirs(os.path.join(wd, "checkpoints", "0.orbax-checkpoint-tmp-123"))  # incomplete
   with pytest.raises(workdir_lib.UnresumableWorkdirError):
-    workdir_lib.check_outputs(wd, smoke(), overwrite=False)
+    workdir_lib.checkhelpers.outputs(wd, helpers.smoke(), overwrite=False)
   os.makedirs(os.path.join(wd, "checkpoints", "0"))
-  workdir_lib.check_outputs(wd, smoke(), overwrite=False)
+  workdir_lib.checkhelpers.outputs(wd, helpers.smoke(), overwrite=False)
 
 
 # -- stale temp files ---------------------------------------------------------------------------------
@@ -347,7 +323,7 @@ def test_stale_workdir_temporaries_are_removed_before_a_run(tmp_path):
   stale = f".tmp-{_dead_pid()}-{io_utils.host_tag()}-abcdefgh-summary.json"
   with open(os.path.join(wd, stale), "w") as f:
     f.write("{")
-  workdir_lib.check_outputs(wd, smoke(), overwrite=False)
+  workdir_lib.checkhelpers.outputs(wd, helpers.smoke(), overwrite=False)
   assert not os.path.exists(os.path.join(wd, stale))
 
 
