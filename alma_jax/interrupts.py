@@ -3,6 +3,10 @@
 SIGINT and SIGTERM stop a run at the next safe point: a stage in progress is
 abandoned (it is recomputed on resume), a log or checkpoint write in progress
 (`Signals.critical()`) is finished first; then `RunInterrupted` is raised.
+While JAX works (`Signals.deferred()`: the stream loop), the handler only
+records the signal, since an exception raised from a handler that lands in a
+JAX callback or in JAX's dispatch would be swallowed there; the loop stops at
+the next step boundary (`Signals.check()`, after every compiled train call).
 
 Testing hook: the environment variable `ALMA_JAX_TEST_KILL_AT` (a comma
 separated list such as `t=2:checkpoint,summary`) makes the process send
@@ -40,6 +44,7 @@ class Signals:
     self.pending: int | None = None
     self.last_checkpoint: int | None = None
     self._depth = 0
+    self._defer = 0
     self._old = {}
 
   def __enter__(self) -> "Signals":
@@ -56,7 +61,21 @@ class Signals:
     del frame
     if self.pending is None:
       self.pending = signum
-    if self._depth == 0:
+    if self._depth == 0 and self._defer == 0:
+      raise RunInterrupted(self.pending, self.last_checkpoint)
+
+  @contextlib.contextmanager
+  def deferred(self):
+    """A section (JAX work) where a signal is only recorded; `check()` acts on it."""
+    self._defer += 1
+    try:
+      yield
+    finally:
+      self._defer -= 1
+
+  def check(self) -> None:
+    """Raises `RunInterrupted` if a signal arrived (a step boundary outside writes)."""
+    if self.pending is not None and self._depth == 0:
       raise RunInterrupted(self.pending, self.last_checkpoint)
 
   @contextlib.contextmanager

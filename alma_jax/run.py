@@ -255,8 +255,13 @@ class _Loop:
   # -- the stream ---------------------------------------------------------------------------------
   def run(self, overwrite: bool) -> dict[str, Any]:
     snap = self._open_outputs(overwrite)
+    with self.signals.deferred():  # a signal stops the loop at the next step boundary
+      return self._stream(snap)
+
+  def _stream(self, snap) -> dict[str, Any]:
     learner, opt_state, errors = self._start(snap)
     for t in range(len(self.logs[0].records), self.num_t + 1):
+      self.signals.check()
       t_step = time.monotonic()
       trained = t > 0 and schedule.is_training_time(t, self.config.stream.wait)
       spent, stats = {}, None
@@ -307,6 +312,7 @@ class _Loop:
     if not c.train.keep_optimizer_state:
       opt_state = None
     kill_point("stage", t)
+    self.signals.check()
 
     def progress(msg):
       logging.info(msg)
@@ -315,7 +321,7 @@ class _Loop:
     learner, opt_state, stats = train.fit_stage(
         self.steps, learner, np.stack([x.train_idx for x in contexts]),
         np.stack([x.val_idx for x in contexts]), population.fold(skeys, 3), t=t,
-        opt_state=opt_state, progress=progress, labels=self.seeds)
+        opt_state=opt_state, progress=progress, labels=self.seeds, check=self.signals.check)
     if stats.diverged.any():
       logging.warning("stage t=%d diverged; continuing with its best epoch (%s)", t,
                       ", ".join(str(e) for e in stats.best_epoch))
@@ -399,6 +405,7 @@ class _Loop:
                  per_seed=per_seed, wall_s=wall_s, **extra)
       top.pop("wall_s_std")
     kill_point("summary")
+    self.signals.check()
     with self.signals.critical():
       if len(self.seeds) > 1:
         for out, summary in zip(self.out_dirs, per_seed):

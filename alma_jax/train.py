@@ -76,8 +76,12 @@ class _Progress:
   diverged: np.ndarray
 
 
-def _epoch(steps: Steps, state: TrainState, structure, rngs, train_idx, keys, epoch: int):
-  """One epoch of every member; returns (state, losses (S, steps), finite (S,), steps)."""
+def _epoch(steps: Steps, state: TrainState, structure, rngs, train_idx, keys, epoch: int,
+           check: Callable[[], None]):
+  """One epoch of every member; returns (state, losses (S, steps), finite (S,), steps).
+
+  `check()` runs after every compiled call (it raises to stop the stage there).
+  """
   d = steps.method.num_data_orders(structure)
   k = steps.steps_per_call
   orders = [padded_orders(rng, train_idx[i], d, steps.batch_size, k) for i, rng in enumerate(rngs)]
@@ -88,6 +92,7 @@ def _epoch(steps: Steps, state: TrainState, structure, rngs, train_idx, keys, ep
     batch = Batch(steps.put_batch(idx[:, sl]), steps.put_batch(mask[:, sl]))
     state, loss, finite = steps.train_call(structure, state, batch, keys, call_counter(epoch, c))
     losses.append(loss)
+    check()
   n_steps = orders[0][2]
   losses = np.concatenate([np.asarray(l) for l in losses], axis=1)[:, :n_steps]
   return state, losses, np.asarray(finite), n_steps
@@ -110,7 +115,8 @@ def _stop_diverged(p: _Progress, bad: np.ndarray, t: int, epoch: int, labels, po
 
 def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np.ndarray,
               keys: jax.Array, *, t: int = 0, opt_state=None,
-              progress: Callable[[str], None] | None = None, labels: Sequence[int] | None = None):
+              progress: Callable[[str], None] | None = None, labels: Sequence[int] | None = None,
+              check: Callable[[], None] = lambda: None):
   """Trains a stacked population on one stage's data; keeps each member's best epoch.
 
   Args:
@@ -122,6 +128,8 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
     opt_state: stacked optimizer state to continue from (None = fresh).
     progress: called with a one-line message at most every few seconds.
     labels: the members' names in messages (their seeds).
+    check: called after every compiled train call; raising there stops the stage (a
+      signal handler's flag, `alma_jax.interrupts.Signals.check`).
 
   Returns:
     (best learners, final optimizer state (None after a rollback), StageStats).
@@ -143,7 +151,8 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
   timer, last_report = timing.Breakdown(), time.monotonic()
   for epoch in range(1, int(cfg.epochs) + 1):
     with timer("train_s"):
-      state, losses, finite, n_steps = _epoch(steps, state, structure, rngs, train_idx, keys, epoch)
+      state, losses, finite, n_steps = _epoch(steps, state, structure, rngs, train_idx, keys, epoch,
+                                              check)
       p.steps_run += n_steps * p.active
       p.epochs_run[p.active] = epoch
     bad = p.active & ~(np.all(np.isfinite(losses), axis=1) & finite)
