@@ -254,15 +254,15 @@ def test_checkpointing_off_does_not_overwrite_records(finished, tmp_path):
 def test_a_log_of_t0_alone_is_a_run_killed_before_its_first_checkpoint(tmp_path):
   wd = str(tmp_path)
   io_utils.append_record(os.path.join(wd, "log.jsonl"), {"t": 0})
-  workdir_lib.checkhelpers.outputs(wd, helpers.smoke(), overwrite=False)  # started again, nothing lost
+  workdir_lib.check_outputs(wd, helpers.smoke(), overwrite=False)  # started again, nothing lost
   io_utils.append_record(os.path.join(wd, "log.jsonl"), {"t": 1})
   with pytest.raises(workdir_lib.UnresumableWorkdirError, match=r"records of t=0\.\.1 of a run"):
-    workdir_lib.checkhelpers.outputs(wd, helpers.smoke(), overwrite=False)
+    workdir_lib.check_outputs(wd, helpers.smoke(), overwrite=False)
   os.makedirs(os.path.join(wd, "checkpoints", "0.orbax-checkpoint-tmp-123"))  # incomplete
   with pytest.raises(workdir_lib.UnresumableWorkdirError):
-    workdir_lib.checkhelpers.outputs(wd, helpers.smoke(), overwrite=False)
+    workdir_lib.check_outputs(wd, helpers.smoke(), overwrite=False)
   os.makedirs(os.path.join(wd, "checkpoints", "0"))
-  workdir_lib.checkhelpers.outputs(wd, helpers.smoke(), overwrite=False)
+  workdir_lib.check_outputs(wd, helpers.smoke(), overwrite=False)
 
 
 # -- stale temp files ---------------------------------------------------------------------------------
@@ -323,7 +323,7 @@ def test_stale_workdir_temporaries_are_removed_before_a_run(tmp_path):
   stale = f".tmp-{_dead_pid()}-{io_utils.host_tag()}-abcdefgh-summary.json"
   with open(os.path.join(wd, stale), "w") as f:
     f.write("{")
-  workdir_lib.checkhelpers.outputs(wd, helpers.smoke(), overwrite=False)
+  workdir_lib.check_outputs(wd, helpers.smoke(), overwrite=False)
   assert not os.path.exists(os.path.join(wd, stale))
 
 
