@@ -17,6 +17,11 @@ divide its mesh axis is replicated along it instead, with one warning naming
 the leaf (none for a dimension of size 1); a mesh axis shards at most one
 dimension of an array (the first that asks for it).
 
+The mesh's axis types are given explicitly as `Auto`: the shardings of a
+step's inputs and outputs are pinned, and XLA propagates them through the
+step (with `Explicit` axes every operation of the models would have to
+resolve its own output sharding).
+
 In a multi-process run (`jax.distributed`) every process holds the same host
 values (data, indices, initial parameters) and `put` transfers only the
 slices that its own devices hold.

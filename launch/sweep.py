@@ -97,7 +97,8 @@ def main(argv=None):
   p.add_argument("--slurm", help="write a SLURM array script to this path instead of running")
   p.add_argument("--slurm_gpus", type=int, default=1, help="GPUs of each array task (0: none)")
   p.add_argument("--slurm_option", action="append", default=[],
-                 help="another #SBATCH line of the array script, e.g. --slurm_option=--time=4:00:00")
+                 help="another #SBATCH line of the array script (repeatable), e.g. "
+                 "--slurm_option=--time=4:00:00")
   p.add_argument("extra", nargs="*", help="extra flags passed to every run (after --)")
   args = p.parse_args(argv)
   runs = [command(args.config, args.root, pt, args.extra) for pt in points(parse_grid(args.grid))]

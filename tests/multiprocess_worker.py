@@ -51,8 +51,9 @@ def main(port: str, process_id: str, out: str) -> None:
   leaves = {jax.tree_util.keystr(p): held(x)
             for p, x in jax.tree_util.tree_flatten_with_path(best.params)[0]}
   np.savez(os.path.join(out, f"params_{process_id}.npz"), acc=acc, nll=nll, **leaves)
-  print(f"process {jax.process_index()} of {jax.process_count()}: mesh {dict(best.params['head']['kernel'].sharding.mesh.shape)}, "
-        f"test accuracy {float(acc[0]):.4f}", flush=True)
+  mesh = dict(best.params["head"]["kernel"].sharding.mesh.shape)
+  print(f"process {jax.process_index()} of {jax.process_count()}: mesh {mesh}, test accuracy "
+        f"{float(acc[0]):.4f}", flush=True)
 
 
 if __name__ == "__main__":
