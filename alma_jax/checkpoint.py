@@ -41,6 +41,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from alma_jax import io_utils
+from alma_jax import multihost
 from alma_jax.methods.base import Learner
 
 FORMAT_VERSION = 2  # 2: the state is stacked on a population axis
@@ -358,7 +359,7 @@ class Checkpointer:
     return None
 
   def _quarantine(self, steps: list[int], quarantine_dir: str | None) -> None:
-    for step in steps:
+    for step in steps if multihost.is_primary() else ():
       path = os.path.join(self.directory, str(step))
       if quarantine_dir:
         os.makedirs(quarantine_dir, exist_ok=True)
@@ -367,6 +368,7 @@ class Checkpointer:
         logging.warning("moved the unreadable checkpoint step %d to %s", step, dest)
       else:
         shutil.rmtree(path, ignore_errors=True)
+    multihost.sync("alma_jax: unreadable checkpoints moved")
     self._mngr.reload()
 
   def close(self) -> None:

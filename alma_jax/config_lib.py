@@ -18,12 +18,14 @@ from alma_jax import fields as F
 from alma_jax import methods
 from alma_jax import models
 from alma_jax import optim
+from alma_jax import sharding
 from alma_jax.data import augment
 from alma_jax.data import images
 from alma_jax.models import conv
 from alma_jax.models import inits
 
 VARIANTS = ("", "paper", "smoke", "quick")
+DISTRIBUTED = ("auto", "yes", "no")
 _MNIST_OR = lambda mnist, other: F.ByDataset({"mnist": mnist}, other)  # pylint: disable=invalid-name
 
 BASE_FIELDS = (
@@ -96,7 +98,23 @@ BASE_FIELDS = (
     F.Field("optimizer.weight_decay", _MNIST_OR(0.0, 1e-4), F.number(0.0, math.inf),
             "PyTorch-style coupled weight decay"),
     # -- devices and checkpoints
-    F.Field("mesh.num_devices", 0, F.integer(0), "devices of the data-parallel mesh (0: all)"),
+    F.Field("mesh.num_devices", 0, F.integer(0),
+            "devices of the mesh (0: all, or config.mesh.data x config.mesh.model); a "
+            "multi-process run uses all"),
+    F.Field("mesh.data", 0, F.integer(0),
+            "size of the mesh's data axis, over which batches are split (0: the devices left "
+            "by config.mesh.model)"),
+    F.Field("mesh.model", 1, F.integer(1),
+            "size of the mesh's model axis, over which ensemble members and gMoE experts are "
+            "split"),
+    F.Field("mesh.rules", dict(sharding.DEFAULT_RULES), F.mapping(),
+            "logical axis (population, batch, member, expert) -> mesh axis (data, model) or "
+            "replicated; a dimension that does not divide its axis is replicated, with a "
+            "warning"),
+    F.Field("mesh.distributed", "auto", F.choice(DISTRIBUTED),
+            "call jax.distributed.initialize(): yes, no, or auto (when the cluster environment "
+            "asks: SLURM with several tasks, a multi-host TPU VM, or ALMA_JAX_DISTRIBUTED=1)",
+            resumable=True),
     F.Field("checkpoint.enabled", True, F.boolean(), "write checkpoints", resumable=True),
     F.Field("checkpoint.max_to_keep", 3, F.integer(1), "keep the last few checkpoints",
             resumable=True),

@@ -5,7 +5,8 @@ Fields of the config are overridden on the command line, e.g.
 resumes the run in DIR; `--overwrite` starts it afresh. Errors are one line on
 stderr, exit code 2 for invalid inputs (config, data, workdir, checkpoints), 1
 for failures while running, 128 + signal number after SIGINT/SIGTERM;
-`--debug` shows tracebacks.
+`--debug` shows tracebacks. A multi-process run (`alma_jax.multihost`, the
+launchers in `launch/`) runs this same command in every process.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from alma_jax import cpu_tuning
 cpu_tuning.apply()  # before JAX allocates its first buffer
 
 from alma_jax import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax import multihost  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.data import images  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
@@ -32,8 +34,14 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Discard a previous run's out
                                "(by default a run there is resumed).")
 _DEBUG = flags.DEFINE_bool("debug", False, "Show tracebacks instead of one-line errors.")
 _DISTRIBUTED = flags.DEFINE_bool("jax_distributed", False,
-                                 "Call jax.distributed.initialize() (multi-host runs); also "
-                                 "enabled by ALMA_JAX_DISTRIBUTED=1.")
+                                 "Call jax.distributed.initialize() (multi-process runs); also "
+                                 "enabled by ALMA_JAX_DISTRIBUTED=1, config.mesh.distributed=yes "
+                                 "or a cluster environment (see alma_jax/multihost.py).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0's "
+                                   "coordinator (default: detected by JAX on SLURM, Open MPI, TPU)")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes of a multi-process run "
+                                      "(default: detected)")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index (default: detected)")
 _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache_dir", None,
     "Persistent cache of compiled XLA programs, shared by runs (a sweep compiles each model "
@@ -78,12 +86,19 @@ def main(argv):
   if len(argv) > 1:
     _fail(f"unexpected arguments: {argv[1:]}", 2)
   import jax  # pylint: disable=g-import-not-at-top
-  if _DISTRIBUTED.value or os.environ.get("ALMA_JAX_DISTRIBUTED") == "1":
-    jax.distributed.initialize()
+  try:
+    setting = _CONFIG.value.mesh.get("distributed", "auto")
+  except Exception:  # pylint: disable=broad-except
+    setting = "auto"  # a config that fails to load is reported below
+  start, why = multihost.wanted(setting, _DISTRIBUTED.value)
+  if start:
+    logging.info("starting jax.distributed (%s)", why)
+    multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   cache = _enable_compilation_cache(jax)
-  logging.info("JAX %s, backend %s, devices: %s; allocator tuned for XLA:CPU: %s; compilation "
-               "cache: %s", jax.__version__, jax.default_backend(), jax.devices(),
-               cpu_tuning.is_applied(), cache)
+  logging.info("JAX %s, backend %s, process %d of %d, devices: %s; allocator tuned for XLA:CPU: "
+               "%s; compilation cache: %s", jax.__version__, jax.default_backend(),
+               jax.process_index(), jax.process_count(), jax.devices(), cpu_tuning.is_applied(),
+               cache)
   from alma_jax import run, timing  # pylint: disable=g-import-not-at-top
   try:
     config = _CONFIG.value

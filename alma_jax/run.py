@@ -15,6 +15,10 @@ the seeds. Running the same command again resumes from the last complete
 checkpoint; every random choice is seeded by (seed, t), so a resumed run
 writes the same records and summary as an uninterrupted one (wall-clock
 times aside). Signals and the kill-point test hook: `alma_jax.interrupts`.
+
+In a multi-process run (`alma_jax.multihost`) every process walks the same
+loop on a global mesh; process 0 alone writes config.json, the logs and the
+summaries, and all processes write and restore the checkpoints together.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from alma_jax import checkpoint as ckpt_lib
 from alma_jax import interrupts
 from alma_jax import io_utils
 from alma_jax import methods
+from alma_jax import multihost
 from alma_jax import population
 from alma_jax import schedule
 from alma_jax import sharding
@@ -90,10 +95,11 @@ def run(config, workdir: str, *, overwrite: bool = False,
   """
   config = validation.validate(config)
   wd.check_writable(workdir)
-  with workdir_lock.hold(workdir, primary=jax.process_index() == 0):
+  with workdir_lock.hold(workdir, primary=multihost.is_primary()):
     if not overwrite:
       wd.check_resume(workdir, config)
     wd.check_outputs(workdir, config, overwrite)
+    multihost.sync("alma_jax: workdir checked")  # before process 0 writes to it
     with interrupts.Signals() as signals:
       loop = _Loop(config, workdir, signals, startup_s)
       try:
@@ -107,6 +113,7 @@ class _Loop:
 
   def __init__(self, config, workdir: str, signals: interrupts.Signals, startup_s):
     self.config, self.workdir, self.signals, self.startup_s = config, workdir, signals, startup_s
+    self.primary = multihost.is_primary()  # writes the outputs (checkpoints: every process)
     self.t_start, self.timer = time.monotonic(), timing.Breakdown()
     self.seeds = [int(config.seed) + i for i in range(int(config.num_seeds))]
     self.out_dirs = ([workdir] if len(self.seeds) == 1
@@ -120,7 +127,7 @@ class _Loop:
   # -- data, streams, method, compiled steps --------------------------------------------------
   def _setup(self) -> None:
     c, s = self.config, self.config.stream
-    self.mesh = sharding.make_mesh(c.mesh.num_devices)
+    self.mesh = sharding.mesh_from_config(c)
     task = tasks.for_config(c)
     ds, self.subsets = task.load(c, self.seeds)
     n_train = len(ds.train_y) if self.subsets[0] is None else len(self.subsets[0])
@@ -133,9 +140,9 @@ class _Loop:
     self.keys = population.keys(self.seeds)
     self.num_t = s.num_megabatches
     logging.info("data %s: %d train / %d test examples, B=%d mega-batches of ~%d, wait=%d, "
-                 "replay=%.2f, seeds %s", c.data.name, n_train, len(ds.test_y), self.num_t,
-                 len(self.streams[0].train[0]) + len(self.streams[0].val[0]), s.wait, s.replay,
-                 self.seeds)
+                 "replay=%.2f, seeds %s; mesh %s", c.data.name, n_train, len(ds.test_y),
+                 self.num_t, len(self.streams[0].train[0]) + len(self.streams[0].val[0]), s.wait,
+                 s.replay, self.seeds, dict(self.mesh.shape))
     if (len(self.seeds) > 1 and jax.default_backend() == "cpu"
         and c.model.name in ("vgg",)):
       logging.warning(VGG_SEEDS_WARNING, len(self.seeds), c.model.name)
@@ -153,9 +160,9 @@ class _Loop:
 
   # -- outputs: start afresh or resume ---------------------------------------------------------
   def _target_builder(self):
-    """(structure, has_opt_state) -> the abstract stacked checkpoint state, replicated."""
-    method, tx, keys = self.method, self.steps.tx, self.keys
-    replicated = sharding.replicated(self.mesh)
+    """(structure, has_opt_state) -> the abstract stacked checkpoint state, with the shardings
+    of the steps (the key replicated)."""
+    method, tx, keys, steps = self.method, self.steps.tx, self.keys, self.steps
 
     def build(structure, has_opt_state):
       learner = jax.eval_shape(jax.vmap(lambda k: method.init(k, structure)), keys)
@@ -168,8 +175,10 @@ class _Loop:
       if has_opt_state:
         tree["opt_state"] = jax.eval_shape(
             jax.vmap(lambda k: tx.init(method.partition(method.init(k, structure))[0])), keys)
-      return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
-                          tree)
+      shardings = {k: steps.replicated(v) if k == "key" else steps.shardings(v, name=k)
+                   for k, v in tree.items()}
+      return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          tree, shardings)
 
     return build
 
@@ -202,30 +211,36 @@ class _Loop:
   def _open_outputs(self, overwrite: bool):
     """Restores (or starts) the run and rewrites its outputs to match; returns the snapshot."""
     with self.signals.critical():
-      if overwrite:
+      if overwrite and self.primary:
         wd.clear_outputs(self.workdir)
+      multihost.sync("alma_jax: outputs cleared")
       snap, records = self._restore()
-      io_utils.write_json_atomic(os.path.join(self.workdir, wd.CONFIG_FILE),
-                                 wd.config_dict(self.config))
-      for out, sd, recs in zip(self.out_dirs, self.seeds, records):
-        os.makedirs(out, exist_ok=True)
-        if out != self.workdir:
-          io_utils.write_json_atomic(os.path.join(out, wd.CONFIG_FILE),
-                                     wd.config_dict(_seed_config(self.config, sd)))
-        io_utils.write_jsonl_atomic(os.path.join(out, wd.LOG_FILE), [r.to_dict() for r in recs])
-      wd.sync_architecture_log(self.workdir, len(records[0]) - 1)
-      if snap is None or snap.t < self.num_t:
-        for path in {self.workdir, *self.out_dirs}:
-          if os.path.exists(os.path.join(path, wd.SUMMARY_FILE)):
-            os.unlink(os.path.join(path, wd.SUMMARY_FILE))
+      if self.primary:
+        self._rewrite_outputs(snap, records)
     self.logs = [Log.from_records(r) for r in records]
     return snap
+
+  def _rewrite_outputs(self, snap, records) -> None:
+    """config.json, the logs up to the restored step, no summary unless the run is over."""
+    io_utils.write_json_atomic(os.path.join(self.workdir, wd.CONFIG_FILE),
+                               wd.config_dict(self.config))
+    for out, sd, recs in zip(self.out_dirs, self.seeds, records):
+      os.makedirs(out, exist_ok=True)
+      if out != self.workdir:
+        io_utils.write_json_atomic(os.path.join(out, wd.CONFIG_FILE),
+                                   wd.config_dict(_seed_config(self.config, sd)))
+      io_utils.write_jsonl_atomic(os.path.join(out, wd.LOG_FILE), [r.to_dict() for r in recs])
+    wd.sync_architecture_log(self.workdir, len(records[0]) - 1)
+    if snap is None or snap.t < self.num_t:
+      for path in {self.workdir, *self.out_dirs}:
+        if os.path.exists(os.path.join(path, wd.SUMMARY_FILE)):
+          os.unlink(os.path.join(path, wd.SUMMARY_FILE))
 
   def _start(self, snap):
     """(learner, optimizer state, last test errors) to continue from."""
     if snap is None:
-      learner = population.stack([self.method.init(jax.random.fold_in(k, 0))
-                                  for k in self.keys])
+      learner = self.steps.place(population.stack([self.method.init(jax.random.fold_in(k, 0))
+                                                   for k in self.keys]))
       if jax.default_backend() == "cpu":
         with self.timer("train_s"):  # compiles the train step the first stage will use
           self._log_estimate(learner)
@@ -331,7 +346,8 @@ class _Loop:
     spent = {"train_flops": flops["train_step"] * stats.steps_run,
              "train_flops_forward": flops["train_step_forward"] * stats.steps_run,
              "train_macs": flops["train_macs_per_example"] * examples}
-    learner = self._each(method.after_stage, learner, population.fold(skeys, 4), contexts)
+    learner = self.steps.place(self._each(method.after_stage, learner, population.fold(skeys, 4),
+                                          contexts))
     spent["growth_flops"] = np.full(len(self.seeds), (self.steps.pass_flops - passes_before)
                                     / len(self.seeds))
     return learner, opt_state, stats, spent
@@ -348,9 +364,9 @@ class _Loop:
                       trained=trained, wall_s=wall_s) for i in range(len(self.seeds))]
     self.logs = [log.append(r) for log, r in zip(self.logs, records)]
     with self.timer("io_s"), self.signals.critical():
-      for out, r in zip(self.out_dirs, records):
+      for out, r in zip(self.out_dirs if self.primary else (), records):
         io_utils.append_record(os.path.join(out, wd.LOG_FILE), r.to_dict())
-      if trained:
+      if trained and self.primary:
         io_utils.append_jsonl(os.path.join(self.workdir, wd.ARCH_FILE),
                               {"t": t, **self.method.describe(first)})
       kill_point("log", t)
@@ -407,10 +423,11 @@ class _Loop:
     kill_point("summary")
     self.signals.check()
     with self.signals.critical():
-      if len(self.seeds) > 1:
-        for out, summary in zip(self.out_dirs, per_seed):
-          io_utils.write_json_atomic(os.path.join(out, wd.SUMMARY_FILE), summary)
-      io_utils.write_json_atomic(os.path.join(self.workdir, wd.SUMMARY_FILE), top)
+      if self.primary:
+        if len(self.seeds) > 1:
+          for out, summary in zip(self.out_dirs, per_seed):
+            io_utils.write_json_atomic(os.path.join(out, wd.SUMMARY_FILE), summary)
+        io_utils.write_json_atomic(os.path.join(self.workdir, wd.SUMMARY_FILE), top)
     logging.info("done: %d seed(s), CER=%.4f mean_error=%.4f final_error=%.4f Mem=%d Comp=%.3e "
                  "wall=%.1fs", len(self.seeds), top["cer"], top["mean_error"], top["final_error"],
                  top["mem"], top["comp"], wall_s)

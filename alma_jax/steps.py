@@ -9,6 +9,14 @@ of indices (`Batch`) and PRNG keys.
 Every train and evaluation program runs a population of S learners stacked
 on a leading axis: S > 1 (several seeds) through `jax.vmap`, S = 1 through a
 squeeze of that axis, so an ordinary run compiles the unbatched step.
+
+Every program is `jax.jit` with explicit `in_shardings` and `out_shardings`
+on the run's mesh (`alma_jax.sharding.Layout`: batches on `data`, members and
+experts on `model`, the population axis as `config.mesh.rules` says), computed
+for the shapes of the structure it is compiled for, so a structure that growth
+changes gets its own shardings. A program places its arguments with those
+shardings before each call (a no-op for arrays already placed so, such as the
+state a train call returns); the train state is donated.
 """
 
 from __future__ import annotations
@@ -72,13 +80,33 @@ def call_counter(epoch: int, call: int) -> np.uint32:
   return np.uint32(epoch * CALLS_BOUND + call)
 
 
+class _Program:
+  """A jitted step with the shardings of its arguments, which it places before each call."""
+
+  def __init__(self, fn: Callable, in_shardings: tuple, out_shardings, donate: tuple):
+    self.in_shardings = in_shardings
+    self.jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
+                          donate_argnums=donate)
+
+  def __call__(self, *args):
+    return self.jitted(*sharding.put(args, self.in_shardings))
+
+
+# The logical axes of the batches (`alma_jax.sharding`): a train batch is (S, K, D, b), with
+# one data order per trained ensemble member; an evaluation batch (S, b) or shared (b,).
+TRAIN_BATCH_AXES = ("population", None, "member", "batch")
+EVAL_BATCH_AXES = ("population", "batch")
+
+
 class Steps:
   """The compiled steps of one run, cached per (kind, learner structure, population)."""
 
   def __init__(self, method: Method, task, tx: optax.GradientTransformation, data, mesh, *,
-               batch_size: int, eval_batch_size: int, steps_per_call: int = 1):
+               batch_size: int, eval_batch_size: int, steps_per_call: int = 1, rules=None):
     self.method, self.task, self.tx, self.mesh = method, task, tx, mesh
-    self.data = sharding.put_replicated(mesh, data)
+    self.layout = sharding.Layout(mesh, rules)
+    self.leaf_axes = sharding.leaf_axes_by_pattern(method.LEAF_AXES)
+    self.data = sharding.put(data, self.layout.replicated)
     self.batch_size = int(batch_size)
     self.eval_batch_size = int(eval_batch_size)
     self.steps_per_call = int(steps_per_call)
@@ -89,14 +117,20 @@ class Steps:
   @classmethod
   def from_config(cls, config, method: Method, task, tx, data, mesh) -> "Steps":
     t = config.train
+    rules = config.mesh.get("rules")
     return cls(method, task, tx, data, mesh, batch_size=t.batch_size,
-               eval_batch_size=t.eval_batch_size, steps_per_call=t.get("steps_per_call", 1))
+               eval_batch_size=t.eval_batch_size, steps_per_call=t.get("steps_per_call", 1),
+               rules=None if rules is None else dict(rules.items()))
 
   # -- the compile cache ---------------------------------------------------------------------
-  def _compiled(self, key: tuple, build: Callable[[], Callable], donate=()) -> Callable:
-    """The jitted `build()` for `key`, built once; the run's only `jax.jit` of a step."""
+  def _compiled(self, key: tuple, build: Callable[[], Callable],
+                shardings: Callable[[], tuple], donate=()) -> Callable:
+    """The jitted `build()` for `key`, built once; the run's only `jax.jit` of a step.
+
+    `shardings()` gives its (in_shardings, out_shardings), whole trees.
+    """
     if key not in self._cache:
-      self._cache[key] = jax.jit(build(), donate_argnums=donate)
+      self._cache[key] = _Program(build(), *shardings(), donate)
     return self._cache[key]
 
   @property
@@ -108,13 +142,28 @@ class Steps:
   def num_compilations(self) -> int:
     return len(self._cache)
 
-  def place(self, tree):
-    """Replicates `tree` on the mesh, so that every call sees the same input shardings."""
-    return sharding.put_replicated(self.mesh, tree)
+  # -- shardings ---------------------------------------------------------------------------------
+  def shardings(self, tree, *, stacked: bool = True, name: str = ""):
+    """The shardings of a learner's params or model state, a train state or an optimizer
+    state: the population axis first (when `stacked`), then the method's `LEAF_AXES`."""
+    return self.layout.tree(tree, self.leaf_axes, ("population",) if stacked else (), name)
+
+  def place(self, tree, *, stacked: bool = True):
+    """Places a learner (or any tree of `shardings`) with its shardings."""
+    return sharding.put(tree, self.shardings(tree, stacked=stacked))
+
+  def replicated(self, tree):
+    """A replicated sharding for every leaf of `tree`."""
+    return jax.tree.map(lambda _: self.layout.replicated, tree)
+
+  def batch_shardings(self, batch: Batch, axes: Sequence[str | None]) -> Batch:
+    s = self.layout.sharding(batch.idx.shape, axes, "batch")
+    return Batch(s, s)
 
   def put_batch(self, array: np.ndarray):
-    """Places an index or mask array, split along its last (batch) axis."""
-    return sharding.put_batch(self.mesh, array, array.ndim - 1)
+    """Places an index or mask array: a train batch (S, K, D, b), else an evaluation batch."""
+    axes = TRAIN_BATCH_AXES if array.ndim == 4 else EVAL_BATCH_AXES[-array.ndim:]
+    return sharding.put(array, self.layout.sharding(array.shape, axes, "batch"))
 
   # -- training ---------------------------------------------------------------------------------
   def step_body(self, structure) -> Callable:
@@ -158,23 +207,31 @@ class Steps:
 
     return chunk
 
-  def train_fn(self, structure, num: int) -> Callable:
-    """The compiled train chunk of a population of `num`; the state is donated."""
-    return self._compiled(("train", structure, num), lambda: over_population(
-        self.chunk_body(structure), (0, None, 0, 0, None), num), donate=(0,))
-
   def train_call(self, structure, state: TrainState, batch: Batch, keys, counter):
-    """Runs one compiled train chunk; returns (state, losses (S, K), finite (S,))."""
-    fn = self.train_fn(structure, int(keys.shape[0]))
+    """Runs one compiled train chunk; returns (state, losses (S, K), finite (S,)).
+
+    The state is donated: rebind it to the returned one.
+    """
+    num = int(keys.shape[0])
+
+    def shardings():
+      state_sh, rep = self.shardings(state), self.layout.replicated
+      ins = (state_sh, self.replicated(self.data), self.batch_shardings(batch, TRAIN_BATCH_AXES),
+             rep, rep)
+      return ins, (state_sh, rep, rep)
+
+    fn = self._compiled(("train", structure, num), lambda: over_population(
+        self.chunk_body(structure), (0, None, 0, 0, None), num), shardings, donate=(0,))
     return fn(state, self.data, batch, keys, counter)
 
   def init_state(self, learner: Learner, opt_state=None) -> TrainState:
-    """The train state of a stacked `learner` (copies: the train step donates it)."""
+    """The train state of a stacked `learner`, placed with its shardings (copies: the train
+    step donates it)."""
     trainable, frozen = jax.vmap(self.method.partition)(learner)
     if opt_state is None:
       opt_state = jax.vmap(self.tx.init)(trainable)
     state = TrainState(trainable, frozen, learner.model_state, opt_state)
-    return jax.tree.map(jnp.copy, self.place(state))
+    return sharding.put(state, self.shardings(state), copy=True)
 
   # -- evaluation ------------------------------------------------------------------------------
   def eval_body(self, structure) -> Callable:
@@ -192,20 +249,29 @@ class Steps:
 
     return evaluate
 
-  def eval_fn(self, structure, num: int, shared: bool) -> Callable:
-    """Compiled evaluation of a population; `shared`: one index batch for every learner."""
+  def eval_fn(self, learner: Learner, shared: bool, batch: Batch) -> Callable:
+    """Compiled evaluation of a stacked `learner`; `shared`: one index batch for every learner."""
+    structure, num = learner.structure, int(jax.tree.leaves(learner.params)[0].shape[0])
     axes = (0, 0, None, None if shared else 0)
+
+    def shardings():
+      ins = (self.shardings(learner.params, name="params"),
+             self.shardings(learner.model_state, name="model_state"), self.replicated(self.data),
+             self.batch_shardings(batch, EVAL_BATCH_AXES[-batch.idx.ndim:]))
+      return ins, self.layout.replicated
+
     return self._compiled(("eval_shared" if shared else "eval", structure, num),
-                          lambda: over_population(self.eval_body(structure), axes, num))
+                          lambda: over_population(self.eval_body(structure), axes, num), shardings)
 
   def eval_batches(self, idx: np.ndarray):
-    """`Batch`es of `eval_batch_size` along the last axis of `idx` (the last one padded)."""
+    """`Batch`es (host arrays) of `eval_batch_size` along the last axis of `idx` (the last one
+    padded); a compiled program places them."""
     b, n = self.eval_batch_size, idx.shape[-1]
     for s in range(0, n, b):
       pad = np.zeros(idx.shape[:-1] + (b,), np.int32)
       pad[..., :min(b, n - s)] = idx[..., s:s + b]
       mask = np.ascontiguousarray(np.broadcast_to(np.arange(b) < n - s, pad.shape))
-      yield Batch(self.put_batch(pad), self.put_batch(mask))
+      yield Batch(pad, mask)
 
   def evaluate_units(self, learner: Learner, split: str, idx: np.ndarray):
     """Per-member (accuracy, mean NLL, accuracy of each selection unit (S, U)) of a stacked
@@ -221,10 +287,11 @@ class Steps:
     shared = idx.ndim == 1 and num > 1
     if idx.ndim == 1 and not shared:
       idx = np.broadcast_to(idx, (num, idx.shape[0]))
-    fn = self.eval_fn(learner.structure, num, shared)
-    learner = self.place(learner)
-    results = [fn(learner.params, learner.model_state, self.data, b)
-               for b in self.eval_batches(idx)]
+    learner = self.place(learner)  # once, not at every batch
+    results, fn = [], None
+    for b in self.eval_batches(idx):
+      fn = fn or self.eval_fn(learner, shared, b)
+      results.append(fn(learner.params, learner.model_state, self.data, b))
     n = idx.shape[-1]
     correct, nll, units = (np.sum([np.asarray(r[i], np.float64) for r in results], axis=0)
                            for i in range(3))
@@ -236,9 +303,19 @@ class Steps:
     return acc, nll
 
   # -- passes over data for growth (scoring, fitting candidates) ------------------------------
-  def _pass_fn(self, kind: str, fn: Callable, structure, build: Callable) -> Callable:
+  def _pass_fn(self, kind: str, fn: Callable, learner: Learner, build: Callable, batch: Batch,
+               carry=()) -> Callable:
+    """The compiled pass `kind` of `fn` over batches for one (unstacked) learner; a `scan`'s
+    carry is replicated."""
     name = f"{kind} {getattr(fn, '__qualname__', repr(fn))}"
-    return self._compiled((name, structure, 1), build)
+
+    def shardings():
+      ins = (self.shardings(learner.params, stacked=False, name="params"),
+             self.shardings(learner.model_state, stacked=False, name="model_state"),
+             self.replicated(self.data), self.batch_shardings(batch, ("batch",)))
+      return ins + ((self.replicated(carry),) if kind == "scan" else ()), self.layout.replicated
+
+    return self._compiled((name, learner.structure, 1), build, shardings)
 
   def _count_pass(self, kind: str, fn: Callable, structure, body: Callable, args) -> None:
     """Adds the FLOPs of one batch of a pass (counted once per function and structure)."""
@@ -262,10 +339,9 @@ class Steps:
         return fn(structure, params, model_state, x, y, batch.mask, task)
       return body
 
-    compiled = self._pass_fn("reduce", fn, structure, build)
-    learner = self.place(learner)
-    total = None
+    learner, total = self.place(learner, stacked=False), None
     for b in self._train_batches(idx):
+      compiled = self._pass_fn("reduce", fn, learner, build, b)
       args = (learner.params, learner.model_state, self.data, b)
       self._count_pass("reduce", fn, structure, build(), args)
       out = jax.tree.map(lambda a: np.asarray(a, np.float64), compiled(*args))
@@ -284,9 +360,9 @@ class Steps:
         return fn(structure, params, model_state, x, y, batch.mask, carry, task)
       return body
 
-    compiled = self._pass_fn("scan", fn, structure, build)
-    learner = self.place(learner)
+    learner = self.place(learner, stacked=False)
     for b in self._train_batches(idx):
+      compiled = self._pass_fn("scan", fn, learner, build, b, carry)
       args = (learner.params, learner.model_state, self.data, b, carry)
       self._count_pass("scan", fn, structure, build(), args)
       carry = compiled(*args)

@@ -20,6 +20,7 @@ from alma_jax import config_lib
 from alma_jax import fields
 from alma_jax import methods
 from alma_jax import optim
+from alma_jax import sharding
 from alma_jax.data import images
 from alma_jax.errors import ConfigError
 
@@ -90,6 +91,8 @@ def _check_rules(config) -> None:
   if config.mesh.num_devices > visible:
     raise ConfigError(f"config.mesh.num_devices={config.mesh.num_devices} but only {visible} "
                       f"{jax.default_backend()} devices are visible; use 0 for all of them")
+  sharding.mesh_shape(config.mesh.num_devices, config.mesh.data, config.mesh.model, visible)
+  sharding.check_rules(dict(config.mesh.rules.items()))
 
 
 def validate(config):

@@ -17,8 +17,11 @@ Examples:
   # Run them one after another on this machine.
   python launch/sweep.py --config=configs/mnist_sm.py:quick --root=/tmp/sweep \
       --grid=stream.wait=1,5,10 --grid=seed=0,1
-  # Write a SLURM array script with one task per grid point.
-  python launch/sweep.py ... --slurm=sweep.sbatch
+  # Write a SLURM array script with one task per grid point (each with one GPU;
+  # --slurm_gpus=0 for CPU nodes, --slurm_option for more #SBATCH lines).
+  python launch/sweep.py ... --slurm=sweep.sbatch --slurm_option=--time=4:00:00
+A grid point that itself spans several GPUs or nodes is a job of
+`launch/slurm.py` (one process per GPU).
 """
 
 from __future__ import annotations
@@ -92,11 +95,17 @@ def main(argv=None):
   p.add_argument("--grid", action="append", default=[], help="field=v1,v2,... (repeatable)")
   p.add_argument("--dry_run", action="store_true", help="print the commands only")
   p.add_argument("--slurm", help="write a SLURM array script to this path instead of running")
+  p.add_argument("--slurm_gpus", type=int, default=1, help="GPUs of each array task (0: none)")
+  p.add_argument("--slurm_option", action="append", default=[],
+                 help="another #SBATCH line of the array script (repeatable), e.g. "
+                 "--slurm_option=--time=4:00:00")
   p.add_argument("extra", nargs="*", help="extra flags passed to every run (after --)")
   args = p.parse_args(argv)
   runs = [command(args.config, args.root, pt, args.extra) for pt in points(parse_grid(args.grid))]
   if args.slurm:
-    lines = ["#!/bin/bash", f"#SBATCH --array=0-{len(runs) - 1}", "#SBATCH --gres=gpu:1", "CMDS=("]
+    lines = ["#!/bin/bash", f"#SBATCH --array=0-{len(runs) - 1}"]
+    lines += [f"#SBATCH --gres=gpu:{args.slurm_gpus}"] * (args.slurm_gpus > 0)
+    lines += [f"#SBATCH {o}" for o in args.slurm_option] + ["CMDS=("]
     lines += [f"  {shlex.quote(shlex.join(c))}" for c, _, _ in runs] + [")", 'eval "${CMDS[$SLURM_ARRAY_TASK_ID]}"']
     with open(args.slurm, "w") as f:
       f.write("\n".join(lines) + "\n")

@@ -55,10 +55,11 @@ def small_config(dataset="mnist", method="sm", width=8, **train):
   return c
 
 
-def make_steps(config, ds, num_devices=1):
-  """(method, Steps) of `config` on data set `ds` (a `synthetic_dataset`)."""
+def make_steps(config, ds, num_devices=1, model=1):
+  """(method, Steps) of `config` on data set `ds` (a `synthetic_dataset`), on a mesh of
+  num_devices // model (data) x model devices; `config.mesh.rules` applies."""
   config = validation.complete(config)
-  mesh = sharding.make_mesh(num_devices)
+  mesh = sharding.make_mesh(num_devices, model=model)
   method = methods.make(config, ds.train_x.shape[1:], ds.num_classes)
   steps = Steps.from_config(config, method, image_task.ImageTask.from_config(config),
                             make_optimizer(config.optimizer), image_task.device_data(ds), mesh)
@@ -67,6 +68,14 @@ def make_steps(config, ds, num_devices=1):
 
 def init(method, seed=0):
   return method.init(jax.random.key(seed))
+
+
+def random_learner(method, seed=0, scale=0.3):
+  """A learner of `method`'s initial structure with N(0, scale^2) float64 numpy leaves (use
+  inside `jax.enable_x64(True)`): no initialisation program to compile."""
+  abstract = jax.eval_shape(method.init, jax.random.key(seed))
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda s: rng.normal(0.0, scale, s.shape), abstract)
 
 
 def float64(tree):

@@ -31,6 +31,11 @@ def test_slurm_script(tmp_path):
   sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=seed=0,1", f"--slurm={path}"])
   text = path.read_text()
   assert "#SBATCH --array=0-1" in text and "--config.seed=1" in text
+  assert "#SBATCH --gres=gpu:1" in text
+  sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=seed=0", f"--slurm={path}",
+              "--slurm_gpus=0", "--slurm_option=--time=1:00:00"])
+  text = path.read_text()
+  assert "--gres" not in text and "#SBATCH --time=1:00:00\n" in text
 
 
 def test_bad_grid_item():

@@ -74,6 +74,18 @@ CONFIG_CASES = [
     ("num_devices_negative", {"mesh__num_devices": -1}, r"config\.mesh\.num_devices=-1 must be >= 0"),
     ("num_devices_too_many", {"mesh__num_devices": 4096},
      r"config\.mesh\.num_devices=4096 but only \d+ cpu devices are visible"),
+    ("mesh_model_does_not_divide", {"mesh__model": 2},
+     r"config\.mesh\.model=2 does not divide the 1 devices of the mesh; allowed values: \[1\]"),
+    ("mesh_data_times_model", {"mesh__num_devices": 0, "mesh__data": 3, "mesh__model": 3},
+     r"config\.mesh\.num_devices=9 \(config\.mesh\.data=3 x config\.mesh\.model=3\) but only 8 "
+     r"devices are visible"),
+    ("mesh_rules_axis", {"mesh__rules": {"population": "seeds"}},
+     r"config\.mesh\.rules\.population='seeds' is unknown; valid values: "
+     r"\['data', 'model', 'replicated'\]"),
+    ("mesh_rules_name", {"mesh__rules": {"members": "model"}},
+     r"config\.mesh\.rules\.members is unknown; valid logical axes"),
+    ("distributed", {"mesh__distributed": "maybe"},
+     r"config\.mesh\.distributed='maybe' is unknown; valid values: \['auto', 'no', 'yes'\]"),
     ("train_subset_negative", {"data__train_subset": -5},
      r"config\.data\.train_subset=-5 must be >= 0"),
     ("test_subset_negative", {"data__test_subset": -1}, r"config\.data\.test_subset=-1 must be >= 0"),

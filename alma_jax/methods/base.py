@@ -96,11 +96,18 @@ class Method:
     same_growth_for_every_seed: whether the architecture grows the same way
       for every seed, so that several seeds can share one program
       (`config.num_seeds`).
+    LEAF_AXES: the logical axes (`alma_jax.sharding`) of the leading
+      dimensions of parameter leaves, after the population axis: pairs of a
+      regular expression searched in the leaf's path (`jax.tree_util.keystr`
+      in the params, the model state or the optimizer state) and the names of
+      its leading dimensions; the first match wins, other leaves are
+      replicated. E.g. `(("", ("member",)),)`: every leaf has a member axis.
   """
 
   name = ""
   FIELDS: tuple[fields.Field, ...] = ()
   same_growth_for_every_seed = True
+  LEAF_AXES: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
   def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
     self.config = config

@@ -182,6 +182,7 @@ class Ensemble(base.SingleBackbone, base.Method):
   name = "ens"
   FIELDS = (F.Field("method.num_members", 5, F.integer(1), "N (paper: 5; released code: 3)"),
             STRATEGY)
+  LEAF_AXES = (("", ("member",)),)  # every leaf is stacked on the member axis
 
   @property
   def initial_members(self) -> int:

@@ -157,6 +157,8 @@ class GrowingMoE(base.Method):
 
   name = "gmoe"
   same_growth_for_every_seed = False  # splits follow each seed's data
+  # The stacked experts of a mixture layer and their BatchNorm statistics.
+  LEAF_AXES = ((r"\['experts'\]", ("expert",)), (r"\['batch_stats'\]\['mix\d+'\]", ("expert",)))
   FIELDS = (
       F.Field("method.gating", "soft", F.choice(GATINGS),
               "soft (weighted sum over all experts) or hard (one expert per example: sampled "
