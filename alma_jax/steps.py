@@ -212,7 +212,7 @@ class Steps:
 
     The state is donated: rebind it to the returned one.
     """
-    num = int(keys.shape[0])
+    num, structure = int(keys.shape[0]), self.method.program_structure(structure)
 
     def shardings():
       state_sh, rep = self.shardings(state), self.layout.replicated
@@ -251,7 +251,8 @@ class Steps:
 
   def eval_fn(self, learner: Learner, shared: bool, batch: Batch) -> Callable:
     """Compiled evaluation of a stacked `learner`; `shared`: one index batch for every learner."""
-    structure, num = learner.structure, int(jax.tree.leaves(learner.params)[0].shape[0])
+    structure = self.method.program_structure(learner.structure)
+    num = int(jax.tree.leaves(learner.params)[0].shape[0])
     axes = (0, 0, None, None if shared else 0)
 
     def shardings():
@@ -315,13 +316,20 @@ class Steps:
              self.replicated(self.data), self.batch_shardings(batch, ("batch",)))
       return ins + ((self.replicated(carry),) if kind == "scan" else ()), self.layout.replicated
 
-    return self._compiled((name, learner.structure, 1), build, shardings)
+    return self._compiled((name, self.method.program_structure(learner.structure), 1), build,
+                          shardings)
 
-  def _count_pass(self, kind: str, fn: Callable, structure, body: Callable, args) -> None:
-    """Adds the FLOPs of one batch of a pass (counted once per function and structure)."""
-    key = (kind, fn, structure)
+  def _count_pass(self, kind: str, fn: Callable, learner: Learner, build: Callable,
+                  batch: Batch, carry=()) -> None:
+    """Adds the FLOPs of one batch of a pass over the learner's active parts (counted once
+    per function and structure)."""
+    key = (kind, fn, learner.structure)
     if key not in self._pass_costs:
-      self._pass_costs[key] = accounting.count(body, *args).flops
+      view = self.method.active_view(learner)
+      args = (view.params, view.model_state, self.data, batch) + ((carry,) if kind == "scan"
+                                                                   else ())
+      self._pass_costs[key] = accounting.count(
+          build(self.method.program_structure(view.structure)), *args).flops
     self.pass_flops += self._pass_costs[key]
 
   def _train_batches(self, idx: np.ndarray):
@@ -331,19 +339,20 @@ class Steps:
   def reduce(self, fn: Callable, learner: Learner, idx: np.ndarray) -> PyTree:
     """Sums `fn(structure, params, model_state, x, y, mask, task)` over batches of training
     examples `idx` (unaugmented) for one (unstacked) learner, in float64 on the host."""
-    structure, task = learner.structure, self.task
+    task = self.task
 
-    def build():
+    def build(structure):
       def body(params, model_state, data, batch: Batch):
         x, y = task.inputs(data, batch.idx)
         return fn(structure, params, model_state, x, y, batch.mask, task)
       return body
 
     learner, total = self.place(learner, stacked=False), None
+    program = self.method.program_structure(learner.structure)
     for b in self._train_batches(idx):
-      compiled = self._pass_fn("reduce", fn, learner, build, b)
+      compiled = self._pass_fn("reduce", fn, learner, lambda: build(program), b)
       args = (learner.params, learner.model_state, self.data, b)
-      self._count_pass("reduce", fn, structure, build(), args)
+      self._count_pass("reduce", fn, learner, build, b)
       out = jax.tree.map(lambda a: np.asarray(a, np.float64), compiled(*args))
       total = out if total is None else jax.tree.map(np.add, total, out)
     return total
@@ -352,19 +361,20 @@ class Steps:
     """Threads `carry = fn(structure, params, model_state, x, y, mask, carry, task)` through
     batches of training examples `idx` (unaugmented, in order) for one (unstacked) learner,
     one compiled call per batch; e.g. a few optimisation steps of growth candidates."""
-    structure, task = learner.structure, self.task
+    task = self.task
 
-    def build():
+    def build(structure):
       def body(params, model_state, data, batch: Batch, carry):
         x, y = task.inputs(data, batch.idx)
         return fn(structure, params, model_state, x, y, batch.mask, carry, task)
       return body
 
     learner = self.place(learner, stacked=False)
+    program = self.method.program_structure(learner.structure)
     for b in self._train_batches(idx):
-      compiled = self._pass_fn("scan", fn, learner, build, b, carry)
+      compiled = self._pass_fn("scan", fn, learner, lambda: build(program), b, carry)
       args = (learner.params, learner.model_state, self.data, b, carry)
-      self._count_pass("scan", fn, structure, build(), args)
+      self._count_pass("scan", fn, learner, build, b, carry)
       carry = compiled(*args)
     return carry
 
@@ -378,9 +388,12 @@ class Steps:
     per training example (what the paper's "training FLOPs" count);
     `inference_per_example`: predicting one example.
     Counted from the traced computations (`alma_jax.accounting`), the same on
-    every backend.
+    every backend, for the learner's active parts (`Method.active_view`):
+    padding slots that the compiled programs also compute are not counted.
     """
-    structure, method = learner.structure, self.method
+    method = self.method
+    learner = method.active_view(learner)
+    structure = method.program_structure(learner.structure)
     trainable, frozen = method.partition(learner)
     d, b = method.num_data_orders(structure), self.batch_size
     spec = jax.ShapeDtypeStruct

@@ -209,7 +209,9 @@ def test_flat_gate_split_changes_the_function():
   before = loss_and_predictions(method, learner, x, y, mask, jax.random.key(5))
   grown = gmoe.split_expert(learner, 0, 0, jax.random.key(3))
   assert grown.structure[0][1] == ("flat", 3)
-  chex.assert_shape(grown.params["mix0"]["gate"]["kernel"], (784, 3))
+  # Three active outputs in four slots (the next power of two).
+  chex.assert_shape(grown.params["mix0"]["gate"]["kernel"], (784, 4))
+  assert grown.model_state["routing"]["mix0"]["active"].tolist() == [True] * 3 + [False]
   after = loss_and_predictions(method, grown, x, y, mask, jax.random.key(5))
   assert float(jnp.max(jnp.abs(before[2] - after[2]))) > 1e-4
 

@@ -124,6 +124,23 @@ class Method:
     """Re-initialises all parameters, keeping the learner's structure."""
     return self.init(key, learner.structure)
 
+  def program_structure(self, structure: Hashable) -> Hashable:
+    """What the compiled programs of a learner depend on: the shapes of its arrays.
+
+    Programs are compiled once per program structure and are traced with it
+    in place of `structure`, so every function that runs inside them
+    (`loss`, `predict`, `predict_units`, passes over data) must accept it.
+    A method that allocates growth in slots (gMoE experts, gEns members)
+    maps every structure that fits the same slots to one value and keeps the
+    rest (which slots are active, the gating tree) in arrays; the default is
+    the structure itself. Must be idempotent.
+    """
+    return structure
+
+  def active_view(self, learner: Learner) -> Learner:
+    """The learner without its padding slots: what Mem and Comp count (default: itself)."""
+    return learner
+
   # -- training -------------------------------------------------------------
   def num_data_orders(self, structure: Hashable) -> int:
     """How many independent data orders a train step consumes (members)."""

@@ -38,6 +38,7 @@ from alma_jax.models import moe
 
 GATINGS = ("soft", "hard")
 SPLIT_BY = ("loss", "usage")
+SLOTS = ("pow2", "max", "exact")
 
 
 def gating_tree(learner: base.Learner, layer: int) -> dict:
@@ -84,36 +85,81 @@ def losing_expert(scores) -> int:
   return int(np.argmax(scores))
 
 
-def _append_copy(tree, index: int):
-  """Appends slice `index` of every stacked leaf of `tree` at the end of axis 0."""
-  return jax.tree.map(lambda a: jnp.concatenate([a, a[index:index + 1]], axis=0), tree)
+def _resize(a, slots: int):
+  """`a` with its leading (slot) axis cut or padded to `slots` (padding repeats slot 0)."""
+  n = a.shape[0]
+  if slots <= n:
+    return a[:slots]
+  return jnp.concatenate([a, jnp.repeat(a[:1], slots - n, axis=0)], axis=0)
+
+
+def _resize_gates(lp: dict, tree, feat_dim: int, slots: int) -> dict:
+  """Gate params of layer params `lp` for `slots` expert slots (new gate slots are zeros)."""
+  out = {k: v for k, v in lp.items() if k not in ("gate", "gates")}
+  if moe.is_flat(tree):
+    g = lp["gate"]
+    pad = max(slots - g["bias"].shape[0], 0)
+    out["gate"] = {"kernel": jnp.pad(g["kernel"], ((0, 0), (0, pad)))[:, :slots],
+                   "bias": jnp.pad(g["bias"], (0, pad))[:slots]}
+  elif slots > 1:
+    g = lp.get("gates", {"kernel": jnp.zeros((0, feat_dim, 2), jnp.float32),
+                         "bias": jnp.zeros((0, 2), jnp.float32)})
+    pad = max(slots - 1 - g["bias"].shape[0], 0)
+    out["gates"] = {"kernel": jnp.pad(g["kernel"], ((0, pad), (0, 0), (0, 0)))[:slots - 1],
+                    "bias": jnp.pad(g["bias"], ((0, pad), (0, 0)))[:slots - 1]}
+  return out
+
+
+def resize_layer(state: base.Learner, layer: int, slots: int) -> base.Learner:
+  """The learner with mixture layer `layer` held in `slots` expert slots (>= its experts);
+  the function it computes is unchanged."""
+  feat_dim, tree = state.structure[layer]
+  if slots < moe.num_experts(tree):
+    raise ValueError(f"layer {layer} has {moe.num_experts(tree)} experts; {slots} slots cannot "
+                     "hold them")
+  name = moe.layer_name(layer)
+  lp = _resize_gates(state.params[name], tree, feat_dim, slots)
+  lp["experts"] = jax.tree.map(lambda a: _resize(a, slots), lp["experts"])
+  model_state = dict(state.model_state)
+  stats = model_state.get("batch_stats", {})
+  if name in stats:
+    model_state["batch_stats"] = {**stats, name: jax.tree.map(lambda a: _resize(a, slots),
+                                                              stats[name])}
+  model_state["routing"] = {**model_state["routing"],
+                            name: jax.tree.map(jnp.asarray, moe.tree_arrays(tree, slots))}
+  return state.replace(params={**state.params, name: lp}, model_state=model_state)
+
+
+def num_slots(learner: base.Learner, layer: int) -> int:
+  return int(learner.model_state["routing"][moe.layer_name(layer)]["active"].shape[0])
+
+
+def _set_slot(tree, dst: int, src: int):
+  """Every stacked leaf of `tree` with slot `dst` set to a copy of slot `src`."""
+  return jax.tree.map(lambda a: a.at[dst].set(a[src]), tree)
 
 
 def _grown_gates(lp: dict, tree, feat_dim: int, key: jax.Array, scheme: str) -> dict:
-  """The gate parameters of layer params `lp` after a split of `tree`."""
+  """The gate parameters of layer params `lp` after a split of `tree` (a free slot exists)."""
   if moe.is_flat(tree):
-    g = lp["gate"]
+    g, e = lp["gate"], moe.num_experts(tree)
     column, bias = moe.init_gate(key, feat_dim, 1, scheme)
-    return {"gate": {"kernel": jnp.concatenate([g["kernel"], column.astype(g["kernel"].dtype)],
-                                               axis=1),
-                     "bias": jnp.concatenate([g["bias"], bias.astype(g["bias"].dtype)])}}
+    return {"gate": {"kernel": g["kernel"].at[:, e].set(column[:, 0].astype(g["kernel"].dtype)),
+                     "bias": g["bias"].at[e].set(bias[0].astype(g["bias"].dtype))}}
   kernel, bias = moe.init_gate(key, feat_dim, 2, scheme)
-  kernel, bias = kernel[None], bias[None]
-  if "gates" in lp:
-    old = lp["gates"]
-    kernel = jnp.concatenate([old["kernel"], kernel.astype(old["kernel"].dtype)], axis=0)
-    bias = jnp.concatenate([old["bias"], bias.astype(old["bias"].dtype)], axis=0)
-  return {"gates": {"kernel": kernel, "bias": bias}}
+  g, i = lp["gates"], moe.num_gates(tree)
+  return {"gates": {"kernel": g["kernel"].at[i].set(kernel.astype(g["kernel"].dtype)),
+                    "bias": g["bias"].at[i].set(bias.astype(g["bias"].dtype))}}
 
 
 def split_expert(state: base.Learner, layer: int, leaf: int, key: jax.Array,
-                 scheme: str = "lecun") -> base.Learner:
+                 scheme: str = "lecun", slots: int | None = None) -> base.Learner:
   """Splits expert `leaf` of mixture layer `layer` into two (eq. 3 of the paper).
 
   Tree gating: the leaf becomes an internal node with a new gate (drawn from
   `key` by `scheme`: LeCun-normal kernel and zero bias, or PyTorch's Linear
   default, see `alma_jax.models.moe.init_gate`); its children are the old expert (left)
-  and an exact copy of it (right), appended to the stacked experts together
+  and an exact copy of it (right), written into the next free slot together
   with a copy of its BatchNorm statistics. As the two children are equal, the
   network computes the same function before and after the split, for any
   value of the new gate, with soft and hard gating alike.
@@ -122,12 +168,18 @@ def split_expert(state: base.Learner, layer: int, leaf: int, key: jax.Array,
   softmax gate (a new random kernel column, zero bias); this changes the
   weights of all experts, so the function changes.
 
+  A split inside the layer's slots edits values and routing arrays only (the
+  shapes, hence the compiled programs, stay); a full layer first grows to
+  `slots` slots.
+
   Args:
     state: the learner (not modified).
     layer: index of the mixture layer (0 = the first mixture).
     leaf: the expert to split (its index on the stacked axis).
     key: PRNG key of the new gate.
     scheme: the initialisation of the new gate ("lecun" or "torch").
+    slots: the layer's slots after the split (None: unchanged while one is
+      free, else the next power of two).
 
   Returns:
     A new learner with one more expert (and one more gate) in `layer`.
@@ -137,17 +189,31 @@ def split_expert(state: base.Learner, layer: int, leaf: int, key: jax.Array,
     raise ValueError(f"layer {layer} is not a mixture layer; the learner has {len(structure)}")
   feat_dim, tree = structure[layer]
   new_tree = moe.split_leaf(tree, leaf)  # checks that `leaf` is a leaf
+  e = moe.num_experts(tree)
+  if slots is None:
+    current = num_slots(state, layer)
+    slots = current if e < current else moe.next_power_of_two(e + 1)
+  state = resize_layer(state, layer, max(int(slots), e + 1))
   name = moe.layer_name(layer)
   lp = dict(state.params[name])
-  lp["experts"] = _append_copy(lp["experts"], leaf)
+  lp["experts"] = _set_slot(lp["experts"], e, leaf)
   lp.update(_grown_gates(lp, tree, feat_dim, key, scheme))
-  params = {**state.params, name: lp}
-  model_state = state.model_state
+  model_state = dict(state.model_state)
   stats = model_state.get("batch_stats", {})
   if name in stats:
-    model_state = {**model_state, "batch_stats": {**stats, name: _append_copy(stats[name], leaf)}}
+    model_state["batch_stats"] = {**stats, name: _set_slot(stats[name], e, leaf)}
+  model_state["routing"] = {**model_state["routing"], name: jax.tree.map(
+      jnp.asarray, moe.tree_arrays(new_tree, num_slots(state, layer)))}
   new_structure = structure[:layer] + ((feat_dim, new_tree),) + structure[layer + 1:]
-  return base.Learner(params=params, model_state=model_state, structure=new_structure)
+  return base.Learner(params={**state.params, name: lp}, model_state=model_state,
+                      structure=new_structure)
+
+
+def active_view(learner: base.Learner) -> base.Learner:
+  """The learner with every layer cut to its active experts (no padding slots)."""
+  for layer, (_, tree) in enumerate(learner.structure):
+    learner = resize_layer(learner, layer, moe.num_experts(tree))
+  return learner
 
 
 # -- the method ------------------------------------------------------------------------------------
@@ -179,6 +245,10 @@ class GrowingMoE(base.Method):
               "side of the average pool of a VGG block's gate input"),
       F.Field("method.max_experts", 0, F.integer(0),
               "stop splitting a layer at this many experts (0: no limit)"),
+      F.Field("method.slots", "pow2", F.choice(SLOTS),
+              "expert slots a layer is allocated in: pow2 (the next power of two: one "
+              "compiled structure per power of two), max (max_experts slots from the start: "
+              "one structure) or exact (no padding: one structure per split)"),
   )
 
   def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
@@ -188,6 +258,9 @@ class GrowingMoE(base.Method):
       raise ConfigError(
           f"config.method.max_experts={o.max_experts} is below config.method.initial_experts="
           f"{o.initial_experts}; use 0 (no limit) or at least {o.initial_experts}")
+    if o.slots == "max" and not o.max_experts:
+      raise ConfigError("config.method.slots='max' needs config.method.max_experts > 0; "
+                        f"allowed values of config.method.slots: {list(SLOTS)}")
     if o.grow and bool(config.train.get("keep_optimizer_state", False)):
       raise ConfigError(
           "config.train.keep_optimizer_state=True is not supported by gmoe with "
@@ -217,12 +290,38 @@ class GrowingMoE(base.Method):
       raise ValueError(f"structure {structure!r} does not fit gmoe with config.model.name="
                        f"{self.config.model.name!r} and config.method.tree={self.opts.tree}")
 
+  def slots(self, experts: int) -> int:
+    """The expert slots of a layer with `experts` experts (`method.slots`)."""
+    if self.opts.slots == "exact":
+      return experts
+    if self.opts.slots == "max":
+      return max(self.opts.max_experts, experts)
+    return moe.next_power_of_two(experts)
+
   def init(self, key: jax.Array, structure: Hashable | None = None) -> base.Learner:
     if structure is None or structure == ():
       structure = self.initial_structure()
     self.check_structure(structure)
-    params, model_state = moe.jitted_init(self.net, structure, self.input_shape)(key)
+    slots = tuple(self.slots(n) for n in experts_per_layer(structure))
+    params, model_state = moe.jitted_init(self.net, structure, self.input_shape, slots)(key)
     return base.Learner(params=params, model_state=model_state, structure=structure)
+
+  def program_structure(self, structure) -> Hashable:
+    """Each layer's gate features and slots: ("slots", C) or, flat, ("flat", C); the
+    tree itself is in the routing arrays."""
+    out = []
+    for f, tree in structure:
+      if moe.is_flat(tree):
+        out.append((f, (moe.FLAT, self.slots(tree[1]))))
+      elif isinstance(tree, tuple) and tree[:1] == ("slots",):
+        out.append((f, tree))
+      else:
+        out.append((f, ("slots", self.slots(moe.num_experts(tree)))))
+    return tuple(out)
+
+  def active_view(self, learner: base.Learner) -> base.Learner:
+    """The learner without padding slots, as shapes (`jax.ShapeDtypeStruct` leaves)."""
+    return jax.eval_shape(active_view, learner)
 
   # -- training and inference -------------------------------------------------------------------
   def forward(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
@@ -242,10 +341,11 @@ class GrowingMoE(base.Method):
   def routing_weights(self, learner: base.Learner, x) -> list[jnp.ndarray]:
     """Test-time leaf weights (b, E) of every mixture layer for normalised inputs `x`."""
     structure = learner.structure
-    if structure not in self._route_fns:
-      self._route_fns[structure] = jax.jit(lambda p, s, x: self.forward(
-          structure, p, s, x, train=False)[2])
-    return self._route_fns[structure](learner.params, learner.model_state, jnp.asarray(x))
+    key = self.program_structure(structure)
+    if key not in self._route_fns:
+      self._route_fns[key] = jax.jit(lambda p, s, x: self.forward(key, p, s, x, train=False)[2])
+    weights = self._route_fns[key](learner.params, learner.model_state, jnp.asarray(x))
+    return [w[:, :e] for w, e in zip(weights, experts_per_layer(structure))]  # no padding
 
   def route(self, learner: base.Learner, x, layer: int) -> np.ndarray:
     """The expert (leaf) of each example in mixture layer `layer`: the leaf reached by
@@ -257,7 +357,8 @@ class GrowingMoE(base.Method):
 
   # -- growth -----------------------------------------------------------------------------------
   def score_batch(self, structure, params, model_state, x, y, mask, task):
-    """Per-expert growth scores (`split_by`) of one batch, for every mixture layer."""
+    """Per-slot growth scores (`split_by`) of one batch, for every mixture layer (padding
+    slots score 0)."""
     logits, _, weights = self.forward(structure, params, model_state, x, train=False)
     _, nll = task.per_example(jax.nn.log_softmax(logits), y)
     return [expert_scores(w, nll, mask, self.opts.split_by) for w in weights]
@@ -277,11 +378,12 @@ class GrowingMoE(base.Method):
   def grow_learner(self, learner: base.Learner, scores, key: jax.Array) -> base.Learner:
     """Splits the losing expert (arg-max of `scores[l]`) of every layer below `max_experts`."""
     for layer, layer_scores in enumerate(scores):
-      if self.opts.max_experts and len(layer_scores) >= self.opts.max_experts:
+      e = moe.num_experts(learner.structure[layer][1])
+      if self.opts.max_experts and e >= self.opts.max_experts:
         continue
-      leaf = losing_expert(layer_scores)
+      leaf = losing_expert(np.asarray(layer_scores)[:e])
       learner = split_expert(learner, layer, leaf, jax.random.fold_in(key, layer),
-                             self.net.init_scheme)
+                             self.net.init_scheme, self.slots(e + 1))
     return learner
 
   def before_stage(self, learner: base.Learner, key: jax.Array, ctx) -> base.Learner:
@@ -292,6 +394,10 @@ class GrowingMoE(base.Method):
     return self.grow_learner(learner, [np.asarray(s, np.float64) for s in scores], key)
 
   # -- accounting -------------------------------------------------------------------------------
+  def num_params(self, learner: base.Learner) -> int:
+    """Parameters of the active experts and gates (padding slots do not count)."""
+    return base.count_params(self.active_view(learner).params)
+
   def describe(self, learner: base.Learner) -> dict:
     structure = learner.structure
     return {"num_params": self.num_params(learner),

@@ -31,6 +31,16 @@ Parameters (and BatchNorm statistics under `model_state["batch_stats"]`)
 are stored per layer under `mix{l}`: `{"experts": stacked expert params,
 "gates": {"kernel": (G, F, 2), "bias": (G, 2)}}` (no "gates" when G = 0), or
 `{"experts": ..., "gate": {"kernel": (F, E), "bias": (E,)}}` for flat gating.
+
+Slots: the stacked axes hold C >= E expert slots (and C - 1 gate slots, or C
+outputs of a flat gate); experts 0 ... E-1 are active, the others padding.
+The tree is also held as arrays in `model_state["routing"][mix{l}]`
+(`tree_arrays`): `active` (C,) and `path` (C, C-1), the side (1 left, 2
+right, 0 none) that each expert's root-to-leaf path takes at each gate. The
+compiled programs read the tree from these arrays, so a split that fits in
+the slots changes values, not shapes, and reuses them. A padding slot has
+weight 0, so it changes neither the output nor any gradient, and its
+BatchNorm statistics are kept as they are.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from typing import Any, Hashable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from alma_jax.models import conv
 from alma_jax.models import inits
@@ -150,6 +161,61 @@ def tree_dict(tree: Tree) -> dict:
   return {"gate": tree[0], "children": [tree_dict(tree[1]), tree_dict(tree[2])]}
 
 
+def tree_arrays(tree: Tree, slots: int) -> dict:
+  """The tree as arrays for `slots` expert slots: {"active": (C,) bool, "path": (C, C-1) int8}.
+
+  `path[e, g]` is 1 (2) when expert e's root-to-leaf path goes to the left
+  (right) child of gate g, else 0. Without gates (flat gating, one slot) it
+  has one column of zeros.
+  """
+  e = num_experts(tree)
+  if slots < e:
+    raise ValueError(f"{slots} slots cannot hold the {e} experts of {tree!r}")
+  gates = 1 if is_flat(tree) else max(slots - 1, 1)  # a column at least: no empty array
+  path = np.zeros((slots, gates), np.int8)
+
+  def walk(node, steps):
+    if isinstance(node, int):
+      for g, side in steps:
+        path[node, g] = side
+      return
+    walk(node[1], steps + [(node[0], 1)])
+    walk(node[2], steps + [(node[0], 2)])
+
+  if not is_flat(tree):
+    walk(tree, [])
+  return {"active": np.arange(slots) < e, "path": path}
+
+
+def tree_from_arrays(active, path, flat: bool = False) -> Tree:
+  """Inverse of `tree_arrays` (gate indices increase from the root to the leaves)."""
+  active, path = np.asarray(active, bool), np.asarray(path)
+  e = int(active.sum())
+  if not active[:e].all():
+    raise ValueError(f"the active experts must be the first slots; got {active.tolist()}")
+  if flat:
+    return (FLAT, e)
+
+  def build(experts):
+    if len(experts) == 1:
+      return int(experts[0])
+    # The subtree's root gate: on every path of the subtree, sending some left, some right.
+    cols = path[experts]
+    roots = [g for g in range(path.shape[1])
+             if cols[:, g].all() and (cols[:, g] == 1).any() and (cols[:, g] == 2).any()]
+    if len(roots) != 1:
+      raise ValueError(f"invalid routing arrays: experts {experts} have {len(roots)} root gates")
+    g = roots[0]
+    return (g, build([x for x in experts if path[x, g] == 1]),
+            build([x for x in experts if path[x, g] == 2]))
+
+  return build(list(range(e)))
+
+
+def next_power_of_two(n: int) -> int:
+  return 1 << max(int(n) - 1, 0).bit_length()
+
+
 # -- gates -------------------------------------------------------------------------------
 def adaptive_pool_size(size: int, pool: int) -> int:
   """Output side of the gate's average pool: the largest divisor of `size` <= `pool`."""
@@ -182,75 +248,94 @@ def init_gate(key: jax.Array, features: int, outputs: int,
   return inits.linear_params(key, features, outputs, scheme)
 
 
-def init_gates(key: jax.Array, tree: Tree, features: int, scheme: str = "lecun") -> dict:
-  """Randomly initialised gate params of a layer ({} for a single expert in a tree)."""
+def init_gates(key: jax.Array, tree: Tree, features: int, scheme: str = "lecun",
+               slots: int | None = None) -> dict:
+  """Randomly initialised gate params of a layer ({} for a single slot in a tree).
+
+  `slots`: the expert slots (None: the tree's experts); a tree gets one
+  gate per slot but one, drawn as `jax.random.split` of `key` (so the first
+  gates do not depend on the slots), a flat gate one output per slot.
+  """
   if is_flat(tree):
-    kernel, bias = init_gate(key, features, tree[1], scheme)
+    kernel, bias = init_gate(key, features, slots or tree[1], scheme)
     return {"gate": {"kernel": kernel, "bias": bias}}
-  g = num_gates(tree)
-  if g == 0:
+  g = num_gates(tree) if slots is None else slots - 1
+  if g <= 0:
     return {}
   kernels, biases = jax.vmap(lambda k: init_gate(k, features, 2, scheme))(jax.random.split(key, g))
   return {"gates": {"kernel": kernels, "bias": biases}}
 
 
-def _node_values(tree, lp, feats, *, train: bool, hard: bool, rng):
-  """Per-node (or, flat, per-expert) gate values: probabilities, or hard one-hots."""
-  if is_flat(tree):
-    logits = feats @ lp["gate"]["kernel"] + lp["gate"]["bias"]
-    probs = jax.nn.softmax(logits, -1)
-    if not hard:
-      return probs
-    choice = jax.random.categorical(rng, logits) if train else jnp.argmax(probs, -1)
+def _choose(logits, probs, *, train: bool, hard: bool, rng, per_gate: bool):
+  """Gate values: probabilities (soft), or one-hots (hard; straight-through in training)."""
+  if not hard:
+    return probs
+  if not train:
+    choice = jnp.argmax(probs, -1)
+  elif per_gate:
+    # One uniform per (gate, example), keyed by the gate's index: a split keeps the old
+    # gates' draws, so the sampled path (and the loss) is unchanged by it.
+    keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(probs.shape[1]))
+    u = jax.vmap(lambda k: jax.random.uniform(k, (probs.shape[0],)))(keys).T
+    choice = (u < probs[..., 1]).astype(jnp.int32)
   else:
-    g = lp["gates"]
-    probs = jax.nn.softmax(jnp.einsum("bf,gfk->bgk", feats, g["kernel"]) + g["bias"], -1)
-    if not hard:
-      return probs
-    if train:
-      # One uniform per (gate, example), keyed by the gate's index: a split keeps the old
-      # gates' draws, so the sampled path (and the loss) is unchanged by it.
-      keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(probs.shape[1]))
-      u = jax.vmap(lambda k: jax.random.uniform(k, (probs.shape[0],)))(keys).T
-      choice = (u < probs[..., 1]).astype(jnp.int32)
-    else:
-      choice = jnp.argmax(probs, -1)
+    choice = jax.random.categorical(rng, logits)
   one_hot = jax.nn.one_hot(choice, probs.shape[-1], dtype=probs.dtype)
   if train:  # straight-through: the forward value is the one-hot, the gradient that of probs
     return one_hot + probs - jax.lax.stop_gradient(probs)
   return one_hot
 
 
-def _tree_product(tree: Tree, values: jnp.ndarray) -> jnp.ndarray:
-  """(b, G, 2) node values -> (b, E) leaf weights: products along root-to-leaf paths."""
-  cols: dict[int, jnp.ndarray] = {}
+def _path_product(path, values: jnp.ndarray) -> jnp.ndarray:
+  """(b, G, 2) gate values -> (b, C) products along each slot's path (`tree_arrays`).
 
-  def walk(node, w):
-    if isinstance(node, int):
-      cols[node] = w
-      return
-    g, left, right = node
-    for side, child in ((0, left), (1, right)):
-      v = values[:, g, side]
-      walk(child, v if w is None else w * v)
+  Gates are multiplied in index order, root first (gate indices grow from
+  the root to the leaves), and off-path gates multiply by exactly 1, so an
+  expert's weight is bitwise the product along its path.
+  """
+  w = None
+  for g in range(min(path.shape[1], values.shape[1])):
+    side = path[:, g]
+    v = jnp.where(side == 1, values[:, g, :1],
+                  jnp.where(side == 2, values[:, g, 1:], jnp.ones((), values.dtype)))
+    w = v if w is None else w * v
+  return w
 
-  walk(tree, None)
-  return jnp.stack([cols[e] for e in range(len(cols))], -1)
+
+def routed_weights(routing: dict, lp: dict, feats: jnp.ndarray, *, flat: bool = False,
+                   train: bool = False, hard: bool = False,
+                   rng: jax.Array | None = None) -> jnp.ndarray:
+  """Weights (b, C) of a layer's expert slots from its routing arrays (`tree_arrays`): the
+  products of gate values along each active expert's path; 0 for padding slots."""
+  active = routing["active"]
+  if active.shape[0] == 1:
+    return jnp.ones((feats.shape[0], 1), feats.dtype)
+  if hard and train and rng is None:
+    raise ValueError("hard gating in training needs a PRNG key")
+  if flat:
+    logits = feats @ lp["gate"]["kernel"] + lp["gate"]["bias"]
+    logits = jnp.where(active, logits, -jnp.inf)
+    w = _choose(logits, jax.nn.softmax(logits, -1), train=train, hard=hard, rng=rng,
+                per_gate=False)
+  else:
+    g = lp["gates"]
+    logits = jnp.einsum("bf,gfk->bgk", feats, g["kernel"]) + g["bias"]
+    values = _choose(logits, jax.nn.softmax(logits, -1), train=train, hard=hard, rng=rng,
+                     per_gate=True)
+    w = _path_product(routing["path"], values)
+  return jnp.where(active, w, jnp.zeros((), w.dtype))
 
 
 def leaf_weights(tree: Tree, lp: dict, feats: jnp.ndarray, *, train: bool = False,
                  hard: bool = False, rng: jax.Array | None = None) -> jnp.ndarray:
-  """Weights (b, E) of the layer's experts for gate features `feats` (b, F).
+  """Weights (b, E) of the experts of `tree` (gates `lp` without padding) for gate features
+  `feats` (b, F).
 
   Soft: probabilities summing to 1 per example. Hard: a one-hot vector (in
   training, with the straight-through gradient; `rng` is then required).
   """
-  if not is_flat(tree) and isinstance(tree, int):
-    return jnp.ones((feats.shape[0], 1), feats.dtype)
-  if hard and train and rng is None:
-    raise ValueError("hard gating in training needs a PRNG key")
-  values = _node_values(tree, lp, feats, train=train, hard=hard, rng=rng)
-  return values if is_flat(tree) else _tree_product(tree, values)
+  routing = jax.tree.map(jnp.asarray, tree_arrays(tree, num_experts(tree)))
+  return routed_weights(routing, lp, feats, flat=is_flat(tree), train=train, hard=hard, rng=rng)
 
 
 def greedy_leaf(tree: Tree, weights: jnp.ndarray) -> jnp.ndarray:
@@ -392,39 +477,49 @@ def make_net(model_config, num_classes: int, gate_pool: int = 4) -> MoENet:
                    "valid names: ['mlp', 'vgg']")
 
 
-def init(net: MoENet, key: jax.Array, structure, input_shape) -> tuple[dict, dict]:
-  """Params and model state of `net` for `structure` (experts initialised independently)."""
+def init(net: MoENet, key: jax.Array, structure, input_shape,
+         slots: Sequence[int] | None = None) -> tuple[dict, dict]:
+  """Params and model state of `net` for `structure` (experts initialised independently).
+
+  `slots`: the expert slots of each layer (None: as many as its experts);
+  slot e is drawn from `jax.random.split(key_l, C)[e]`, so the active
+  experts do not depend on the slots.
+  """
   shapes = net.layer_input_shapes(input_shape)
   k_stem, k_head, k_layers = jax.random.split(key, 3)
-  params, stats = {}, {}
+  params, stats, routing = {}, {}, {}
   x_shape = tuple(input_shape)
   if net.stem is not None:
     params["stem"], s = init_module(net.stem, k_stem, x_shape)
     if s is not None:
       stats["stem"] = s
   for l, (module, (feat_dim, tree), shape) in enumerate(zip(net.experts, structure, shapes)):
+    c = num_experts(tree) if slots is None else int(slots[l])
     k_exp, k_gate = jax.random.split(jax.random.fold_in(k_layers, l))
-    keys = jax.random.split(k_exp, num_experts(tree))
+    keys = jax.random.split(k_exp, c)
     p, s = jax.vmap(lambda k, m=module, sh=shape: init_module(m, k, sh))(keys)
-    params[layer_name(l)] = {"experts": p, **init_gates(k_gate, tree, feat_dim, net.init_scheme)}
+    name = layer_name(l)
+    params[name] = {"experts": p, **init_gates(k_gate, tree, feat_dim, net.init_scheme, c)}
+    routing[name] = jax.tree.map(jnp.asarray, tree_arrays(tree, c))
     if s is not None:
-      stats[layer_name(l)] = s
+      stats[name] = s
   params["head"], _ = init_module(net.head, k_head, shapes[-1])
-  return params, ({"batch_stats": stats} if stats else {})
+  return params, ({"batch_stats": stats} if stats else {}) | {"routing": routing}
 
 
 @functools.lru_cache(maxsize=256)
-def jitted_init(net: MoENet, structure, input_shape: tuple[int, ...]):
-  """`init` compiled for one (net, structure, input shape); shared by equal nets."""
-  return jax.jit(lambda key: init(net, key, structure, input_shape))
+def jitted_init(net: MoENet, structure, input_shape: tuple[int, ...],
+                slots: tuple[int, ...] | None = None):
+  """`init` compiled for one (net, structure, input shape, slots); shared by equal nets."""
+  return jax.jit(lambda key: init(net, key, structure, input_shape, slots))
 
 
-def mixture(net: MoENet, layer: int, tree: Tree, lp: dict, stats, x, *, train: bool, hard: bool,
-            mask=None, rng=None):
-  """One mixture layer: returns (output, new stacked stats, leaf weights (b, E))."""
+def mixture(net: MoENet, layer: int, routing: dict, lp: dict, stats, x, *, flat: bool,
+            train: bool, hard: bool, mask=None, rng=None):
+  """One mixture layer: returns (output, new stacked stats, slot weights (b, C))."""
   module = net.experts[layer]
-  weights = leaf_weights(tree, lp, gate_features(x, net.gate_pool), train=train, hard=hard,
-                         rng=rng)
+  weights = routed_weights(routing, lp, gate_features(x, net.gate_pool), flat=flat, train=train,
+                           hard=hard, rng=rng)
   if hard and not train and net.gather_hard_eval and weights.shape[-1] > 1:
     chosen = jnp.argmax(weights, -1)
     per_example = jax.tree.map(lambda a: a[chosen], (lp["experts"], stats))
@@ -437,12 +532,21 @@ def mixture(net: MoENet, layer: int, tree: Tree, lp: dict, stats, x, *, train: b
 
   ys, new_stats = jax.vmap(run)(lp["experts"], stats)
   y = jnp.einsum("be,eb...->b...", weights.astype(ys.dtype), ys)
+  if new_stats is not None and stats is not None:  # padding slots keep their statistics
+    active = routing["active"]
+    new_stats = jax.tree.map(
+        lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o), new_stats,
+        stats)
   return y, new_stats, weights
 
 
 def apply(net: MoENet, structure, params, model_state, x, *, train: bool, hard: bool = False,
           mask=None, rng=None):
-  """The whole backbone; returns (logits, new model_state, [leaf weights of each layer])."""
+  """The whole backbone; returns (logits, new model_state, [slot weights of each layer]).
+
+  The tree of each layer is read from `model_state["routing"]`; `structure`
+  only says which layers use flat gating.
+  """
   stats = model_state.get("batch_stats", {})
   new_stats = dict(stats)
   if net.stem is not None:
@@ -453,11 +557,11 @@ def apply(net: MoENet, structure, params, model_state, x, *, train: bool, hard: 
   for l, (_, tree) in enumerate(structure):
     name = layer_name(l)
     lrng = None if rng is None else jax.random.fold_in(rng, l)
-    x, s, w = mixture(net, l, tree, params[name], stats.get(name), x, train=train, hard=hard,
-                      mask=mask, rng=lrng)
+    x, s, w = mixture(net, l, model_state["routing"][name], params[name], stats.get(name), x,
+                      flat=is_flat(tree), train=train, hard=hard, mask=mask, rng=lrng)
     if s is not None:
       new_stats[name] = s
     all_weights.append(w)
   logits = net.head.apply({"params": params["head"]}, x)
   new_state = {"batch_stats": new_stats} if new_stats else {}
-  return logits, new_state, all_weights
+  return logits, new_state | {"routing": model_state["routing"]}, all_weights
