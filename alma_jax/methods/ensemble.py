@@ -28,6 +28,13 @@ slower than separate ones (see benchmarks/ensemble_strategy.py), so "auto" is
 "loop" for the VGG backbone on CPU and "vmap" otherwise. With vmap, more than
 `VMAP_CHUNK` members run as a Python loop over chunks of that many, which
 bounds the memory of the activations.
+
+gEns holds its members in slots (`method.slots`: the next power of two by
+default): params and model_state have C >= n slots on the member axis, and
+`model_state["slots"]["active"]` (C,) says which are members (the first n).
+Adding a member inside the slots writes values, so the compiled programs
+(keyed by `(C, k)`, `program_structure`) are reused; padding slots run in
+evaluation but are masked out of the prediction, and are never trained.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from typing import Any, Callable, Hashable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from alma_jax import fields as F
 from alma_jax.errors import ConfigError
@@ -45,6 +53,8 @@ from alma_jax.methods.registry import register
 
 PyTree = Any
 MEMBER_INITS = ("copy", "fresh")
+SLOTS = ("pow2", "exact")
+SLOTS_KEY = "slots"  # model_state[SLOTS_KEY]["active"]: which member slots hold members
 VMAP_CHUNK = 32
 # Backbones that "auto" runs as a loop on CPU (convolutions; measured by
 # benchmarks/ensemble_strategy.py).
@@ -114,13 +124,42 @@ def _restack(frozen, trainable, num_frozen: int):
   return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=0), frozen, trainable)
 
 
+def backbone_state(model_state: PyTree) -> PyTree:
+  """The stacked backbones' model state (without the slot bookkeeping)."""
+  if isinstance(model_state, dict) and SLOTS_KEY in model_state:
+    return {k: v for k, v in model_state.items() if k != SLOTS_KEY}
+  return model_state
+
+
+def active_slots(model_state: PyTree):
+  """(C,) which member slots hold members, or None when every slot does."""
+  if isinstance(model_state, dict) and SLOTS_KEY in model_state:
+    return model_state[SLOTS_KEY]["active"]
+  return None
+
+
+def _with_slots(model_state: PyTree, active) -> PyTree:
+  return {**backbone_state(model_state), SLOTS_KEY: {"active": jnp.asarray(active)}}
+
+
+def _resize(tree: PyTree, slots: int) -> PyTree:
+  """Every stacked leaf cut or padded (with copies of slot 0) to `slots` slots."""
+  def one(a):
+    if slots <= a.shape[0]:
+      return a[:slots]
+    return jnp.concatenate([a, jnp.repeat(a[:1], slots - a.shape[0], axis=0)], axis=0)
+  return jax.tree.map(one, tree)
+
+
 # -- growth: add_member ---------------------------------------------------------------------------
 def _new_members(state: base.Learner, key: jax.Array, init: str, k: int,
                  init_fn: Callable | None) -> tuple[PyTree, PyTree]:
   """k new members, stacked: fresh ones from `init_fn`, or copies of the last member."""
   if init == "copy":
-    last = lambda a: jnp.repeat(a[-1:], k, axis=0)
-    return jax.tree.map(last, state.params), jax.tree.map(last, state.model_state)
+    n = state.structure[0]
+    last = lambda a: jnp.repeat(a[n - 1:n], k, axis=0)
+    return (jax.tree.map(last, state.params),
+            jax.tree.map(last, backbone_state(state.model_state)))
   if init_fn is None:
     raise ValueError("add_member(init='fresh') needs init_fn: key -> (params, model_state) of one member")
   members = [init_fn(jax.random.fold_in(key, j)) for j in range(k)]
@@ -141,7 +180,8 @@ def _concat(old: PyTree, new: PyTree, what: str) -> PyTree:
 
 
 def add_member(state: base.Learner, key: jax.Array, *, init: str = "fresh", k: int = 1,
-               init_fn: Callable[[jax.Array], tuple[PyTree, PyTree]] | None = None) -> base.Learner:
+               init_fn: Callable[[jax.Array], tuple[PyTree, PyTree]] | None = None,
+               slots: int | None = None) -> base.Learner:
   """Appends `k` members to a stacked ensemble (gEns growth, paper section 4.2).
 
   Args:
@@ -153,24 +193,42 @@ def add_member(state: base.Learner, key: jax.Array, *, init: str = "fresh", k: i
     k: how many members to add.
     init_fn: key -> (params, model_state) of one unstacked member; needed for
       "fresh".
+    slots: the member slots after the growth. None: a learner in slots (with
+      `model_state["slots"]`) keeps its slots while the new members fit and
+      grows to the next power of two otherwise; a learner without slots gets
+      exactly `num_members + k` members, as before.
 
   Returns:
     A new learner with `num_members + k` members whose first `num_members`
     slices are the old members, bitwise; its structure is
-    `(num_members + k, k)`: the new members are the trainable ones.
+    `(num_members + k, k)`: the new members are the trainable ones. Inside
+    the slots only values change (the same shapes, the same programs).
   """
   if init not in MEMBER_INITS:
     raise ValueError(f"add_member: init={init!r} is unknown; valid values: {list(MEMBER_INITS)}")
   if isinstance(k, bool) or not isinstance(k, int) or k < 1:
     raise ValueError(f"add_member: k={k!r} must be an integer >= 1")
-  n = num_members(state.params)
+  c = num_members(state.params)
+  active = active_slots(state.model_state)
+  n = state.structure[0] if isinstance(state.structure, tuple) and state.structure else None
   if not (isinstance(state.structure, tuple) and len(state.structure) == 2
-          and state.structure[0] == n):
+          and isinstance(n, int) and (n == c or (active is not None and n <= c))):
     raise ValueError(f"add_member needs an ensemble learner with structure (num_members, "
                      f"num_trainable) and {n} stacked members; got structure {state.structure!r}")
   params, model_state = _new_members(state, key, init, k, init_fn)
-  return base.Learner(params=_concat(state.params, params, "params"),
-                      model_state=_concat(state.model_state, model_state, "model_state"),
+  if active is None and slots is None:
+    return base.Learner(params=_concat(state.params, params, "params"),
+                        model_state=_concat(state.model_state, model_state, "model_state"),
+                        structure=(n + k, k))
+  if slots is None:
+    slots = c if n + k <= c else 1 << (n + k - 1).bit_length()
+  slots = max(int(slots), n + k)
+  _concat(state.params, params, "params")  # checks the new members' trees
+  _concat(backbone_state(state.model_state), model_state, "model_state")
+  put = lambda old, new: jax.tree.map(lambda a, b: a.at[n:n + k].set(b), _resize(old, slots), new)
+  return base.Learner(params=put(state.params, params),
+                      model_state=_with_slots(put(backbone_state(state.model_state), model_state),
+                                              np.arange(slots) < n + k),
                       structure=(n + k, k))
 
 
@@ -243,31 +301,50 @@ class Ensemble(base.SingleBackbone, base.Method):
       xi, mi = xm if stacked_x else (x, mask)
       return self.apply_backbone(p, s, xi, train=train, mask=mi)
 
-    stacked = (params, model_state) + ((x, mask) if stacked_x else ())
-    return map_members(one, stacked, self.run_as)
+    stacked = (params, backbone_state(model_state)) + ((x, mask) if stacked_x else ())
+    logits, new_state = map_members(one, stacked, self.run_as)
+    active = active_slots(model_state)
+    return logits, (new_state if active is None else _with_slots(new_state, active))
 
   def loss(self, structure, trainable, frozen, model_state, x, y, mask, rng):
     """Sum over the trained members of each one's masked cross-entropy on its own x[i]."""
     del frozen, rng
     n, k = structure
-    frozen_state, state = _split(model_state, n - k)
+    active = active_slots(model_state)
 
     def one(p, s, xi, yi, mi):
       logits, new_s = self.apply_backbone(p, s, xi, train=True, mask=mi)
       return base.masked_cross_entropy(logits, yi, mi), new_s
 
+    if active is None:
+      frozen_state, state = _split(model_state, n - k)
+      losses, new_state = map_members(one, (trainable, state, x, y, mask), self.run_as)
+      return jnp.sum(losses), _restack(frozen_state, new_state, n - k)
+    # Slots: the trained members are slots [n - k, n), n counted from the active slots.
+    start = jnp.sum(active.astype(jnp.int32)) - k
+    members = backbone_state(model_state)
+    state = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, k), members)
     losses, new_state = map_members(one, (trainable, state, x, y, mask), self.run_as)
-    return jnp.sum(losses), _restack(frozen_state, new_state, n - k)
+    members = jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, start, 0),
+                           members, new_state)
+    return jnp.sum(losses), _with_slots(members, active)
 
   # -- inference ------------------------------------------------------------------------------------
   def predict(self, structure, params, model_state, x) -> jnp.ndarray:
     """The members' combined prediction (`combine_members`)."""
     logits, _ = self.member_logits(params, model_state, x, train=False, stacked_x=False)
-    return self.combine_members(logits, structure[0])
+    return self.combine_members(logits, structure[0], active_slots(model_state))
 
-  def combine_members(self, logits, n: int) -> jnp.ndarray:
-    """log(mean_i softmax(logits_i)): the mean of the members' probabilities."""
-    return jax.nn.logsumexp(jax.nn.log_softmax(logits), axis=0) - math.log(n)
+  def combine_members(self, logits, n: int, active=None) -> jnp.ndarray:
+    """log(mean_i softmax(logits_i)): the mean of the members' probabilities (over the
+    `active` slots alone when given)."""
+    logp = jax.nn.log_softmax(logits)
+    if active is None:
+      return jax.nn.logsumexp(logp, axis=0) - math.log(n)
+    count = (math.log(int(np.sum(active))) if isinstance(active, np.ndarray)
+             else jnp.log(jnp.sum(active).astype(logp.dtype)))
+    logp = jnp.where(active[:, None, None], logp, -jnp.inf)
+    return jax.nn.logsumexp(logp, axis=0) - count
 
   # -- best-epoch selection: every trained member on its own ------------------------------------
   units_are_parts = True
@@ -278,14 +355,20 @@ class Ensemble(base.SingleBackbone, base.Method):
   def predict_units(self, structure, params, model_state, x):
     n, k = structure
     logits, _ = self.member_logits(params, model_state, x, train=False, stacked_x=False)
-    return self.combine_members(logits, n), jax.nn.log_softmax(logits[n - k:])
+    active = active_slots(model_state)
+    if active is None:
+      return self.combine_members(logits, n), jax.nn.log_softmax(logits[n - k:])
+    start = jnp.sum(active.astype(jnp.int32)) - k
+    trained = jax.lax.dynamic_slice_in_dim(logits, start, k)
+    return self.combine_members(logits, n, active), jax.nn.log_softmax(trained)
 
   def select_units(self, structure, take, new: base.Learner, old: base.Learner) -> base.Learner:
     n, k = structure
-    members = jnp.concatenate([jnp.zeros((n - k,), bool), take])
+    c = num_members(new.params)
+    members = jnp.concatenate([jnp.zeros((n - k,), bool), take, jnp.zeros((c - n,), bool)])
 
     def pick(a, b):
-      return jnp.where(members.reshape((n,) + (1,) * (a.ndim - 1)), a, b)
+      return jnp.where(members.reshape((c,) + (1,) * (a.ndim - 1)), a, b)
 
     return old.replace(params=jax.tree.map(pick, new.params, old.params),
                        model_state=jax.tree.map(pick, new.model_state, old.model_state))
@@ -353,6 +436,9 @@ class GrowingEnsemble(Ensemble):
             F.Field("method.combine", "probs", F.choice(("probs", "logits")),
                     "predict the mean of the members' probabilities (the paper) or the softmax "
                     "of their mean logits (the released code)"),
+            F.Field("method.slots", "pow2", F.choice(SLOTS),
+                    "member slots: pow2 (the next power of two: one compiled structure per "
+                    "power of two of the members) or exact (one per growth)"),
             STRATEGY)
 
   def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
@@ -366,6 +452,45 @@ class GrowingEnsemble(Ensemble):
   def initial_members(self) -> int:
     return self.opts.initial_members
 
+  # -- member slots ---------------------------------------------------------------------------
+  def slots(self, members: int) -> int:
+    """The member slots of an ensemble of `members` members (`method.slots`)."""
+    return members if self.opts.slots == "exact" else 1 << (members - 1).bit_length()
+
+  def program_structure(self, structure) -> tuple[int, int]:
+    n, k = structure
+    return (self.slots(n), k)
+
+  def init(self, key: jax.Array, structure: Hashable | None = None) -> base.Learner:
+    if structure is None or structure == ():
+      structure = self.initial_structure()
+    self.check_structure(structure)
+    n, c = structure[0], self.slots(structure[0])
+    params, model_state = self.init_members(key, c)  # slot i as member i would be
+    return base.Learner(params=params, model_state=_with_slots(model_state, np.arange(c) < n),
+                        structure=tuple(structure))
+
+  def partition(self, learner: base.Learner):
+    """(the trained members, None): frozen members stay in the learner, out of the train
+    state, so its shapes do not depend on how many there are."""
+    n, k = learner.structure
+    return jax.tree.map(lambda a: a[n - k:n], learner.params), None
+
+  def combine(self, learner: base.Learner, trainable):
+    n, k = learner.structure
+    return jax.tree.map(lambda a, b: a.at[n - k:n].set(b), learner.params, trainable)
+
+  def active_view(self, learner: base.Learner) -> base.Learner:
+    """The n members alone (no padding slots)."""
+    n = learner.structure[0]
+    cut = lambda t: jax.tree.map(lambda a: a[:n], t)
+    return learner.replace(params=cut(learner.params),
+                           model_state=_with_slots(cut(backbone_state(learner.model_state)),
+                                                   np.ones((n,), bool)))
+
+  def num_params(self, learner: base.Learner) -> int:
+    return base.count_params(jax.eval_shape(self.active_view, learner).params)
+
   def check_structure(self, structure) -> None:
     ok = (isinstance(structure, tuple) and len(structure) == 2
           and all(isinstance(v, int) for v in structure) and 1 <= structure[1] <= structure[0])
@@ -377,15 +502,19 @@ class GrowingEnsemble(Ensemble):
     del key
     return learner
 
-  def combine_members(self, logits, n: int) -> jnp.ndarray:
+  def combine_members(self, logits, n: int, active=None) -> jnp.ndarray:
     if self.opts.combine == "logits":
-      return jax.nn.log_softmax(jnp.mean(logits, axis=0))
-    return super().combine_members(logits, n)
+      if active is None:
+        return jax.nn.log_softmax(jnp.mean(logits, axis=0))
+      total = jnp.sum(jnp.where(active[:, None, None], logits, 0), axis=0)
+      return jax.nn.log_softmax(total / jnp.sum(active).astype(logits.dtype))
+    return super().combine_members(logits, n, active)
 
   def before_stage(self, learner: base.Learner, key: jax.Array, ctx) -> base.Learner:
     """Appends `grow_by` members (they alone are trained), except before the first stage."""
     if ctx.is_first:
       return learner
     scratch = bool(self.config.stream.get("init_from_scratch", False))
+    n = learner.structure[0] + self.opts.grow_by
     return add_member(learner, key, init="fresh" if scratch else self.opts.new_member,
-                      k=self.opts.grow_by, init_fn=self.init_backbone)
+                      k=self.opts.grow_by, init_fn=self.init_backbone, slots=self.slots(n))
