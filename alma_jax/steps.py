@@ -33,6 +33,7 @@ from flax import struct
 
 from alma_jax import accounting
 from alma_jax import sharding
+from alma_jax import timing
 from alma_jax.methods.base import Learner, Method
 
 PyTree = Any
@@ -83,9 +84,16 @@ def call_counter(epoch: int, call: int) -> np.uint32:
 class _Program:
   """A jitted step with the shardings of its arguments, which it places before each call."""
 
-  def __init__(self, fn: Callable, in_shardings: tuple, out_shardings, donate: tuple):
+  def __init__(self, fn: Callable, in_shardings: tuple, out_shardings, donate: tuple,
+               name: str = "program"):
     self.in_shardings = in_shardings
-    self.jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
+
+    def program(*args):
+      return fn(*args)
+
+    # The name marks the compilations of steps in `jax.monitoring` (`alma_jax.timing`).
+    program.__name__ = program.__qualname__ = timing.STEP_PREFIX + name
+    self.jitted = jax.jit(program, in_shardings=in_shardings, out_shardings=out_shardings,
                           donate_argnums=donate)
 
   def __call__(self, *args):
@@ -130,7 +138,8 @@ class Steps:
     `shardings()` gives its (in_shardings, out_shardings), whole trees.
     """
     if key not in self._cache:
-      self._cache[key] = _Program(build(), *shardings(), donate)
+      name = "".join(c if c.isalnum() else "_" for c in str(key[0]))
+      self._cache[key] = _Program(build(), *shardings(), donate, name)
     return self._cache[key]
 
   @property

@@ -5,10 +5,17 @@ JAX reports the time it spends tracing, lowering and compiling through
 this process. A `Breakdown` adds the time spent inside a `with` block to one
 part, less the compilation inside it, which goes to `compile_s`, so the parts
 never count the same second twice.
+
+The same events count compiled programs: every XLA executable the process
+builds or loads from the persistent compilation cache (`xla_programs`,
+eager operations included), those of the run's steps (`step_programs`:
+programs whose function is named `STEP_PREFIX` + kind, see
+`alma_jax.steps`), and the persistent cache's requests and hits.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import threading
@@ -21,21 +28,45 @@ COMPILE_EVENTS = frozenset({
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
     "/jax/core/compile/backend_compile_duration",
 })
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+CACHE_EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": "compile_cache_requests",
+                "/jax/compilation_cache/cache_hits": "compile_cache_hits"}
+STEP_PREFIX = "alma_step_"
 PARTS = ("data_s", "compile_s", "train_s", "eval_s", "io_s")
+COUNTS = ("xla_programs", "step_programs", "compile_cache_requests", "compile_cache_hits")
 
 _lock = threading.Lock()
 _compile_total = 0.0
+_counts: collections.Counter = collections.Counter()
 
 
 def _listener(event: str, duration_secs: float, **kwargs) -> None:
-  del kwargs
   global _compile_total
   if event in COMPILE_EVENTS:
     with _lock:
       _compile_total += duration_secs
+      if event == BACKEND_COMPILE:  # one per executable built or loaded from the cache
+        _counts["xla_programs"] += 1
+        if STEP_PREFIX in str(kwargs.get("fun_name", "")):  # e.g. "jit(alma_step_train)"
+          _counts["step_programs"] += 1
+
+
+def _event_listener(event: str, **kwargs) -> None:
+  del kwargs
+  if event in CACHE_EVENTS:
+    with _lock:
+      _counts[CACHE_EVENTS[event]] += 1
 
 
 monitoring.register_event_duration_secs_listener(_listener)
+monitoring.register_event_listener(_event_listener)
+
+
+def compile_counts() -> dict[str, int]:
+  """Running totals of this process: XLA programs, step programs, persistent-cache
+  requests and hits."""
+  with _lock:
+    return {k: int(_counts[k]) for k in COUNTS}
 
 
 def compile_seconds() -> float:
@@ -66,6 +97,7 @@ class Breakdown:
   def __init__(self):
     self._parts = {p: 0.0 for p in PARTS}
     self._compile_start = compile_seconds()
+    self._counts_start = compile_counts()
 
   @contextlib.contextmanager
   def __call__(self, part: str):
@@ -97,4 +129,15 @@ class Breakdown:
     out["other_s"] = max(0.0, wall_s - sum(out[p] for p in PARTS))
     if startup_s is not None:
       out["startup_s"] = startup_s
+    out.update(self.counts())
+    return out
+
+  def counts(self) -> dict[str, float]:
+    """Programs compiled (or loaded) since the breakdown's creation, in this process, and
+    the persistent compilation cache's hit rate (`compile_cache_hit_rate`; 0 without
+    requests)."""
+    now = compile_counts()
+    out = {k: float(now[k] - self._counts_start[k]) for k in COUNTS}
+    requests = out["compile_cache_requests"]
+    out["compile_cache_hit_rate"] = out["compile_cache_hits"] / requests if requests else 0.0
     return out

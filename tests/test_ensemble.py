@@ -70,8 +70,13 @@ def test_add_member_keeps_existing_members_bitwise(init, k):
                              init_fn=method.init_backbone)
   assert grown.structure == (2 + k, k)
   chex.assert_trees_all_equal((learner.params, learner.model_state), before)  # input untouched
-  for new, old in ((grown.params, learner.params), (grown.model_state, learner.model_state)):
-    jax.tree.map(lambda a, b: chex.assert_shape(a, (b.shape[0] + k,) + b.shape[1:]), new, old)
+  # The members sit in slots: four (the next power of two), the first 2 + k active.
+  active = grown.model_state[ensemble.SLOTS_KEY]["active"]
+  assert np.asarray(active).tolist() == [True] * (2 + k) + [False] * (2 - k)
+  for new, old in ((grown.params, learner.params),
+                   (ensemble.backbone_state(grown.model_state),
+                    ensemble.backbone_state(learner.model_state))):
+    jax.tree.map(lambda a, b: chex.assert_shape(a, (4,) + b.shape[1:]), new, old)
     chex.assert_trees_all_equal(jax.tree.map(lambda a: a[:2], new), old)
   logits_after = member_logits(method, grown, x)
   np.testing.assert_array_equal(np.asarray(logits_after[:2]), np.asarray(logits_before))
