@@ -14,7 +14,10 @@ top-level `summary.json` holds each metric's mean and standard deviation over
 the seeds. Running the same command again resumes from the last complete
 checkpoint; every random choice is seeded by (seed, t), so a resumed run
 writes the same records and summary as an uninterrupted one (wall-clock
-times aside). Signals and the kill-point test hook: `alma_jax.interrupts`.
+times aside). Checkpoints are written asynchronously (orbax) while the loop
+goes on; the next checkpoint, the summary, an interruption and the end of
+the run (before the workdir lock is released) first wait for the one being
+written, so `io_s` holds only the part that did not overlap training. Signals and the kill-point test hook: `alma_jax.interrupts`.
 
 In a multi-process run (`alma_jax.multihost`) every process walks the same
 loop on a global mesh; process 0 alone writes config.json, the logs and the
@@ -23,6 +26,7 @@ summaries, and all processes write and restore the checkpoints together.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -119,6 +123,7 @@ class _Loop:
     self.out_dirs = ([workdir] if len(self.seeds) == 1
                      else [wd.seed_dir(workdir, sd) for sd in self.seeds])
     self.ckpt = None
+    self._pending_save: int | None = None  # the step whose checkpoint is being written
     self.elapsed_before, self.compiled_before = 0.0, set()
     self._flop_cache: dict = {}
     with self.timer("data_s"):
@@ -152,8 +157,14 @@ class _Loop:
     return idx if sub is None else sub[idx].astype(np.int32)
 
   def close(self) -> None:
+    """Waits for a checkpoint still being written (before the workdir lock is released),
+    then closes the checkpointer."""
     if self.ckpt is not None:
-      self.ckpt.close()
+      try:
+        if self._pending_save is not None:
+          self._finish_save(critical=False)
+      finally:
+        self.ckpt.close()
 
   def elapsed(self) -> float:
     return self.elapsed_before + time.monotonic() - self.t_start
@@ -270,8 +281,15 @@ class _Loop:
   # -- the stream ---------------------------------------------------------------------------------
   def run(self, overwrite: bool) -> dict[str, Any]:
     snap = self._open_outputs(overwrite)
-    with self.signals.deferred():  # a signal stops the loop at the next step boundary
-      return self._stream(snap)
+    try:
+      with self.signals.deferred():  # a signal stops the loop at the next step boundary
+        return self._stream(snap)
+    except RunInterrupted as e:
+      # The checkpoint being written completes first, so the message names it.
+      if self._pending_save is not None:
+        self._finish_save(critical=False)
+        raise RunInterrupted(e.signum, self.signals.last_checkpoint) from None
+      raise
 
   def _stream(self, snap) -> dict[str, Any]:
     learner, opt_state, errors = self._start(snap)
@@ -384,6 +402,7 @@ class _Loop:
     if self.ckpt is None or not _should_checkpoint(self.config, t, trained, self.num_t):
       return
     with self.timer("io_s"), self.signals.critical():
+      self._finish_save(critical=False)  # the previous checkpoint (mostly written by now)
       extra = {"compiled": sorted(self._compiled_names()), "elapsed_s": self.elapsed(),
                "timings": self.timer.as_dict(), "config": wd.config_dict(self.config)}
       # The optimizer state is part of the state only when stages share it.
@@ -392,7 +411,18 @@ class _Loop:
                  for j in range(t + 1)]
       self.ckpt.start_save(t, learner, kept,
                            jax.random.key_data(population.fold(self.keys, t)), records, extra)
+      self._pending_save = t
       kill_point("checkpoint", t)
+      if self.signals.pending is not None:  # stopping: finish this checkpoint first
+        self._finish_save(critical=False)
+
+  def _finish_save(self, critical: bool = True) -> None:
+    """Waits until the checkpoint being written (asynchronously, by orbax, while the loop
+    goes on) is complete; the run's last checkpoint is then that one."""
+    if self._pending_save is None:
+      return
+    t, self._pending_save = self._pending_save, None
+    with self.timer("io_s"), (self.signals.critical() if critical else contextlib.nullcontext()):
       self.ckpt.wait()
       self.signals.last_checkpoint = t
       kill_point("saved", t)
@@ -410,6 +440,7 @@ class _Loop:
 
   # -- summary -----------------------------------------------------------------------------------
   def _summarise(self) -> dict[str, Any]:
+    self._finish_save()  # the last checkpoint is complete before the summary exists
     wall_s = self.elapsed()
     per_seed = [dict(log.summary(), wall_s=wall_s) for log in self.logs]
     extra = {"timings": self.timer.report(wall_s, self.startup_s),
