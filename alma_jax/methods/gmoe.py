@@ -20,6 +20,15 @@ gating at test time runs only the chosen expert of each example for the MLP
 of one path); for VGG all experts run and the chosen output is selected
 (per-example conv kernels would need a batch-sized grouped convolution), so
 its inference FLOPs count every expert.
+
+Slots (`method.slots`): a layer's experts live in C >= E slots (the next
+power of two by default), its tree in routing arrays
+(`alma_jax.models.moe`), and the compiled programs are keyed by
+`program_structure` (the slots), so the splits inside one power of two reuse
+them. Padding slots run in the programs but have weight 0; Mem and every
+FLOP count use `active_view` (the active experts only), so they equal the
+counts of an unpadded model, up to the routing arithmetic (a few FLOPs per
+example per gate).
 """
 
 from __future__ import annotations
