@@ -401,9 +401,9 @@ class Steps:
     padding slots that the compiled programs also compute are not counted.
     """
     method = self.method
-    learner = method.active_view(learner)
+    learner = method.active_view(learner)  # may be shapes alone
     structure = method.program_structure(learner.structure)
-    trainable, frozen = method.partition(learner)
+    trainable, frozen = jax.eval_shape(method.partition, learner)
     d, b = method.num_data_orders(structure), self.batch_size
     spec = jax.ShapeDtypeStruct
     state = TrainState(trainable, frozen, learner.model_state,

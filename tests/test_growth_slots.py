@@ -185,3 +185,26 @@ def test_compiled_programs_per_run_are_bounded(tmp_path, method, extra, bound):
   assert compiled == summary["num_compilations"] <= bound, (compiled, summary)
   assert summary["timings"]["step_programs"] == compiled
   assert 0.0 <= summary["timings"]["compile_cache_hit_rate"] <= 1.0
+
+
+# -- resume across growth in slots ---------------------------------------------------------
+@pytest.mark.parametrize("method", ["gmoe", "gens"])
+def test_interrupted_growing_run_resumes_to_identical_outputs(tmp_path, monkeypatch, method):
+  def config():
+    c = config_lib.apply_variant(config_lib.base_config("mnist", method), "smoke")
+    c.mesh.num_devices = 1
+    c.train.epochs = 1
+    if method == "gmoe":
+      c.method.grow_every = 1  # experts 1, 2, 3, 4: t=3 restores 3 experts in 4 slots
+    return c
+
+  run_lib.run(config(), str(tmp_path / "whole"))
+  wd = str(tmp_path / "resumed")
+  monkeypatch.setenv("ALMA_JAX_TEST_KILL_AT", "t=3:checkpoint")
+  monkeypatch.setenv("ALMA_JAX_TEST_KILL_SIGNAL", "SIGINT")
+  with pytest.raises(run_lib.RunInterrupted) as info:
+    run_lib.run(config(), wd)
+  assert info.value.last_checkpoint == 3  # the asynchronous write completed first
+  monkeypatch.delenv("ALMA_JAX_TEST_KILL_AT")
+  run_lib.run(config(), wd)
+  assert helpers.outputs(wd) == helpers.outputs(str(tmp_path / "whole"))

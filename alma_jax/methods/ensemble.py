@@ -39,6 +39,7 @@ evaluation but are masked out of the prediction, and are never trained.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Hashable
 
@@ -142,6 +143,29 @@ def _with_slots(model_state: PyTree, active) -> PyTree:
   return {**backbone_state(model_state), SLOTS_KEY: {"active": jnp.asarray(active)}}
 
 
+@jax.jit
+def _put_members(tree: PyTree, new: PyTree, start) -> PyTree:
+  # `start` is an argument: one program per shapes, wherever the members go.
+  return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype),
+                                                                       start, 0), tree, new)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _take_members(tree: PyTree, start, k: int) -> PyTree:
+  return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, k), tree)
+
+
+def take_members(tree: PyTree, start: int, k: int) -> PyTree:
+  """Members [start, start + k) of a stacked tree (one program per shapes)."""
+  if _traced(tree):
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, k), tree)
+  return _take_members(tree, np.int32(start), k)
+
+
+def _traced(tree) -> bool:
+  return any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(tree))
+
+
 def _resize(tree: PyTree, slots: int) -> PyTree:
   """Every stacked leaf cut or padded (with copies of slot 0) to `slots` slots."""
   def one(a):
@@ -157,26 +181,29 @@ def _new_members(state: base.Learner, key: jax.Array, init: str, k: int,
   """k new members, stacked: fresh ones from `init_fn`, or copies of the last member."""
   if init == "copy":
     n = state.structure[0]
-    last = lambda a: jnp.repeat(a[n - 1:n], k, axis=0)
-    return (jax.tree.map(last, state.params),
-            jax.tree.map(last, backbone_state(state.model_state)))
+    last = lambda t: jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), take_members(t, n - 1, 1))
+    return last(state.params), last(backbone_state(state.model_state))
   if init_fn is None:
     raise ValueError("add_member(init='fresh') needs init_fn: key -> (params, model_state) of one member")
   members = [init_fn(jax.random.fold_in(key, j)) for j in range(k)]
   return stack_members([m[0] for m in members]), stack_members([m[1] for m in members])
 
 
-def _concat(old: PyTree, new: PyTree, what: str) -> PyTree:
+def _check_new(old: PyTree, new: PyTree, what: str) -> None:
   if jax.tree.structure(old) != jax.tree.structure(new):
     raise ValueError(f"the new members' {what} do not have the existing members' tree structure")
 
-  def cat(a, b):
+  def check(a, b):
     if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
       raise ValueError(f"a new member's {what} leaf {b.shape[1:]} {b.dtype} does not match the "
                        f"existing {a.shape[1:]} {a.dtype}")
-    return jnp.concatenate([a, b], axis=0)
 
-  return jax.tree.map(cat, old, new)
+  jax.tree.map(check, old, new)
+
+
+def _concat(old: PyTree, new: PyTree, what: str) -> PyTree:
+  _check_new(old, new, what)
+  return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=0), old, new)
 
 
 def add_member(state: base.Learner, key: jax.Array, *, init: str = "fresh", k: int = 1,
@@ -223,9 +250,9 @@ def add_member(state: base.Learner, key: jax.Array, *, init: str = "fresh", k: i
   if slots is None:
     slots = c if n + k <= c else 1 << (n + k - 1).bit_length()
   slots = max(int(slots), n + k)
-  _concat(state.params, params, "params")  # checks the new members' trees
-  _concat(backbone_state(state.model_state), model_state, "model_state")
-  put = lambda old, new: jax.tree.map(lambda a, b: a.at[n:n + k].set(b), _resize(old, slots), new)
+  _check_new(state.params, params, "params")
+  _check_new(backbone_state(state.model_state), model_state, "model_state")
+  put = lambda old, new: _put_members(_resize(old, slots), new, np.int32(n))
   return base.Learner(params=put(state.params, params),
                       model_state=_with_slots(put(backbone_state(state.model_state), model_state),
                                               np.arange(slots) < n + k),
@@ -474,22 +501,25 @@ class GrowingEnsemble(Ensemble):
     """(the trained members, None): frozen members stay in the learner, out of the train
     state, so its shapes do not depend on how many there are."""
     n, k = learner.structure
-    return jax.tree.map(lambda a: a[n - k:n], learner.params), None
+    return take_members(learner.params, n - k, k), None
 
   def combine(self, learner: base.Learner, trainable):
     n, k = learner.structure
-    return jax.tree.map(lambda a, b: a.at[n - k:n].set(b), learner.params, trainable)
+    if _traced(learner.params):
+      return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, n - k, 0),
+                          learner.params, trainable)
+    return _put_members(learner.params, trainable, np.int32(n - k))
 
   def active_view(self, learner: base.Learner) -> base.Learner:
-    """The n members alone (no padding slots)."""
+    """The n members alone (no padding slots), as shapes."""
     n = learner.structure[0]
-    cut = lambda t: jax.tree.map(lambda a: a[:n], t)
+    cut = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct((n,) + a.shape[1:], a.dtype), t)
     return learner.replace(params=cut(learner.params),
-                           model_state=_with_slots(cut(backbone_state(learner.model_state)),
-                                                   np.ones((n,), bool)))
+                           model_state={**cut(backbone_state(learner.model_state)),
+                                        SLOTS_KEY: {"active": np.ones((n,), bool)}})
 
   def num_params(self, learner: base.Learner) -> int:
-    return base.count_params(jax.eval_shape(self.active_view, learner).params)
+    return base.count_params(self.active_view(learner).params)
 
   def check_structure(self, structure) -> None:
     ok = (isinstance(structure, tuple) and len(structure) == 2

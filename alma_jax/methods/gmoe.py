@@ -143,22 +143,36 @@ def num_slots(learner: base.Learner, layer: int) -> int:
   return int(learner.model_state["routing"][moe.layer_name(layer)]["active"].shape[0])
 
 
+@jax.jit
+def _copy_slot(tree, dst, src):
+  # Slot indices are arguments: one program per slot shapes, whichever slots are edited.
+  def one(a):
+    return jax.lax.dynamic_update_index_in_dim(a, jax.lax.dynamic_index_in_dim(a, src, 0), dst,
+                                               0)
+  return jax.tree.map(one, tree)
+
+
+@jax.jit
+def _set_index(a, value, index):
+  return jax.lax.dynamic_update_index_in_dim(a, value.astype(a.dtype)[None], index, 0)
+
+
 def _set_slot(tree, dst: int, src: int):
   """Every stacked leaf of `tree` with slot `dst` set to a copy of slot `src`."""
-  return jax.tree.map(lambda a: a.at[dst].set(a[src]), tree)
+  return _copy_slot(tree, np.int32(dst), np.int32(src))
 
 
 def _grown_gates(lp: dict, tree, feat_dim: int, key: jax.Array, scheme: str) -> dict:
   """The gate parameters of layer params `lp` after a split of `tree` (a free slot exists)."""
   if moe.is_flat(tree):
-    g, e = lp["gate"], moe.num_experts(tree)
+    g, e = lp["gate"], np.int32(moe.num_experts(tree))
     column, bias = moe.init_gate(key, feat_dim, 1, scheme)
-    return {"gate": {"kernel": g["kernel"].at[:, e].set(column[:, 0].astype(g["kernel"].dtype)),
-                     "bias": g["bias"].at[e].set(bias[0].astype(g["bias"].dtype))}}
+    return {"gate": {"kernel": _set_index(g["kernel"].T, column[:, 0], e).T,
+                     "bias": _set_index(g["bias"], bias[0], e)}}
   kernel, bias = moe.init_gate(key, feat_dim, 2, scheme)
-  g, i = lp["gates"], moe.num_gates(tree)
-  return {"gates": {"kernel": g["kernel"].at[i].set(kernel.astype(g["kernel"].dtype)),
-                    "bias": g["bias"].at[i].set(bias.astype(g["bias"].dtype))}}
+  g, i = lp["gates"], np.int32(moe.num_gates(tree))
+  return {"gates": {"kernel": _set_index(g["kernel"], kernel, i),
+                    "bias": _set_index(g["bias"], bias, i)}}
 
 
 def split_expert(state: base.Learner, layer: int, leaf: int, key: jax.Array,
