@@ -28,10 +28,14 @@ def stack(learners: Sequence[Learner]) -> Learner:
   structures = {l.structure for l in learners}
   if len(structures) != 1:
     raise ValueError(f"the learners of a population must share one structure; got {structures}")
-  return Learner(params=jax.tree.map(lambda *a: jnp.stack(a), *[l.params for l in learners]),
-                 model_state=jax.tree.map(lambda *a: jnp.stack(a),
-                                          *[l.model_state for l in learners]),
-                 structure=learners[0].structure)
+  params, model_state = _stack_trees(*[(l.params, l.model_state) for l in learners])
+  return Learner(params=params, model_state=model_state, structure=learners[0].structure)
+
+
+@jax.jit
+def _stack_trees(*trees):
+  # One program for the whole tree (not one per leaf shape), reused while the shapes stay.
+  return jax.tree.map(lambda *a: jnp.stack(a), *trees)
 
 
 def unstack(tree: PyTree, i: int) -> PyTree:

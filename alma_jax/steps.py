@@ -119,6 +119,8 @@ class Steps:
     self.eval_batch_size = int(eval_batch_size)
     self.steps_per_call = int(steps_per_call)
     self._cache: dict[tuple, Callable] = {}
+    # One small program per shapes (not one per optimizer-state leaf); not a step.
+    self._opt_init = jax.jit(jax.vmap(tx.init))
     self._pass_costs: dict[tuple, float] = {}
     self.pass_flops = 0.0  # FLOPs of the passes over data (`reduce`, `scan`) so far
 
@@ -238,7 +240,7 @@ class Steps:
     step donates it)."""
     trainable, frozen = jax.vmap(self.method.partition)(learner)
     if opt_state is None:
-      opt_state = jax.vmap(self.tx.init)(trainable)
+      opt_state = self._opt_init(trainable)
     state = TrainState(trainable, frozen, learner.model_state, opt_state)
     return sharding.put(state, self.shardings(state), copy=True)
 
