@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -16,6 +18,7 @@ class MLP(nn.Module):
   hidden: int = 64
   num_classes: int = 10
   depth: int = 2  # number of hidden layers
+  widths: Sequence[int] | None = None  # one width per hidden layer; None: `hidden` each
 
   @classmethod
   def from_config(cls, model_config, num_classes: int) -> "MLP":
@@ -26,5 +29,6 @@ class MLP(nn.Module):
     del train, mask  # no batch statistics in this backbone
     x = x.reshape((x.shape[0], -1))
     for i in range(self.depth):
-      x = nn.relu(nn.Dense(self.hidden, name=f"dense{i}")(x))
+      width = self.hidden if self.widths is None else self.widths[i]
+      x = nn.relu(nn.Dense(width, name=f"dense{i}")(x))
     return nn.Dense(self.num_classes, name="head")(x)
