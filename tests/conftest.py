@@ -25,3 +25,13 @@ requires_mnist = pytest.mark.skipif(not data_available("mnist"),
                                     reason="prepared MNIST not found under $TFDS_DATA_DIR")
 requires_cifar10 = pytest.mark.skipif(not data_available("cifar10"),
                                       reason="prepared CIFAR-10 not found under $TFDS_DATA_DIR")
+
+
+@pytest.fixture(scope="module")
+def fast_compilation():
+  """For modules whose time goes to compiling on a CPU, where XLA's optimisations only slow
+  them down (`pytestmark = pytest.mark.usefixtures("fast_compilation")`)."""
+  old = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", old)

@@ -29,13 +29,7 @@ CIFAR = (32, 32, 3)
 SPLIT_ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compilation():
-  """Compiling dominates these tests on a CPU; XLA's optimisations only slow it down here."""
-  old = jax.config.values["jax_disable_most_optimizations"]
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", old)
+pytestmark = pytest.mark.usefixtures("fast_compilation")  # compiling dominates
 
 
 @functools.lru_cache(maxsize=None)

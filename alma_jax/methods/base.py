@@ -22,6 +22,7 @@ from flax import struct
 
 from alma_jax import fields
 from alma_jax import models
+from alma_jax.errors import ConfigError
 
 PyTree = Any
 
@@ -114,6 +115,13 @@ class Method:
     self.input_shape = tuple(input_shape)
     self.num_classes = num_classes
     self.opts = fields.resolve(config, self.FIELDS)
+
+  def refuse_kept_optimizer_state(self, why: str, when: str = "") -> None:
+    """A clear error when `train.keep_optimizer_state` is set for a method whose stages
+    change the parameters' shapes or the trained parameters (`why` says how)."""
+    if bool(self.config.train.get("keep_optimizer_state", False)):
+      raise ConfigError(f"config.train.keep_optimizer_state=True is not supported by "
+                        f"{self.name}{when}: {why}; allowed values: [False]")
 
   # -- construction ---------------------------------------------------------
   def init(self, key: jax.Array, structure: Hashable | None = None) -> Learner:
