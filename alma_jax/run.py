@@ -37,6 +37,7 @@ from alma_jax import interrupts
 from alma_jax import io_utils
 from alma_jax import methods
 from alma_jax import multihost
+from alma_jax import plots
 from alma_jax import population
 from alma_jax import schedule
 from alma_jax import sharding
@@ -428,10 +429,25 @@ class _Loop:
           for out, summary in zip(self.out_dirs, per_seed):
             io_utils.write_json_atomic(os.path.join(out, wd.SUMMARY_FILE), summary)
         io_utils.write_json_atomic(os.path.join(self.workdir, wd.SUMMARY_FILE), top)
+    if self.primary:
+      self._plot_errors()
     logging.info("done: %d seed(s), CER=%.4f mean_error=%.4f final_error=%.4f Mem=%d Comp=%.3e "
                  "wall=%.1fs", len(self.seeds), top["cer"], top["mean_error"], top["final_error"],
                  top["mem"], top["comp"], wall_s)
     return top
+
+  def _plot_errors(self) -> None:
+    """error.png in the workdir; a failure to draw it only warns (the outputs are written)."""
+    path = os.path.join(self.workdir, wd.ERROR_PNG)
+    curves = [(f"seed {sd}", [r.t for r in log.records], [r.test_error for r in log.records])
+              for sd, log in zip(self.seeds, self.logs)]
+    c = self.config
+    title = f"{c.data.name} {c.method.name} width={c.model.width} wait={c.stream.wait}"
+    try:
+      plots.run_error_png(path, curves, title)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("could not draw %s (%s: %s); the run's other outputs are complete", path,
+                      type(e).__name__, e)
 
 
 def _seed_config(config, seed: int):

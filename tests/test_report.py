@@ -11,7 +11,9 @@ import pytest
 from alma_jax import config_lib
 from alma_jax import plots
 from alma_jax import report
+from alma_jax import run
 from alma_jax import workdir as wd
+from tests import helpers
 from tests.conftest import requires_mnist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,3 +180,33 @@ def test_run_error_png(tmp_path):
   plots.run_error_png(path, [("seed 0", [0, 1, 2], [0.9, 0.5, 0.3])], "t")
   with open(path, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# -- real runs ------------------------------------------------------------------------------------
+@requires_mnist
+def test_a_smoke_run_draws_its_errors_and_is_reported(tmp_path):
+  workdir = str(tmp_path / "run")
+  summary = run.run(helpers.smoke(stream__num_megabatches=2), workdir)
+  with open(os.path.join(workdir, wd.ERROR_PNG), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  figs = report.write_report([workdir], str(tmp_path / "out"))
+  (series,) = figs["tradeoffs_mnist"]["comp"]
+  np.testing.assert_allclose(series["x"], [summary["comp_paper"] * 1e-12])
+  np.testing.assert_allclose(series["y"], [summary["cer_percent"]])
+  (curve,) = figs["error_mnist"]["width=8"]
+  with open(os.path.join(workdir, wd.LOG_FILE)) as f:
+    errors = [100 * json.loads(line)["test_error"] for line in f]
+  np.testing.assert_allclose(curve["y"], errors)
+  assert (tmp_path / "out" / "tradeoffs_mnist.pdf").exists()
+
+
+@requires_mnist
+def test_a_failure_to_draw_keeps_the_outputs(tmp_path, monkeypatch):
+  warnings = []
+  monkeypatch.setattr(plots, "run_error_png", lambda *a: 1 / 0)
+  monkeypatch.setattr(run.logging, "warning", lambda msg, *a: warnings.append(msg % a))
+  workdir = str(tmp_path / "run")
+  run.run(helpers.smoke(stream__num_megabatches=2), workdir)
+  assert os.path.exists(os.path.join(workdir, wd.SUMMARY_FILE))
+  assert not os.path.exists(os.path.join(workdir, wd.ERROR_PNG))
+  assert any("could not draw" in w and "ZeroDivisionError" in w for w in warnings)
