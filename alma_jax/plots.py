@@ -5,13 +5,17 @@ per panel, each a dict with `label`, `x`, `y` and their standard deviations
 over seeds (`xerr`, `yerr`) — draws exactly that, writes `<name>.png` and
 `<name>.pdf`, and returns {name: {panel: series}} so that tests and callers
 can check what was drawn. `run_error_png` is the small error-vs-time figure
-that each finished run writes into its workdir.
+that each finished run writes into its workdir; a run draws it in a child
+process (`python -m alma_jax.plots` with the figure's JSON on stdin), so that
+the training process never imports matplotlib.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import sys
 from typing import Any, Sequence
 
 import numpy as np
@@ -243,3 +247,14 @@ def run_error_png(path: str, curves: Sequence[tuple[str, Sequence[int], Sequence
     ax.legend(fontsize=6)
   with io_utils.output_errors(path), io_utils.atomic_writer(path, "wb") as f:
     fig.savefig(f, format="png", dpi=90)
+
+
+def main() -> int:
+  """Draws `run_error_png` of {"path", "title", "curves": [[label, t, errors], ...]} on stdin."""
+  spec = json.load(sys.stdin)
+  run_error_png(spec["path"], [tuple(c) for c in spec["curves"]], spec.get("title", ""))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

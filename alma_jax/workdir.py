@@ -20,6 +20,7 @@ from absl import logging
 
 from alma_jax import config_lib
 from alma_jax import io_utils
+from alma_jax import tensorboard
 from alma_jax.errors import ConfigError
 
 CONFIG_FILE, LOG_FILE, SUMMARY_FILE = "config.json", "log.jsonl", "summary.json"
@@ -61,6 +62,7 @@ def has_progress(workdir: str) -> bool:
 def clear_outputs(workdir: str) -> None:
   """Removes the run outputs from `workdir` (nothing else in it)."""
   seed_dirs = [n for n in os.listdir(workdir) if n.startswith(SEED_DIR_PREFIX)]
+  seed_dirs += [os.path.basename(p) for p in tensorboard.event_files(workdir)]
   for name in (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, ARCH_FILE, CHECKPOINT_DIR, CORRUPT_DIR,
                ERROR_PNG, *seed_dirs):
     path = os.path.join(workdir, name)

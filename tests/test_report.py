@@ -203,10 +203,18 @@ def test_a_smoke_run_draws_its_errors_and_is_reported(tmp_path):
 @requires_mnist
 def test_a_failure_to_draw_keeps_the_outputs(tmp_path, monkeypatch):
   warnings = []
-  monkeypatch.setattr(plots, "run_error_png", lambda *a: 1 / 0)
+  monkeypatch.setattr(run.sys, "executable", "/no/such/python")
   monkeypatch.setattr(run.logging, "warning", lambda msg, *a: warnings.append(msg % a))
   workdir = str(tmp_path / "run")
   run.run(helpers.smoke(stream__num_megabatches=2), workdir)
   assert os.path.exists(os.path.join(workdir, wd.SUMMARY_FILE))
   assert not os.path.exists(os.path.join(workdir, wd.ERROR_PNG))
-  assert any("could not draw" in w and "ZeroDivisionError" in w for w in warnings)
+  assert any("could not draw" in w and "FileNotFoundError" in w for w in warnings), warnings
+
+
+def test_the_drawing_child_process_reports_its_error(tmp_path):
+  spec = {"path": str(tmp_path / "missing_dir" / "e.png"), "curves": [["a", [0], [0.5]]]}
+  proc = subprocess.run([sys.executable, "-m", "alma_jax.plots"], input=json.dumps(spec),
+                        cwd=ROOT, capture_output=True, text=True, check=False,
+                        env=dict(os.environ, PYTHONPATH=ROOT))
+  assert proc.returncode != 0 and "missing_dir" in proc.stderr
