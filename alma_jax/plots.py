@@ -27,7 +27,8 @@ TERA = 1e-12
 Series = dict[str, Any]
 
 
-def _figure(ncols: int, width: float = 4.2, height: float = 3.4):
+def subplots(ncols: int, width: float = 4.2, height: float = 3.4):
+  """A figure (no pyplot) with `ncols` panels in a row: (figure, [axes])."""
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
   fig = Figure(figsize=(width * ncols, height), layout="constrained")
   axes = fig.subplots(1, ncols, squeeze=False)[0]
@@ -196,7 +197,7 @@ def dataset_figures(data: str, groups, fields: Sequence[str],
   figures = {}
   trade = tradeoff_series(groups, fields)
   if trade["comp"]:
-    fig, axes = _figure(2)
+    fig, axes = subplots(2)
     _draw(axes[0], trade["comp"])
     _finish(axes[0], "training TFLOPs (paper count)", "CER (%)", data, logx=True)
     _draw(axes[1], trade["mem"])
@@ -206,7 +207,7 @@ def dataset_figures(data: str, groups, fields: Sequence[str],
     figures[f"tradeoffs_{data}"] = trade
   curves = error_series(groups, fields)
   if curves:
-    fig, axes = _figure(len(curves))
+    fig, axes = subplots(len(curves))
     for ax, (panel, series) in zip(axes, curves.items()):
       _draw_curves(ax, series)
       _finish(ax, "mega-batch t", "test error (%)", f"{data} {panel}")
@@ -215,7 +216,7 @@ def dataset_figures(data: str, groups, fields: Sequence[str],
     figures[f"error_{data}"] = curves
   replay = replay_series(groups, fields)
   if replay:
-    fig, axes = _figure(1)
+    fig, axes = subplots(1)
     _draw(axes[0], replay)
     _finish(axes[0], "training TFLOPs (paper count)", "CER (%)", f"{data}: replay", logx=True)
     axes[0].legend(fontsize=6)
@@ -225,7 +226,7 @@ def dataset_figures(data: str, groups, fields: Sequence[str],
   if lm:
     labels = {"comp": "training TFLOPs (paper count)", "params": "parameters",
               "experts": "experts"}
-    fig, axes = _figure(len(lm))
+    fig, axes = subplots(len(lm))
     for ax, (panel, series) in zip(axes, lm.items()):
       _draw(ax, series)
       _finish(ax, labels[panel], "average perplexity", data, logx=panel != "experts")
@@ -239,7 +240,7 @@ def dataset_figures(data: str, groups, fields: Sequence[str],
 def run_error_png(path: str, curves: Sequence[tuple[str, Sequence[int], Sequence[float]]],
                   title: str = "") -> None:
   """Writes `path` (PNG): test error (%) vs mega-batch t, one line per (label, t, error)."""
-  fig, (ax,) = _figure(1, 4.0, 3.0)
+  fig, (ax,) = subplots(1, 4.0, 3.0)
   for label, t, err in curves:
     ax.plot(t, 100 * np.asarray(err, float), label=label)
   _finish(ax, "mega-batch t", "test error (%)", title)

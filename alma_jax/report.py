@@ -16,8 +16,9 @@ differ only by their seed, and writes into `--out`, per data set:
   without replay to the same config with replay (Fig. 4), when both exist.
 * `lm_<data>.png/.pdf`: average perplexity vs compute, parameters and
   experts (Fig. 5), for runs whose records carry `test_perplexity`.
-* `gating_<run>.png/.pdf` for each gMoE run with `--gating` (see
-  `alma_jax.gating_plot`).
+* `gating_<run>.png/.pdf`: for each gMoE config, its first seed's gating
+  tree over a 2-D PCA embedding of test inputs, from its last checkpoint
+  (`alma_jax.gating_plot`; `--nogating` skips it).
 * `report.md`: one row per group (mean ± std over its seeds) and the figures.
 
 A run without a summary (unfinished) is listed in the table but left out of
@@ -38,7 +39,9 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from alma_jax import checkpoint as ckpt_lib
 from alma_jax import config_lib
+from alma_jax import gating_plot
 from alma_jax import io_utils
 from alma_jax import plots
 from alma_jax import workdir as wd
@@ -232,7 +235,25 @@ def load_groups(workdirs: Sequence[str]) -> list[Group]:
   return group_runs(runs)
 
 
-def write_report(workdirs: Sequence[str], out: str, *, gating: bool = False) -> dict:
+def gating_figures(groups: Sequence[Group], out: str) -> dict:
+  """`gating_<workdir name>` of the first seed of every gMoE group (a run that cannot be
+  drawn, e.g. without checkpoints, is skipped with a warning)."""
+  figures = {}
+  for g in groups:
+    if g.get("method.name") != "gmoe":
+      continue
+    run = g.runs[0]
+    name = f"gating_{os.path.basename(os.path.normpath(run.path))}"
+    try:
+      data = gating_plot.gating_data(run.path)
+    except (gating_plot.GatingError, ckpt_lib.CheckpointError) as e:
+      logging.warning("no gating figure of %s: %s", run.path, e)
+      continue
+    figures[name] = gating_plot.draw(data, os.path.join(out, name), g.label(KEY_FIELDS))
+  return figures
+
+
+def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True) -> dict:
   """Writes the figures and `report.md` into `out`; returns {figure name: its plotted data}."""
   groups = load_groups(workdirs)
   os.makedirs(out, exist_ok=True)
@@ -242,6 +263,8 @@ def write_report(workdirs: Sequence[str], out: str, *, gating: bool = False) -> 
     by_data.setdefault(g.dataset, []).append(g)
   for data, gs in by_data.items():
     figures.update(plots.dataset_figures(data, gs, varying_fields(gs), out))
+  if gating:
+    figures.update(gating_figures(groups, out))
   text = ["# ALMA report", "", f"{sum(len(g.runs) for g in groups)} runs in {len(groups)} "
           "groups (runs that differ only by their seed); mean ± standard deviation over seeds. "
           "Comp (paper) counts forward multiply-adds × training examples, the unit of the "

@@ -5,14 +5,21 @@ import os
 import subprocess
 import sys
 
+import ml_collections
 import numpy as np
 import pytest
 
 from alma_jax import config_lib
+from alma_jax import gating_plot
+from alma_jax import io_utils
+from alma_jax import methods
 from alma_jax import plots
 from alma_jax import report
 from alma_jax import run
+from alma_jax import tasks
+from alma_jax import validation
 from alma_jax import workdir as wd
+from alma_jax.data import augment
 from tests import helpers
 from tests.conftest import requires_mnist
 
@@ -218,3 +225,56 @@ def test_the_drawing_child_process_reports_its_error(tmp_path):
                         cwd=ROOT, capture_output=True, text=True, check=False,
                         env=dict(os.environ, PYTHONPATH=ROOT))
   assert proc.returncode != 0 and "missing_dir" in proc.stderr
+
+
+# -- the gating tree of a gMoE run ------------------------------------------------------------------
+def test_leaf_paths_and_pca():
+  tree = {"gate": 0, "children": [{"gate": 1, "children": [{"expert": 0}, {"expert": 2}]},
+                                  {"expert": 1}]}
+  assert gating_plot.leaf_paths(tree) == {0: "LL", 2: "LR", 1: "R"}
+  assert gating_plot.leaf_paths({"expert": 0}) == {0: "root"}
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(200, 3)) * [5.0, 0.1, 1.0]
+  emb = gating_plot.pca_2d(x)
+  assert emb.shape == (200, 2)
+  np.testing.assert_allclose(np.abs(emb[:, 0]), np.abs(x[:, 0] - x[:, 0].mean()), rtol=0.05,
+                             atol=0.05)
+  assert emb[:, 0].var() > emb[:, 1].var() > 10 * x[:, 1].var()
+
+
+def _greedy(node, weights):
+  """The leaf reached by taking the heavier subtree at every gate (leaf weights (E,))."""
+  if "expert" in node:
+    return node["expert"]
+  mass = [sum(weights[e] for e in gating_plot.leaf_paths(k)) for k in node["children"]]
+  return _greedy(node["children"][int(np.argmax(mass))], weights)
+
+
+@requires_mnist
+def test_gating_figure_of_a_gmoe_run(tmp_path):
+  workdir = str(tmp_path / "gmoe")
+  c = config_lib.apply_variant(config_lib.base_config("mnist", "gmoe"), "smoke")
+  c.mesh.num_devices, c.method.grow_every = 1, 1
+  run.run(c, workdir)
+  figs = report.write_report([workdir], str(tmp_path / "out"))
+  layers = figs["gating_gmoe"]
+  assert (tmp_path / "out" / "gating_gmoe.png").exists()
+  with open(os.path.join(workdir, wd.ARCH_FILE)) as f:
+    experts = json.loads(f.readlines()[-1])["experts"]
+  assert [len(layers[f"layer{l}"]) for l in range(len(experts))] == experts
+  data = gating_plot.gating_data(workdir)
+  assert data.t == 4 and data.embedding.shape == (1000, 2)
+  for l, series in enumerate(layers.values()):
+    assert sum(s["count"] for s in series) == 1000
+    for s in series:
+      np.testing.assert_allclose(s["x"], data.embedding[data.experts[l] == s["expert"], 0])
+  # The experts are those of greedy descent through the gates of the restored learner.
+  config = validation.validate(ml_collections.ConfigDict(
+      io_utils.read_json(os.path.join(workdir, wd.CONFIG_FILE))))
+  method = methods.make(config, (28, 28, 1), 10)
+  learner, _ = gating_plot._restore(workdir, config, method)  # pylint: disable=protected-access
+  ds, _ = tasks.for_config(config).load(config, [0])
+  x = augment.prepare_batch(ds.test_x, ds.mean, ds.std, augment="none", rng=None)
+  for l, w in enumerate(method.routing_weights(learner, x)):
+    tree = method.gating_tree(learner, l)
+    np.testing.assert_array_equal(data.experts[l], [_greedy(tree, wi) for wi in np.asarray(w)])
