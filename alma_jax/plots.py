@@ -27,9 +27,11 @@ TERA = 1e-12
 Series = dict[str, Any]
 
 
-def subplots(ncols: int, width: float = 4.2, height: float = 3.4):
-  """A figure (no pyplot) with `ncols` panels in a row: (figure, [axes])."""
+def subplots(ncols: int, width: float = 4.2, height: float = 3.4, legend_entries: int = 0):
+  """A figure (no pyplot) with `ncols` panels in a row, and room for a legend of
+  `legend_entries` below them: (figure, [axes])."""
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  height += 0.16 * legend_entries
   fig = Figure(figsize=(width * ncols, height), layout="constrained")
   axes = fig.subplots(1, ncols, squeeze=False)[0]
   return fig, list(axes)
@@ -114,21 +116,22 @@ def replay_series(groups, fields: Sequence[str]) -> list[Series]:
 def error_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   """{"width=<w>": one series per config}: mean test error (%) over t, std over seeds."""
   others = [f for f in fields if f != "model.width"]
+  colors = _colors([g.label(others) for g in groups])
   out: dict[str, list[Series]] = {}
   for g in sorted(groups, key=lambda g: float(g.get("model.width") or 0)):
     t, mean, std = g.curve("test_error")
     out.setdefault(f"width={g.get('model.width')}", []).append(
-        {"label": g.label(others), "x": t.tolist(), "y": (100 * mean).tolist(),
-         "yerr": (100 * std).tolist()})
+        {"label": g.label(others), "color": colors[g.label(others)], "x": t.tolist(),
+         "y": (100 * mean).tolist(), "yerr": (100 * std).tolist()})
   return out
 
 
 def _draw_curves(ax, series: Sequence[Series]) -> None:
   for s in series:
     x, y, e = np.asarray(s["x"]), np.asarray(s["y"]), np.asarray(s["yerr"])
-    (line,) = ax.plot(x, y, label=s["label"])
+    ax.plot(x, y, label=s["label"], color=s.get("color"))
     if np.any(e > 0):
-      ax.fill_between(x, y - e, y + e, alpha=0.2, color=line.get_color())
+      ax.fill_between(x, y - e, y + e, alpha=0.2, color=s.get("color"))
 
 
 # -- language models (Fig. 5) --------------------------------------------------------------------------
@@ -183,9 +186,13 @@ def _finish(ax, xlabel: str, ylabel: str, title: str = "", logx: bool = False) -
 
 
 def _legend(fig, axes) -> None:
-  handles, labels = axes[0].get_legend_handles_labels()
-  if handles:
-    axes[-1].legend(handles, labels, fontsize=6, loc="best")
+  """One legend below the panels, each label once."""
+  seen = {}
+  for ax in axes:
+    for h, l in zip(*ax.get_legend_handles_labels()):
+      seen.setdefault(l, h)
+  if seen:
+    fig.legend(list(seen.values()), list(seen), fontsize=6, loc="outside lower center")
 
 
 def dataset_figures(data: str, groups, fields: Sequence[str],
@@ -197,7 +204,7 @@ def dataset_figures(data: str, groups, fields: Sequence[str],
   figures = {}
   trade = tradeoff_series(groups, fields)
   if trade["comp"]:
-    fig, axes = subplots(2)
+    fig, axes = subplots(2, legend_entries=len(trade["comp"]))
     _draw(axes[0], trade["comp"])
     _finish(axes[0], "training TFLOPs (paper count)", "CER (%)", data, logx=True)
     _draw(axes[1], trade["mem"])
@@ -207,26 +214,28 @@ def dataset_figures(data: str, groups, fields: Sequence[str],
     figures[f"tradeoffs_{data}"] = trade
   curves = error_series(groups, fields)
   if curves:
-    fig, axes = subplots(len(curves))
+    fig, axes = subplots(len(curves), legend_entries=len({s["label"] for v in curves.values()
+                                                          for s in v}))
     for ax, (panel, series) in zip(axes, curves.items()):
       _draw_curves(ax, series)
       _finish(ax, "mega-batch t", "test error (%)", f"{data} {panel}")
-      ax.legend(fontsize=6)
+    _legend(fig, axes)
     save(fig, os.path.join(out, f"error_{data}"))
     figures[f"error_{data}"] = curves
   replay = replay_series(groups, fields)
   if replay:
-    fig, axes = subplots(1)
+    fig, axes = subplots(1, legend_entries=len(replay))
     _draw(axes[0], replay)
     _finish(axes[0], "training TFLOPs (paper count)", "CER (%)", f"{data}: replay", logx=True)
-    axes[0].legend(fontsize=6)
+    _legend(fig, axes)
     save(fig, os.path.join(out, f"replay_{data}"))
     figures[f"replay_{data}"] = {"replay": replay}
   lm = lm_series(groups, fields)
   if lm:
     labels = {"comp": "training TFLOPs (paper count)", "params": "parameters",
               "experts": "experts"}
-    fig, axes = subplots(len(lm))
+    fig, axes = subplots(len(lm), legend_entries=len({s["label"] for v in lm.values()
+                                                      for s in v}))
     for ax, (panel, series) in zip(axes, lm.items()):
       _draw(ax, series)
       _finish(ax, labels[panel], "average perplexity", data, logx=panel != "experts")
