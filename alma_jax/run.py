@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -37,9 +39,11 @@ from alma_jax import interrupts
 from alma_jax import io_utils
 from alma_jax import methods
 from alma_jax import multihost
+from alma_jax import plots
 from alma_jax import population
 from alma_jax import schedule
 from alma_jax import sharding
+from alma_jax import tensorboard
 from alma_jax import timing
 from alma_jax import train
 from alma_jax import validation
@@ -119,6 +123,7 @@ class _Loop:
     self.out_dirs = ([workdir] if len(self.seeds) == 1
                      else [wd.seed_dir(workdir, sd) for sd in self.seeds])
     self.ckpt = None
+    self.tb: list[tensorboard.Writer] = []  # process 0, config.log.tensorboard: one per seed
     self.elapsed_before, self.compiled_before = 0.0, set()
     self._flop_cache: dict = {}
     with self.timer("data_s"):
@@ -230,6 +235,9 @@ class _Loop:
         io_utils.write_json_atomic(os.path.join(out, wd.CONFIG_FILE),
                                    wd.config_dict(_seed_config(self.config, sd)))
       io_utils.write_jsonl_atomic(os.path.join(out, wd.LOG_FILE), [r.to_dict() for r in recs])
+    if self.config.log.tensorboard:
+      self.tb = [tensorboard.Writer(out, [r.to_dict() for r in recs])
+                 for out, recs in zip(self.out_dirs, records)]
     wd.sync_architecture_log(self.workdir, len(records[0]) - 1)
     if snap is None or snap.t < self.num_t:
       for path in {self.workdir, *self.out_dirs}:
@@ -336,7 +344,8 @@ class _Loop:
     learner, opt_state, stats = train.fit_stage(
         self.steps, learner, np.stack([x.train_idx for x in contexts]),
         np.stack([x.val_idx for x in contexts]), population.fold(skeys, 3), t=t,
-        opt_state=opt_state, progress=progress, labels=self.seeds, check=self.signals.check)
+        opt_state=opt_state, progress=progress, labels=self.seeds, check=self.signals.check,
+        on_epoch=lambda *a: self._epoch_scalars(t, *a))
     if stats.diverged.any():
       logging.warning("stage t=%d diverged; continuing with its best epoch (%s)", t,
                       ", ".join(str(e) for e in stats.best_epoch))
@@ -352,6 +361,13 @@ class _Loop:
                                     / len(self.seeds))
     return learner, opt_state, stats, spent
 
+  def _epoch_scalars(self, t, epoch, loss, val_accuracy, ran) -> None:
+    del epoch  # the event files count epochs over the whole run
+    with self.timer("io_s"), self.signals.critical():
+      for i, writer in enumerate(self.tb):
+        if ran[i]:
+          writer.epoch(t, {"train_loss": loss[i], "val_accuracy": val_accuracy[i]})
+
   # -- evaluate, log, checkpoint --------------------------------------------------------------------
   def _record(self, t, learner, errors, spent, trained, wall_s) -> None:
     first = population.unstack(learner, 0)
@@ -366,6 +382,8 @@ class _Loop:
     with self.timer("io_s"), self.signals.critical():
       for out, r in zip(self.out_dirs if self.primary else (), records):
         io_utils.append_record(os.path.join(out, wd.LOG_FILE), r.to_dict())
+      for writer, r in zip(self.tb, records):
+        writer.step(r.to_dict())
       if trained and self.primary:
         io_utils.append_jsonl(os.path.join(self.workdir, wd.ARCH_FILE),
                               {"t": t, **self.method.describe(first)})
@@ -428,10 +446,34 @@ class _Loop:
           for out, summary in zip(self.out_dirs, per_seed):
             io_utils.write_json_atomic(os.path.join(out, wd.SUMMARY_FILE), summary)
         io_utils.write_json_atomic(os.path.join(self.workdir, wd.SUMMARY_FILE), top)
+    if self.primary:
+      self._plot_errors()
     logging.info("done: %d seed(s), CER=%.4f mean_error=%.4f final_error=%.4f Mem=%d Comp=%.3e "
                  "wall=%.1fs", len(self.seeds), top["cer"], top["mean_error"], top["final_error"],
                  top["mem"], top["comp"], wall_s)
     return top
+
+  def _plot_errors(self) -> None:
+    """error.png in the workdir, drawn by a child process (no matplotlib in this one); a
+    failure to draw it only warns (the outputs are written)."""
+    path = os.path.join(self.workdir, wd.ERROR_PNG)
+    c = self.config
+    spec = {"path": path, "curves": [
+        (f"seed {sd}", [r.t for r in log.records], [r.test_error for r in log.records])
+        for sd, log in zip(self.seeds, self.logs)],
+            "title": f"{c.data.name} {c.method.name} width={c.model.width} wait={c.stream.wait}"}
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(plots.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [package_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    try:
+      proc = subprocess.run([sys.executable, "-m", "alma_jax.plots"], input=json.dumps(spec),
+                            env=env, capture_output=True, text=True, timeout=300, check=False)
+      why = proc.stderr.strip().splitlines()[-1:] if proc.returncode else None
+    except (OSError, subprocess.SubprocessError) as e:
+      why = [f"{type(e).__name__}: {e}"]
+    if why is not None:
+      logging.warning("could not draw %s (%s); the run's other outputs are complete", path,
+                      why[0] if why else "no message")
 
 
 def _seed_config(config, seed: int):

@@ -116,7 +116,8 @@ def _stop_diverged(p: _Progress, bad: np.ndarray, t: int, epoch: int, labels, po
 def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np.ndarray,
               keys: jax.Array, *, t: int = 0, opt_state=None,
               progress: Callable[[str], None] | None = None, labels: Sequence[int] | None = None,
-              check: Callable[[], None] = lambda: None):
+              check: Callable[[], None] = lambda: None,
+              on_epoch: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None] | None = None):
   """Trains a stacked population on one stage's data; keeps each member's best epoch.
 
   Args:
@@ -130,6 +131,8 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
     labels: the members' names in messages (their seeds).
     check: called after every compiled train call; raising there stops the stage (a
       signal handler's flag, `alma_jax.interrupts.Signals.check`).
+    on_epoch: called after every epoch with (epoch, mean training loss (S,), validation
+      accuracy (S,), which members trained in it (S,)).
 
   Returns:
     (best learners, final optimizer state (None after a rollback), StageStats).
@@ -150,6 +153,7 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
   delta = float(cfg.patience_delta)
   timer, last_report = timing.Breakdown(), time.monotonic()
   for epoch in range(1, int(cfg.epochs) + 1):
+    ran = p.active.copy()
     with timer("train_s"):
       state, losses, finite, n_steps = _epoch(steps, state, structure, rngs, train_idx, keys, epoch,
                                               check)
@@ -165,6 +169,8 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
     with timer("eval_s"):
       acc, _, unit_acc = steps.evaluate_units(current, "train", val_idx)
     _keep_best(p, method, current, unit_acc, epoch, delta, int(cfg.patience))
+    if on_epoch is not None:
+      on_epoch(epoch, np.mean(losses, axis=1), np.asarray(acc), ran)
     if progress is not None and time.monotonic() - last_report >= cfg.get("progress_every_s", 10.0):
       last_report = time.monotonic()
       progress(_progress_line(t, epoch, cfg.epochs, losses, acc, p))
