@@ -163,9 +163,10 @@ def copy_experts(state: base.Learner, experts: Sequence[int] | Sequence[Sequence
     A learner with `num_experts + k` experts per block: the copies are
     appended on the expert axis. The router bias of every copied expert and
     of its copy is lowered by log 2, so the router probabilities of all other
-    experts are unchanged and the pair shares the original's; with `noise`
-    0 the pair's logits tie, the tokens keep their expert and the layer
-    computes the same function (`alma_jax.models.switch`).
+    experts are unchanged and the pair's sum is the original's; with `noise`
+    0 the pair's logits tie, so the router treats them as one expert
+    (`alma_jax.models.switch.route`): the tokens keep their expert and scale,
+    and the layer computes the same function.
   """
   blocks = _blocks(state.params)
   (num,) = state.structure

@@ -8,11 +8,12 @@ mixture of E experts stacked on a leading axis (`expert_wi` (E, d, f),
 projection; positions have learned embeddings.
 
 Routing is top-1: each token goes to the expert of its largest router
-logit, and the expert's output is scaled by the router probability of that
-expert. (Where several experts share the largest logit exactly, as an expert
-and its copy do right after `copy_experts`, the scale is the sum of their
-probabilities and the token goes to the first of them: this makes the copy
-function-preserving, and is the plain Switch rule whenever there is no tie.)
+probability, and the expert's output is scaled by that probability. Experts
+whose router logits are exactly equal (an expert and its copy right after
+`copy_experts`) count as one: each one's mass is their summed probability,
+and a token routed to them goes to the first. This makes the copy
+function-preserving; without ties (the case of any trained router) it is the
+plain Switch rule.
 Every expert has room for `capacity = ceil(capacity_factor * T / E)` tokens
 of a batch of T tokens, taken in order; a token beyond it is dropped: the
 layer outputs zero for it, so it passes through the residual unchanged. The
@@ -69,9 +70,12 @@ def route(logits: jax.Array, mask: jax.Array, cap: int) -> Routing:
   """Top-1 routing of router `logits` (T, E) for the tokens where `mask` (T,) is true."""
   logits = logits.astype(jnp.float32)
   probs = jax.nn.softmax(logits, axis=-1)
-  expert = jnp.argmax(logits, axis=-1)
-  tied = logits == jnp.max(logits, axis=-1, keepdims=True)
-  gate = jnp.sum(jnp.where(tied, probs, 0.0), axis=-1)
+  # An expert's mass: its probability times the number of experts whose logit equals its own
+  # (1 unless a copy ties with it). Routing takes the largest mass, the first one on ties.
+  count = jnp.sum(logits[:, :, None] == logits[:, None, :], axis=-1).astype(probs.dtype)
+  mass = count * probs
+  expert = jnp.argmax(mass, axis=-1)
+  gate = jnp.take_along_axis(mass, expert[:, None], axis=-1)[:, 0]
   one_hot = jax.nn.one_hot(expert, logits.shape[-1], dtype=jnp.int32) * mask[:, None]
   position = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)
   kept = mask & (position < cap)
