@@ -153,7 +153,7 @@ def apply_lm_variant(c: ml_collections.ConfigDict, arg: str | None) -> ml_collec
 
   smoke: seconds on a CPU (the tiny model, L=32, 16 sequences per mega-batch,
   5 steps per stage). quick: minutes on a 2-core CPU (the tiny model on the
-  whole tiny_shakespeare stream, L=64, 150 steps per stage).
+  whole tiny_shakespeare stream, L=64, 80 steps of 8 sequences per stage).
   """
   parts = [p.strip() for p in (arg or "").split(",") if p.strip()]
   for p in parts:
@@ -179,10 +179,10 @@ def apply_lm_variant(c: ml_collections.ConfigDict, arg: str | None) -> ml_collec
       c.data.seq_len = 64
       c.data.test_subset = 128
       c.stream.val_fraction = 0.02
-      c.train.batch_size = 16
+      c.train.batch_size = 8
       c.train.eval_batch_size = 16
-      c.train.steps_per_epoch = 150
-      c.optimizer.warmup_steps = 15
+      c.train.steps_per_epoch = 80
+      c.optimizer.warmup_steps = 8
       c.optimizer.kwargs.learning_rate = 2e-3
   if "iid" in parts:
     c.stream.iid = True

@@ -11,7 +11,7 @@ Run:
 Variants (after the colon, comma-separated):
   :smoke  seconds: the tiny model, L=32, 80 sequences, 5 steps per stage (tests).
   :quick  minutes on a 2-core CPU: the tiny model on the whole stream, L=64,
-          150 steps per stage.
+          80 steps of 8 sequences per stage.
   :base, :large  the paper's model sizes (6 layers, d=512; 12 layers, d=768);
           the default is base, with L=512, batch 192, 120,000 steps per stage.
   :quick,iid  Table 1's i.i.d. counterpart: one stage at t=B on the union of
