@@ -19,7 +19,7 @@ Variants (after the colon, comma-separated):
 Options:
   --config.model.num_experts=8            E (paper: 4, 8, 12)
   --config.data.text_file=/path/book.txt  a UTF-8 text file instead of tfds
-  --config.train.steps_per_epoch=360      k x steps
+  --config.train.steps_per_epoch=240      3x steps (the quick stage has 80)
   --config.stream.wait=4                  train once on all mega-batches
 """
 
