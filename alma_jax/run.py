@@ -256,9 +256,10 @@ class _Loop:
 
   def _log_estimate(self, learner) -> None:
     """Logs an upper bound on the training time (all epochs, no early stop)."""
-    b = self.config.train.batch_size
-    n = sum(-(-m // b) for m in _stage_sizes(self.streams[0], self.config))
-    total = n * self.config.train.epochs
+    b, fixed = self.config.train.batch_size, optim.stage_steps(self.config)
+    sizes = _stage_sizes(self.streams[0], self.config)
+    n = len(sizes) * fixed if fixed else sum(-(-m // b) for m in sizes) * self.config.train.epochs
+    total = n
     if total < 5000:  # a short run: measuring would cost a noticeable part of it
       return
     per_step = self.steps.seconds_per_step(learner)

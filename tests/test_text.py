@@ -16,6 +16,7 @@ from alma_jax import run as run_lib
 from alma_jax import validation
 from alma_jax.data import text as text_data
 from alma_jax.errors import ConfigError
+from alma_jax.metrics import Log, Record
 from alma_jax.tasks import text as text_task
 from tests.conftest import data_available
 
@@ -166,3 +167,25 @@ def test_a_text_file_by_path_works_the_same(tmp_path):
   assert all(b < a for a, b in zip(ppl, ppl[1:])), ppl
   cached = os.listdir(os.path.join(os.environ["ALMA_JAX_CACHE_DIR"], "text"))
   assert any(n.startswith("file_") for n in cached)
+
+
+def test_records_keep_the_task_fields_and_the_summary_averages_perplexity():
+  def rec(t, ppl):
+    return Record(t=t, test_error=0.5, num_params=10, train_flops=1.0, train_flops_forward=0.5,
+                  train_macs=0.2, growth_flops=0.0, inference_flops_per_example=3.0,
+                  trained=t > 0, wall_s=0.1,
+                  extra={"test_nll": math.log(ppl), "test_perplexity": ppl,
+                         "test_bits_per_byte": ppl / 100, "forward_macs_per_token": 7.0,
+                         "inference_flops_per_token": 9.0})
+
+  log = Log.from_records([rec(0, 1000.0), rec(1, 40.0), rec(2, 20.0)])
+  d = log.records[1].to_dict()
+  assert d["test_perplexity"] == 40.0 and Record.from_dict(d) == log.records[1]
+  s = log.summary()
+  assert s["mean_perplexity"] == pytest.approx(30.0)
+  assert s["mean_perplexity_with_t0"] == pytest.approx(1060.0 / 3)
+  assert s["final_perplexity"] == 20.0 and s["mean_bits_per_byte"] == pytest.approx(0.3)
+  # Image records have no such fields: the summary is the one it always was.
+  plain = Log.from_records([Record.from_dict({k: v for k, v in r.to_dict().items()
+                                              if k not in r.extra}) for r in log.records])
+  assert "mean_perplexity" not in plain.summary() and plain.records[0].extra == {}
