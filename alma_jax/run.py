@@ -52,7 +52,7 @@ from alma_jax import workdir_lock
 from alma_jax.data import stream as stream_lib
 from alma_jax.interrupts import RunInterrupted, kill_point
 from alma_jax.metrics import Log, Record
-from alma_jax.optim import make_optimizer
+from alma_jax import optim
 from alma_jax.steps import Steps
 from alma_jax import tasks
 
@@ -133,14 +133,14 @@ class _Loop:
   def _setup(self) -> None:
     c, s = self.config, self.config.stream
     self.mesh = sharding.mesh_from_config(c)
-    task = tasks.for_config(c)
+    self.task = task = tasks.for_config(c)
     ds, self.subsets = task.load(c, self.seeds)
     n_train = len(ds.train_y) if self.subsets[0] is None else len(self.subsets[0])
     self.streams = [stream_lib.make_stream(n_train, s.num_megabatches, s.val_fraction, sd)
                     for sd in self.seeds]
     validation.validate_data(c, n_train, self.streams[0])
     self.method = methods.make(c, ds.train_x.shape[1:], ds.num_classes)
-    self.steps = Steps.from_config(c, self.method, task, make_optimizer(c.optimizer),
+    self.steps = Steps.from_config(c, self.method, task, optim.from_config(c),
                                    task.device_data(ds), self.mesh)
     self.keys = population.keys(self.seeds)
     self.num_t = s.num_megabatches
@@ -264,9 +264,10 @@ class _Loop:
 
   def _log_estimate(self, learner) -> None:
     """Logs an upper bound on the training time (all epochs, no early stop)."""
-    b = self.config.train.batch_size
-    n = sum(-(-m // b) for m in _stage_sizes(self.streams[0], self.config))
-    total = n * self.config.train.epochs
+    b, fixed = self.config.train.batch_size, optim.stage_steps(self.config)
+    sizes = _stage_sizes(self.streams[0], self.config)
+    n = len(sizes) * fixed if fixed else sum(-(-m // b) for m in sizes) * self.config.train.epochs
+    total = n
     if total < 5000:  # a short run: measuring would cost a noticeable part of it
       return
     per_step = self.steps.seconds_per_step(learner)
@@ -283,6 +284,9 @@ class _Loop:
 
   def _stream(self, snap) -> dict[str, Any]:
     learner, opt_state, errors = self._start(snap)
+    # Each member's mean test NLL (the task's record fields are computed from it).
+    nll = None if errors is None else np.asarray(
+        [log.records[-1].extra.get("test_nll", np.nan) for log in self.logs])
     for t in range(len(self.logs[0].records), self.num_t + 1):
       self.signals.check()
       t_step = time.monotonic()
@@ -292,10 +296,10 @@ class _Loop:
         learner, opt_state, stats, spent = self._stage(t, learner, opt_state)
       if errors is None or trained:  # an unchanged model is not re-evaluated
         with self.timer("eval_s"):
-          acc, _ = self.steps.evaluate(learner, "test",
-                                       np.arange(self.steps.data.size("test"), dtype=np.int32))
+          acc, nll = self.steps.evaluate(learner, "test",
+                                         np.arange(self.steps.data.size("test"), dtype=np.int32))
           errors = 1.0 - acc
-      self._record(t, learner, errors, spent, trained, time.monotonic() - t_step)
+      self._record(t, learner, errors, nll, spent, trained, time.monotonic() - t_step)
       self._save(t, learner, opt_state, trained)
       if trained:
         self._report(t, stats, errors, learner)
@@ -351,7 +355,7 @@ class _Loop:
                       ", ".join(str(e) for e in stats.best_epoch))
     self.timer.add({"train_s": stats.train_s, "eval_s": stats.eval_s})
     flops = self._flops(population.unstack(learner, 0))  # of the structure that trained
-    examples = np.asarray([len(x.train_idx) for x in contexts]) * stats.epochs_run
+    examples = stats.examples_run
     spent = {"train_flops": flops["train_step"] * stats.steps_run,
              "train_flops_forward": flops["train_step_forward"] * stats.steps_run,
              "train_macs": flops["train_macs_per_example"] * examples}
@@ -369,15 +373,18 @@ class _Loop:
           writer.epoch(t, {"train_loss": loss[i], "val_accuracy": val_accuracy[i]})
 
   # -- evaluate, log, checkpoint --------------------------------------------------------------------
-  def _record(self, t, learner, errors, spent, trained, wall_s) -> None:
+  def _record(self, t, learner, errors, nll, spent, trained, wall_s) -> None:
     first = population.unstack(learner, 0)
     flops = self._flops(first)
     num_params = self.method.num_params(first)
     fields = ("train_flops", "train_flops_forward", "train_macs", "growth_flops")
+    extra = getattr(self.task, "record_metrics", None)  # fields of the task's own
     records = [Record(t=t, test_error=float(errors[i]), num_params=num_params,
                       **{f: float(spent[f][i]) if f in spent else 0.0 for f in fields},
                       inference_flops_per_example=flops["inference_per_example"],
-                      trained=trained, wall_s=wall_s) for i in range(len(self.seeds))]
+                      trained=trained, wall_s=wall_s,
+                      extra={} if extra is None else extra(float(nll[i]), flops))
+               for i in range(len(self.seeds))]
     self.logs = [log.append(r) for log, r in zip(self.logs, records)]
     with self.timer("io_s"), self.signals.critical():
       for out, r in zip(self.out_dirs if self.primary else (), records):
@@ -417,6 +424,9 @@ class _Loop:
 
   def _report(self, t: int, stats, errors, learner) -> None:
     arch = json.dumps(self.method.describe(population.unstack(learner, 0)))
+    if "test_perplexity" in self.logs[0].records[-1].extra:
+      arch = "test_ppl=%.3f %s" % (float(np.mean([log.records[-1].extra["test_perplexity"]
+                                                   for log in self.logs])), arch)
     if len(self.seeds) == 1:
       logging.info("t=%d/%d epochs=%d best_val_acc=%.4f test_error=%.4f %s elapsed=%.1fs", t,
                    self.num_t, stats.epochs_run[0], stats.best_val_accuracy[0], errors[0], arch,
@@ -451,6 +461,9 @@ class _Loop:
     logging.info("done: %d seed(s), CER=%.4f mean_error=%.4f final_error=%.4f Mem=%d Comp=%.3e "
                  "wall=%.1fs", len(self.seeds), top["cer"], top["mean_error"], top["final_error"],
                  top["mem"], top["comp"], wall_s)
+    if "mean_perplexity" in top:
+      logging.info("perplexity: mean over t=1..B %.3f, final %.3f; bits per byte: mean %.4f",
+                   top["mean_perplexity"], top["final_perplexity"], top["mean_bits_per_byte"])
     return top
 
   def _plot_errors(self) -> None:

@@ -11,6 +11,9 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SHARED = os.path.join(os.path.dirname(_ROOT), "shared", "tensorflow_datasets")
 if "TFDS_DATA_DIR" not in os.environ and os.path.isdir(_SHARED):
   os.environ["TFDS_DATA_DIR"] = _SHARED
+_BPE = os.path.join(os.path.dirname(_ROOT), "shared", "gpt2_bpe")
+if "ALMA_JAX_BPE_DIR" not in os.environ and os.path.isdir(_BPE):
+  os.environ["ALMA_JAX_BPE_DIR"] = _BPE
 os.environ.setdefault("ALMA_JAX_CACHE_DIR", tempfile.mkdtemp(prefix="alma_jax_test_cache_"))
 
 import pytest  # pylint: disable=g-import-not-at-top

@@ -41,7 +41,7 @@ CONFIG_CASES = [
     ("val_fraction_nan", {"stream__val_fraction": float("nan")}, r"config\.stream\.val_fraction=nan"),
     ("width_zero", {"model__width": 0}, r"config\.model\.width=0 must be >= 1"),
     ("unknown_backbone", {"model__name": "resnet"},
-     r"config\.model\.name='resnet' is unknown; valid names: \['mlp', 'vgg'\]"),
+     r"config\.model\.name='resnet' is unknown; valid names: \['mlp', 'switch', 'vgg'\]"),
     ("unknown_method", {"method__name": "boosting"},
      r"config\.method\.name='boosting' is unknown; valid names: \[.*'sm'.*\]"),
     ("num_members_zero", {"method__name": "ens", "method__num_members": 0},
@@ -59,7 +59,7 @@ CONFIG_CASES = [
     ("num_seeds_zero", {"num_seeds": 0}, r"config\.num_seeds=0 must be >= 1"),
     ("num_seeds_with_gmoe", {"num_seeds": 2, "method__name": "gmoe"},
      r"config\.num_seeds=2 needs a method whose growth is the same for every seed; "
-     r"config\.method\.name='gmoe' is not one; valid names: \['ens', 'gens', 'sm', 'umix'\]"),
+     r"config\.method\.name='gmoe' is not one; valid names: \['ens', 'gens', 'lm_ens', 'lm_gens', 'lm_sm', 'sm', 'umix'\]"),
     ("on_divergence", {"train__on_divergence": "ignore"},
      r"config\.train\.on_divergence='ignore' is unknown; valid values: \['raise', 'rollback'\]"),
     ("augment", {"train__augment": "mixup"},

@@ -92,6 +92,7 @@ class Method:
 
   Class attributes:
     name: the registry name (`config.method.name`).
+    task: the data it learns from, "images" or "text" (`alma_jax.tasks`).
     FIELDS: the method's own config fields (`alma_jax.fields.Field`, paths
       under "method."); their checked values are `self.opts.<field name>`.
     same_growth_for_every_seed: whether the architecture grows the same way
@@ -106,6 +107,7 @@ class Method:
   """
 
   name = ""
+  task = "images"  # the kind of data (`alma_jax.tasks.TASKS`): "images" or "text"
   FIELDS: tuple[fields.Field, ...] = ()
   same_growth_for_every_seed = True
   LEAF_AXES: tuple[tuple[str, tuple[str, ...]], ...] = ()
