@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 from typing import Any, Sequence
 
@@ -257,6 +258,24 @@ def run_error_png(path: str, curves: Sequence[tuple[str, Sequence[int], Sequence
     ax.legend(fontsize=6)
   with io_utils.output_errors(path), io_utils.atomic_writer(path, "wb") as f:
     fig.savefig(f, format="png", dpi=90)
+
+
+def run_error_png_in_child(path: str, curves, title: str = "") -> str | None:
+  """`run_error_png` in a child process (`python -m alma_jax.plots`), so that the caller
+  never imports matplotlib; returns why it failed (None: drawn)."""
+  package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [package_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  spec = {"path": path, "curves": [list(c) for c in curves], "title": title}
+  try:
+    proc = subprocess.run([sys.executable, "-m", "alma_jax.plots"], input=json.dumps(spec),
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+  except (OSError, subprocess.SubprocessError) as e:
+    return f"{type(e).__name__}: {e}"
+  if proc.returncode:
+    lines = proc.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit code {proc.returncode}"
+  return None
 
 
 def main() -> int:

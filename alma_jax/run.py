@@ -7,8 +7,9 @@ what a separate run of that seed would have (stream partition, training
 subset, initialisation, data order, early stopping).
 
 A run writes `config.json`, `log.jsonl` (one record per time step),
-`architecture.jsonl`, `checkpoints/` (orbax, see `config.checkpoint`) and, at
-the end, `summary.json` into its workdir; with S > 1 each seed's
+`architecture.jsonl`, `checkpoints/` (orbax, see `config.checkpoint`),
+TensorBoard event files (`config.log.tensorboard`) and, at the end,
+`summary.json` and `error.png` into its workdir; with S > 1 each seed's
 `config.json`, `log.jsonl` and `summary.json` go to `seed_<seed>/` and the
 top-level `summary.json` holds each metric's mean and standard deviation over
 the seeds. Running the same command again resumes from the last complete
@@ -25,8 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -467,26 +466,15 @@ class _Loop:
     return top
 
   def _plot_errors(self) -> None:
-    """error.png in the workdir, drawn by a child process (no matplotlib in this one); a
-    failure to draw it only warns (the outputs are written)."""
+    """error.png in the workdir (drawn by a child process); a failure only warns."""
     path = os.path.join(self.workdir, wd.ERROR_PNG)
     c = self.config
-    spec = {"path": path, "curves": [
-        (f"seed {sd}", [r.t for r in log.records], [r.test_error for r in log.records])
-        for sd, log in zip(self.seeds, self.logs)],
-            "title": f"{c.data.name} {c.method.name} width={c.model.width} wait={c.stream.wait}"}
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(plots.__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [package_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    try:
-      proc = subprocess.run([sys.executable, "-m", "alma_jax.plots"], input=json.dumps(spec),
-                            env=env, capture_output=True, text=True, timeout=300, check=False)
-      why = proc.stderr.strip().splitlines()[-1:] if proc.returncode else None
-    except (OSError, subprocess.SubprocessError) as e:
-      why = [f"{type(e).__name__}: {e}"]
+    why = plots.run_error_png_in_child(
+        path, [(f"seed {sd}", [r.t for r in log.records], [r.test_error for r in log.records])
+               for sd, log in zip(self.seeds, self.logs)],
+        f"{c.data.name} {c.method.name} width={c.model.width} wait={c.stream.wait}")
     if why is not None:
-      logging.warning("could not draw %s (%s); the run's other outputs are complete", path,
-                      why[0] if why else "no message")
+      logging.warning("could not draw %s (%s); the run's other outputs are complete", path, why)
 
 
 def _seed_config(config, seed: int):

@@ -210,7 +210,7 @@ def test_a_smoke_run_draws_its_errors_and_is_reported(tmp_path):
 @requires_mnist
 def test_a_failure_to_draw_keeps_the_outputs(tmp_path, monkeypatch):
   warnings = []
-  monkeypatch.setattr(run.sys, "executable", "/no/such/python")
+  monkeypatch.setattr(sys, "executable", "/no/such/python")
   monkeypatch.setattr(run.logging, "warning", lambda msg, *a: warnings.append(msg % a))
   workdir = str(tmp_path / "run")
   run.run(helpers.smoke(stream__num_megabatches=2), workdir)

@@ -209,3 +209,13 @@ def test_parallel_sweep_of_real_runs_ends_with_the_report(tmp_path, monkeypatch,
       with open(root / name / "summary.json") as f:
         cer = json.load(f)["cer_percent"]
       assert f"{cer:.2f}" in text
+
+
+def test_parallel_dry_run_runs_nothing(tmp_path, monkeypatch, capsys):
+  monkeypatch.setattr(subprocess, "call", lambda *a, **k: pytest.fail("ran a command"))
+  rc = sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=model.width=4,8",
+                   "--parallel=2", "--dry_run"])
+  captured = capsys.readouterr()
+  assert rc == 0 and len(captured.out.strip().splitlines()) == 2
+  assert f"report of the grid's workdirs -> {tmp_path / 'report'}" in captured.err
+  assert not os.listdir(tmp_path)
