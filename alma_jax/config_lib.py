@@ -11,6 +11,7 @@ tests) and `quick` (minutes on a laptop CPU) variants.
 from __future__ import annotations
 
 import math
+import re
 
 import ml_collections
 
@@ -152,17 +153,22 @@ LM_VARIANTS = ("", "smoke", "quick")
 
 def apply_lm_variant(c: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:
   """Language models: the preset `base` or `large` and the `smoke` or `quick` variant, e.g.
-  "large", "quick" or "quick,iid" (`iid`: `stream.iid=True`, Table 1's ablation).
+  "large", "quick" or "quick,iid" (`iid`: `stream.iid=True`, Table 1's ablation; `Kx`, e.g.
+  `2x`: K times the training steps per stage, Table 2's "2x steps" rows).
 
   smoke: seconds on a CPU (the tiny model, L=32, 16 sequences per mega-batch,
   5 steps per stage). quick: minutes on a 2-core CPU (the tiny model on the
   whole tiny_shakespeare stream, L=64, 80 steps of 8 sequences per stage).
   """
   parts = [p.strip() for p in (arg or "").split(",") if p.strip()]
+  steps_factor = 1
   for p in parts:
-    if p not in LM_VARIANTS + ("base", "large", "iid"):
+    if re.fullmatch(r"[1-9][0-9]*x", p):
+      steps_factor *= int(p[:-1])
+    elif p not in LM_VARIANTS + ("base", "large", "iid"):
       raise ValueError(f"config variant {p!r} is unknown; valid: ['base', 'large', 'smoke', "
-                       "'quick', 'iid'] (comma-separated)")
+                       "'quick', 'iid', 'Kx' with K a positive integer such as '2x'] "
+                       "(comma-separated)")
   for p in parts:
     if p in ("base", "large"):
       c.model.preset = p
@@ -189,6 +195,7 @@ def apply_lm_variant(c: ml_collections.ConfigDict, arg: str | None) -> ml_collec
       c.optimizer.kwargs.learning_rate = 2e-3
   if "iid" in parts:
     c.stream.iid = True
+  c.train.steps_per_epoch *= steps_factor
   return c
 
 

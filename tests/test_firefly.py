@@ -37,17 +37,10 @@ PRESERVE_ATOL = 1e-9
 pytestmark = pytest.mark.usefixtures("fast_compilation")  # compiling dominates
 
 
-@functools.lru_cache(maxsize=None)
-def _method(dataset, width, fields):
-  c = helpers.small_config(dataset, method="ff", width=width)
-  for k, v in fields:
-    c.method[k] = v
-  return ff.Firefly(c, MNIST if dataset == "mnist" else CIFAR, 10)
-
-
 def make_method(dataset="cifar10", width=4, **fields):
+  """The FF method of a small config with 3 new-neuron candidates per layer (shared)."""
   fields.setdefault("num_new", 3)
-  return _method(dataset, width, tuple(sorted(fields.items())))
+  return helpers.cached_method("ff", dataset, width, **fields)
 
 
 def inputs(shape, n=8, seed=0, dtype=jnp.float64):

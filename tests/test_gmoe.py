@@ -32,18 +32,9 @@ SPLIT_ATOL = 1e-5
 pytestmark = pytest.mark.usefixtures("fast_compilation")  # compiling dominates
 
 
-@functools.lru_cache(maxsize=None)
-def _method(dataset, width, fields):
-  c = helpers.small_config(dataset, method="gmoe", width=width)
-  for k, v in fields:
-    c.method[k] = v
-  shape = MNIST if dataset == "mnist" else CIFAR
-  return gmoe.GrowingMoE(c, shape, 10)
-
-
 def make_method(dataset="mnist", width=4, **fields):
   """The gMoE method of a small config (shared between tests, so are its compiled functions)."""
-  return _method(dataset, width, tuple(sorted(fields.items())))
+  return helpers.cached_method("gmoe", dataset, width, **fields)
 
 
 def batch(shape=MNIST, n=16, seed=0):

@@ -12,6 +12,7 @@ from alma_jax import methods
 from alma_jax import run as run_lib
 from alma_jax import train
 from alma_jax import workdir
+from alma_jax.errors import ConfigError
 from tests.test_text import requires_bpe, requires_shakespeare, smoke
 
 V = 50257
@@ -50,8 +51,27 @@ def test_a_one_member_lm_ensemble_is_the_single_model():
 
 
 def test_lm_gmoe_grows_by_k_until_max_experts():
-  m = lm_method("lm_gmoe", grow_by=2, max_experts=9)
+  m = lm_method("lm_gmoe", grow_by=2, grow_schedule="", max_experts=9)
   assert [m.growth(s, e) for s, e in ((1, 4), (2, 4), (3, 6), (4, 8), (5, 9))] == [0, 2, 2, 1, 0]
+
+
+def test_lm_gmoe_follows_its_growth_schedule_then_grow_by():
+  # The paper's default: 4 -> 6 -> 8 -> 12, then k = grow_by.
+  m = lm_method("lm_gmoe", grow_by=3)
+  sizes, growths = [4], []
+  for stage in range(1, 7):
+    growths.append(m.growth(stage, sizes[-1]))
+    sizes.append(sizes[-1] + growths[-1])
+  assert growths == [0, 2, 2, 4, 3, 3]
+  # Every second stage: the schedule indexes growths, not stages.
+  m = lm_method("lm_gmoe", grow_schedule="1,5", grow_every=2)
+  assert [m.growth(s, 4) for s in range(1, 8)] == [0, 0, 1, 0, 4, 0, 2]
+
+
+@pytest.mark.parametrize("value", ["2,x", "2;4", "0,2"])
+def test_lm_gmoe_refuses_a_bad_growth_schedule(value):
+  with pytest.raises(ConfigError, match="config.method.grow_schedule="):
+    lm_method("lm_gmoe", grow_schedule=value)
 
 
 def architecture(wd):
@@ -67,7 +87,7 @@ def perplexities(wd):
 def test_lm_gmoe_run_copies_experts_before_every_later_stage(tmp_path):
   wd = str(tmp_path / "gmoe")
   run_lib.run(smoke("lm_gmoe"), wd)
-  assert [a["experts"] for a in architecture(wd)] == [4, 6, 8, 10]
+  assert [a["experts"] for a in architecture(wd)] == [4, 6, 8, 12]
   log = io_utils.read_jsonl(os.path.join(wd, "log.jsonl"))
   assert [r["growth_flops"] > 0 for r in log] == [False, False, True, True, True]
   ppl = perplexities(wd)

@@ -98,6 +98,17 @@ def test_iid_flag_trains_once_on_all_megabatches_with_b_times_the_steps():
   assert c.stream.wait == 1  # the input is not modified
 
 
+def test_kx_variants_multiply_the_steps_per_stage():
+  def steps(arg):
+    return config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"),
+                                       arg).train.steps_per_epoch
+  assert steps("") == 120_000 and steps("2x") == 240_000 and steps("large,4x") == 480_000
+  assert steps("quick") == 80 and steps("quick,2x") == 160 and steps("2x,quick") == 160
+  for bad in ("0x", "x", "2y", "1.5x"):
+    with pytest.raises(ValueError, match=f"config variant '{bad}' is unknown; valid: .*'Kx'"):
+      steps(bad)
+
+
 @pytest.mark.parametrize("path, value, message", [
     ("model.name", "mlp", r"config\.model\.name='mlp' cannot model text"),
     ("model.preset", "huge", r"config\.model\.preset='huge' is unknown; valid values"),

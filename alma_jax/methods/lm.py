@@ -218,6 +218,9 @@ class LMGrowingMoE(LanguageModel, base.Method):
       F.Field("method.initial_experts", 4, F.integer(1), "experts per block at the start"),
       F.Field("method.grow_by", 2, F.integer(1),
               "k, experts copied per block at a growth (paper: 2 to 4)"),
+      F.Field("method.grow_schedule", "2,2,4", F.integer_list(1),
+              "k of the first growths, comma-separated; later growths copy `grow_by` "
+              "(paper Table 2: '2,2,4', 4 -> 6 -> 8 -> 12 experts; '': `grow_by` always)"),
       F.Field("method.grow_every", 1, F.integer(1), "grow before every this many-th stage"),
       F.Field("method.max_experts", 0, F.integer(0),
               "never grow beyond this many experts per block (0: no limit)"),
@@ -268,8 +271,10 @@ class LMGrowingMoE(LanguageModel, base.Method):
     o = self.opts
     if stage <= 1 or (stage - 1) % o.grow_every:
       return 0
-    room = (o.max_experts - num_experts) if o.max_experts else o.grow_by
-    return max(0, min(o.grow_by, room, num_experts))
+    i = (stage - 1) // o.grow_every - 1  # 0 for the first growth
+    k = o.grow_schedule[i] if i < len(o.grow_schedule) else o.grow_by
+    room = (o.max_experts - num_experts) if o.max_experts else k
+    return max(0, min(k, room, num_experts))
 
   def before_stage(self, learner: base.Learner, key: jax.Array, ctx) -> base.Learner:
     """Copies, in every block, the `k` experts with the largest routed validation loss."""

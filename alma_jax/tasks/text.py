@@ -29,6 +29,7 @@ from alma_jax import fields as F
 from alma_jax.data import text as text_data
 from alma_jax.errors import ConfigError
 from alma_jax.models import switch
+from alma_jax.tasks import images as image_task
 
 SCHEDULES = ("constant", "warmup_linear")
 
@@ -198,11 +199,8 @@ class TextTask:
     return TextData(tokens=ds.tokens, starts=ds.starts, num_train=ds.num_train,
                     seq_len=self.seq_len)
 
-  @staticmethod
-  def global_index(data: TextData, split: str, idx: np.ndarray) -> np.ndarray:
-    if split not in ("train", "test"):
-      raise ValueError(f"split {split!r} is unknown; valid values: ['test', 'train']")
-    return np.asarray(idx, np.int32) + (0 if split == "train" else np.int32(data.num_train))
+  # The resident layout of the image task: train sequences, then test sequences.
+  global_index = staticmethod(image_task.ImageTask.global_index)
 
   def inputs(self, data: TextData, idx, rng=None):
     """(input tokens (..., L), target tokens (..., L)) of sequences `idx`."""
