@@ -3,7 +3,12 @@
 import os
 import tempfile
 
-import jax
+# The suite's time goes to compiling small programs on a CPU, where XLA's optimisation passes
+# cost more than they save; set before JAX is imported, and inherited by the runs the tests
+# start as subprocesses. Export JAX_DISABLE_MOST_OPTIMIZATIONS=0 to test optimised programs.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+import jax  # pylint: disable=g-import-not-at-top
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -30,11 +35,3 @@ requires_cifar10 = pytest.mark.skipif(not data_available("cifar10"),
                                       reason="prepared CIFAR-10 not found under $TFDS_DATA_DIR")
 
 
-@pytest.fixture(scope="module")
-def fast_compilation():
-  """For modules whose time goes to compiling on a CPU, where XLA's optimisations only slow
-  them down (`pytestmark = pytest.mark.usefixtures("fast_compilation")`)."""
-  old = jax.config.values["jax_disable_most_optimizations"]
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", old)

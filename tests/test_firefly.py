@@ -34,9 +34,6 @@ CIFAR = (32, 32, 3)
 PRESERVE_ATOL = 1e-9
 
 
-pytestmark = pytest.mark.usefixtures("fast_compilation")  # compiling dominates
-
-
 def make_method(dataset="cifar10", width=4, **fields):
   """The FF method of a small config with 3 new-neuron candidates per layer (shared)."""
   fields.setdefault("num_new", 3)

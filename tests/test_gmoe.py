@@ -29,9 +29,6 @@ CIFAR = (32, 32, 3)
 SPLIT_ATOL = 1e-5
 
 
-pytestmark = pytest.mark.usefixtures("fast_compilation")  # compiling dominates
-
-
 def make_method(dataset="mnist", width=4, **fields):
   """The gMoE method of a small config (shared between tests, so are its compiled functions)."""
   return helpers.cached_method("gmoe", dataset, width, **fields)
