@@ -1,5 +1,6 @@
 """Bad inputs give one clear error naming the field, and lose nothing (alma_jax/validation.py)."""
 
+import glob
 import os
 import re
 import shutil
@@ -10,7 +11,9 @@ import pytest
 
 from alma_jax import checkpoint
 from alma_jax import config_lib
+from alma_jax import config_resolve
 from alma_jax import io_utils
+from alma_jax import methods
 from alma_jax import errors
 from alma_jax import run
 from alma_jax import validation
@@ -147,6 +150,29 @@ def test_valid_configs_pass():
       c = config_lib.apply_variant(config_lib.base_config(name), arg)
       c.data.download = "yes"  # the data need not be here
       validation.validate(c)
+
+
+IMAGE_SHAPES = {"mnist": (28, 28, 1), "cifar10": (32, 32, 3)}
+
+
+@pytest.mark.parametrize("path", sorted(
+    glob.glob(os.path.join(ROOT, "configs", "*.py"))
+    + glob.glob(os.path.join(ROOT, "configs", "bench", "*.py"))),
+    ids=lambda p: os.path.relpath(p, os.path.join(ROOT, "configs")))
+def test_every_config_file_and_variant_validates_and_builds_its_method(path):
+  # The end-to-end runs cover one config per method and data set; this covers every file.
+  name = os.path.basename(path)
+  variants = (("", "smoke", "quick", "base", "large", "quick,iid", "smoke,2x")
+              if name.startswith("lm_") else ("",) if "/bench/" in path
+              else ("", "smoke", "quick"))
+  for variant in variants:
+    c = config_resolve.resolve(f"{path}:{variant}" if variant else path)
+    c.data.download = "yes"  # the data need not be here
+    c = validation.validate(c)
+    if c.data.name in IMAGE_SHAPES:
+      methods.make(c, IMAGE_SHAPES[c.data.name], 10)
+    else:
+      methods.make(c, (c.data.seq_len,), 50257)
 
 
 # -- inputs that need the data or a workdir ------------------------------------------------------
