@@ -265,8 +265,8 @@ class _Loop:
     """Logs an upper bound on the training time (all epochs, no early stop)."""
     b, fixed = self.config.train.batch_size, optim.stage_steps(self.config)
     sizes = _stage_sizes(self.streams[0], self.config)
-    n = len(sizes) * fixed if fixed else sum(-(-m // b) for m in sizes) * self.config.train.epochs
-    total = n
+    total = (len(sizes) * fixed if fixed
+             else sum(-(-m // b) for m in sizes) * self.config.train.epochs)
     if total < 5000:  # a short run: measuring would cost a noticeable part of it
       return
     per_step = self.steps.seconds_per_step(learner)

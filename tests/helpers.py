@@ -61,7 +61,7 @@ def _cached_method(name, dataset, width, fields):
   c = small_config(dataset, method=name, width=width)
   for k, v in fields:
     c.method[k] = v
-  return methods.make(c, (28, 28, 1) if dataset == "mnist" else (32, 32, 3), 10)
+  return methods.make(c, *validation.KNOWN_SHAPES[dataset])
 
 
 def cached_method(name, dataset, width=4, **fields):

@@ -17,6 +17,7 @@ from alma_jax import methods
 from alma_jax import errors
 from alma_jax import run
 from alma_jax import validation
+from alma_jax.data import text as text_data
 from alma_jax.errors import ConfigError, DivergenceError
 from tests import helpers
 from tests.conftest import requires_mnist
@@ -152,9 +153,6 @@ def test_valid_configs_pass():
       validation.validate(c)
 
 
-IMAGE_SHAPES = {"mnist": (28, 28, 1), "cifar10": (32, 32, 3)}
-
-
 @pytest.mark.parametrize("path", sorted(
     glob.glob(os.path.join(ROOT, "configs", "*.py"))
     + glob.glob(os.path.join(ROOT, "configs", "bench", "*.py"))),
@@ -169,10 +167,10 @@ def test_every_config_file_and_variant_validates_and_builds_its_method(path):
     c = config_resolve.resolve(f"{path}:{variant}" if variant else path)
     c.data.download = "yes"  # the data need not be here
     c = validation.validate(c)
-    if c.data.name in IMAGE_SHAPES:
-      methods.make(c, IMAGE_SHAPES[c.data.name], 10)
+    if c.data.name in validation.KNOWN_SHAPES:
+      methods.make(c, *validation.KNOWN_SHAPES[c.data.name])
     else:
-      methods.make(c, (c.data.seq_len,), 50257)
+      methods.make(c, (c.data.seq_len,), text_data.VOCAB_SIZE)
 
 
 # -- inputs that need the data or a workdir ------------------------------------------------------
