@@ -11,6 +11,7 @@ tests) and `quick` (minutes on a laptop CPU) variants.
 from __future__ import annotations
 
 import math
+import re
 
 import ml_collections
 
@@ -19,6 +20,7 @@ from alma_jax import methods
 from alma_jax import models
 from alma_jax import optim
 from alma_jax import sharding
+from alma_jax import tasks
 from alma_jax.data import augment
 from alma_jax.data import images
 from alma_jax.models import conv
@@ -118,6 +120,9 @@ BASE_FIELDS = (
     F.Field("checkpoint.enabled", True, F.boolean(), "write checkpoints", resumable=True),
     F.Field("checkpoint.max_to_keep", 3, F.integer(1), "keep the last few checkpoints",
             resumable=True),
+    F.Field("log.tensorboard", True, F.boolean(),
+            "write TensorBoard event files (per time step and per epoch) into the workdir",
+            resumable=True),
     F.Field("checkpoint.every", 1, F.integer(1),
             "checkpoint after every this many training stages (and at t=0 and t=B)",
             resumable=True),
@@ -136,7 +141,62 @@ def base_config(dataset: str, method: str = "sm") -> ml_collections.ConfigDict:
   c = F.fill(ml_collections.ConfigDict(), BASE_FIELDS, dataset)
   c.data.name = dataset
   c.method.name = method
-  return F.fill(c, methods.get(method).FIELDS, dataset)
+  c = F.fill(c, methods.get(method).FIELDS, dataset)
+  if tasks.name_for(c) == "text":  # the language-model setting (paper section 5, App. B.2)
+    F.fill(c, tasks.fields_for(method), dataset)
+    tasks.text.defaults(c)
+  return c
+
+
+LM_VARIANTS = ("", "smoke", "quick")
+
+
+def apply_lm_variant(c: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:
+  """Language models: the preset `base` or `large` and the `smoke` or `quick` variant, e.g.
+  "large", "quick" or "quick,iid" (`iid`: `stream.iid=True`, Table 1's ablation; `Kx`, e.g.
+  `2x`: K times the training steps per stage, Table 2's "2x steps" rows).
+
+  smoke: seconds on a CPU (the tiny model, L=32, 16 sequences per mega-batch,
+  5 steps per stage). quick: minutes on a 2-core CPU (the tiny model on the
+  whole tiny_shakespeare stream, L=64, 80 steps of 8 sequences per stage).
+  """
+  parts = [p.strip() for p in (arg or "").split(",") if p.strip()]
+  steps_factor = 1
+  for p in parts:
+    if re.fullmatch(r"[1-9][0-9]*x", p):
+      steps_factor *= int(p[:-1])
+    elif p not in LM_VARIANTS + ("base", "large", "iid"):
+      raise ValueError(f"config variant {p!r} is unknown; valid: ['base', 'large', 'smoke', "
+                       "'quick', 'iid', 'Kx' with K a positive integer such as '2x'] "
+                       "(comma-separated)")
+  for p in parts:
+    if p in ("base", "large"):
+      c.model.preset = p
+    elif p == "smoke":
+      c.model.preset = "tiny"
+      c.data.seq_len = 32
+      c.data.train_subset = 80
+      c.data.test_subset = 16
+      c.stream.val_fraction = 0.2
+      c.train.batch_size = 4
+      c.train.eval_batch_size = 8
+      c.train.steps_per_epoch = 5
+      c.optimizer.warmup_steps = 1
+      c.optimizer.kwargs.learning_rate = 3e-3
+    elif p == "quick":
+      c.model.preset = "tiny"
+      c.data.seq_len = 64
+      c.data.test_subset = 128
+      c.stream.val_fraction = 0.02
+      c.train.batch_size = 8
+      c.train.eval_batch_size = 16
+      c.train.steps_per_epoch = 80
+      c.optimizer.warmup_steps = 8
+      c.optimizer.kwargs.learning_rate = 2e-3
+  if "iid" in parts:
+    c.stream.iid = True
+  c.train.steps_per_epoch *= steps_factor
+  return c
 
 
 def apply_variant(c: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:

@@ -65,6 +65,25 @@ def number(lo: float = -math.inf, hi: float = math.inf, *, open_lo: bool = False
   return Check(check, float)
 
 
+def integer_list(lo: int = 0) -> Check:
+  """Comma-separated integers >= `lo` in a string ("2,2,4"; "" is the empty list); the value
+  resolves to a tuple."""
+  def check(path, v):
+    if not isinstance(v, str):
+      raise ConfigError(f"config.{path}={v!r} must be a string of comma-separated integers "
+                        f"such as '2,2,4' (or '')")
+    parts = [p.strip() for p in v.split(",")] if v.strip() else []
+    try:
+      values = tuple(int(p) for p in parts)
+    except ValueError:
+      raise ConfigError(f"config.{path}={v!r} must be comma-separated integers such as "
+                        f"'2,2,4' (or '')") from None
+    if any(x < lo for x in values):
+      raise ConfigError(f"config.{path}={v!r}: every entry must be >= {lo}")
+    return values
+  return Check(check, str)
+
+
 def boolean() -> Check:
   def check(path, v):
     if not isinstance(v, bool):

@@ -12,11 +12,43 @@ OPTIMIZERS = ("adadelta", "adagrad", "adam", "adamw", "lamb", "lion", "nadam", "
               "sgd", "adafactor", "adamax", "novograd", "radam", "yogi")
 
 
-def make_optimizer(opt_config) -> optax.GradientTransformation:
+def stage_steps(config) -> int:
+  """Train steps of a stage when its epochs have a fixed length (0: they do not)."""
+  return int(config.train.epochs) * int(config.train.get("steps_per_epoch", 0) or 0)
+
+
+def from_config(config) -> optax.GradientTransformation:
+  """The optimizer of `config.optimizer`; a schedule spans one stage (`stage_steps`)."""
+  return make_optimizer(config.optimizer, stage_steps(config))
+
+
+def learning_rate(opt_config, lr: float, total_steps: int):
+  """`lr`, or the schedule of `opt_config.schedule` over a stage of `total_steps` steps."""
+  schedule = opt_config.get("schedule", "constant")
+  if schedule == "constant":
+    return lr
+  if schedule != "warmup_linear":
+    raise ValueError(f"config.optimizer.schedule={schedule!r} is unknown; valid values: "
+                     "['constant', 'warmup_linear']")
+  warmup = int(opt_config.get("warmup_steps", 0))
+  if total_steps <= warmup:
+    raise ValueError(f"config.optimizer.schedule='warmup_linear' needs more steps per stage "
+                     f"({total_steps}) than config.optimizer.warmup_steps={warmup}; set "
+                     "config.train.steps_per_epoch")
+  decay = optax.linear_schedule(lr, 0.0, total_steps - warmup)
+  if warmup == 0:
+    return decay
+  return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), decay], [warmup])
+
+
+def make_optimizer(opt_config, total_steps: int = 0) -> optax.GradientTransformation:
   """Builds `optax.<name>(**kwargs)`, with PyTorch-style coupled weight decay.
 
   `weight_decay` > 0 adds `weight_decay * param` to the gradient before the
-  optimizer, as PyTorch's SGD does (the paper's CIFAR-10 setting).
+  optimizer, as PyTorch's SGD does (the paper's CIFAR-10 setting). With
+  `schedule` "warmup_linear" the learning rate rises linearly from 0 over
+  `warmup_steps`, then falls linearly to 0 at `total_steps` (a stage: the
+  optimizer state, and so the schedule, starts afresh at every stage).
   """
   name = opt_config.name
   if name not in OPTIMIZERS:
@@ -28,6 +60,8 @@ def make_optimizer(opt_config) -> optax.GradientTransformation:
   if unknown:
     raise ValueError(f"config.optimizer.kwargs has {unknown} which optax.{name} does not take; "
                      f"valid keys: {sorted(accepted)}")
+  if "learning_rate" in kwargs:
+    kwargs["learning_rate"] = learning_rate(opt_config, kwargs["learning_rate"], total_steps)
   tx = fn(**kwargs)
   wd = float(opt_config.get("weight_decay", 0.0))
   if wd < 0:

@@ -7,8 +7,9 @@ what a separate run of that seed would have (stream partition, training
 subset, initialisation, data order, early stopping).
 
 A run writes `config.json`, `log.jsonl` (one record per time step),
-`architecture.jsonl`, `checkpoints/` (orbax, see `config.checkpoint`) and, at
-the end, `summary.json` into its workdir; with S > 1 each seed's
+`architecture.jsonl`, `checkpoints/` (orbax, see `config.checkpoint`),
+TensorBoard event files (`config.log.tensorboard`) and, at the end,
+`summary.json` and `error.png` into its workdir; with S > 1 each seed's
 `config.json`, `log.jsonl` and `summary.json` go to `seed_<seed>/` and the
 top-level `summary.json` holds each metric's mean and standard deviation over
 the seeds. Running the same command again resumes from the last complete
@@ -41,9 +42,11 @@ from alma_jax import interrupts
 from alma_jax import io_utils
 from alma_jax import methods
 from alma_jax import multihost
+from alma_jax import plots
 from alma_jax import population
 from alma_jax import schedule
 from alma_jax import sharding
+from alma_jax import tensorboard
 from alma_jax import timing
 from alma_jax import train
 from alma_jax import validation
@@ -52,7 +55,7 @@ from alma_jax import workdir_lock
 from alma_jax.data import stream as stream_lib
 from alma_jax.interrupts import RunInterrupted, kill_point
 from alma_jax.metrics import Log, Record
-from alma_jax.optim import make_optimizer
+from alma_jax import optim
 from alma_jax.steps import Steps
 from alma_jax import tasks
 
@@ -124,6 +127,7 @@ class _Loop:
                      else [wd.seed_dir(workdir, sd) for sd in self.seeds])
     self.ckpt = None
     self._pending_save: int | None = None  # the step whose checkpoint is being written
+    self.tb: list[tensorboard.Writer] = []  # process 0, config.log.tensorboard: one per seed
     self.elapsed_before, self.compiled_before = 0.0, set()
     self._flop_cache: dict = {}
     with self.timer("data_s"):
@@ -133,14 +137,14 @@ class _Loop:
   def _setup(self) -> None:
     c, s = self.config, self.config.stream
     self.mesh = sharding.mesh_from_config(c)
-    task = tasks.for_config(c)
+    self.task = task = tasks.for_config(c)
     ds, self.subsets = task.load(c, self.seeds)
     n_train = len(ds.train_y) if self.subsets[0] is None else len(self.subsets[0])
     self.streams = [stream_lib.make_stream(n_train, s.num_megabatches, s.val_fraction, sd)
                     for sd in self.seeds]
     validation.validate_data(c, n_train, self.streams[0])
     self.method = methods.make(c, ds.train_x.shape[1:], ds.num_classes)
-    self.steps = Steps.from_config(c, self.method, task, make_optimizer(c.optimizer),
+    self.steps = Steps.from_config(c, self.method, task, optim.from_config(c),
                                    task.device_data(ds), self.mesh)
     self.keys = population.keys(self.seeds)
     self.num_t = s.num_megabatches
@@ -241,6 +245,9 @@ class _Loop:
         io_utils.write_json_atomic(os.path.join(out, wd.CONFIG_FILE),
                                    wd.config_dict(_seed_config(self.config, sd)))
       io_utils.write_jsonl_atomic(os.path.join(out, wd.LOG_FILE), [r.to_dict() for r in recs])
+    if self.config.log.tensorboard:
+      self.tb = [tensorboard.Writer(out, [r.to_dict() for r in recs])
+                 for out, recs in zip(self.out_dirs, records)]
     wd.sync_architecture_log(self.workdir, len(records[0]) - 1)
     if snap is None or snap.t < self.num_t:
       for path in {self.workdir, *self.out_dirs}:
@@ -267,9 +274,10 @@ class _Loop:
 
   def _log_estimate(self, learner) -> None:
     """Logs an upper bound on the training time (all epochs, no early stop)."""
-    b = self.config.train.batch_size
-    n = sum(-(-m // b) for m in _stage_sizes(self.streams[0], self.config))
-    total = n * self.config.train.epochs
+    b, fixed = self.config.train.batch_size, optim.stage_steps(self.config)
+    sizes = _stage_sizes(self.streams[0], self.config)
+    total = (len(sizes) * fixed if fixed
+             else sum(-(-m // b) for m in sizes) * self.config.train.epochs)
     if total < 5000:  # a short run: measuring would cost a noticeable part of it
       return
     per_step = self.steps.seconds_per_step(learner)
@@ -293,6 +301,9 @@ class _Loop:
 
   def _stream(self, snap) -> dict[str, Any]:
     learner, opt_state, errors = self._start(snap)
+    # Each member's mean test NLL (the task's record fields are computed from it).
+    nll = None if errors is None else np.asarray(
+        [log.records[-1].extra.get("test_nll", np.nan) for log in self.logs])
     for t in range(len(self.logs[0].records), self.num_t + 1):
       self.signals.check()
       t_step = time.monotonic()
@@ -302,10 +313,10 @@ class _Loop:
         learner, opt_state, stats, spent = self._stage(t, learner, opt_state)
       if errors is None or trained:  # an unchanged model is not re-evaluated
         with self.timer("eval_s"):
-          acc, _ = self.steps.evaluate(learner, "test",
-                                       np.arange(self.steps.data.size("test"), dtype=np.int32))
+          acc, nll = self.steps.evaluate(learner, "test",
+                                         np.arange(self.steps.data.size("test"), dtype=np.int32))
           errors = 1.0 - acc
-      self._record(t, learner, errors, spent, trained, time.monotonic() - t_step)
+      self._record(t, learner, errors, nll, spent, trained, time.monotonic() - t_step)
       self._save(t, learner, opt_state, trained)
       if trained:
         self._report(t, stats, errors, learner)
@@ -354,13 +365,14 @@ class _Loop:
     learner, opt_state, stats = train.fit_stage(
         self.steps, learner, np.stack([x.train_idx for x in contexts]),
         np.stack([x.val_idx for x in contexts]), population.fold(skeys, 3), t=t,
-        opt_state=opt_state, progress=progress, labels=self.seeds, check=self.signals.check)
+        opt_state=opt_state, progress=progress, labels=self.seeds, check=self.signals.check,
+        on_epoch=lambda *a: self._epoch_scalars(t, *a))
     if stats.diverged.any():
       logging.warning("stage t=%d diverged; continuing with its best epoch (%s)", t,
                       ", ".join(str(e) for e in stats.best_epoch))
     self.timer.add({"train_s": stats.train_s, "eval_s": stats.eval_s})
     flops = self._flops(population.unstack(learner, 0))  # of the structure that trained
-    examples = np.asarray([len(x.train_idx) for x in contexts]) * stats.epochs_run
+    examples = stats.examples_run
     spent = {"train_flops": flops["train_step"] * stats.steps_run,
              "train_flops_forward": flops["train_step_forward"] * stats.steps_run,
              "train_macs": flops["train_macs_per_example"] * examples}
@@ -370,20 +382,32 @@ class _Loop:
                                     / len(self.seeds))
     return learner, opt_state, stats, spent
 
+  def _epoch_scalars(self, t, epoch, loss, val_accuracy, ran) -> None:
+    del epoch  # the event files count epochs over the whole run
+    with self.timer("io_s"), self.signals.critical():
+      for i, writer in enumerate(self.tb):
+        if ran[i]:
+          writer.epoch(t, {"train_loss": loss[i], "val_accuracy": val_accuracy[i]})
+
   # -- evaluate, log, checkpoint --------------------------------------------------------------------
-  def _record(self, t, learner, errors, spent, trained, wall_s) -> None:
+  def _record(self, t, learner, errors, nll, spent, trained, wall_s) -> None:
     first = population.unstack(learner, 0)
     flops = self._flops(first)
     num_params = self.method.num_params(first)
     fields = ("train_flops", "train_flops_forward", "train_macs", "growth_flops")
+    extra = getattr(self.task, "record_metrics", None)  # fields of the task's own
     records = [Record(t=t, test_error=float(errors[i]), num_params=num_params,
                       **{f: float(spent[f][i]) if f in spent else 0.0 for f in fields},
                       inference_flops_per_example=flops["inference_per_example"],
-                      trained=trained, wall_s=wall_s) for i in range(len(self.seeds))]
+                      trained=trained, wall_s=wall_s,
+                      extra={} if extra is None else extra(float(nll[i]), flops))
+               for i in range(len(self.seeds))]
     self.logs = [log.append(r) for log, r in zip(self.logs, records)]
     with self.timer("io_s"), self.signals.critical():
       for out, r in zip(self.out_dirs if self.primary else (), records):
         io_utils.append_record(os.path.join(out, wd.LOG_FILE), r.to_dict())
+      for writer, r in zip(self.tb, records):
+        writer.step(r.to_dict())
       if trained and self.primary:
         io_utils.append_jsonl(os.path.join(self.workdir, wd.ARCH_FILE),
                               {"t": t, **self.method.describe(first)})
@@ -429,6 +453,9 @@ class _Loop:
 
   def _report(self, t: int, stats, errors, learner) -> None:
     arch = json.dumps(self.method.describe(population.unstack(learner, 0)))
+    if "test_perplexity" in self.logs[0].records[-1].extra:
+      arch = "test_ppl=%.3f %s" % (float(np.mean([log.records[-1].extra["test_perplexity"]
+                                                   for log in self.logs])), arch)
     if len(self.seeds) == 1:
       logging.info("t=%d/%d epochs=%d best_val_acc=%.4f test_error=%.4f %s elapsed=%.1fs", t,
                    self.num_t, stats.epochs_run[0], stats.best_val_accuracy[0], errors[0], arch,
@@ -459,10 +486,26 @@ class _Loop:
           for out, summary in zip(self.out_dirs, per_seed):
             io_utils.write_json_atomic(os.path.join(out, wd.SUMMARY_FILE), summary)
         io_utils.write_json_atomic(os.path.join(self.workdir, wd.SUMMARY_FILE), top)
+    if self.primary:
+      self._plot_errors()
     logging.info("done: %d seed(s), CER=%.4f mean_error=%.4f final_error=%.4f Mem=%d Comp=%.3e "
                  "wall=%.1fs", len(self.seeds), top["cer"], top["mean_error"], top["final_error"],
                  top["mem"], top["comp"], wall_s)
+    if "mean_perplexity" in top:
+      logging.info("perplexity: mean over t=1..B %.3f, final %.3f; bits per byte: mean %.4f",
+                   top["mean_perplexity"], top["final_perplexity"], top["mean_bits_per_byte"])
     return top
+
+  def _plot_errors(self) -> None:
+    """error.png in the workdir (drawn by a child process); a failure only warns."""
+    path = os.path.join(self.workdir, wd.ERROR_PNG)
+    c = self.config
+    why = plots.run_error_png_in_child(
+        path, [(f"seed {sd}", [r.t for r in log.records], [r.test_error for r in log.records])
+               for sd, log in zip(self.seeds, self.logs)],
+        f"{c.data.name} {c.method.name} width={c.model.width} wait={c.stream.wait}")
+    if why is not None:
+      logging.warning("could not draw %s (%s); the run's other outputs are complete", path, why)
 
 
 def _seed_config(config, seed: int):

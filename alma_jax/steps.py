@@ -247,7 +247,7 @@ class Steps:
   # -- evaluation ------------------------------------------------------------------------------
   def eval_body(self, structure) -> Callable:
     """(params, model_state, data, Batch) of one learner -> (number correct, summed NLL,
-    number correct of each selection unit (U,))."""
+    number correct of each selection unit (U,)); an example counts 1 - its error."""
     method, task = self.method, self.task
 
     def evaluate(params, model_state, data, batch: Batch):
@@ -255,8 +255,10 @@ class Steps:
       logp, unit_logp = method.predict_units(structure, params, model_state, x)
       errors, nll = task.per_example(logp, y)
       unit_errors, _ = jax.vmap(lambda lp: task.per_example(lp, y))(unit_logp)
-      return (jnp.sum((errors == 0) & batch.mask), jnp.sum(jnp.where(batch.mask, nll, 0.0)),
-              jnp.sum((unit_errors == 0) & batch.mask, axis=-1))
+      # Accuracy: 1 - error of each example (images: 0 or 1; text: the token error rate).
+      return (jnp.sum(jnp.where(batch.mask, 1.0 - errors, 0.0)),
+              jnp.sum(jnp.where(batch.mask, nll, 0.0)),
+              jnp.sum(jnp.where(batch.mask, 1.0 - unit_errors, 0.0), axis=-1))
 
     return evaluate
 

@@ -36,10 +36,11 @@ class StageStats:
   diverged: np.ndarray
   train_s: float
   eval_s: float
+  examples_run: np.ndarray | None = None  # training examples processed (not padding)
 
 
 def padded_orders(rng: np.random.Generator, idx: np.ndarray, num_orders: int, batch: int,
-                  steps_per_call: int) -> tuple[np.ndarray, np.ndarray, int]:
+                  steps_per_call: int, num_steps: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
   """Per-order shuffles of `idx`, padded to whole calls: (calls*K, D, b) arrays and the step count.
 
   The padding slots hold real examples (the order repeated from its start)
@@ -48,6 +49,8 @@ def padded_orders(rng: np.random.Generator, idx: np.ndarray, num_orders: int, ba
   statistics are avoided on purpose: on XLA:CPU, jax 0.10.2, their jitted
   gradient inside `jax.vmap` is wrong, see tests/test_ensemble.py.)
   """
+  if num_steps:
+    return fixed_orders(rng, idx, num_orders, batch, steps_per_call, num_steps)
   n = len(idx)
   steps = -(-n // batch)
   total_steps = -(-steps // steps_per_call) * steps_per_call
@@ -60,6 +63,22 @@ def padded_orders(rng: np.random.Generator, idx: np.ndarray, num_orders: int, ba
     mask[d, :n] = True
   shape = (num_orders, total_steps, batch)
   return (out.reshape(shape).transpose(1, 0, 2), mask.reshape(shape).transpose(1, 0, 2), steps)
+
+
+def fixed_orders(rng: np.random.Generator, idx: np.ndarray, num_orders: int, batch: int,
+                 steps_per_call: int, num_steps: int) -> tuple[np.ndarray, np.ndarray, int]:
+  """Exactly `num_steps` full batches per order, drawn from successive shuffles of `idx`
+  (an epoch of a fixed number of steps); padded to whole calls with masked steps."""
+  n, need = len(idx), num_steps * batch
+  total_steps = -(-num_steps // steps_per_call) * steps_per_call
+  out = np.zeros((num_orders, total_steps * batch), np.int32)
+  mask = np.zeros((num_orders, total_steps * batch), bool)
+  for d in range(num_orders):
+    order = np.concatenate([idx[rng.permutation(n)] for _ in range(-(-need // n))])
+    out[d, :need] = order[:need]
+    mask[d, :need] = True
+  shape = (num_orders, total_steps, batch)
+  return (out.reshape(shape).transpose(1, 0, 2), mask.reshape(shape).transpose(1, 0, 2), num_steps)
 
 
 @dataclasses.dataclass
@@ -84,7 +103,9 @@ def _epoch(steps: Steps, state: TrainState, structure, rngs, train_idx, keys, ep
   """
   d = steps.method.num_data_orders(structure)
   k = steps.steps_per_call
-  orders = [padded_orders(rng, train_idx[i], d, steps.batch_size, k) for i, rng in enumerate(rngs)]
+  fixed = int(steps.method.config.train.get("steps_per_epoch", 0) or 0)
+  orders = [padded_orders(rng, train_idx[i], d, steps.batch_size, k, fixed)
+            for i, rng in enumerate(rngs)]
   idx, mask = np.stack([o[0] for o in orders]), np.stack([o[1] for o in orders])
   losses, finite = [], None
   for c in range(idx.shape[1] // k):
@@ -116,7 +137,8 @@ def _stop_diverged(p: _Progress, bad: np.ndarray, t: int, epoch: int, labels, po
 def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np.ndarray,
               keys: jax.Array, *, t: int = 0, opt_state=None,
               progress: Callable[[str], None] | None = None, labels: Sequence[int] | None = None,
-              check: Callable[[], None] = lambda: None):
+              check: Callable[[], None] = lambda: None,
+              on_epoch: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None] | None = None):
   """Trains a stacked population on one stage's data; keeps each member's best epoch.
 
   Args:
@@ -130,6 +152,8 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
     labels: the members' names in messages (their seeds).
     check: called after every compiled train call; raising there stops the stage (a
       signal handler's flag, `alma_jax.interrupts.Signals.check`).
+    on_epoch: called after every epoch with (epoch, mean training loss (S,), validation
+      accuracy (S,), which members trained in it (S,)).
 
   Returns:
     (best learners, final optimizer state (None after a rollback), StageStats).
@@ -150,6 +174,7 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
   delta = float(cfg.patience_delta)
   timer, last_report = timing.Breakdown(), time.monotonic()
   for epoch in range(1, int(cfg.epochs) + 1):
+    ran = p.active.copy()
     with timer("train_s"):
       state, losses, finite, n_steps = _epoch(steps, state, structure, rngs, train_idx, keys, epoch,
                                               check)
@@ -165,6 +190,8 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
     with timer("eval_s"):
       acc, _, unit_acc = steps.evaluate_units(current, "train", val_idx)
     _keep_best(p, method, current, unit_acc, epoch, delta, int(cfg.patience))
+    if on_epoch is not None:
+      on_epoch(epoch, np.mean(losses, axis=1), np.asarray(acc), ran)
     if progress is not None and time.monotonic() - last_report >= cfg.get("progress_every_s", 10.0):
       last_report = time.monotonic()
       progress(_progress_line(t, epoch, cfg.epochs, losses, acc, p))
@@ -175,8 +202,12 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
     with timer("eval_s"):
       best_acc, _ = steps.evaluate(p.best, "train", val_idx)
   spent = timer.as_dict()
+  if cfg.get("steps_per_epoch", 0):  # fixed steps: full batches
+    examples = p.steps_run * steps.batch_size
+  else:  # passes over each member's stage data
+    examples = train_idx.shape[-1] * p.epochs_run
   stats = StageStats(p.epochs_run, p.best_epoch, np.maximum(best_acc, 0.0), p.steps_run,
-                     p.diverged, spent["train_s"], spent["eval_s"])
+                     p.diverged, spent["train_s"], spent["eval_s"], examples)
   return p.best, (None if p.diverged.any() else state.opt_state), stats
 
 

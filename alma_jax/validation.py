@@ -21,6 +21,7 @@ from alma_jax import fields
 from alma_jax import methods
 from alma_jax import optim
 from alma_jax import sharding
+from alma_jax import tasks
 from alma_jax.data import images
 from alma_jax.errors import ConfigError
 
@@ -84,7 +85,7 @@ def _check_rules(config) -> None:
         f"config.method.name={config.method.name!r} is not one; valid names: {valid} "
         "(or config.num_seeds=1)")
   try:
-    optim.make_optimizer(config.optimizer)
+    optim.from_config(config)
   except (TypeError, ValueError) as e:
     raise ConfigError(f"config.optimizer: {e}") from e
   visible = jax.device_count()
@@ -103,7 +104,19 @@ def validate(config):
   fields.check_all(config, config_lib.BASE_FIELDS)
   config = complete(config)
   fields.check_all(config, methods.get(config.method.name).FIELDS)
+  fields.check_all(config, tasks.fields_for(config.method.name))
   _check_rules(config)
+  if tasks.name_for(config) == "text":
+    tasks.text.check(config)
+    tasks.text.check_available(config)
+    methods.make(config, (config.data.seq_len,), 1)
+    if not config.data.text_file:
+      check_dataset_available(config)
+    return config
+  if config.model.name == "switch":
+    raise ConfigError(f"config.model.name='switch' models text; config.method.name="
+                      f"{config.method.name!r} learns from images; valid names: "
+                      "['mlp', 'vgg'] (or a method whose name starts with lm_)")
   if config.data.name in KNOWN_SHAPES:
     methods.make(config, *KNOWN_SHAPES[config.data.name])
   check_dataset_available(config)
@@ -140,4 +153,7 @@ def complete(config):
     fields.fill(c, config_lib.BASE_FIELDS, dataset, overwrite=False)
     name = fields.value(c, config_lib.BASE_FIELDS_BY_PATH["method.name"])
     fields.fill(c, methods.get(name).FIELDS, dataset, overwrite=False)
+    fields.fill(c, tasks.fields_for(name), dataset, overwrite=False)
+    if tasks.name_for(c) == "text":
+      tasks.text.expand_iid(c)
   return c

@@ -20,6 +20,7 @@ from absl import logging
 
 from alma_jax import config_lib
 from alma_jax import io_utils
+from alma_jax import tensorboard
 from alma_jax.errors import ConfigError
 
 CONFIG_FILE, LOG_FILE, SUMMARY_FILE = "config.json", "log.jsonl", "summary.json"
@@ -27,6 +28,7 @@ CONFIG_FILE, LOG_FILE, SUMMARY_FILE = "config.json", "log.jsonl", "summary.json"
 # after it (members, experts per mixture layer, ...), for plots of growth.
 ARCH_FILE = "architecture.jsonl"
 CHECKPOINT_DIR, CORRUPT_DIR = "checkpoints", "checkpoints_unreadable"
+ERROR_PNG = "error.png"  # test error vs t, drawn when the run ends
 SEED_DIR_PREFIX = "seed_"  # outputs of one seed when config.num_seeds > 1
 
 
@@ -60,8 +62,9 @@ def has_progress(workdir: str) -> bool:
 def clear_outputs(workdir: str) -> None:
   """Removes the run outputs from `workdir` (nothing else in it)."""
   seed_dirs = [n for n in os.listdir(workdir) if n.startswith(SEED_DIR_PREFIX)]
+  seed_dirs += [os.path.basename(p) for p in tensorboard.event_files(workdir)]
   for name in (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, ARCH_FILE, CHECKPOINT_DIR, CORRUPT_DIR,
-               *seed_dirs):
+               ERROR_PNG, *seed_dirs):
     path = os.path.join(workdir, name)
     if os.path.isdir(path):
       shutil.rmtree(path)

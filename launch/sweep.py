@@ -10,15 +10,30 @@ holding a different config is refused with the differing fields named. So a
 rerun of a sweep skips what is done, and a sweep with another config file or
 other flags gets workdirs of its own.
 
+The grid comes from `--grid=field=v1,v2,...` flags, from a Python file
+(`--grid_file=F`) that defines GRID, or both: GRID is a dict of field -> list
+of values, or a list of such dicts (their union, e.g. one sub-grid per
+method); each `--grid` flag is crossed with every one of them (and replaces a
+field of the same name). Runs go one after another, `--parallel=P` at a time
+(each one's output then goes to <root>/logs/<workdir name>.log), or into a
+SLURM array script. When the runs are over, the report
+(`python -m alma_jax.report`) of every grid point's workdir is written to
+`--report_dir` (default <root>/report); `--no-report` skips it.
+
 Examples:
   # Print the commands of a 2 x 3 grid without running them.
   python launch/sweep.py --config=configs/mnist_sm.py:quick --root=/tmp/sweep \
       --grid=stream.wait=1,5,10 --grid=seed=0,1 --dry_run
-  # Run them one after another on this machine.
+  # Run them on this machine, two at a time, then write /tmp/sweep/report/.
   python launch/sweep.py --config=configs/mnist_sm.py:quick --root=/tmp/sweep \
-      --grid=stream.wait=1,5,10 --grid=seed=0,1
+      --grid=stream.wait=1,5,10 --grid=seed=0,1 --parallel=2
+  # A grid file: GRID = [{"method.name": ["sm"], "model.width": [8, 16]},
+  #                      {"method.name": ["ens"], "model.width": [8]}]
+  python launch/sweep.py --config=configs/mnist_sm.py:smoke --root=/tmp/sweep \
+      --grid_file=grid.py --grid=seed=0,1,2
   # Write a SLURM array script with one task per grid point (each with one GPU;
-  # --slurm_gpus=0 for CPU nodes, --slurm_option for more #SBATCH lines).
+  # --slurm_gpus=0 for CPU nodes, --slurm_option for more #SBATCH lines); after
+  # the array, `python -m alma_jax.report --workdirs=/tmp/sweep/* --out=...`.
   python launch/sweep.py ... --slurm=sweep.sbatch --slurm_option=--time=4:00:00
 A grid point that itself spans several GPUs or nodes is a job of
 `launch/slurm.py` (one process per GPU).
@@ -27,6 +42,7 @@ A grid point that itself spans several GPUs or nodes is a job of
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import json
 import os
@@ -36,6 +52,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for alma_jax
 from alma_jax import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax import report  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -49,6 +66,35 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
       raise SystemExit(f"sweep: error: --grid={item!r} has no values")
     grid.append((field, vals))
   return grid
+
+
+def _value(v) -> str:
+  return v if isinstance(v, str) else repr(v)
+
+
+def load_grid_file(path: str) -> list[list[tuple[str, list[str]]]]:
+  """The grids of the GRID of a Python file (a dict of field -> values, or a list of them)."""
+  scope = {"__file__": path, "__name__": "grid_file"}
+  try:
+    with open(path) as f:
+      exec(compile(f.read(), path, "exec"), scope)  # pylint: disable=exec-used
+  except (OSError, SyntaxError) as e:
+    raise SystemExit(f"sweep: error: --grid_file={path}: {e}") from e
+  grid = scope.get("GRID")
+  grids = [grid] if isinstance(grid, dict) else grid
+  if not isinstance(grids, (list, tuple)) or not grids or not all(
+      isinstance(g, dict) and all(isinstance(v, (list, tuple)) and v for v in g.values())
+      for g in grids):
+    raise SystemExit(f"sweep: error: --grid_file={path} must define GRID, a dict of "
+                     "field -> non-empty list of values (or a list of such dicts); got "
+                     f"{type(grid).__name__ if grid is not None else 'no GRID'}")
+  return [[(str(f), [_value(v) for v in vals]) for f, vals in g.items()] for g in grids]
+
+
+def combine(file_grids, flag_grid):
+  """Each file grid crossed with the `--grid` fields (a flag replaces a field of the file)."""
+  flagged = {f for f, _ in flag_grid}
+  return [[(f, v) for f, v in g if f not in flagged] + flag_grid for g in file_grids or [[]]]
 
 
 def points(grid):
@@ -88,11 +134,16 @@ def status(workdir: str, resolved: dict) -> tuple[str, str]:
   return "run", ""
 
 
-def main(argv=None):
+def _args(argv):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", required=True, help="config file, e.g. configs/mnist_sm.py:quick")
   p.add_argument("--root", required=True, help="directory holding one workdir per grid point")
   p.add_argument("--grid", action="append", default=[], help="field=v1,v2,... (repeatable)")
+  p.add_argument("--grid_file", help="a Python file defining GRID (see above)")
+  p.add_argument("--parallel", type=int, default=1, help="runs at a time on this machine")
+  p.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
+                 help="write the report of the sweep's workdirs when its runs are over")
+  p.add_argument("--report_dir", help="where the report goes (default: <root>/report)")
   p.add_argument("--dry_run", action="store_true", help="print the commands only")
   p.add_argument("--slurm", help="write a SLURM array script to this path instead of running")
   p.add_argument("--slurm_gpus", type=int, default=1, help="GPUs of each array task (0: none)")
@@ -101,29 +152,82 @@ def main(argv=None):
                  "--slurm_option=--time=4:00:00")
   p.add_argument("extra", nargs="*", help="extra flags passed to every run (after --)")
   args = p.parse_args(argv)
-  runs = [command(args.config, args.root, pt, args.extra) for pt in points(parse_grid(args.grid))]
-  if args.slurm:
-    lines = ["#!/bin/bash", f"#SBATCH --array=0-{len(runs) - 1}"]
-    lines += [f"#SBATCH --gres=gpu:{args.slurm_gpus}"] * (args.slurm_gpus > 0)
-    lines += [f"#SBATCH {o}" for o in args.slurm_option] + ["CMDS=("]
-    lines += [f"  {shlex.quote(shlex.join(c))}" for c, _, _ in runs] + [")", 'eval "${CMDS[$SLURM_ARRAY_TASK_ID]}"']
-    with open(args.slurm, "w") as f:
-      f.write("\n".join(lines) + "\n")
-    print(f"wrote {args.slurm} with {len(runs)} tasks")
+  if args.parallel < 1:
+    raise SystemExit(f"sweep: error: --parallel={args.parallel} must be >= 1")
+  return args
+
+
+def _write_slurm(args, runs) -> int:
+  lines = ["#!/bin/bash", f"#SBATCH --array=0-{len(runs) - 1}"]
+  lines += [f"#SBATCH --gres=gpu:{args.slurm_gpus}"] * (args.slurm_gpus > 0)
+  lines += [f"#SBATCH {o}" for o in args.slurm_option] + ["CMDS=("]
+  lines += [f"  {shlex.quote(shlex.join(c))}" for c, _, _ in runs] + [")", 'eval "${CMDS[$SLURM_ARRAY_TASK_ID]}"']
+  with open(args.slurm, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  print(f"wrote {args.slurm} with {len(runs)} tasks")
+  return 0
+
+
+def _run_logged(cmd: list[str], log: str) -> int:
+  os.makedirs(os.path.dirname(log), exist_ok=True)
+  with open(log, "a") as f:
+    return subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+
+
+def _launch(todo, root: str, parallel: int) -> int:
+  """Runs the (index, command, workdir) of `todo`, `parallel` at a time; returns the failures."""
+  if parallel == 1:
+    return sum(subprocess.call(cmd) != 0 for _, cmd, _ in todo)
+  def one(item):
+    i, cmd, workdir = item
+    log = os.path.join(root, "logs", os.path.basename(workdir) + ".log")
+    rc = _run_logged(cmd, log)
+    print(f"[{i}] {'finished' if rc == 0 else f'failed (exit {rc})'}; its output: {log}",
+          flush=True)
+    return rc != 0
+  with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+    return sum(pool.map(one, todo))
+
+
+def _report(args, runs) -> int:
+  out = args.report_dir or os.path.join(args.root, "report")
+  workdirs = [w for _, w, r in runs if status(w, r)[0] != "refuse"
+              and os.path.exists(os.path.join(w, "log.jsonl"))]
+  if args.dry_run or not workdirs:
+    print(f"report of the grid's workdirs -> {out}" if args.dry_run else
+          "report: no grid point has outputs yet; nothing to report", file=sys.stderr)
     return 0
-  failed = 0
+  try:
+    figures = report.write_report(workdirs, out)
+  except (report.ReportError, OSError) as e:
+    print(f"report: error: {e}", file=sys.stderr)
+    return 1
+  print(f"report of {len(workdirs)} workdirs: {os.path.join(out, 'report.md')} and "
+        f"{len(figures)} figures")
+  return 0
+
+
+def main(argv=None):
+  args = _args(argv)
+  grids = combine(load_grid_file(args.grid_file) if args.grid_file else [],
+                  parse_grid(args.grid))
+  runs = list({w: (c, w, r) for c, w, r in (command(args.config, args.root, pt, args.extra)
+                                           for g in grids for pt in points(g))}.values())
+  if args.slurm:
+    return _write_slurm(args, runs)
+  failed, todo = 0, []
   for i, (cmd, workdir, resolved) in enumerate(runs):
     state, why = status(workdir, resolved)
     label = {"run": "", "done": "done, skipped: ", "refuse": f"refused ({why}): "}[state]
     print(f"[{i + 1}/{len(runs)}] {label}{shlex.join(cmd)}", flush=True)
-    if state == "refuse":
-      failed += 1
-    if args.dry_run or state != "run":
-      continue
-    failed += subprocess.call(cmd) != 0
+    failed += state == "refuse"
+    if state == "run" and not args.dry_run:
+      todo.append((i + 1, cmd, workdir))
+  failed += _launch(todo, args.root, args.parallel)
   if failed:
     print(f"{failed} of {len(runs)} runs failed", file=sys.stderr)
-  return 1 if failed else 0
+  report_failed = _report(args, runs) if args.report else 0
+  return 1 if failed or report_failed else 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -53,6 +54,20 @@ def small_config(dataset="mnist", method="sm", width=8, **train):
   for k, v in train.items():
     c.train[k] = v
   return c
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_method(name, dataset, width, fields):
+  c = small_config(dataset, method=name, width=width)
+  for k, v in fields:
+    c.method[k] = v
+  return methods.make(c, *validation.KNOWN_SHAPES[dataset])
+
+
+def cached_method(name, dataset, width=4, **fields):
+  """Method `name` of a small config, one instance per arguments, shared between tests (so
+  are its compiled functions)."""
+  return _cached_method(name, dataset, width, tuple(sorted(fields.items())))
 
 
 def make_steps(config, ds, num_devices=1, model=1):

@@ -29,27 +29,9 @@ CIFAR = (32, 32, 3)
 SPLIT_ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compilation():
-  """Compiling dominates these tests on a CPU; XLA's optimisations only slow it down here."""
-  old = jax.config.values["jax_disable_most_optimizations"]
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", old)
-
-
-@functools.lru_cache(maxsize=None)
-def _method(dataset, width, fields):
-  c = helpers.small_config(dataset, method="gmoe", width=width)
-  for k, v in fields:
-    c.method[k] = v
-  shape = MNIST if dataset == "mnist" else CIFAR
-  return gmoe.GrowingMoE(c, shape, 10)
-
-
 def make_method(dataset="mnist", width=4, **fields):
   """The gMoE method of a small config (shared between tests, so are its compiled functions)."""
-  return _method(dataset, width, tuple(sorted(fields.items())))
+  return helpers.cached_method("gmoe", dataset, width, **fields)
 
 
 def batch(shape=MNIST, n=16, seed=0):

@@ -78,8 +78,11 @@ def test_two_process_run_writes_one_log_and_resumes_after_a_kill(tmp_path):
   assert "mesh {'data': 2, 'model': 2}" in out
   assert out.count("] done: 1 seed(s)") == 2  # both processes finish ...
   names = sorted(n for n in os.listdir(tmp_path / "whole") if not n.startswith("."))
-  assert names == ["architecture.jsonl", "checkpoints", "config.json", "log.jsonl",
-                   "summary.json"]
+  events = [n for n in names if n.startswith("events.out.tfevents.")]
+  assert len(events) == 1  # one writer: process 0
+  assert [n for n in names if n not in events] == [
+      "architecture.jsonl", "checkpoints", "config.json", "error.png", "log.jsonl",
+      "summary.json"]
   log, summary = _outputs(tmp_path / "whole")
   assert [r["t"] for r in log] == [0, 1, 2, 3, 4]  # ... and one of them writes the log, once
   assert len(io_utils.read_jsonl(tmp_path / "whole" / "architecture.jsonl")) == 4

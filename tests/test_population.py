@@ -59,8 +59,9 @@ def test_vmapped_stage_matches_separate_stages(method_name, patience):
 def test_num_seeds_is_validated():
   config = helpers.small_config(method="gmoe")
   config.num_seeds = 3
+  # Methods whose growth depends on each seed's data (gMoE, FF, lm_gmoe) are not valid.
   with pytest.raises(ConfigError, match=r"config.num_seeds=3 .*valid names: "
-                     r"\['ens', 'gens', 'sm', 'umix'\]"):
+                     r"\['ens', 'gens', 'lm_ens', 'lm_gens', 'lm_sm', 'sm', 'umix'\]"):
     validation.validate(config)
   config.num_seeds = 0
   with pytest.raises(ConfigError, match=r"config.num_seeds=0 must be >= 1"):

@@ -4,6 +4,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -86,7 +88,7 @@ def test_rerun_skips_only_a_point_of_the_same_config(tmp_path, monkeypatch, caps
   assert _sweep(root) == 0
   out = capsys.readouterr().out
   assert "done, skipped" not in out
-  (done,) = os.listdir(root)
+  (done,) = [n for n in os.listdir(root) if n != "report"]  # the report of the sweep aside
   assert os.path.exists(root / done / "summary.json")
 
   calls = []
@@ -119,3 +121,101 @@ def test_rerun_skips_only_a_point_of_the_same_config(tmp_path, monkeypatch, caps
   out = capsys.readouterr().out
   assert f"refused ({root / done} holds a run of a different config: config.train.epochs: 7 → 1)" \
       in out and not calls
+
+
+# -- grid files, parallel runs, the report ------------------------------------------------------
+def _grid_file(tmp_path, text):
+  path = tmp_path / "grid.py"
+  path.write_text(text)
+  return str(path)
+
+
+def _dry(tmp_path, capsys, *flags):
+  assert sweep.main([f"--config={SMOKE}", f"--root={tmp_path / 'r'}", *flags, "--dry_run"]) == 0
+  return capsys.readouterr().out.strip().splitlines()
+
+
+def test_grid_file_union_crossed_with_the_command_line(tmp_path, capsys):
+  path = _grid_file(tmp_path, 'WIDTHS = [8, 16]\nGRID = [{"model.width": WIDTHS, '
+                    '"stream.replay": [0.0]},\n        {"model.width": [4], "stream.wait": [2]}]\n')
+  lines = _dry(tmp_path, capsys, f"--grid_file={path}", "--grid=seed=0,1")
+  assert len(lines) == 6
+  assert sum("--config.model.width=16 --config.stream.replay=0.0 --config.seed=1" in l
+             for l in lines) == 1
+  assert sum("--config.model.width=4 --config.stream.wait=2 --config.seed=0" in l
+             for l in lines) == 1
+  # A flag replaces the file's field of the same name; repeated points run once.
+  lines = _dry(tmp_path, capsys, f"--grid_file={path}", "--grid=model.width=8")
+  assert len(lines) == 2 and all("--config.model.width=8" in l for l in lines)
+  dup = _grid_file(tmp_path, 'GRID = [{"seed": [0, 1]}, {"seed": [1, 2]}]')
+  assert len(_dry(tmp_path, capsys, f"--grid_file={dup}")) == 3
+
+
+@pytest.mark.parametrize("text, message", [
+    ("X = 1", "must define GRID.*got no GRID"),
+    ("GRID = {'seed': []}", "must define GRID"),
+    ("GRID = 3", "got int"),
+    ("GRID = {", "grid.py"),
+])
+def test_bad_grid_file(tmp_path, text, message):
+  with pytest.raises(SystemExit, match=f"sweep: error: --grid_file=.*{message}"):
+    sweep.main([f"--config={SMOKE}", f"--root={tmp_path}",
+                f"--grid_file={_grid_file(tmp_path, text)}", "--dry_run"])
+
+
+def test_parallel_must_be_positive(tmp_path):
+  with pytest.raises(SystemExit, match="--parallel=0 must be >= 1"):
+    sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--parallel=0"])
+
+
+def test_parallel_runs_at_most_p_at_a_time(tmp_path, monkeypatch, capsys):
+  lock, running, peak, seen = threading.Lock(), [0], [0], []
+
+  def fake_call(cmd, stdout=None, stderr=None):
+    with lock:
+      running[0] += 1
+      peak[0] = max(peak[0], running[0])
+      seen.append(cmd)
+    stdout.write("run output\n")
+    time.sleep(0.2)
+    with lock:
+      running[0] -= 1
+    return 0
+
+  monkeypatch.setattr(subprocess, "call", fake_call)
+  rc = sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=seed=0,1,2,3,4",
+                   "--parallel=2"])
+  assert rc == 0 and len(seen) == 5 and peak[0] == 2
+  logs = sorted(os.listdir(tmp_path / "logs"))
+  assert len(logs) == 5 and (tmp_path / "logs" / logs[0]).read_text() == "run output\n"
+  assert capsys.readouterr().out.count("finished; its output: ") == 5
+
+
+@requires_mnist
+def test_parallel_sweep_of_real_runs_ends_with_the_report(tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(ROOT)
+  monkeypatch.setenv("PYTHONPATH", ROOT)
+  root = tmp_path / "sweep"
+  rc = sweep.main([f"--config={SMOKE}", f"--root={root}", "--grid=model.width=4,8",
+                   "--parallel=2", "--", *TINY, "--config.log.tensorboard=False"])
+  assert rc == 0, capsys.readouterr()
+  out = capsys.readouterr().out
+  assert "report of 2 workdirs" in out
+  text = (root / "report" / "report.md").read_text()
+  assert "| mnist | sm | 4 |" in text and "| mnist | sm | 8 |" in text
+  assert (root / "report" / "tradeoffs_mnist.png").exists()
+  for name in os.listdir(root):
+    if name.startswith("width-"):
+      with open(root / name / "summary.json") as f:
+        cer = json.load(f)["cer_percent"]
+      assert f"{cer:.2f}" in text
+
+
+def test_parallel_dry_run_runs_nothing(tmp_path, monkeypatch, capsys):
+  monkeypatch.setattr(subprocess, "call", lambda *a, **k: pytest.fail("ran a command"))
+  rc = sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=model.width=4,8",
+                   "--parallel=2", "--dry_run"])
+  captured = capsys.readouterr()
+  assert rc == 0 and len(captured.out.strip().splitlines()) == 2
+  assert f"report of the grid's workdirs -> {tmp_path / 'report'}" in captured.err
+  assert not os.listdir(tmp_path)

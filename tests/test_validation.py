@@ -1,5 +1,6 @@
 """Bad inputs give one clear error naming the field, and lose nothing (alma_jax/validation.py)."""
 
+import glob
 import os
 import re
 import shutil
@@ -10,10 +11,13 @@ import pytest
 
 from alma_jax import checkpoint
 from alma_jax import config_lib
+from alma_jax import config_resolve
 from alma_jax import io_utils
+from alma_jax import methods
 from alma_jax import errors
 from alma_jax import run
 from alma_jax import validation
+from alma_jax.data import text as text_data
 from alma_jax.errors import ConfigError, DivergenceError
 from tests import helpers
 from tests.conftest import requires_mnist
@@ -41,7 +45,7 @@ CONFIG_CASES = [
     ("val_fraction_nan", {"stream__val_fraction": float("nan")}, r"config\.stream\.val_fraction=nan"),
     ("width_zero", {"model__width": 0}, r"config\.model\.width=0 must be >= 1"),
     ("unknown_backbone", {"model__name": "resnet"},
-     r"config\.model\.name='resnet' is unknown; valid names: \['mlp', 'vgg'\]"),
+     r"config\.model\.name='resnet' is unknown; valid names: \['mlp', 'switch', 'vgg'\]"),
     ("unknown_method", {"method__name": "boosting"},
      r"config\.method\.name='boosting' is unknown; valid names: \[.*'sm'.*\]"),
     ("num_members_zero", {"method__name": "ens", "method__num_members": 0},
@@ -59,7 +63,7 @@ CONFIG_CASES = [
     ("num_seeds_zero", {"num_seeds": 0}, r"config\.num_seeds=0 must be >= 1"),
     ("num_seeds_with_gmoe", {"num_seeds": 2, "method__name": "gmoe"},
      r"config\.num_seeds=2 needs a method whose growth is the same for every seed; "
-     r"config\.method\.name='gmoe' is not one; valid names: \['ens', 'gens', 'sm', 'umix'\]"),
+     r"config\.method\.name='gmoe' is not one; valid names: \['ens', 'gens', 'lm_ens', 'lm_gens', 'lm_sm', 'sm', 'umix'\]"),
     ("on_divergence", {"train__on_divergence": "ignore"},
      r"config\.train\.on_divergence='ignore' is unknown; valid values: \['raise', 'rollback'\]"),
     ("augment", {"train__augment": "mixup"},
@@ -147,6 +151,26 @@ def test_valid_configs_pass():
       c = config_lib.apply_variant(config_lib.base_config(name), arg)
       c.data.download = "yes"  # the data need not be here
       validation.validate(c)
+
+
+@pytest.mark.parametrize("path", sorted(
+    glob.glob(os.path.join(ROOT, "configs", "*.py"))
+    + glob.glob(os.path.join(ROOT, "configs", "bench", "*.py"))),
+    ids=lambda p: os.path.relpath(p, os.path.join(ROOT, "configs")))
+def test_every_config_file_and_variant_validates_and_builds_its_method(path):
+  # The end-to-end runs cover one config per method and data set; this covers every file.
+  name = os.path.basename(path)
+  variants = (("", "smoke", "quick", "base", "large", "quick,iid", "smoke,2x")
+              if name.startswith("lm_") else ("",) if "/bench/" in path
+              else ("", "smoke", "quick"))
+  for variant in variants:
+    c = config_resolve.resolve(f"{path}:{variant}" if variant else path)
+    c.data.download = "yes"  # the data need not be here
+    c = validation.validate(c)
+    if c.data.name in validation.KNOWN_SHAPES:
+      methods.make(c, *validation.KNOWN_SHAPES[c.data.name])
+    else:
+      methods.make(c, (c.data.seq_len,), text_data.VOCAB_SIZE)
 
 
 # -- inputs that need the data or a workdir ------------------------------------------------------

@@ -238,3 +238,9 @@ def load_image_dataset(name: str, *, data_dir: str | None = None, cache_dir: str
     except OSError as e:
       logging.warning("could not write the decoded cache under %s: %s", cache_dir, e)
   return _make(arrays, info, {"load_s": time.monotonic() - t0, "source": "tfds"})
+
+
+# The cache and tfds helpers that other corpora (alma_jax.data.text) share.
+write_cache = _write_cache
+read_cache = _read_cache
+prepared_versions = _prepared_versions

@@ -22,6 +22,7 @@ from flax import struct
 
 from alma_jax import fields
 from alma_jax import models
+from alma_jax.errors import ConfigError
 
 PyTree = Any
 
@@ -91,6 +92,7 @@ class Method:
 
   Class attributes:
     name: the registry name (`config.method.name`).
+    task: the data it learns from, "images" or "text" (`alma_jax.tasks`).
     FIELDS: the method's own config fields (`alma_jax.fields.Field`, paths
       under "method."); their checked values are `self.opts.<field name>`.
     same_growth_for_every_seed: whether the architecture grows the same way
@@ -105,6 +107,7 @@ class Method:
   """
 
   name = ""
+  task = "images"  # the kind of data (`alma_jax.tasks.TASKS`): "images" or "text"
   FIELDS: tuple[fields.Field, ...] = ()
   same_growth_for_every_seed = True
   LEAF_AXES: tuple[tuple[str, tuple[str, ...]], ...] = ()
@@ -114,6 +117,13 @@ class Method:
     self.input_shape = tuple(input_shape)
     self.num_classes = num_classes
     self.opts = fields.resolve(config, self.FIELDS)
+
+  def refuse_kept_optimizer_state(self, why: str, when: str = "") -> None:
+    """A clear error when `train.keep_optimizer_state` is set for a method whose stages
+    change the parameters' shapes or the trained parameters (`why` says how)."""
+    if bool(self.config.train.get("keep_optimizer_state", False)):
+      raise ConfigError(f"config.train.keep_optimizer_state=True is not supported by "
+                        f"{self.name}{when}: {why}; allowed values: [False]")
 
   # -- construction ---------------------------------------------------------
   def init(self, key: jax.Array, structure: Hashable | None = None) -> Learner:

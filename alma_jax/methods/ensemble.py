@@ -48,7 +48,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from alma_jax import fields as F
-from alma_jax.errors import ConfigError
 from alma_jax.methods import base
 from alma_jax.methods.registry import register
 
@@ -470,10 +469,7 @@ class GrowingEnsemble(Ensemble):
 
   def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
     super().__init__(config, input_shape, num_classes)
-    if bool(config.train.get("keep_optimizer_state", False)):
-      raise ConfigError(
-          "config.train.keep_optimizer_state=True is not supported by gens: every stage trains "
-          "new members; allowed values: [False]")
+    self.refuse_kept_optimizer_state("every stage trains new members")
 
   @property
   def initial_members(self) -> int:

@@ -284,10 +284,9 @@ class GrowingMoE(base.Method):
     if o.slots == "max" and not o.max_experts:
       raise ConfigError("config.method.slots='max' needs config.method.max_experts > 0; "
                         f"allowed values of config.method.slots: {list(SLOTS)}")
-    if o.grow and bool(config.train.get("keep_optimizer_state", False)):
-      raise ConfigError(
-          "config.train.keep_optimizer_state=True is not supported by gmoe with "
-          "config.method.grow=True: a split changes the parameter shapes; allowed values: [False]")
+    if o.grow:
+      self.refuse_kept_optimizer_state("a split changes the parameter shapes",
+                                       " with config.method.grow=True")
     self.net = moe.make_net(config.model, num_classes, o.gate_pool)
     self._feat_dims: list[int] | None = None
     self._route_fns: dict[Hashable, object] = {}

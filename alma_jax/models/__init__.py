@@ -1,9 +1,10 @@
 """Flax Linen backbones, picked by name from `config.model.name`."""
 
 from alma_jax.models.mlp import MLP
+from alma_jax.models.switch import SwitchTransformer
 from alma_jax.models.vgg import VGG
 
-BACKBONES = {"mlp": MLP, "vgg": VGG}
+BACKBONES = {"mlp": MLP, "vgg": VGG, "switch": SwitchTransformer}
 
 
 def get_backbone(name: str):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -19,6 +21,7 @@ class MLP(nn.Module):
   num_classes: int = 10
   depth: int = 2  # number of hidden layers
   init_scheme: str = "lecun"  # see alma_jax.models.inits
+  widths: Sequence[int] | None = None  # one width per hidden layer; None: `hidden` each
 
   @classmethod
   def from_config(cls, model_config, num_classes: int) -> "MLP":
@@ -30,5 +33,6 @@ class MLP(nn.Module):
     del train, mask  # no batch statistics in this backbone
     x = x.reshape((x.shape[0], -1))
     for i in range(self.depth):
-      x = nn.relu(inits.dense(self.hidden, self.init_scheme, x.shape[-1], f"dense{i}")(x))
+      width = self.hidden if self.widths is None else self.widths[i]
+      x = nn.relu(inits.dense(width, self.init_scheme, x.shape[-1], f"dense{i}")(x))
     return inits.dense(self.num_classes, self.init_scheme, x.shape[-1], "head")(x)

@@ -2,7 +2,8 @@
 
 16 conv3x3 layers, all of width C, in blocks of 2, 2, 4, 4, 4; each block is
 followed by a 2x2 max-pool; then one linear classifier. On 32x32 inputs the
-last pool leaves a 1x1xC map.
+last pool leaves a 1x1xC map. `VGG.widths` gives each conv layer its own
+width instead (Firefly grows them); equal widths build the same parameters.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class ConvBlock(nn.Module):
   VGG has one, as `nn.Conv2d` does by default).
   """
 
-  width: int
+  width: int | Sequence[int]  # one width for every conv, or one per conv
   num_convs: int
   conv_impl: str = "xla"  # see alma_jax.models.conv
   init_scheme: str = "lecun"  # see alma_jax.models.inits
@@ -53,7 +54,8 @@ class ConvBlock(nn.Module):
   def __call__(self, x, train: bool = False, mask=None):
     del mask
     for i in range(self.num_convs):
-      x = conv.Conv3x3(self.width, impl=self.conv_impl, kernel_init=inits.kernel_init(
+      width = self.width if isinstance(self.width, int) else self.width[i]
+      x = conv.Conv3x3(width, impl=self.conv_impl, kernel_init=inits.kernel_init(
           self.init_scheme), name=f"conv{i}")(x)
       x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
                        name=f"bn{i}")(x)
@@ -69,6 +71,7 @@ class VGG(nn.Module):
   blocks: Sequence[int] = BLOCKS
   conv_impl: str = "xla"
   init_scheme: str = "lecun"  # see alma_jax.models.inits
+  widths: Sequence[int] | None = None  # one width per conv layer; None: all `width`
 
   @classmethod
   def from_config(cls, model_config, num_classes: int) -> "VGG":
@@ -79,7 +82,9 @@ class VGG(nn.Module):
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False, mask=None) -> jnp.ndarray:
     for i, n in enumerate(self.blocks):
-      x = ConvBlock(self.width, n, self.conv_impl, self.init_scheme, name=f"block{i}")(
+      start = sum(self.blocks[:i])
+      width = self.width if self.widths is None else tuple(self.widths[start:start + n])
+      x = ConvBlock(width, n, self.conv_impl, self.init_scheme, name=f"block{i}")(
           x, train, mask)
     x = x.reshape((x.shape[0], -1))
     return inits.dense(self.num_classes, self.init_scheme, x.shape[-1], "head")(x)

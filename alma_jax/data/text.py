@@ -1,0 +1,203 @@
+"""Text corpora as GPT-2 byte-level BPE tokens, with a token cache.
+
+A corpus is a tfds data set with a text feature (`tiny_shakespeare`, ...),
+whose `train` split is the stream's text and whose `test` split is the test
+text, or a plain UTF-8 file, whose last `test_fraction` (cut at a line break)
+is the test text. The text is tokenised with GPT-2's BPE (50,257 tokens)
+through `tiktoken`, from a local `encoder.json` and `vocab.bpe`, so that no
+download is needed. The first load writes the token arrays (uint16) and the
+byte length of every test target under the cache directory, keyed by the
+source and a digest of the tokenizer files; later loads read the cache
+without importing TensorFlow or tokenising again.
+
+The token stream is cut into sequences of L + 1 tokens that overlap by one
+(sequence i holds tokens iL ... iL + L): the model reads the first L and
+predicts the last L. The sequences are the examples of the mega-batch stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import time
+
+import numpy as np
+from absl import logging
+
+from alma_jax.data import images
+
+BPE_FILES = ("encoder.json", "vocab.bpe")
+BPE_DIR_ENV = "ALMA_JAX_BPE_DIR"
+VOCAB_SIZE = 50257
+
+
+class TokenizerUnavailableError(ValueError):
+  """The BPE files cannot be found or read."""
+
+
+def _digest(path: str) -> str:
+  with open(path, "rb") as f:
+    return hashlib.sha256(f.read()).hexdigest()
+
+
+def bpe_dir(configured: str | None) -> str:
+  """The folder of the GPT-2 BPE files: `configured`, else $ALMA_JAX_BPE_DIR."""
+  folder = configured or os.environ.get(BPE_DIR_ENV)
+  if not folder:
+    raise TokenizerUnavailableError(
+        f"config.data.bpe_dir is not set and ${BPE_DIR_ENV} is empty; point either at a folder "
+        f"holding GPT-2's {list(BPE_FILES)}")
+  missing = [f for f in BPE_FILES if not os.path.isfile(os.path.join(folder, f))]
+  if missing:
+    raise TokenizerUnavailableError(
+        f"config.data.bpe_dir={folder!r} lacks {missing}; it must hold GPT-2's {list(BPE_FILES)}")
+  return folder
+
+
+def tokenizer_digest(folder: str) -> str:
+  return hashlib.sha256("".join(_digest(os.path.join(folder, f)) for f in BPE_FILES).encode()
+                        ).hexdigest()[:16]
+
+
+def load_tokenizer(folder: str):
+  """GPT-2's byte-level BPE as a `tiktoken.Encoding`, read from `folder` (no download)."""
+  import tiktoken  # pylint: disable=g-import-not-at-top
+  from tiktoken import load as tiktoken_load  # pylint: disable=g-import-not-at-top
+  from tiktoken_ext import openai_public  # pylint: disable=g-import-not-at-top
+  encoder, vocab = (os.path.join(folder, f) for f in BPE_FILES)
+  # The hashes make tiktoken's own file cache check its copies against these files.
+  ranks = tiktoken_load.data_gym_to_mergeable_bpe_ranks(
+      vocab_bpe_file=vocab, encoder_json_file=encoder, vocab_bpe_hash=_digest(vocab),
+      encoder_json_hash=_digest(encoder))
+  enc = tiktoken.Encoding(name="gpt2_local", pat_str=openai_public.r50k_pat_str,
+                          mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 50256},
+                          explicit_n_vocab=VOCAB_SIZE)
+  return enc
+
+
+def encode(enc, text: str) -> np.ndarray:
+  """Tokens of `text` (special-token strings are encoded as plain text)."""
+  return np.asarray(enc.encode_ordinary(text), np.uint16)
+
+
+def token_bytes(enc) -> np.ndarray:
+  """The number of UTF-8 bytes each token stands for (int32, vocabulary-sized)."""
+  return np.asarray([len(enc.decode_single_token_bytes(t)) for t in range(enc.n_vocab)], np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TextCorpus:
+  """The tokens of the stream's text and of the test text."""
+
+  name: str
+  train_tokens: np.ndarray  # uint16 (T,)
+  test_tokens: np.ndarray  # uint16 (T_test,)
+  test_bytes: np.ndarray  # int32 (T_test,): UTF-8 bytes of each test token
+  vocab_size: int
+  timings: dict = dataclasses.field(default_factory=dict, compare=False)
+
+
+# -- sources ---------------------------------------------------------------------------------------
+def _tfds_text(name: str, data_dir: str | None, feature: str, download: str) -> dict[str, str]:
+  """The `train` and `test` splits of a tfds text data set, each joined into one string."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf.config.set_visible_devices([], "GPU")
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  try:
+    builder = tfds.builder(name, data_dir=data_dir)
+  except Exception as e:  # pylint: disable=broad-except
+    raise images.DatasetUnavailableError(
+        f"config.data.name={name!r} is not a tfds data set ({type(e).__name__}); or set "
+        "config.data.text_file to a UTF-8 text file") from e
+  if not builder.is_prepared():
+    if download == "no" or (download == "auto" and not images.internet_reachable()):
+      raise images.DatasetUnavailableError(
+          f"data set {name!r} is not prepared in {data_dir or os.environ.get('TFDS_DATA_DIR')} "
+          "and cannot be downloaded; set TFDS_DATA_DIR (or config.data.data_dir), or "
+          "config.data.text_file")
+    builder.download_and_prepare()
+  features = list(builder.info.features.keys())
+  if feature not in features:
+    raise images.DatasetUnavailableError(
+        f"config.data.text_feature={feature!r} is not a feature of {name!r}; valid values: "
+        f"{features}")
+  out = {}
+  for split in ("train", "test"):
+    parts = [ex[feature] for ex in tfds.as_numpy(builder.as_dataset(split=split))]
+    out[split] = "\n".join(p.decode("utf-8") if isinstance(p, bytes) else str(p) for p in parts)
+  out["version"] = str(builder.info.version)
+  return out
+
+
+def split_text(text: str, test_fraction: float) -> tuple[str, str]:
+  """(stream text, test text): the last `test_fraction` of `text`, cut after a line break."""
+  if not 0.0 < test_fraction < 1.0:
+    raise ValueError(f"config.data.test_fraction={test_fraction} must be in (0.0, 1.0)")
+  cut = int(len(text) * (1.0 - test_fraction))
+  newline = text.rfind("\n", 0, cut)
+  cut = newline + 1 if newline > 0 else cut
+  return text[:cut], text[cut:]
+
+
+def _file_text(path: str) -> str:
+  try:
+    with open(path, "rb") as f:
+      raw = f.read()
+  except OSError as e:
+    raise images.DatasetUnavailableError(f"config.data.text_file={path!r} cannot be read: "
+                                         f"{e.strerror}") from e
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise images.DatasetUnavailableError(
+        f"config.data.text_file={path!r} is not UTF-8 text (byte {e.start})") from e
+
+
+def _file_key(path: str) -> str:
+  return _digest(path)[:16]
+
+
+# -- loading with the cache -----------------------------------------------------------------------
+def load_corpus(*, name: str, text_file: str | None, bpe_folder: str, data_dir: str | None = None,
+                cache_dir: str | None = None, use_cache: bool = True, text_feature: str = "text",
+                test_fraction: float = 0.1, download: str = "auto") -> TextCorpus:
+  """Loads (or tokenises and caches) a text corpus; see the module docstring."""
+  t0 = time.monotonic()
+  tok = tokenizer_digest(bpe_folder)
+  if text_file:
+    source = f"file_{_file_key(text_file)}_test{test_fraction!r}"
+    label = os.path.basename(text_file)
+  else:
+    versions = images.prepared_versions(name, data_dir)
+    source = f"tfds_{name}_{versions[-1] if versions else 'any'}_{text_feature}"
+    label = name
+  folder = os.path.join(cache_dir or images.default_cache_dir(), "text", f"{source}_bpe{tok}")
+  if use_cache and os.path.isfile(os.path.join(folder, "meta.json")):
+    try:
+      arrays, meta = images.read_cache(folder)
+      return TextCorpus(label, arrays["train"], arrays["test"], arrays["test_bytes"],
+                        int(meta["vocab_size"]), {"load_s": time.monotonic() - t0,
+                                                  "source": "cache"})
+    except ValueError as e:
+      logging.warning("token cache %s is stale or corrupt (%s); tokenising again", folder, e)
+  if text_file:
+    train_text, test_text = split_text(_file_text(text_file), test_fraction)
+  else:
+    splits = _tfds_text(name, data_dir, text_feature, download)
+    train_text, test_text = splits["train"], splits["test"]
+  enc = load_tokenizer(bpe_folder)
+  arrays = {"train": encode(enc, train_text), "test": encode(enc, test_text)}
+  arrays["test_bytes"] = token_bytes(enc)[arrays["test"]]
+  if use_cache:
+    try:
+      images.write_cache(folder, arrays, {"name": label, "vocab_size": int(enc.n_vocab)})
+    except OSError as e:
+      logging.warning("could not write the token cache under %s: %s", folder, e)
+  return TextCorpus(label, arrays["train"], arrays["test"], arrays["test_bytes"], int(enc.n_vocab),
+                    {"load_s": time.monotonic() - t0, "source": "tokenised"})
+
+
+def num_sequences(num_tokens: int, seq_len: int) -> int:
+  """How many sequences of L + 1 tokens (overlapping by one) `num_tokens` tokens give."""
+  return max(0, (num_tokens - 1) // seq_len)

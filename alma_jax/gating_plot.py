@@ -1,0 +1,135 @@
+"""The gating tree of a gMoE run over a 2-D embedding of test inputs (early version, Fig. 5).
+
+`gating_data(workdir)` rebuilds the run's learner from its last checkpoint
+(the config in its `config.json`, the method's structure in the checkpoint),
+routes the test inputs of the run's data set through every mixture layer
+(`GrowingMoE.route`: the expert reached by following the more probable child
+at each gate) and embeds the inputs in 2-D by PCA of their normalised pixels.
+`draw` writes one panel per mixture layer: the embedded inputs coloured by
+their expert, each expert labelled by its path from the root (L/R).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import ml_collections
+import numpy as np
+
+from alma_jax import checkpoint as ckpt_lib
+from alma_jax import io_utils
+from alma_jax import methods
+from alma_jax import plots
+from alma_jax import population
+from alma_jax import tasks
+from alma_jax import validation
+from alma_jax import workdir as wd
+from alma_jax.data import augment
+from alma_jax.optim import make_optimizer
+
+MAX_POINTS = 2000
+
+
+class GatingError(ValueError):
+  """The run cannot be drawn (not gMoE, no checkpoint)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GatingData:
+  t: int  # the checkpoint's time step
+  embedding: np.ndarray  # (n, 2) PCA of the test inputs
+  experts: list[np.ndarray]  # per mixture layer: (n,) the expert of each input
+  paths: list[dict[int, str]]  # per mixture layer: expert -> its path from the root
+
+
+def pca_2d(x: np.ndarray) -> np.ndarray:
+  """(n, d) -> (n, 2): the projection on the two leading principal components."""
+  x = np.asarray(x, np.float64).reshape(len(x), -1)
+  x = x - x.mean(0)
+  _, _, vt = np.linalg.svd(x, full_matrices=False)
+  return x @ vt[:2].T
+
+
+def leaf_paths(node: dict, prefix: str = "") -> dict[int, str]:
+  """expert -> "LR..." from `GrowingMoE.gating_tree`'s nested dicts (flat gating: its index)."""
+  if "expert" in node:
+    return {node["expert"]: prefix or "root"}
+  kids = node["children"]
+  names = "LR" if len(kids) == 2 else [f"{i}." for i in range(len(kids))]
+  out = {}
+  for name, kid in zip(names, kids):
+    out.update(leaf_paths(kid, prefix + name))
+  return out
+
+
+def _config(workdir: str):
+  path = os.path.join(workdir, wd.CONFIG_FILE)
+  try:
+    return validation.validate(ml_collections.ConfigDict(io_utils.read_json(path)))
+  except (OSError, ValueError) as e:
+    raise GatingError(f"{path} cannot be read as a config: {e}") from e
+
+
+def _restore(workdir: str, config, method):
+  """The last checkpoint's learner (unstacked) and its t."""
+  tx, keys = make_optimizer(config.optimizer), population.keys([int(config.seed)])
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+  def build(structure, has_opt_state):
+    tree = {"params": None, "model_state": None,
+            "key": jax.eval_shape(jax.vmap(jax.random.key_data), keys)}
+    learner = jax.eval_shape(jax.vmap(lambda k: method.init(k, structure)), keys)
+    tree.update(params=learner.params, model_state=learner.model_state)
+    if has_opt_state:
+      tree["opt_state"] = jax.eval_shape(
+          jax.vmap(lambda k: tx.init(method.partition(method.init(k, structure))[0])), keys)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), tree)
+
+  directory = os.path.join(workdir, wd.CHECKPOINT_DIR)
+  with ckpt_lib.Checkpointer(directory, int(config.checkpoint.max_to_keep)) as ckpt:
+    snap = ckpt.restore_latest(build)
+  return population.unstack(snap.learner, 0), snap.t
+
+
+def gating_data(workdir: str, max_points: int = MAX_POINTS) -> GatingData:
+  """Routes up to `max_points` test inputs through the last checkpoint of a gMoE run."""
+  config = _config(workdir)
+  if config.method.name != "gmoe" or config.num_seeds != 1:
+    raise GatingError(f"{workdir}: the gating tree needs a gMoE run of one seed; this one has "
+                      f"config.method.name={config.method.name!r}, "
+                      f"config.num_seeds={config.num_seeds}")
+  if not wd.checkpoint_steps(workdir):
+    raise GatingError(f"{workdir} has no checkpoint to draw the gating of "
+                      f"({os.path.join(workdir, wd.CHECKPOINT_DIR)} is missing or empty)")
+  task = tasks.for_config(config)
+  ds, _ = task.load(config, [int(config.seed)])
+  method = methods.make(config, ds.train_x.shape[1:], ds.num_classes)
+  learner, t = _restore(workdir, config, method)
+  x = augment.prepare_batch(np.asarray(ds.test_x[:max_points]), ds.mean, ds.std, augment="none",
+                            rng=None)
+  layers = range(len(learner.structure))
+  experts = [np.asarray(method.route(learner, x, layer)) for layer in layers]
+  paths = [leaf_paths(method.gating_tree(learner, layer)) for layer in layers]
+  return GatingData(t=t, embedding=pca_2d(np.asarray(x)), experts=experts, paths=paths)
+
+
+def draw(data: GatingData, path_stem: str, title: str = "") -> dict:
+  """Writes the figure to `<path_stem>.png/.pdf`; returns {"layer<l>": [series per expert]}."""
+  fig, axes = plots.subplots(len(data.experts))
+  out = {}
+  for layer, (ax, experts, paths) in enumerate(zip(axes, data.experts, data.paths)):
+    series = []
+    for e in sorted(paths):
+      sel = experts == e
+      series.append({"label": f"expert {e} ({paths[e]})", "expert": e, "count": int(sel.sum()),
+                     "x": data.embedding[sel, 0].tolist(), "y": data.embedding[sel, 1].tolist()})
+      ax.scatter(series[-1]["x"], series[-1]["y"], s=4, label=series[-1]["label"])
+    ax.set_title(f"{title} mixture layer {layer} at t={data.t}", fontsize=9)
+    ax.set_xlabel("PC 1 of the test inputs")
+    ax.set_ylabel("PC 2")
+    ax.legend(fontsize=6, markerscale=2)
+    out[f"layer{layer}"] = series
+  plots.save(fig, path_stem)
+  return out

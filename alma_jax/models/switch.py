@@ -1,0 +1,216 @@
+"""A decoder-only Switch Transformer (Fedus et al., 2021) for language modelling.
+
+Pre-LayerNorm blocks: `x + attention(LN(x))` with a causal mask, then
+`x + switch(LN(x))`, where the feed-forward layer of every block is a
+mixture of E experts stacked on a leading axis (`expert_wi` (E, d, f),
+`expert_wo` (E, f, d) and their biases) and a linear router (`router_kernel`
+(d, E), `router_bias` (E,)). The token embedding is tied to the output
+projection; positions have learned embeddings.
+
+Routing is top-1: each token goes to the expert of its largest router
+probability, and the expert's output is scaled by that probability. Experts
+whose router logits are exactly equal (an expert and its copy right after
+`copy_experts`) count as one: each one's mass is their summed probability,
+and a token routed to them goes to the first. This makes the copy
+function-preserving; without ties (the case of any trained router) it is the
+plain Switch rule.
+Every expert has room for `capacity = ceil(capacity_factor * T / E)` tokens
+of a batch of T tokens, taken in order; a token beyond it is dropped: the
+layer outputs zero for it, so it passes through the residual unchanged. The
+capacity applies in training (`capacity_factor`, the paper's 1.0) and, at
+evaluation, `eval_capacity_factor` (0: no limit).
+
+The tokens are dispatched to a (E, capacity, d) buffer by a scatter and
+gathered back, so the arithmetic counted for a step is that of E x capacity
+expert slots, not of a dense dispatch tensor.
+
+The load-balancing loss of a layer is `E * sum_e f_e * P_e`, f_e the
+fraction of the (unmasked) tokens whose top-1 expert is e and P_e their mean
+router probability of e: 1 for uniform routing, E when every token goes to
+one expert with probability 1. The model returns the sum over layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+PRESETS = {
+    # name: (layers, model dimension, heads, feed-forward dimension of an expert)
+    "tiny": (2, 64, 2, 128),
+    "base": (6, 512, 8, 1024),
+    "large": (12, 768, 12, 1536),
+}
+INIT_STD = 0.02
+
+
+def capacity(num_tokens: int, num_experts: int, factor: float) -> int:
+  """Slots per expert for a batch of `num_tokens` tokens; factor 0 means no limit."""
+  if factor <= 0:
+    return num_tokens
+  return max(1, min(num_tokens, math.ceil(factor * num_tokens / num_experts)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """Top-1 routing of T tokens among E experts."""
+
+  probs: jax.Array  # (T, E) router probabilities
+  expert: jax.Array  # (T,) the chosen expert
+  position: jax.Array  # (T,) the token's slot in its expert's buffer
+  kept: jax.Array  # (T,) bool: routed (unmasked and within capacity)
+  gate: jax.Array  # (T,) the scale of the expert's output
+
+
+def route(logits: jax.Array, mask: jax.Array, cap: int) -> Routing:
+  """Top-1 routing of router `logits` (T, E) for the tokens where `mask` (T,) is true."""
+  logits = logits.astype(jnp.float32)
+  probs = jax.nn.softmax(logits, axis=-1)
+  # An expert's mass: its probability times the number of experts whose logit equals its own
+  # (1 unless a copy ties with it). Routing takes the largest mass, the first one on ties.
+  count = jnp.sum(logits[:, :, None] == logits[:, None, :], axis=-1).astype(probs.dtype)
+  mass = count * probs
+  expert = jnp.argmax(mass, axis=-1)
+  gate = jnp.take_along_axis(mass, expert[:, None], axis=-1)[:, 0]
+  one_hot = jax.nn.one_hot(expert, logits.shape[-1], dtype=jnp.int32) * mask[:, None]
+  position = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)
+  kept = mask & (position < cap)
+  return Routing(probs, expert, position, kept, gate)
+
+
+def balance_loss(r: Routing, mask: jax.Array) -> jax.Array:
+  """E * sum_e f_e P_e over the tokens where `mask` is true (see the module docstring)."""
+  num_experts = r.probs.shape[-1]
+  m = mask.astype(jnp.float32)
+  count = jnp.maximum(jnp.sum(m), 1.0)
+  f = jnp.sum(jax.nn.one_hot(r.expert, num_experts) * m[:, None], axis=0) / count
+  p = jnp.sum(r.probs * m[:, None], axis=0) / count
+  return num_experts * jnp.sum(f * p)
+
+
+def dispatch(x: jax.Array, r: Routing, num_experts: int, cap: int) -> jax.Array:
+  """Tokens x (T, d) into expert buffers (E, cap, d); dropped tokens go nowhere."""
+  slot = jnp.where(r.kept, r.position, cap)  # out of bounds: dropped by the scatter
+  buf = jnp.zeros((num_experts, cap, x.shape[-1]), x.dtype)
+  return buf.at[r.expert, slot].set(x, mode="drop")
+
+
+def combine(out: jax.Array, r: Routing) -> jax.Array:
+  """Expert outputs (E, cap, d) back to the tokens (T, d), scaled by the gate; zero when dropped."""
+  slot = jnp.clip(r.position, 0, out.shape[1] - 1)
+  y = out[r.expert, slot]
+  return y * (r.gate * r.kept).astype(y.dtype)[:, None]
+
+
+class SwitchFFN(nn.Module):
+  """A top-1 mixture of E two-layer ReLU experts with a capacity; returns (y, balance, experts)."""
+
+  num_experts: int
+  ffn_dim: int
+  capacity_factor: float = 1.0
+  eval_capacity_factor: float = 2.0
+
+  @nn.compact
+  def __call__(self, x, mask, train: bool = False):
+    b, l, d = x.shape
+    e, f = self.num_experts, self.ffn_dim
+    init = nn.initializers.normal(INIT_STD)
+    router_kernel = self.param("router_kernel", init, (d, e))
+    router_bias = self.param("router_bias", nn.initializers.zeros, (e,))
+    wi = self.param("expert_wi", init, (e, d, f))
+    bi = self.param("expert_bi", nn.initializers.zeros, (e, f))
+    wo = self.param("expert_wo", init, (e, f, d))
+    bo = self.param("expert_bo", nn.initializers.zeros, (e, d))
+    tokens, tmask = x.reshape(b * l, d), mask.reshape(b * l)
+    cap = capacity(b * l, e, self.capacity_factor if train else self.eval_capacity_factor)
+    r = route(tokens.astype(jnp.float32) @ router_kernel + router_bias, tmask, cap)
+    buf = dispatch(tokens, r, e, cap)
+    h = nn.relu(jnp.einsum("ecd,edf->ecf", buf, wi) + bi[:, None, :])
+    out = jnp.einsum("ecf,efd->ecd", h, wo) + bo[:, None, :]
+    y = combine(out, r).reshape(b, l, d)
+    return y, balance_loss(r, tmask), r.expert.reshape(b, l)
+
+
+class Block(nn.Module):
+  """Pre-LN decoder block: causal self-attention, then the Switch feed-forward layer."""
+
+  num_heads: int
+  num_experts: int
+  ffn_dim: int
+  capacity_factor: float
+  eval_capacity_factor: float
+
+  @nn.compact
+  def __call__(self, x, mask, train: bool = False):
+    causal = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+    init = nn.initializers.normal(INIT_STD)
+    h = nn.LayerNorm(name="ln_attn")(x)
+    x = x + nn.MultiHeadDotProductAttention(self.num_heads, kernel_init=init, name="attn")(
+        h, mask=causal, deterministic=True)
+    h = nn.LayerNorm(name="ln_ffn")(x)
+    y, balance, experts = SwitchFFN(self.num_experts, self.ffn_dim, self.capacity_factor,
+                                    self.eval_capacity_factor, name="moe")(h, mask, train)
+    return x + y, balance, experts
+
+
+class SwitchTransformer(nn.Module):
+  """Decoder-only Switch Transformer: tokens (b, L) -> (logits (b, L, V), aux).
+
+  `aux` holds `balance` (the load-balancing loss summed over layers) and
+  `experts` (layers, b, L), the expert each token was routed to. `mask` (b,)
+  marks the real sequences of a padded batch (they alone take capacity and
+  count in the balance loss).
+  """
+
+  vocab_size: int
+  max_len: int
+  num_layers: int = 2
+  dim: int = 64
+  num_heads: int = 2
+  ffn_dim: int = 128
+  num_experts: int = 4
+  capacity_factor: float = 1.0
+  eval_capacity_factor: float = 2.0
+
+  @classmethod
+  def from_config(cls, model_config, num_classes: int, max_len: int = 1024,
+                  num_experts: int | None = None) -> "SwitchTransformer":
+    """The model of `config.model` (a preset, then its non-zero size fields)."""
+    preset = model_config.get("preset", "tiny")
+    if preset not in PRESETS:
+      raise ValueError(f"config.model.preset={preset!r} is unknown; valid values: "
+                       f"{sorted(PRESETS)}")
+    sizes = dict(zip(("num_layers", "dim", "num_heads", "ffn_dim"), PRESETS[preset]))
+    for k in sizes:
+      if model_config.get(k, 0):
+        sizes[k] = int(model_config[k])
+    if sizes["dim"] % sizes["num_heads"]:
+      raise ValueError(f"config.model.dim={sizes['dim']} must be a multiple of "
+                       f"config.model.num_heads={sizes['num_heads']}")
+    return cls(vocab_size=int(num_classes), max_len=int(max_len),
+               num_experts=int(num_experts or model_config.get("num_experts", 4)),
+               capacity_factor=float(model_config.get("capacity_factor", 1.0)),
+               eval_capacity_factor=float(model_config.get("eval_capacity_factor", 2.0)),
+               **sizes)
+
+  @nn.compact
+  def __call__(self, tokens, train: bool = False, mask=None):
+    b, l = tokens.shape
+    mask = jnp.ones((b,), bool) if mask is None else mask.astype(bool)
+    tmask = jnp.broadcast_to(mask[:, None], (b, l))
+    embed = nn.Embed(self.vocab_size, self.dim, embedding_init=nn.initializers.normal(INIT_STD),
+                     name="embed")
+    pos = self.param("pos_embed", nn.initializers.normal(INIT_STD), (self.max_len, self.dim))
+    x = embed(tokens) + pos[:l]
+    balance, experts = jnp.float32(0.0), []
+    for i in range(self.num_layers):
+      x, bl, ex = Block(self.num_heads, self.num_experts, self.ffn_dim, self.capacity_factor,
+                        self.eval_capacity_factor, name=f"block{i}")(x, tmask, train)
+      balance, experts = balance + bl, experts + [ex]
+    x = nn.LayerNorm(name="ln_final")(x)
+    logits = embed.attend(x)
+    return logits, {"balance": balance, "experts": jnp.stack(experts)}

@@ -1,0 +1,296 @@
+"""The paper's figures and a table from the outputs of finished runs.
+
+  python -m alma_jax.report --workdirs=/tmp/sweep/* --out=/tmp/report
+
+reads every run's `config.json`, `log.jsonl` and `summary.json` (the
+`seed_<k>/` folders of a `num_seeds` run are its seeds), groups the runs that
+differ only by their seed, and writes into `--out`, per data set:
+
+* `tradeoffs_<data>.png/.pdf`: CER (%) vs paper-comparable training TFLOPs
+  (`comp_paper`, forward multiply-adds x examples) and vs Mem, one colour per
+  method, a line across widths, a marker per waiting time (paper Fig. 2/7);
+  error bars are one standard deviation over seeds.
+* `error_<data>.png/.pdf`: test error vs mega-batch t, one panel per width
+  (Fig. 1/3), the band one standard deviation over seeds.
+* `replay_<data>.png/.pdf`: CER vs compute, a segment from each config
+  without replay to the same config with replay (Fig. 4), when both exist.
+* `lm_<data>.png/.pdf`: average perplexity vs compute, parameters and
+  experts (Fig. 5), for runs whose records carry `test_perplexity`.
+* `gating_<run>.png/.pdf`: for each gMoE config, its first seed's gating
+  tree over a 2-D PCA embedding of test inputs, from its last checkpoint
+  (`alma_jax.gating_plot`; `--nogating` skips it).
+* `report.md`: one row per group (mean ± std over its seeds) and the figures.
+
+A run without a summary (unfinished) is listed in the table but left out of
+the CER figures. A folder that is not a run is an error naming what it lacks.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Sequence
+
+import numpy as np
+from absl import app
+from absl import flags
+from absl import logging
+
+from alma_jax import checkpoint as ckpt_lib
+from alma_jax import config_lib
+from alma_jax import gating_plot
+from alma_jax import io_utils
+from alma_jax import plots
+from alma_jax import workdir as wd
+
+# Config fields that tell groups apart in labels and table columns, in this order.
+KEY_FIELDS = ("method.name", "model.width", "stream.wait", "stream.replay")
+SEED_FIELDS = ("seed", "num_seeds")
+
+
+class ReportError(ValueError):
+  """A workdir cannot be reported (not a run, unreadable files)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """The outputs of one seed of one run."""
+
+  path: str
+  config: dict
+  records: tuple[dict, ...]
+  summary: dict | None  # None: the run has not finished
+
+  @property
+  def flat(self) -> dict:
+    return wd.flatten(self.config)
+
+  @property
+  def finished(self) -> bool:
+    return self.summary is not None
+
+  def curve(self, field: str = "test_error") -> np.ndarray:
+    return np.asarray([float(r[field]) for r in self.records])
+
+
+# -- loading -----------------------------------------------------------------------------------
+def _read_json(path: str) -> Any:
+  try:
+    return io_utils.read_json(path)
+  except (OSError, ValueError) as e:
+    raise ReportError(f"{path} cannot be read: {e}") from e
+
+
+def _read_seed(path: str) -> Run:
+  config = _read_json(os.path.join(path, wd.CONFIG_FILE))
+  try:
+    records = tuple(io_utils.read_jsonl(os.path.join(path, wd.LOG_FILE)))
+  except (OSError, ValueError) as e:
+    raise ReportError(f"{os.path.join(path, wd.LOG_FILE)} cannot be read: {e}") from e
+  summary_path = os.path.join(path, wd.SUMMARY_FILE)
+  summary = _read_json(summary_path) if os.path.exists(summary_path) else None
+  return Run(path, config, records, summary)
+
+
+def _seed_dirs(path: str) -> list[str]:
+  names = [n for n in os.listdir(path) if n.startswith(wd.SEED_DIR_PREFIX)
+           and os.path.isdir(os.path.join(path, n))]
+  return [os.path.join(path, n) for n in sorted(names, key=lambda n: int(n.split("_")[-1]))]
+
+
+def load_runs(path: str) -> list[Run]:
+  """The seeds of the run in `path` (one, or those of its `seed_<k>/` folders)."""
+  if not os.path.isdir(path):
+    raise ReportError(f"--workdirs: {path} is not a directory")
+  seeds = _seed_dirs(path)
+  if seeds and os.path.exists(os.path.join(path, wd.CONFIG_FILE)):
+    return [_read_seed(s) for s in seeds]
+  missing = [n for n in (wd.CONFIG_FILE, wd.LOG_FILE) if not os.path.exists(os.path.join(path, n))]
+  if missing:
+    raise ReportError(f"--workdirs: {path} is not a run's workdir: it lacks {' and '.join(missing)}"
+                      " (a run writes config.json and log.jsonl when it starts)")
+  return [_read_seed(path)]
+
+
+# -- groups: runs that differ only by their seed -------------------------------------------------
+def group_key(run: Run) -> str:
+  ignore = set(SEED_FIELDS) | set(config_lib.resumable_paths())
+  return json.dumps({k: v for k, v in run.flat.items() if k not in ignore}, sort_keys=True,
+                    default=repr)
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """Runs of one config that differ only by their seed."""
+
+  runs: tuple[Run, ...]
+
+  @property
+  def flat(self) -> dict:
+    return self.runs[0].flat
+
+  def get(self, field: str, default: Any = None) -> Any:
+    return self.flat.get(field, default)
+
+  @property
+  def dataset(self) -> str:
+    return str(self.get("data.name", "data"))
+
+  @property
+  def finished(self) -> tuple[Run, ...]:
+    return tuple(r for r in self.runs if r.finished)
+
+  @property
+  def seeds(self) -> list[int]:
+    return [int(r.flat.get("seed", 0)) for r in self.runs]
+
+  def stat(self, field: str) -> tuple[float, float]:
+    """(mean, standard deviation) of summary `field` over the finished seeds (nan: none)."""
+    vals = [float(r.summary[field]) for r in self.finished if field in r.summary]
+    if not vals:
+      return math.nan, math.nan
+    return float(np.mean(vals)), float(np.std(vals))
+
+  def curve(self, field: str = "test_error") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(t, mean, std) of a per-step field over the seeds, up to the shortest log."""
+    curves = [r.curve(field) for r in self.runs if r.records and field in r.records[0]]
+    if not curves:
+      return np.zeros(0), np.zeros(0), np.zeros(0)
+    n = min(len(c) for c in curves)
+    stack = np.stack([c[:n] for c in curves])
+    t = np.asarray([int(r["t"]) for r in self.runs[0].records[:n]])
+    return t, stack.mean(0), stack.std(0)
+
+  def label(self, fields: Sequence[str]) -> str:
+    return " ".join(_fmt(self.get(f)) if f == "method.name" else
+                    f"{f.split('.')[-1]}={_fmt(self.get(f))}" for f in fields)
+
+
+def _fmt(v: Any) -> str:
+  return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def group_runs(runs: Sequence[Run]) -> list[Group]:
+  by_key: dict[str, list[Run]] = collections.OrderedDict()
+  for r in runs:
+    by_key.setdefault(group_key(r), []).append(r)
+  groups = [Group(tuple(sorted(rs, key=lambda r: int(r.flat.get("seed", 0)))))
+            for rs in by_key.values()]
+  return sorted(groups, key=lambda g: tuple(str(g.get(f)) for f in ("data.name", "method.name"))
+                + tuple(float(g.get(f) or 0) for f in KEY_FIELDS[1:]))
+
+
+def varying_fields(groups: Sequence[Group]) -> list[str]:
+  """KEY_FIELDS plus the other config fields whose values differ between groups."""
+  if not groups:
+    return list(KEY_FIELDS)
+  keys = set().union(*(g.flat for g in groups)) - set(SEED_FIELDS) - set(config_lib.resumable_paths())
+  def differs(k):  # among the groups that have the field (methods declare their own)
+    return len({json.dumps(g.flat[k], default=repr) for g in groups if k in g.flat}) > 1
+  other = sorted(k for k in keys - set(KEY_FIELDS) if differs(k))
+  return list(KEY_FIELDS) + other
+
+
+# -- the table -----------------------------------------------------------------------------------
+TABLE_STATS = (("cer_percent", "CER (%)", "{:.2f}"), ("final_error", "final error", "{:.4f}"),
+               ("mem", "Mem", "{:.4g}"), ("comp_paper", "Comp (TFLOPs, paper)", "{:.4g}"),
+               ("comp", "Comp (TFLOPs, train step)", "{:.4g}"), ("wall_s", "wall (s)", "{:.1f}"))
+_TERA = ("comp_paper", "comp")
+
+
+def _cell(group: Group, field: str, fmt: str) -> str:
+  mean, std = group.stat(field)
+  if math.isnan(mean):
+    return "–"
+  scale = 1e-12 if field in _TERA else 1.0
+  text = fmt.format(mean * scale)
+  return text + (" ± " + fmt.format(std * scale) if len(group.finished) > 1 else "")
+
+
+def table(groups: Sequence[Group]) -> str:
+  """A Markdown table: one row per group, mean ± std over its finished seeds."""
+  fields = varying_fields(groups)
+  head = ["data"] + [f.split(".")[-1] if f in KEY_FIELDS else f for f in fields] + ["seeds"]
+  head += [name for _, name, _ in TABLE_STATS]
+  rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for g in groups:
+    n_done = len(g.finished)
+    seeds = f"{n_done}" if n_done == len(g.runs) else f"{n_done} of {len(g.runs)} finished"
+    cells = [g.dataset] + [_fmt(g.get(f)) for f in fields] + [seeds]
+    cells += [_cell(g, f, fmt) for f, _, fmt in TABLE_STATS]
+    rows.append("| " + " | ".join(cells) + " |")
+  return "\n".join(rows) + "\n"
+
+
+# -- the whole report ----------------------------------------------------------------------------
+def load_groups(workdirs: Sequence[str]) -> list[Group]:
+  runs = []
+  for path in workdirs:
+    runs.extend(load_runs(path))
+  if not runs:
+    raise ReportError("--workdirs: no runs given")
+  return group_runs(runs)
+
+
+def gating_figures(groups: Sequence[Group], out: str) -> dict:
+  """`gating_<workdir name>` of the first seed of every gMoE group (a run that cannot be
+  drawn, e.g. without checkpoints, is skipped with a warning)."""
+  figures = {}
+  for g in groups:
+    if g.get("method.name") != "gmoe":
+      continue
+    run = g.runs[0]
+    name = f"gating_{os.path.basename(os.path.normpath(run.path))}"
+    try:
+      data = gating_plot.gating_data(run.path)
+    except (gating_plot.GatingError, ckpt_lib.CheckpointError) as e:
+      logging.warning("no gating figure of %s: %s", run.path, e)
+      continue
+    figures[name] = gating_plot.draw(data, os.path.join(out, name), g.label(KEY_FIELDS))
+  return figures
+
+
+def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True) -> dict:
+  """Writes the figures and `report.md` into `out`; returns {figure name: its plotted data}."""
+  groups = load_groups(workdirs)
+  os.makedirs(out, exist_ok=True)
+  figures = {}
+  by_data = collections.OrderedDict()
+  for g in groups:
+    by_data.setdefault(g.dataset, []).append(g)
+  for data, gs in by_data.items():
+    figures.update(plots.dataset_figures(data, gs, varying_fields(gs), out))
+  if gating:
+    figures.update(gating_figures(groups, out))
+  text = ["# ALMA report", "", f"{sum(len(g.runs) for g in groups)} runs in {len(groups)} "
+          "groups (runs that differ only by their seed); mean ± standard deviation over seeds. "
+          "Comp (paper) counts forward multiply-adds × training examples, the unit of the "
+          "paper's figures.", "", table(groups)]
+  for name in figures:
+    text += [f"![{name}]({name}.png)", ""]
+  io_utils.write_text_atomic(os.path.join(out, "report.md"), "\n".join(text))
+  return figures
+
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("workdirs", None, "run workdirs (comma-separated; shell globs expand to several)")
+flags.DEFINE_string("out", None, "output directory of the figures and report.md")
+flags.DEFINE_bool("gating", True, "draw the gating tree of gMoE runs from their last checkpoint")
+
+
+def main(argv):
+  workdirs = list(FLAGS.workdirs or []) + [a for a in argv[1:] if not a.startswith("-")]
+  if not workdirs or not FLAGS.out:
+    raise app.UsageError("give --workdirs=DIR[,DIR...] (or directories as arguments) and --out=DIR")
+  try:
+    figures = write_report(workdirs, FLAGS.out, gating=FLAGS.gating)
+  except ReportError as e:
+    raise SystemExit(f"report: error: {e}") from None
+  print(f"wrote {os.path.join(FLAGS.out, 'report.md')} and {len(figures)} figures")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,225 @@
+"""Language modelling: sequences of BPE tokens gathered on the device, next-token NLL.
+
+The resident data (`TextData`) holds the stream's tokens followed by the test
+tokens in one int32 array and the start of every sequence (training
+sequences first); example i is the L + 1 tokens from `starts[i]`, read as
+inputs (the first L) and targets (the last L). A step receives sequence
+indices only. `per_example` gives each sequence's token error rate and mean
+token NLL, so the loop's "accuracy" is next-token accuracy and its NLL the
+mean token NLL (perplexity = exp(NLL)).
+
+`FIELDS` are the config fields of the text setting (data, the Switch
+Transformer, fixed-step stages, the learning-rate schedule, the i.i.d.
+ablation); `defaults` sets the base fields that differ from the image
+settings (paper section 5 and Appendix B.2).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from alma_jax import fields as F
+from alma_jax.data import text as text_data
+from alma_jax.errors import ConfigError
+from alma_jax.models import switch
+from alma_jax.tasks import images as image_task
+
+SCHEDULES = ("constant", "warmup_linear")
+
+FIELDS = (
+    F.Field("data.text_file", None, F.optional_path(),
+            "a UTF-8 text file to model instead of the tfds data set data.name (its last "
+            "data.test_fraction is the test text)"),
+    F.Field("data.bpe_dir", None, F.optional_path(),
+            "folder of GPT-2's encoder.json and vocab.bpe (None: $ALMA_JAX_BPE_DIR)"),
+    F.Field("data.text_feature", "text", F.text("a feature name"),
+            "the text feature of the tfds data set"),
+    F.Field("data.test_fraction", 0.1, F.number(0.0, 1.0, open_lo=True, open_hi=True),
+            "the test share of a data.text_file"),
+    F.Field("data.seq_len", 512, F.integer(2), "L, tokens per sequence (paper: 512)"),
+    F.Field("model.preset", "base", F.choice(tuple(switch.PRESETS)),
+            "Switch Transformer size: base (6 layers, d=512), large (12, d=768) or tiny (CPU)"),
+    F.Field("model.num_layers", 0, F.integer(0), "blocks (0: the preset's)"),
+    F.Field("model.dim", 0, F.integer(0), "model dimension d (0: the preset's)"),
+    F.Field("model.num_heads", 0, F.integer(0), "attention heads (0: the preset's)"),
+    F.Field("model.ffn_dim", 0, F.integer(0), "hidden units of an expert (0: the preset's)"),
+    F.Field("model.num_experts", 4, F.integer(1), "E, experts per block (paper: 4, 8, 12)"),
+    F.Field("model.capacity_factor", 1.0, F.number(0.0, math.inf, open_lo=True),
+            "expert capacity in training, in multiples of tokens / E (paper: 1.0)"),
+    F.Field("model.eval_capacity_factor", 2.0, F.number(0.0, math.inf),
+            "expert capacity at evaluation (0: no limit)"),
+    F.Field("model.balance_weight", 0.01, F.number(0.0, math.inf),
+            "weight of the load-balancing loss (paper: 0.01)"),
+    F.Field("train.steps_per_epoch", 0, F.integer(0),
+            "> 0: an epoch is exactly this many steps over reshuffled stage data (the paper's "
+            "fixed steps per mega-batch); 0: one pass over the stage data"),
+    F.Field("optimizer.schedule", "constant", F.choice(SCHEDULES),
+            "learning rate: constant, or warmup_linear (linear warm-up over "
+            "optimizer.warmup_steps, then linear decay to 0 at the end of the stage)"),
+    F.Field("optimizer.warmup_steps", 0, F.integer(0), "warm-up steps of warmup_linear"),
+    F.Field("stream.iid", False, F.boolean(),
+            "train once, at t=B, on the union of all B mega-batches with B times the steps "
+            "(Table 1's i.i.d. counterpart of a run with wait 1)"),
+)
+
+
+def defaults(c) -> None:
+  """Sets the base fields of a text config to the paper's language-model settings."""
+  c.model.name = "switch"
+  c.optimizer.name = "adam"
+  c.optimizer.kwargs = {"learning_rate": 5e-4, "b1": 0.9, "b2": 0.98, "eps": 1e-8}
+  c.optimizer.weight_decay = 0.0
+  c.optimizer.schedule = "warmup_linear"
+  c.optimizer.warmup_steps = 4000
+  c.stream.num_megabatches = 4
+  c.stream.wait = 1
+  c.stream.val_fraction = 0.01
+  c.train.batch_size = 192
+  c.train.eval_batch_size = 16
+  c.train.epochs = 1
+  c.train.patience = 1
+  c.train.steps_per_epoch = 120000
+  c.train.augment = "none"
+
+
+def check(config) -> None:
+  """The checks of a text config that tie fields together."""
+  if config.model.name != "switch":
+    raise ConfigError(f"config.model.name={config.model.name!r} cannot model text; valid "
+                      "values: ['switch']")
+  if config.train.augment != "none":
+    raise ConfigError(f"config.train.augment={config.train.augment!r} does not apply to text; "
+                      "valid values: ['none']")
+  o = config.optimizer
+  if o.schedule == "warmup_linear" and o.warmup_steps >= stage_steps(config):
+    raise ConfigError(f"config.optimizer.warmup_steps={o.warmup_steps} must be below the steps of "
+                      f"a stage ({stage_steps(config)}: config.train.epochs x "
+                      "config.train.steps_per_epoch)")
+  if o.schedule == "warmup_linear" and not config.train.steps_per_epoch:
+    raise ConfigError("config.optimizer.schedule='warmup_linear' needs a fixed number of steps "
+                      "per stage: set config.train.steps_per_epoch > 0")
+  if config.stream.iid and config.stream.wait not in (1, config.stream.num_megabatches):
+    raise ConfigError(f"config.stream.iid=True with config.stream.wait={config.stream.wait}; "
+                      f"allowed values: [1, {config.stream.num_megabatches}]")
+
+
+def stage_steps(config) -> int:
+  return int(config.train.epochs) * int(config.train.get("steps_per_epoch", 0) or 0)
+
+
+def expand_iid(c) -> None:
+  """`stream.iid` with wait 1 -> wait B and B times the steps per epoch (in place; a no-op
+  once expanded, so applying it twice is the same as once)."""
+  s = c.stream
+  if s.get("iid", False) is True and s.wait == 1 and s.num_megabatches > 1:
+    b = s.num_megabatches
+    s.wait = b
+    if c.train.get("steps_per_epoch", 0):
+      c.train.steps_per_epoch = int(c.train.steps_per_epoch) * b
+
+
+def check_available(config) -> None:
+  """The BPE files and the text (a file, or a tfds data set prepared or downloadable)."""
+  try:
+    text_data.bpe_dir(config.data.bpe_dir)
+  except text_data.TokenizerUnavailableError as e:
+    raise ConfigError(str(e)) from e
+  if config.data.text_file:
+    if not os.path.isfile(config.data.text_file):
+      raise ConfigError(f"config.data.text_file={config.data.text_file!r} is not a file")
+
+
+@struct.dataclass
+class TextData:
+  """Tokens of the stream and test text, and the start of every sequence (train, then test)."""
+
+  tokens: jax.Array
+  starts: jax.Array
+  num_train: int = struct.field(pytree_node=False)
+  seq_len: int = struct.field(pytree_node=False)
+
+  def size(self, split: str) -> int:
+    return self.num_train if split == "train" else int(self.starts.shape[0]) - self.num_train
+
+
+class TextTask:
+  """Next-token prediction on sequences of L + 1 tokens."""
+
+  def __init__(self, seq_len: int):
+    self.seq_len = int(seq_len)
+    # The test targets that an evaluation scores: their number and UTF-8 bytes (set by `load`).
+    self.test_target_tokens = 0
+    self.test_target_bytes = 0
+
+  @classmethod
+  def from_config(cls, config) -> "TextTask":
+    return cls(config.data.seq_len)
+
+  def load(self, config, seeds):
+    """The corpus as sequences (a data set object for the loop) and each seed's subset (None)."""
+    d = config.data
+    corpus = text_data.load_corpus(
+        name=d.name, text_file=d.text_file, bpe_folder=text_data.bpe_dir(d.bpe_dir),
+        data_dir=d.data_dir, cache_dir=d.cache_dir, use_cache=d.use_cache,
+        text_feature=d.text_feature, test_fraction=d.test_fraction, download=d.download)
+    l = self.seq_len
+    n_train = text_data.num_sequences(len(corpus.train_tokens), l)
+    n_test = text_data.num_sequences(len(corpus.test_tokens), l)
+    if d.train_subset:
+      n_train = min(n_train, int(d.train_subset))
+    if d.test_subset:
+      n_test = min(n_test, int(d.test_subset))
+    if n_train < 1 or n_test < 1:
+      raise ConfigError(f"config.data.seq_len={l} leaves {n_train} training and {n_test} test "
+                        f"sequences of {corpus.name!r} ({len(corpus.train_tokens)} and "
+                        f"{len(corpus.test_tokens)} tokens); use a shorter config.data.seq_len")
+    train_tokens = np.asarray(corpus.train_tokens[:n_train * l + 1], np.int32)
+    test_tokens = np.asarray(corpus.test_tokens[:n_test * l + 1], np.int32)
+    self.test_target_tokens = n_test * l
+    self.test_target_bytes = int(np.sum(corpus.test_bytes[1:n_test * l + 1]))
+    starts = np.concatenate([np.arange(n_train) * l,
+                             len(train_tokens) + np.arange(n_test) * l]).astype(np.int32)
+    ds = types.SimpleNamespace(
+        name=corpus.name, tokens=np.concatenate([train_tokens, test_tokens]), starts=starts,
+        num_train=n_train, num_classes=corpus.vocab_size,
+        # Shapes only (no memory): the loop reads the number of examples and the input shape.
+        train_x=np.broadcast_to(np.zeros((), np.int32), (n_train, l)),
+        train_y=np.broadcast_to(np.zeros((), np.int32), (n_train,)),
+        test_y=np.broadcast_to(np.zeros((), np.int32), (n_test,)))
+    return ds, [None] * len(seeds)
+
+  def device_data(self, ds) -> TextData:
+    return TextData(tokens=ds.tokens, starts=ds.starts, num_train=ds.num_train,
+                    seq_len=self.seq_len)
+
+  # The resident layout of the image task: train sequences, then test sequences.
+  global_index = staticmethod(image_task.ImageTask.global_index)
+
+  def inputs(self, data: TextData, idx, rng=None):
+    """(input tokens (..., L), target tokens (..., L)) of sequences `idx`."""
+    del rng
+    seq = data.tokens[data.starts[idx][..., None] + jnp.arange(data.seq_len + 1)]
+    return seq[..., :-1], seq[..., 1:]
+
+  @staticmethod
+  def per_example(logp, y):
+    """(token error rate, mean token NLL) of every sequence."""
+    nll = -jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0]
+    errors = (jnp.argmax(logp, -1) != y).astype(jnp.float32)
+    return jnp.mean(errors, -1), jnp.mean(nll.astype(jnp.float32), -1)
+
+  def record_metrics(self, nll: float, flops: dict) -> dict:
+    """The language-model fields of a record: test NLL (nats per token), perplexity, bits per
+    byte, and the costs per token."""
+    bits = nll * self.test_target_tokens / math.log(2)
+    return {"test_nll": float(nll), "test_perplexity": float(math.exp(nll)),
+            "test_bits_per_byte": float(bits / self.test_target_bytes),
+            "forward_macs_per_token": flops["train_macs_per_example"] / self.seq_len,
+            "inference_flops_per_token": flops["inference_per_example"] / self.seq_len}

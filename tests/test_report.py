@@ -1,0 +1,280 @@
+"""Tests of the report (alma_jax/report.py) and its figures (alma_jax/plots.py)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import ml_collections
+import numpy as np
+import pytest
+
+from alma_jax import config_lib
+from alma_jax import gating_plot
+from alma_jax import io_utils
+from alma_jax import methods
+from alma_jax import plots
+from alma_jax import report
+from alma_jax import run
+from alma_jax import tasks
+from alma_jax import validation
+from alma_jax import workdir as wd
+from alma_jax.data import augment
+from tests import helpers
+from tests.conftest import requires_mnist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(method="sm", width=8, wait=1, replay=0.0, seed=0, num_seeds=1, dataset="mnist"):
+  c = config_lib.base_config(dataset, method)
+  c.model.width, c.stream.wait, c.stream.replay = width, wait, replay
+  c.seed, c.num_seeds, c.stream.num_megabatches = seed, num_seeds, 4
+  return wd.config_dict(c)
+
+
+def _records(errors, params=100, macs=1e12, extra=None):
+  out = []
+  for t, e in enumerate(errors):
+    r = {"t": t, "test_error": e, "num_params": params, "train_flops": 3 * macs * (t > 0),
+         "train_flops_forward": macs * (t > 0), "train_macs": macs * (t > 0), "growth_flops": 0.0,
+         "inference_flops_per_example": 10.0, "trained": t > 0, "wall_s": 0.1}
+    r.update({k: v[t] for k, v in (extra or {}).items()})
+    out.append(r)
+  return out
+
+
+def _summary(records):
+  cer = sum(r["test_error"] for r in records)
+  return {"cer": cer, "cer_percent": 100 * cer, "mean_error": cer / len(records),
+          "mem": sum(r["num_params"] for r in records),
+          "comp": sum(r["train_flops"] for r in records),
+          "comp_paper": sum(r["train_macs"] for r in records), "comp_forward": 0.0,
+          "comp_growth": 0.0, "final_error": records[-1]["test_error"], "num_stages": 4,
+          "wall_s": 1.0}
+
+
+def _write(path, config, records, finished=True):
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, wd.CONFIG_FILE), "w") as f:
+    json.dump(config, f)
+  with open(os.path.join(path, wd.LOG_FILE), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records)
+  if finished:
+    with open(os.path.join(path, wd.SUMMARY_FILE), "w") as f:
+      json.dump(_summary(records), f)
+  return str(path)
+
+
+@pytest.fixture(name="runs")
+def _runs(tmp_path):
+  """SM at widths 8 and 16 (two seeds of width 8 as separate runs), Ens with a 2-seed
+  `num_seeds` run, and SM width 8 with replay."""
+  dirs = [
+      _write(tmp_path / "sm8_s0", _config(seed=0), _records([0.9, 0.5, 0.4, 0.3, 0.2])),
+      _write(tmp_path / "sm8_s1", _config(seed=1), _records([0.9, 0.7, 0.6, 0.5, 0.4],
+                                                            macs=3e12)),
+      _write(tmp_path / "sm16", _config(width=16), _records([0.9, 0.3, 0.2, 0.1, 0.1], 400, 4e12)),
+      _write(tmp_path / "sm8_replay", _config(replay=1.0), _records([0.9, 0.4, 0.3, 0.2, 0.2],
+                                                                    macs=5e12)),
+  ]
+  ens = tmp_path / "ens"
+  _write(ens, _config("ens", num_seeds=2), [], finished=False)
+  _write(ens / "seed_0", _config("ens", seed=0), _records([0.8, 0.4, 0.2, 0.2, 0.2], 500, 5e12))
+  _write(ens / "seed_1", _config("ens", seed=1), _records([0.8, 0.2, 0.2, 0.2, 0.0], 500, 5e12))
+  return dirs + [str(ens)]
+
+
+def test_seeds_are_grouped_and_their_mean_and_std_computed(runs):
+  groups = report.load_groups(runs)
+  by = {(g.get("method.name"), g.get("model.width"), g.get("stream.replay")): g for g in groups}
+  assert len(groups) == 4
+  sm8 = by[("sm", 8, 0.0)]
+  assert sm8.seeds == [0, 1]
+  mean, std = sm8.stat("cer_percent")
+  np.testing.assert_allclose([mean, std], [np.mean([230, 310]), np.std([230, 310])])
+  ens = by[("ens", 8, 0.0)]
+  assert ens.seeds == [0, 1]  # the seed_<k> folders of a num_seeds run
+  t, m, s = ens.curve()
+  np.testing.assert_allclose(m, [0.8, 0.3, 0.2, 0.2, 0.1])
+  np.testing.assert_allclose(s, [0.0, 0.1, 0.0, 0.0, 0.1])
+  np.testing.assert_array_equal(t, np.arange(5))
+
+
+def test_report_writes_figures_whose_data_are_the_runs(runs, tmp_path):
+  out = tmp_path / "out"
+  figs = report.write_report(runs, str(out))
+  for name in ("tradeoffs_mnist", "error_mnist", "replay_mnist"):
+    assert name in figs
+    for ext in ("png", "pdf"):
+      assert (out / f"{name}.{ext}").stat().st_size > 1000
+  comp = {s["label"]: s for s in figs["tradeoffs_mnist"]["comp"]}
+  sm = comp["sm wait=1 replay=0"]
+  assert sm["widths"] == [8, 16]
+  np.testing.assert_allclose(sm["x"], [8.0, 16.0])  # TFLOPs: mean of 4 and 12; 16
+  np.testing.assert_allclose(sm["xerr"], [4.0, 0.0])
+  np.testing.assert_allclose(sm["y"], [270.0, 160.0])
+  np.testing.assert_allclose(sm["yerr"], [40.0, 0.0])
+  assert sm["marker"] == "o" and sm["color"] != comp["ens wait=1 replay=0"]["color"]
+  mem = {s["label"]: s for s in figs["tradeoffs_mnist"]["mem"]}
+  np.testing.assert_allclose(mem["sm wait=1 replay=0"]["x"], [500, 2000])
+  (rep,) = figs["replay_mnist"]["replay"]
+  assert rep["replay"] == [0.0, 1.0]
+  np.testing.assert_allclose(rep["x"], [8.0, 20.0])
+  np.testing.assert_allclose(rep["y"], [270.0, 200.0])
+  panels = figs["error_mnist"]
+  assert set(panels) == {"width=8", "width=16"}
+  ens = {s["label"]: s for s in panels["width=8"]}["ens wait=1 replay=0"]
+  np.testing.assert_allclose(ens["y"], [80, 30, 20, 20, 10])
+  text = (out / "report.md").read_text()
+  assert "| mnist | sm | 8 | 1 | 0 | 2 | 270.00 ± 40.00 |" in text
+  assert "![tradeoffs_mnist](tradeoffs_mnist.png)" in text
+  assert "lm_mnist" not in figs
+
+
+def test_unfinished_runs_are_listed_but_not_in_the_cer_figures(tmp_path):
+  done = _write(tmp_path / "a", _config(), _records([0.5] * 5))
+  partial = _write(tmp_path / "b", _config(width=32), _records([0.5, 0.4]), finished=False)
+  figs = report.write_report([done, partial], str(tmp_path / "out"))
+  assert [s["widths"] for s in figs["tradeoffs_mnist"]["comp"]] == [[8]]
+  assert "width=32" in figs["error_mnist"]
+  assert "0 of 1 finished" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_language_model_figure_from_perplexity_records(tmp_path):
+  dirs = []
+  for i, (method, width, ppl) in enumerate([("sm", 8, 40.0), ("sm", 16, 30.0), ("gmoe", 8, 35.0)]):
+    extra = {"test_perplexity": [ppl + 10, ppl, ppl, ppl, ppl - 10],
+             "num_experts": [2 + i] * 5}
+    dirs.append(_write(tmp_path / f"r{i}", _config(method, width),
+                       _records([0.5] * 5, params=100 * width, extra=extra)))
+  figs = report.write_report(dirs, str(tmp_path / "out"))
+  lm = figs["lm_mnist"]
+  assert set(lm) == {"comp", "params", "experts"}
+  sm = {s["label"]: s for s in lm["params"]}["sm"]
+  np.testing.assert_allclose(sm["x"], [800, 1600])
+  np.testing.assert_allclose(sm["y"], [40.0, 30.0])
+  gmoe = {s["label"]: s for s in lm["experts"]}["gmoe"]
+  np.testing.assert_allclose(gmoe["x"], [4])
+  assert (tmp_path / "out" / "lm_mnist.pdf").exists()
+
+
+def test_a_folder_that_is_not_a_run_is_named_with_what_it_lacks(tmp_path):
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(report.ReportError, match=r"empty is not a run's workdir: it lacks "
+                     r"config\.json and log\.jsonl"):
+    report.load_runs(str(tmp_path / "empty"))
+  with pytest.raises(report.ReportError, match="nowhere is not a directory"):
+    report.load_runs(str(tmp_path / "nowhere"))
+  bad = tmp_path / "bad"
+  _write(bad, _config(), _records([0.5]))
+  (bad / wd.SUMMARY_FILE).write_text("{not json")
+  with pytest.raises(report.ReportError, match=r"bad/summary\.json cannot be read"):
+    report.load_runs(str(bad))
+
+
+def test_command_line_error_names_the_path(tmp_path):
+  (tmp_path / "x").mkdir()
+  proc = subprocess.run([sys.executable, "-m", "alma_jax.report", f"--workdirs={tmp_path / 'x'}",
+                         f"--out={tmp_path / 'o'}"], cwd=ROOT, capture_output=True, text=True,
+                        env=dict(os.environ, PYTHONPATH=ROOT), check=False)
+  assert proc.returncode == 1
+  assert f"report: error: --workdirs: {tmp_path / 'x'} is not a run's workdir" in proc.stderr
+
+
+def test_run_error_png(tmp_path):
+  path = str(tmp_path / "e.png")
+  plots.run_error_png(path, [("seed 0", [0, 1, 2], [0.9, 0.5, 0.3])], "t")
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# -- real runs ------------------------------------------------------------------------------------
+@requires_mnist
+def test_a_smoke_run_draws_its_errors_and_is_reported(tmp_path):
+  workdir = str(tmp_path / "run")
+  summary = run.run(helpers.smoke(stream__num_megabatches=2), workdir)
+  with open(os.path.join(workdir, wd.ERROR_PNG), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  figs = report.write_report([workdir], str(tmp_path / "out"))
+  (series,) = figs["tradeoffs_mnist"]["comp"]
+  np.testing.assert_allclose(series["x"], [summary["comp_paper"] * 1e-12])
+  np.testing.assert_allclose(series["y"], [summary["cer_percent"]])
+  (curve,) = figs["error_mnist"]["width=8"]
+  with open(os.path.join(workdir, wd.LOG_FILE)) as f:
+    errors = [100 * json.loads(line)["test_error"] for line in f]
+  np.testing.assert_allclose(curve["y"], errors)
+  assert (tmp_path / "out" / "tradeoffs_mnist.pdf").exists()
+
+
+@requires_mnist
+def test_a_failure_to_draw_keeps_the_outputs(tmp_path, monkeypatch):
+  warnings = []
+  monkeypatch.setattr(sys, "executable", "/no/such/python")
+  monkeypatch.setattr(run.logging, "warning", lambda msg, *a: warnings.append(msg % a))
+  workdir = str(tmp_path / "run")
+  run.run(helpers.smoke(stream__num_megabatches=2), workdir)
+  assert os.path.exists(os.path.join(workdir, wd.SUMMARY_FILE))
+  assert not os.path.exists(os.path.join(workdir, wd.ERROR_PNG))
+  assert any("could not draw" in w and "FileNotFoundError" in w for w in warnings), warnings
+
+
+def test_the_drawing_child_process_reports_its_error(tmp_path):
+  spec = {"path": str(tmp_path / "missing_dir" / "e.png"), "curves": [["a", [0], [0.5]]]}
+  proc = subprocess.run([sys.executable, "-m", "alma_jax.plots"], input=json.dumps(spec),
+                        cwd=ROOT, capture_output=True, text=True, check=False,
+                        env=dict(os.environ, PYTHONPATH=ROOT))
+  assert proc.returncode != 0 and "missing_dir" in proc.stderr
+
+
+# -- the gating tree of a gMoE run ------------------------------------------------------------------
+def test_leaf_paths_and_pca():
+  tree = {"gate": 0, "children": [{"gate": 1, "children": [{"expert": 0}, {"expert": 2}]},
+                                  {"expert": 1}]}
+  assert gating_plot.leaf_paths(tree) == {0: "LL", 2: "LR", 1: "R"}
+  assert gating_plot.leaf_paths({"expert": 0}) == {0: "root"}
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(200, 3)) * [5.0, 0.1, 1.0]
+  emb = gating_plot.pca_2d(x)
+  assert emb.shape == (200, 2)
+  np.testing.assert_allclose(np.abs(emb[:, 0]), np.abs(x[:, 0] - x[:, 0].mean()), rtol=0.05,
+                             atol=0.05)
+  assert emb[:, 0].var() > emb[:, 1].var() > 10 * x[:, 1].var()
+
+
+def _greedy(node, weights):
+  """The leaf reached by taking the heavier subtree at every gate (leaf weights (E,))."""
+  if "expert" in node:
+    return node["expert"]
+  mass = [sum(weights[e] for e in gating_plot.leaf_paths(k)) for k in node["children"]]
+  return _greedy(node["children"][int(np.argmax(mass))], weights)
+
+
+@requires_mnist
+def test_gating_figure_of_a_gmoe_run(tmp_path):
+  workdir = str(tmp_path / "gmoe")
+  c = config_lib.apply_variant(config_lib.base_config("mnist", "gmoe"), "smoke")
+  c.mesh.num_devices, c.method.grow_every = 1, 1
+  run.run(c, workdir)
+  figs = report.write_report([workdir], str(tmp_path / "out"))
+  layers = figs["gating_gmoe"]
+  assert (tmp_path / "out" / "gating_gmoe.png").exists()
+  with open(os.path.join(workdir, wd.ARCH_FILE)) as f:
+    experts = json.loads(f.readlines()[-1])["experts"]
+  assert [len(layers[f"layer{l}"]) for l in range(len(experts))] == experts
+  data = gating_plot.gating_data(workdir)
+  assert data.t == 4 and data.embedding.shape == (1000, 2)
+  for l, series in enumerate(layers.values()):
+    assert sum(s["count"] for s in series) == 1000
+    for s in series:
+      np.testing.assert_allclose(s["x"], data.embedding[data.experts[l] == s["expert"], 0])
+  # The experts are those of greedy descent through the gates of the restored learner.
+  config = validation.validate(ml_collections.ConfigDict(
+      io_utils.read_json(os.path.join(workdir, wd.CONFIG_FILE))))
+  method = methods.make(config, (28, 28, 1), 10)
+  learner, _ = gating_plot._restore(workdir, config, method)  # pylint: disable=protected-access
+  ds, _ = tasks.for_config(config).load(config, [0])
+  x = augment.prepare_batch(ds.test_x, ds.mean, ds.std, augment="none", rng=None)
+  for l, w in enumerate(method.routing_weights(learner, x)):
+    tree = method.gating_tree(learner, l)
+    np.testing.assert_array_equal(data.experts[l], [_greedy(tree, wi) for wi in np.asarray(w)])

@@ -1,0 +1,119 @@
+"""Tests of the event files (alma_jax/tensorboard.py) and of those a run writes."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from alma_jax import io_utils
+from alma_jax import run
+from alma_jax import tensorboard as tb
+from alma_jax import workdir as wd
+from tests import helpers
+from tests.conftest import requires_mnist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tf_events(directory):
+  """[(step, {tag: value})] of the event files in `directory`, read by TensorFlow."""
+  (path,) = glob.glob(os.path.join(directory, "events.out.tfevents.*"))
+  return [(e.step, {v.tag: v.simple_value for v in e.summary.value})
+          for e in tf.compat.v1.train.summary_iterator(path)]
+
+
+def _record(t, err):
+  return {"t": t, "test_error": err, "num_params": 7, "train_flops": 3e12 * (t > 0),
+          "train_macs": 1e12 * (t > 0), "wall_s": 0.5}
+
+
+def test_crc32c_of_the_standard_check_string():
+  assert tb.crc32c(b"123456789") == 0xE3069283
+
+
+def test_events_read_back_by_tensorflow(tmp_path):
+  w = tb.Writer(str(tmp_path), [_record(0, 0.9)])
+  w.epoch(1, {"train_loss": 2.5, "val_accuracy": 0.25})
+  w.epoch(1, {"train_loss": float("nan"), "val_accuracy": 0.5})
+  w.step(_record(1, 0.5))
+  events = _tf_events(tmp_path)
+  assert events[0] == (0, {})  # the file-version header
+  assert events[1][0] == 0 and events[1][1]["stream/test_error"] == pytest.approx(0.9)
+  assert events[2] == (1, {"epoch/train_loss": 2.5, "epoch/val_accuracy": 0.25, "epoch/t": 1.0})
+  assert events[3] == (2, {"epoch/val_accuracy": 0.5, "epoch/t": 1.0})
+  step, last = events[4]
+  assert step == 1
+  assert last["stream/cer"] == pytest.approx(1.4) and last["stream/comp_paper_tflops"] == 1.0
+  assert last["stream/comp_tflops"] == 3.0 and last["stream/num_params"] == 7
+  assert [e[1:] for e in tb.read_events(str(tmp_path))] == events
+
+
+def test_reopening_keeps_what_precedes_the_records_and_drops_the_rest(tmp_path):
+  d = str(tmp_path)
+  w = tb.Writer(d, [_record(0, 0.9)])
+  w.epoch(1, {"train_loss": 1.0})
+  w.step(_record(1, 0.5))
+  w.epoch(2, {"train_loss": 0.5})  # a stage cut short: t=2 never logged
+  with open(w.path, "ab") as f:
+    f.write(tb.frame(tb.event(0.0, 9, {"epoch/train_loss": 9.0}))[:-3])  # a torn record
+  w = tb.Writer(d, [_record(0, 0.9), _record(1, 0.5)])  # resumed after t=1
+  w.epoch(2, {"train_loss": 0.4})
+  w.step(_record(2, 0.2))
+  events = [e for e in _tf_events(d) if e[1]]
+  stream = [(s, v["stream/test_error"]) for s, v in events if "stream/test_error" in v]
+  np.testing.assert_allclose(stream, [(0, 0.9), (1, 0.5), (2, 0.2)], rtol=1e-6)
+  epochs = [(s, v["epoch/train_loss"], v["epoch/t"]) for s, v in events if "epoch/t" in v]
+  np.testing.assert_allclose(epochs, [(1, 1.0, 1), (2, 0.4, 2)], rtol=1e-6)
+  assert len(tb.event_files(d)) == 1
+
+
+# -- real runs ------------------------------------------------------------------------------------
+def _stream_errors(directory):
+  return [(s, v["stream/test_error"]) for s, v in _tf_events(directory)
+          if "stream/test_error" in v]
+
+
+@requires_mnist
+def test_a_run_writes_events_of_its_records_and_epochs(tmp_path):
+  workdir = str(tmp_path / "run")
+  run.run(helpers.smoke(stream__num_megabatches=2, num_seeds=2), workdir)
+  for seed in (0, 1):
+    out = wd.seed_dir(workdir, seed)
+    log = io_utils.read_jsonl(os.path.join(out, wd.LOG_FILE))
+    np.testing.assert_allclose(_stream_errors(out), [(r["t"], r["test_error"]) for r in log],
+                               rtol=1e-6)
+    epochs = [(s, v) for s, v in _tf_events(out) if "epoch/t" in v]
+    assert [s for s, _ in epochs] == list(range(1, len(epochs) + 1))
+    assert {v["epoch/t"] for _, v in epochs} == {1.0, 2.0}
+    assert all(0.0 <= v["epoch/val_accuracy"] <= 1.0 for _, v in epochs)
+  assert not tb.event_files(workdir)  # the seeds are the runs TensorBoard shows
+  off = str(tmp_path / "off")
+  run.run(helpers.smoke(stream__num_megabatches=2, log__tensorboard=False), off)
+  assert not tb.event_files(off)
+
+
+@requires_mnist
+def test_a_killed_run_resumes_without_duplicate_events(tmp_path):
+  workdir = str(tmp_path / "run")
+  args = [sys.executable, "-m", "alma_jax.main", f"--workdir={workdir}",
+          "--config=configs/mnist_sm.py:smoke", "--config.mesh.num_devices=1",
+          "--config.train.progress_every_s=0"]
+  env = dict(os.environ, PYTHONPATH=ROOT, ALMA_JAX_TEST_KILL_AT="t=3:epoch")
+  proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                        check=False)
+  assert proc.returncode == -9, proc.stderr[-2000:]
+  env.pop("ALMA_JAX_TEST_KILL_AT")
+  proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  log = io_utils.read_jsonl(os.path.join(workdir, wd.LOG_FILE))
+  np.testing.assert_allclose(_stream_errors(workdir), [(r["t"], r["test_error"]) for r in log],
+                             rtol=1e-6)
+  epochs = [(s, v["epoch/t"]) for s, v in _tf_events(workdir) if "epoch/t" in v]
+  assert [s for s, _ in epochs] == list(range(1, len(epochs) + 1))
+  ts = [t for _, t in epochs]
+  assert ts == sorted(ts) and set(ts) == {1.0, 2.0, 3.0, 4.0}
