@@ -15,6 +15,7 @@ import re
 
 import ml_collections
 
+from alma_jax import autotune
 from alma_jax import fields as F
 from alma_jax import methods
 from alma_jax import models
@@ -62,7 +63,7 @@ BASE_FIELDS = (
             "backbone"),
     F.Field("model.width", 64, F.integer(1), "hidden units H (MLP) or channels C (VGG)"),
     F.Field("model.conv_impl", "auto", F.choice(conv.IMPLS),
-            "VGG convolution gradients: xla, chunked_dw, or auto (by backend and width)"),
+            "VGG convolution gradients: xla, chunked_dw, or auto (chosen: see train.autotune)"),
     F.Field("model.init", "lecun", F.choice(inits.INITS),
             "initialisation: lecun (Flax: LeCun-normal kernels, zero biases) or torch (PyTorch's "
             "default, as in the released code: kernels and biases U(+-1/sqrt(fan_in)))"),
@@ -81,8 +82,13 @@ BASE_FIELDS = (
             "keep the optimizer state across stages (default: fresh each stage)"),
     F.Field("train.augment", _MNIST_OR("none", "crop_flip"), F.choice(augment.AUGMENTATIONS),
             "crop_flip (random crop with 4-pixel padding and flip, in the step) or none"),
-    F.Field("train.steps_per_call", 1, F.integer(1),
-            "train steps per compiled call (a lax.scan over them)"),
+    F.Field("train.steps_per_call", 1, F.integer(0),
+            "train steps per compiled call (a lax.scan over them); 0: chosen (see "
+            "train.autotune)"),
+    F.Field("train.autotune", "measure", F.choice(autotune.MODES),
+            "how fields left to be chosen (model.conv_impl='auto', method.strategy='auto', "
+            "train.steps_per_call=0) are decided: measure (time each candidate on this "
+            "machine once, remembered in the cache dir) or rules", resumable=True),
     F.Field("train.on_divergence", "raise", F.choice(("raise", "rollback")),
             "a non-finite loss raises, or rolls the stage back to its best epoch (may change "
             "when a run resumes: it does not change the records already written)",

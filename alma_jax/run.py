@@ -37,6 +37,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from alma_jax import autotune
 from alma_jax import checkpoint as ckpt_lib
 from alma_jax import interrupts
 from alma_jax import io_utils
@@ -143,9 +144,21 @@ class _Loop:
     self.streams = [stream_lib.make_stream(n_train, s.num_megabatches, s.val_fraction, sd)
                     for sd in self.seeds]
     validation.validate_data(c, n_train, self.streams[0])
-    self.method = methods.make(c, ds.train_x.shape[1:], ds.num_classes)
-    self.steps = Steps.from_config(c, self.method, task, optim.from_config(c),
-                                   task.device_data(ds), self.mesh)
+    shape, data = ds.train_x.shape[1:], task.device_data(ds)
+
+    built: dict[tuple, Steps] = {}  # a measured candidate's programs serve the run
+
+    def build(cfg) -> Steps:  # the compiled steps of the method `cfg` makes
+      key = autotune.signature(cfg)
+      if key not in built:
+        built[key] = Steps.from_config(cfg, methods.make(cfg, shape, ds.num_classes), task,
+                                       optim.from_config(cfg), data, self.mesh)
+      return built[key]
+
+    mine = os.path.join(self.workdir, autotune.FILE)
+    self.choices = autotune.choose(c, shape, build, mode=c.train.autotune, workdir_file=mine)
+    self.steps = build(autotune.with_choices(c, self.choices))
+    self.method = self.steps.method
     self.keys = population.keys(self.seeds)
     self.num_t = s.num_megabatches
     logging.info("data %s: %d train / %d test examples, B=%d mega-batches of ~%d, wait=%d, "
@@ -471,7 +484,7 @@ class _Loop:
     wall_s = self.elapsed()
     per_seed = [dict(log.summary(), wall_s=wall_s) for log in self.logs]
     extra = {"timings": self.timer.report(wall_s, self.startup_s),
-             "num_compilations": len(self._compiled_names())}
+             "num_compilations": len(self._compiled_names()), "choices": self.choices}
     if len(self.seeds) == 1:
       top = dict(per_seed[0], **extra)
     else:

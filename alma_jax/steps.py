@@ -32,6 +32,7 @@ import optax
 from flax import struct
 
 from alma_jax import accounting
+from alma_jax import autotune
 from alma_jax import sharding
 from alma_jax import timing
 from alma_jax.methods.base import Learner, Method
@@ -129,7 +130,8 @@ class Steps:
     t = config.train
     rules = config.mesh.get("rules")
     return cls(method, task, tx, data, mesh, batch_size=t.batch_size,
-               eval_batch_size=t.eval_batch_size, steps_per_call=t.get("steps_per_call", 1),
+               eval_batch_size=t.eval_batch_size,
+               steps_per_call=t.get("steps_per_call", 1) or autotune.steps_per_call_rule(),
                rules=None if rules is None else dict(rules.items()))
 
   # -- the compile cache ---------------------------------------------------------------------
@@ -432,17 +434,18 @@ class Steps:
             "train_macs_per_example": fwd.macs / b, "inference_per_example": infer.flops / eb}
 
   def seconds_per_step(self, learner: Learner, repeats: int = 3) -> float:
-    """Times the compiled train call of a stacked `learner` on dummy indices (it is untouched)."""
+    """Times the compiled train call of a stacked `learner` on dummy indices (it is untouched):
+    the median of `repeats` calls after the one that compiles, per step."""
     num = int(jax.tree.leaves(learner.params)[0].shape[0])
     d, k = self.method.num_data_orders(learner.structure), self.steps_per_call
     idx = np.zeros((num, k, d, self.batch_size), np.int32)
     batch = Batch(self.put_batch(idx), self.put_batch(np.ones(idx.shape, bool)))
     keys = jax.random.split(jax.random.key(0), num)
-    times = []
+    state, times = self.init_state(learner), []
     for r in range(repeats + 1):
       t0 = time.monotonic()
-      jax.block_until_ready(self.train_call(learner.structure, self.init_state(learner), batch,
-                                            keys, np.uint32(r)))
+      state, losses, _ = self.train_call(learner.structure, state, batch, keys, np.uint32(r))
+      jax.block_until_ready(losses)
       if r:  # the first call compiles
         times.append(time.monotonic() - t0)
     return float(np.median(times)) / k

@@ -9,6 +9,7 @@ import os
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from alma_jax import config_lib
@@ -90,7 +91,13 @@ def random_learner(method, seed=0, scale=0.3):
   inside `jax.enable_x64(True)`): no initialisation program to compile."""
   abstract = jax.eval_shape(method.init, jax.random.key(seed))
   rng = np.random.default_rng(seed)
-  return jax.tree.map(lambda s: rng.normal(0.0, scale, s.shape), abstract)
+  floating = lambda s: jnp.issubdtype(s.dtype, jnp.floating)
+  if all(floating(s) for s in jax.tree.leaves(abstract)):
+    return jax.tree.map(lambda s: rng.normal(0.0, scale, s.shape), abstract)
+  # Integer and boolean leaves (a gating tree's routing arrays, slot masks) keep their values.
+  real = method.init(jax.random.key(seed))
+  return jax.tree.map(lambda s, r: rng.normal(0.0, scale, s.shape) if floating(s) else r,
+                      abstract, real)
 
 
 def float64(tree):

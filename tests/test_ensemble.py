@@ -241,7 +241,10 @@ def test_gens_stage_trains_only_new_members_and_freezes_old_ones():
   grown = method.before_stage(first, jax.random.key(3), helpers.context(2))
   assert grown.structure == (2, 1) and method.num_data_orders(grown.structure) == 1
   trained, frozen = method.partition(grown)
-  assert ensemble.num_members(trained) == 1 and ensemble.num_members(frozen) == 1
+  # Frozen members stay in the learner, out of the train state (its shapes do not grow).
+  assert ensemble.num_members(trained) == 1 and frozen is None
+  assert ensemble.num_members(grown.params) == 2
+  np.testing.assert_array_equal(grown.model_state["slots"]["active"], [True, True])
   frozen_before = copy_tree((ensemble.member(first.params, 0), ensemble.member(first.model_state, 0)))
   second, _, stats = train.fit_one(steps, grown, train_idx, val_idx, jax.random.key(4), t=2)
   assert stats.steps_run[0] > 0
@@ -279,9 +282,12 @@ def test_accounting_params_and_flops():
 def test_gens_checkpoint_structure_rebuilds_its_shapes():
   method = make("gens", "vgg", 2, CIFAR)
   learner = jax.eval_shape(lambda k: method.init(k, (3, 1)), jax.random.key(0))
-  assert learner.structure == (3, 1)
-  assert learner.params["head"]["kernel"].shape[0] == 3
-  assert jax.tree.leaves(learner.model_state)[0].shape[0] == 3
+  assert learner.structure == (3, 1)  # 3 members in 4 slots (method.slots="pow2")
+  assert learner.params["head"]["kernel"].shape[0] == 4
+  assert ensemble.backbone_state(learner.model_state)["batch_stats"]["block0"]["bn0"][
+      "mean"].shape[0] == 4
+  assert learner.model_state["slots"]["active"].shape == (4,)
+  assert jax.tree.leaves(method.active_view(learner).params)[0].shape[0] == 3
   with pytest.raises(ValueError, match="does not fit gens"):
     method.init(jax.random.key(0), (1, 2))
   with pytest.raises(ValueError, match="num_members=5"):

@@ -28,8 +28,9 @@ CASES = {
     "ens": ({"num_members": 3}, {".trainable['dense0']['kernel']": P()}),
     "umix": ({"num_members": 2}, {".trainable['dense0']['kernel']": P(None, "model"),
                                   ".opt_state[1].e_g['head']['bias']": P(None, "model")}),
-    # Grown from 2 to 3 members before the stage: 2 frozen ones split, 1 trained replicated.
-    "gens": ({"initial_members": 2}, {".frozen['dense0']['kernel']": P(None, "model"),
+    # Grown from 2 to 3 members (4 slots) before the stage: the slots split, the 1 trained
+    # member replicated; frozen members are not in the train state.
+    "gens": ({"initial_members": 2}, {".model_state['slots']['active']": P(None, "model"),
                                       ".trainable['dense0']['kernel']": P()}),
     "gmoe": ({"initial_experts": 2}, {".trainable['mix0']['experts']['dense']['kernel']":
                                       P(None, "model"),
@@ -92,13 +93,14 @@ def test_meshes_give_the_same_parameters_and_metrics(name, caplog):
 
 def _check_growth(best, facts, state, steps):
   """After a split, the programs of the new structure get the shardings of its shapes."""
-  grown = gmoe.split_expert(best, 0, 1, jax.random.key(2))  # layer 0: 3 experts
+  grown = gmoe.split_expert(best, 0, 1, jax.random.key(2))  # layer 0: 3 experts in 4 slots
   after, _ = steps.evaluate(population.stack([grown]), "test", TEST_IDX)
   placed = steps.place(population.stack([grown]))
   assert after == pytest.approx(facts[3])  # a tree split keeps the function
   assert len({k[1] for k in steps.compiled if k[0] == "eval"}) == 2  # one program per structure
   assert state.trainable["mix0"]["experts"]["dense"]["kernel"].sharding.spec == P(None, "model")
-  assert placed.params["mix0"]["experts"]["dense"]["kernel"].sharding.spec == P()
+  assert placed.params["mix0"]["experts"]["dense"]["kernel"].sharding.spec == P(None, "model")
+  assert grown.params["mix0"]["experts"]["dense"]["kernel"].shape[0] == 4
   assert placed.params["mix1"]["experts"]["dense"]["kernel"].sharding.spec == P(None, "model")
 
 

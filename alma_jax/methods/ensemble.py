@@ -60,8 +60,8 @@ VMAP_CHUNK = 32
 # benchmarks/ensemble_strategy.py).
 LOOP_ON_CPU = ("vgg",)
 STRATEGY = F.Field("method.strategy", "auto", F.choice(("auto", "loop", "vmap")),
-                   "how members run in a compiled step: vmap, loop, or auto (loop for the VGG "
-                   "on CPU, vmap elsewhere)")
+                   "how members run in a compiled step: vmap, loop, or auto (chosen: see "
+                   "train.autotune; the rule: loop for the VGG on CPU, vmap elsewhere)")
 
 
 def choose_strategy(strategy: str, model_name: str, backend: str | None = None) -> str:
@@ -136,6 +136,11 @@ def active_slots(model_state: PyTree):
   if isinstance(model_state, dict) and SLOTS_KEY in model_state:
     return model_state[SLOTS_KEY]["active"]
   return None
+
+
+def _per_member(active, logits):
+  """The (C,) slot mask shaped to broadcast over members' logits of any rank (C, ...)."""
+  return active.reshape(active.shape + (1,) * (logits.ndim - 1))
 
 
 def _with_slots(model_state: PyTree, active) -> PyTree:
@@ -369,7 +374,7 @@ class Ensemble(base.SingleBackbone, base.Method):
       return jax.nn.logsumexp(logp, axis=0) - math.log(n)
     count = (math.log(int(np.sum(active))) if isinstance(active, np.ndarray)
              else jnp.log(jnp.sum(active).astype(logp.dtype)))
-    logp = jnp.where(active[:, None, None], logp, -jnp.inf)
+    logp = jnp.where(_per_member(active, logp), logp, -jnp.inf)
     return jax.nn.logsumexp(logp, axis=0) - count
 
   # -- best-epoch selection: every trained member on its own ------------------------------------
@@ -532,7 +537,7 @@ class GrowingEnsemble(Ensemble):
     if self.opts.combine == "logits":
       if active is None:
         return jax.nn.log_softmax(jnp.mean(logits, axis=0))
-      total = jnp.sum(jnp.where(active[:, None, None], logits, 0), axis=0)
+      total = jnp.sum(jnp.where(_per_member(active, logits), logits, 0), axis=0)
       return jax.nn.log_softmax(total / jnp.sum(active).astype(logits.dtype))
     return super().combine_members(logits, n, active)
 
