@@ -13,8 +13,10 @@ separated list such as `t=2:checkpoint,summary`) makes the process send
 itself `ALMA_JAX_TEST_KILL_SIGNAL` (default SIGKILL) at the named points:
 `t=N:stage` (before training stage N), `t=N:epoch` (at a progress message of
 stage N), `t=N:log` (after the record of N is logged), `t=N:checkpoint`
-(while the checkpoint of N is being written), `t=N:saved` (after it is
-written) and `summary` (before summary.json is written).
+(while the checkpoint of N is being written), `t=N:saved` (once its
+asynchronous write is confirmed complete: at the next checkpoint, an
+interruption or the end of the run) and `summary` (before summary.json is
+written).
 """
 
 from __future__ import annotations

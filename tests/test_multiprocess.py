@@ -86,10 +86,12 @@ def test_two_process_run_writes_one_log_and_resumes_after_a_kill(tmp_path):
   log, summary = _outputs(tmp_path / "whole")
   assert [r["t"] for r in log] == [0, 1, 2, 3, 4]  # ... and one of them writes the log, once
   assert len(io_utils.read_jsonl(tmp_path / "whole" / "architecture.jsonl")) == 4
-  # Both processes kill themselves once the checkpoint of t=2 is written; both resume.
+  # Both processes kill themselves once the checkpoint of t=2 is written (the asynchronous
+  # write is confirmed when t=3 saves, after logging t=3); both resume.
   code, out = _launch(tmp_path / "killed", cache, kill_at="t=2:saved")
   assert code == 137, out[-5000:]
-  assert [r["t"] for r in io_utils.read_jsonl(tmp_path / "killed" / "log.jsonl")] == [0, 1, 2]
+  assert [r["t"] for r in io_utils.read_jsonl(tmp_path / "killed" / "log.jsonl")] == [
+      0, 1, 2, 3]
   code, out = _launch(tmp_path / "killed", cache)
   assert code == 0, out[-5000:]
   assert out.count("resuming") == 2
