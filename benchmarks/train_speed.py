@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -97,7 +98,6 @@ def _peak_gflops(jax, jnp, n=2048, repeats=5) -> float:
 
 def _synthetic(np, shape, n_train=512, n_test=1000):
   rng = np.random.default_rng(0)
-  import types  # pylint: disable=g-import-not-at-top
   return types.SimpleNamespace(
       train_x=rng.integers(0, 256, (n_train,) + shape).astype(np.uint8),
       train_y=rng.integers(0, 10, n_train).astype(np.int32),
@@ -107,24 +107,25 @@ def _synthetic(np, shape, n_train=512, n_test=1000):
       num_classes=10)
 
 
-def bench_row(name, args, jax, jnp, np):
-  del jnp
+def make_trainer(name, batch_size, jax, np):
+  """The real compiled train call of row `name` on synthetic data: a namespace with
+  `run(calls) -> seconds` (after `warm_up()`, which compiles), `images_per_call` and the
+  parts a row reports (method, steps, learner, data)."""
   # pylint: disable=g-import-not-at-top
   from alma_jax import config_lib, methods, optim, population, sharding, timing, validation
   from alma_jax.steps import Batch, Steps
   from alma_jax.tasks import images as image_task
-  from alma_jax.train import fit_one
   # pylint: enable=g-import-not-at-top
   backbone, width, method_name, method_kw, model_kw = ROWS[name]
   if method_name not in methods.names():
-    return {"row": name, "skipped": f"method {method_name!r} is not available"}
+    return None
   c = config_lib.base_config("mnist" if backbone == "mlp" else "cifar10", method_name)
   c.model.width = width
   for k, v in model_kw.items():
     c.model[k] = v
   for k, v in method_kw.items():
     c.method[k] = v
-  c.train.batch_size = args.batch_size
+  c.train.batch_size = batch_size
   c.train.eval_batch_size = 500
   c.train.epochs, c.train.patience = 1, 1  # the two short stages counting compilations
   c.mesh.num_devices = 1
@@ -140,37 +141,49 @@ def bench_row(name, args, jax, jnp, np):
   structure = learner.structure
   d = method.num_data_orders(structure)
   k = steps.steps_per_call
-  b = args.batch_size
-  flops = steps.flops(learner)
-
-  state = steps.init_state(stacked)  # a copy: the train call donates it
   keys = population.stack_keys([jax.random.key(0)])
-  mask = steps.put_batch(np.ones((1, k, d, b), bool))
+  mask = steps.put_batch(np.ones((1, k, d, batch_size), bool))
   rng = np.random.default_rng(1)
+  box = {"state": steps.init_state(stacked), "i": 0}  # a copy: the train call donates it
 
-  def call(state, i):
-    idx = rng.integers(0, len(ds.train_y), (1, k, d, b)).astype(np.int32)
-    state, losses, _ = steps.train_call(structure, state, Batch(steps.put_batch(idx), mask),
-                                        keys, np.uint32(i))
-    return state, losses
-
-  c0, t0 = timing.compile_seconds(), time.perf_counter()
-  state, loss = call(state, 0)
-  jax.block_until_ready(loss)
-  first_call_s = time.perf_counter() - t0
-  compile_s = timing.compile_seconds() - c0
-  t0 = time.perf_counter()
-  state, loss = call(state, 1)
-  jax.block_until_ready(loss)
-  call_s = time.perf_counter() - t0
-  calls = max(1, int(args.seconds_per_repeat / max(call_s, 1e-4)))
-  rates = []
-  for r in range(args.repeats):
+  def run(calls: int) -> float:
     t0 = time.perf_counter()
-    for i in range(calls):
-      state, loss = call(state, 2 + r * calls + i)
+    for _ in range(calls):
+      idx = rng.integers(0, len(ds.train_y), (1, k, d, batch_size)).astype(np.int32)
+      box["state"], loss, _ = steps.train_call(structure, box["state"],
+                                               Batch(steps.put_batch(idx), mask), keys,
+                                               np.uint32(box["i"]))
+      box["i"] += 1
     jax.block_until_ready(loss)
-    rates.append(calls * k * b * d / (time.perf_counter() - t0))
+    return time.perf_counter() - t0
+
+  def warm_up() -> tuple[float, float]:
+    """(compile seconds, first call seconds)."""
+    c0 = timing.compile_seconds()
+    first = run(1)
+    return timing.compile_seconds() - c0, first
+
+  return types.SimpleNamespace(run=run, warm_up=warm_up, images_per_call=k * batch_size * d,
+                               method=method, steps=steps, learner=learner, stacked=stacked,
+                               ds=ds, members=d, steps_per_call=k)
+
+
+def bench_row(name, args, jax, jnp, np):
+  del jnp
+  # pylint: disable=g-import-not-at-top
+  from alma_jax.train import fit_one
+  # pylint: enable=g-import-not-at-top
+  tr = make_trainer(name, args.batch_size, jax, np)
+  if tr is None:
+    return {"row": name, "skipped": f"method {ROWS[name][2]!r} is not available"}
+  backbone, width, method_name = ROWS[name][:3]
+  method, steps, learner, stacked, ds = tr.method, tr.steps, tr.learner, tr.stacked, tr.ds
+  d, k, b = tr.members, tr.steps_per_call, args.batch_size
+  flops = steps.flops(learner)
+  compile_s, first_call_s = tr.warm_up()
+  call_s = tr.run(1)
+  calls = max(1, int(args.seconds_per_repeat / max(call_s, 1e-4)))
+  rates = [calls * tr.images_per_call / tr.run(calls) for _ in range(args.repeats)]
   med = statistics.median(rates)
 
   # evaluation
