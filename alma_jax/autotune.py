@@ -155,7 +155,8 @@ def remember(path: str, key: str, value) -> None:
     stored = read(path)
     stored[key] = value
     io_utils.write_json_atomic(path, stored)
-  except (OSError, io_utils.WorkdirWriteError) as e:  # a read-only cache costs a measurement next time, nothing else
+  except (OSError, io_utils.WorkdirWriteError) as e:
+    # A read-only cache costs a measurement next time, nothing else.
     logging.warning("could not store the choice in %s: %s", path, e)
 
 

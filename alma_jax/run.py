@@ -18,7 +18,10 @@ writes the same records and summary as an uninterrupted one (wall-clock
 times aside). Checkpoints are written asynchronously (orbax) while the loop
 goes on; the next checkpoint, the summary, an interruption and the end of
 the run (before the workdir lock is released) first wait for the one being
-written, so `io_s` holds only the part that did not overlap training. Signals and the kill-point test hook: `alma_jax.interrupts`.
+written, so `io_s` holds only the part that did not overlap training.
+Signals and the kill-point test hook: `alma_jax.interrupts`. Fields left to
+be chosen (the convolution gradient, the ensemble strategy, the steps per
+call) are decided by `alma_jax.autotune` before the loop starts.
 
 In a multi-process run (`alma_jax.multihost`) every process walks the same
 loop on a global mesh; process 0 alone writes config.json, the logs and the

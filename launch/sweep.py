@@ -14,7 +14,11 @@ The grid comes from `--grid=field=v1,v2,...` flags, from a Python file
 (`--grid_file=F`) that defines GRID, or both: GRID is a dict of field -> list
 of values, or a list of such dicts (their union, e.g. one sub-grid per
 method); each `--grid` flag is crossed with every one of them (and replaces a
-field of the same name). Runs go one after another, `--parallel=P` at a time
+field of the same name). A grid's consecutive seeds (`--grid=seed=0,1,2`)
+become one run of `config.num_seeds` seeds (seed=0, num_seeds=3: the seeds
+vmapped in one program, faster than separate runs), except for the VGG on a
+CPU, where separate runs are faster (`--seeds_together=yes|no` decides
+instead). Runs go one after another, `--parallel=P` at a time
 (each one's output then goes to <root>/logs/<workdir name>.log), or into a
 SLURM array script. When the runs are over, the report
 (`python -m alma_jax.report`) of every grid point's workdir is written to
@@ -97,6 +101,46 @@ def combine(file_grids, flag_grid):
   return [[(f, v) for f, v in g if f not in flagged] + flag_grid for g in file_grids or [[]]]
 
 
+def _consecutive(values: list[str]) -> list[int] | None:
+  try:
+    seeds = sorted(int(v) for v in values)
+  except ValueError:
+    return None
+  return seeds if len(seeds) > 1 and seeds == list(range(seeds[0], seeds[0] + len(seeds))) else None
+
+
+def fold_seeds(grids, together: str, config: str, extra: list[str], accelerator: bool):
+  """Each grid's consecutive `seed` values as one run of `num_seeds` seeds (vmapped: faster
+  than separate runs, except for the VGG on CPU, where vmapped convolutions are grouped ones)
+  when `together` is "yes", or "auto" and that is faster."""
+  if together == "no":
+    return grids
+  out = []
+  for grid in grids:
+    fields = dict(grid)
+    seeds = _consecutive(fields.get("seed", []))
+    if seeds is None or "num_seeds" in fields:
+      out.append(grid)
+      continue
+    if together == "auto" and not accelerator:
+      first = [(f, v[0]) for f, v in grid if f != "seed"]
+      model = command(config, "", first, extra)[2].get("model", {}).get("name")
+      if model == "vgg":
+        out.append(grid)
+        continue
+    out.append([(f, [str(seeds[0])] if f == "seed" else v) for f, v in grid]
+               + [("num_seeds", [str(len(seeds))])])
+  return out
+
+
+def _accelerator(args) -> bool:
+  """Whether the runs will have an accelerator: SLURM tasks with GPUs, or this machine's."""
+  if args.slurm:
+    return args.slurm_gpus > 0
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.default_backend() != "cpu"
+
+
 def points(grid):
   fields = [f for f, _ in grid]
   for combo in itertools.product(*[v for _, v in grid]):
@@ -145,6 +189,9 @@ def _args(argv):
                  help="write the report of the sweep's workdirs when its runs are over")
   p.add_argument("--report_dir", help="where the report goes (default: <root>/report)")
   p.add_argument("--dry_run", action="store_true", help="print the commands only")
+  p.add_argument("--seeds_together", choices=("auto", "yes", "no"), default="auto",
+                 help="run a grid's consecutive seeds as one run of config.num_seeds seeds "
+                 "(auto: except the VGG on CPU, where separate runs are faster)")
   p.add_argument("--slurm", help="write a SLURM array script to this path instead of running")
   p.add_argument("--slurm_gpus", type=int, default=1, help="GPUs of each array task (0: none)")
   p.add_argument("--slurm_option", action="append", default=[],
@@ -211,6 +258,9 @@ def main(argv=None):
   args = _args(argv)
   grids = combine(load_grid_file(args.grid_file) if args.grid_file else [],
                   parse_grid(args.grid))
+  if args.seeds_together != "no":
+    grids = fold_seeds(grids, args.seeds_together, args.config, args.extra,
+                       args.seeds_together == "auto" and _accelerator(args))
   runs = list({w: (c, w, r) for c, w, r in (command(args.config, args.root, pt, args.extra)
                                            for g in grids for pt in points(g))}.values())
   if args.slurm:

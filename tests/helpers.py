@@ -138,9 +138,10 @@ def context(t, stage=None, steps=None, train_idx=None, val_idx=None):
 WALL_TIME_FIELDS = ("wall_s", "timings")
 
 
-def smoke(**fields):
-  """The MNIST smoke config on one device, with `fields` (paths joined by "__") overridden."""
-  c = config_lib.apply_variant(config_lib.base_config("mnist"), "smoke")
+def smoke(method="sm", **fields):
+  """The MNIST smoke config of `method` on one device, with `fields` (paths joined by "__")
+  overridden."""
+  c = config_lib.apply_variant(config_lib.base_config("mnist", method), "smoke")
   c.mesh.num_devices = 1
   for path, value in fields.items():
     *parents, leaf = path.split("__")

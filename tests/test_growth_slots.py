@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from alma_jax import config_lib
 from alma_jax import methods
 from alma_jax import run as run_lib
 from alma_jax import timing
@@ -156,14 +155,7 @@ def ensemble_method():
 
 # -- compiled programs over whole runs ---------------------------------------------------------
 def _run(tmp_path, name, **fields):
-  c = config_lib.apply_variant(config_lib.base_config("mnist", name), "smoke")
-  c.mesh.num_devices = 1
-  for path, value in fields.items():
-    *parents, leaf = path.split("__")
-    node = c
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
+  c = helpers.smoke(name, **fields)
   before = timing.compile_counts()
   summary = run_lib.run(c, str(tmp_path / name))
   after = timing.compile_counts()
@@ -191,12 +183,9 @@ def test_compiled_programs_per_run_are_bounded(tmp_path, method, extra, bound):
 @pytest.mark.parametrize("method", ["gmoe", "gens"])
 def test_interrupted_growing_run_resumes_to_identical_outputs(tmp_path, monkeypatch, method):
   def config():
-    c = config_lib.apply_variant(config_lib.base_config("mnist", method), "smoke")
-    c.mesh.num_devices = 1
-    c.train.epochs = 1
-    if method == "gmoe":
-      c.method.grow_every = 1  # experts 1, 2, 3, 4: t=3 restores 3 experts in 4 slots
-    return c
+    # gmoe: experts 1, 2, 3, 4: t=3 restores 3 experts in 4 slots
+    return helpers.smoke(method, train__epochs=1,
+                         **({"method__grow_every": 1} if method == "gmoe" else {}))
 
   run_lib.run(config(), str(tmp_path / "whole"))
   wd = str(tmp_path / "resumed")

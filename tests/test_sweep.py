@@ -20,7 +20,8 @@ SMOKE = "configs/mnist_sm.py:smoke"
 
 def test_grid_expands_to_all_combinations(tmp_path, capsys):
   rc = sweep.main([f"--config={SMOKE}", f"--root={tmp_path}",
-                   "--grid=stream.wait=1,2", "--grid=seed=0,1,2", "--dry_run"])
+                   "--grid=stream.wait=1,2", "--grid=seed=0,1,2", "--dry_run",
+                   "--seeds_together=no"])
   assert rc == 0
   lines = capsys.readouterr().out.strip().splitlines()
   assert len(lines) == 6
@@ -28,9 +29,29 @@ def test_grid_expands_to_all_combinations(tmp_path, capsys):
   assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == 6
 
 
+def test_consecutive_seeds_become_one_run_of_num_seeds_except_the_vgg_on_cpu(tmp_path, capsys):
+  lines = _dry(tmp_path, capsys, "--grid=stream.wait=1,2", "--grid=seed=3,4,5")
+  assert len(lines) == 2
+  assert all("--config.seed=3 --config.num_seeds=3" in l for l in lines)
+  assert "seed-3_num_seeds-3-" in lines[0]
+  # Not consecutive, or asked not to: separate runs.
+  assert len(_dry(tmp_path, capsys, "--grid=seed=0,2")) == 2
+  assert len(_dry(tmp_path, capsys, "--grid=seed=0,1", "--seeds_together=no")) == 2
+  # The VGG on this CPU: separate runs, unless asked; SLURM tasks with GPUs: together.
+  vgg = ["--config=configs/cifar_sm.py:smoke", f"--root={tmp_path / 'v'}", "--grid=seed=0,1"]
+  assert sweep.main(vgg + ["--dry_run"]) == 0
+  assert len(capsys.readouterr().out.strip().splitlines()) == 2
+  assert sweep.main(vgg + ["--dry_run", "--seeds_together=yes"]) == 0
+  assert "--config.num_seeds=2" in capsys.readouterr().out
+  path = tmp_path / "s.sbatch"
+  sweep.main(vgg + [f"--slurm={path}"])
+  assert "#SBATCH --array=0-0" in path.read_text() and "--config.num_seeds=2" in path.read_text()
+
+
 def test_slurm_script(tmp_path):
   path = tmp_path / "s.sbatch"
-  sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=seed=0,1", f"--slurm={path}"])
+  sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=seed=0,1", f"--slurm={path}",
+              "--seeds_together=no"])
   text = path.read_text()
   assert "#SBATCH --array=0-1" in text and "--config.seed=1" in text
   assert "#SBATCH --gres=gpu:1" in text
@@ -138,7 +159,7 @@ def _dry(tmp_path, capsys, *flags):
 def test_grid_file_union_crossed_with_the_command_line(tmp_path, capsys):
   path = _grid_file(tmp_path, 'WIDTHS = [8, 16]\nGRID = [{"model.width": WIDTHS, '
                     '"stream.replay": [0.0]},\n        {"model.width": [4], "stream.wait": [2]}]\n')
-  lines = _dry(tmp_path, capsys, f"--grid_file={path}", "--grid=seed=0,1")
+  lines = _dry(tmp_path, capsys, f"--grid_file={path}", "--grid=seed=0,1", "--seeds_together=no")
   assert len(lines) == 6
   assert sum("--config.model.width=16 --config.stream.replay=0.0 --config.seed=1" in l
              for l in lines) == 1
@@ -148,7 +169,7 @@ def test_grid_file_union_crossed_with_the_command_line(tmp_path, capsys):
   lines = _dry(tmp_path, capsys, f"--grid_file={path}", "--grid=model.width=8")
   assert len(lines) == 2 and all("--config.model.width=8" in l for l in lines)
   dup = _grid_file(tmp_path, 'GRID = [{"seed": [0, 1]}, {"seed": [1, 2]}]')
-  assert len(_dry(tmp_path, capsys, f"--grid_file={dup}")) == 3
+  assert len(_dry(tmp_path, capsys, f"--grid_file={dup}", "--seeds_together=no")) == 3
 
 
 @pytest.mark.parametrize("text, message", [
@@ -184,7 +205,7 @@ def test_parallel_runs_at_most_p_at_a_time(tmp_path, monkeypatch, capsys):
 
   monkeypatch.setattr(subprocess, "call", fake_call)
   rc = sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=seed=0,1,2,3,4",
-                   "--parallel=2"])
+                   "--parallel=2", "--seeds_together=no"])
   assert rc == 0 and len(seen) == 5 and peak[0] == 2
   logs = sorted(os.listdir(tmp_path / "logs"))
   assert len(logs) == 5 and (tmp_path / "logs" / logs[0]).read_text() == "run output\n"
