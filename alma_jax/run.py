@@ -347,7 +347,7 @@ class _Loop:
       out.append(methods.StageContext(
           t=t, stage=stage, is_first=stage == 1, train_idx=self._to_train_split(i, data.train),
           val_idx=self._to_train_split(i, data.val), reduce=self.steps.reduce,
-          scan=self.steps.scan))
+          scan=self.steps.scan, eval_aux=self.steps.eval_aux))
     return out
 
   def _each(self, fn, learner, keys, contexts):

@@ -33,6 +33,7 @@ from flax import struct
 
 from alma_jax import accounting
 from alma_jax import autotune
+from alma_jax import population
 from alma_jax import sharding
 from alma_jax import timing
 from alma_jax.methods.base import Learner, Method
@@ -249,7 +250,8 @@ class Steps:
   # -- evaluation ------------------------------------------------------------------------------
   def eval_body(self, structure) -> Callable:
     """(params, model_state, data, Batch) of one learner -> (number correct, summed NLL,
-    number correct of each selection unit (U,)); an example counts 1 - its error."""
+    number correct of each selection unit (U,), the method's `eval_aux` of the batch); an
+    example counts 1 - its error."""
     method, task = self.method, self.task
 
     def evaluate(params, model_state, data, batch: Batch):
@@ -260,7 +262,8 @@ class Steps:
       # Accuracy: 1 - error of each example (images: 0 or 1; text: the token error rate).
       return (jnp.sum(jnp.where(batch.mask, 1.0 - errors, 0.0)),
               jnp.sum(jnp.where(batch.mask, nll, 0.0)),
-              jnp.sum(jnp.where(batch.mask, 1.0 - unit_errors, 0.0), axis=-1))
+              jnp.sum(jnp.where(batch.mask, 1.0 - unit_errors, 0.0), axis=-1),
+              method.eval_aux(structure, params, model_state, x, y, batch.mask, task))
 
     return evaluate
 
@@ -313,6 +316,23 @@ class Steps:
                            for i in range(3))
     return correct / n, nll / n, units / n
 
+  def eval_aux(self, learner: Learner, idx: np.ndarray) -> PyTree:
+    """The method's `eval_aux` summed over examples `idx` of the training split (unaugmented)
+    for one (unstacked) learner, in float64 on the host: computed by the evaluation program
+    of a population of one (the run's own when it has one seed), so it compiles nothing of
+    its own. Its FLOPs count as a pass over data (`pass_flops`)."""
+    fn = self.method.eval_aux
+    idx = self.task.global_index(self.data, "train", np.asarray(idx, np.int32))
+    stacked = self.place(population.stack([learner]))
+    total, compiled = None, None
+    for b in self.eval_batches(idx[None]):
+      compiled = compiled or self.eval_fn(stacked, False, b)
+      out = compiled(stacked.params, stacked.model_state, self.data, b)[3]
+      self._count_pass("reduce", fn, learner, self._pass_body(fn), Batch(b.idx[0], b.mask[0]))
+      out = jax.tree.map(lambda a: np.asarray(a[0], np.float64), out)
+      total = out if total is None else jax.tree.map(np.add, total, out)
+    return total
+
   def evaluate(self, learner: Learner, split: str, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-member (accuracy, mean NLL) of a stacked `learner`; see `evaluate_units`."""
     acc, nll, _ = self.evaluate_units(learner, split, idx)
@@ -351,9 +371,9 @@ class Steps:
     idx = self.task.global_index(self.data, "train", np.asarray(idx, np.int32))
     return self.eval_batches(idx)
 
-  def reduce(self, fn: Callable, learner: Learner, idx: np.ndarray) -> PyTree:
-    """Sums `fn(structure, params, model_state, x, y, mask, task)` over batches of training
-    examples `idx` (unaugmented) for one (unstacked) learner, in float64 on the host."""
+  def _pass_body(self, fn: Callable) -> Callable:
+    """structure -> (params, model_state, data, Batch) -> `fn(structure, params, model_state,
+    x, y, mask, task)` of the batch's examples."""
     task = self.task
 
     def build(structure):
@@ -362,6 +382,12 @@ class Steps:
         return fn(structure, params, model_state, x, y, batch.mask, task)
       return body
 
+    return build
+
+  def reduce(self, fn: Callable, learner: Learner, idx: np.ndarray) -> PyTree:
+    """Sums `fn(structure, params, model_state, x, y, mask, task)` over batches of training
+    examples `idx` (unaugmented) for one (unstacked) learner, in float64 on the host."""
+    build = self._pass_body(fn)
     learner, total = self.place(learner, stacked=False), None
     program = self.method.program_structure(learner.structure)
     for b in self._train_batches(idx):

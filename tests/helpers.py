@@ -131,7 +131,8 @@ def context(t, stage=None, steps=None, train_idx=None, val_idx=None):
                       train_idx=empty if train_idx is None else train_idx,
                       val_idx=empty if val_idx is None else val_idx,
                       reduce=None if steps is None else steps.reduce,
-                      scan=None if steps is None else steps.scan)
+                      scan=None if steps is None else steps.scan,
+                      eval_aux=None if steps is None else steps.eval_aux)
 
 
 # -- whole runs --------------------------------------------------------------------------------

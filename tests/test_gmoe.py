@@ -11,6 +11,7 @@ import pytest
 
 from alma_jax import methods
 from alma_jax import accounting
+from alma_jax import population
 from alma_jax import train
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
@@ -259,9 +260,10 @@ def test_compiles_once_per_structure_and_grows_before_stages():
     learner, _, _ = train.fit_one(steps, learner, train_idx, val_idx, jax.random.key(t))
   chex.assert_tree_all_finite(learner.params)
   kinds = [k[0].split()[0] for k in steps.compiled]
-  # Train and evaluate each structure once; the growth scores once, before the split at t=3.
-  assert kinds.count("train") == 2 and kinds.count("eval") == 2 and kinds.count("reduce") == 1
-  assert steps.num_compilations == 5
+  # Train and evaluate each structure once; the growth scores before the split at t=3 come
+  # from the evaluation program, which compiles nothing more.
+  assert kinds.count("train") == 2 and kinds.count("eval") == 2 and kinds.count("reduce") == 0
+  assert steps.num_compilations == 4
   # The learner is rebuilt from its structure alone (checkpoint restore).
   shapes = jax.eval_shape(lambda k: method.init(k, learner.structure), jax.random.key(0))
   chex.assert_trees_all_equal_shapes_and_dtypes(shapes.params, learner.params)
@@ -358,3 +360,25 @@ def test_split_preserves_loss_and_predictions_on_real_mnist(gating):
   after = loss_and_predictions(method, grow_twice(learner), x, y, mask, jax.random.key(6))
   chex.assert_trees_all_close(before[0], after[0], atol=SPLIT_ATOL)
   chex.assert_trees_all_close(before[2], after[2], atol=SPLIT_ATOL)
+
+
+def test_growth_scores_come_from_the_evaluation_program():
+  """The scores `before_stage` splits by, summed by the evaluation program, equal those of a
+  separate pass over the same examples; they compile nothing and count as a pass's FLOPs."""
+  ds = helpers.synthetic_dataset(n_train=300, n_test=16)
+  c = helpers.small_config(method="gmoe", width=4, eval_batch_size=64)
+  c.method.initial_experts = 3
+  with jax.enable_x64(True):  # see helpers.float64: two programs, the same arithmetic
+    method, steps = helpers.make_steps(c, ds)
+    learner = helpers.random_learner(method)
+    idx = np.arange(100, 300, dtype=np.int32)  # 4 batches, the last one padded
+    steps.evaluate(population.stack([learner]), "train", idx)
+    programs = steps.num_compilations
+    scores = steps.eval_aux(learner, idx)
+    assert steps.num_compilations == programs
+    flops = steps.pass_flops
+    reference = steps.reduce(method.eval_aux, learner, idx)
+    assert steps.pass_flops == 2 * flops > 0
+  assert len(scores) == 2 and scores[0].shape == (4,)  # two mixture layers, 3 experts in 4 slots
+  assert scores[0][3] == 0.0 and np.all(scores[0][:3] > 0)  # the padding slot scores 0
+  chex.assert_trees_all_close(scores, reference, atol=1e-9, rtol=1e-9)

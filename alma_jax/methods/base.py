@@ -61,6 +61,10 @@ class StageContext:
     scan: `scan(fn, carry, learner, idx)` threads `carry = fn(structure, params,
       model_state, x, y, mask, carry, task)` through those batches in order
       (for fitting growth candidates).
+    eval_aux: `eval_aux(learner, idx)` sums the method's `Method.eval_aux` over
+      the examples `idx` of the training split, computed by the evaluation
+      program itself (no program of its own: a scoring pass that adds no
+      compilation).
   """
 
   t: int
@@ -70,6 +74,7 @@ class StageContext:
   val_idx: np.ndarray
   reduce: Callable[..., PyTree]
   scan: Callable[..., PyTree] | None = None
+  eval_aux: Callable[..., PyTree] | None = None
 
 
 def masked_cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
@@ -211,6 +216,12 @@ class Method:
     """`new` for the units where `take` (U,) is true, `old` for the others."""
     del structure
     return jax.tree.map(lambda a, b: jnp.where(take[0], a, b), new, old)
+
+  def eval_aux(self, structure, params, model_state, x, y, mask, task) -> PyTree:
+    """What the evaluation program also sums over a batch for the method's own use (e.g.
+    gMoE's growth scores; see `StageContext.eval_aux`); nothing by default."""
+    del structure, params, model_state, x, y, mask, task
+    return ()
 
   # -- growth -------------------------------------------------------------------
   def before_stage(self, learner: Learner, key: jax.Array, ctx: StageContext) -> Learner:

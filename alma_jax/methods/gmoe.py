@@ -378,9 +378,10 @@ class GrowingMoE(base.Method):
     return np.asarray(moe.greedy_leaf(tree, self.routing_weights(learner, x)[layer]))
 
   # -- growth -----------------------------------------------------------------------------------
-  def score_batch(self, structure, params, model_state, x, y, mask, task):
+  def eval_aux(self, structure, params, model_state, x, y, mask, task):
     """Per-slot growth scores (`split_by`) of one batch, for every mixture layer (padding
-    slots score 0)."""
+    slots score 0). Every evaluation computes them (the forward pass is the prediction's,
+    shared in the compiled program), so scoring adds no program of its own."""
     logits, _, weights = self.forward(structure, params, model_state, x, train=False)
     _, nll = task.per_example(jax.nn.log_softmax(logits), y)
     return [expert_scores(w, nll, mask, self.opts.split_by) for w in weights]
@@ -412,7 +413,7 @@ class GrowingMoE(base.Method):
     """Splits the losing experts, scored on the new stage's validation data, before it trains."""
     if not self.should_grow(ctx.stage):
       return learner
-    scores = ctx.reduce(self.score_batch, learner, np.asarray(ctx.val_idx, np.int32))
+    scores = ctx.eval_aux(learner, np.asarray(ctx.val_idx, np.int32))
     return self.grow_learner(learner, [np.asarray(s, np.float64) for s in scores], key)
 
   # -- accounting -------------------------------------------------------------------------------
