@@ -256,14 +256,14 @@ class Steps:
 
     def evaluate(params, model_state, data, batch: Batch):
       x, y = task.inputs(data, batch.idx)
-      logp, unit_logp = method.predict_units(structure, params, model_state, x)
+      logp, unit_logp, aux = method.evaluate_batch(structure, params, model_state, x, y,
+                                                   batch.mask, task)
       errors, nll = task.per_example(logp, y)
       unit_errors, _ = jax.vmap(lambda lp: task.per_example(lp, y))(unit_logp)
       # Accuracy: 1 - error of each example (images: 0 or 1; text: the token error rate).
       return (jnp.sum(jnp.where(batch.mask, 1.0 - errors, 0.0)),
               jnp.sum(jnp.where(batch.mask, nll, 0.0)),
-              jnp.sum(jnp.where(batch.mask, 1.0 - unit_errors, 0.0), axis=-1),
-              method.eval_aux(structure, params, model_state, x, y, batch.mask, task))
+              jnp.sum(jnp.where(batch.mask, 1.0 - unit_errors, 0.0), axis=-1), aux)
 
     return evaluate
 

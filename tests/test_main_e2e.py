@@ -84,7 +84,9 @@ def test_mnist_sm_smoke_end_to_end(tmp_path):
 
 @requires_cifar10
 def test_cifar_sm_smoke_end_to_end_with_waiting(tmp_path):
-  proc = run_main("configs/cifar_sm.py:smoke", tmp_path, "--config.stream.wait=2")
+  # Measured choices are tested in tests/test_autotune.py; the rules spare the measurement.
+  proc = run_main("configs/cifar_sm.py:smoke", tmp_path, "--config.stream.wait=2",
+                  "--config.train.autotune=rules")
   assert proc.returncode == 0, proc.stderr[-3000:]
   records, summary = check_outputs(tmp_path, 4)
   assert [r["trained"] for r in records] == [False, False, True, False, True]
@@ -103,7 +105,7 @@ def test_every_method_config_runs_end_to_end(config, tmp_path):
   # ensembles are tested in tests/test_ensemble.py, and every config file and variant
   # validates and builds its method in tests/test_validation.py.
   proc = run_main(f"configs/{config}.py:smoke", tmp_path, "--config.train.epochs=1",
-                  "--config.train.patience=1")
+                  "--config.train.patience=1", "--config.train.autotune=rules")
   assert proc.returncode == 0, proc.stderr[-3000:]
   records, summary = check_outputs(str(tmp_path), 4)
   assert summary["num_stages"] == 4 and all(r["train_flops"] > 0 for r in records[1:])

@@ -223,6 +223,13 @@ class Method:
     del structure, params, model_state, x, y, mask, task
     return ()
 
+  def evaluate_batch(self, structure, params, model_state, x, y, mask, task):
+    """What the evaluation program computes of a batch: (`predict_units`'s two outputs,
+    `eval_aux`). A method whose `eval_aux` needs its forward pass overrides this to run
+    that pass once."""
+    logp, unit_logp = self.predict_units(structure, params, model_state, x)
+    return logp, unit_logp, self.eval_aux(structure, params, model_state, x, y, mask, task)
+
   # -- growth -------------------------------------------------------------------
   def before_stage(self, learner: Learner, key: jax.Array, ctx: StageContext) -> Learner:
     """Called before each training stage (gEns adds members, gMoE splits experts)."""

@@ -380,11 +380,16 @@ class GrowingMoE(base.Method):
   # -- growth -----------------------------------------------------------------------------------
   def eval_aux(self, structure, params, model_state, x, y, mask, task):
     """Per-slot growth scores (`split_by`) of one batch, for every mixture layer (padding
-    slots score 0). Every evaluation computes them (the forward pass is the prediction's,
-    shared in the compiled program), so scoring adds no program of its own."""
+    slots score 0). Every evaluation computes them (`evaluate_batch`, from the prediction's
+    forward pass), so scoring adds no program of its own."""
+    return self.evaluate_batch(structure, params, model_state, x, y, mask, task)[2]
+
+  def evaluate_batch(self, structure, params, model_state, x, y, mask, task):
+    """The prediction (one unit: the whole model) and the growth scores of one forward pass."""
     logits, _, weights = self.forward(structure, params, model_state, x, train=False)
-    _, nll = task.per_example(jax.nn.log_softmax(logits), y)
-    return [expert_scores(w, nll, mask, self.opts.split_by) for w in weights]
+    logp = jax.nn.log_softmax(logits)
+    _, nll = task.per_example(logp, y)
+    return logp, logp[None], [expert_scores(w, nll, mask, self.opts.split_by) for w in weights]
 
   @property
   def grow_period(self) -> int:
