@@ -95,17 +95,11 @@ def _read_seed(path: str) -> Run:
   return Run(path, config, records, summary)
 
 
-def _seed_dirs(path: str) -> list[str]:
-  names = [n for n in os.listdir(path) if n.startswith(wd.SEED_DIR_PREFIX)
-           and os.path.isdir(os.path.join(path, n))]
-  return [os.path.join(path, n) for n in sorted(names, key=lambda n: int(n.split("_")[-1]))]
-
-
 def load_runs(path: str) -> list[Run]:
   """The seeds of the run in `path` (one, or those of its `seed_<k>/` folders)."""
   if not os.path.isdir(path):
     raise ReportError(f"--workdirs: {path} is not a directory")
-  seeds = _seed_dirs(path)
+  seeds = wd.output_dirs(path)[1:]
   if seeds and os.path.exists(os.path.join(path, wd.CONFIG_FILE)):
     return [_read_seed(s) for s in seeds]
   missing = [n for n in (wd.CONFIG_FILE, wd.LOG_FILE) if not os.path.exists(os.path.join(path, n))]

@@ -135,10 +135,11 @@ class UnresumableWorkdirError(ValueError):
   """The workdir holds records that no checkpoint can resume."""
 
 
-def _output_dirs(workdir: str) -> list[str]:
-  """The workdir and its per-seed output folders."""
-  seeds = sorted(n for n in os.listdir(workdir) if n.startswith(SEED_DIR_PREFIX)
-                 and os.path.isdir(os.path.join(workdir, n)))
+def output_dirs(workdir: str) -> list[str]:
+  """The workdir and its per-seed output folders (`seed_<k>/` of a `num_seeds` run, by k)."""
+  seeds = [n for n in os.listdir(workdir) if n.startswith(SEED_DIR_PREFIX)
+           and n[len(SEED_DIR_PREFIX):].isdigit() and os.path.isdir(os.path.join(workdir, n))]
+  seeds.sort(key=lambda n: int(n[len(SEED_DIR_PREFIX):]))
   return [workdir] + [os.path.join(workdir, n) for n in seeds]
 
 
@@ -164,7 +165,7 @@ def check_outputs(workdir: str, config, overwrite: bool) -> None:
   Raises:
     UnresumableWorkdirError: records that cannot be resumed, and no `overwrite`.
   """
-  dirs = _output_dirs(workdir)
+  dirs = output_dirs(workdir)
   for d in dirs:
     io_utils.remove_stale_temporaries(d)
   if overwrite:

@@ -57,6 +57,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for alma_jax
 from alma_jax import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import report  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax import workdir as wd  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -178,6 +179,12 @@ def status(workdir: str, resolved: dict) -> tuple[str, str]:
   return "run", ""
 
 
+def has_records(workdir: str) -> bool:
+  """Whether a run has logged anything in `workdir` (or, with num_seeds, in its seed folders)."""
+  return os.path.isdir(workdir) and any(os.path.exists(os.path.join(d, wd.LOG_FILE))
+                                        for d in wd.output_dirs(workdir))
+
+
 def _args(argv):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", required=True, help="config file, e.g. configs/mnist_sm.py:quick")
@@ -238,8 +245,7 @@ def _launch(todo, root: str, parallel: int) -> int:
 
 def _report(args, runs) -> int:
   out = args.report_dir or os.path.join(args.root, "report")
-  workdirs = [w for _, w, r in runs if status(w, r)[0] != "refuse"
-              and os.path.exists(os.path.join(w, "log.jsonl"))]
+  workdirs = [w for _, w, r in runs if status(w, r)[0] != "refuse" and has_records(w)]
   if args.dry_run or not workdirs:
     print(f"report of the grid's workdirs -> {out}" if args.dry_run else
           "report: no grid point has outputs yet; nothing to report", file=sys.stderr)

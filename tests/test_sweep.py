@@ -217,8 +217,10 @@ def test_parallel_sweep_of_real_runs_ends_with_the_report(tmp_path, monkeypatch,
   monkeypatch.chdir(ROOT)
   monkeypatch.setenv("PYTHONPATH", ROOT)
   root = tmp_path / "sweep"
+  # Two seeds of each width: one run of num_seeds=2 each (their records in seed_<k>/).
   rc = sweep.main([f"--config={SMOKE}", f"--root={root}", "--grid=model.width=4,8",
-                   "--parallel=2", "--", *TINY, "--config.log.tensorboard=False"])
+                   "--grid=seed=0,1", "--parallel=2", "--", *TINY,
+                   "--config.log.tensorboard=False"])
   assert rc == 0, capsys.readouterr()
   out = capsys.readouterr().out
   assert "report of 2 workdirs" in out
