@@ -198,8 +198,8 @@ def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
     elif key in machine:
       value, how = machine[key], f"measured earlier on this machine ({cache_file})"
     else:
-      value, how = _measure(config, tunable, build, measure, choices)
-      if how.startswith("measured"):
+      value, how, measured = _measure(config, tunable, build, measure, choices)
+      if measured:  # a rule's answer is not remembered as a measurement
         remember(cache_file, key, value)
     logging.info("%s: %r %s", path, value, how)
     choices[path] = value
@@ -208,8 +208,9 @@ def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
   return choices
 
 
-def _measure(config, tunable: Tunable, build, measure, chosen: dict) -> tuple[Any, str]:
-  """(the fastest candidate, how it was chosen); the rule when a candidate fails."""
+def _measure(config, tunable: Tunable, build, measure, chosen: dict) -> tuple[Any, str, bool]:
+  """(the fastest candidate, how it was chosen, True); (the rule, why, False) when a candidate
+  fails."""
   times = {}
   others = {t.path: t.rule(config) for t in pending(config)}  # the rules, until chosen
   for candidate in tunable.candidates(config):
@@ -220,7 +221,7 @@ def _measure(config, tunable: Tunable, build, measure, chosen: dict) -> tuple[An
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("%s=%r could not be timed (%s: %s); the rule decides", tunable.path,
                       candidate, type(e).__name__, e)
-      return tunable.rule(config), "by rule (a candidate failed)"
+      return tunable.rule(config), "by rule (a candidate failed)", False
   best = min(times, key=times.get)
   timed = ", ".join(f"{k!r} {1 / v:,.0f} img/s" for k, v in times.items())
-  return best, f"measured ({timed})"
+  return best, f"measured ({timed})", True

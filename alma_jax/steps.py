@@ -322,13 +322,14 @@ class Steps:
     of a population of one (the run's own when it has one seed), so it compiles nothing of
     its own. Its FLOPs count as a pass over data (`pass_flops`)."""
     fn = self.method.eval_aux
+    build = self._pass_body(fn)  # what the FLOPs are counted of
     idx = self.task.global_index(self.data, "train", np.asarray(idx, np.int32))
     stacked = self.place(population.stack([learner]))
     total, compiled = None, None
     for b in self.eval_batches(idx[None]):
       compiled = compiled or self.eval_fn(stacked, False, b)
       out = compiled(stacked.params, stacked.model_state, self.data, b)[3]
-      self._count_pass("reduce", fn, learner, self._pass_body(fn), Batch(b.idx[0], b.mask[0]))
+      self._count_pass("reduce", fn, learner, build, Batch(b.idx[0], b.mask[0]))
       out = jax.tree.map(lambda a: np.asarray(a[0], np.float64), out)
       total = out if total is None else jax.tree.map(np.add, total, out)
     return total
