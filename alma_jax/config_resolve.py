@@ -41,11 +41,39 @@ def resolve(config_arg: str, args: Sequence[str] = ()):
     config = registry["config"].value
     config.get("seed")  # a config file that failed to load raises here
   except Exception as e:  # pylint: disable=broad-except
-    raise ConfigResolveError(f"--config={config_arg}: {errors.flag_error(e)}") from e
+    raise ConfigResolveError(f"--config={config_arg}: {override_error(config_arg, args, e)}") from e
   unparsed = [a for a in rest[1:] if re.match(r"^--?(no)?config\.", a)]
   if unparsed:
     raise ConfigResolveError(f"--config={config_arg}: cannot apply {unparsed}")
   return config
+
+
+def override_error(config_arg: str, args: Sequence[str], exc: BaseException) -> str:
+  """The gist of a config-loading error; an override of a field that the config lacks is
+  named with the fields its section has (methods declare fields of their own)."""
+  text = errors.flag_error(exc)
+  if not isinstance(exc, (KeyError, AttributeError)):
+    return text
+  m = re.match(r"""^['"]?(\w+)['"]?\s*(.*)$""", text)  # "'wiat' Did you mean ...?"
+  if m is None:
+    return text
+  key, hint = m.groups()
+  paths = [m.group(1) for a in args if (m := re.match(r"^--(?:no)?config\.([\w.]+)", a))]
+  path = next((p for p in paths if key in p.split(".")), None)
+  if path is None:
+    return text
+  parts = path.split(".")
+  parent = parts[:parts.index(key)]
+  try:
+    section = resolve(config_arg)
+    for p in parent:
+      section = section[p]
+    known = sorted(section.keys())
+  except Exception:  # pylint: disable=broad-except
+    return text
+  where = ".".join(parent) or "the config"
+  return (f"--config.{path}: {where} has no field {key!r} in {config_arg}; its fields: "
+          f"{known}" + (f" ({hint})" if hint else ""))
 
 
 def resolved_dict(config_arg: str, args: Sequence[str] = ()) -> dict:

@@ -73,8 +73,12 @@ def _parse_flags(argv):
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     if "--debug" in argv:
       raise
-    where = "" if isinstance(e, flags.Error) else "invalid --config override: no such field "
-    _fail(f"{where}{errors.flag_error(e)} (see --helpfull)", 2)
+    if isinstance(e, flags.Error):
+      _fail(f"{errors.flag_error(e)} (see --helpfull)", 2)
+    from alma_jax import config_resolve  # pylint: disable=g-import-not-at-top
+    config_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
+    _fail(f"invalid --config override: "
+          f"{config_resolve.override_error(config_arg, argv, e)} (see --helpfull)", 2)
 
 
 def _resume_command() -> str:

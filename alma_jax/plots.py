@@ -113,6 +113,30 @@ def replay_series(groups, fields: Sequence[str]) -> list[Series]:
   return out
 
 
+def wait_series(groups, fields: Sequence[str]) -> list[Series]:
+  """CER against the waiting time w: one series per config over its waits (two or more)."""
+  groups = [g for g in groups if g.finished]
+  others = [f for f in fields if f != "stream.wait"]
+  colors = _colors([str(g.get("method.name")) for g in groups])
+  markers = _markers([str(g.get("model.width")) for g in groups])
+  lines: dict[tuple, list] = {}
+  for g in groups:
+    lines.setdefault(_line_key(g, others), []).append(g)
+  out = []
+  for members in lines.values():
+    if len({g.get("stream.wait") for g in members}) < 2:
+      continue
+    members = sorted(members, key=lambda g: float(g.get("stream.wait") or 0))
+    cer = [g.stat("cer_percent") for g in members]
+    first = members[0]
+    out.append({"label": first.label(others), "color": colors[str(first.get("method.name"))],
+                "marker": markers[str(first.get("model.width"))],
+                "filled": not first.get("stream.replay"),
+                "x": [float(g.get("stream.wait")) for g in members],
+                "y": [m for m, _ in cer], "yerr": [s for _, s in cer]})
+  return out
+
+
 # -- error over time (Fig. 1/3) ----------------------------------------------------------------------
 def error_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   """{"width=<w>": one series per config}: mean test error (%) over t, std over seeds."""
@@ -231,6 +255,16 @@ def dataset_figures(data: str, groups, fields: Sequence[str],
     _legend(fig, axes)
     save(fig, os.path.join(out, f"replay_{data}"))
     figures[f"replay_{data}"] = {"replay": replay}
+  waits = wait_series(groups, fields)
+  if waits:
+    fig, axes = subplots(1, legend_entries=len(waits))
+    _draw(axes[0], waits)
+    _finish(axes[0], "waiting time w (mega-batches)", "CER (%)", f"{data}: waiting time",
+            logx=True)
+    axes[0].set_yscale("log")
+    _legend(fig, axes)
+    save(fig, os.path.join(out, f"wait_{data}"))
+    figures[f"wait_{data}"] = {"wait": waits}
   lm = lm_series(groups, fields)
   if lm:
     labels = {"comp": "training TFLOPs (paper count)", "params": "parameters",

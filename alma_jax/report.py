@@ -12,6 +12,9 @@ differ only by their seed, and writes into `--out`, per data set:
   error bars are one standard deviation over seeds.
 * `error_<data>.png/.pdf`: test error vs mega-batch t, one panel per width
   (Fig. 1/3), the band one standard deviation over seeds.
+* `wait_<data>.png/.pdf`: CER vs waiting time w, a line per config over its
+  waits (paper Fig. 2's question: which wait is best), when a config has two
+  or more.
 * `replay_<data>.png/.pdf`: CER vs compute, a segment from each config
   without replay to the same config with replay (Fig. 4), when both exist.
 * `lm_<data>.png/.pdf`: average perplexity vs compute, parameters and

@@ -14,7 +14,11 @@ The grid comes from `--grid=field=v1,v2,...` flags, from a Python file
 (`--grid_file=F`) that defines GRID, or both: GRID is a dict of field -> list
 of values, or a list of such dicts (their union, e.g. one sub-grid per
 method); each `--grid` flag is crossed with every one of them (and replaces a
-field of the same name). A grid's consecutive seeds (`--grid=seed=0,1,2`)
+field of the same name). The field `config` (a list of config files, e.g.
+["configs/mnist_gmoe.py:quick"]) gives a grid its own config files in place of
+`--config`, so one grid file can cover methods whose fields differ, or several
+data sets; the file's name and variant then lead the workdir name. A grid's
+consecutive seeds (`--grid=seed=0,1,2`)
 become one run of `config.num_seeds` seeds (seed=0, num_seeds=3: the seeds
 vmapped in one program, faster than separate runs), except for the VGG on a
 CPU, where separate runs are faster (`--seeds_together=yes|no` decides
@@ -35,6 +39,9 @@ Examples:
   #                      {"method.name": ["ens"], "model.width": [8]}]
   python launch/sweep.py --config=configs/mnist_sm.py:smoke --root=/tmp/sweep \
       --grid_file=grid.py --grid=seed=0,1,2
+  # The findings of REPRODUCTION.md: sub-grids with their own config files.
+  python launch/sweep.py --root=/tmp/findings --grid_file=launch/grids/findings.py \
+      --parallel=2
   # Write a SLURM array script with one task per grid point (each with one GPU;
   # --slurm_gpus=0 for CPU nodes, --slurm_option for more #SBATCH lines); after
   # the array, `python -m alma_jax.report --workdirs=/tmp/sweep/* --out=...`.
@@ -58,6 +65,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from alma_jax import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import report  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import workdir as wd  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+# A grid field that is not a config field: the config file of the points (replaces --config).
+CONFIG_FIELD = "config"
 
 
 def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -110,7 +121,13 @@ def _consecutive(values: list[str]) -> list[int] | None:
   return seeds if len(seeds) > 1 and seeds == list(range(seeds[0], seeds[0] + len(seeds))) else None
 
 
-def fold_seeds(grids, together: str, config: str, extra: list[str], accelerator: bool):
+def split_configs(grids):
+  """One grid per config file of a grid that names several (each decides its seeds)."""
+  return [[(f, [c] if f == CONFIG_FIELD else v) for f, v in grid]
+          for grid in grids for c in dict(grid).get(CONFIG_FIELD, [None])]
+
+
+def fold_seeds(grids, together: str, config: str | None, extra: list[str], accelerator: bool):
   """Each grid's consecutive `seed` values as one run of `num_seeds` seeds (vmapped: faster
   than separate runs, except for the VGG on CPU, where vmapped convolutions are grouped ones)
   when `together` is "yes", or "auto" and that is faster."""
@@ -124,8 +141,9 @@ def fold_seeds(grids, together: str, config: str, extra: list[str], accelerator:
       out.append(grid)
       continue
     if together == "auto" and not accelerator:
-      first = [(f, v[0]) for f, v in grid if f != "seed"]
-      model = command(config, "", first, extra)[2].get("model", {}).get("name")
+      first = [(f, v[0]) for f, v in grid if f not in ("seed", CONFIG_FIELD)]
+      model = command(fields.get(CONFIG_FIELD, [config])[0], "", first, extra)[2].get(
+          "model", {}).get("name")
       if model == "vgg":
         out.append(grid)
         continue
@@ -148,14 +166,28 @@ def points(grid):
     yield list(zip(fields, combo))
 
 
-def command(config: str, root: str, point, extra: list[str]) -> tuple[list[str], str, dict]:
-  """(command line, workdir, resolved config) of one grid point."""
-  flags = [f"--config.{f}={v}" for f, v in point] + extra
+def _config_label(config: str) -> str:
+  """`configs/mnist_gmoe.py:quick,iid` -> `mnist_gmoe-quick+iid` (a workdir name's part)."""
+  path, _, variant = config.partition(":")
+  stem = os.path.splitext(os.path.basename(path))[0]
+  return stem + (f"-{variant.replace(',', '+')}" if variant else "")
+
+
+def command(config: str | None, root: str, point, extra: list[str]) -> tuple[list[str], str, dict]:
+  """(command line, workdir, resolved config) of one grid point; the point's `config`
+  field, if any, replaces the sweep's `--config`."""
+  config = dict(point).get(CONFIG_FIELD, config)
+  if not config:
+    raise SystemExit("sweep: error: --config is required unless every grid names its "
+                     f"`{CONFIG_FIELD}` (a list of config files)")
+  fields = [(f, v) for f, v in point if f != CONFIG_FIELD]
+  flags = [f"--config.{f}={v}" for f, v in fields] + extra
   try:
     resolved = config_resolve.resolved_dict(config, flags)
   except config_resolve.ConfigResolveError as e:
     raise SystemExit(f"sweep: error: {e}") from e
-  name = "_".join(f"{f.split('.')[-1]}-{v}" for f, v in point) or "default"
+  name = "_".join(_config_label(v) if f == CONFIG_FIELD else f"{f.split('.')[-1]}-{v}"
+                  for f, v in point) or "default"
   workdir = os.path.join(root, f"{name}-{config_resolve.config_hash(resolved)}")
   cmd = [sys.executable, "-m", "alma_jax.main", f"--config={config}", f"--workdir={workdir}"]
   return cmd + flags, workdir, resolved
@@ -187,7 +219,8 @@ def has_records(workdir: str) -> bool:
 
 def _args(argv):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", required=True, help="config file, e.g. configs/mnist_sm.py:quick")
+  p.add_argument("--config", help="config file, e.g. configs/mnist_sm.py:quick (a grid's "
+                 f"`{CONFIG_FIELD}` field replaces it)")
   p.add_argument("--root", required=True, help="directory holding one workdir per grid point")
   p.add_argument("--grid", action="append", default=[], help="field=v1,v2,... (repeatable)")
   p.add_argument("--grid_file", help="a Python file defining GRID (see above)")
@@ -265,7 +298,7 @@ def main(argv=None):
   grids = combine(load_grid_file(args.grid_file) if args.grid_file else [],
                   parse_grid(args.grid))
   if args.seeds_together != "no":
-    grids = fold_seeds(grids, args.seeds_together, args.config, args.extra,
+    grids = fold_seeds(split_configs(grids), args.seeds_together, args.config, args.extra,
                        args.seeds_together == "auto" and _accelerator(args))
   runs = list({w: (c, w, r) for c, w, r in (command(args.config, args.root, pt, args.extra)
                                            for g in grids for pt in points(g))}.values())

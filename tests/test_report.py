@@ -132,6 +132,19 @@ def test_report_writes_figures_whose_data_are_the_runs(runs, tmp_path):
   assert "lm_mnist" not in figs
 
 
+def test_wait_figure_has_a_line_per_config_over_its_waits(runs, tmp_path):
+  # SM width 8 at waits 1 (two seeds, above) and 2; SM width 16 has one wait: no line.
+  extra = _write(tmp_path / "sm8_w2", _config(wait=2), _records([0.9, 0.9, 0.3, 0.3, 0.1]))
+  figs = report.write_report(runs + [extra], str(tmp_path / "out"), gating=False)
+  assert "wait_mnist" not in report.write_report(runs, str(tmp_path / "out1"), gating=False)
+  (line,) = figs["wait_mnist"]["wait"]
+  assert line["label"] == "sm width=8 replay=0"
+  np.testing.assert_allclose(line["x"], [1.0, 2.0])
+  np.testing.assert_allclose(line["y"], [270.0, 250.0])
+  np.testing.assert_allclose(line["yerr"], [40.0, 0.0])
+  assert (tmp_path / "out" / "wait_mnist.png").stat().st_size > 1000
+
+
 def test_unfinished_runs_are_listed_but_not_in_the_cer_figures(tmp_path):
   done = _write(tmp_path / "a", _config(), _records([0.5] * 5))
   partial = _write(tmp_path / "b", _config(width=32), _records([0.5, 0.4]), finished=False)

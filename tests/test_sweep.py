@@ -172,6 +172,30 @@ def test_grid_file_union_crossed_with_the_command_line(tmp_path, capsys):
   assert len(_dry(tmp_path, capsys, f"--grid_file={dup}", "--seeds_together=no")) == 3
 
 
+def test_a_grid_names_its_own_config_files(tmp_path, capsys):
+  path = _grid_file(tmp_path, 'GRID = [{"model.width": [8]},\n'
+                    '        {"config": ["configs/mnist_gmoe.py:smoke"], "method.tree": [False]},\n'
+                    '        {"config": ["configs/cifar_sm.py:smoke",\n'
+                    '                    "configs/lm_sm.py:smoke,iid"], "seed": [0, 1]}]\n')
+  lines = _dry(tmp_path, capsys, f"--grid_file={path}")
+  assert len(lines) == 5  # the VGG's seeds run separately on this CPU; the LM's together
+  by_config = {l.split("--config=")[1].split()[0]: l for l in lines}
+  assert set(by_config) == {SMOKE, "configs/mnist_gmoe.py:smoke", "configs/cifar_sm.py:smoke",
+                            "configs/lm_sm.py:smoke,iid"}
+  gmoe = by_config["configs/mnist_gmoe.py:smoke"]
+  assert "/mnist_gmoe-smoke_tree-False-" in gmoe and gmoe.endswith("--config.method.tree=False")
+  assert "--config.config" not in " ".join(lines)
+  assert "/lm_sm-smoke+iid_seed-0_num_seeds-2-" in by_config["configs/lm_sm.py:smoke,iid"]
+  assert sum("/cifar_sm-smoke_seed-" in l for l in lines) == 2
+  # Without --config, every grid must name its config files.
+  with pytest.raises(SystemExit, match="--config is required unless every grid names"):
+    sweep.main([f"--root={tmp_path}", f"--grid_file={path}", "--dry_run"])
+  # A field of the named config, unknown to --config's: resolved against the grid's own.
+  with pytest.raises(SystemExit, match="sweep: error"):
+    sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=method.tree=False",
+                "--dry_run"])
+
+
 @pytest.mark.parametrize("text, message", [
     ("X = 1", "must define GRID.*got no GRID"),
     ("GRID = {'seed': []}", "must define GRID"),

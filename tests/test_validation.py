@@ -328,9 +328,12 @@ def _check_one_line(proc, code, pattern):
     (["--config.stream.wait=3"], 2,
      r"config\.stream\.wait=3 does not divide config\.stream\.num_megabatches=4; "
      r"allowed values: \[1, 2, 4\]"),
-    (["--config.stream.wiat=3"], 2, r"wiat"),
+    (["--config.stream.wiat=3"], 2,
+     r"--config\.stream\.wiat: stream has no field 'wiat' in configs/mnist_sm\.py:smoke; its "
+     r"fields: \[.*'wait'.*\]"),
+    (["--config.method.tree=False"], 2, r"method has no field 'tree' .*its fields: \['name'\]"),
     (["--config.train.epochs=many"], 2, r"config\.train\.epochs"),
-], ids=["bad_wait", "unknown_field", "bad_type"])
+], ids=["bad_wait", "unknown_field", "field_of_another_method", "bad_type"])
 def test_command_line_errors_are_one_line(args, code, pattern, tmp_path):
   proc = _main(["--config=configs/mnist_sm.py:smoke", f"--workdir={tmp_path}/wd"] + args)
   _check_one_line(proc, code, pattern)
