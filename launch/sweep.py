@@ -20,9 +20,10 @@ field of the same name). The field `config` (a list of config files, e.g.
 data sets; the file's name and variant then lead the workdir name. A grid's
 consecutive seeds (`--grid=seed=0,1,2`)
 become one run of `config.num_seeds` seeds (seed=0, num_seeds=3: the seeds
-vmapped in one program, faster than separate runs), except for the VGG on a
-CPU, where separate runs are faster (`--seeds_together=yes|no` decides
-instead). Runs go one after another, `--parallel=P` at a time
+vmapped in one program, faster than separate runs), except for methods whose
+growth depends on the seed (gMoE, FF: one run per seed always) and for the
+VGG on a CPU, where separate runs are faster (`--seeds_together=yes|no`
+decides instead). Runs go one after another, `--parallel=P` at a time
 (each one's output then goes to <root>/logs/<workdir name>.log), or into a
 SLURM array script. When the runs are over, the report
 (`python -m alma_jax.report`) of every grid point's workdir is written to
@@ -63,6 +64,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for alma_jax
 from alma_jax import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax import methods  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import report  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import workdir as wd  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -140,13 +142,16 @@ def fold_seeds(grids, together: str, config: str | None, extra: list[str], accel
     if seeds is None or "num_seeds" in fields:
       out.append(grid)
       continue
-    if together == "auto" and not accelerator:
-      first = [(f, v[0]) for f, v in grid if f not in ("seed", CONFIG_FIELD)]
-      model = command(fields.get(CONFIG_FIELD, [config])[0], "", first, extra)[2].get(
-          "model", {}).get("name")
-      if model == "vgg":
-        out.append(grid)
-        continue
+    first = [(f, v[0]) for f, v in grid if f not in ("seed", CONFIG_FIELD)]
+    resolved = command(fields.get(CONFIG_FIELD, [config])[0], "", first, extra)[2]
+    names = {resolved["method"]["name"]} | {v for f, vals in grid if f == "method.name"
+                                            for v in vals}
+    if not all(methods.get(n).same_growth_for_every_seed for n in names):
+      out.append(grid)  # its growth depends on the seed: one run per seed
+      continue
+    if together == "auto" and not accelerator and resolved["model"]["name"] == "vgg":
+      out.append(grid)
+      continue
     out.append([(f, [str(seeds[0])] if f == "seed" else v) for f, v in grid]
                + [("num_seeds", [str(len(seeds))])])
   return out

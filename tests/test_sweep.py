@@ -43,6 +43,11 @@ def test_consecutive_seeds_become_one_run_of_num_seeds_except_the_vgg_on_cpu(tmp
   assert len(capsys.readouterr().out.strip().splitlines()) == 2
   assert sweep.main(vgg + ["--dry_run", "--seeds_together=yes"]) == 0
   assert "--config.num_seeds=2" in capsys.readouterr().out
+  # Growth that depends on the seed: one run per seed, even when asked.
+  gmoe = ["--config=configs/mnist_gmoe.py:smoke", f"--root={tmp_path / 'g'}", "--grid=seed=0,1"]
+  assert sweep.main(gmoe + ["--dry_run", "--seeds_together=yes"]) == 0
+  assert "num_seeds" not in capsys.readouterr().out
+  assert len(_dry(tmp_path, capsys, "--grid=method.name=sm,ff", "--grid=seed=0,1")) == 4
   path = tmp_path / "s.sbatch"
   sweep.main(vgg + [f"--slurm={path}"])
   assert "#SBATCH --array=0-0" in path.read_text() and "--config.num_seeds=2" in path.read_text()
