@@ -116,19 +116,24 @@ def with_choices(config, choices: dict[str, Any]):
   return out
 
 
-def machine_key(config, input_shape, path: str) -> str:
-  """What a choice depends on: the device, the JAX version, the shapes of the step."""
-  dev = jax.devices()[0]
-  facts = {
-      "field": path, "backend": jax.default_backend(),
-      "device": getattr(dev, "device_kind", str(dev)), "devices": jax.device_count(),
-      "jax": jax.__version__, "input": list(input_shape), "model": config.model.name,
+def step_facts(config, input_shape, path: str) -> dict[str, Any]:
+  """The facts of the train step that a choice of field `path` depends on."""
+  return {
+      "field": path, "input": list(input_shape), "model": config.model.name,
       "width": config.model.width, "method": config.method.name,
       "batch": config.train.batch_size,
       "method_fields": {k: v for k, v in sorted(config.method.items())
                         if isinstance(v, (int, float, str, bool)) and k != "strategy"},
       "mesh": [config.mesh.get("num_devices"), config.mesh.get("model")],
   }
+
+
+def machine_key(config, input_shape, path: str) -> str:
+  """What a choice depends on: the device, the JAX version and XLA flags, the step's shapes."""
+  dev = jax.devices()[0]
+  facts = dict(step_facts(config, input_shape, path), backend=jax.default_backend(),
+               device=getattr(dev, "device_kind", str(dev)), devices=jax.device_count(),
+               jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""))
   return json.dumps(facts, sort_keys=True)
 
 
@@ -168,7 +173,8 @@ def time_train_step(steps, seed: int = 0) -> float:
 
 def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
            workdir_file: str | None = None, cache_file: str | None = None,
-           measure: Callable[[Any], float] = time_train_step) -> dict[str, Any]:
+           measure: Callable[[Any], float] = time_train_step,
+           given: dict[str, tuple[Any, str]] | None = None) -> dict[str, Any]:
   """Chooses a value for every field `config` leaves to be chosen.
 
   Args:
@@ -179,11 +185,14 @@ def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
     workdir_file: the run's own record of its choices (read first, then written).
     cache_file: this machine's record (default `default_cache_file()`).
     measure: Steps -> seconds per train step.
+    given: {field path: (value, how)} measured already (e.g. with the process's XLA flags,
+      `cpu_fusion.measured_with_flags()`): used and remembered in place of a measurement.
 
   Returns:
     {field path: value}, one entry per field that was left to be chosen.
   """
   cache_file = cache_file or default_cache_file()
+  given = given or {}
   mine, machine = read(workdir_file), read(cache_file)
   choices: dict[str, Any] = {}
   for tunable in pending(config):
@@ -193,6 +202,9 @@ def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
       value, how = tunable.rule(config), "by rule (a run of several processes)"
     elif key in mine:
       value, how = mine[key], f"kept from {workdir_file}"
+    elif path in given:
+      value, how = given[path]
+      remember(cache_file, key, value)
     elif mode == "rules":
       value, how = tunable.rule(config), "by rule"
     elif key in machine:

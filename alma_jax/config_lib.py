@@ -16,6 +16,7 @@ import re
 import ml_collections
 
 from alma_jax import autotune
+from alma_jax import cpu_fusion
 from alma_jax import fields as F
 from alma_jax import methods
 from alma_jax import models
@@ -89,6 +90,12 @@ BASE_FIELDS = (
             "how fields left to be chosen (model.conv_impl='auto', method.strategy='auto', "
             "train.steps_per_call=0) are decided: measure (time each candidate on this "
             "machine once, remembered in the cache dir) or rules", resumable=True),
+    F.Field("train.cpu_fusion", "auto", F.choice(cpu_fusion.CHOICES),
+            "XLA:CPU fusion flags of the run's process: none (XLA's default), ynn (its dot, "
+            "elementwise and reduction fusions by YNNPACK), or auto (VGG on a CPU: chosen by "
+            "measurement with train.autotune=measure, see alma_jax/cpu_fusion.py; none "
+            "otherwise); speed only, so it may change on resume (float round-off then "
+            "differs from there on)", resumable=True),
     F.Field("train.on_divergence", "raise", F.choice(("raise", "rollback")),
             "a non-finite loss raises, or rolls the stage back to its best epoch (may change "
             "when a run resumes: it does not change the records already written)",

@@ -81,6 +81,28 @@ def _parse_flags(argv):
           f"{config_resolve.override_error(config_arg, argv, e)} (see --helpfull)", 2)
 
 
+def _choose_cpu_fusion(multiprocess: bool) -> None:
+  """Sets XLA_FLAGS for `config.train.cpu_fusion` (alma_jax.cpu_fusion); a config that fails
+  to load is reported later, by the run."""
+  from alma_jax import cpu_fusion  # pylint: disable=g-import-not-at-top
+  from alma_jax import validation  # pylint: disable=g-import-not-at-top
+  try:
+    config = _CONFIG.value
+    shapes = validation.KNOWN_SHAPES.get(config.data.name)
+  except Exception:  # pylint: disable=broad-except
+    return
+  try:
+    value, how = cpu_fusion.choose(config, None if _OVERWRITE.value else _WORKDIR.value,
+                                   shapes=shapes, multiprocess=multiprocess)
+  except Exception as e:  # pylint: disable=broad-except  (a speed choice never stops a run)
+    if _DEBUG.value:
+      raise
+    value, how = cpu_fusion.RULE, f"by rule ({type(e).__name__}: {e})"
+  cpu_fusion.apply(value)
+  logging.info("%s: %r %s; XLA_FLAGS=%r", cpu_fusion.FIELD, value, how,
+               os.environ.get("XLA_FLAGS", ""))
+
+
 def _resume_command() -> str:
   args = [a for a in sys.argv[1:] if not a.lstrip("-").startswith("overwrite")]
   return shlex.join(["python", "-m", "alma_jax.main"] + args)
@@ -95,6 +117,7 @@ def main(argv):
   except Exception:  # pylint: disable=broad-except
     setting = "auto"  # a config that fails to load is reported below
   start, why = multihost.wanted(setting, _DISTRIBUTED.value)
+  _choose_cpu_fusion(multiprocess=start)  # before JAX starts its backend
   if start:
     logging.info("starting jax.distributed (%s)", why)
     multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)

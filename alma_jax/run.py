@@ -42,6 +42,7 @@ from absl import logging
 
 from alma_jax import autotune
 from alma_jax import checkpoint as ckpt_lib
+from alma_jax import cpu_fusion
 from alma_jax import interrupts
 from alma_jax import io_utils
 from alma_jax import methods
@@ -159,7 +160,13 @@ class _Loop:
       return built[key]
 
     mine = os.path.join(self.workdir, autotune.FILE)
-    self.choices = autotune.choose(c, shape, build, mode=c.train.autotune, workdir_file=mine)
+    self.choices = autotune.choose(c, shape, build, mode=c.train.autotune, workdir_file=mine,
+                                   given=cpu_fusion.measured_with_flags())
+    fusion = cpu_fusion.decision(c, shape)  # made by alma_jax.main before JAX started
+    if fusion is not None:
+      if jax.process_count() == 1:
+        autotune.remember(mine, *fusion)
+      self.choices[cpu_fusion.FIELD] = fusion[1]
     self.steps = build(autotune.with_choices(c, self.choices))
     self.method = self.steps.method
     self.keys = population.keys(self.seeds)

@@ -79,7 +79,7 @@ def test_resumable_fields_are_those_declared_resumable():
       "data.data_dir", "data.cache_dir", "data.use_cache", "data.download",
       "train.progress_every_s", "train.on_divergence", "checkpoint.enabled",
       "checkpoint.max_to_keep", "checkpoint.every", "mesh.distributed", "log.tensorboard",
-          "train.autotune"}
+          "train.autotune", "train.cpu_fusion"}
 
 
 def test_readme_names_every_declared_field():

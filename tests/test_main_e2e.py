@@ -4,9 +4,14 @@ import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 
+from alma_jax import autotune
+from alma_jax import config_resolve
+from alma_jax import cpu_fusion
+from alma_jax import validation
 from alma_jax.metrics import RECORD_KEYS
 from tests.conftest import requires_cifar10, requires_mnist
 
@@ -84,11 +89,26 @@ def test_mnist_sm_smoke_end_to_end(tmp_path):
 
 @requires_cifar10
 def test_cifar_sm_smoke_end_to_end_with_waiting(tmp_path):
-  # Measured choices are tested in tests/test_autotune.py; the rules spare the measurement.
-  proc = run_main("configs/cifar_sm.py:smoke", tmp_path, "--config.stream.wait=2",
-                  "--config.train.autotune=rules")
+  # Measured choices are tested in tests/test_autotune.py and tests/test_cpu_fusion.py. Here
+  # the convolution is set, and the machine's record holds the fusion flags (`ynn`): the run
+  # sets them before JAX starts and records the choice in its workdir and summary.
+  config, flags = "configs/cifar_sm.py:smoke", ["--config.stream.wait=2",
+                                                "--config.model.conv_impl=xla"]
+  c = config_resolve.resolve(config, flags + ["--config.mesh.num_devices=1"])
+  cache_dir, wd = tmp_path / "cache", tmp_path / "wd"
+  env = dict(os.environ, ALMA_JAX_CACHE_DIR=str(cache_dir), JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_cpu_enable_fast_math=false")
+  with mock.patch.dict(os.environ, env):
+    key = cpu_fusion.process_key(c, validation.KNOWN_SHAPES["cifar10"][0])
+  autotune.remember(str(cache_dir / autotune.FILE), key, "ynn")
+  proc = run_main(config, wd, *flags, env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  records, summary = check_outputs(tmp_path, 4)
+  assert (f"train.cpu_fusion: 'ynn' measured earlier on this machine "
+          f"({cache_dir / autotune.FILE}); XLA_FLAGS='--xla_cpu_enable_fast_math=false "
+          f"{cpu_fusion.FLAG}'") in proc.stderr
+  assert autotune.read(str(wd / autotune.FILE)) == {key: "ynn"}
+  records, summary = check_outputs(wd, 4)
+  assert summary["choices"] == {"train.cpu_fusion": "ynn"}
   assert [r["trained"] for r in records] == [False, False, True, False, True]
   # While waiting, the model is unchanged: same error, no training compute.
   assert records[1]["test_error"] == records[0]["test_error"]
