@@ -46,6 +46,13 @@ def save(fig, path_stem: str, formats: Sequence[str] = ("png", "pdf")) -> None:
       fig.savefig(f, format=fmt, dpi=110)
 
 
+def mean_std(vals) -> tuple[float, float]:
+  """Mean and sample standard deviation (ddof=1; 0 for a single value) of `vals`: the
+  error bars of every figure and table."""
+  vals = np.asarray(vals, np.float64)
+  return float(vals.mean()), float(vals.std(ddof=1)) if len(vals) > 1 else 0.0
+
+
 def _colors(names: Sequence[str]) -> dict[str, str]:
   return {n: f"C{i % 10}" for i, n in enumerate(sorted(set(names)))}
 
@@ -185,7 +192,7 @@ def lm_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   out: dict[str, list[Series]] = {k: [] for k in xs}
   for method, members in by_method.items():
     for panel, fx in xs.items():
-      pts = sorted((_mean_std([fx(r) for r in g.finished]), _mean_std(
+      pts = sorted((mean_std([fx(r) for r in g.finished]), mean_std(
           [_avg_perplexity(r) for r in g.finished])) for g in members)
       pts = [p for p in pts if not math.isnan(p[0][0])]
       if pts:
@@ -195,8 +202,6 @@ def lm_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   return {k: v for k, v in out.items() if v}
 
 
-def _mean_std(vals) -> tuple[float, float]:
-  return float(np.mean(vals)), float(np.std(vals))
 
 
 # -- the figures of one data set ---------------------------------------------------------------------

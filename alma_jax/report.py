@@ -9,7 +9,7 @@ differ only by their seed, and writes into `--out`, per data set:
 * `tradeoffs_<data>.png/.pdf`: CER (%) vs paper-comparable training TFLOPs
   (`comp_paper`, forward multiply-adds x examples) and vs Mem, one colour per
   method, a line across widths, a marker per waiting time (paper Fig. 2/7);
-  error bars are one standard deviation over seeds.
+  error bars are one sample standard deviation (ddof=1) over seeds.
 * `error_<data>.png/.pdf`: test error vs mega-batch t, one panel per width
   (Fig. 1/3), the band one standard deviation over seeds.
 * `wait_<data>.png/.pdf`: CER vs waiting time w, a line per config over its
@@ -22,7 +22,9 @@ differ only by their seed, and writes into `--out`, per data set:
 * `gating_<run>.png/.pdf`: for each gMoE config, its first seed's gating
   tree over a 2-D PCA embedding of test inputs, from its last checkpoint
   (`alma_jax.gating_plot`; `--nogating` skips it).
-* `report.md`: one row per group (mean ± std over its seeds) and the figures.
+* `report.md`: per data set, a table with one row per group (mean ± sample
+  std over its seeds; language models also their final and mean test
+  perplexity) and the figures.
 
 A run without a summary (unfinished) is listed in the table but left out of
 the CER figures. A folder that is not a run is an error naming what it lacks.
@@ -149,7 +151,7 @@ class Group:
     vals = [float(r.summary[field]) for r in self.finished if field in r.summary]
     if not vals:
       return math.nan, math.nan
-    return float(np.mean(vals)), float(np.std(vals))
+    return plots.mean_std(vals)
 
   def curve(self, field: str = "test_error") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(t, mean, std) of a per-step field over the seeds, up to the shortest log."""
@@ -159,7 +161,7 @@ class Group:
     n = min(len(c) for c in curves)
     stack = np.stack([c[:n] for c in curves])
     t = np.asarray([int(r["t"]) for r in self.runs[0].records[:n]])
-    return t, stack.mean(0), stack.std(0)
+    return t, stack.mean(0), stack.std(0, ddof=1) if len(stack) > 1 else np.zeros(n)
 
   def label(self, fields: Sequence[str]) -> str:
     return " ".join(_fmt(self.get(f)) if f == "method.name" else
@@ -195,6 +197,9 @@ def varying_fields(groups: Sequence[Group]) -> list[str]:
 TABLE_STATS = (("cer_percent", "CER (%)", "{:.2f}"), ("final_error", "final error", "{:.4f}"),
                ("mem", "Mem", "{:.4g}"), ("comp_paper", "Comp (TFLOPs, paper)", "{:.4g}"),
                ("comp", "Comp (TFLOPs, train step)", "{:.4g}"), ("wall_s", "wall (s)", "{:.1f}"))
+# Language models also show their perplexities (columns only where a group has them).
+PERPLEXITY_STATS = (("final_perplexity", "final perplexity", "{:.2f}"),
+                    ("mean_perplexity", "mean perplexity", "{:.2f}"))
 _TERA = ("comp_paper", "comp")
 
 
@@ -210,14 +215,16 @@ def _cell(group: Group, field: str, fmt: str) -> str:
 def table(groups: Sequence[Group]) -> str:
   """A Markdown table: one row per group, mean ± std over its finished seeds."""
   fields = varying_fields(groups)
+  stats = TABLE_STATS + tuple(s for s in PERPLEXITY_STATS
+                              if any(not math.isnan(g.stat(s[0])[0]) for g in groups))
   head = ["data"] + [f.split(".")[-1] if f in KEY_FIELDS else f for f in fields] + ["seeds"]
-  head += [name for _, name, _ in TABLE_STATS]
+  head += [name for _, name, _ in stats]
   rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for g in groups:
     n_done = len(g.finished)
     seeds = f"{n_done}" if n_done == len(g.runs) else f"{n_done} of {len(g.runs)} finished"
     cells = [g.dataset] + [_fmt(g.get(f)) for f in fields] + [seeds]
-    cells += [_cell(g, f, fmt) for f, _, fmt in TABLE_STATS]
+    cells += [_cell(g, f, fmt) for f, _, fmt in stats]
     rows.append("| " + " | ".join(cells) + " |")
   return "\n".join(rows) + "\n"
 
@@ -258,16 +265,16 @@ def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True) -> d
   by_data = collections.OrderedDict()
   for g in groups:
     by_data.setdefault(g.dataset, []).append(g)
-  for data, gs in by_data.items():
-    figures.update(plots.dataset_figures(data, gs, varying_fields(gs), out))
-  if gating:
-    figures.update(gating_figures(groups, out))
   text = ["# ALMA report", "", f"{sum(len(g.runs) for g in groups)} runs in {len(groups)} "
-          "groups (runs that differ only by their seed); mean ± standard deviation over seeds. "
-          "Comp (paper) counts forward multiply-adds × training examples, the unit of the "
-          "paper's figures.", "", table(groups)]
-  for name in figures:
-    text += [f"![{name}]({name}.png)", ""]
+          "groups (runs that differ only by their seed); mean ± sample standard deviation "
+          "(ddof=1) over seeds. Comp (paper) counts forward multiply-adds × training examples, "
+          "the unit of the paper's figures.", ""]
+  for data, gs in by_data.items():
+    drawn = plots.dataset_figures(data, gs, varying_fields(gs), out)
+    if gating:
+      drawn.update(gating_figures(gs, out))
+    figures.update(drawn)
+    text += [f"## {data}", "", table(gs)] + [f"![{name}]({name}.png)\n" for name in drawn]
   io_utils.write_text_atomic(os.path.join(out, "report.md"), "\n".join(text))
   return figures
 

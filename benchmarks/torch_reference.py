@@ -1,21 +1,29 @@
-"""The project's train step against the same model trained the same way in PyTorch, in one process.
+"""The project's train step against the same model trained the same way in PyTorch, in one run.
 
 Ratios between frameworks are only meaningful when measured on one machine at
 one time: CPUs of the same name differ by host, and a figure quoted from
-elsewhere compares machines, not code. This script builds, in one process,
+elsewhere compares machines, not code. This script times, in one run,
   * the project's real compiled train call (`benchmarks/train_speed.py`'s
     `make_trainer`, synthetic data of the real shapes), once per convolution
-    implementation for the VGG, so the row shows what `model.conv_impl=auto`
-    would choose by measurement; and
+    implementation for the VGG and, for the VGG on a CPU, once per setting
+    of XLA:CPU's fusion flags (`train.cpu_fusion`: none, ynn), so the row
+    shows what the run's choices by measurement would pick; and
   * the same backbone in PyTorch: the reduced VGG19 (16 conv3x3 of width C
     without bias, BatchNorm, ReLU, 2x2 max-pools after blocks of 2, 2, 4, 4,
     4, a linear head) trained with SGD (lr 0.01, momentum 0.9, weight decay
     1e-4) on random 4-pixel-padded crops and flips done on the batch, or the
     MLP 784-H-H-10 trained with Adadelta (lr 1.0); batch 128, uint8 images
     normalised in the step, as the project does;
-then alternates timed blocks of the two (JAX, torch, JAX, torch, ...) and
-reports median images per second and the ratio of the medians (> 1: the
-project is faster), with the range of the per-block ratios.
+  PyTorch as its users run it (glibc's default allocator) and with the
+    allocator tuning that `alma_jax.main` applies to itself
+    (`alma_jax/cpu_tuning.py`; it made PyTorch faster too at width 64 on one
+    CPU), so the comparison can be read both ways;
+then alternates timed blocks of all of them (each setting's XLA flags and
+each allocator need a process of their own: one worker process per party,
+started one after another and then driven block by block, so only one runs
+at a time) and reports median images per second and the ratios of the
+medians (> 1: the project is faster), with the range of the per-block
+ratios of the project's fastest variant.
 
 PyTorch is not a dependency of the package: install it beside the project
 for benchmarking (e.g. `pip install torch --index-url
@@ -33,11 +41,13 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from alma_jax import cpu_fusion  # pylint: disable=wrong-import-position
 from alma_jax import cpu_tuning  # pylint: disable=wrong-import-position
 from alma_jax.models import vgg  # pylint: disable=wrong-import-position
 from benchmarks import train_speed  # pylint: disable=wrong-import-position
@@ -56,8 +66,8 @@ def _parse():
   p.add_argument("--repeats", type=int, default=5, help="timed blocks per framework")
   p.add_argument("--seconds_per_repeat", type=float, default=3.0)
   p.add_argument("--batch_size", type=int, default=128)
-  p.add_argument("--no_malloc_tuning", action="store_true")
   p.add_argument("--json", default="", help="write the results here as JSON")
+  p.add_argument("--worker", default="", help=argparse.SUPPRESS)  # a party's process (internal)
   return p.parse_args()
 
 
@@ -118,73 +128,145 @@ def torch_trainer(torch, backbone: str, width: int, batch_size: int, seed: int =
   return run, batch_size
 
 
-def bench(name, args, jax, np, torch) -> dict:
-  backbone, width, jax_rows = ROWS[name]
-  jax_trainers = {}
-  for row in jax_rows:
-    tr = train_speed.make_trainer(row, args.batch_size, jax, np)
-    compile_s, _ = tr.warm_up()
-    tr.run(1)
-    jax_trainers[row] = (tr, compile_s)
-  t_run, t_images = torch_trainer(torch, backbone, width, args.batch_size)
-  t_run(2)  # warm-up
-  per_step = t_run(2) / 2
-  t_steps = max(1, int(args.seconds_per_repeat / max(per_step, 1e-4)))
-  rates = {row: [] for row in jax_rows}
-  rates["torch"] = []
-  calls = {}
-  for row, (tr, _) in jax_trainers.items():
-    per_call = tr.run(2) / 2
-    calls[row] = max(1, int(args.seconds_per_repeat / max(per_call, 1e-4)))
-  for _ in range(args.repeats):  # alternate: drifts of the machine hit both alike
-    for row, (tr, _) in jax_trainers.items():
-      rates[row].append(calls[row] * tr.images_per_call / tr.run(calls[row]))
-    rates["torch"].append(t_steps * t_images / t_run(t_steps))
-  best = max(jax_rows, key=lambda r: statistics.median(rates[r]))
+# -- the parties, each in a process of its own --------------------------------------------------
+def parties(name: str) -> list[dict]:
+  """The worker processes of row `name`: {"label", "kind", "fusion" or "allocator"}."""
+  backbone = ROWS[name][0]
+  fusions = cpu_fusion.SETTINGS if backbone == "vgg" else ("none",)
+  out = [{"label": f"project/{f}", "kind": "project", "fusion": f} for f in fusions]
+  out += [{"label": "torch/default malloc", "kind": "torch", "allocator": "default"},
+          {"label": "torch/tuned malloc", "kind": "torch", "allocator": "tuned"}]
+  return out
+
+
+def _worker(spec: dict) -> None:
+  """A party's process: builds its trainers, then answers `RUN <trainer> <calls>` lines."""
+  name, batch = spec["row"], spec["batch_size"]
+  if spec["kind"] == "project" or spec.get("allocator") == "tuned":
+    cpu_tuning.apply()
+  if spec["kind"] == "project":
+    import jax  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    trainers, info = {}, {"jax": jax.__version__, "backend": jax.default_backend()}
+    for row in ROWS[name][2]:
+      tr = train_speed.make_trainer(row, batch, jax, np)
+      compile_s, _ = tr.warm_up()
+      tr.run(1)
+      trainers[row.split("_")[-1]] = (lambda tr=tr: tr.run, tr.images_per_call, compile_s)
+  else:
+    import torch  # pylint: disable=g-import-not-at-top
+    run, images = torch_trainer(torch, ROWS[name][0], ROWS[name][1], batch)
+    run(2)  # warm-up
+    trainers = {"torch": (lambda: run, images, 0.0)}
+    info = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+            "device": "cuda" if torch.cuda.is_available() else "cpu"}
+  info.update(malloc_tuned=cpu_tuning.is_applied(), xla_flags=os.environ.get("XLA_FLAGS", ""))
+  per_call = {k: get()(2) / 2 for k, (get, _, _) in trainers.items()}
+  print("READY " + json.dumps({"info": info, "per_call": per_call,
+                               "compile_s": {k: v[2] for k, v in trainers.items()}}), flush=True)
+  for line in sys.stdin:
+    what, trainer, calls = line.split()
+    if what != "RUN":
+      break
+    get, images, _ = trainers[trainer]
+    seconds = get()(int(calls))
+    print("RATE " + json.dumps(int(calls) * images / seconds), flush=True)
+
+
+class Party:
+  """A running worker process of one party."""
+
+  def __init__(self, spec: dict, name: str, batch_size: int):
+    self.spec = dict(spec, row=name, batch_size=batch_size)
+    env = dict(os.environ)
+    for k in [k for k in env if k.startswith("MALLOC_")]:
+      del env[k]  # the allocator is the party's own choice
+    env["XLA_FLAGS"] = cpu_fusion.flags_with(spec.get("fusion", "none"),
+                                             env.get("XLA_FLAGS", ""))
+    self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__),
+                                  f"--worker={json.dumps(self.spec)}"], env=env,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    self.ready = self._reply("READY")
+
+  def _reply(self, tag: str):
+    line = self.proc.stdout.readline()
+    if not line.startswith(tag + " "):
+      self.proc.kill()
+      raise SystemExit(f"the worker of {self.spec['label']} failed (exit {self.proc.wait()})")
+    return json.loads(line[len(tag) + 1:])
+
+  def rate(self, trainer: str, calls: int) -> float:
+    self.proc.stdin.write(f"RUN {trainer} {calls}\n")
+    self.proc.stdin.flush()
+    return self._reply("RATE")
+
+  def close(self) -> None:
+    self.proc.stdin.close()
+    self.proc.wait()
+
+
+def bench(name: str, args) -> dict:
+  """Alternating blocks of every party's trainers for row `name`."""
+  running = [Party(spec, name, args.batch_size) for spec in parties(name)]  # one at a time
+  try:
+    series = {}  # "label/trainer" -> (party, trainer, calls per block)
+    for p in running:
+      for trainer, per_call in p.ready["per_call"].items():
+        calls = max(1, int(args.seconds_per_repeat / max(per_call, 1e-4)))
+        key = p.spec["label"] if p.spec["kind"] == "torch" else f"{p.spec['label']}/{trainer}"
+        series[key] = (p, trainer, calls)
+    rates = {k: [] for k in series}
+    for _ in range(args.repeats):  # alternate: drifts of the machine hit every party alike
+      for k, (p, trainer, calls) in series.items():
+        rates[k].append(p.rate(trainer, calls))
+  finally:
+    for p in running:
+      p.close()
   med = {k: statistics.median(v) for k, v in rates.items()}
-  block_ratios = [a / b for a, b in zip(rates[best], rates["torch"])]
-  return {"row": name, "backbone": backbone, "width": width, "batch_size": args.batch_size,
-          "jax_img_s": {k: med[k] for k in jax_rows}, "jax_best": best,
-          "jax_compile_s": {k: v[1] for k, v in jax_trainers.items()},
-          "torch_img_s": med["torch"], "ratio": med[best] / med["torch"],
-          "ratio_min": min(block_ratios), "ratio_max": max(block_ratios),
-          "rates": rates, "repeats": args.repeats}
+  project = [k for k in med if k.startswith("project/")]
+  best = max(project, key=med.get)
+  out = {"row": name, "backbone": ROWS[name][0], "width": ROWS[name][1],
+         "batch_size": args.batch_size, "repeats": args.repeats, "img_s": med, "rates": rates,
+         "best": best, "info": {p.spec["label"]: p.ready["info"] for p in running},
+         "compile_s": {p.spec["label"]: p.ready["compile_s"] for p in running}}
+  for torch_label in ("torch/default malloc", "torch/tuned malloc"):
+    blocks = [a / b for a, b in zip(rates[best], rates[torch_label])]
+    out[f"ratio vs {torch_label}"] = (med[best] / med[torch_label], min(blocks), max(blocks))
+  return out
 
 
 def main():
   args = _parse()
+  if args.worker:
+    _worker(json.loads(args.worker))
+    return
   names = [r for r in args.rows.split(",") if r]
   for n in names:
     if n not in ROWS:
       raise SystemExit(f"--rows: unknown row {n!r}; valid rows: {list(ROWS)}")
   try:
-    import torch  # pylint: disable=g-import-not-at-top
+    import torch  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
     raise SystemExit("torch_reference.py needs PyTorch: pip install torch (see the docstring)")
-  if not args.no_malloc_tuning:
-    cpu_tuning.apply()
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  env = {"jax": jax.__version__, "torch": torch.__version__, "backend": jax.default_backend(),
-         "torch_device": "cuda" if torch.cuda.is_available() else "cpu",
-         "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-         "malloc_tuned": cpu_tuning.is_applied()}
-  print(f"# one process: jax {env['jax']} ({env['backend']}), torch {env['torch']} "
-        f"({env['torch_threads']} threads), {env['cpus']} CPUs, allocator tuned: "
-        f"{env['malloc_tuned']}; {args.repeats} alternating blocks of ~{args.seconds_per_repeat} s",
-        flush=True)
-  print("| row | project img/s (per conv impl) | torch img/s | project / torch (block range) |")
-  print("|---|---|---|---|", flush=True)
+  print(f"# {os.cpu_count()} CPUs; one worker process per party, {args.repeats} alternating "
+        f"blocks of ~{args.seconds_per_repeat} s; img/s medians", flush=True)
+  print("| row | project img/s (fusion/conv impl) | torch img/s (default / tuned malloc) | "
+        "best project / torch default (block range) | / torch tuned |")
+  print("|---|---|---|---|---|", flush=True)
   results = []
   for n in names:
-    r = bench(n, args, jax, np, torch)
+    r = bench(n, args)
     results.append(r)
-    impls = ", ".join(f"{k.split('_')[-1]} {v:,.0f}" for k, v in r["jax_img_s"].items())
-    print(f"| {n} | {impls} | {r['torch_img_s']:,.0f} | {r['ratio']:.2f}x "
-          f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) |", flush=True)
+    proj = ", ".join(f"{k[len('project/'):]} {v:,.0f}" for k, v in r["img_s"].items()
+                     if k.startswith("project/"))
+    (d, dlo, dhi), (t, tlo, thi) = (r["ratio vs torch/default malloc"],
+                                    r["ratio vs torch/tuned malloc"])
+    print(f"| {n} | {proj} | {r['img_s']['torch/default malloc']:,.0f} / "
+          f"{r['img_s']['torch/tuned malloc']:,.0f} | {d:.2f}x ({dlo:.2f}-{dhi:.2f}) | "
+          f"{t:.2f}x ({tlo:.2f}-{thi:.2f}) |", flush=True)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"env": env, "results": results}, f, indent=2)
+      json.dump({"results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def _summary(records):
           "wall_s": 1.0}
 
 
-def _write(path, config, records, finished=True):
+def _write(path, config, records, finished=True, summary_extra=None):
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, wd.CONFIG_FILE), "w") as f:
     json.dump(config, f)
@@ -62,7 +62,7 @@ def _write(path, config, records, finished=True):
     f.writelines(json.dumps(r) + "\n" for r in records)
   if finished:
     with open(os.path.join(path, wd.SUMMARY_FILE), "w") as f:
-      json.dump(_summary(records), f)
+      json.dump(dict(_summary(records), **(summary_extra or {})), f)
   return str(path)
 
 
@@ -92,12 +92,12 @@ def test_seeds_are_grouped_and_their_mean_and_std_computed(runs):
   sm8 = by[("sm", 8, 0.0)]
   assert sm8.seeds == [0, 1]
   mean, std = sm8.stat("cer_percent")
-  np.testing.assert_allclose([mean, std], [np.mean([230, 310]), np.std([230, 310])])
+  np.testing.assert_allclose([mean, std], [np.mean([230, 310]), np.std([230, 310], ddof=1)])
   ens = by[("ens", 8, 0.0)]
   assert ens.seeds == [0, 1]  # the seed_<k> folders of a num_seeds run
   t, m, s = ens.curve()
   np.testing.assert_allclose(m, [0.8, 0.3, 0.2, 0.2, 0.1])
-  np.testing.assert_allclose(s, [0.0, 0.1, 0.0, 0.0, 0.1])
+  np.testing.assert_allclose(s, np.sqrt(2) * np.array([0.0, 0.1, 0.0, 0.0, 0.1]))  # ddof=1
   np.testing.assert_array_equal(t, np.arange(5))
 
 
@@ -112,9 +112,9 @@ def test_report_writes_figures_whose_data_are_the_runs(runs, tmp_path):
   sm = comp["sm wait=1 replay=0"]
   assert sm["widths"] == [8, 16]
   np.testing.assert_allclose(sm["x"], [8.0, 16.0])  # TFLOPs: mean of 4 and 12; 16
-  np.testing.assert_allclose(sm["xerr"], [4.0, 0.0])
+  np.testing.assert_allclose(sm["xerr"], [4.0 * np.sqrt(2), 0.0])  # sample std of 4, 12
   np.testing.assert_allclose(sm["y"], [270.0, 160.0])
-  np.testing.assert_allclose(sm["yerr"], [40.0, 0.0])
+  np.testing.assert_allclose(sm["yerr"], [40.0 * np.sqrt(2), 0.0])
   assert sm["marker"] == "o" and sm["color"] != comp["ens wait=1 replay=0"]["color"]
   mem = {s["label"]: s for s in figs["tradeoffs_mnist"]["mem"]}
   np.testing.assert_allclose(mem["sm wait=1 replay=0"]["x"], [500, 2000])
@@ -127,7 +127,7 @@ def test_report_writes_figures_whose_data_are_the_runs(runs, tmp_path):
   ens = {s["label"]: s for s in panels["width=8"]}["ens wait=1 replay=0"]
   np.testing.assert_allclose(ens["y"], [80, 30, 20, 20, 10])
   text = (out / "report.md").read_text()
-  assert "| mnist | sm | 8 | 1 | 0 | 2 | 270.00 ± 40.00 |" in text
+  assert "| mnist | sm | 8 | 1 | 0 | 2 | 270.00 ± 56.57 |" in text
   assert "![tradeoffs_mnist](tradeoffs_mnist.png)" in text
   assert "lm_mnist" not in figs
 
@@ -141,7 +141,7 @@ def test_wait_figure_has_a_line_per_config_over_its_waits(runs, tmp_path):
   assert line["label"] == "sm width=8 replay=0"
   np.testing.assert_allclose(line["x"], [1.0, 2.0])
   np.testing.assert_allclose(line["y"], [270.0, 250.0])
-  np.testing.assert_allclose(line["yerr"], [40.0, 0.0])
+  np.testing.assert_allclose(line["yerr"], [40.0 * np.sqrt(2), 0.0])
   assert (tmp_path / "out" / "wait_mnist.png").stat().st_size > 1000
 
 
@@ -170,6 +170,20 @@ def test_language_model_figure_from_perplexity_records(tmp_path):
   gmoe = {s["label"]: s for s in lm["experts"]}["gmoe"]
   np.testing.assert_allclose(gmoe["x"], [4])
   assert (tmp_path / "out" / "lm_mnist.pdf").exists()
+
+
+def test_one_table_per_data_set_with_perplexities_where_runs_have_them(tmp_path):
+  dirs = [_write(tmp_path / f"lm{i}", _config(width=8, seed=i, dataset="tiny_shakespeare"),
+                 _records([0.5] * 5),
+                 summary_extra={"final_perplexity": p, "mean_perplexity": 2 * p})
+          for i, p in enumerate([30.0, 40.0])]
+  dirs.append(_write(tmp_path / "img", _config(width=16), _records([0.5] * 5)))
+  report.write_report(dirs, str(tmp_path / "out"), gating=False)
+  text = (tmp_path / "out" / "report.md").read_text()
+  img, lm = text.split("## mnist")[1].split("## tiny_shakespeare")
+  assert "perplexity" not in img and "| mnist | sm | 16 |" in img
+  assert "| final perplexity | mean perplexity |" in lm
+  assert "| 35.00 ± 7.07 | 70.00 ± 14.14 |" in lm  # mean ± sample std of 30, 40 (and doubled)
 
 
 def test_a_folder_that_is_not_a_run_is_named_with_what_it_lacks(tmp_path):
