@@ -164,11 +164,15 @@ class Group:
     return t, stack.mean(0), stack.std(0, ddof=1) if len(stack) > 1 else np.zeros(n)
 
   def label(self, fields: Sequence[str]) -> str:
+    """The values of `fields` that this group has (another method's fields are left out)."""
     return " ".join(_fmt(self.get(f)) if f == "method.name" else
-                    f"{f.split('.')[-1]}={_fmt(self.get(f))}" for f in fields)
+                    f"{f.split('.')[-1]}={_fmt(self.get(f))}" for f in fields
+                    if self.get(f) is not None)
 
 
 def _fmt(v: Any) -> str:
+  if v is None:  # a field of another method
+    return "–"
   return f"{v:g}" if isinstance(v, float) else str(v)
 
 
