@@ -101,39 +101,33 @@ def tradeoff_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   return out
 
 
-def replay_series(groups, fields: Sequence[str]) -> list[Series]:
-  """Segments from each config without replay to the same config with replay."""
+def _lines_over(groups, fields: Sequence[str], field: str):
+  """(the other fields, a colour per method, [the finished groups of one config sorted by
+  `field`]) for every config that has two or more values of `field`."""
   groups = [g for g in groups if g.finished]
-  others = [f for f in fields if f != "stream.replay"]
+  others = [f for f in fields if f != field]
   colors = _colors([str(g.get("method.name")) for g in groups])
   lines: dict[tuple, list] = {}
   for g in groups:
     lines.setdefault(_line_key(g, others), []).append(g)
-  out = []
-  for members in lines.values():
-    if len({g.get("stream.replay") for g in members}) < 2:
-      continue
-    members = sorted(members, key=lambda g: float(g.get("stream.replay") or 0))
-    out.append(dict(_stat_points(members, "comp_paper", "cer_percent", TERA),
-                    label=members[0].label(others), color=colors[str(members[0].get("method.name"))],
-                    replay=[g.get("stream.replay") for g in members]))
-  return out
+  return others, colors, [sorted(m, key=lambda g: float(g.get(field) or 0))
+                          for m in lines.values() if len({g.get(field) for g in m}) > 1]
+
+
+def replay_series(groups, fields: Sequence[str]) -> list[Series]:
+  """Segments from each config without replay to the same config with replay."""
+  others, colors, lines = _lines_over(groups, fields, "stream.replay")
+  return [dict(_stat_points(members, "comp_paper", "cer_percent", TERA),
+               label=members[0].label(others), color=colors[str(members[0].get("method.name"))],
+               replay=[g.get("stream.replay") for g in members]) for members in lines]
 
 
 def wait_series(groups, fields: Sequence[str]) -> list[Series]:
   """CER against the waiting time w: one series per config over its waits (two or more)."""
-  groups = [g for g in groups if g.finished]
-  others = [f for f in fields if f != "stream.wait"]
-  colors = _colors([str(g.get("method.name")) for g in groups])
+  others, colors, lines = _lines_over(groups, fields, "stream.wait")
   markers = _markers([str(g.get("model.width")) for g in groups])
-  lines: dict[tuple, list] = {}
-  for g in groups:
-    lines.setdefault(_line_key(g, others), []).append(g)
   out = []
-  for members in lines.values():
-    if len({g.get("stream.wait") for g in members}) < 2:
-      continue
-    members = sorted(members, key=lambda g: float(g.get("stream.wait") or 0))
+  for members in lines:
     cer = [g.stat("cer_percent") for g in members]
     first = members[0]
     out.append({"label": first.label(others), "color": colors[str(first.get("method.name"))],
