@@ -53,6 +53,13 @@ def mean_std(vals) -> tuple[float, float]:
   return float(vals.mean()), float(vals.std(ddof=1)) if len(vals) > 1 else 0.0
 
 
+def mean_std_columns(rows) -> tuple[np.ndarray, np.ndarray]:
+  """Per column of `rows` (one row per seed): mean and sample standard deviation (as
+  `mean_std`)."""
+  rows = np.asarray(rows, np.float64)
+  return rows.mean(0), rows.std(0, ddof=1) if len(rows) > 1 else np.zeros(rows.shape[1:])
+
+
 def _colors(names: Sequence[str]) -> dict[str, str]:
   return {n: f"C{i % 10}" for i, n in enumerate(sorted(set(names)))}
 
@@ -164,38 +171,45 @@ def _draw_curves(ax, series: Sequence[Series]) -> None:
 PERPLEXITY_FIELD = "test_perplexity"
 
 
-def _avg_perplexity(run) -> float:
-  return float(np.mean(run.curve(PERPLEXITY_FIELD)))
-
-
 def has_perplexity(group) -> bool:
   return any(r.records and PERPLEXITY_FIELD in r.records[0] for r in group.runs)
 
 
+def _lm_trajectory(run, n: int) -> dict[str, np.ndarray]:
+  """Per mega-batch t = 1 .. n-1 of one run: the test perplexity averaged over 1 .. t (the
+  summary's `mean_perplexity` at the end), the compute spent up to t, parameters and experts."""
+  recs = run.records[1:n]
+  ppl = np.asarray([float(r[PERPLEXITY_FIELD]) for r in recs])
+  return {"y": np.cumsum(ppl) / np.arange(1, len(ppl) + 1),
+          "comp": np.cumsum([float(r.get("train_macs", 0.0)) for r in run.records[:n]])[1:] * TERA,
+          "params": np.asarray([float(r["num_params"]) for r in recs]),
+          "experts": np.asarray([float(r.get("num_experts", math.nan)) for r in recs])}
+
+
 def lm_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
-  """{"comp", "params", "experts"}: average perplexity over the stream of each config, one
-  series per method across the other fields; `experts` only when records carry `num_experts`."""
+  """{"comp", "params", "experts"}: the paper's Fig. 5, one trajectory per config with a point
+  per mega-batch t >= 1: the perplexity averaged over the mega-batches so far against the
+  compute spent so far, the parameters and the experts at t (mean ± std over seeds);
+  `experts` only when records carry `num_experts`."""
   groups = [g for g in groups if g.finished and has_perplexity(g)]
-  colors = _colors([str(g.get("method.name")) for g in groups])
-  by_method: dict[str, list] = {}
+  colors = _colors([g.label(fields) for g in groups])
+  markers = _markers([str(g.get("method.name")) for g in groups])
+  out: dict[str, list[Series]] = {"comp": [], "params": [], "experts": []}
   for g in groups:
-    by_method.setdefault(str(g.get("method.name")), []).append(g)
-  xs = {"comp": lambda r: r.summary["comp_paper"] * TERA,
-        "params": lambda r: float(r.records[-1]["num_params"]),
-        "experts": lambda r: float(r.records[-1].get("num_experts", math.nan))}
-  out: dict[str, list[Series]] = {k: [] for k in xs}
-  for method, members in by_method.items():
-    for panel, fx in xs.items():
-      pts = sorted((mean_std([fx(r) for r in g.finished]), mean_std(
-          [_avg_perplexity(r) for r in g.finished])) for g in members)
-      pts = [p for p in pts if not math.isnan(p[0][0])]
-      if pts:
-        out[panel].append({"label": method, "color": colors[method],
-                           "x": [p[0][0] for p in pts], "xerr": [p[0][1] for p in pts],
-                           "y": [p[1][0] for p in pts], "yerr": [p[1][1] for p in pts]})
+    n = min(len(r.records) for r in g.finished)
+    if n < 2:
+      continue
+    runs = [_lm_trajectory(r, n) for r in g.finished]
+    y, ystd = mean_std_columns([r["y"] for r in runs])
+    for panel in out:
+      x, xstd = mean_std_columns([r[panel] for r in runs])
+      if np.isnan(x).any():
+        continue
+      out[panel].append({"label": g.label(fields), "color": colors[g.label(fields)],
+                         "marker": markers[str(g.get("method.name"))],
+                         "x": x.tolist(), "xerr": xstd.tolist(),
+                         "y": y.tolist(), "yerr": ystd.tolist()})
   return {k: v for k, v in out.items() if v}
-
-
 
 
 # -- the figures of one data set ---------------------------------------------------------------------
@@ -272,7 +286,9 @@ def dataset_figures(data: str, groups, fields: Sequence[str],
                                                       for s in v}))
     for ax, (panel, series) in zip(axes, lm.items()):
       _draw(ax, series)
-      _finish(ax, labels[panel], "average perplexity", data, logx=panel != "experts")
+      _finish(ax, labels[panel], "average perplexity (mega-batches 1..t)", data,
+              logx=panel != "experts")
+      ax.set_yscale("log")
     _legend(fig, axes)
     save(fig, os.path.join(out, f"lm_{data}"))
     figures[f"lm_{data}"] = lm

@@ -54,6 +54,11 @@ from alma_jax import workdir as wd
 # Config fields that tell groups apart in labels and table columns, in this order.
 KEY_FIELDS = ("method.name", "model.width", "stream.wait", "stream.replay")
 SEED_FIELDS = ("seed", "num_seeds")
+# Fields that change how a run is executed, not what it computes: groups that differ in them stay
+# apart, but labels and table columns leave them out (a config that evaluates in smaller batches
+# to bound its memory would otherwise carry "eval_batch_size=..." on every other line).
+UNLABELLED_FIELDS = ("train.eval_batch_size", "train.steps_per_call", "model.conv_impl",
+                     "method.strategy", "train.autotune", "train.cpu_fusion")
 
 
 class ReportError(ValueError):
@@ -159,9 +164,8 @@ class Group:
     if not curves:
       return np.zeros(0), np.zeros(0), np.zeros(0)
     n = min(len(c) for c in curves)
-    stack = np.stack([c[:n] for c in curves])
     t = np.asarray([int(r["t"]) for r in self.runs[0].records[:n]])
-    return t, stack.mean(0), stack.std(0, ddof=1) if len(stack) > 1 else np.zeros(n)
+    return (t,) + plots.mean_std_columns([c[:n] for c in curves])
 
   def label(self, fields: Sequence[str]) -> str:
     """The values of `fields` that this group has (another method's fields are left out)."""
@@ -190,7 +194,8 @@ def varying_fields(groups: Sequence[Group]) -> list[str]:
   """KEY_FIELDS plus the other config fields whose values differ between groups."""
   if not groups:
     return list(KEY_FIELDS)
-  keys = set().union(*(g.flat for g in groups)) - set(SEED_FIELDS) - set(config_lib.resumable_paths())
+  keys = (set().union(*(g.flat for g in groups)) - set(SEED_FIELDS) - set(UNLABELLED_FIELDS)
+          - set(config_lib.resumable_paths()))
   def differs(k):  # among the groups that have the field (methods declare their own)
     return len({json.dumps(g.flat[k], default=repr) for g in groups if k in g.flat}) > 1
   other = sorted(k for k in keys - set(KEY_FIELDS) if differs(k))

@@ -145,6 +145,23 @@ def test_wait_figure_has_a_line_per_config_over_its_waits(runs, tmp_path):
   assert (tmp_path / "out" / "wait_mnist.png").stat().st_size > 1000
 
 
+def test_execution_fields_keep_groups_apart_but_stay_out_of_labels(runs, tmp_path):
+  config = _config(width=32)
+  config["train"]["eval_batch_size"] = 128  # how it is evaluated, not what is computed
+  extra = _write(tmp_path / "sm32", config, _records([0.9, 0.2, 0.1, 0.1, 0.1]))
+  groups = report.load_groups(runs + [extra])
+  assert len(groups) == 5  # a group of its own
+  fields = report.varying_fields(groups)
+  assert "train.eval_batch_size" not in fields
+  assert {g.label(fields) for g in groups} >= {"sm width=32 wait=1 replay=0"}
+  report.write_report(runs + [extra], str(tmp_path / "out"), gating=False)
+  assert "eval_batch_size" not in (tmp_path / "out" / "report.md").read_text()
+  # A field that does change the computation still shows where it differs.
+  config["train"]["epochs"] = 7
+  other = _write(tmp_path / "sm32e", config, _records([0.9, 0.2, 0.1, 0.1, 0.1]))
+  assert "train.epochs" in report.varying_fields(report.load_groups(runs + [other]))
+
+
 def test_unfinished_runs_are_listed_but_not_in_the_cer_figures(tmp_path):
   done = _write(tmp_path / "a", _config(), _records([0.5] * 5))
   partial = _write(tmp_path / "b", _config(width=32), _records([0.5, 0.4]), finished=False)
@@ -154,21 +171,32 @@ def test_unfinished_runs_are_listed_but_not_in_the_cer_figures(tmp_path):
   assert "0 of 1 finished" in (tmp_path / "out" / "report.md").read_text()
 
 
-def test_language_model_figure_from_perplexity_records(tmp_path):
+def test_language_model_figure_is_a_trajectory_per_config(tmp_path):
+  # Fig. 5: a point per mega-batch t >= 1, the perplexity averaged over 1..t against the
+  # compute spent up to t; configs that differ in a field other than the method (here the
+  # width, and two seeds of one) are separate lines.
   dirs = []
-  for i, (method, width, ppl) in enumerate([("sm", 8, 40.0), ("sm", 16, 30.0), ("gmoe", 8, 35.0)]):
-    extra = {"test_perplexity": [ppl + 10, ppl, ppl, ppl, ppl - 10],
-             "num_experts": [2 + i] * 5}
-    dirs.append(_write(tmp_path / f"r{i}", _config(method, width),
-                       _records([0.5] * 5, params=100 * width, extra=extra)))
-  figs = report.write_report(dirs, str(tmp_path / "out"))
+  for i, (method, width, seed, ppl) in enumerate([("sm", 8, 0, 40.0), ("sm", 8, 1, 60.0),
+                                                  ("sm", 16, 0, 30.0), ("gmoe", 8, 0, 35.0)]):
+    extra = {"test_perplexity": [1000.0, ppl + 10, ppl, ppl, ppl - 10],
+             "num_experts": [2, 2, 3, 4, 5] if method == "gmoe" else [4] * 5}
+    dirs.append(_write(tmp_path / f"r{i}", _config(method, width, seed=seed),
+                       _records([0.5] * 5, params=100 * width, macs=2e12, extra=extra)))
+  figs = report.write_report(dirs, str(tmp_path / "out"), gating=False)
   lm = figs["lm_mnist"]
   assert set(lm) == {"comp", "params", "experts"}
-  sm = {s["label"]: s for s in lm["params"]}["sm"]
-  np.testing.assert_allclose(sm["x"], [800, 1600])
-  np.testing.assert_allclose(sm["y"], [40.0, 30.0])
-  gmoe = {s["label"]: s for s in lm["experts"]}["gmoe"]
-  np.testing.assert_allclose(gmoe["x"], [4])
+  comp = {s["label"].replace(" wait=1 replay=0", ""): s for s in lm["comp"]}
+  assert set(comp) == {"sm width=8", "sm width=16", "gmoe width=8"}
+  sm8 = comp["sm width=8"]  # two seeds: 40 and 60 (+10, 0, 0, -10 over t = 1..4)
+  np.testing.assert_allclose(sm8["x"], [2.0, 4.0, 6.0, 8.0])  # TFLOPs (2e12 MACs per stage)
+  np.testing.assert_allclose(sm8["y"], [60.0, 55.0, 53.333333, 50.0])
+  np.testing.assert_allclose(sm8["yerr"], [10 * np.sqrt(2)] * 4)  # ddof=1 over 40, 60
+  # The last point is the summary's mean perplexity over t >= 1, as in the table.
+  assert comp["sm width=16"]["y"][-1] == pytest.approx(30.0)
+  gmoe = {s["label"]: s for s in lm["experts"]}["gmoe width=8 wait=1 replay=0"]
+  np.testing.assert_allclose(gmoe["x"], [2, 3, 4, 5])
+  params = {s["label"]: s for s in lm["params"]}
+  np.testing.assert_allclose(params["sm width=16 wait=1 replay=0"]["x"], [1600] * 4)
   assert (tmp_path / "out" / "lm_mnist.pdf").exists()
 
 

@@ -201,6 +201,27 @@ def test_a_grid_names_its_own_config_files(tmp_path, capsys):
                 "--dry_run"])
 
 
+def test_the_findings_grid_expands_as_documented(tmp_path, capsys):
+  # launch/grids/findings.py, the grid behind REPRODUCTION.md: 16 MNIST SM/Ens/UMix points, gEns
+  # and 2 language-model points with three seeds in one run each; Firefly and the two gMoE
+  # gatings one run per seed (their growth depends on the seed).
+  assert sweep.main([f"--root={tmp_path}", "--grid_file=launch/grids/findings.py",
+                     "--dry_run"]) == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert len(lines) == 28
+  together = [l for l in lines if "--config.seed=0 --config.num_seeds=3" in l]
+  assert len(together) == 19
+  assert sum("configs/lm_sm.py:quick " in l for l in together) == 2
+  assert sum("configs/mnist_gens.py:quick " in l for l in together) == 1
+  apart = [l for l in lines if "num_seeds" not in l]
+  assert len(apart) == 9
+  assert sum("configs/mnist_ff.py:quick " in l for l in apart) == 3
+  for tree in ("True", "False"):
+    assert sum(f"--config.method.tree={tree}" in l for l in apart) == 3
+  assert sum("--config.stream.replay=1.0" in l for l in lines) == 2
+  assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == 28
+
+
 @pytest.mark.parametrize("text, message", [
     ("X = 1", "must define GRID.*got no GRID"),
     ("GRID = {'seed': []}", "must define GRID"),
