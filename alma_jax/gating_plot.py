@@ -126,7 +126,8 @@ def draw(data: GatingData, path_stem: str, title: str = "") -> dict:
       series.append({"label": f"expert {e} ({paths[e]})", "expert": e, "count": int(sel.sum()),
                      "x": data.embedding[sel, 0].tolist(), "y": data.embedding[sel, 1].tolist()})
       ax.scatter(series[-1]["x"], series[-1]["y"], s=4, label=series[-1]["label"])
-    ax.set_title(f"{title} mixture layer {layer} at t={data.t}", fontsize=9)
+    ax.set_title(f"{title}\nmixture layer {layer} at t={data.t}" if title else
+                 f"mixture layer {layer} at t={data.t}", fontsize=9)
     ax.set_xlabel("PC 1 of the test inputs")
     ax.set_ylabel("PC 2")
     ax.legend(fontsize=6, markerscale=2)

@@ -91,7 +91,10 @@ def tradeoff_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   """{"comp": ..., "mem": ...}: one series per config across widths (finished runs only)."""
   groups = [g for g in groups if g.finished]
   line_fields = [f for f in fields if f != "model.width"]
-  colors = _colors([str(g.get("method.name")) for g in groups])
+  # A colour per method, and per variant of a method (e.g. gMoE with tree and flat gating): the
+  # marker tells the waiting time and its fill the replay, so these are left out of the colour.
+  color_fields = [f for f in line_fields if f not in ("stream.wait", "stream.replay")]
+  colors = _colors([g.label(color_fields) for g in groups])
   markers = _markers([g.get("stream.wait") for g in groups])
   lines: dict[tuple, list] = {}
   for g in groups:
@@ -99,7 +102,7 @@ def tradeoff_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   out = {"comp": [], "mem": []}
   for members in lines.values():
     members = sorted(members, key=lambda g: float(g.get("model.width") or 0))
-    style = {"label": members[0].label(line_fields), "color": colors[str(members[0].get("method.name"))],
+    style = {"label": members[0].label(line_fields), "color": colors[members[0].label(color_fields)],
              "marker": markers[members[0].get("stream.wait")],
              "filled": not members[0].get("stream.replay"),
              "widths": [m.get("model.width") for m in members]}
@@ -190,7 +193,9 @@ def lm_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   """{"comp", "params", "experts"}: the paper's Fig. 5, one trajectory per config with a point
   per mega-batch t >= 1: the perplexity averaged over the mega-batches so far against the
   compute spent so far, the parameters and the experts at t (mean ± std over seeds);
-  `experts` only when records carry `num_experts`."""
+  `experts` only when records carry `num_experts`. Compute and parameters are drawn on log
+  axes, so the mega-batches before a learner first trains (no compute yet: the i.i.d. learner
+  until it has waited for the whole stream) have no point in the compute panel."""
   groups = [g for g in groups if g.finished and has_perplexity(g)]
   colors = _colors([g.label(fields) for g in groups])
   markers = _markers([str(g.get("method.name")) for g in groups])
@@ -205,10 +210,13 @@ def lm_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
       x, xstd = mean_std_columns([r[panel] for r in runs])
       if np.isnan(x).any():
         continue
+      keep = x > 0 if panel != "experts" else np.ones(len(x), bool)
+      if not keep.any():
+        continue
       out[panel].append({"label": g.label(fields), "color": colors[g.label(fields)],
                          "marker": markers[str(g.get("method.name"))],
-                         "x": x.tolist(), "xerr": xstd.tolist(),
-                         "y": y.tolist(), "yerr": ystd.tolist()})
+                         "x": x[keep].tolist(), "xerr": xstd[keep].tolist(),
+                         "y": y[keep].tolist(), "yerr": ystd[keep].tolist()})
   return {k: v for k, v in out.items() if v}
 
 

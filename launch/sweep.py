@@ -24,8 +24,12 @@ vmapped in one program, faster than separate runs), except for methods whose
 growth depends on the seed (gMoE, FF: one run per seed always) and for the
 VGG on a CPU, where separate runs are faster (`--seeds_together=yes|no`
 decides instead). Runs go one after another, `--parallel=P` at a time
-(each one's output then goes to <root>/logs/<workdir name>.log), or into a
-SLURM array script. When the runs are over, the report
+(each one's output then goes to <root>/logs/<workdir name>.log), into a
+SLURM array script, or one after another on every worker of a Cloud TPU VM
+(`--tpu`, through launch/tpu_pod.py: the code is copied and installed on the
+workers once, then each point runs as one multi-host program; `--root` must
+be a directory every worker sees, mounted at the same path where the sweep
+runs for the report). When the runs are over, the report
 (`python -m alma_jax.report`) of every grid point's workdir is written to
 `--report_dir` (default <root>/report); `--no-report` skips it.
 
@@ -47,6 +51,9 @@ Examples:
   # --slurm_gpus=0 for CPU nodes, --slurm_option for more #SBATCH lines); after
   # the array, `python -m alma_jax.report --workdirs=/tmp/sweep/* --out=...`.
   python launch/sweep.py ... --slurm=sweep.sbatch --slurm_option=--time=4:00:00
+  # Every point on a TPU pod slice, one after another (root on a shared mount).
+  python launch/sweep.py --config=configs/cifar_sm.py --root=/mnt/shared/sweep \
+      --grid=model.width=16,64 --grid=seed=0,1,2 --tpu=alma-v4-32 --tpu_zone=us-central2-b
 A grid point that itself spans several GPUs or nodes is a job of
 `launch/slurm.py` (one process per GPU).
 """
@@ -158,7 +165,10 @@ def fold_seeds(grids, together: str, config: str | None, extra: list[str], accel
 
 
 def _accelerator(args) -> bool:
-  """Whether the runs will have an accelerator: SLURM tasks with GPUs, or this machine's."""
+  """Whether the runs will have an accelerator: a TPU VM, SLURM tasks with GPUs, or this
+  machine's."""
+  if args.tpu:
+    return True
   if args.slurm:
     return args.slurm_gpus > 0
   import jax  # pylint: disable=g-import-not-at-top
@@ -242,11 +252,57 @@ def _args(argv):
   p.add_argument("--slurm_option", action="append", default=[],
                  help="another #SBATCH line of the array script (repeatable), e.g. "
                  "--slurm_option=--time=4:00:00")
+  p.add_argument("--tpu", help="run the points one after another on every worker of this "
+                 "Cloud TPU VM (launch/tpu_pod.py)")
+  p.add_argument("--tpu_zone", help="the TPU VM's zone (required with --tpu)")
+  p.add_argument("--tpu_project", default="", help="the TPU VM's project (default: gcloud's)")
+  p.add_argument("--tpu_setup", action=argparse.BooleanOptionalAction, default=True,
+                 help="copy the repository to the TPU workers and install it before the runs")
   p.add_argument("extra", nargs="*", help="extra flags passed to every run (after --)")
   args = p.parse_args(argv)
   if args.parallel < 1:
     raise SystemExit(f"sweep: error: --parallel={args.parallel} must be >= 1")
+  if args.tpu:
+    if not args.tpu_zone:
+      raise SystemExit("sweep: error: --tpu needs --tpu_zone")
+    if not os.path.isabs(args.root):
+      raise SystemExit(f"sweep: error: --root={args.root}: with --tpu it must be an absolute "
+                       "path that every TPU worker sees (a shared mount)")
+    if args.slurm or args.parallel != 1:
+      raise SystemExit("sweep: error: --tpu runs the points one after another on the pod "
+                       "slice; it takes neither --slurm nor --parallel")
+  elif args.tpu_zone or args.tpu_project:
+    raise SystemExit("sweep: error: --tpu_zone and --tpu_project go with --tpu")
   return args
+
+
+def _tpu_pod():
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import tpu_pod  # pylint: disable=g-import-not-at-top
+  return tpu_pod
+
+
+def tpu_command(args, cmd: list[str], steps=("run",), archive: str = "") -> list[list[str]]:
+  """The gcloud commands that run `cmd` (`python -m alma_jax.main ...`) on every TPU worker,
+  or with `steps=("copy", "install")` that set the workers up."""
+  flags = cmd[3:] if cmd[1:3] == ["-m", "alma_jax.main"] else cmd
+  return _tpu_pod().commands(flags, tpu=args.tpu, zone=args.tpu_zone, project=args.tpu_project,
+                             archive=archive, steps=list(steps))
+
+
+def _setup_tpu(args) -> int:
+  """Copies the repository to the TPU workers and installs it there; 0 when done."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory() as tmp:
+    archive = os.path.join(tmp, "alma_jax.tar.gz")
+    if not args.dry_run:
+      _tpu_pod().write_archive(archive)
+    for cmd in tpu_command(args, [], ("copy", "install"), archive):
+      print(shlex.join(cmd), flush=True)
+      if not args.dry_run and subprocess.call(cmd) != 0:
+        print(f"sweep: the TPU setup failed: {shlex.join(cmd)}", file=sys.stderr)
+        return 1
+  return 0
 
 
 def _write_slurm(args, runs) -> int:
@@ -309,6 +365,11 @@ def main(argv=None):
                                            for g in grids for pt in points(g))}.values())
   if args.slurm:
     return _write_slurm(args, runs)
+  if args.tpu:  # the same points and workdirs, each run through gcloud on every worker
+    runs = [(tpu_command(args, c)[0], w, r) for c, w, r in runs]
+    if args.tpu_setup and any(status(w, r)[0] == "run" for _, w, r in runs):
+      if _setup_tpu(args):
+        return 1
   failed, todo = 0, []
   for i, (cmd, workdir, resolved) in enumerate(runs):
     state, why = status(workdir, resolved)

@@ -200,6 +200,40 @@ def test_language_model_figure_is_a_trajectory_per_config(tmp_path):
   assert (tmp_path / "out" / "lm_mnist.pdf").exists()
 
 
+def test_language_model_compute_panel_starts_where_the_learner_first_trains(tmp_path):
+  # A learner that waits for the whole stream has spent no compute at t = 1..3: those points
+  # have no place on the compute panel's log axis, and the parameters panel keeps them.
+  records = _records([0.5] * 5, macs=2e12, extra={"test_perplexity": [900.0] * 4 + [50.0]})
+  for r in records[:4]:
+    r["train_macs"] = 0.0
+  run_dir = _write(tmp_path / "iid", _config(wait=4), records)
+  lm = report.write_report([run_dir], str(tmp_path / "out"), gating=False)["lm_mnist"]
+  (comp,) = lm["comp"]
+  np.testing.assert_allclose(comp["x"], [2.0])
+  np.testing.assert_allclose(comp["y"], [(3 * 900.0 + 50.0) / 4])
+  (params,) = lm["params"]
+  assert len(params["x"]) == 4
+
+
+def test_variants_of_one_method_have_colours_of_their_own(tmp_path):
+  # gMoE with tree and flat gating at one wait: two lines that marker and fill cannot tell apart.
+  dirs = []
+  for tree in (True, False):
+    config = _config("gmoe", 8)
+    config["method"]["tree"] = tree
+    dirs.append(_write(tmp_path / f"tree{tree}", config, _records([0.5] * 5)))
+  dirs.append(_write(tmp_path / "sm_w1", _config(wait=1), _records([0.5] * 5)))
+  dirs.append(_write(tmp_path / "sm_w2", _config(wait=2), _records([0.5] * 5)))
+  comp = report.write_report(dirs, str(tmp_path / "out"), gating=False)["tradeoffs_mnist"]["comp"]
+  by_label = {s["label"]: s for s in comp}
+  gmoe = [s for label, s in by_label.items() if label.startswith("gmoe")]
+  assert len(gmoe) == 2 and gmoe[0]["color"] != gmoe[1]["color"]
+  assert gmoe[0]["marker"] == gmoe[1]["marker"]
+  # The waiting time is the marker, not the colour.
+  sm = [s for label, s in by_label.items() if label.startswith("sm")]
+  assert len(sm) == 2 and sm[0]["color"] == sm[1]["color"] and sm[0]["marker"] != sm[1]["marker"]
+
+
 def test_one_table_per_data_set_with_perplexities_where_runs_have_them(tmp_path):
   dirs = [_write(tmp_path / f"lm{i}", _config(width=8, seed=i, dataset="tiny_shakespeare"),
                  _records([0.5] * 5),

@@ -53,6 +53,51 @@ def test_consecutive_seeds_become_one_run_of_num_seeds_except_the_vgg_on_cpu(tmp
   assert "#SBATCH --array=0-0" in path.read_text() and "--config.num_seeds=2" in path.read_text()
 
 
+def test_tpu_sweep_sets_the_workers_up_once_then_runs_each_point_on_all_of_them(
+    tmp_path, monkeypatch, capsys):
+  base = [f"--config={SMOKE}", f"--root={tmp_path}", "--grid=model.width=8,16",
+          "--grid=seed=0,1", "--tpu=pod", "--tpu_zone=z", "--tpu_project=p"]
+  calls = []
+  monkeypatch.setattr(sweep.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+  monkeypatch.setattr(sweep._tpu_pod(), "write_archive", lambda path: open(path, "w").close())
+  assert sweep.main(base + ["--no-report"]) == 0
+  assert [c[4] for c in calls] == ["scp", "ssh", "ssh", "ssh", "ssh"]  # copy, install, 2 points
+  assert all(c[:4] == ["gcloud", "compute", "tpus", "tpu-vm"] and "--worker=all" in c
+             and "--zone=z" in c and "--project=p" in c for c in calls)
+  runs = [next(a for a in c if a.startswith("--command=")) for c in calls[3:]]
+  made = [sweep.command(SMOKE, str(tmp_path), [("model.width", w), ("seed", "0"),
+                                               ("num_seeds", "2")], []) for w in ("8", "16")]
+  workdirs = [workdir for _, workdir, _ in made]
+  for run, workdir in zip(runs, workdirs):  # seeds together: the runs have an accelerator
+    assert "alma_jax.main --jax_distributed --config=configs/mnist_sm.py:smoke" in run
+    assert f"--workdir={workdir} " in run and run.endswith("--config.num_seeds=2")
+  # A point that is done is skipped; nothing left to run: no setup either.
+  for _, workdir, resolved in made:
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      json.dump(resolved, f)
+    open(os.path.join(workdir, "summary.json"), "w").close()
+  calls.clear()
+  assert sweep.main(base + ["--no-report"]) == 0
+  assert not calls and capsys.readouterr().out.count("done, skipped") == 2
+  # --no-tpu_setup skips copying and installing.
+  assert sweep.main(base[:2] + ["--grid=model.width=4", "--tpu=pod", "--tpu_zone=z",
+                                "--no-tpu_setup", "--no-report"]) == 0
+  assert [c[4] for c in calls] == ["ssh"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tpu=pod"], "--tpu needs --tpu_zone"),
+    (["--tpu=pod", "--tpu_zone=z", "--parallel=2"], "neither --slurm nor --parallel"),
+    (["--tpu_zone=z"], "go with --tpu"),
+])
+def test_bad_tpu_flags(tmp_path, flags, message):
+  with pytest.raises(SystemExit, match=message):
+    sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", *flags, "--dry_run"])
+  with pytest.raises(SystemExit, match="must be an absolute path"):
+    sweep.main([f"--config={SMOKE}", "--root=rel", "--tpu=pod", "--tpu_zone=z", "--dry_run"])
+
+
 def test_slurm_script(tmp_path):
   path = tmp_path / "s.sbatch"
   sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=seed=0,1", f"--slurm={path}",
