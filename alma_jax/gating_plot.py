@@ -53,11 +53,12 @@ def pca_2d(x: np.ndarray) -> np.ndarray:
 
 
 def leaf_paths(node: dict, prefix: str = "") -> dict[int, str]:
-  """expert -> "LR..." from `GrowingMoE.gating_tree`'s nested dicts (flat gating: its index)."""
+  """expert -> "LR..." from `GrowingMoE.gating_tree`'s nested dicts: its path of left and right
+  turns from the root (flat gating: "softmax", one gate over all the experts)."""
   if "expert" in node:
     return {node["expert"]: prefix or "root"}
   kids = node["children"]
-  names = "LR" if len(kids) == 2 else [f"{i}." for i in range(len(kids))]
+  names = "LR" if len(kids) == 2 else ["softmax"] * len(kids)
   out = {}
   for name, kid in zip(names, kids):
     out.update(leaf_paths(kid, prefix + name))
@@ -126,11 +127,12 @@ def draw(data: GatingData, path_stem: str, title: str = "") -> dict:
       series.append({"label": f"expert {e} ({paths[e]})", "expert": e, "count": int(sel.sum()),
                      "x": data.embedding[sel, 0].tolist(), "y": data.embedding[sel, 1].tolist()})
       ax.scatter(series[-1]["x"], series[-1]["y"], s=4, label=series[-1]["label"])
-    ax.set_title(f"{title}\nmixture layer {layer} at t={data.t}" if title else
-                 f"mixture layer {layer} at t={data.t}", fontsize=9)
+    ax.set_title(f"mixture layer {layer} at t={data.t}", fontsize=9)
     ax.set_xlabel("PC 1 of the test inputs")
     ax.set_ylabel("PC 2")
     ax.legend(fontsize=6, markerscale=2)
     out[f"layer{layer}"] = series
+  if title:
+    fig.suptitle(title, fontsize=9)
   plots.save(fig, path_stem)
   return out

@@ -248,9 +248,11 @@ def load_groups(workdirs: Sequence[str]) -> list[Group]:
   return group_runs(runs)
 
 
-def gating_figures(groups: Sequence[Group], out: str) -> dict:
-  """`gating_<workdir name>` of the first seed of every gMoE group (a run that cannot be
-  drawn, e.g. without checkpoints, is skipped with a warning)."""
+def gating_figures(groups: Sequence[Group], out: str,
+                   fields: Sequence[str] = KEY_FIELDS) -> dict:
+  """`gating_<workdir name>` of the first seed of every gMoE group, titled with its values of
+  `fields` (a run that cannot be drawn, e.g. without checkpoints, is skipped with a
+  warning)."""
   figures = {}
   for g in groups:
     if g.get("method.name") != "gmoe":
@@ -262,7 +264,7 @@ def gating_figures(groups: Sequence[Group], out: str) -> dict:
     except (gating_plot.GatingError, ckpt_lib.CheckpointError) as e:
       logging.warning("no gating figure of %s: %s", run.path, e)
       continue
-    figures[name] = gating_plot.draw(data, os.path.join(out, name), g.label(KEY_FIELDS))
+    figures[name] = gating_plot.draw(data, os.path.join(out, name), g.label(fields))
   return figures
 
 
@@ -279,9 +281,10 @@ def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True) -> d
           "(ddof=1) over seeds. Comp (paper) counts forward multiply-adds × training examples, "
           "the unit of the paper's figures.", ""]
   for data, gs in by_data.items():
-    drawn = plots.dataset_figures(data, gs, varying_fields(gs), out)
+    fields = varying_fields(gs)
+    drawn = plots.dataset_figures(data, gs, fields, out)
     if gating:
-      drawn.update(gating_figures(gs, out))
+      drawn.update(gating_figures(gs, out, fields))
     figures.update(drawn)
     text += [f"## {data}", "", table(gs)] + [f"![{name}]({name}.png)\n" for name in drawn]
   io_utils.write_text_atomic(os.path.join(out, "report.md"), "\n".join(text))

@@ -322,6 +322,8 @@ def test_leaf_paths_and_pca():
                                   {"expert": 1}]}
   assert gating_plot.leaf_paths(tree) == {0: "LL", 2: "LR", 1: "R"}
   assert gating_plot.leaf_paths({"expert": 0}) == {0: "root"}
+  flat = {"gate": 0, "children": [{"expert": 0}, {"expert": 2}, {"expert": 1}]}
+  assert gating_plot.leaf_paths(flat) == {0: "softmax", 1: "softmax", 2: "softmax"}
   rng = np.random.default_rng(0)
   x = rng.normal(size=(200, 3)) * [5.0, 0.1, 1.0]
   emb = gating_plot.pca_2d(x)
