@@ -27,13 +27,17 @@ differ only by their seed, and writes into `--out`, per data set:
   perplexity) and the figures.
 
 A run without a summary (unfinished) is listed in the table but left out of
-the CER figures. A folder that is not a run is an error naming what it lacks.
+the CER figures. A folder that is not a run is an error naming what it lacks;
+a pattern (`--workdirs=/tmp/sweep/*`, quoted or not: the shell does not expand
+it after `=`) stands for the runs it matches, so a sweep's `logs/` and
+`report/` folders beside them are passed over.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -297,8 +301,23 @@ flags.DEFINE_string("out", None, "output directory of the figures and report.md"
 flags.DEFINE_bool("gating", True, "draw the gating tree of gMoE runs from their last checkpoint")
 
 
+def expand_workdirs(items: Sequence[str]) -> list[str]:
+  """`items` with each pattern (`*`, `?`, `[`) replaced by the run workdirs it matches, in
+  order; a pattern that matches no run is kept, so that the error names it."""
+  out = []
+  for item in items:
+    if not glob.has_magic(item):
+      out.append(item)
+      continue
+    runs = [d for d in sorted(glob.glob(item))
+            if os.path.isfile(os.path.join(d, wd.CONFIG_FILE))]
+    out.extend(runs or [item])
+  return out
+
+
 def main(argv):
-  workdirs = list(FLAGS.workdirs or []) + [a for a in argv[1:] if not a.startswith("-")]
+  workdirs = expand_workdirs(list(FLAGS.workdirs or []) +
+                             [a for a in argv[1:] if not a.startswith("-")])
   if not workdirs or not FLAGS.out:
     raise app.UsageError("give --workdirs=DIR[,DIR...] (or directories as arguments) and --out=DIR")
   try:

@@ -271,6 +271,21 @@ def test_command_line_error_names_the_path(tmp_path):
   assert f"report: error: --workdirs: {tmp_path / 'x'} is not a run's workdir" in proc.stderr
 
 
+def test_a_pattern_stands_for_the_runs_it_matches(runs, tmp_path):
+  # As a sweep's root holds them: the runs, its logs/ and report/ folders.
+  (tmp_path / "logs").mkdir()
+  (tmp_path / "report").mkdir()
+  assert report.expand_workdirs([str(tmp_path / "*")]) == sorted(runs)
+  assert report.expand_workdirs([str(tmp_path / "sm8_s?"), "a"]) == sorted(runs[:2]) + ["a"]
+  assert report.expand_workdirs([str(tmp_path / "none*")]) == [str(tmp_path / "none*")]
+  proc = subprocess.run([sys.executable, "-m", "alma_jax.report", f"--workdirs={tmp_path}/*",
+                         f"--out={tmp_path / 'report'}", "--nogating"], cwd=ROOT,
+                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
+                        check=False)
+  assert proc.returncode == 0, proc.stderr
+  assert "| mnist | sm | 8 | 1 | 0 | 2 |" in (tmp_path / "report" / "report.md").read_text()
+
+
 def test_run_error_png(tmp_path):
   path = str(tmp_path / "e.png")
   plots.run_error_png(path, [("seed 0", [0, 1, 2], [0.9, 0.5, 0.3])], "t")
