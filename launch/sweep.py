@@ -282,27 +282,12 @@ def _tpu_pod():
   return tpu_pod
 
 
-def tpu_command(args, cmd: list[str], steps=("run",), archive: str = "") -> list[list[str]]:
-  """The gcloud commands that run `cmd` (`python -m alma_jax.main ...`) on every TPU worker,
-  or with `steps=("copy", "install")` that set the workers up."""
-  flags = cmd[3:] if cmd[1:3] == ["-m", "alma_jax.main"] else cmd
-  return _tpu_pod().commands(flags, tpu=args.tpu, zone=args.tpu_zone, project=args.tpu_project,
-                             archive=archive, steps=list(steps))
-
-
-def _setup_tpu(args) -> int:
-  """Copies the repository to the TPU workers and installs it there; 0 when done."""
-  import tempfile  # pylint: disable=g-import-not-at-top
-  with tempfile.TemporaryDirectory() as tmp:
-    archive = os.path.join(tmp, "alma_jax.tar.gz")
-    if not args.dry_run:
-      _tpu_pod().write_archive(archive)
-    for cmd in tpu_command(args, [], ("copy", "install"), archive):
-      print(shlex.join(cmd), flush=True)
-      if not args.dry_run and subprocess.call(cmd) != 0:
-        print(f"sweep: the TPU setup failed: {shlex.join(cmd)}", file=sys.stderr)
-        return 1
-  return 0
+def tpu_command(args, cmd: list[str]) -> list[str]:
+  """The gcloud command that runs `cmd` (a grid point's `python -m alma_jax.main ...`, as
+  `command` builds it) on every TPU worker."""
+  (run,) = _tpu_pod().commands(cmd[3:], tpu=args.tpu, zone=args.tpu_zone,
+                               project=args.tpu_project, archive="", steps=["run"])
+  return run
 
 
 def _write_slurm(args, runs) -> int:
@@ -366,18 +351,21 @@ def main(argv=None):
   if args.slurm:
     return _write_slurm(args, runs)
   if args.tpu:  # the same points and workdirs, each run through gcloud on every worker
-    runs = [(tpu_command(args, c)[0], w, r) for c, w, r in runs]
-    if args.tpu_setup and any(status(w, r)[0] == "run" for _, w, r in runs):
-      if _setup_tpu(args):
-        return 1
-  failed, todo = 0, []
+    runs = [(tpu_command(args, c), w, r) for c, w, r in runs]
+  failed, todo, to_run = 0, [], 0
   for i, (cmd, workdir, resolved) in enumerate(runs):
     state, why = status(workdir, resolved)
     label = {"run": "", "done": "done, skipped: ", "refuse": f"refused ({why}): "}[state]
     print(f"[{i + 1}/{len(runs)}] {label}{shlex.join(cmd)}", flush=True)
     failed += state == "refuse"
+    to_run += state == "run"
     if state == "run" and not args.dry_run:
       todo.append((i + 1, cmd, workdir))
+  if args.tpu and args.tpu_setup and to_run:
+    if _tpu_pod().execute([], tpu=args.tpu, zone=args.tpu_zone, project=args.tpu_project,
+                          steps=["copy", "install"], dry_run=args.dry_run):
+      print("sweep: the TPU setup failed; no point was run", file=sys.stderr)
+      return 1
   failed += _launch(todo, args.root, args.parallel)
   if failed:
     print(f"{failed} of {len(runs)} runs failed", file=sys.stderr)

@@ -74,6 +74,23 @@ def write_archive(path: str, root: str = ROOT) -> None:
       tar.add(os.path.join(root, name), arcname=name)
 
 
+def execute(flags: list[str], *, tpu: str, zone: str, project: str = "", steps=STEPS,
+            dry_run: bool = False) -> int:
+  """Prints and runs the commands of `steps` one after another (the archive of the code
+  written first when copying); 0 when all succeeded, 1 at the first failure."""
+  with tempfile.TemporaryDirectory() as tmp:
+    archive = os.path.join(tmp, "alma_jax.tar.gz")
+    if "copy" in steps and not dry_run:
+      write_archive(archive)
+    for cmd in commands(flags, tpu=tpu, zone=zone, project=project, archive=archive,
+                        steps=steps):
+      print(shlex.join(cmd), flush=True)
+      if not dry_run and subprocess.call(cmd) != 0:
+        print(f"tpu_pod: failed: {shlex.join(cmd)}", file=sys.stderr)
+        return 1
+  return 0
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,17 +105,8 @@ def main(argv=None) -> int:
   steps = [s for s in a.steps.split(",") if s]
   if not set(steps) <= set(STEPS):
     p.error(f"--steps={a.steps}: valid steps are {','.join(STEPS)}")
-  with tempfile.TemporaryDirectory() as tmp:
-    archive = os.path.join(tmp, "alma_jax.tar.gz")
-    if "copy" in steps and not a.dry_run:
-      write_archive(archive)
-    for cmd in commands(a.flags, tpu=a.tpu, zone=a.zone, project=a.project, archive=archive,
-                        steps=steps):
-      print(shlex.join(cmd), flush=True)
-      if not a.dry_run and subprocess.call(cmd) != 0:
-        print(f"tpu_pod: failed: {shlex.join(cmd)}", file=sys.stderr)
-        return 1
-  return 0
+  return execute(a.flags, tpu=a.tpu, zone=a.zone, project=a.project, steps=steps,
+                 dry_run=a.dry_run)
 
 
 if __name__ == "__main__":
