@@ -142,5 +142,15 @@ def main(argv):
     _fail(*errors.cli_error(e))
 
 
-if __name__ == "__main__":
+def console():
+  """The `alma-jax` command: this module's entry point, also taking configs by name.
+
+  `--config=mnist_sm:quick` names `configs/mnist_sm.py:quick` (alma_jax.config_files).
+  """
+  from alma_jax import config_files  # pylint: disable=g-import-not-at-top
+  sys.argv = config_files.resolve_argv_or_exit(sys.argv)
   app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+  console()
