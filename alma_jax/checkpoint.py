@@ -8,6 +8,13 @@ A checkpoint at time step t holds two items:
     (nested tuples, written as nested lists), the metrics records of
     t = 0 ... t, and free-form JSON facts of the run (`extra`).
 
+Every checkpoint is verified when it is restored: `meta` holds the SHA-256
+of every saved array (its dtype, shape and bytes) and of its own content,
+so a checkpoint whose files were damaged (a flipped bit, a truncated file)
+is found, set aside and the previous one used instead. Arrays that this
+process cannot read whole (sharded across the hosts of a multi-host run
+and not replicated) are not covered.
+
 Restoring needs a target tree of the right shapes, and the shapes follow the
 structure (growth changes them): `restore` reads `meta` first and asks the
 caller to build the abstract state for the saved structure.
@@ -25,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import json
 import logging as py_logging
 import os
@@ -124,6 +132,10 @@ class IncompatibleCheckpointError(CheckpointError):
   """A readable checkpoint written by a different run (no fallback helps)."""
 
 
+class CorruptCheckpointError(CheckpointError):
+  """A checkpoint whose content differs from what was saved (its checksums do not match)."""
+
+
 # -- static structure <-> JSON ----------------------------------------------------
 def structure_to_json(structure: Hashable) -> Any:
   """Nested tuples of str/int/float/bool/None -> nested lists (JSON-able)."""
@@ -142,6 +154,45 @@ def structure_from_json(obj: Any) -> Hashable:
   if obj is None or isinstance(obj, (bool, int, float, str)):
     return obj
   raise CheckpointError(f"invalid learner structure element in checkpoint: {obj!r}")
+
+
+# -- checksums ---------------------------------------------------------------------
+def _array_digest(x) -> str | None:
+  """SHA-256 of an array's dtype, shape and bytes; None when this process cannot read it whole."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    if not x.is_fully_replicated:
+      return None
+    x = x.addressable_data(0)
+  a = np.ascontiguousarray(np.asarray(x))
+  h = hashlib.sha256(f"{a.dtype.str}{a.shape}".encode())
+  h.update(a.tobytes())
+  return h.hexdigest()
+
+
+def tree_digests(tree) -> dict[str, str]:
+  """{path: SHA-256} of every array of `tree` that this process can read whole."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    digest = _array_digest(leaf)
+    if digest is not None:
+      out[jax.tree_util.keystr(path)] = digest
+  return out
+
+
+def _meta_digest(meta: dict) -> str:
+  body = {k: v for k, v in meta.items() if k != "checksum"}
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _verify_arrays(restored, saved: dict | None, step: int) -> None:
+  """Raises `CorruptCheckpointError` for an array whose bytes differ from what was saved."""
+  if saved is None:  # written before checksums were kept
+    return
+  bad = [p for p, d in tree_digests(restored).items() if p in saved and saved[p] != d]
+  if bad:
+    raise CorruptCheckpointError(
+        f"checkpoint step {step} is damaged: {len(bad)} array(s) differ from what was saved "
+        f"(checksum mismatch: {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
 
 
 # -- the restored content ---------------------------------------------------------
@@ -208,14 +259,20 @@ class Checkpointer:
             "structure": structure_to_json(learner.structure),
             "has_opt_state": opt_state is not None, "records": list(records),
             "extra": dict(extra or {})}
-    state = _state_tree(learner, opt_state, key_data)
-    self._check_writable(int(t), state, meta)
+    self.start_save_tree(int(t), _state_tree(learner, opt_state, key_data), meta)
+
+  def start_save_tree(self, step: int, state: dict, meta: dict) -> None:
+    """Starts writing `state` (a tree of arrays) and `meta` (JSON) as checkpoint `step`, with
+    the checksums that `restore_tree` and `read_meta` verify; `wait` finishes it."""
+    meta = dict(meta, checksums=tree_digests(state))
+    meta["checksum"] = _meta_digest(meta)
+    self._check_writable(int(step), state, meta)
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-    self._saving = int(t)
+    self._saving = int(step)
     self._held = _HoldOrbaxErrors()
     logging.get_absl_logger().addFilter(self._held)
     with self._write_errors(finished=False):
-      self._mngr.save(int(t), args=args, force=True)
+      self._mngr.save(int(step), args=args, force=True)
 
   def wait(self) -> None:
     """Waits until the checkpoint being written is complete; raises its errors."""
@@ -292,6 +349,9 @@ class Checkpointer:
     meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     if not isinstance(meta, dict) or "format" not in meta:
       raise CheckpointError(f"checkpoint step {step} has no readable metadata")
+    if "checksum" in meta and meta["checksum"] != _meta_digest(meta):
+      raise CorruptCheckpointError(f"checkpoint step {step} is damaged: its metadata differ from "
+                                   "what was saved (checksum mismatch)")
     if meta["format"] != FORMAT_VERSION:
       raise IncompatibleCheckpointError(
           f"checkpoint step {step} has format {meta['format']}; this version of alma_jax reads "
@@ -312,21 +372,29 @@ class Checkpointer:
       check_extra(dict(meta.get("extra", {})))
     structure = structure_from_json(meta["structure"])
     target = build_target(structure, bool(meta["has_opt_state"]))
+    state = self.restore_tree(step, target, meta, what=f"the learner rebuilt from its structure "
+                                                      f"{structure!r}")
+    learner = Learner(params=state["params"], model_state=state["model_state"],
+                      structure=structure)
+    return Snapshot(t=step, learner=learner, opt_state=state.get("opt_state"),
+                    key_data=np.asarray(state["key"]), records=tuple(meta["records"]),
+                    extra=dict(meta.get("extra", {})))
+
+  def restore_tree(self, step: int, target, meta: dict, what: str = "the target"):
+    """The arrays of checkpoint `step` restored into `target` (abstract arrays with their
+    shardings), checked against the shapes of `target` and the checksums in `meta`."""
     try:
       state = self._mngr.restore(
           step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
     except ValueError as e:
       if "not compatible with the stored shape" in str(e):  # orbax's words for a shape mismatch
         raise IncompatibleCheckpointError(
-            f"checkpoint step {step} does not fit the learner rebuilt from its structure "
-            f"{structure!r}: {' '.join(str(e).split()[:12])}") from e
+            f"checkpoint step {step} does not fit {what}: "
+            f"{' '.join(str(e).split()[:12])}") from e
       raise
     _check_shapes(state, target, step)
-    learner = Learner(params=state["params"], model_state=state["model_state"],
-                      structure=structure)
-    return Snapshot(t=step, learner=learner, opt_state=state.get("opt_state"),
-                    key_data=np.asarray(state["key"]), records=tuple(meta["records"]),
-                    extra=dict(meta.get("extra", {})))
+    _verify_arrays(state, meta.get("checksums"), step)
+    return state
 
   def restore_latest(self, build_target: BuildTarget, *, quarantine_dir: str | None = None,
                      check_extra: Callable[[dict], None] | None = None) -> Snapshot | None:
@@ -369,6 +437,14 @@ class Checkpointer:
       else:
         shutil.rmtree(path, ignore_errors=True)
     multihost.sync("alma_jax: unreadable checkpoints moved")
+    self._mngr.reload()
+
+  def delete(self, step: int) -> None:
+    """Removes the checkpoint of `step`."""
+    self._mngr.delete(step)
+
+  def reload(self) -> None:
+    """Reads the directory again (after checkpoints were moved away)."""
     self._mngr.reload()
 
   def close(self) -> None:

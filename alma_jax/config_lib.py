@@ -139,6 +139,13 @@ BASE_FIELDS = (
     F.Field("checkpoint.every", 1, F.integer(1),
             "checkpoint after every this many training stages (and at t=0 and t=B)",
             resumable=True),
+    F.Field("checkpoint.every_s", 300.0, F.number(0.0),
+            "inside a training stage, save its progress every this many seconds (0: off); a "
+            "signal (SIGTERM, SIGINT, SIGHUP) also saves it before the run stops",
+            resumable=True),
+    F.Field("checkpoint.stage_every_epochs", 0, F.integer(0),
+            "inside a training stage, save its progress after every this many epochs (0: off)",
+            resumable=True),
 )
 
 BASE_FIELDS_BY_PATH = {f.path: f for f in BASE_FIELDS}

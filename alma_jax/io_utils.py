@@ -26,6 +26,7 @@ import json
 import os
 import re
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -263,11 +264,34 @@ class LogOrderError(RuntimeError):
   """A record that does not follow the log's last record (t = last t + 1)."""
 
 
+def open_regular(path: str, create: bool = True):
+  """`path` opened "r+b", created if `create`; refuses a symbolic link or a non-regular file
+  (a run writes only its own files)."""
+  extra = (os.O_CREAT if create else 0) | getattr(os, "O_NOFOLLOW", 0)
+  try:
+    f = open(path, "r+b", opener=lambda p, flags: os.open(p, flags | extra, 0o666))  # pylint: disable=consider-using-with
+  except OSError as e:
+    if e.errno in (errno.ELOOP, errno.EISDIR):
+      raise NotRegularFileError(path) from None
+    raise
+  if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+    f.close()
+    raise NotRegularFileError(path)
+  return f
+
+
+class NotRegularFileError(ValueError):
+  """An output path that is a symbolic link or not a regular file."""
+
+  def __init__(self, path: str):
+    kind = "a symbolic link" if os.path.islink(path) else "not a regular file"
+    super().__init__(f"{path} is {kind}; a run writes only regular files of its own: remove it "
+                     "(or choose another --workdir)")
+
+
 def _append(path: str, line: bytes, check=None) -> None:
   with output_errors(path):
-    with open(path, "ab"):
-      pass  # create the file if needed
-    with open(path, "r+b") as f:
+    with open_regular(path) as f:
       _cut_torn_tail(f)
       if check is not None:
         check(f)

@@ -31,6 +31,7 @@ summaries, and all processes write and restore the checkpoints together.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import time
@@ -51,6 +52,7 @@ from alma_jax import plots
 from alma_jax import population
 from alma_jax import schedule
 from alma_jax import sharding
+from alma_jax import stage_checkpoint
 from alma_jax import tensorboard
 from alma_jax import timing
 from alma_jax import train
@@ -131,6 +133,8 @@ class _Loop:
     self.out_dirs = ([workdir] if len(self.seeds) == 1
                      else [wd.seed_dir(workdir, sd) for sd in self.seeds])
     self.ckpt = None
+    self.stage_store: stage_checkpoint.Store | None = None
+    self.arch_lines: list[dict] = []  # architecture.jsonl's lines (kept in the checkpoints too)
     self._pending_save: int | None = None  # the step whose checkpoint is being written
     self.tb: list[tensorboard.Writer] = []  # process 0, config.log.tensorboard: one per seed
     self.elapsed_before, self.compiled_before = 0.0, set()
@@ -149,6 +153,7 @@ class _Loop:
                     for sd in self.seeds]
     validation.validate_data(c, n_train, self.streams[0])
     shape, data = ds.train_x.shape[1:], task.device_data(ds)
+    self.inputs = _fingerprint(data)
 
     built: dict[tuple, Steps] = {}  # a measured candidate's programs serve the run
 
@@ -192,6 +197,8 @@ class _Loop:
           self._finish_save(critical=False)
       finally:
         self.ckpt.close()
+    if self.stage_store is not None:
+      self.stage_store.close()
 
   def elapsed(self) -> float:
     return self.elapsed_before + time.monotonic() - self.t_start
@@ -227,12 +234,27 @@ class _Loop:
       raise ckpt_lib.IncompatibleCheckpointError(
           f"the checkpoints were written by a different config: {'; '.join(diffs)}; pass "
           "--overwrite to discard them")
+    if extra.get("inputs", self.inputs) != self.inputs:
+      d = self.config.data
+      what = f"config.data.text_file={d.text_file!r}" if d.get("text_file") else (
+          f"the data set {d.name!r}")
+      raise ckpt_lib.IncompatibleCheckpointError(
+          f"the checkpoints were written from other input data than {what} holds now "
+          f"(fingerprint {extra['inputs'][:12]} then, {self.inputs[:12]} now); restore the "
+          "original inputs to resume, or pass --overwrite to discard the checkpoints")
 
   def _restore(self):
     """The latest readable checkpoint (None: start afresh) and each seed's records in it."""
     c = self.config
     if not c.checkpoint.enabled:
       return None, [[] for _ in self.seeds]
+    self.stage_store = stage_checkpoint.Store(
+        os.path.join(self.workdir, wd.STAGE_DIR), every_s=c.checkpoint.every_s,
+        every_epochs=c.checkpoint.stage_every_epochs,
+        identity={"config": wd.config_dict(c), "inputs": self.inputs},
+        stopping=lambda: self.signals.pending is not None,
+        facts=lambda: {"compiled": sorted(self._compiled_names())},
+        quarantine_dir=os.path.join(self.workdir, wd.CORRUPT_DIR))
     self.ckpt = ckpt_lib.Checkpointer(os.path.join(self.workdir, wd.CHECKPOINT_DIR),
                                       c.checkpoint.max_to_keep)
     snap = self.ckpt.restore_latest(self._target_builder(),
@@ -255,6 +277,12 @@ class _Loop:
       snap, records = self._restore()
       if self.primary:
         self._rewrite_outputs(snap, records)
+      last_t = len(records[0]) - 1
+      saved = None if snap is None else snap.extra.get("architecture")
+      if saved is not None:
+        self.arch_lines = [a for a in saved if a["t"] <= last_t]
+      elif self.primary:
+        self.arch_lines = io_utils.read_jsonl(os.path.join(self.workdir, wd.ARCH_FILE))
     self.logs = [Log.from_records(r) for r in records]
     return snap
 
@@ -271,7 +299,8 @@ class _Loop:
     if self.config.log.tensorboard:
       self.tb = [tensorboard.Writer(out, [r.to_dict() for r in recs])
                  for out, recs in zip(self.out_dirs, records)]
-    wd.sync_architecture_log(self.workdir, len(records[0]) - 1)
+    wd.sync_architecture_log(self.workdir, len(records[0]) - 1,
+                             None if snap is None else snap.extra.get("architecture"))
     if snap is None or snap.t < self.num_t:
       for path in {self.workdir, *self.out_dirs}:
         if os.path.exists(os.path.join(path, wd.SUMMARY_FILE)):
@@ -385,11 +414,20 @@ class _Loop:
       logging.info(msg)
       kill_point("epoch", t)
 
-    learner, opt_state, stats = train.fit_stage(
-        self.steps, learner, np.stack([x.train_idx for x in contexts]),
-        np.stack([x.val_idx for x in contexts]), population.fold(skeys, 3), t=t,
-        opt_state=opt_state, progress=progress, labels=self.seeds, check=self.signals.check,
-        on_epoch=lambda *a: self._epoch_scalars(t, *a))
+    store = None if self.stage_store is None else self.stage_store.begin(t, learner.structure)
+    try:
+      learner, opt_state, stats = train.fit_stage(
+          self.steps, learner, np.stack([x.train_idx for x in contexts]),
+          np.stack([x.val_idx for x in contexts]), population.fold(skeys, 3), t=t,
+          opt_state=opt_state, progress=progress, labels=self.seeds, check=self.signals.check,
+          on_epoch=lambda *a: self._epoch_scalars(t, *a), checkpoints=store)
+      if store is not None:  # what the part of the stage before its save compiled
+        self.compiled_before |= set(store.restored_facts.get("compiled", []))
+    except RunInterrupted:
+      if store is not None and store.saved is not None and store.saved[0] == t:
+        logging.warning("stage t=%d was saved at epoch %d, call %d: the same command continues "
+                        "it there", *store.saved)
+      raise
     if stats.diverged.any():
       logging.warning("stage t=%d diverged; continuing with its best epoch (%s)", t,
                       ", ".join(str(e) for e in stats.best_epoch))
@@ -431,9 +469,10 @@ class _Loop:
         io_utils.append_record(os.path.join(out, wd.LOG_FILE), r.to_dict())
       for writer, r in zip(self.tb, records):
         writer.step(r.to_dict())
-      if trained and self.primary:
-        io_utils.append_jsonl(os.path.join(self.workdir, wd.ARCH_FILE),
-                              {"t": t, **self.method.describe(first)})
+      if trained:
+        self.arch_lines.append({"t": t, **self.method.describe(first)})
+        if self.primary:
+          io_utils.append_jsonl(os.path.join(self.workdir, wd.ARCH_FILE), self.arch_lines[-1])
       kill_point("log", t)
 
   def _flops(self, learner) -> dict[str, float]:
@@ -451,7 +490,8 @@ class _Loop:
     with self.timer("io_s"), self.signals.critical():
       self._finish_save(critical=False)  # the previous checkpoint (mostly written by now)
       extra = {"compiled": sorted(self._compiled_names()), "elapsed_s": self.elapsed(),
-               "timings": self.timer.as_dict(), "config": wd.config_dict(self.config)}
+               "timings": self.timer.as_dict(), "config": wd.config_dict(self.config),
+               "inputs": self.inputs, "architecture": self.arch_lines}
       # The optimizer state is part of the state only when stages share it.
       kept = opt_state if self.config.train.keep_optimizer_state else None
       records = [{"t": j, "seeds": [log.records[j].to_dict() for log in self.logs]}
@@ -472,6 +512,8 @@ class _Loop:
     with self.timer("io_s"), (self.signals.critical() if critical else contextlib.nullcontext()):
       self.ckpt.wait()
       self.signals.last_checkpoint = t
+      if self.stage_store is not None:
+        self.stage_store.discard_through(t)
       kill_point("saved", t)
 
   def _report(self, t: int, stats, errors, learner) -> None:
@@ -529,6 +571,17 @@ class _Loop:
         f"{c.data.name} {c.method.name} width={c.model.width} wait={c.stream.wait}")
     if why is not None:
       logging.warning("could not draw %s (%s); the run's other outputs are complete", path, why)
+
+
+def _fingerprint(data) -> str:
+  """SHA-256 of the arrays of the data a run trains and tests on (any change of an input
+  file or data set that reaches the run changes it)."""
+  h = hashlib.sha256()
+  for leaf in jax.tree.leaves(data):
+    a = np.ascontiguousarray(np.asarray(leaf))
+    h.update(f"{a.dtype.str}{a.shape}".encode())
+    h.update(memoryview(a).cast("B"))
+  return h.hexdigest()
 
 
 def _seed_config(config, seed: int):

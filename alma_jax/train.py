@@ -6,13 +6,20 @@ data order, best epoch and early stopping: a member that stops early stops
 counting steps (its best epoch is kept) while the others go on. The data
 stays on the device; a compiled call receives index arrays only (a partial
 last batch is padded and masked, never recompiled).
+
+A stage can be saved between two train calls and continued from there
+(`StageCheckpoints`): its position is the epoch, the next call, each
+member's data-order generator as it was before the epoch's orders were
+drawn, the epoch's losses so far and the early-stopping state; with the
+train state and the best parameters that is all it needs to continue to
+exactly the result of an uninterrupted stage.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -95,11 +102,37 @@ class _Progress:
   diverged: np.ndarray
 
 
+class StageCheckpoints(Protocol):
+  """Saves a stage in progress and hands back the last save (`alma_jax.stage_checkpoint`)."""
+
+  def load(self, template: dict) -> tuple[dict, dict] | None:
+    """(arrays shaped like `template`, position) of the stage's last save, or None."""
+
+  def due(self, epoch_end: bool, epoch: int) -> bool:
+    """Whether to save now (after a train call; `epoch_end`: it ended epoch `epoch`)."""
+
+  def save(self, arrays: dict, position: dict) -> None:
+    """Writes the stage's arrays and position (complete on return)."""
+
+
+@dataclasses.dataclass
+class _Resume:
+  """Where a saved stage continues: the epoch, its next call, its losses so far."""
+
+  epoch: int
+  next_call: int
+  losses: list[np.ndarray]
+  finite: np.ndarray | None
+
+
 def _epoch(steps: Steps, state: TrainState, structure, rngs, train_idx, keys, epoch: int,
-           check: Callable[[], None]):
+           check: Callable[[], None], resume: _Resume | None = None,
+           save: Callable[[TrainState, int, list, Any, bool], None] | None = None):
   """One epoch of every member; returns (state, losses (S, steps), finite (S,), steps).
 
-  `check()` runs after every compiled call (it raises to stop the stage there).
+  `check()` runs after every compiled call (it raises to stop the stage there);
+  before it, `save(state, next call, losses so far, finite, epoch ended)`.
+  `resume` continues an epoch saved part-way.
   """
   d = steps.method.num_data_orders(structure)
   k = steps.steps_per_call
@@ -107,12 +140,15 @@ def _epoch(steps: Steps, state: TrainState, structure, rngs, train_idx, keys, ep
   orders = [padded_orders(rng, train_idx[i], d, steps.batch_size, k, fixed)
             for i, rng in enumerate(rngs)]
   idx, mask = np.stack([o[0] for o in orders]), np.stack([o[1] for o in orders])
-  losses, finite = [], None
-  for c in range(idx.shape[1] // k):
+  losses, finite = (list(resume.losses), resume.finite) if resume else ([], None)
+  calls = idx.shape[1] // k
+  for c in range(resume.next_call if resume else 0, calls):
     sl = slice(c * k, (c + 1) * k)
     batch = Batch(steps.put_batch(idx[:, sl]), steps.put_batch(mask[:, sl]))
     state, loss, finite = steps.train_call(structure, state, batch, keys, call_counter(epoch, c))
     losses.append(loss)
+    if save is not None:
+      save(state, c + 1, losses, finite, c + 1 == calls)
     check()
   n_steps = orders[0][2]
   losses = np.concatenate([np.asarray(l) for l in losses], axis=1)[:, :n_steps]
@@ -138,7 +174,8 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
               keys: jax.Array, *, t: int = 0, opt_state=None,
               progress: Callable[[str], None] | None = None, labels: Sequence[int] | None = None,
               check: Callable[[], None] = lambda: None,
-              on_epoch: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None] | None = None):
+              on_epoch: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None] | None = None,
+              checkpoints: StageCheckpoints | None = None):
   """Trains a stacked population on one stage's data; keeps each member's best epoch.
 
   Args:
@@ -154,6 +191,8 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
       signal handler's flag, `alma_jax.interrupts.Signals.check`).
     on_epoch: called after every epoch with (epoch, mean training loss (S,), validation
       accuracy (S,), which members trained in it (S,)).
+    checkpoints: saves the stage between train calls when it says so, and continues the
+      stage from its last save, if it has one.
 
   Returns:
     (best learners, final optimizer state (None after a rollback), StageStats).
@@ -173,11 +212,18 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
                 np.ones(num, bool), np.zeros(num, bool))
   delta = float(cfg.patience_delta)
   timer, last_report = timing.Breakdown(), time.monotonic()
-  for epoch in range(1, int(cfg.epochs) + 1):
+  resume = None
+  if checkpoints is not None:
+    state, resume = _restore_position(checkpoints, state, p, rngs, timer)
+  save = None if checkpoints is None else _saver(checkpoints, p, rngs, timer)
+  for epoch in range(resume.epoch if resume else 1, int(cfg.epochs) + 1):
     ran = p.active.copy()
+    if save is not None:
+      save.epoch_start(epoch)
     with timer("train_s"):
       state, losses, finite, n_steps = _epoch(steps, state, structure, rngs, train_idx, keys, epoch,
-                                              check)
+                                              check, resume, save)
+      resume = None
       p.steps_run += n_steps * p.active
       p.epochs_run[p.active] = epoch
     bad = p.active & ~(np.all(np.isfinite(losses), axis=1) & finite)
@@ -221,6 +267,65 @@ def _keep_best(p: _Progress, method, current: Learner, unit_acc: np.ndarray, epo
   p.best_epoch = np.where(any_improved, epoch, p.best_epoch)
   p.since_best = np.where(any_improved, 0, p.since_best + p.active)
   p.active &= p.since_best < patience
+
+
+_PROGRESS_ARRAYS = ("best_acc", "best_epoch", "since_best", "epochs_run", "steps_run", "active",
+                    "diverged")
+
+
+def _arrays(state: TrainState, best: Learner) -> dict:
+  return {"state": {"trainable": state.trainable, "frozen": state.frozen,
+                    "model_state": state.model_state, "opt_state": state.opt_state},
+          "best": {"params": best.params, "model_state": best.model_state}}
+
+
+def _restore_position(checkpoints: StageCheckpoints, state: TrainState, p: _Progress, rngs,
+                      timer: timing.Breakdown):
+  """(train state, `_Resume`) of the stage's last save, applied to `p`, `rngs` and `timer`;
+  (`state`, None) when there is none."""
+  saved = checkpoints.load(_arrays(state, p.best))
+  if saved is None:
+    return state, None
+  arrays, pos = saved
+  for name in _PROGRESS_ARRAYS:
+    old = getattr(p, name)
+    setattr(p, name, np.asarray(pos["progress"][name], old.dtype).reshape(old.shape))
+  p.best = Learner(params=arrays["best"]["params"], model_state=arrays["best"]["model_state"],
+                   structure=p.best.structure)
+  for rng, st in zip(rngs, pos["rng_states"]):
+    rng.bit_generator.state = st
+  timer.add(pos["timings"])
+  a = arrays["state"]
+  state = TrainState(a["trainable"], a["frozen"], a["model_state"], a["opt_state"])
+  losses = [np.asarray(l, np.float32) for l in pos["losses"]]
+  finite = None if pos["finite"] is None else np.asarray(pos["finite"], bool)
+  return state, _Resume(int(pos["epoch"]), int(pos["next_call"]), losses, finite)
+
+
+class _saver:  # pylint: disable=invalid-name  (used as a function)
+  """`save(state, next_call, losses, finite, epoch_end)` for `_epoch`: writes the stage's
+  position when `checkpoints` says it is due."""
+
+  def __init__(self, checkpoints: StageCheckpoints, p: _Progress, rngs, timer: timing.Breakdown):
+    self.checkpoints, self.p, self.rngs, self.timer = checkpoints, p, rngs, timer
+    self.epoch, self.rng_states = 0, []
+
+  def epoch_start(self, epoch: int) -> None:
+    """Notes each member's data-order generator before the epoch draws its orders."""
+    self.epoch = epoch
+    self.rng_states = [rng.bit_generator.state for rng in self.rngs]
+
+  def __call__(self, state: TrainState, next_call: int, losses: list, finite, epoch_end: bool):
+    if not self.checkpoints.due(epoch_end, self.epoch):
+      return
+    p = self.p
+    position = {
+        "epoch": self.epoch, "next_call": next_call, "rng_states": self.rng_states,
+        "losses": [np.asarray(l, np.float32).tolist() for l in losses],
+        "finite": None if finite is None else np.asarray(finite).tolist(),
+        "progress": {name: np.asarray(getattr(p, name)).tolist() for name in _PROGRESS_ARRAYS},
+        "timings": self.timer.as_dict()}
+    self.checkpoints.save(_arrays(state, p.best), position)
 
 
 def _progress_line(t, epoch, epochs, losses, acc, p: _Progress) -> str:

@@ -28,6 +28,10 @@ CONFIG_FILE, LOG_FILE, SUMMARY_FILE = "config.json", "log.jsonl", "summary.json"
 # after it (members, experts per mixture layer, ...), for plots of growth.
 ARCH_FILE = "architecture.jsonl"
 CHECKPOINT_DIR, CORRUPT_DIR = "checkpoints", "checkpoints_unreadable"
+# The checkpoint of a training stage in progress (`alma_jax.stage_checkpoint`).
+STAGE_DIR = "checkpoints_stage"
+LOCK_FILE = ".lock"  # alma_jax.workdir_lock
+INPUTS_FILE = "inputs.json"  # fingerprints of the data the run reads
 ERROR_PNG = "error.png"  # test error vs t, drawn when the run ends
 SEED_DIR_PREFIX = "seed_"  # outputs of one seed when config.num_seeds > 1
 
@@ -59,24 +63,81 @@ def has_progress(workdir: str) -> bool:
           or (os.path.isdir(ckpt_dir) and any(n[:1].isdigit() for n in os.listdir(ckpt_dir))))
 
 
+_FILES = (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, ARCH_FILE, ERROR_PNG, INPUTS_FILE)
+_DIRS = (CHECKPOINT_DIR, CORRUPT_DIR, STAGE_DIR)
+_SEED_FILES = (CONFIG_FILE, LOG_FILE, SUMMARY_FILE)
+
+
+def check_entries(workdir: str) -> None:
+  """Refuses output paths that are symbolic links or of the wrong kind.
+
+  A run writes only regular files and directories of its own in its
+  workdir: a symbolic link there would make it write through the link.
+  """
+  def check(path: str, want_dir: bool) -> None:
+    if os.path.islink(path):
+      raise ConfigError(f"{path} is a symbolic link; a run writes only regular files and "
+                        "directories in its workdir: remove the link (or choose another "
+                        "--workdir)")
+    if os.path.exists(path) and os.path.isdir(path) != want_dir:
+      kind = "a directory" if want_dir else "a regular file"
+      raise ConfigError(f"{path} is not {kind}, which the run writes there: move it away (or "
+                        "choose another --workdir)")
+
+  for name in _FILES + (LOCK_FILE,):
+    check(os.path.join(workdir, name), False)
+  for name in _DIRS:
+    check(os.path.join(workdir, name), True)
+  for d in output_dirs(workdir)[1:]:
+    check(d, True)
+    for name in _SEED_FILES:
+      check(os.path.join(d, name), False)
+
+
+def _seed_output_dirs(workdir: str) -> list[str]:
+  """The `seed_<k>/` folders of the workdir that hold only what a run writes there."""
+  out = []
+  for d in output_dirs(workdir)[1:]:
+    ours = set(_SEED_FILES) | {os.path.basename(p) for p in tensorboard.event_files(d)}
+    if not os.path.islink(d) and set(os.listdir(d)) <= ours:
+      out.append(d)
+    else:
+      logging.warning("--overwrite: kept %s, which holds files a run does not write", d)
+  return out
+
+
 def clear_outputs(workdir: str) -> None:
-  """Removes the run outputs from `workdir` (nothing else in it)."""
-  seed_dirs = [n for n in os.listdir(workdir) if n.startswith(SEED_DIR_PREFIX)]
-  seed_dirs += [os.path.basename(p) for p in tensorboard.event_files(workdir)]
-  for name in (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, ARCH_FILE, CHECKPOINT_DIR, CORRUPT_DIR,
-               ERROR_PNG, *seed_dirs):
-    path = os.path.join(workdir, name)
-    if os.path.isdir(path):
+  """Removes the outputs a run wrote in `workdir` (nothing else in it)."""
+  doomed = [os.path.join(workdir, n) for n in _FILES + _DIRS]
+  doomed += tensorboard.event_files(workdir) + _seed_output_dirs(workdir)
+  for path in doomed:
+    if os.path.isdir(path) and not os.path.islink(path):
       shutil.rmtree(path)
-    elif os.path.exists(path):
+    elif os.path.lexists(path):
       os.unlink(path)
   logging.warning("--overwrite: removed the previous run's outputs from %s", workdir)
 
 
-def sync_architecture_log(workdir: str, last_t: int) -> None:
-  """Keeps the lines of `ARCH_FILE` up to `last_t` (what a resumed run has done)."""
+def sync_architecture_log(workdir: str, last_t: int, lines: list[dict] | None = None) -> None:
+  """Rewrites `ARCH_FILE` with the lines of t <= `last_t` (what a resumed run has done).
+
+  `lines`: the lines a checkpoint holds (they replace the file's); otherwise
+  the file's own lines are kept, and a line that cannot be read is an error
+  naming the file.
+  """
   path = os.path.join(workdir, ARCH_FILE)
-  kept = [r for r in io_utils.read_jsonl(path) if r["t"] <= last_t] if os.path.exists(path) else []
+  if last_t < 0:
+    lines = []
+  if lines is None:
+    try:
+      lines = io_utils.read_jsonl(path)
+      kept = [r for r in lines if int(r["t"]) <= last_t]
+    except (ValueError, KeyError, TypeError) as e:
+      raise ConfigError(f"{path} cannot be read ({e}) and the checkpoint resumed from does not "
+                        "hold its lines; delete it to resume (the lines before the checkpoint "
+                        "are then lost), or pass --overwrite") from e
+  else:
+    kept = [r for r in lines if int(r["t"]) <= last_t]
   io_utils.write_jsonl_atomic(path, kept)
 
 
@@ -155,16 +216,22 @@ def checkpoint_steps(workdir: str) -> list[int]:
 
 
 def check_outputs(workdir: str, config, overwrite: bool) -> None:
-  """Refuses to start afresh over records of a run in `workdir` (unless `overwrite`).
+  """Decides how a run starts over the outputs found in `workdir`.
 
-  A run checkpoints t=0 before it logs t=1, so a log beyond t=0 (or a
-  summary) without a complete checkpoint means the checkpoints are gone; a
-  log holding only t=0 is a run killed before its first checkpoint, which
-  is simply started again. Also removes stale temp files of the outputs.
+  Every record is a deterministic function of (config, seed, t), and a run
+  rewrites the records after its last complete checkpoint, so records that
+  no checkpoint covers are simply computed again: the same command resumes
+  from the last complete checkpoint, or starts again from t=0 when there is
+  none (a run killed before its first checkpoint landed). `check_resume` has
+  already refused a different config; records whose config.json is missing
+  and that no checkpoint covers cannot be told apart from another config's,
+  so they are refused. Also removes stale temp files of the outputs.
 
   Raises:
-    UnresumableWorkdirError: records that cannot be resumed, and no `overwrite`.
+    UnresumableWorkdirError: records without config.json or a checkpoint, and
+      no `overwrite`.
   """
+  check_entries(workdir)
   dirs = output_dirs(workdir)
   for d in dirs:
     io_utils.remove_stale_temporaries(d)
@@ -184,14 +251,18 @@ def check_outputs(workdir: str, config, overwrite: bool) -> None:
   enabled = bool(config.checkpoint.enabled)
   if enabled and steps:
     return
+  if os.path.exists(os.path.join(workdir, CONFIG_FILE)):  # the same config (check_resume)
+    why = ("config.checkpoint.enabled=False" if not enabled
+           else "no complete checkpoint (the run was stopped before its first one landed)")
+    if steps:
+      why += f"; rerun with --config.checkpoint.enabled=True to resume from t={steps[-1]}"
+    logging.warning("%s holds records up to t=%d but %s: the run starts again from t=0 and "
+                    "computes the same records", workdir, last_t, why)
+    return
   held = " and ".join(([f"the records of t=0..{last_t}"] if last_t >= 0 else [])
                      + (["summary.json"] if summary else []))
-  if not enabled:
-    why = "but config.checkpoint.enabled=False, so the run cannot resume"
-    if steps:
-      why += f" (rerun with --config.checkpoint.enabled=True to resume from its checkpoint t={steps[-1]})"
-  else:
-    why = f"but no checkpoint to resume from ({os.path.join(workdir, CHECKPOINT_DIR)} is missing or empty)"
   raise UnresumableWorkdirError(
-      f"--workdir={workdir} holds {held} of a run {why}; a new run would overwrite them: pass "
-      "--overwrite to discard them, or choose another --workdir")
+      f"--workdir={workdir} holds {held} of a run but neither its {CONFIG_FILE} nor a "
+      f"checkpoint (in {os.path.join(workdir, CHECKPOINT_DIR)}), so it cannot be told whether "
+      "they are this config's; a new run would overwrite them: pass --overwrite to discard "
+      "them, or choose another --workdir")

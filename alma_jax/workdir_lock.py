@@ -44,6 +44,7 @@ import errno
 import json
 import os
 import socket
+import stat
 import time
 
 try:
@@ -112,6 +113,23 @@ def _alive_here(info: dict) -> bool:
 
 
 # -- flock ------------------------------------------------------------------------------------
+def _open_regular(path: str, flags: int) -> int:
+  """`os.open` of a regular file that is not a symbolic link (the lock file is written)."""
+  try:
+    fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)
+  except OSError as e:
+    if e.errno not in (errno.ELOOP, errno.EISDIR):
+      raise
+    fd = None
+  if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
+    return fd
+  if fd is not None:
+    os.close(fd)
+  raise WorkdirLockedError(
+      f"{path} is {'a symbolic link' if os.path.islink(path) else 'not a regular file'}; the lock of a "
+      "workdir is a regular file the run writes: remove it (or choose another --workdir)")
+
+
 class _FlockUnsupported(Exception):
   pass
 
@@ -121,7 +139,7 @@ def _acquire_flock(workdir: str, path: str) -> int:
   if fcntl is None:
     raise _FlockUnsupported()
   for _ in range(100):  # retried only when a releasing holder removed the file meanwhile
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+    fd = _open_regular(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0))
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -163,7 +181,7 @@ def _stale(path: str, info: dict | None) -> bool:
 def _acquire_exclusive(workdir: str, path: str, info: dict) -> None:
   for _ in range(3):
     try:
-      fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+      fd = _open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     except FileExistsError:
       holder = _read(path)
       if not _stale(path, holder):

@@ -78,7 +78,8 @@ def test_resumable_fields_are_those_declared_resumable():
   assert set(config_lib.resumable_paths()) == {
       "data.data_dir", "data.cache_dir", "data.use_cache", "data.download",
       "train.progress_every_s", "train.on_divergence", "checkpoint.enabled",
-      "checkpoint.max_to_keep", "checkpoint.every", "mesh.distributed", "log.tensorboard",
+      "checkpoint.max_to_keep", "checkpoint.every", "checkpoint.every_s",
+      "checkpoint.stage_every_epochs", "mesh.distributed", "log.tensorboard",
           "train.autotune", "train.cpu_fusion"}
 
 

@@ -215,22 +215,29 @@ def test_cli_message_of_a_write_error_is_the_error_alone():
 
 
 # -- records without checkpoints ------------------------------------------------------------------
-_NO_CHECKPOINT = (r"^--workdir={wd} holds the records of t=0\.\.4 and summary\.json of a run but no "
-                  r"checkpoint to resume from \({wd}/checkpoints is missing or empty\); a new run "
-                  r"would overwrite them: pass --overwrite to discard them, or choose another "
-                  r"--workdir$")
+_NO_CONFIG = (r"^--workdir={wd} holds the records of t=0\.\.4 and summary\.json of a run but "
+              r"neither its config\.json nor a checkpoint \(in {wd}/checkpoints\), so it cannot be "
+              r"told whether they are this config's; a new run would overwrite them: pass "
+              r"--overwrite to discard them, or choose another --workdir$")
 
 
 @requires_mnist
-@pytest.mark.parametrize("deleted", [["checkpoints"], ["checkpoints", "config.json"]])
-def test_records_without_checkpoints_are_not_overwritten(deleted, finished, tmp_path):
+def test_records_without_checkpoints_are_computed_again(finished, tmp_path):
+  """Records are a function of (config, seed, t): the same config recomputes them."""
   wd = _copy(finished[0], tmp_path)
-  for name in deleted:
-    path = os.path.join(wd, name)
-    shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+  shutil.rmtree(os.path.join(wd, "checkpoints"))
+  run.run(helpers.smoke(), wd)
+  assert helpers.outputs(wd) == finished[1]
+
+
+@requires_mnist
+def test_records_of_an_unknown_config_are_not_overwritten(finished, tmp_path):
+  wd = _copy(finished[0], tmp_path)
+  shutil.rmtree(os.path.join(wd, "checkpoints"))
+  os.unlink(os.path.join(wd, "config.json"))
   before = helpers.tree_digest(wd)
   with pytest.raises(workdir_lib.UnresumableWorkdirError,
-                     match=_NO_CHECKPOINT.format(wd=re.escape(wd))) as info:
+                     match=_NO_CONFIG.format(wd=re.escape(wd))) as info:
     run.run(helpers.smoke(), wd)
   assert errors.exit_code(info.value) == 2
   assert helpers.tree_digest(wd) == before
@@ -239,30 +246,28 @@ def test_records_without_checkpoints_are_not_overwritten(deleted, finished, tmp_
 
 
 @requires_mnist
-def test_checkpointing_off_does_not_overwrite_records(finished, tmp_path):
+def test_checkpointing_off_computes_the_records_again(finished, tmp_path):
   wd = _copy(finished[0], tmp_path)
   c = helpers.smoke()
   c.checkpoint.enabled = False
-  before = helpers.tree_digest(wd)
-  with pytest.raises(workdir_lib.UnresumableWorkdirError,
-                     match=r"but config\.checkpoint\.enabled=False, so the run cannot resume "
-                           r"\(rerun with --config\.checkpoint\.enabled=True to resume from its "
-                           r"checkpoint t=4\); a new run would overwrite them: pass --overwrite"):
-    run.run(c, wd)
-  assert helpers.tree_digest(wd) == before
+  run.run(c, wd)
+  assert helpers.outputs(wd) == finished[1]
 
 
-def test_a_log_of_t0_alone_is_a_run_killed_before_its_first_checkpoint(tmp_path):
+def test_records_without_a_checkpoint_start_again_when_config_json_is_there(tmp_path):
   wd = str(tmp_path)
-  io_utils.append_record(os.path.join(wd, "log.jsonl"), {"t": 0})
-  workdir_lib.check_outputs(wd, helpers.smoke(), overwrite=False)  # started again, nothing lost
-  io_utils.append_record(os.path.join(wd, "log.jsonl"), {"t": 1})
-  with pytest.raises(workdir_lib.UnresumableWorkdirError, match=r"records of t=0\.\.1 of a run"):
+  for t in range(3):
+    io_utils.append_record(os.path.join(wd, "log.jsonl"), {"t": t})
+  with pytest.raises(workdir_lib.UnresumableWorkdirError, match=r"records of t=0\.\.2 of a run"):
     workdir_lib.check_outputs(wd, helpers.smoke(), overwrite=False)
   os.makedirs(os.path.join(wd, "checkpoints", "0.orbax-checkpoint-tmp-123"))  # incomplete
   with pytest.raises(workdir_lib.UnresumableWorkdirError):
     workdir_lib.check_outputs(wd, helpers.smoke(), overwrite=False)
-  os.makedirs(os.path.join(wd, "checkpoints", "0"))
+  io_utils.write_json_atomic(os.path.join(wd, "config.json"), {})
+  workdir_lib.check_outputs(wd, helpers.smoke(), overwrite=False)  # started again, nothing lost
+  shutil.rmtree(os.path.join(wd, "checkpoints"))
+  os.unlink(os.path.join(wd, "config.json"))
+  os.makedirs(os.path.join(wd, "checkpoints", "0"))  # a checkpoint checks its own config
   workdir_lib.check_outputs(wd, helpers.smoke(), overwrite=False)
 
 
