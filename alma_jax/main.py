@@ -104,6 +104,11 @@ def _choose_cpu_fusion(multiprocess: bool) -> None:
 
 
 def _resume_command() -> str:
+  """The command that resumes this run: this one without --overwrite, or the command of the
+  launcher that started this process ($ALMA_JAX_RESUME_COMMAND)."""
+  launcher = os.environ.get("ALMA_JAX_RESUME_COMMAND")
+  if launcher:
+    return launcher
   args = [a for a in sys.argv[1:] if not a.lstrip("-").startswith("overwrite")]
   return shlex.join(["python", "-m", "alma_jax.main"] + args)
 

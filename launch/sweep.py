@@ -8,7 +8,10 @@ is skipped only when its workdir holds a summary.json and a config.json equal
 to the point's config; a point without a summary resumes, and a workdir
 holding a different config is refused with the differing fields named. So a
 rerun of a sweep skips what is done, and a sweep with another config file or
-other flags gets workdirs of its own.
+other flags gets workdirs of its own. A point whose workdir another process
+holds (e.g. a second sweep on the same root; see alma_jax/workdir_lock.py) is
+left to it, "running (by another process)", not failed; each point's status
+is checked again just before its run starts.
 
 The grid comes from `--grid=field=v1,v2,...` flags, from a Python file
 (`--grid_file=F`) that defines GRID, or both: GRID is a dict of field -> list
@@ -31,7 +34,10 @@ workers once, then each point runs as one multi-host program; `--root` must
 be a directory every worker sees, mounted at the same path where the sweep
 runs for the report). When the runs are over, the report
 (`python -m alma_jax.report`) of every grid point's workdir is written to
-`--report_dir` (default <root>/report); `--no-report` skips it.
+`--report_dir` (default <root>/report); `--no-report` skips it. SIGINT
+(Ctrl-C), SIGTERM or SIGHUP is passed on to the runs in progress (which stop
+at a safe point); the sweep then names them with their exit codes, prints its
+own command line to resume, and exits with 128 + the signal number.
 
 Examples:
   # Print the commands of a 2 x 3 grid without running them.
@@ -61,23 +67,33 @@ A grid point that itself spans several GPUs or nodes is a job of
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import itertools
 import json
 import os
 import shlex
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for alma_jax
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for local.py, tpu_pod.py
 from alma_jax import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax import io_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import methods  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import report  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import workdir as wd  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax import workdir_lock  # pylint: disable=g-import-not-at-top,wrong-import-position
+import local  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 # A grid field that is not a config field: the config file of the points (replaces --config).
 CONFIG_FIELD = "config"
+# Seconds a run gets to stop (and checkpoint) after the sweep passed a signal on to it.
+STOP_GRACE_S = 30.0
+# The exit code of a run refused its inputs, among them a workdir that another run holds.
+REFUSED = 2
 
 
 def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -208,11 +224,31 @@ def command(config: str | None, root: str, point, extra: list[str]) -> tuple[lis
   return cmd + flags, workdir, resolved
 
 
-def status(workdir: str, resolved: dict) -> tuple[str, str]:
-  """("run" | "done" | "refuse", why) for the point of config `resolved` in `workdir`."""
+def holder(workdir: str, any_host: bool = False) -> dict | None:
+  """The run holding `workdir`'s lock (its host and pid, from the lock file): a live process
+  of this host, or with `any_host` also a process of another host (whose liveness cannot be
+  checked from here, and whose lock file may be left over from a killed run)."""
+  try:
+    with open(os.path.join(workdir, workdir_lock.LOCK_FILE)) as f:
+      info = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if not isinstance(info, dict) or not isinstance(info.get("pid"), int):
+    return None
+  if info.get("host") == socket.gethostname():
+    return info if io_utils.process_alive(info["pid"]) else None
+  return info if any_host else None
+
+
+def status(workdir: str, resolved: dict, any_host: bool = False) -> tuple[str, str]:
+  """("run" | "done" | "running" | "refuse", why) for the point of config `resolved` in
+  `workdir`; "running": another process holds the workdir (see `holder` for `any_host`)."""
   path = os.path.join(workdir, "config.json")
+  other = holder(workdir, any_host)
+  running = other and ("running", f"by another process, pid {other['pid']} on "
+                                  f"{other.get('host', '?')}")
   if not os.path.exists(path):
-    return "run", ""  # new (or its outputs are checked by the run itself)
+    return running or ("run", "")  # new (or its outputs are checked by the run itself)
   try:
     with open(path) as f:
       stored = json.load(f)
@@ -221,6 +257,8 @@ def status(workdir: str, resolved: dict) -> tuple[str, str]:
   diffs = config_resolve.same_run(stored, resolved)
   if diffs:
     return "refuse", f"{workdir} holds a run of a different config: {'; '.join(diffs)}"
+  if running:
+    return running
   if os.path.exists(os.path.join(workdir, "summary.json")):
     return "done", ""
   return "run", ""
@@ -277,7 +315,6 @@ def _args(argv):
 
 
 def _tpu_pod():
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import tpu_pod  # pylint: disable=g-import-not-at-top
   return tpu_pod
 
@@ -301,25 +338,80 @@ def _write_slurm(args, runs) -> int:
   return 0
 
 
-def _run_logged(cmd: list[str], log: str) -> int:
+def _start(cmd: list[str], log: str | None, resume_command: str):
+  """Starts a point's run, its output appended to `log` if given, in a session of its own
+  (Ctrl-C reaches the sweep alone, which passes it on)."""
+  env = dict(os.environ, **{local.RESUME_ENV: resume_command})
+  if log is None:
+    return subprocess.Popen(cmd, env=env, start_new_session=True)
   os.makedirs(os.path.dirname(log), exist_ok=True)
   with open(log, "a") as f:
-    return subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
-def _launch(todo, root: str, parallel: int) -> int:
-  """Runs the (index, command, workdir) of `todo`, `parallel` at a time; returns the failures."""
-  if parallel == 1:
-    return sum(subprocess.call(cmd) != 0 for _, cmd, _ in todo)
-  def one(item):
-    i, cmd, workdir = item
-    log = os.path.join(root, "logs", os.path.basename(workdir) + ".log")
-    rc = _run_logged(cmd, log)
-    print(f"[{i}] {'finished' if rc == 0 else f'failed (exit {rc})'}; its output: {log}",
-          flush=True)
-    return rc != 0
-  with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
-    return sum(pool.map(one, todo))
+def _launch(todo, args, total: int, signals, resume_command: str) -> tuple[int, int]:
+  """Runs the (index, command, workdir, resolved config) of `todo`, `args.parallel` at a time
+  (with P > 1 each one's output goes to <root>/logs/<workdir name>.log), until they are over or
+  `signals` receives one, which is passed on to the runs in progress.
+
+  Each point's status is checked again just before it starts, and after its run was refused:
+  a point that another process (another sweep on the same root) ran meanwhile, or runs, is
+  not run here, and the run it refused is not a failure.
+
+  Returns:
+    (runs that failed, points left to another process that runs them).
+  """
+  pending, running, failed, elsewhere = list(todo), {}, 0, 0
+  while (pending or running) and not signals.received:
+    for p, (i, _, workdir, resolved, log) in list(running.items()):
+      if p.poll() is None:
+        continue
+      del running[p]
+      where = f"; its output: {log}" if log else ""
+      # Refused: the workdir may be another process's (there, of another host too).
+      state, why = (status(workdir, resolved, any_host=True) if p.returncode == REFUSED
+                    else ("", ""))
+      if state == "done":
+        print(f"[{i}/{total}] done by another process meanwhile{where}", flush=True)
+      elif state == "running":
+        print(f"[{i}/{total}] running ({why}), skipped{where}", flush=True)
+        elsewhere += 1
+      elif p.returncode != 0:
+        print(f"[{i}/{total}] failed: {local.describe_exit(p.returncode)}{where}", flush=True)
+        failed += 1
+      elif log:
+        print(f"[{i}/{total}] finished{where}", flush=True)
+    while pending and len(running) < args.parallel and not signals.received:
+      i, cmd, workdir, resolved = pending.pop(0)
+      state, why = status(workdir, resolved)
+      if state != "run":  # changed since the sweep started: another process ran or runs it
+        label = {"done": "done by another process meanwhile", "running": f"running ({why})",
+                 "refuse": f"refused ({why})"}[state]
+        print(f"[{i}/{total}] {label}, skipped", flush=True)
+        failed += state == "refuse"
+        elsewhere += state == "running"
+        continue
+      log = (os.path.join(args.root, "logs", os.path.basename(workdir) + ".log")
+             if args.parallel > 1 else None)
+      running[_start(cmd, log, resume_command)] = (i, cmd, workdir, resolved, log)
+    if running:
+      time.sleep(0.1)
+  if signals.received:
+    _stop(running, total, len(pending), signals)
+  return failed, elsewhere
+
+
+def _stop(running: dict, total: int, left: int, signals) -> None:
+  """Passes the signal on to the runs in progress, waits for them, and names each one's exit."""
+  print(f"sweep: {signal.Signals(signals.received[0]).name}: stopping {len(running)} run(s) in "
+        f"progress; {left} point(s) not started", file=sys.stderr, flush=True)
+  killed = local.stop_processes(list(running), signals.forwarded(), STOP_GRACE_S, signals)
+  for p, (i, _, _, _, log) in running.items():
+    late = " (it did not stop in time)" if p in killed else ""
+    where = f"; its output: {log}" if log else ""
+    print(f"sweep: [{i}/{total}] (pid {p.pid}): {local.describe_exit(p.returncode)}{late}{where}",
+          file=sys.stderr, flush=True)
 
 
 def _report(args, runs) -> int:
@@ -340,6 +432,7 @@ def _report(args, runs) -> int:
 
 
 def main(argv=None):
+  argv = sys.argv[1:] if argv is None else argv
   args = _args(argv)
   grids = combine(load_grid_file(args.grid_file) if args.grid_file else [],
                   parse_grid(args.grid))
@@ -352,23 +445,35 @@ def main(argv=None):
     return _write_slurm(args, runs)
   if args.tpu:  # the same points and workdirs, each run through gcloud on every worker
     runs = [(tpu_command(args, c), w, r) for c, w, r in runs]
-  failed, todo, to_run = 0, [], 0
+  failed, elsewhere, todo, to_run = 0, 0, [], 0
   for i, (cmd, workdir, resolved) in enumerate(runs):
     state, why = status(workdir, resolved)
-    label = {"run": "", "done": "done, skipped: ", "refuse": f"refused ({why}): "}[state]
+    label = {"run": "", "done": "done, skipped: ", "running": f"running ({why}), skipped: ",
+             "refuse": f"refused ({why}): "}[state]
     print(f"[{i + 1}/{len(runs)}] {label}{shlex.join(cmd)}", flush=True)
     failed += state == "refuse"
+    elsewhere += state == "running"
     to_run += state == "run"
     if state == "run" and not args.dry_run:
-      todo.append((i + 1, cmd, workdir))
+      todo.append((i + 1, cmd, workdir, resolved))
   if args.tpu and args.tpu_setup and to_run:
     if _tpu_pod().execute([], tpu=args.tpu, zone=args.tpu_zone, project=args.tpu_project,
                           steps=["copy", "install"], dry_run=args.dry_run):
       print("sweep: the TPU setup failed; no point was run", file=sys.stderr)
       return 1
-  failed += _launch(todo, args.root, args.parallel)
+  resume_command = local.own_command(argv, __file__)
+  with local.StopSignals() as signals:
+    failed_here, elsewhere_here = _launch(todo, args, len(runs), signals, resume_command)
+  if signals.received:
+    print(f"sweep: to resume, run the same command again: {resume_command}", file=sys.stderr)
+    return 128 + signals.received[0]
+  failed += failed_here
+  elsewhere += elsewhere_here
   if failed:
     print(f"{failed} of {len(runs)} runs failed", file=sys.stderr)
+  if elsewhere:
+    print(f"{elsewhere} of {len(runs)} points are running in another process; run the sweep "
+          "again once they are over for their report", file=sys.stderr)
   report_failed = _report(args, runs) if args.report else 0
   return 1 if failed or report_failed else 0
 

@@ -3,8 +3,13 @@ the local launcher runs for real in tests/test_multiprocess.py."""
 
 import os
 import shlex
+import signal
+import subprocess
 import sys
 import tarfile
+import time
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "launch"))
@@ -54,3 +59,117 @@ def test_tpu_pod_copies_installs_and_runs_the_same_command_on_every_worker(tmp_p
   with tarfile.open(archive) as tar:
     names = set(tar.getnames())
   assert {"alma_jax/main.py", "requirements.txt", "launch/tpu_pod.py"} <= names
+
+
+# -- the local launcher's processes: failures, signals, the command that resumes --------------------
+def _wait_for_pids(folder, n, timeout_s=20.0):
+  """The pids that `n` fake processes wrote to files in `folder`."""
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    texts = [open(os.path.join(folder, name)).read() for name in names]
+    if len(names) >= n and all(texts):
+      return [int(t) for t in texts]
+    time.sleep(0.05)
+  raise AssertionError(f"{n} processes did not start within {timeout_s} s")
+
+
+def _running(pid: int) -> bool:
+  """Whether process `pid` exists and is not a zombie."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except (FileNotFoundError, ProcessLookupError):
+    return False
+
+
+def _kill_all(pids) -> None:
+  for pid in pids:
+    if _running(pid):
+      os.kill(pid, signal.SIGKILL)
+
+
+# A fake process that writes its pid to the file argv[1], then sleeps (ignoring SIGTERM with
+# argv[2] == "ignore", as a process stuck in a collective does).
+SLEEPER = ("import os, signal, sys, time\n"
+           "if sys.argv[2:] == ['ignore']:\n"
+           "  signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+           "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+           "time.sleep(60)\n")
+
+
+def test_local_launcher_stops_every_process_as_soon_as_any_one_fails(tmp_path, monkeypatch,
+                                                                     capsys):
+  # Process 1 fails while process 0 waits (in a collective: it ignores SIGTERM); the launcher
+  # stops process 0 at once, killing it after a short grace, and exits with process 1's code.
+  pids = tmp_path / "pids"
+  pids.mkdir()
+  fail = "import sys, time; time.sleep(0.5); print('failing'); sys.exit(3)"
+  monkeypatch.setattr(local, "commands", lambda args, n, port: [
+      [sys.executable, "-c", SLEEPER, str(pids / "0"), "ignore"], [sys.executable, "-c", fail]])
+  start = time.monotonic()
+  try:
+    assert local.launch([], 2) == 3
+    assert time.monotonic() - start < 12
+    (pid,) = _wait_for_pids(pids, 1)
+    assert not _running(pid)
+  finally:
+    _kill_all(_wait_for_pids(pids, 1))
+  captured = capsys.readouterr()
+  assert "[1] failing\n" in captured.out
+  assert "process 1 failed (exit code 3)" in captured.err
+
+
+def _resume_command_of_main(env) -> str:
+  code = ("import sys; sys.argv = ['alma_jax/main.py', '--config=c.py', '--workdir=/tmp/a b', "
+          "'--overwrite']; from alma_jax import main; print(main._resume_command())")
+  return subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                        text=True, check=True).stdout.strip()
+
+
+def test_a_run_started_by_a_launcher_names_the_launcher_s_command_to_resume():
+  env = {k: v for k, v in os.environ.items() if k != "ALMA_JAX_RESUME_COMMAND"}
+  env["PYTHONPATH"] = ROOT
+  assert _resume_command_of_main(env) == "python -m alma_jax.main --config=c.py '--workdir=/tmp/a b'"
+  env["ALMA_JAX_RESUME_COMMAND"] = "python launch/local.py -- --config=c.py"
+  assert _resume_command_of_main(env) == "python launch/local.py -- --config=c.py"
+
+
+def test_local_launcher_gives_its_processes_its_own_command_to_resume(monkeypatch, capsys):
+  monkeypatch.chdir(ROOT)
+  monkeypatch.delenv("ALMA_JAX_RESUME_COMMAND", raising=False)
+  show = "import os; print(os.environ.get('ALMA_JAX_RESUME_COMMAND'))"
+  monkeypatch.setattr(local, "commands", lambda args, n, port: [[sys.executable, "-c", show]] * n)
+  assert local.main(["--num_processes=2", "--", "--config=c.py", "--workdir=/tmp/a b",
+                     "--overwrite"]) == 0
+  out = capsys.readouterr().out
+  command = "python launch/local.py --num_processes=2 -- --config=c.py '--workdir=/tmp/a b'"
+  assert f"[0] {command}\n" in out and f"[1] {command}\n" in out
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_the_local_launcher_stops_its_processes(tmp_path, signum):
+  # SIGHUP reaches the processes as SIGTERM, on which a run stops at a safe point.
+  pids = tmp_path / "pids"
+  pids.mkdir()
+  script = (f"import sys\nsys.path.insert(0, {os.path.join(ROOT, 'launch')!r})\nimport local\n"
+            f"local.commands = lambda args, n, port: [[sys.executable, '-c', {SLEEPER!r}, "
+            f"f'{pids}/{{i}}'] for i in range(n)]\n"
+            "sys.exit(local.main(['--num_processes=2', '--', '--config=c.py']))\n")
+  launcher = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+  children = []
+  try:
+    children = _wait_for_pids(pids, 2)
+    launcher.send_signal(signum)
+    out, _ = launcher.communicate(timeout=15)
+    assert launcher.returncode == 128 + signum, out
+    assert not any(_running(pid) for pid in children)
+    for i in range(2):
+      assert f"process {i} (pid {children[i]}): killed by SIGTERM (exit code 143)" in out, out
+    assert "to resume, run the same command again: python launch/local.py --num_processes=2 " \
+        "-- --config=c.py" in out
+  finally:
+    launcher.kill()
+    launcher.wait()
+    _kill_all(children)

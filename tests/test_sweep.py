@@ -1,14 +1,16 @@
 """Tests of the grid launcher (launch/sweep.py)."""
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
+from alma_jax import workdir_lock
 from tests.conftest import requires_mnist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -16,6 +18,49 @@ sys.path.insert(0, os.path.join(ROOT, "launch"))
 import sweep  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 SMOKE = "configs/mnist_sm.py:smoke"
+
+
+def _fake_runs(monkeypatch, seconds=0.0, output="", on_start=None):
+  """Replaces subprocess.Popen by runs that record their command, call `on_start` with it,
+  write `output` to their stdout file (if any), last `seconds` and exit with 0; returns the
+  commands and a list holding the most runs in progress at once."""
+  calls, peak, started = [], [0], []
+
+  class Run:
+    """A stand-in for subprocess.Popen."""
+
+    def __init__(self, cmd, stdout=None, **kwargs):
+      del kwargs
+      self.args, self.pid, self.returncode = cmd, 0, None
+      self._end = time.monotonic() + seconds
+      calls.append(cmd)
+      if on_start:
+        on_start(cmd)
+      started.append(self)
+      peak[0] = max(peak[0], sum(r.returncode is None for r in started))
+      if stdout is not None and output:
+        stdout.write(output)
+        stdout.flush()
+
+    def poll(self):
+      if self.returncode is None and time.monotonic() >= self._end:
+        self.returncode = 0
+      return self.returncode
+
+    def wait(self, timeout=None):
+      del timeout
+      while self.poll() is None:
+        time.sleep(0.01)
+      return self.returncode
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):
+      self.wait()
+
+  monkeypatch.setattr(subprocess, "Popen", Run)
+  return calls, peak
 
 
 def test_grid_expands_to_all_combinations(tmp_path, capsys):
@@ -57,8 +102,7 @@ def test_tpu_sweep_sets_the_workers_up_once_then_runs_each_point_on_all_of_them(
     tmp_path, monkeypatch, capsys):
   base = [f"--config={SMOKE}", f"--root={tmp_path}", "--grid=model.width=8,16",
           "--grid=seed=0,1", "--tpu=pod", "--tpu_zone=z", "--tpu_project=p"]
-  calls = []
-  monkeypatch.setattr(sweep.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+  calls, _ = _fake_runs(monkeypatch)
   monkeypatch.setattr(sweep._tpu_pod(), "write_archive", lambda path: open(path, "w").close())
   assert sweep.main(base + ["--no-report"]) == 0
   assert [c[4] for c in calls] == ["scp", "ssh", "ssh", "ssh", "ssh"]  # copy, install, 2 points
@@ -162,8 +206,7 @@ def test_rerun_skips_only_a_point_of_the_same_config(tmp_path, monkeypatch, caps
   (done,) = [n for n in os.listdir(root) if n != "report"]  # the report of the sweep aside
   assert os.path.exists(root / done / "summary.json")
 
-  calls = []
-  monkeypatch.setattr(subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+  calls, _ = _fake_runs(monkeypatch)
   # The identical sweep: skipped.
   assert _sweep(root) == 0
   assert "[1/1] done, skipped: " in capsys.readouterr().out and not calls
@@ -285,20 +328,7 @@ def test_parallel_must_be_positive(tmp_path):
 
 
 def test_parallel_runs_at_most_p_at_a_time(tmp_path, monkeypatch, capsys):
-  lock, running, peak, seen = threading.Lock(), [0], [0], []
-
-  def fake_call(cmd, stdout=None, stderr=None):
-    with lock:
-      running[0] += 1
-      peak[0] = max(peak[0], running[0])
-      seen.append(cmd)
-    stdout.write("run output\n")
-    time.sleep(0.2)
-    with lock:
-      running[0] -= 1
-    return 0
-
-  monkeypatch.setattr(subprocess, "call", fake_call)
+  seen, peak = _fake_runs(monkeypatch, seconds=0.2, output="run output\n")
   rc = sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=seed=0,1,2,3,4",
                    "--parallel=2", "--seeds_together=no"])
   assert rc == 0 and len(seen) == 5 and peak[0] == 2
@@ -330,10 +360,152 @@ def test_parallel_sweep_of_real_runs_ends_with_the_report(tmp_path, monkeypatch,
 
 
 def test_parallel_dry_run_runs_nothing(tmp_path, monkeypatch, capsys):
-  monkeypatch.setattr(subprocess, "call", lambda *a, **k: pytest.fail("ran a command"))
+  monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("ran a command"))
   rc = sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=model.width=4,8",
                    "--parallel=2", "--dry_run"])
   captured = capsys.readouterr()
   assert rc == 0 and len(captured.out.strip().splitlines()) == 2
   assert f"report of the grid's workdirs -> {tmp_path / 'report'}" in captured.err
   assert not os.listdir(tmp_path)
+
+
+# -- signals, and sweeps that share a root ----------------------------------------------------------
+def _running(pid: int) -> bool:
+  """Whether process `pid` exists and is not a zombie."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except (FileNotFoundError, ProcessLookupError):
+    return False
+
+
+def _sweep_process(tmp_path, child: str, flags, name="sweep"):
+  """A sweep (in a process of its own) whose points run `child` (a Python program given the
+  point's workdir and a file holding its resolved config) instead of alma_jax.main."""
+  script = f"""
+import json, os, sys
+sys.path.insert(0, {os.path.join(ROOT, 'launch')!r})
+import sweep
+real = sweep.command
+def command(config, root, point, extra):
+  _, workdir, resolved = real(config, root, point, extra)
+  path = os.path.join({str(tmp_path)!r}, {name!r} + "-" + os.path.basename(workdir) + ".json")
+  with open(path, "w") as f:
+    json.dump(resolved, f)
+  return [sys.executable, "-c", {child!r}, workdir, path], workdir, resolved
+sweep.command = command
+sys.exit(sweep.main({[f"--config={SMOKE}", "--seeds_together=no", "--no-report", *flags]!r}))
+"""
+  return subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_sigterm_to_a_sweep_stops_its_runs_and_starts_no_more(tmp_path, parallel):
+  pids = tmp_path / "pids"
+  pids.mkdir()
+  child = ("import os, sys, time\n"
+           f"open(os.path.join({str(pids)!r}, os.path.basename(sys.argv[1])), 'w')"
+           ".write(str(os.getpid()))\n"
+           "time.sleep(60)\n")
+  proc = _sweep_process(tmp_path, child, [f"--root={tmp_path / 'r'}", "--grid=seed=0,1,2",
+                                          f"--parallel={parallel}"])
+  children = []
+  try:
+    deadline = time.monotonic() + 30
+    while len(children) < parallel and time.monotonic() < deadline:
+      children = [int(t) for t in (p.read_text() for p in pids.iterdir()) if t]
+      time.sleep(0.05)
+    assert len(children) == parallel
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=15)
+    assert proc.returncode == 143, out
+    assert not any(_running(pid) for pid in children), out
+    assert len(os.listdir(pids)) == parallel  # no point started after the signal
+    assert out.count("killed by SIGTERM (exit code 143)") == parallel, out
+    assert "to resume, run the same command again: python launch/sweep.py " in out
+  finally:
+    proc.kill()
+    proc.wait()
+    for pid in children:
+      if _running(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_a_point_whose_workdir_another_run_holds_is_running_not_to_run(tmp_path):
+  _, workdir, resolved = sweep.command(SMOKE, str(tmp_path), [("seed", "0")], [])
+  os.makedirs(workdir)
+  assert sweep.status(workdir, resolved)[0] == "run"
+  with workdir_lock.hold(workdir):
+    state, why = sweep.status(workdir, resolved)
+    assert state == "running" and f"pid {os.getpid()}" in why
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      json.dump(resolved, f)
+    assert sweep.status(workdir, resolved)[0] == "running"
+  assert sweep.status(workdir, resolved)[0] == "run"
+
+
+def test_points_that_another_process_ran_or_runs_meanwhile_are_not_run(tmp_path, monkeypatch,
+                                                                      capsys):
+  made = [sweep.command(SMOKE, str(tmp_path), [("seed", str(s))], []) for s in range(3)]
+  with contextlib.ExitStack() as other:  # another sweep, on the same root
+
+    def meanwhile(cmd):
+      if f"--workdir={made[0][1]}" not in cmd:
+        return
+      # While the first point runs, the other sweep finishes the second and starts the third.
+      for _, workdir, resolved in made[1:]:
+        os.makedirs(workdir)
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+          json.dump(resolved, f)
+      open(os.path.join(made[1][1], "summary.json"), "w").close()
+      other.enter_context(workdir_lock.hold(made[2][1]))
+
+    calls, _ = _fake_runs(monkeypatch, on_start=meanwhile)
+    rc = sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=seed=0,1,2",
+                     "--seeds_together=no", "--no-report"])
+  assert rc == 0 and len(calls) == 1 and f"--workdir={made[0][1]}" in calls[0]
+  captured = capsys.readouterr()
+  assert "[2/3] done by another process meanwhile, skipped" in captured.out
+  assert f"[3/3] running (by another process, pid {os.getpid()} on " in captured.out
+  assert "failed" not in captured.err
+  assert "1 of 3 points are running in another process" in captured.err
+
+
+# A point's fake run: holds the workdir's lock (or fails as a run does when another holds it),
+# writes the config, then after a while the summary.
+LOCKED_RUN = f"""
+import os, shutil, sys, time
+sys.path.insert(0, {ROOT!r})
+from alma_jax import workdir_lock
+workdir, config = sys.argv[1:3]
+os.makedirs(workdir, exist_ok=True)
+try:
+  with workdir_lock.hold(workdir):
+    shutil.copy(config, os.path.join(workdir, "config.json"))
+    time.sleep(1.5)
+    open(os.path.join(workdir, "summary.json"), "w").write("{{}}")
+except workdir_lock.WorkdirLockedError as e:
+  print(f"alma_jax: error: {{e}}", file=sys.stderr)
+  sys.exit(2)
+"""
+
+
+def test_two_sweeps_on_one_root_count_each_other_s_points_as_running_or_done(tmp_path):
+  # Started together, they contend for the same points: a point's run that the other sweep's run
+  # holds is refused, which counts as "running (by another process)", not as a failure.
+  flags = [f"--root={tmp_path / 'r'}", "--grid=seed=0,1"]
+  sweeps = [_sweep_process(tmp_path, LOCKED_RUN, flags, name) for name in ("a", "b")]
+  try:
+    outs = [p.communicate(timeout=60)[0] for p in sweeps]
+  finally:
+    for p in sweeps:
+      p.kill()
+      p.wait()
+  for p, out in zip(sweeps, outs):
+    assert p.returncode == 0, out
+    assert "failed" not in out, out
+  workdirs = [os.path.join(tmp_path, "r", n) for n in os.listdir(tmp_path / "r") if n != "logs"]
+  assert len(workdirs) == 2
+  assert all(os.path.exists(os.path.join(w, "summary.json")) for w in workdirs)
