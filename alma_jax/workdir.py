@@ -184,7 +184,8 @@ def check_resume(workdir: str, config) -> None:
   try:
     old = io_utils.read_json(path)
   except (OSError, ValueError) as e:
-    raise ConfigError(f"{path} cannot be read ({e}); {hint}") from e
+    raise ConfigError(f"{path} cannot be read ({e}); delete it to resume from the checkpoints "
+                      f"(they hold the config and check it), or {hint}") from e
   diffs = config_diff(old, config_dict(config))
   if diffs:
     raise ConfigError(f"--workdir={workdir} holds a run with a different config: "

@@ -225,9 +225,13 @@ def test_unreadable_config_json(finished_run, tmp_path):
   with open(os.path.join(wd, "config.json"), "w") as f:
     f.write("{trunc")
   before = helpers.tree_digest(wd)
-  with pytest.raises(ConfigError, match=r"config\.json cannot be read"):
+  with pytest.raises(ConfigError, match=r"config\.json cannot be read .*; delete it to resume "
+                                        r"from the checkpoints"):
     run.run(helpers.smoke(), wd)
   assert helpers.tree_digest(wd) == before
+  os.unlink(os.path.join(wd, "config.json"))  # as the message says
+  run.run(helpers.smoke(), wd)
+  assert helpers.outputs(wd) == helpers.outputs(finished_run[0])
 
 
 def _corrupt(step_dir):
