@@ -4,9 +4,10 @@ Fields of the config are overridden on the command line, e.g.
 `--config.stream.wait=5 --config.model.width=16`. Rerunning the same command
 resumes the run in DIR; `--overwrite` starts it afresh. Errors are one line on
 stderr, exit code 2 for invalid inputs (config, data, workdir, checkpoints), 1
-for failures while running, 128 + signal number after SIGINT/SIGTERM;
-`--debug` shows tracebacks. A multi-process run (`alma_jax.multihost`, the
-launchers in `launch/`) runs this same command in every process.
+for failures while running, 128 + signal number after SIGINT/SIGTERM/SIGHUP
+(130 for Ctrl-C while starting); `--debug` shows tracebacks. A multi-process
+run (`alma_jax.multihost`, the launchers in `launch/`) runs this same command
+in every process.
 """
 
 from __future__ import annotations
@@ -15,18 +16,42 @@ import os
 import shlex
 import sys
 
-from absl import app
-from absl import flags
-from absl import logging
-from ml_collections import config_flags
 
-from alma_jax import cpu_tuning
+def _exit_now(message: str, code: int):
+  """Prints `message` as the one-line error and ends the process at once with `code`.
 
-cpu_tuning.apply()  # before JAX allocates its first buffer
+  For interruptions: native work that no exception stops (an XLA compilation
+  in a thread of its own) would otherwise keep the exiting interpreter busy
+  for minutes and then crash it. The run's outputs are complete and its
+  workdir lock released by then; `os._exit` skips only the interpreter's
+  clean-up.
+  """
+  print(f"alma_jax: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+  try:
+    sys.stdout.flush()
+  except (OSError, ValueError):
+    pass
+  os._exit(code)
 
-from alma_jax import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
-from alma_jax import multihost  # pylint: disable=g-import-not-at-top,wrong-import-position
-from alma_jax.data import images  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+try:  # Ctrl-C while the libraries load (seconds): one line, no traceback
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+
+  from alma_jax import cpu_tuning  # pylint: disable=g-import-not-at-top
+
+  cpu_tuning.apply()  # before JAX allocates its first buffer
+
+  from alma_jax import errors  # pylint: disable=g-import-not-at-top
+  from alma_jax import multihost  # pylint: disable=g-import-not-at-top
+  from alma_jax.data import images  # pylint: disable=g-import-not-at-top
+except KeyboardInterrupt:
+  if __name__ != "__main__":
+    raise
+  _exit_now("interrupted by SIGINT while starting, before the run; run the same command again "
+            "to start it", 130)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, log.jsonl, summary.json.")
@@ -135,7 +160,7 @@ def main(argv):
   try:
     run.run(config, _WORKDIR.value, overwrite=_OVERWRITE.value, startup_s=timing.process_age_s())
   except run.RunInterrupted as e:
-    _fail(f"{e}; to resume, run the same command again: {_resume_command()}", e.exit_code)
+    _exit_now(f"{e}; to resume, run the same command again: {_resume_command()}", e.exit_code)
   except Exception as e:  # pylint: disable=broad-except
     if _DEBUG.value:
       raise
@@ -143,4 +168,10 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  try:
+    app.run(main, flags_parser=_parse_flags)
+  except KeyboardInterrupt:  # outside the run's own handling (`alma_jax.interrupts`)
+    if "--debug" in sys.argv:
+      raise
+    _exit_now(f"interrupted by SIGINT; to resume, run the same command again: "
+              f"{_resume_command()}", 130)
