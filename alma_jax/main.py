@@ -12,7 +12,9 @@ in every process.
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shlex
 import sys
 
@@ -92,6 +94,22 @@ def _fail(message: str, code: int):
   sys.exit(code)
 
 
+def _override_type_error(exc: BaseException) -> str | None:
+  """A `--config.<path>=<value>` that the flag could not convert to the field's type, in the
+  words of the field's own check (with its allowed values); None for other flag errors."""
+  m = re.match(r"flag --config\.([\w.]+)=(.*?): ", str(exc))
+  if m is None:
+    return None
+  from alma_jax import validation  # pylint: disable=g-import-not-at-top
+  path, text = m.groups()
+  try:
+    value = ast.literal_eval(text)  # 1.5 for an integer field: a float, not a string
+  except Exception:  # pylint: disable=broad-except
+    value = text
+  message = validation.value_error(path, value)
+  return None if message is None else f"invalid --config override: {message}"
+
+
 def _parse_flags(argv):
   try:
     return flags.FLAGS(argv)
@@ -99,7 +117,7 @@ def _parse_flags(argv):
     if "--debug" in argv:
       raise
     if isinstance(e, flags.Error):
-      _fail(f"{errors.flag_error(e)} (see --helpfull)", 2)
+      _fail(f"{_override_type_error(e) or errors.flag_error(e)} (see --helpfull)", 2)
     from alma_jax import config_resolve  # pylint: disable=g-import-not-at-top
     config_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
     _fail(f"invalid --config override: "
