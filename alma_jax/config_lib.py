@@ -30,10 +30,13 @@ from alma_jax.models import inits
 
 VARIANTS = ("", "paper", "smoke", "quick")
 DISTRIBUTED = ("auto", "yes", "no")
+# JAX's PRNG keys hold 32 bits of a seed: larger seeds would repeat smaller ones.
+MAX_SEED = 2**32 - 1
 _MNIST_OR = lambda mnist, other: F.ByDataset({"mnist": mnist}, other)  # pylint: disable=invalid-name
 
 BASE_FIELDS = (
-    F.Field("seed", 0, F.integer(), "the random seed (stream, initialisation, data order)"),
+    F.Field("seed", 0, F.integer(0, hi=MAX_SEED),
+            "the random seed (stream, initialisation, data order)"),
     F.Field("num_seeds", 1, F.integer(1), "> 1: train seeds seed ... seed+num_seeds-1 as one "
             "vmapped program; each seed's outputs go to <workdir>/seed_<seed>/"),
     # -- data

@@ -39,12 +39,15 @@ class Check:
     return self.fn(path, value)
 
 
-def integer(lo: int | None = None, optional: bool = False) -> Check:
+def integer(lo: int | None = None, optional: bool = False, hi: int | None = None) -> Check:
+  """An integer >= `lo` (and, with `hi`, in [`lo`, `hi`])."""
   def check(path, v):
     if v is None and optional:
       return None
     if isinstance(v, bool) or not isinstance(v, int):
       raise ConfigError(f"config.{path}={v!r} must be an integer, got {type(v).__name__}")
+    if hi is not None and not lo <= v <= hi:
+      raise ConfigError(f"config.{path}={v} must be in [{lo}, {hi}]")
     if lo is not None and v < lo:
       raise ConfigError(f"config.{path}={v} must be >= {lo}")
     return v
@@ -53,13 +56,15 @@ def integer(lo: int | None = None, optional: bool = False) -> Check:
 
 def number(lo: float = -math.inf, hi: float = math.inf, *, open_lo: bool = False,
            open_hi: bool = False) -> Check:
+  interval = f"{'(' if open_lo else '['}{float(lo)}, {float(hi)}{')' if open_hi else ']'}"
+
   def check(path, v):
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-      raise ConfigError(f"config.{path}={v!r} must be a number, got {type(v).__name__}")
+      raise ConfigError(f"config.{path}={v!r} must be a number in {interval}, got "
+                        f"{type(v).__name__}")
     ok_lo = v > lo if open_lo else v >= lo
     ok_hi = v < hi if open_hi else v <= hi
     if math.isnan(v) or not (ok_lo and ok_hi):
-      interval = f"{'(' if open_lo else '['}{float(lo)}, {float(hi)}{')' if open_hi else ']'}"
       raise ConfigError(f"config.{path}={v} must be in {interval}")
     return float(v)
   return Check(check, float)

@@ -1,8 +1,10 @@
-"""SIGINT/SIGTERM handling of a run and the test hook that kills it at named points.
+"""SIGINT/SIGTERM/SIGHUP handling of a run and the test hook that kills it at named points.
 
-SIGINT and SIGTERM stop a run at the next safe point: a stage in progress is
-abandoned (it is recomputed on resume), a log or checkpoint write in progress
-(`Signals.critical()`) is finished first; then `RunInterrupted` is raised.
+SIGINT, SIGTERM and SIGHUP (a closed terminal or SSH session; a run started
+with `nohup` keeps ignoring it) stop a run at the next safe point: a stage in
+progress is abandoned (it is recomputed on resume), a log or checkpoint write
+in progress (`Signals.critical()`) is finished first; then `RunInterrupted`
+is raised.
 While JAX works (`Signals.deferred()`: the stream loop), the handler only
 records the signal, since an exception raised from a handler that lands in a
 JAX callback or in JAX's dispatch would be swallowed there; the loop stops at
@@ -26,9 +28,13 @@ import os
 import signal
 import threading
 
+# The signals that stop a run (SIGHUP where the platform has it).
+SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+                if hasattr(signal, name))
+
 
 class RunInterrupted(BaseException):
-  """SIGINT/SIGTERM stopped the run; `exit_code` is 128 + the signal number."""
+  """SIGINT/SIGTERM/SIGHUP stopped the run; `exit_code` is 128 + the signal number."""
 
   def __init__(self, signum: int, last_checkpoint: int | None):
     self.signum = signum
@@ -40,7 +46,7 @@ class RunInterrupted(BaseException):
 
 
 class Signals:
-  """SIGINT/SIGTERM handlers: raise at once, or after the current `critical()` section."""
+  """Handlers of `SIGNALS`: raise at once, or after the current `critical()` section."""
 
   def __init__(self):
     self.pending: int | None = None
@@ -51,7 +57,9 @@ class Signals:
 
   def __enter__(self) -> "Signals":
     if threading.current_thread() is threading.main_thread():
-      for s in (signal.SIGINT, signal.SIGTERM):
+      for s in SIGNALS:
+        if s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) == signal.SIG_IGN:
+          continue  # nohup: the run outlives its terminal
         self._old[s] = signal.signal(s, self._handle)
     return self
 

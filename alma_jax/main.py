@@ -4,29 +4,56 @@ Fields of the config are overridden on the command line, e.g.
 `--config.stream.wait=5 --config.model.width=16`. Rerunning the same command
 resumes the run in DIR; `--overwrite` starts it afresh. Errors are one line on
 stderr, exit code 2 for invalid inputs (config, data, workdir, checkpoints), 1
-for failures while running, 128 + signal number after SIGINT/SIGTERM;
-`--debug` shows tracebacks. A multi-process run (`alma_jax.multihost`, the
-launchers in `launch/`) runs this same command in every process.
+for failures while running, 128 + signal number after SIGINT/SIGTERM/SIGHUP
+(130 for Ctrl-C while starting); `--debug` shows tracebacks. A multi-process
+run (`alma_jax.multihost`, the launchers in `launch/`) runs this same command
+in every process.
 """
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shlex
 import sys
 
-from absl import app
-from absl import flags
-from absl import logging
-from ml_collections import config_flags
 
-from alma_jax import cpu_tuning
+def _exit_now(message: str, code: int):
+  """Prints `message` as the one-line error and ends the process at once with `code`.
 
-cpu_tuning.apply()  # before JAX allocates its first buffer
+  For interruptions: native work that no exception stops (an XLA compilation
+  in a thread of its own) would otherwise keep the exiting interpreter busy
+  for minutes and then crash it. The run's outputs are complete and its
+  workdir lock released by then; `os._exit` skips only the interpreter's
+  clean-up.
+  """
+  print(f"alma_jax: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+  try:
+    sys.stdout.flush()
+  except (OSError, ValueError):
+    pass
+  os._exit(code)
 
-from alma_jax import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
-from alma_jax import multihost  # pylint: disable=g-import-not-at-top,wrong-import-position
-from alma_jax.data import images  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+try:  # Ctrl-C while the libraries load (seconds): one line, no traceback
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+
+  from alma_jax import cpu_tuning  # pylint: disable=g-import-not-at-top
+
+  cpu_tuning.apply()  # before JAX allocates its first buffer
+
+  from alma_jax import errors  # pylint: disable=g-import-not-at-top
+  from alma_jax import multihost  # pylint: disable=g-import-not-at-top
+  from alma_jax.data import images  # pylint: disable=g-import-not-at-top
+except KeyboardInterrupt:
+  if __name__ != "__main__":
+    raise
+  _exit_now("interrupted by SIGINT while starting, before the run; run the same command again "
+            "to start it", 130)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, log.jsonl, summary.json.")
@@ -67,6 +94,22 @@ def _fail(message: str, code: int):
   sys.exit(code)
 
 
+def _override_type_error(exc: BaseException) -> str | None:
+  """A `--config.<path>=<value>` that the flag could not convert to the field's type, in the
+  words of the field's own check (with its allowed values); None for other flag errors."""
+  m = re.match(r"flag --config\.([\w.]+)=(.*?): ", str(exc))
+  if m is None:
+    return None
+  from alma_jax import validation  # pylint: disable=g-import-not-at-top
+  path, text = m.groups()
+  try:
+    value = ast.literal_eval(text)  # 1.5 for an integer field: a float, not a string
+  except Exception:  # pylint: disable=broad-except
+    value = text
+  message = validation.value_error(path, value)
+  return None if message is None else f"invalid --config override: {message}"
+
+
 def _parse_flags(argv):
   try:
     return flags.FLAGS(argv)
@@ -74,7 +117,7 @@ def _parse_flags(argv):
     if "--debug" in argv:
       raise
     if isinstance(e, flags.Error):
-      _fail(f"{errors.flag_error(e)} (see --helpfull)", 2)
+      _fail(f"{_override_type_error(e) or errors.flag_error(e)} (see --helpfull)", 2)
     from alma_jax import config_resolve  # pylint: disable=g-import-not-at-top
     config_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
     _fail(f"invalid --config override: "
@@ -140,7 +183,7 @@ def main(argv):
   try:
     run.run(config, _WORKDIR.value, overwrite=_OVERWRITE.value, startup_s=timing.process_age_s())
   except run.RunInterrupted as e:
-    _fail(f"{e}; to resume, run the same command again: {_resume_command()}", e.exit_code)
+    _exit_now(f"{e}; to resume, run the same command again: {_resume_command()}", e.exit_code)
   except Exception as e:  # pylint: disable=broad-except
     if _DEBUG.value:
       raise
@@ -154,7 +197,13 @@ def console():
   """
   from alma_jax import config_files  # pylint: disable=g-import-not-at-top
   sys.argv = config_files.resolve_argv_or_exit(sys.argv)
-  app.run(main, flags_parser=_parse_flags)
+  try:
+    app.run(main, flags_parser=_parse_flags)
+  except KeyboardInterrupt:  # outside the run's own handling (`alma_jax.interrupts`)
+    if "--debug" in sys.argv:
+      raise
+    _exit_now(f"interrupted by SIGINT; to resume, run the same command again: "
+              f"{_resume_command()}", 130)
 
 
 if __name__ == "__main__":

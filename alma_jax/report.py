@@ -30,7 +30,10 @@ A run without a summary (unfinished) is listed in the table but left out of
 the CER figures. A folder that is not a run is an error naming what it lacks;
 a pattern (`--workdirs=/tmp/sweep/*`, quoted or not: the shell does not expand
 it after `=`) stands for the runs it matches, so a sweep's `logs/` and
-`report/` folders beside them are passed over.
+`report/` folders beside them are passed over. A run given twice (the same
+folder after resolving links) counts once, with a warning. Bad inputs (a
+folder that is not a run, unreadable or malformed files, an `--out` that is
+not a writable directory) end the command with one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ import dataclasses
 import glob
 import json
 import math
+import numbers
 import os
+import sys
 from typing import Any, Sequence
 
 import numpy as np
@@ -91,11 +96,44 @@ class Run:
 
 
 # -- loading -----------------------------------------------------------------------------------
-def _read_json(path: str) -> Any:
+def _is_number(v: Any) -> bool:
+  return isinstance(v, numbers.Real)  # bools too: a record's `trained`
+
+
+def _read_json(path: str) -> dict:
   try:
-    return io_utils.read_json(path)
+    obj = io_utils.read_json(path)
   except (OSError, ValueError) as e:
     raise ReportError(f"{path} cannot be read: {e}") from e
+  if not isinstance(obj, dict):
+    raise ReportError(f"{path} is not a run's output: it holds a JSON {type(obj).__name__}, not "
+                      "an object")
+  return obj
+
+
+# Config fields the report reads as numbers (grouping, sorting, labels).
+_NUMERIC_CONFIG = ("seed",) + KEY_FIELDS[1:]
+# Summary fields of the table (a run's own summary.json holds numbers there).
+_SUMMARY_STATS = ("cer_percent", "final_error", "mem", "comp_paper", "comp", "wall_s",
+                  "final_perplexity", "mean_perplexity")
+
+
+def _check_seed(path: str, config: dict, records, summary) -> None:
+  """Raises `ReportError` naming the file whose contents are not a run's."""
+  flat = wd.flatten(config)
+  for k in _NUMERIC_CONFIG:
+    if flat.get(k) is not None and not _is_number(flat[k]):
+      raise ReportError(f"{os.path.join(path, wd.CONFIG_FILE)}: {k}={flat[k]!r} is not a number")
+  log = os.path.join(path, wd.LOG_FILE)
+  for i, r in enumerate(records):
+    if not (isinstance(r, dict) and {"t", "test_error"} <= set(r)
+            and all(_is_number(v) for v in r.values())):
+      raise ReportError(f"{log}: record {i + 1} ({json.dumps(r)[:80]}) is not a run's record (a "
+                        "JSON object of numbers with 't' and 'test_error')")
+  bad = [k for k in _SUMMARY_STATS if summary and k in summary and not _is_number(summary[k])]
+  if bad:
+    raise ReportError(f"{os.path.join(path, wd.SUMMARY_FILE)}: {bad[0]}={summary[bad[0]]!r} is "
+                      "not a number")
 
 
 def _read_seed(path: str) -> Run:
@@ -106,6 +144,7 @@ def _read_seed(path: str) -> Run:
     raise ReportError(f"{os.path.join(path, wd.LOG_FILE)} cannot be read: {e}") from e
   summary_path = os.path.join(path, wd.SUMMARY_FILE)
   summary = _read_json(summary_path) if os.path.exists(summary_path) else None
+  _check_seed(path, config, records, summary)
   return Run(path, config, records, summary)
 
 
@@ -244,9 +283,18 @@ def table(groups: Sequence[Group]) -> str:
 
 # -- the whole report ----------------------------------------------------------------------------
 def load_groups(workdirs: Sequence[str]) -> list[Group]:
-  runs = []
+  """The groups of the runs in `workdirs`; a run given twice (a repeated or linked folder, or a
+  seed folder of a run also given) counts once, with a warning."""
+  runs, seen = [], {}
   for path in workdirs:
-    runs.extend(load_runs(path))
+    for r in load_runs(path):
+      real = os.path.realpath(r.path)
+      if real in seen:
+        same = "" if seen[real] == r.path else f" (the run {seen[real]})"
+        logging.warning("--workdirs: %s%s is given more than once; it counts once", r.path, same)
+        continue
+      seen[real] = r.path
+      runs.append(r)
   if not runs:
     raise ReportError("--workdirs: no runs given")
   return group_runs(runs)
@@ -274,8 +322,15 @@ def gating_figures(groups: Sequence[Group], out: str,
 
 def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True) -> dict:
   """Writes the figures and `report.md` into `out`; returns {figure name: its plotted data}."""
+  if not out:
+    raise ReportError("--out is empty; give the directory for the figures and report.md")
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise ReportError(f"--out={out} exists and is not a directory")
   groups = load_groups(workdirs)
-  os.makedirs(out, exist_ok=True)
+  try:
+    os.makedirs(out, exist_ok=True)
+  except OSError as e:
+    raise ReportError(f"--out={out} cannot be created: {e.strerror or e}") from e
   figures = {}
   by_data = collections.OrderedDict()
   for g in groups:
@@ -291,7 +346,11 @@ def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True) -> d
       drawn.update(gating_figures(gs, out, fields))
     figures.update(drawn)
     text += [f"## {data}", "", table(gs)] + [f"![{name}]({name}.png)\n" for name in drawn]
-  io_utils.write_text_atomic(os.path.join(out, "report.md"), "\n".join(text))
+  try:
+    io_utils.write_text_atomic(os.path.join(out, "report.md"), "\n".join(text))
+  except (OSError, io_utils.WorkdirWriteError) as e:
+    why = os.strerror(e.errno) if isinstance(e, io_utils.WorkdirWriteError) else e.strerror or e
+    raise ReportError(f"--out={out}: cannot write report.md: {why}") from e
   return figures
 
 
@@ -315,15 +374,21 @@ def expand_workdirs(items: Sequence[str]) -> list[str]:
   return out
 
 
+def _fail(message: str) -> None:
+  """Ends the command with one line on stderr and exit code 2 (a bad input)."""
+  print(f"report: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
 def main(argv):
   workdirs = expand_workdirs(list(FLAGS.workdirs or []) +
                              [a for a in argv[1:] if not a.startswith("-")])
-  if not workdirs or not FLAGS.out:
-    raise app.UsageError("give --workdirs=DIR[,DIR...] (or directories as arguments) and --out=DIR")
+  if not workdirs or FLAGS.out is None:
+    _fail("give --workdirs=DIR[,DIR...] (or directories as arguments) and --out=DIR")
   try:
     figures = write_report(workdirs, FLAGS.out, gating=FLAGS.gating)
   except ReportError as e:
-    raise SystemExit(f"report: error: {e}") from None
+    _fail(str(e))
   print(f"wrote {os.path.join(FLAGS.out, 'report.md')} and {len(figures)} figures")
 
 

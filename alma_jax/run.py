@@ -105,7 +105,7 @@ def run(config, workdir: str, *, overwrite: bool = False,
     ValueError: invalid config, data, workdir or checkpoints (nothing is
       written then), or another run holds `workdir`.
     DivergenceError: non-finite training loss (the checkpoints stay intact).
-    RunInterrupted: SIGINT or SIGTERM.
+    RunInterrupted: SIGINT, SIGTERM or SIGHUP.
   """
   config = validation.validate(config)
   wd.check_writable(workdir)

@@ -11,6 +11,7 @@ Every message names the offending field and its allowed values, e.g.
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -30,6 +31,13 @@ from alma_jax.errors import ConfigError
 KNOWN_SHAPES = {"mnist": ((28, 28, 1), 10), "fashion_mnist": ((28, 28, 1), 10),
                 "kmnist": ((28, 28, 1), 10), "cifar10": ((32, 32, 3), 10),
                 "cifar100": ((32, 32, 3), 100)}
+
+
+# Checks of the optimizer arguments that every optimizer of `alma_jax.optim` takes (a config
+# file may also give a schedule: a callable).
+OPTIMIZER_KWARG_CHECKS = {
+    "learning_rate": fields.number(0.0, math.inf, open_lo=True, open_hi=True),
+}
 
 
 def _versions(root: str, marker: str) -> list[str]:
@@ -78,12 +86,19 @@ def _check_rules(config) -> None:
     raise ConfigError(f"config.stream.wait={w} does not divide config.stream.num_megabatches={b}; "
                       f"allowed values: {divisors}")
   n = fields.lookup(config, "num_seeds", 1)
+  if config.seed + n - 1 > config_lib.MAX_SEED:
+    raise ConfigError(f"config.seed={config.seed} with config.num_seeds={n} reaches seed "
+                      f"{config.seed + n - 1}; seeds must be in [0, {config_lib.MAX_SEED}]")
   if n > 1 and not methods.get(config.method.name).same_growth_for_every_seed:
     valid = [m for m in methods.names() if methods.get(m).same_growth_for_every_seed]
     raise ConfigError(
         f"config.num_seeds={n} needs a method whose growth is the same for every seed; "
         f"config.method.name={config.method.name!r} is not one; valid names: {valid} "
         "(or config.num_seeds=1)")
+  kwargs = config.optimizer.kwargs
+  for name, check in OPTIMIZER_KWARG_CHECKS.items():
+    if name in kwargs and not callable(kwargs[name]):
+      check(f"optimizer.kwargs.{name}", kwargs[name])
   try:
     optim.from_config(config)
   except (TypeError, ValueError) as e:
@@ -94,6 +109,31 @@ def _check_rules(config) -> None:
                       f"{jax.default_backend()} devices are visible; use 0 for all of them")
   sharding.mesh_shape(config.mesh.num_devices, config.mesh.data, config.mesh.model, visible)
   sharding.check_rules(dict(config.mesh.rules.items()))
+
+
+def value_error(path: str, value) -> str | None:
+  """What the check of field `path` says of `value` (its allowed values), for a value that
+  cannot even be set (a command-line override of the wrong type).
+
+  `path` is a base or text field, an optimizer argument of `OPTIMIZER_KWARG_CHECKS` or a
+  method field; None when the value passes, the path is not declared, or the methods that
+  declare it check it differently.
+  """
+  declared = (config_lib.BASE_FIELDS + tasks.text.FIELDS
+              + tuple(f for m in methods.names() for f in methods.get(m).FIELDS))
+  checks = [f.check for f in declared if f.path == path]
+  prefix = "optimizer.kwargs."
+  if path.startswith(prefix) and path[len(prefix):] in OPTIMIZER_KWARG_CHECKS:
+    checks.append(OPTIMIZER_KWARG_CHECKS[path[len(prefix):]])
+  messages = set()
+  for check in checks:
+    try:
+      check(path, value)
+    except ConfigError as e:
+      messages.add(str(e))
+    else:
+      return None
+  return messages.pop() if len(messages) == 1 else None
 
 
 def validate(config):

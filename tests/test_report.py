@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -267,8 +268,65 @@ def test_command_line_error_names_the_path(tmp_path):
   proc = subprocess.run([sys.executable, "-m", "alma_jax.report", f"--workdirs={tmp_path / 'x'}",
                          f"--out={tmp_path / 'o'}"], cwd=ROOT, capture_output=True, text=True,
                         env=dict(os.environ, PYTHONPATH=ROOT), check=False)
-  assert proc.returncode == 1
+  assert proc.returncode == 2
   assert f"report: error: --workdirs: {tmp_path / 'x'} is not a run's workdir" in proc.stderr
+
+
+def _report(*args):
+  return subprocess.run([sys.executable, "-m", "alma_jax.report", "--nogating", *args], cwd=ROOT,
+                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
+                        check=False)
+
+
+def test_a_run_given_twice_counts_once_with_a_warning(runs, tmp_path, caplog):
+  sm8, ens = runs[0], runs[-1]
+  os.symlink(sm8, tmp_path / "link")
+  groups = report.load_groups([sm8, sm8, str(tmp_path / "link"), ens, os.path.join(ens, "seed_1")])
+  assert sorted(len(g.runs) for g in groups) == [1, 2]  # sm8 once; ens: its two seeds
+  assert f"--workdirs: {sm8} is given more than once; it counts once" in caplog.text
+  assert f"{tmp_path / 'link'} (the run {sm8}) is given more than once" in caplog.text
+  proc = _report(f"--workdirs={sm8},{sm8}", f"--out={tmp_path / 'out'}")
+  assert proc.returncode == 0, proc.stderr
+  assert "| mnist | sm | 8 | 1 | 0 | 1 |" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("out, message", [
+    ("a_file", r"--out=\S*a_file exists and is not a directory"),
+    ("a_file/sub", r"--out=\S*a_file/sub cannot be created: Not a directory"),
+    ("", r"--out is empty"),
+    (None, r"give --workdirs=DIR\[,DIR\.\.\.\] \(or directories as arguments\) and --out=DIR"),
+], ids=["file", "below_a_file", "empty", "missing"])
+def test_a_bad_out_is_one_line_with_exit_code_2(runs, tmp_path, out, message):
+  (tmp_path / "a_file").write_text("kept")
+  proc = _report(f"--workdirs={runs[0]}", *([] if out is None else [f"--out={tmp_path / out}"
+                                                                     if out else "--out="]))
+  assert proc.returncode == 2, proc.stderr
+  assert "Traceback" not in proc.stderr
+  line = proc.stderr.rstrip("\n").splitlines()[-1]
+  assert line.startswith("report: error: ") and re.search(message, line), proc.stderr
+  assert (tmp_path / "a_file").read_text() == "kept"
+
+
+@pytest.mark.parametrize("name, text, message", [
+    (wd.CONFIG_FILE, "[1, 2]", r"config\.json is not a run's output: it holds a JSON list"),
+    (wd.CONFIG_FILE, json.dumps(dict(_config(), seed="zero")),
+     r"config\.json: seed='zero' is not a number"),
+    (wd.LOG_FILE, '{"t": 0, "test_error": "x"}\n',
+     r"log\.jsonl: record 1 \(\{\"t\": 0, \"test_error\": \"x\"\}\) is not a run's record"),
+    (wd.LOG_FILE, '{"t": 0, "test_error": null}\n', r"log\.jsonl: record 1 .* is not a run's"),
+    (wd.LOG_FILE, "[1]\n", r"log\.jsonl: record 1 \(\[1\]\) is not a run's record"),
+    (wd.SUMMARY_FILE, "[1]", r"summary\.json is not a run's output"),
+    (wd.SUMMARY_FILE, '{"cer_percent": "high"}', r"summary\.json: cer_percent='high' is not a"),
+], ids=["config_list", "config_seed", "record_string", "record_null", "record_list",
+        "summary_list", "summary_field"])
+def test_malformed_run_files_are_named(tmp_path, name, text, message):
+  run_dir = _write(tmp_path / "run", _config(), _records([0.9, 0.5]))
+  (tmp_path / "run" / name).write_text(text)
+  with pytest.raises(report.ReportError, match=message):
+    report.load_runs(run_dir)
+  proc = _report(f"--workdirs={run_dir}", f"--out={tmp_path / 'out'}")
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  assert proc.stderr.rstrip("\n").splitlines()[-1].startswith(f"report: error: {run_dir}")
 
 
 def test_a_pattern_stands_for_the_runs_it_matches(runs, tmp_path):

@@ -12,10 +12,11 @@ import pytest
 from alma_jax import config_lib
 from alma_jax import io_utils
 from alma_jax import optim
+from alma_jax import population
 from alma_jax import run as run_lib
 from alma_jax import validation
 from alma_jax.data import text as text_data
-from alma_jax.errors import ConfigError
+from alma_jax.errors import ConfigError, DivergenceError
 from alma_jax.metrics import Log, Record
 from alma_jax.tasks import text as text_task
 from tests.conftest import data_available
@@ -200,3 +201,60 @@ def test_records_keep_the_task_fields_and_the_summary_averages_perplexity():
   plain = Log.from_records([Record.from_dict({k: v for k, v in r.to_dict().items()
                                               if k not in r.extra}) for r in log.records])
   assert "mean_perplexity" not in plain.summary() and plain.records[0].extra == {}
+
+
+def _strict_json(text):
+  """`json.loads` that refuses NaN and Infinity (not JSON, though Python writes them)."""
+  def refuse(name):
+    raise ValueError(f"{name} is not valid JSON")
+  return json.loads(text, parse_constant=refuse)
+
+
+def _strict_records(wd):
+  with open(os.path.join(wd, "log.jsonl")) as f:
+    return [_strict_json(line) for line in f]
+
+
+def test_a_huge_test_nll_gives_a_capped_perplexity_that_stays_valid_json():
+  task = text_task.TextTask(32)
+  task.test_target_tokens, task.test_target_bytes = 64, 200
+  flops = {"train_macs_per_example": 32.0, "inference_per_example": 64.0}
+  assert task.record_metrics(math.log(40.0), flops)["test_perplexity"] == pytest.approx(40.0)
+  fields = task.record_metrics(17671.5, flops)  # exp overflows a float
+  assert fields["test_perplexity"] == text_task.MAX_PERPLEXITY
+  assert fields["test_nll"] == 17671.5
+  records = [Record(t=t, test_error=0.9, num_params=10, train_flops=1.0, train_flops_forward=0.5,
+                    train_macs=0.2, growth_flops=0.0, inference_flops_per_example=3.0,
+                    trained=t > 0, wall_s=0.1, extra=task.record_metrics(nll, flops))
+             for t, nll in enumerate([10.8, 17671.5, 1e6])]
+  summaries = [dict(Log.from_records(records).summary(), wall_s=1.0)] * 2
+  for obj in [r.to_dict() for r in records] + summaries + [population.mean_summary(summaries)]:
+    _strict_json(json.dumps(obj))
+
+
+@requires_bpe
+@requires_shakespeare
+def test_a_huge_but_finite_loss_runs_on_with_capped_perplexities(tmp_path):
+  # Adam's steps are at most the learning rate: the weights grow large, the loss stays finite
+  # (no divergence), and the test NLL is far beyond what exp can take.
+  wd = str(tmp_path / "run")
+  summary = run_lib.run(smoke(optimizer__kwargs__learning_rate=30.0), wd)
+  ppl = [r["test_perplexity"] for r in _strict_records(wd)]
+  assert len(ppl) == 5 and ppl[-1] == text_task.MAX_PERPLEXITY, ppl
+  assert summary["final_perplexity"] == text_task.MAX_PERPLEXITY
+  with open(os.path.join(wd, "summary.json")) as f:
+    _strict_json(f.read())
+
+
+@requires_bpe
+@requires_shakespeare
+def test_a_non_finite_loss_diverges_or_rolls_back_as_for_images(tmp_path, caplog):
+  with pytest.raises(DivergenceError, match=r"^stage t=1 epoch 1: non-finite training loss"):
+    run_lib.run(smoke(optimizer__kwargs__learning_rate=1e30), str(tmp_path / "raise"))
+  wd = str(tmp_path / "rollback")
+  run_lib.run(smoke(optimizer__kwargs__learning_rate=1e30, train__on_divergence="rollback"), wd)
+  assert "stage t=1 epoch 1: non-finite loss or parameters; rolling back" in caplog.text
+  records = _strict_records(wd)
+  assert [r["t"] for r in records] == [0, 1, 2, 3, 4]
+  # Every stage rolled back to its start: the untrained model's perplexity throughout.
+  assert all(r["test_perplexity"] == records[0]["test_perplexity"] for r in records)

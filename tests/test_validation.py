@@ -62,6 +62,11 @@ CONFIG_CASES = [
      r"config\.train\.autotune='always' is unknown; valid values: \['measure', 'rules'\]"),
     ("seed_string", {"seed": "0"}, r"config\.seed='0' must be an integer, got str"),
     ("seed_bool", {"seed": True}, r"config\.seed=True must be an integer, got bool"),
+    ("seed_negative", {"seed": -1}, r"^config\.seed=-1 must be in \[0, 4294967295\]$"),
+    ("seed_huge", {"seed": 2**70}, r"^config\.seed=1180591620717411303424 must be in \[0, "),
+    ("seeds_beyond_the_last", {"seed": 2**32 - 2, "num_seeds": 3},
+     r"^config\.seed=4294967294 with config\.num_seeds=3 reaches seed 4294967296; seeds must be "
+     r"in \[0, 4294967295\]$"),
     ("num_seeds_zero", {"num_seeds": 0}, r"config\.num_seeds=0 must be >= 1"),
     ("num_seeds_with_gmoe", {"num_seeds": 2, "method__name": "gmoe"},
      r"config\.num_seeds=2 needs a method whose growth is the same for every seed; "
@@ -106,6 +111,17 @@ CONFIG_CASES = [
      r"config\.optimizer\.name='sgdd' is unknown; valid names: \[.*'adadelta'.*\]"),
     ("optimizer_kwargs", {"optimizer__kwargs": {"lr": 0.1}},
      r"config\.optimizer.*\['lr'\].*optax\.adadelta does not take"),
+    ("learning_rate_string", {"optimizer__kwargs": {"learning_rate": "fast"}},
+     r"^config\.optimizer\.kwargs\.learning_rate='fast' must be a number in \(0\.0, inf\), "
+     r"got str$"),
+    ("learning_rate_negative", {"optimizer__kwargs": {"learning_rate": -0.1}},
+     r"^config\.optimizer\.kwargs\.learning_rate=-0\.1 must be in \(0\.0, inf\)$"),
+    ("learning_rate_zero", {"optimizer__kwargs": {"learning_rate": 0.0}},
+     r"^config\.optimizer\.kwargs\.learning_rate=0\.0 must be in \(0\.0, inf\)$"),
+    ("learning_rate_infinite", {"optimizer__kwargs": {"learning_rate": float("inf")}},
+     r"^config\.optimizer\.kwargs\.learning_rate=inf must be in \(0\.0, inf\)$"),
+    ("learning_rate_none", {"optimizer__kwargs": {"learning_rate": None}},
+     r"^config\.optimizer\.kwargs\.learning_rate=None must be a number"),
     ("weight_decay_negative", {"optimizer__weight_decay": -1.0},
      r"config\.optimizer\.weight_decay=-1\.0 must be in"),
 ]
@@ -336,8 +352,18 @@ def _check_one_line(proc, code, pattern):
      r"--config\.stream\.wiat: stream has no field 'wiat' in configs/mnist_sm\.py:smoke; its "
      r"fields: \[.*'wait'.*\]"),
     (["--config.method.tree=False"], 2, r"method has no field 'tree' .*its fields: \['name'\]"),
-    (["--config.train.epochs=many"], 2, r"config\.train\.epochs"),
-], ids=["bad_wait", "unknown_field", "field_of_another_method", "bad_type"])
+    (["--config.train.epochs=many"], 2,
+     r"invalid --config override: config\.train\.epochs='many' must be an integer, got str"),
+    (["--config.optimizer.kwargs.learning_rate=fast"], 2,
+     r"invalid --config override: config\.optimizer\.kwargs\.learning_rate='fast' must be a "
+     r"number in \(0\.0, inf\), got str"),
+    (["--config.optimizer.kwargs.learning_rate=-1"], 2,
+     r"config\.optimizer\.kwargs\.learning_rate=-1\.0 must be in \(0\.0, inf\)"),
+    (["--config.seed=-1"], 2, r"config\.seed=-1 must be in \[0, 4294967295\]"),
+    ([f"--config.seed={2**70}"], 2, r"config\.seed=1180591620717411303424 must be in \[0, "),
+    (["--config.seed=1.5"], 2, r"config\.seed=1\.5 must be an integer, got float"),
+], ids=["bad_wait", "unknown_field", "field_of_another_method", "bad_type", "learning_rate_word",
+        "learning_rate_negative", "seed_negative", "seed_huge", "seed_float"])
 def test_command_line_errors_are_one_line(args, code, pattern, tmp_path):
   proc = _main(["--config=configs/mnist_sm.py:smoke", f"--workdir={tmp_path}/wd"] + args)
   _check_one_line(proc, code, pattern)

@@ -6,7 +6,7 @@ sequences first); example i is the L + 1 tokens from `starts[i]`, read as
 inputs (the first L) and targets (the last L). A step receives sequence
 indices only. `per_example` gives each sequence's token error rate and mean
 token NLL, so the loop's "accuracy" is next-token accuracy and its NLL the
-mean token NLL (perplexity = exp(NLL)).
+mean token NLL (perplexity = exp(NLL), capped at `MAX_PERPLEXITY`).
 
 `FIELDS` are the config fields of the text setting (data, the Switch
 Transformer, fixed-step stages, the learning-rate schedule, the i.i.d.
@@ -23,6 +23,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import struct
 
 from alma_jax import fields as F
@@ -32,6 +33,9 @@ from alma_jax.models import switch
 from alma_jax.tasks import images as image_task
 
 SCHEDULES = ("constant", "warmup_linear")
+# A record's perplexity is at most this: exp of a huge (finite) NLL overflows a float, and a capped
+# value stays finite in JSON and in the summary's sums and standard deviations.
+MAX_PERPLEXITY = 1e30
 
 FIELDS = (
     F.Field("data.text_file", None, F.optional_path(),
@@ -216,10 +220,21 @@ class TextTask:
     return jnp.mean(errors, -1), jnp.mean(nll.astype(jnp.float32), -1)
 
   def record_metrics(self, nll: float, flops: dict) -> dict:
-    """The language-model fields of a record: test NLL (nats per token), perplexity, bits per
-    byte, and the costs per token."""
+    """The language-model fields of a record: test NLL (nats per token), perplexity (at most
+    `MAX_PERPLEXITY`), bits per byte, and the costs per token."""
     bits = nll * self.test_target_tokens / math.log(2)
-    return {"test_nll": float(nll), "test_perplexity": float(math.exp(nll)),
+    return {"test_nll": float(nll), "test_perplexity": perplexity(nll),
             "test_bits_per_byte": float(bits / self.test_target_bytes),
             "forward_macs_per_token": flops["train_macs_per_example"] / self.seq_len,
             "inference_flops_per_token": flops["inference_per_example"] / self.seq_len}
+
+
+def perplexity(nll: float) -> float:
+  """exp(`nll`), capped at `MAX_PERPLEXITY` (with a warning: such a model has diverged)."""
+  nll = float(nll)
+  if nll > math.log(MAX_PERPLEXITY):
+    logging.warning("test NLL %.4g nats per token: its perplexity is recorded as %g, the cap "
+                    "(the model has diverged; a smaller config.optimizer.kwargs.learning_rate "
+                    "may help)", nll, MAX_PERPLEXITY)
+    return MAX_PERPLEXITY
+  return math.exp(nll)
