@@ -27,15 +27,9 @@ from alma_jax import workdir_lock
 from alma_jax.errors import ConfigError
 from alma_jax.methods.base import Learner
 from tests import helpers
-from tests.conftest import requires_mnist
+from tests.conftest import requires_mnist, requires_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_BPE = bool(os.environ.get("ALMA_JAX_BPE_DIR"))
-requires_text = pytest.mark.skipif(
-    not (_BPE and os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", ""),
-                                             "tiny_shakespeare"))),
-    reason="tiny_shakespeare or the GPT-2 BPE files not found")
-
 
 def _command(wd, config, extra=()):
   # Saves inside every stage (after each epoch), so random kills land between them too.

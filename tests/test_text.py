@@ -19,12 +19,9 @@ from alma_jax.data import text as text_data
 from alma_jax.errors import ConfigError, DivergenceError
 from alma_jax.metrics import Log, Record
 from alma_jax.tasks import text as text_task
-from tests.conftest import data_available
+from tests.conftest import BPE_DIR, requires_bpe, requires_shakespeare
 
-BPE = os.environ.get("ALMA_JAX_BPE_DIR", "")
-requires_bpe = pytest.mark.skipif(not os.path.isdir(BPE), reason="GPT-2 BPE files not found")
-requires_shakespeare = pytest.mark.skipif(not data_available("tiny_shakespeare"),
-                                          reason="tiny_shakespeare not under $TFDS_DATA_DIR")
+BPE = BPE_DIR
 
 SAMPLE = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n  Tabs\tand  "
           "spaces, naïve café — ünïcödé 日本語 🙂 <|endoftext|> 12345 don't it's\r\n")
