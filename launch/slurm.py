@@ -12,6 +12,14 @@ sees one GPU). The workdir must be on a file system that all nodes mount.
 
 `--submit` calls sbatch itself. The script starts in the repository and runs
 `--setup` first (by default it activates `.venv` when there is one).
+
+Time limits and preemption: the job is requeueable (`--requeue`: SLURM puts
+a preempted job back in the queue), and `--signal_s` seconds (default 120)
+before its time limit SLURM sends the batch shell SIGUSR1, on which the
+script passes SIGTERM on to the run (every run saves a checkpoint and stops,
+exit code 143) and requeues the job itself. SIGTERM to the batch shell
+(preemption, scancel) is passed on too, without a requeue. A requeued job
+runs the same command, which resumes the run from its checkpoint.
 """
 
 from __future__ import annotations
@@ -24,22 +32,60 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SETUP = "if [ -f .venv/bin/activate ]; then source .venv/bin/activate; fi"
+# Seconds before the time limit at which a run is told to save and stop.
+SIGNAL_S = 120
+
+
+def requeue_options(signal_s: int = SIGNAL_S) -> list[str]:
+  """#SBATCH lines: requeueable, and SIGUSR1 to the batch shell `signal_s` s before the limit."""
+  return ["#SBATCH --requeue", f"#SBATCH --signal=B:USR1@{signal_s}"]
+
+
+def setup_lines(root: str = ROOT, setup: str = DEFAULT_SETUP) -> list[str]:
+  """Shell lines that enter the repository and its environment."""
+  return [f"cd {shlex.quote(root)}", setup, 'export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"']
+
+
+def run_lines(command: str) -> list[str]:
+  """Shell lines that run `command` (in the background, so that the shell can take signals)
+  and exit with its exit code. SIGUSR1 (the time limit is near) passes SIGTERM on to it, on
+  which the run saves a checkpoint and stops, and requeues the job; SIGTERM (preemption,
+  scancel) is passed on alone."""
+  return [
+      "# Before the time limit (SIGUSR1) the run saves and stops, and the job is requeued: its",
+      "# next start runs the same command, which resumes. SIGTERM is passed on, no requeue.",
+      "requeue=0",
+      'stop() { signalled=1; kill -TERM "$pid" 2>/dev/null || true; }',
+      "trap 'requeue=1; stop' USR1",
+      "trap stop TERM",
+      f"{command} &",
+      "pid=$!",
+      "# A trapped signal ends `wait` early: wait again (for the run's exit code).",
+      "while :; do",
+      '  signalled=0 code=0',
+      '  wait "$pid" || code=$?',
+      '  [ "$signalled" = 1 ] || break',
+      "done",
+      'if [ "$requeue" = 1 ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
+      'exit "$code"',
+  ]
 
 
 def script(flags: list[str], *, nodes: int, gpus_per_node: int, cpus_per_task: int = 8,
            time: str = "", partition: str = "", job_name: str = "alma_jax",
-           setup: str = DEFAULT_SETUP, root: str = ROOT, options: list[str] = ()) -> str:
+           setup: str = DEFAULT_SETUP, root: str = ROOT, options: list[str] = (),
+           signal_s: int = SIGNAL_S) -> str:
   """The text of the batch script."""
   lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}",
            f"#SBATCH --ntasks-per-node={gpus_per_node}", f"#SBATCH --gres=gpu:{gpus_per_node}",
            f"#SBATCH --cpus-per-task={cpus_per_task}", "#SBATCH --output=%x-%j.out"]
+  lines += requeue_options(signal_s)
   lines += [f"#SBATCH --time={time}"] * bool(time) + [f"#SBATCH --partition={partition}"] * bool(
       partition) + [f"#SBATCH {o}" for o in options]
   cmd = shlex.join(["python", "-m", "alma_jax.main", "--jax_distributed", *flags])
-  lines += ["set -euo pipefail", f"cd {shlex.quote(root)}", setup,
-            'export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"',
-            "# One task per GPU; a task that fails ends the whole step.",
-            f"srun --kill-on-bad-exit=1 {cmd}"]
+  lines += ["set -euo pipefail"] + setup_lines(root, setup)
+  lines += ["# One task per GPU; a task that fails ends the whole step (srun passes SIGTERM on)."]
+  lines += run_lines(f"srun --kill-on-bad-exit=1 {cmd}")
   return "\n".join(lines) + "\n"
 
 
@@ -55,6 +101,8 @@ def main(argv=None) -> int:
   p.add_argument("--option", action="append", default=[],
                  help="another #SBATCH line, e.g. --option=--account=abc (repeatable)")
   p.add_argument("--setup", default=DEFAULT_SETUP, help="shell line run before srun")
+  p.add_argument("--signal_s", type=int, default=SIGNAL_S, help="seconds before the time "
+                 "limit at which the run saves, stops and the job is requeued")
   p.add_argument("--script", required=True, help="where to write the batch script")
   p.add_argument("--submit", action="store_true", help="submit it with sbatch")
   p.add_argument("flags", nargs="+", help="the flags of alma_jax.main (after --)")
@@ -63,7 +111,7 @@ def main(argv=None) -> int:
     p.error("--nodes and --gpus_per_node must be >= 1")
   text = script(a.flags, nodes=a.nodes, gpus_per_node=a.gpus_per_node,
                 cpus_per_task=a.cpus_per_task, time=a.time, partition=a.partition,
-                job_name=a.job_name, setup=a.setup, options=a.option)
+                job_name=a.job_name, setup=a.setup, options=a.option, signal_s=a.signal_s)
   with open(a.script, "w") as f:
     f.write(text)
   print(f"wrote {a.script}: {a.nodes} node(s) x {a.gpus_per_node} GPU(s), one process each")

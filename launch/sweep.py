@@ -1,9 +1,13 @@
 """Runs a grid of configs: method x waiting time x width x replay x seed, ...
 
 Each grid point is one `python -m alma_jax.main` run with its own workdir,
-named after its overrides and a short hash of its resolved config (config
-file, variant and every `--config.*` flag, extra ones after `--` included;
-fields that a run may change on resume, such as data paths, aside). A point
+named after its overrides (the config file's label, then the fields sorted by
+path, `seed` and `num_seeds` last, so a point reached with its fields in any
+order gets one name) and a short hash of its resolved config (config file,
+variant and every `--config.*` flag, extra ones after `--` included; fields
+that a run may change on resume, such as data paths, aside). A folder of the
+root with the same hash and the same config under another name (named in the
+grid's field order by earlier versions) is that point's workdir. A point
 is skipped only when its workdir holds a summary.json and a config.json equal
 to the point's config; a point without a summary resumes, and a workdir
 holding a different config is refused with the differing fields named. So a
@@ -12,6 +16,16 @@ other flags gets workdirs of its own. A point whose workdir another process
 holds (e.g. a second sweep on the same root; see alma_jax/workdir_lock.py) is
 left to it, "running (by another process)", not failed; each point's status
 is checked again just before its run starts.
+
+Before any run starts, every point's config is checked as the run checks it
+(`alma_jax.validation.validate`, which loads no data; for SLURM and TPU runs
+the mesh is left to their machines): invalid points are named with their
+one-line errors and nothing runs (exit code 2; `--no-validate` skips the
+check). `--status` (with the sweep's own flags) prints a table of the
+points instead: done, running (another live process holds the workdir),
+failed (the last run of this sweep failed: its exit is kept in
+<root>/logs/<workdir name>.failed.json until a run succeeds) or to run, with
+their folders; it starts nothing.
 
 The grid comes from `--grid=field=v1,v2,...` flags, from a Python file
 (`--grid_file=F`) that defines GRID, or both: GRID is a dict of field -> list
@@ -53,9 +67,14 @@ Examples:
   # The findings of REPRODUCTION.md: sub-grids with their own config files.
   python launch/sweep.py --root=/tmp/findings --grid_file=launch/grids/findings.py \
       --parallel=2
+  # What is done, running, failed or left of the same sweep (starts nothing).
+  python launch/sweep.py --root=/tmp/findings --grid_file=launch/grids/findings.py --status
   # Write a SLURM array script with one task per grid point (each with one GPU;
-  # --slurm_gpus=0 for CPU nodes, --slurm_option for more #SBATCH lines); after
-  # the array, `python -m alma_jax.report --workdirs=/tmp/sweep/* --out=...`.
+  # --slurm_gpus=0 for CPU nodes, --slurm_option for more #SBATCH lines): it
+  # starts in this repository, is requeued on preemption, and 120 s before the
+  # time limit each run saves and stops and its task is requeued to resume (see
+  # launch/slurm.py); after the array,
+  # `python -m alma_jax.report --workdirs=/tmp/sweep/* --out=...`.
   python launch/sweep.py ... --slurm=sweep.sbatch --slurm_option=--time=4:00:00
   # Every point on a TPU pod slice, one after another (root on a shared mount).
   python launch/sweep.py --config=configs/cifar_sm.py --root=/mnt/shared/sweep \
@@ -67,6 +86,8 @@ A grid point that itself spans several GPUs or nodes is a job of
 from __future__ import annotations
 
 import argparse
+import collections
+import datetime
 import itertools
 import json
 import os
@@ -80,20 +101,28 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for alma_jax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for local.py, tpu_pod.py
 from alma_jax import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import io_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import methods  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import report  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax import validation  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import workdir as wd  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import workdir_lock  # pylint: disable=g-import-not-at-top,wrong-import-position
 import local  # pylint: disable=g-import-not-at-top,wrong-import-position
+import slurm  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 # A grid field that is not a config field: the config file of the points (replaces --config).
 CONFIG_FIELD = "config"
+# The fields that end a workdir's name, in this order (the others come sorted by path before).
+SEED_FIELDS = ("seed", "num_seeds")
 # Seconds a run gets to stop (and checkpoint) after the sweep passed a signal on to it.
 STOP_GRACE_S = 30.0
 # The exit code of a run refused its inputs, among them a workdir that another run holds.
 REFUSED = 2
+# Where the outputs of runs in parallel and the exit of each failed run go, under the root.
+LOGS_DIR = "logs"
+FAILED_SUFFIX = ".failed.json"
 
 
 def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -204,24 +233,63 @@ def _config_label(config: str) -> str:
   return stem + (f"-{variant.replace(',', '+')}" if variant else "")
 
 
-def command(config: str | None, root: str, point, extra: list[str]) -> tuple[list[str], str, dict]:
-  """(command line, workdir, resolved config) of one grid point; the point's `config`
+def point_args(config: str | None, point, extra: list[str]) -> tuple[str, list[str]]:
+  """(config file, `--config.*` flags and `extra`) of a grid point's run; the point's `config`
   field, if any, replaces the sweep's `--config`."""
   config = dict(point).get(CONFIG_FIELD, config)
   if not config:
     raise SystemExit("sweep: error: --config is required unless every grid names its "
                      f"`{CONFIG_FIELD}` (a list of config files)")
-  fields = [(f, v) for f, v in point if f != CONFIG_FIELD]
-  flags = [f"--config.{f}={v}" for f, v in fields] + extra
+  flags = [f"--config.{f}={v}" for f, v in point if f != CONFIG_FIELD] + extra
+  return config, flags
+
+
+def command(config: str | None, root: str, point, extra: list[str]) -> tuple[list[str], str, dict]:
+  """(command line, workdir, resolved config) of one grid point; the point's `config`
+  field, if any, replaces the sweep's `--config`."""
+  config, flags = point_args(config, point, extra)
   try:
     resolved = config_resolve.resolved_dict(config, flags)
   except config_resolve.ConfigResolveError as e:
     raise SystemExit(f"sweep: error: {e}") from e
-  name = "_".join(_config_label(v) if f == CONFIG_FIELD else f"{f.split('.')[-1]}-{v}"
-                  for f, v in point) or "default"
-  workdir = os.path.join(root, f"{name}-{config_resolve.config_hash(resolved)}")
+  workdir = find_workdir(root, workdir_name(point), config_resolve.config_hash(resolved), resolved)
   cmd = [sys.executable, "-m", "alma_jax.main", f"--config={config}", f"--workdir={workdir}"]
   return cmd + flags, workdir, resolved
+
+
+def _name_order(field: str) -> tuple:
+  """Sort key of a field in a workdir name: by path, the seeds last."""
+  last = SEED_FIELDS.index(field) if field in SEED_FIELDS else -1
+  return (last, field)
+
+
+def workdir_name(point) -> str:
+  """The name of a point's workdir before its hash: the config file's label, then every other
+  field sorted by path (the seeds last), so a point reached in any field order gets one name."""
+  fields = dict(point)
+  label = [_config_label(fields.pop(CONFIG_FIELD))] if CONFIG_FIELD in fields else []
+  parts = [f"{f.split('.')[-1]}-{fields[f]}" for f in sorted(fields, key=_name_order)]
+  return "_".join(label + parts) or "default"
+
+
+def find_workdir(root: str, name: str, digest: str, resolved: dict) -> str:
+  """`<root>/<name>-<digest>`, or the folder with the same hash and the same config that an
+  earlier version of the sweep named after the grid's field order (it is that point's run)."""
+  canonical = os.path.join(root, f"{name}-{digest}")
+  if os.path.exists(canonical):
+    return canonical
+  try:
+    names = sorted(n for n in os.listdir(root) if n.endswith(f"-{digest}"))
+  except OSError:
+    return canonical
+  for n in names:
+    try:
+      stored = io_utils.read_json(os.path.join(root, n, wd.CONFIG_FILE))
+    except (OSError, ValueError):
+      continue
+    if isinstance(stored, dict) and not config_resolve.same_run(stored, resolved):
+      return os.path.join(root, n)
+  return canonical
 
 
 def holder(workdir: str, any_host: bool = False) -> dict | None:
@@ -264,10 +332,99 @@ def status(workdir: str, resolved: dict, any_host: bool = False) -> tuple[str, s
   return "run", ""
 
 
+def _failure_file(workdir: str) -> str:
+  root, name = os.path.split(os.path.normpath(workdir))
+  return os.path.join(root, LOGS_DIR, name + FAILED_SUFFIX)
+
+
+def record_exit(workdir: str, returncode: int, log: str | None) -> None:
+  """Keeps how a point's run failed (`<root>/logs/<name>.failed.json`, for --status); a run
+  that succeeded removes it. A file that cannot be written only warns."""
+  path = _failure_file(workdir)
+  try:
+    if returncode == 0:
+      if os.path.exists(path):
+        os.unlink(path)
+      return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    ended = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    io_utils.write_json_atomic(path, {"exit_code": returncode, "ended": ended, "log": log,
+                                      "exit": local.describe_exit(returncode)})
+  except (OSError, io_utils.WorkdirWriteError) as e:
+    print(f"sweep: warning: cannot record the exit of {workdir} in {path}: {e}", file=sys.stderr)
+
+
+def failure(workdir: str) -> dict | None:
+  """The recorded exit of the point's last failed run (None: none recorded)."""
+  try:
+    info = io_utils.read_json(_failure_file(workdir))
+  except (OSError, ValueError):
+    return None
+  return info if isinstance(info, dict) else None
+
+
 def has_records(workdir: str) -> bool:
   """Whether a run has logged anything in `workdir` (or, with num_seeds, in its seed folders)."""
   return os.path.isdir(workdir) and any(os.path.exists(os.path.join(d, wd.LOG_FILE))
                                         for d in wd.output_dirs(workdir))
+
+
+# -- the status of every point, and the checks before any run ------------------------------------
+STATE_NAMES = {"done": "done", "running": "running", "failed": "failed", "run": "to run",
+               "refuse": "refused"}
+
+
+def point_state(workdir: str, resolved: dict) -> tuple[str, str]:
+  """(state, detail) of a point for --status: `status` (with locks of other hosts counted as
+  running), and "failed" for a point whose last run here failed and that is not done."""
+  state, why = status(workdir, resolved, any_host=True)
+  if state != "run":
+    return state, why
+  failed = failure(workdir)
+  if failed is not None:
+    where = f"; its output: {failed['log']}" if failed.get("log") else ""
+    return "failed", f"{failed.get('exit', 'failed')} at {failed.get('ended', '?')}{where}"
+  return "run", "resumes from its records" if has_records(workdir) else ""
+
+
+def print_status(root: str, runs) -> int:
+  """Prints a table of the points' states and folders; starts nothing."""
+  states = [point_state(w, r) for _, w, r in runs]
+  head = ("#", "state", "folder", "detail")
+  rows = [head] + [(str(i + 1), STATE_NAMES[state], os.path.relpath(w, root), detail)
+                   for i, ((_, w, _), (state, detail)) in enumerate(zip(runs, states))]
+  widths = [max(len(r[k]) for r in rows) for k in range(3)]
+  print(f"{len(runs)} points in {root}:")
+  for r in rows:
+    print(f"{r[0]:>{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}".rstrip())
+  counts = collections.Counter(state for state, _ in states)
+  print(", ".join(f"{counts[s]} {name}" for s, name in STATE_NAMES.items() if counts[s]))
+  return 0
+
+
+def check_point(config_arg: str, flags: list[str], remote: bool) -> str | None:
+  """Why the run of a point (config file and flags, as `point_args` gives them) would refuse
+  its config (None: valid), by the run's own checks (`alma_jax.validation.validate`, which
+  loads no data). With `remote` the mesh is left to the machines that run it (this one's
+  devices say nothing of theirs)."""
+  try:
+    config = validation.complete(config_resolve.resolve(config_arg, flags))
+    if remote:
+      config.mesh.num_devices, config.mesh.data, config.mesh.model = 0, 0, 1
+    validation.validate(config)
+  except Exception as e:  # pylint: disable=broad-except  (each invalid point is named)
+    return errors.one_line(e)
+  return None
+
+
+def invalid_points(runs, args_of, remote: bool) -> list[tuple[int, str, str]]:
+  """(index, workdir, why) of every point not done whose config its run would refuse;
+  `args_of`: each point's (config file, flags)."""
+  out = []
+  for i, ((_, workdir, resolved), (config, flags)) in enumerate(zip(runs, args_of)):
+    if status(workdir, resolved)[0] != "done" and (why := check_point(config, flags, remote)):
+      out.append((i, workdir, why))
+  return out
 
 
 def _args(argv):
@@ -282,6 +439,11 @@ def _args(argv):
                  help="write the report of the sweep's workdirs when its runs are over")
   p.add_argument("--report_dir", help="where the report goes (default: <root>/report)")
   p.add_argument("--dry_run", action="store_true", help="print the commands only")
+  p.add_argument("--status", action="store_true", help="print a table of the points (done, "
+                 "running, failed, to run) and their folders; start nothing")
+  p.add_argument("--validate", action=argparse.BooleanOptionalAction, default=True,
+                 help="check every point's config (as the run does, without loading data) "
+                 "before starting any; invalid points are named and nothing runs (exit code 2)")
   p.add_argument("--seeds_together", choices=("auto", "yes", "no"), default="auto",
                  help="run a grid's consecutive seeds as one run of config.num_seeds seeds "
                  "(auto: except the VGG on CPU, where separate runs are faster)")
@@ -327,13 +489,22 @@ def tpu_command(args, cmd: list[str]) -> list[str]:
   return run
 
 
-def _write_slurm(args, runs) -> int:
-  lines = ["#!/bin/bash", f"#SBATCH --array=0-{len(runs) - 1}"]
+def slurm_script(args, runs) -> str:
+  """The SLURM array script of `runs`: one task per point, started in the repository, named
+  after the root, requeued on preemption; before the time limit the task's run saves and
+  stops and the task is requeued, to resume (launch/slurm.py `run_lines`)."""
+  name = f"alma_jax-{os.path.basename(os.path.normpath(args.root)) or 'sweep'}"
+  lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --array=0-{len(runs) - 1}"]
   lines += [f"#SBATCH --gres=gpu:{args.slurm_gpus}"] * (args.slurm_gpus > 0)
-  lines += [f"#SBATCH {o}" for o in args.slurm_option] + ["CMDS=("]
-  lines += [f"  {shlex.quote(shlex.join(c))}" for c, _, _ in runs] + [")", 'eval "${CMDS[$SLURM_ARRAY_TASK_ID]}"']
+  lines += slurm.requeue_options() + [f"#SBATCH {o}" for o in args.slurm_option]
+  lines += ["set -euo pipefail"] + slurm.setup_lines() + ["CMDS=("]
+  lines += [f"  {shlex.quote(shlex.join(c))}" for c, _, _ in runs] + [")"]
+  return "\n".join(lines + slurm.run_lines('eval "exec ${CMDS[$SLURM_ARRAY_TASK_ID]}"')) + "\n"
+
+
+def _write_slurm(args, runs) -> int:
   with open(args.slurm, "w") as f:
-    f.write("\n".join(lines) + "\n")
+    f.write(slurm_script(args, runs))
   print(f"wrote {args.slurm} with {len(runs)} tasks")
   return 0
 
@@ -380,8 +551,11 @@ def _launch(todo, args, total: int, signals, resume_command: str) -> tuple[int, 
       elif p.returncode != 0:
         print(f"[{i}/{total}] failed: {local.describe_exit(p.returncode)}{where}", flush=True)
         failed += 1
-      elif log:
-        print(f"[{i}/{total}] finished{where}", flush=True)
+        record_exit(workdir, p.returncode, log)
+      else:
+        record_exit(workdir, 0, log)
+        if log:
+          print(f"[{i}/{total}] finished{where}", flush=True)
     while pending and len(running) < args.parallel and not signals.received:
       i, cmd, workdir, resolved = pending.pop(0)
       state, why = status(workdir, resolved)
@@ -392,7 +566,7 @@ def _launch(todo, args, total: int, signals, resume_command: str) -> tuple[int, 
         failed += state == "refuse"
         elsewhere += state == "running"
         continue
-      log = (os.path.join(args.root, "logs", os.path.basename(workdir) + ".log")
+      log = (os.path.join(args.root, LOGS_DIR, os.path.basename(workdir) + ".log")
              if args.parallel > 1 else None)
       running[_start(cmd, log, resume_command)] = (i, cmd, workdir, resolved, log)
     if running:
@@ -439,8 +613,21 @@ def main(argv=None):
   if args.seeds_together != "no":
     grids = fold_seeds(split_configs(grids), args.seeds_together, args.config, args.extra,
                        args.seeds_together == "auto" and _accelerator(args))
-  runs = list({w: (c, w, r) for c, w, r in (command(args.config, args.root, pt, args.extra)
-                                           for g in grids for pt in points(g))}.values())
+  made = {}  # workdir -> (command, workdir, resolved config, (config file, flags))
+  for pt in (pt for g in grids for pt in points(g)):
+    cmd, workdir, resolved = command(args.config, args.root, pt, args.extra)
+    made[workdir] = (cmd, workdir, resolved, point_args(args.config, pt, args.extra))
+  runs = [m[:3] for m in made.values()]
+  if args.status:
+    return print_status(args.root, runs)
+  invalid = (invalid_points(runs, [m[3] for m in made.values()], bool(args.slurm or args.tpu))
+             if args.validate else [])
+  if invalid:
+    print(f"sweep: {len(invalid)} of {len(runs)} points are invalid; no run was started:",
+          file=sys.stderr)
+    for i, workdir, why in invalid:
+      print(f"  [{i + 1}/{len(runs)}] {os.path.basename(workdir)}: {why}", file=sys.stderr)
+    return REFUSED
   if args.slurm:
     return _write_slurm(args, runs)
   if args.tpu:  # the same points and workdirs, each run through gcloud on every worker

@@ -1,9 +1,10 @@
 """Runs one alma_jax command on every worker of a Cloud TPU VM (pod slice) with gcloud.
 
-Three steps, each a `gcloud compute tpus tpu-vm` command on all workers at once
+Three steps, four `gcloud compute tpus tpu-vm` commands on all workers at once
 (`--worker=all`):
   copy     the repository's files (those git tracks or would track, as they are
-           in the working tree) to ~/alma_jax on every worker;
+           in the working tree) to ~/alma_jax on every worker (`scp` of a
+           tarball, then `ssh` to unpack it);
   install  a virtual environment there with requirements.txt and JAX for TPU;
   run      `python -m alma_jax.main --jax_distributed <flags>` on every worker
            (JAX reads the coordinator and the process ids from the TPU VM).

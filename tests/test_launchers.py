@@ -2,6 +2,7 @@
 the local launcher runs for real in tests/test_multiprocess.py."""
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -37,10 +38,53 @@ def test_slurm_script_runs_one_process_per_gpu(tmp_path):
   for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gres=gpu:8",
                "#SBATCH --time=2:00:00", "#SBATCH --account=abc"):
     assert line + "\n" in text
+  for line in ("#SBATCH --requeue", "#SBATCH --signal=B:USR1@120", f"cd {ROOT}"):
+    assert line + "\n" in text
   srun = [l for l in text.splitlines() if l.startswith("srun ")]
   assert len(srun) == 1
-  assert shlex.split(srun[0])[2:] == ["python", "-m", "alma_jax.main", "--jax_distributed",
-                                      *FLAGS]
+  assert srun[0].endswith(" &")  # in the background, so that the shell takes signals
+  assert shlex.split(srun[0][:-2])[2:] == ["python", "-m", "alma_jax.main", "--jax_distributed",
+                                           *FLAGS]
+  proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, check=False)
+  assert proc.returncode == 0, proc.stderr
+
+
+# A run that saves and exits 143 on SIGTERM, as alma_jax.main does; its pid goes to argv[1].
+TERM_143 = ("import os, signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))\n"
+            "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+            "time.sleep(60)\n"
+            "sys.exit(0)\n")
+
+
+@pytest.mark.parametrize("signum, requeued", [(signal.SIGUSR1, True), (signal.SIGTERM, False)])
+def test_the_batch_shell_stops_the_run_on_a_signal_and_requeues_before_the_time_limit(
+    tmp_path, signum, requeued):
+  # SLURM's time-limit signal (SIGUSR1 to the batch shell) stops the run, which saves and exits
+  # 143, and requeues the job; SIGTERM (preemption, scancel) stops it without a requeue.
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol'}\n")
+  (bin_dir / "scontrol").chmod(0o755)
+  pid_file = tmp_path / "pid"
+  command = shlex.join([sys.executable, "-c", TERM_143, str(pid_file)])
+  script = tmp_path / "job.sh"
+  script.write_text("\n".join(["set -euo pipefail", *slurm.run_lines(command)]) + "\n")
+  env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="77")
+  shell = subprocess.Popen(["bash", str(script)], env=env)
+  try:
+    deadline = time.monotonic() + 20
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    run_pid = int(pid_file.read_text())
+    shell.send_signal(signum)
+    assert shell.wait(timeout=20) == 143
+    assert not _running(run_pid)
+  finally:
+    shell.kill()
+    shell.wait()
+  calls = (tmp_path / "scontrol").read_text() if (tmp_path / "scontrol").exists() else ""
+  assert calls == ("requeue 77\n" if requeued else "")
 
 
 def test_tpu_pod_copies_installs_and_runs_the_same_command_on_every_worker(tmp_path, capsys):
@@ -54,6 +98,11 @@ def test_tpu_pod_copies_installs_and_runs_the_same_command_on_every_worker(tmp_p
   assert "jax[tpu]==0.10.2" in " ".join(lines[2])
   tpu_pod.main(["--tpu=pod", "--zone=z", "--steps=run", "--dry_run", "--", *FLAGS])
   assert len(capsys.readouterr().out.splitlines()) == 1
+  # The README says how many commands a dry run prints.
+  with open(os.path.join(ROOT, "README.md")) as f:
+    readme = " ".join(f.read().split())
+  said = re.search(r"`launch/tpu_pod\.py --dry_run` prints its (\w+) `gcloud", readme).group(1)
+  assert said == ["one", "two", "three", "four", "five"][len(lines) - 1]
   archive = tmp_path / "code.tar.gz"
   tpu_pod.write_archive(str(archive))
   with tarfile.open(archive) as tar:

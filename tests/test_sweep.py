@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,10 +21,10 @@ import sweep  # pylint: disable=g-import-not-at-top,wrong-import-position
 SMOKE = "configs/mnist_sm.py:smoke"
 
 
-def _fake_runs(monkeypatch, seconds=0.0, output="", on_start=None):
+def _fake_runs(monkeypatch, seconds=0.0, output="", on_start=None, exit_code=0):
   """Replaces subprocess.Popen by runs that record their command, call `on_start` with it,
-  write `output` to their stdout file (if any), last `seconds` and exit with 0; returns the
-  commands and a list holding the most runs in progress at once."""
+  write `output` to their stdout file (if any), last `seconds` and exit with `exit_code`;
+  returns the commands and a list holding the most runs in progress at once."""
   calls, peak, started = [], [0], []
 
   class Run:
@@ -44,7 +45,7 @@ def _fake_runs(monkeypatch, seconds=0.0, output="", on_start=None):
 
     def poll(self):
       if self.returncode is None and time.monotonic() >= self._end:
-        self.returncode = 0
+        self.returncode = exit_code
       return self.returncode
 
     def wait(self, timeout=None):
@@ -144,11 +145,21 @@ def test_bad_tpu_flags(tmp_path, flags, message):
 
 def test_slurm_script(tmp_path):
   path = tmp_path / "s.sbatch"
-  sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=seed=0,1", f"--slurm={path}",
-              "--seeds_together=no"])
+  sweep.main([f"--config={SMOKE}", f"--root={tmp_path / 'my_sweep'}", "--grid=seed=0,1",
+              f"--slurm={path}", "--seeds_together=no"])
   text = path.read_text()
   assert "#SBATCH --array=0-1" in text and "--config.seed=1" in text
   assert "#SBATCH --gres=gpu:1" in text
+  # Named, started in the repository, requeued on preemption; before the time limit the run
+  # saves and stops, and the task is requeued (launch/slurm.py, tested in test_launchers.py).
+  lines = text.splitlines()
+  for line in ("#SBATCH --job-name=alma_jax-my_sweep", "#SBATCH --requeue",
+               "#SBATCH --signal=B:USR1@120", f"cd {ROOT}", "trap 'requeue=1; stop' USR1",
+               'eval "exec ${CMDS[$SLURM_ARRAY_TASK_ID]}" &'):
+    assert line in lines, line
+  assert lines.index(f"cd {ROOT}") < lines.index("CMDS=(")
+  proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, check=False)
+  assert proc.returncode == 0, proc.stderr
   sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=seed=0", f"--slurm={path}",
               "--slurm_gpus=0", "--slurm_option=--time=1:00:00"])
   text = path.read_text()
@@ -509,3 +520,104 @@ def test_two_sweeps_on_one_root_count_each_other_s_points_as_running_or_done(tmp
   workdirs = [os.path.join(tmp_path, "r", n) for n in os.listdir(tmp_path / "r") if n != "logs"]
   assert len(workdirs) == 2
   assert all(os.path.exists(os.path.join(w, "summary.json")) for w in workdirs)
+
+
+# -- folder names, the status table, checks before any run -----------------------------------------
+def test_a_point_has_one_folder_whatever_the_order_of_its_fields(tmp_path, capsys):
+  point = [("stream.wait", "1"), ("seed", "0"), ("model.width", "8")]
+  made = {sweep.command(SMOKE, str(tmp_path), order, [])[1]
+          for order in (point, point[::-1], point[1:] + point[:1])}
+  (workdir,) = made
+  assert os.path.basename(workdir).startswith("width-8_wait-1_seed-0-")
+  one = _dry(tmp_path, capsys, "--grid=stream.wait=1", "--grid=seed=0", "--grid=model.width=8")
+  other = _dry(tmp_path, capsys, "--grid=model.width=8", "--grid=seed=0", "--grid=stream.wait=1")
+  assert [l.split("--workdir=")[1].split()[0] for l in one] == \
+      [l.split("--workdir=")[1].split()[0] for l in other]
+
+
+def _done(workdir, resolved, summary=True):
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(resolved, f)
+  if summary:
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      f.write("{}")
+
+
+def test_folders_named_in_the_grid_s_field_order_are_still_found(tmp_path, monkeypatch, capsys):
+  # Folders of an earlier sweep, named in the grid's field order: a finished point there is
+  # done, an unfinished one resumes there, a folder of the same hash but another config is not it.
+  point = [("seed", "0"), ("stream.wait", "1")]
+  _, canonical, resolved = sweep.command(SMOKE, str(tmp_path), point, [])
+  digest = canonical.rsplit("-", 1)[1]
+  old = tmp_path / f"seed-0_wait-1-{digest}"
+  _done(old, resolved)
+  assert sweep.command(SMOKE, str(tmp_path), point, [])[1] == str(old)
+  calls, _ = _fake_runs(monkeypatch)
+  flags = [f"--config={SMOKE}", f"--root={tmp_path}", "--grid=seed=0", "--grid=stream.wait=1",
+           "--no-report"]
+  assert sweep.main(flags) == 0
+  assert "[1/1] done, skipped: " in capsys.readouterr().out and not calls
+  assert not os.path.exists(canonical)
+  os.unlink(old / "summary.json")
+  assert sweep.main(flags) == 0
+  (cmd,) = calls
+  assert f"--workdir={old}" in cmd
+  other = dict(resolved, seed=5)
+  with open(old / "config.json", "w") as f:
+    json.dump(other, f)
+  assert sweep.command(SMOKE, str(tmp_path), point, [])[1] == canonical
+
+
+def test_status_is_a_table_of_the_points_and_starts_nothing(tmp_path, monkeypatch, capsys):
+  flags = [f"--config={SMOKE}", f"--root={tmp_path}", "--grid=model.width=4,8,16,32",
+           "--no-report"]
+  made = [sweep.command(SMOKE, str(tmp_path), [("model.width", w)], []) for w in
+          ("4", "8", "16", "32")]
+  _done(made[0][1], made[0][2])  # done
+  _fake_runs(monkeypatch, exit_code=3)
+  assert sweep.main(flags + ["--grid=model.width=16"]) == 1  # the run of width 16 fails
+  assert "failed: exit code 3" in capsys.readouterr().out
+  os.makedirs(made[1][1])
+  with workdir_lock.hold(made[1][1]):  # width 8 runs in another process
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("ran a command"))
+    assert sweep.main(flags + ["--status"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0] == f"4 points in {tmp_path}:"
+  assert out[1].split() == ["#", "state", "folder", "detail"]
+  rows = {line.split()[2]: line.split(None, 3)[1:] for line in out[2:6]}
+  names = [os.path.basename(w) for _, w, _ in made]
+  assert rows[names[0]][0] == "done"
+  assert rows[names[1]][0] == "running" and f"pid {os.getpid()}" in rows[names[1]][2]
+  assert rows[names[2]][0] == "failed" and "exit code 3" in rows[names[2]][2]
+  assert out[5].split()[1:3] == ["to", "run"] and names[3] in out[5]
+  assert out[6] == "1 done, 1 running, 1 failed, 1 to run"
+  # A run that succeeds clears the failure.
+  _fake_runs(monkeypatch)
+  assert sweep.main(flags + ["--grid=model.width=16"]) == 0
+  assert not os.listdir(tmp_path / "logs")
+
+
+def test_every_point_is_checked_before_any_run(tmp_path, monkeypatch, capsys):
+  # The smoke config has B=4 mega-batches: waits 3 and 5 are invalid, and the data set name.
+  monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("ran a command"))
+  rc = sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=stream.wait=1,3,2,5",
+                   "--grid=seed=0,1", "--parallel=2"])
+  err = capsys.readouterr().err
+  assert rc == 2
+  assert "sweep: 2 of 4 points are invalid; no run was started:" in err
+  assert re.search(r"\[2/4\] wait-3_seed-0_num_seeds-2-\w+: config\.stream\.wait=3 does not "
+                   r"divide config\.stream\.num_megabatches=4; allowed values: \[1, 2, 4\]", err)
+  assert "[4/4] wait-5_" in err and "[1/4]" not in err
+  assert not os.path.exists(tmp_path / "logs")
+  # A dry run and a SLURM script are checked too; the mesh of runs elsewhere is theirs.
+  assert sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=stream.wait=3",
+                     "--dry_run"]) == 2
+  path = tmp_path / "s.sbatch"
+  assert sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=stream.wait=3",
+                     f"--slurm={path}"]) == 2 and not path.exists()
+  assert sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=mesh.num_devices=64",
+                     f"--slurm={path}"]) == 0
+  assert sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=mesh.num_devices=64",
+                     "--dry_run"]) == 2
+  assert "only 8 cpu devices are visible" in capsys.readouterr().err
