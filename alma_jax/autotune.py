@@ -235,5 +235,14 @@ def _measure(config, tunable: Tunable, build, measure, chosen: dict) -> tuple[An
                       candidate, type(e).__name__, e)
       return tunable.rule(config), "by rule (a candidate failed)", False
   best = min(times, key=times.get)
-  timed = ", ".join(f"{k!r} {1 / v:,.0f} img/s" for k, v in times.items())
+  timed = ", ".join(f"{k!r} {_rate(config, v)}" for k, v in times.items())
   return best, f"measured ({timed})", True
+
+
+def _rate(config, seconds_per_example: float) -> str:
+  """The speed of `seconds_per_example` in the unit of the config's examples: tokens/s for
+  text (sequences of data.seq_len tokens), img/s for images."""
+  seq_len = config.data.get("seq_len") if config.model.name == "switch" else None
+  if seq_len:
+    return f"{int(seq_len) / seconds_per_example:,.0f} tokens/s"
+  return f"{1 / seconds_per_example:,.0f} img/s"

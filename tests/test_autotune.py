@@ -122,3 +122,19 @@ def test_a_run_records_its_choices_in_the_workdir_the_cache_and_the_summary(tmp_
   assert chosen in autotune.STEPS_PER_CALL_CANDIDATES
   assert autotune.read(os.path.join(wd, autotune.FILE)) == {key: chosen}
   assert autotune.read(autotune.default_cache_file())[key] == chosen
+
+
+def test_the_measurement_of_a_language_model_is_logged_in_tokens_per_second(tmp_path, caplog):
+  from alma_jax import config_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
+  c.train.steps_per_call, c.mesh.num_devices = 0, 1
+  per_call = {1: 2.0, 8: 1.0}
+  with caplog.at_level(logging.INFO):
+    got = autotune.choose(c, (c.data.seq_len,), lambda cfg: cfg, mode="measure",
+                          cache_file=str(tmp_path / "machine.json"),
+                          measure=lambda cfg: per_call[cfg.train.steps_per_call])
+  assert got == {"train.steps_per_call": 8}
+  b, l = c.train.batch_size, c.data.seq_len
+  assert (f"train.steps_per_call: 8 measured (1 {b * l / 2.0:,.0f} tokens/s, "
+          f"8 {b * l / 1.0:,.0f} tokens/s)") in caplog.text
+  assert "img/s" not in caplog.text

@@ -120,3 +120,18 @@ def test_mock_data_goes_through_the_loader(tmp_path):
   assert ds.train_x.shape == (12, 32, 32, 3) and ds.train_x.dtype == np.uint8
   assert ds.num_classes == 10 and ds.mean.shape == (3,)
   assert ((ds.train_y >= 0) & (ds.train_y < 10)).all()
+
+
+def test_a_mistyped_name_gets_the_name_it_is_close_to(tmp_path):
+  prepared = tmp_path / "tfds"
+  (prepared / "my_digits" / "1.0.0").mkdir(parents=True)
+  (prepared / "my_digits" / "1.0.0" / "dataset_info.json").write_text("{}")
+  assert images.name_hint("mnsit") == "; did you mean 'mnist'?"
+  assert images.name_hint("cifar_10") == "; did you mean 'cifar10'?"
+  assert images.name_hint("my_digit", str(prepared)) == "; did you mean 'my_digits'?"
+  assert images.name_hint("mnist") == images.name_hint("imagenet2012") == ""
+  with pytest.raises(images.DatasetUnavailableError,
+                     match=r"config\.data\.name='mnsit' is not a tfds data set .*; did you mean "
+                     r"'mnist'\?$"):
+    images.load_image_dataset("mnsit", data_dir=str(tmp_path), cache_dir=str(tmp_path / "c"),
+                              download="no")

@@ -255,3 +255,12 @@ def test_a_non_finite_loss_diverges_or_rolls_back_as_for_images(tmp_path, caplog
   assert [r["t"] for r in records] == [0, 1, 2, 3, 4]
   # Every stage rolled back to its start: the untrained model's perplexity throughout.
   assert all(r["test_perplexity"] == records[0]["test_perplexity"] for r in records)
+
+
+@requires_bpe
+def test_a_mistyped_text_data_set_name_gets_the_name_it_is_close_to(tmp_path):
+  with pytest.raises(text_data.images.DatasetUnavailableError,
+                     match=r"config\.data\.name='tiny_shakespear' is not a tfds data set .*; did "
+                     r"you mean 'tiny_shakespeare'\?$"):
+    text_data.load_corpus(name="tiny_shakespear", text_file=None, bpe_folder=BPE,
+                          data_dir=str(tmp_path), cache_dir=str(tmp_path / "c"), download="no")

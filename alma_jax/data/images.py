@@ -10,6 +10,7 @@ several seconds of start-up.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import time
@@ -77,6 +78,30 @@ def _prepared_versions(name: str, data_dir: str | None) -> list[str]:
     return []
   return sorted(v for v in os.listdir(root)
                 if os.path.isfile(os.path.join(root, v, "dataset_info.json")))
+
+
+# tfds image-classification data sets offered for a mistyped name (with those prepared here).
+KNOWN_NAMES = ("mnist", "fashion_mnist", "kmnist", "emnist", "cifar10", "cifar100",
+               "svhn_cropped")
+
+
+def prepared_names(data_dir: str | None) -> list[str]:
+  """The data sets prepared under the tfds data dir (any version)."""
+  d = _tfds_dir(data_dir)
+  if not d or not os.path.isdir(d):
+    return []
+  return sorted(n for n in os.listdir(d) if _prepared_versions(n, d))
+
+
+def name_hint(name: str, data_dir: str | None = None, known: tuple[str, ...] = KNOWN_NAMES,
+              more: tuple[str, ...] = ()) -> str:
+  """"; did you mean 'mnist'?" for a data set name that is none of `known`, `more` and those
+  prepared under the tfds data dir but close to one of them (a typo); "" otherwise."""
+  names = set(known) | set(more) | set(prepared_names(data_dir))
+  if name in names:
+    return ""
+  close = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.6)
+  return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _cached_versions(name: str, cache_dir: str) -> list[str]:
@@ -163,12 +188,14 @@ def _load_tfds(name: str, data_dir: str | None,
     known = sorted(tfds.list_builders())
     raise DatasetUnavailableError(
         f"config.data.name={name!r} is not a tfds data set ({type(e).__name__}); valid names "
-        f"include {known[:10]} ... ({len(known)} in all)") from e
+        f"include {list(KNOWN_NAMES)} ... ({len(known)} in all)"
+        f"{name_hint(name, data_dir, more=tuple(known))}") from e
   if not builder.is_prepared():
     if download == "no" or (download == "auto" and not internet_reachable()):
       why = "downloads are off" if download == "no" else "there is no internet connection"
       raise DatasetUnavailableError(
-          f"data set {name!r} is not prepared in {where} and {why}; {hint}")
+          f"data set {name!r} is not prepared in {where} and {why}; {hint}"
+          f"{name_hint(name, data_dir)}")
     try:
       builder.download_and_prepare()
     except Exception as e:  # pylint: disable=broad-except

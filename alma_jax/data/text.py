@@ -30,6 +30,8 @@ from alma_jax.data import images
 BPE_FILES = ("encoder.json", "vocab.bpe")
 BPE_DIR_ENV = "ALMA_JAX_BPE_DIR"
 VOCAB_SIZE = 50257
+# tfds text data sets offered for a mistyped name (with those prepared here).
+KNOWN_NAMES = ("tiny_shakespeare", "lm1b")
 
 
 class TokenizerUnavailableError(ValueError):
@@ -107,15 +109,16 @@ def _tfds_text(name: str, data_dir: str | None, feature: str, download: str) -> 
   try:
     builder = tfds.builder(name, data_dir=data_dir)
   except Exception as e:  # pylint: disable=broad-except
+    hint = images.name_hint(name, data_dir, KNOWN_NAMES, tuple(tfds.list_builders()))
     raise images.DatasetUnavailableError(
-        f"config.data.name={name!r} is not a tfds data set ({type(e).__name__}); or set "
-        "config.data.text_file to a UTF-8 text file") from e
+        f"config.data.name={name!r} is not a tfds data set ({type(e).__name__}); set it to "
+        f"one, or config.data.text_file to a UTF-8 text file{hint}") from e
   if not builder.is_prepared():
     if download == "no" or (download == "auto" and not images.internet_reachable()):
       raise images.DatasetUnavailableError(
           f"data set {name!r} is not prepared in {data_dir or os.environ.get('TFDS_DATA_DIR')} "
           "and cannot be downloaded; set TFDS_DATA_DIR (or config.data.data_dir), or "
-          "config.data.text_file")
+          f"config.data.text_file{images.name_hint(name, data_dir, KNOWN_NAMES)}")
     builder.download_and_prepare()
   features = list(builder.info.features.keys())
   if feature not in features:
