@@ -264,3 +264,61 @@ def test_a_mistyped_text_data_set_name_gets_the_name_it_is_close_to(tmp_path):
                      r"you mean 'tiny_shakespeare'\?$"):
     text_data.load_corpus(name="tiny_shakespear", text_file=None, bpe_folder=BPE,
                           data_dir=str(tmp_path), cache_dir=str(tmp_path / "c"), download="no")
+
+
+# -- tiktoken's own gpt2 encoding when no BPE folder is given ---------------------------------------
+def _tiktoken_cache(tmp_path, monkeypatch, filled=True):
+  """A tiktoken cache of its own (pre-filled from the local BPE files: no download), no BPE
+  folder configured."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  cache = tmp_path / "tiktoken"
+  cache.mkdir()
+  monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+  monkeypatch.delenv(text_data.BPE_DIR_ENV, raising=False)
+  if filled:
+    for name in text_data.BPE_FILES:  # tiktoken names a download by the SHA-1 of its URL
+      key = hashlib.sha1((text_data.BPE_URL + name).encode()).hexdigest()
+      assert text_data.tiktoken_cache_file(name) == str(cache / key)
+      shutil.copy(os.path.join(BPE, name), cache / key)
+  return cache
+
+
+@requires_bpe
+def test_without_a_bpe_folder_tiktoken_s_gpt2_gives_the_same_tokens(tmp_path, monkeypatch):
+  local = text_data.load_tokenizer(text_data.bpe_dir(BPE))
+  _tiktoken_cache(tmp_path, monkeypatch)
+  monkeypatch.setattr(text_data.images, "internet_reachable",
+                      lambda *a, **k: pytest.fail("probed the internet"))
+  folder = text_data.bpe_dir(None)
+  assert folder == text_data.TIKTOKEN_GPT2
+  enc = text_data.load_tokenizer(folder)
+  assert enc.n_vocab == text_data.VOCAB_SIZE
+  np.testing.assert_array_equal(text_data.encode(enc, SAMPLE), text_data.encode(local, SAMPLE))
+  # The same files: the same token cache.
+  assert text_data.tokenizer_digest(folder) == text_data.tokenizer_digest(BPE)
+  # A folder given wins.
+  monkeypatch.setenv(text_data.BPE_DIR_ENV, BPE)
+  assert text_data.bpe_dir(None) == BPE
+
+
+@requires_bpe
+def test_offline_without_files_the_error_says_where_to_get_them(tmp_path, monkeypatch):
+  cache = _tiktoken_cache(tmp_path, monkeypatch, filled=False)
+  monkeypatch.setattr(text_data.images, "internet_reachable", lambda *a, **k: False)
+  message = (r"config\.data\.bpe_dir is not set, \$ALMA_JAX_BPE_DIR is empty, and tiktoken's "
+             rf"gpt2 encoding is not in its cache \({cache}\) and cannot be downloaded \(no "
+             r"internet connection\); download https://openaipublic\.blob\.core\.windows\.net/"
+             r"gpt-2/encodings/main/encoder\.json and .*/vocab\.bpe into a folder and set "
+             r"config\.data\.bpe_dir \(or \$ALMA_JAX_BPE_DIR\) to it")
+  with pytest.raises(text_data.TokenizerUnavailableError, match=message):
+    text_data.bpe_dir(None)
+  c = smoke()
+  with pytest.raises(ConfigError, match=message):
+    validation.validate(c)
+  # A damaged download in the cache counts as none.
+  for name in text_data.BPE_FILES:
+    with open(text_data.tiktoken_cache_file(name), "w") as f:
+      f.write("{}")
+  with pytest.raises(text_data.TokenizerUnavailableError, match="not in its cache"):
+    text_data.bpe_dir(None)

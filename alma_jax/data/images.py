@@ -53,12 +53,12 @@ DOWNLOAD_CHOICES = ("auto", "yes", "no")
 DOWNLOAD_HOST = ("storage.googleapis.com", 443)  # where tfds downloads from
 
 
-def internet_reachable(timeout: float = 2.0) -> bool:
-  """Whether tfds's download host answers (a quick probe, so that an offline
+def internet_reachable(timeout: float = 2.0, host: tuple[str, int] = DOWNLOAD_HOST) -> bool:
+  """Whether a download host (tfds's by default) answers (a quick probe, so that an offline
   machine fails at once instead of after minutes of download retries)."""
   import socket  # pylint: disable=g-import-not-at-top
   try:
-    socket.create_connection(DOWNLOAD_HOST, timeout=timeout).close()
+    socket.create_connection(host, timeout=timeout).close()
     return True
   except OSError:
     return False

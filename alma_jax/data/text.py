@@ -4,8 +4,13 @@ A corpus is a tfds data set with a text feature (`tiny_shakespeare`, ...),
 whose `train` split is the stream's text and whose `test` split is the test
 text, or a plain UTF-8 file, whose last `test_fraction` (cut at a line break)
 is the test text. The text is tokenised with GPT-2's BPE (50,257 tokens)
-through `tiktoken`, from a local `encoder.json` and `vocab.bpe`, so that no
-download is needed. The first load writes the token arrays (uint16) and the
+through `tiktoken`: from a local `encoder.json` and `vocab.bpe` when a folder
+is given (`config.data.bpe_dir` or $ALMA_JAX_BPE_DIR), so that no download is
+needed; otherwise with tiktoken's own `gpt2` encoding, which tiktoken
+downloads once (the same two files) and keeps in its cache
+($TIKTOKEN_CACHE_DIR, by default <tmp>/data-gym-cache). Offline with neither,
+the error names the files, where to get them and how to point the run at
+them. The first load writes the token arrays (uint16) and the
 byte length of every test target under the cache directory, keyed by the
 source and a digest of the tokenizer files; later loads read the cache
 without importing TensorFlow or tokenising again.
@@ -20,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import tempfile
 import time
 
 import numpy as np
@@ -34,6 +40,15 @@ VOCAB_SIZE = 50257
 KNOWN_NAMES = ("tiny_shakespeare", "lm1b")
 
 
+# The `bpe_dir` that stands for tiktoken's own `gpt2` encoding (no local folder given).
+TIKTOKEN_GPT2 = "tiktoken:gpt2"
+# Where tiktoken downloads GPT-2's files from, and their SHA-256 (as tiktoken checks them).
+BPE_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+BPE_HOST = ("openaipublic.blob.core.windows.net", 443)
+BPE_SHA256 = {"encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+              "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"}
+
+
 class TokenizerUnavailableError(ValueError):
   """The BPE files cannot be found or read."""
 
@@ -43,13 +58,45 @@ def _digest(path: str) -> str:
     return hashlib.sha256(f.read()).hexdigest()
 
 
+def tiktoken_cache_file(name: str) -> str | None:
+  """Where tiktoken keeps its download of GPT-2's file `name` (a SHA-1 of its URL in
+  $TIKTOKEN_CACHE_DIR, $DATA_GYM_CACHE_DIR or <tmp>/data-gym-cache); None when its cache is
+  off (an empty $TIKTOKEN_CACHE_DIR)."""
+  for env in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
+    if env in os.environ:
+      folder = os.environ[env]
+      break
+  else:
+    folder = os.path.join(tempfile.gettempdir(), "data-gym-cache")
+  if not folder:
+    return None
+  return os.path.join(folder, hashlib.sha1((BPE_URL + name).encode()).hexdigest())
+
+
+def _tiktoken_has_gpt2() -> bool:
+  """Whether tiktoken's cache holds both of GPT-2's files, intact."""
+  paths = {f: tiktoken_cache_file(f) for f in BPE_FILES}
+  return all(p and os.path.isfile(p) and _digest(p) == BPE_SHA256[f] for f, p in paths.items())
+
+
+def _how_to_get_files() -> str:
+  return (f"download {BPE_URL}encoder.json and {BPE_URL}vocab.bpe into a folder and set "
+          f"config.data.bpe_dir (or ${BPE_DIR_ENV}) to it, or run once with internet access "
+          "(tiktoken then keeps them in $TIKTOKEN_CACHE_DIR)")
+
+
 def bpe_dir(configured: str | None) -> str:
-  """The folder of the GPT-2 BPE files: `configured`, else $ALMA_JAX_BPE_DIR."""
+  """The folder of the GPT-2 BPE files (`configured`, else $ALMA_JAX_BPE_DIR), or, with
+  neither, `TIKTOKEN_GPT2` when tiktoken has the files in its cache or can download them."""
   folder = configured or os.environ.get(BPE_DIR_ENV)
   if not folder:
+    if _tiktoken_has_gpt2() or images.internet_reachable(host=BPE_HOST):
+      return TIKTOKEN_GPT2
+    cache = tiktoken_cache_file(BPE_FILES[0])
     raise TokenizerUnavailableError(
-        f"config.data.bpe_dir is not set and ${BPE_DIR_ENV} is empty; point either at a folder "
-        f"holding GPT-2's {list(BPE_FILES)}")
+        f"config.data.bpe_dir is not set, ${BPE_DIR_ENV} is empty, and tiktoken's gpt2 "
+        f"encoding is not in its cache ({os.path.dirname(cache) if cache else 'off'}) and "
+        f"cannot be downloaded (no internet connection); {_how_to_get_files()}")
   missing = [f for f in BPE_FILES if not os.path.isfile(os.path.join(folder, f))]
   if missing:
     raise TokenizerUnavailableError(
@@ -58,15 +105,25 @@ def bpe_dir(configured: str | None) -> str:
 
 
 def tokenizer_digest(folder: str) -> str:
-  return hashlib.sha256("".join(_digest(os.path.join(folder, f)) for f in BPE_FILES).encode()
-                        ).hexdigest()[:16]
+  """A digest of the BPE files (the same for tiktoken's `gpt2` and a local copy of them)."""
+  digests = (BPE_SHA256[f] if folder == TIKTOKEN_GPT2 else _digest(os.path.join(folder, f))
+             for f in BPE_FILES)
+  return hashlib.sha256("".join(digests).encode()).hexdigest()[:16]
 
 
 def load_tokenizer(folder: str):
-  """GPT-2's byte-level BPE as a `tiktoken.Encoding`, read from `folder` (no download)."""
+  """GPT-2's byte-level BPE as a `tiktoken.Encoding`, read from `folder` (no download), or
+  tiktoken's own `gpt2` encoding for `TIKTOKEN_GPT2` (downloaded once into its cache)."""
   import tiktoken  # pylint: disable=g-import-not-at-top
   from tiktoken import load as tiktoken_load  # pylint: disable=g-import-not-at-top
   from tiktoken_ext import openai_public  # pylint: disable=g-import-not-at-top
+  if folder == TIKTOKEN_GPT2:
+    try:
+      return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # pylint: disable=broad-except  (a failed download, a bad file)
+      raise TokenizerUnavailableError(
+          f"tiktoken's gpt2 encoding cannot be loaded ({type(e).__name__}: "
+          f"{' '.join(str(e).split())[:200]}); {_how_to_get_files()}") from e
   encoder, vocab = (os.path.join(folder, f) for f in BPE_FILES)
   # The hashes make tiktoken's own file cache check its copies against these files.
   ranks = tiktoken_load.data_gym_to_mergeable_bpe_ranks(
