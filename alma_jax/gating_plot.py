@@ -21,6 +21,7 @@ import numpy as np
 from alma_jax import checkpoint as ckpt_lib
 from alma_jax import io_utils
 from alma_jax import methods
+from alma_jax import plot_style
 from alma_jax import plots
 from alma_jax import population
 from alma_jax import tasks
@@ -116,23 +117,33 @@ def gating_data(workdir: str, max_points: int = MAX_POINTS) -> GatingData:
   return GatingData(t=t, embedding=pca_2d(np.asarray(x)), experts=experts, paths=paths)
 
 
+def expert_colors(n: int) -> list[str]:
+  """A colour per expert: Tableau 10, Tableau 20 beyond ten experts."""
+  from matplotlib import colormaps, colors  # pylint: disable=g-import-not-at-top
+  cmap = colormaps["tab10" if n <= 10 else "tab20"]
+  return [colors.to_hex(cmap(i % cmap.N)) for i in range(n)]
+
+
 def draw(data: GatingData, path_stem: str, title: str = "") -> dict:
-  """Writes the figure to `<path_stem>.png/.pdf`; returns {"layer<l>": [series per expert]}."""
-  fig, axes = plots.subplots(len(data.experts))
+  """Writes the figure to `<path_stem>.png/.pdf`, a panel per mixture layer (one above the
+  other, each with its legend on the right); returns {"layer<l>": [series per expert]}."""
+  fig, axes = plots.subplots(len(data.experts), width=5.2, height=3.0, max_cols=1)
   out = {}
   for layer, (ax, experts, paths) in enumerate(zip(axes, data.experts, data.paths)):
     series = []
-    for e in sorted(paths):
+    for e, color in zip(sorted(paths), expert_colors(len(paths))):
       sel = experts == e
       series.append({"label": f"expert {e} ({paths[e]})", "expert": e, "count": int(sel.sum()),
-                     "x": data.embedding[sel, 0].tolist(), "y": data.embedding[sel, 1].tolist()})
-      ax.scatter(series[-1]["x"], series[-1]["y"], s=4, label=series[-1]["label"])
-    ax.set_title(f"mixture layer {layer} at t={data.t}", fontsize=9)
-    ax.set_xlabel("PC 1 of the test inputs")
-    ax.set_ylabel("PC 2")
-    ax.legend(fontsize=6, markerscale=2)
+                     "color": color, "x": data.embedding[sel, 0].tolist(),
+                     "y": data.embedding[sel, 1].tolist()})
+      ax.scatter(series[-1]["x"], series[-1]["y"], s=6, alpha=0.8, color=color, linewidths=0,
+                 label=series[-1]["label"])
+    plot_style.finish(ax, "PC 1 of the test inputs", "PC 2", f"mixture layer {layer} at "
+                      f"t={data.t}")
+    ax.legend(fontsize=plot_style.FONT_PT, markerscale=2, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), frameon=False)
     out[f"layer{layer}"] = series
   if title:
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(title, fontsize=plot_style.LABEL_PT)
   plots.save(fig, path_stem)
   return out

@@ -8,6 +8,13 @@ can check what was drawn. `run_error_png` is the small error-vs-time figure
 that each finished run writes into its workdir; a run draws it in a child
 process (`python -m alma_jax.plots` with the figure's JSON on stdin), so that
 the training process never imports matplotlib.
+
+The figures share one look (`alma_jax.plot_style`): a colour per method, the
+same in every figure and report, lighter or darker for its variants (e.g.
+gMoE with tree and flat gating); a marker per waiting time (per width where
+the wait is the x axis), hollow and dashed with replay; CER and perplexity
+axes logarithmic where their values span more than `plot_style.LOG_SPAN`
+times; fonts of at least 8 pt.
 """
 
 from __future__ import annotations
@@ -22,62 +29,19 @@ from typing import Any, Sequence
 import numpy as np
 
 from alma_jax import io_utils
+from alma_jax import plot_style as style
+from alma_jax.plot_style import Series
 
-MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
 TERA = 1e-12
-Series = dict[str, Any]
+PERPLEXITY_FIELD = "test_perplexity"
+# Ignored when labelling language models: the Switch Transformer has presets, not widths.
+LM_UNLABELLED = ("model.width",)
+# Fields that `stream.iid` sets (wait B, B times the steps): an i.i.d. run is labelled by it.
+IID_DERIVED = ("stream.wait", "train.steps_per_epoch", "stream.iid")
 
-
-def subplots(ncols: int, width: float = 4.2, height: float = 3.4, legend_entries: int = 0):
-  """A figure (no pyplot) with `ncols` panels in a row, and room for a legend of
-  `legend_entries` below them: (figure, [axes])."""
-  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
-  height += 0.16 * legend_entries
-  fig = Figure(figsize=(width * ncols, height), layout="constrained")
-  axes = fig.subplots(1, ncols, squeeze=False)[0]
-  return fig, list(axes)
-
-
-def save(fig, path_stem: str, formats: Sequence[str] = ("png", "pdf")) -> None:
-  """Writes `fig` to `<path_stem>.<format>` for each format, each file atomically."""
-  for fmt in formats:
-    path = f"{path_stem}.{fmt}"
-    with io_utils.output_errors(path), io_utils.atomic_writer(path, "wb") as f:
-      fig.savefig(f, format=fmt, dpi=110)
-
-
-def mean_std(vals) -> tuple[float, float]:
-  """Mean and sample standard deviation (ddof=1; 0 for a single value) of `vals`: the
-  error bars of every figure and table."""
-  vals = np.asarray(vals, np.float64)
-  return float(vals.mean()), float(vals.std(ddof=1)) if len(vals) > 1 else 0.0
-
-
-def mean_std_columns(rows) -> tuple[np.ndarray, np.ndarray]:
-  """Per column of `rows` (one row per seed): mean and sample standard deviation (as
-  `mean_std`)."""
-  rows = np.asarray(rows, np.float64)
-  return rows.mean(0), rows.std(0, ddof=1) if len(rows) > 1 else np.zeros(rows.shape[1:])
-
-
-def _colors(names: Sequence[str]) -> dict[str, str]:
-  return {n: f"C{i % 10}" for i, n in enumerate(sorted(set(names)))}
-
-
-def _markers(values) -> dict:
-  return {v: MARKERS[i % len(MARKERS)] for i, v in enumerate(sorted(set(values)))}
-
-
-def _draw(ax, series: Sequence[Series], *, line: bool = True) -> None:
-  for s in series:
-    ax.errorbar(s["x"], s["y"], xerr=s.get("xerr"), yerr=s.get("yerr"), label=s["label"],
-                color=s.get("color"), marker=s.get("marker", "o"), capsize=2, markersize=5,
-                markerfacecolor=None if s.get("filled", True) else "none",
-                linestyle="-" if line else "none")
-
-
-def _line_key(g, fields: Sequence[str]) -> tuple:
-  return tuple(str(g.get(f)) for f in fields)
+# Re-exported for the report and the tests.
+subplots, save, mean_std, mean_std_columns = (style.subplots, style.save, style.mean_std,
+                                              style.mean_std_columns)
 
 
 # -- CER vs compute and memory (Fig. 2/7), replay (Fig. 4) -----------------------------------------
@@ -87,124 +51,145 @@ def _stat_points(groups, xfield: str, yfield: str, xscale: float, yscale: float 
           "y": [m * yscale for _, (m, _) in pts], "yerr": [s * yscale for _, (_, s) in pts]}
 
 
+def _line_key(g, fields: Sequence[str]) -> tuple:
+  return tuple(str(g.get(f)) for f in fields)
+
+
 def tradeoff_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   """{"comp": ..., "mem": ...}: one series per config across widths (finished runs only)."""
+  looks = style.Looks(groups, fields)
   groups = [g for g in groups if g.finished]
   line_fields = [f for f in fields if f != "model.width"]
-  # A colour per method, and per variant of a method (e.g. gMoE with tree and flat gating): the
-  # marker tells the waiting time and its fill the replay, so these are left out of the colour.
-  color_fields = [f for f in line_fields if f not in ("stream.wait", "stream.replay")]
-  colors = _colors([g.label(color_fields) for g in groups])
-  markers = _markers([g.get("stream.wait") for g in groups])
   lines: dict[tuple, list] = {}
   for g in groups:
     lines.setdefault(_line_key(g, line_fields), []).append(g)
   out = {"comp": [], "mem": []}
   for members in lines.values():
     members = sorted(members, key=lambda g: float(g.get("model.width") or 0))
-    style = {"label": members[0].label(line_fields), "color": colors[members[0].label(color_fields)],
-             "marker": markers[members[0].get("stream.wait")],
-             "filled": not members[0].get("stream.replay"),
-             "widths": [m.get("model.width") for m in members]}
-    out["comp"].append(dict(style, **_stat_points(members, "comp_paper", "cer_percent", TERA)))
-    out["mem"].append(dict(style, **_stat_points(members, "mem", "cer_percent", 1.0)))
+    look = dict(looks.of(members[0]), label=members[0].label(line_fields),
+                widths=[m.get("model.width") for m in members])
+    out["comp"].append(dict(look, **_stat_points(members, "comp_paper", "cer_percent", TERA)))
+    out["mem"].append(dict(look, **_stat_points(members, "mem", "cer_percent", 1.0)))
   return out
 
 
 def _lines_over(groups, fields: Sequence[str], field: str):
-  """(the other fields, a colour per method, [the finished groups of one config sorted by
-  `field`]) for every config that has two or more values of `field`."""
+  """(the other fields, [the finished groups of one config sorted by `field`]) for every
+  config that has two or more values of `field`."""
   groups = [g for g in groups if g.finished]
   others = [f for f in fields if f != field]
-  colors = _colors([str(g.get("method.name")) for g in groups])
   lines: dict[tuple, list] = {}
   for g in groups:
     lines.setdefault(_line_key(g, others), []).append(g)
-  return others, colors, [sorted(m, key=lambda g: float(g.get(field) or 0))
-                          for m in lines.values() if len({g.get(field) for g in m}) > 1]
+  return others, [sorted(m, key=lambda g: float(g.get(field) or 0))
+                  for m in lines.values() if len({g.get(field) for g in m}) > 1]
 
 
 def replay_series(groups, fields: Sequence[str]) -> list[Series]:
-  """Segments from each config without replay to the same config with replay."""
-  others, colors, lines = _lines_over(groups, fields, "stream.replay")
+  """Segments from each config without replay to the same config with replay (its end
+  hollow)."""
+  looks = style.Looks(groups, fields)
+  others, lines = _lines_over(groups, fields, "stream.replay")
   return [dict(_stat_points(members, "comp_paper", "cer_percent", TERA),
-               label=members[0].label(others), color=colors[str(members[0].get("method.name"))],
-               replay=[g.get("stream.replay") for g in members]) for members in lines]
+               **looks.of(members[0]), label=members[0].label(others),
+               replay=[g.get("stream.replay") for g in members],
+               hollow=[bool(g.get("stream.replay")) for g in members]) for members in lines]
 
 
 def wait_series(groups, fields: Sequence[str]) -> list[Series]:
-  """CER against the waiting time w: one series per config over its waits (two or more)."""
-  others, colors, lines = _lines_over(groups, fields, "stream.wait")
-  markers = _markers([str(g.get("model.width")) for g in groups])
+  """CER against the waiting time w: one series per config over its waits (two or more),
+  a marker per width."""
+  looks = style.Looks(groups, fields)
+  others, lines = _lines_over(groups, fields, "stream.wait")
   out = []
   for members in lines:
     cer = [g.stat("cer_percent") for g in members]
     first = members[0]
-    out.append({"label": first.label(others), "color": colors[str(first.get("method.name"))],
-                "marker": markers[str(first.get("model.width"))],
-                "filled": not first.get("stream.replay"),
-                "x": [float(g.get("stream.wait")) for g in members],
-                "y": [m for m, _ in cer], "yerr": [s for _, s in cer]})
+    out.append(dict(looks.of(first), marker=looks.width_marker(first), label=first.label(others),
+                    x=[float(g.get("stream.wait")) for g in members],
+                    y=[m for m, _ in cer], yerr=[s for _, s in cer]))
   return out
 
 
-# -- error over time (Fig. 1/3) ----------------------------------------------------------------------
+# -- error over time (Fig. 1/3) --------------------------------------------------------------------
 def error_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   """{"width=<w>": one series per config}: mean test error (%) over t, std over seeds."""
+  looks = style.Looks(groups, fields)
   others = [f for f in fields if f != "model.width"]
-  colors = _colors([g.label(others) for g in groups])
   out: dict[str, list[Series]] = {}
   for g in sorted(groups, key=lambda g: float(g.get("model.width") or 0)):
     t, mean, std = g.curve("test_error")
     out.setdefault(f"width={g.get('model.width')}", []).append(
-        {"label": g.label(others), "color": colors[g.label(others)], "x": t.tolist(),
-         "y": (100 * mean).tolist(), "yerr": (100 * std).tolist()})
+        dict(looks.of(g), label=g.label(others), x=t.tolist(), y=(100 * mean).tolist(),
+             yerr=(100 * std).tolist()))
   return out
 
 
-def _draw_curves(ax, series: Sequence[Series]) -> None:
-  for s in series:
-    x, y, e = np.asarray(s["x"]), np.asarray(s["y"]), np.asarray(s["yerr"])
-    ax.plot(x, y, label=s["label"], color=s.get("color"))
-    if np.any(e > 0):
-      ax.fill_between(x, y - e, y + e, alpha=0.2, color=s.get("color"))
-
-
-# -- language models (Fig. 5) --------------------------------------------------------------------------
-PERPLEXITY_FIELD = "test_perplexity"
-
-
+# -- language models (Fig. 5) ----------------------------------------------------------------------
 def has_perplexity(group) -> bool:
   return any(r.records and PERPLEXITY_FIELD in r.records[0] for r in group.runs)
 
 
-def _lm_trajectory(run, n: int) -> dict[str, np.ndarray]:
+def _is_iid(group) -> bool:
+  return group.get("stream.iid") is True
+
+
+def _lm_trajectory(run, n: int, iid: bool) -> dict[str, np.ndarray]:
   """Per mega-batch t = 1 .. n-1 of one run: the test perplexity averaged over 1 .. t (the
-  summary's `mean_perplexity` at the end), the compute spent up to t, parameters and experts."""
+  summary's `mean_perplexity` at the end), the compute spent up to t, parameters and experts.
+  An i.i.d. run has one point, where it is evaluated after its training: t = n-1, its
+  perplexity there."""
   recs = run.records[1:n]
   ppl = np.asarray([float(r[PERPLEXITY_FIELD]) for r in recs])
-  return {"y": np.cumsum(ppl) / np.arange(1, len(ppl) + 1),
-          "comp": np.cumsum([float(r.get("train_macs", 0.0)) for r in run.records[:n]])[1:] * TERA,
-          "params": np.asarray([float(r["num_params"]) for r in recs]),
-          "experts": np.asarray([float(r.get("num_experts", math.nan)) for r in recs])}
+  out = {"y": np.cumsum(ppl) / np.arange(1, len(ppl) + 1),
+         "comp": np.cumsum([float(r.get("train_macs", 0.0)) for r in run.records[:n]])[1:] * TERA,
+         "params": np.asarray([float(r["num_params"]) for r in recs]),
+         "experts": np.asarray([float(r.get("num_experts", math.nan)) for r in recs])}
+  if iid:
+    out = {k: v[-1:] for k, v in out.items()}
+    out["y"] = ppl[-1:]
+  return out
+
+
+def _differs(field: str, groups) -> bool:
+  return len({json.dumps(g.get(field), default=repr) for g in groups}) > 1
+
+
+def lm_label_fields(groups, fields: Sequence[str]) -> list[str]:
+  """The fields that tell language-model configs apart in labels: the method and those that
+  differ, less the width of a Switch Transformer (it has presets) and the fields that
+  `stream.iid` sets (wait B, B times the steps) where only it sets them apart."""
+  sequential = [g for g in groups if not _is_iid(g)]
+  switch = all(g.get("model.name") == "switch" for g in groups)
+  return [f for f in fields if f == "method.name" or (
+      not (switch and f in LM_UNLABELLED) and f != "stream.iid"
+      and _differs(f, sequential if f in IID_DERIVED else groups))]
+
+
+def lm_label(group, fields: Sequence[str]) -> str:
+  """`group.label(fields)`; an i.i.d. run says so, without the fields `stream.iid` sets."""
+  if not _is_iid(group):
+    return group.label(fields)
+  return group.label([f for f in fields if f not in IID_DERIVED]) + " i.i.d. (at t=B)"
 
 
 def lm_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   """{"comp", "params", "experts"}: the paper's Fig. 5, one trajectory per config with a point
   per mega-batch t >= 1: the perplexity averaged over the mega-batches so far against the
-  compute spent so far, the parameters and the experts at t (mean ± std over seeds);
-  `experts` only when records carry `num_experts`. Compute and parameters are drawn on log
-  axes, so the mega-batches before a learner first trains (no compute yet: the i.i.d. learner
-  until it has waited for the whole stream) have no point in the compute panel."""
+  compute spent so far, the parameters and the experts at t (mean ± std over seeds); an
+  i.i.d. run is one point, its perplexity after its training at t = B. `experts` only when
+  records carry `num_experts`; a panel whose points all share one x is left out (it says
+  nothing). Compute and parameters are drawn on log axes, so the mega-batches before a
+  learner first trains (no compute yet) have no point in the compute panel."""
   groups = [g for g in groups if g.finished and has_perplexity(g)]
-  colors = _colors([g.label(fields) for g in groups])
-  markers = _markers([str(g.get("method.name")) for g in groups])
+  shown = lm_label_fields(groups, fields)
+  looks = style.Looks(groups, shown + ["stream.iid"] * any(_is_iid(g) for g in groups))
   out: dict[str, list[Series]] = {"comp": [], "params": [], "experts": []}
   for g in groups:
     n = min(len(r.records) for r in g.finished)
     if n < 2:
       continue
-    runs = [_lm_trajectory(r, n) for r in g.finished]
+    runs = [_lm_trajectory(r, n, _is_iid(g)) for r in g.finished]
     y, ystd = mean_std_columns([r["y"] for r in runs])
     for panel in out:
       x, xstd = mean_std_columns([r[panel] for r in runs])
@@ -213,32 +198,61 @@ def lm_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
       keep = x > 0 if panel != "experts" else np.ones(len(x), bool)
       if not keep.any():
         continue
-      out[panel].append({"label": g.label(fields), "color": colors[g.label(fields)],
-                         "marker": markers[str(g.get("method.name"))],
-                         "x": x[keep].tolist(), "xerr": xstd[keep].tolist(),
-                         "y": y[keep].tolist(), "yerr": ystd[keep].tolist()})
-  return {k: v for k, v in out.items() if v}
+      out[panel].append(dict(looks.of(g), label=lm_label(g, shown), iid=_is_iid(g),
+                             x=x[keep].tolist(), xerr=xstd[keep].tolist(),
+                             y=y[keep].tolist(), yerr=ystd[keep].tolist()))
+  return {k: v for k, v in out.items()
+          if v and (k == "comp" or len({x for s in v for x in s["x"]}) > 1)}
 
 
-# -- the figures of one data set ---------------------------------------------------------------------
-def _finish(ax, xlabel: str, ylabel: str, title: str = "", logx: bool = False) -> None:
-  ax.set_xlabel(xlabel)
-  ax.set_ylabel(ylabel)
-  if title:
-    ax.set_title(title, fontsize=9)
-  if logx:
-    ax.set_xscale("log")
-  ax.grid(alpha=0.3)
+# -- the figures -----------------------------------------------------------------------------------
+CER = "CER (%)"
+TFLOPS = "training TFLOPs (paper count)"
 
 
-def _legend(fig, axes) -> None:
-  """One legend below the panels, each label once."""
-  seen = {}
-  for ax in axes:
-    for h, l in zip(*ax.get_legend_handles_labels()):
-      seen.setdefault(l, h)
-  if seen:
-    fig.legend(list(seen.values()), list(seen), fontsize=6, loc="outside lower center")
+def tradeoffs_figure(trade: dict[str, list[Series]], data: str):
+  fig, axes = subplots(2, legend_entries=len(trade["comp"]))
+  style.draw_points(axes[0], trade["comp"], TFLOPS, CER, data)
+  style.draw_points(axes[1], trade["mem"], "Mem (sum of parameter counts)", CER, data,
+                    engineering=True)
+  style.legend(fig, axes)
+  return fig
+
+
+def error_figure(curves: dict[str, list[Series]], data: str):
+  fig, axes = subplots(len(curves), height=2.6,
+                       legend_entries=len({s["label"] for v in curves.values() for s in v}))
+  for ax, (panel, series) in zip(axes, curves.items()):
+    style.draw_curves(ax, series, "mega-batch t", "test error (%)", f"{data} {panel}")
+  style.legend(fig, axes)
+  return fig
+
+
+def replay_figure(replay: list[Series], data: str):
+  fig, axes = subplots(1, legend_entries=len(replay))
+  style.draw_points(axes[0], replay, TFLOPS, CER, f"{data}: replay (hollow: with replay)")
+  style.legend(fig, axes)
+  return fig
+
+
+def wait_figure(waits: list[Series], data: str):
+  fig, axes = subplots(1, legend_entries=len(waits))
+  style.draw_points(axes[0], waits, "waiting time w (mega-batches)", CER,
+                    f"{data}: waiting time")
+  style.legend(fig, axes)
+  return fig
+
+
+LM_XLABELS = {"comp": TFLOPS, "params": "parameters", "experts": "experts"}
+
+
+def lm_figure(lm: dict[str, list[Series]], data: str):
+  fig, axes = subplots(len(lm), legend_entries=len({s["label"] for v in lm.values() for s in v}))
+  for ax, (panel, series) in zip(axes, lm.items()):
+    style.draw_points(ax, series, LM_XLABELS[panel], "mean test perplexity, mega-batches 1..t",
+                      data, logx=panel != "experts", engineering=panel == "params")
+  style.legend(fig, axes)
+  return fig
 
 
 def dataset_figures(data: str, groups, fields: Sequence[str],
@@ -250,69 +264,34 @@ def dataset_figures(data: str, groups, fields: Sequence[str],
   figures = {}
   trade = tradeoff_series(groups, fields)
   if trade["comp"]:
-    fig, axes = subplots(2, legend_entries=len(trade["comp"]))
-    _draw(axes[0], trade["comp"])
-    _finish(axes[0], "training TFLOPs (paper count)", "CER (%)", data, logx=True)
-    _draw(axes[1], trade["mem"])
-    _finish(axes[1], "Mem (sum of parameter counts)", "CER (%)", data, logx=True)
-    _legend(fig, axes)
-    save(fig, os.path.join(out, f"tradeoffs_{data}"))
-    figures[f"tradeoffs_{data}"] = trade
+    figures[f"tradeoffs_{data}"] = (trade, tradeoffs_figure(trade, data))
   curves = error_series(groups, fields)
   if curves:
-    fig, axes = subplots(len(curves), legend_entries=len({s["label"] for v in curves.values()
-                                                          for s in v}))
-    for ax, (panel, series) in zip(axes, curves.items()):
-      _draw_curves(ax, series)
-      _finish(ax, "mega-batch t", "test error (%)", f"{data} {panel}")
-    _legend(fig, axes)
-    save(fig, os.path.join(out, f"error_{data}"))
-    figures[f"error_{data}"] = curves
+    figures[f"error_{data}"] = (curves, error_figure(curves, data))
   replay = replay_series(groups, fields)
   if replay:
-    fig, axes = subplots(1, legend_entries=len(replay))
-    _draw(axes[0], replay)
-    _finish(axes[0], "training TFLOPs (paper count)", "CER (%)", f"{data}: replay", logx=True)
-    _legend(fig, axes)
-    save(fig, os.path.join(out, f"replay_{data}"))
-    figures[f"replay_{data}"] = {"replay": replay}
+    figures[f"replay_{data}"] = ({"replay": replay}, replay_figure(replay, data))
   waits = wait_series(groups, fields)
   if waits:
-    fig, axes = subplots(1, legend_entries=len(waits))
-    _draw(axes[0], waits)
-    _finish(axes[0], "waiting time w (mega-batches)", "CER (%)", f"{data}: waiting time",
-            logx=True)
-    axes[0].set_yscale("log")
-    _legend(fig, axes)
-    save(fig, os.path.join(out, f"wait_{data}"))
-    figures[f"wait_{data}"] = {"wait": waits}
+    figures[f"wait_{data}"] = ({"wait": waits}, wait_figure(waits, data))
   lm = lm_series(groups, fields)
   if lm:
-    labels = {"comp": "training TFLOPs (paper count)", "params": "parameters",
-              "experts": "experts"}
-    fig, axes = subplots(len(lm), legend_entries=len({s["label"] for v in lm.values()
-                                                      for s in v}))
-    for ax, (panel, series) in zip(axes, lm.items()):
-      _draw(ax, series)
-      _finish(ax, labels[panel], "average perplexity (mega-batches 1..t)", data,
-              logx=panel != "experts")
-      ax.set_yscale("log")
-    _legend(fig, axes)
-    save(fig, os.path.join(out, f"lm_{data}"))
-    figures[f"lm_{data}"] = lm
-  return figures
+    figures[f"lm_{data}"] = (lm, lm_figure(lm, data))
+  for name, (_, fig) in figures.items():
+    save(fig, os.path.join(out, name))
+  return {name: series for name, (series, _) in figures.items()}
 
 
-# -- one run -----------------------------------------------------------------------------------------
+# -- one run ---------------------------------------------------------------------------------------
 def run_error_png(path: str, curves: Sequence[tuple[str, Sequence[int], Sequence[float]]],
                   title: str = "") -> None:
   """Writes `path` (PNG): test error (%) vs mega-batch t, one line per (label, t, error)."""
   fig, (ax,) = subplots(1, 4.0, 3.0)
   for label, t, err in curves:
     ax.plot(t, 100 * np.asarray(err, float), label=label)
-  _finish(ax, "mega-batch t", "test error (%)", title)
+  style.finish(ax, "mega-batch t", "test error (%)", title)
   if len(curves) > 1:
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=style.FONT_PT)
   with io_utils.output_errors(path), io_utils.atomic_writer(path, "wb") as f:
     fig.savefig(f, format="png", dpi=90)
 

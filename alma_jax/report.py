@@ -25,6 +25,9 @@ differ only by their seed, and writes into `--out`, per data set:
 * `report.md`: per data set, a table with one row per group (mean ± sample
   std over its seeds; language models also their final and mean test
   perplexity) and the figures.
+* `results.csv`: one row per run and seed: `workdir`, `finished`, every config
+  field (flattened paths: `model.width`) and every summary metric (nested ones
+  flattened: `timings.train_s`), for `pandas.read_csv`.
 
 A run without a summary (unfinished) is listed in the table but left out of
 the CER figures. A folder that is not a run is an error naming what it lacks;
@@ -39,8 +42,10 @@ not a writable directory) end the command with one line and exit code 2.
 from __future__ import annotations
 
 import collections
+import csv
 import dataclasses
 import glob
+import io
 import json
 import math
 import numbers
@@ -281,6 +286,37 @@ def table(groups: Sequence[Group]) -> str:
   return "\n".join(rows) + "\n"
 
 
+# -- results.csv -----------------------------------------------------------------------------------
+RESULTS_CSV = "results.csv"
+
+
+def _csv_value(v: Any) -> Any:
+  if v is None:
+    return ""
+  return json.dumps(v, sort_keys=True, default=repr) if isinstance(v, (list, tuple, dict)) else v
+
+
+def results_csv(groups: Sequence[Group]) -> str:
+  """The text of results.csv: one row per run and seed with its workdir, whether it finished,
+  its config fields (sorted paths) and its summary metrics (in summary order; empty for an
+  unfinished run)."""
+  runs = [r for g in groups for r in g.runs]
+  config_cols = sorted(set().union(*(r.flat for r in runs)))
+  metric_cols = list(dict.fromkeys(k for r in runs for k in wd.flatten(r.summary or {})
+                                   if k not in config_cols))
+  text = io.StringIO()
+  writer = csv.DictWriter(text, ["workdir", "finished"] + config_cols + metric_cols,
+                          lineterminator="\n")
+  writer.writeheader()
+  for r in runs:
+    row = {"workdir": r.path, "finished": r.finished}
+    row.update((k, _csv_value(v)) for k, v in r.flat.items())
+    row.update((k, _csv_value(v)) for k, v in wd.flatten(r.summary or {}).items()
+               if k not in config_cols)
+    writer.writerow(row)
+  return text.getvalue()
+
+
 # -- the whole report ----------------------------------------------------------------------------
 def load_groups(workdirs: Sequence[str]) -> list[Group]:
   """The groups of the runs in `workdirs`; a run given twice (a repeated or linked folder, or a
@@ -338,7 +374,8 @@ def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True) -> d
   text = ["# ALMA report", "", f"{sum(len(g.runs) for g in groups)} runs in {len(groups)} "
           "groups (runs that differ only by their seed); mean ± sample standard deviation "
           "(ddof=1) over seeds. Comp (paper) counts forward multiply-adds × training examples, "
-          "the unit of the paper's figures.", ""]
+          f"the unit of the paper's figures. [{RESULTS_CSV}]({RESULTS_CSV}) holds one row per "
+          "run and seed: its config fields and summary metrics.", ""]
   for data, gs in by_data.items():
     fields = varying_fields(gs)
     drawn = plots.dataset_figures(data, gs, fields, out)
@@ -346,11 +383,13 @@ def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True) -> d
       drawn.update(gating_figures(gs, out, fields))
     figures.update(drawn)
     text += [f"## {data}", "", table(gs)] + [f"![{name}]({name}.png)\n" for name in drawn]
-  try:
-    io_utils.write_text_atomic(os.path.join(out, "report.md"), "\n".join(text))
-  except (OSError, io_utils.WorkdirWriteError) as e:
-    why = os.strerror(e.errno) if isinstance(e, io_utils.WorkdirWriteError) else e.strerror or e
-    raise ReportError(f"--out={out}: cannot write report.md: {why}") from e
+  for name, content in ((RESULTS_CSV, results_csv(groups)), ("report.md", "\n".join(text))):
+    try:
+      io_utils.write_text_atomic(os.path.join(out, name), content)
+    except (OSError, io_utils.WorkdirWriteError) as e:
+      why = (os.strerror(e.errno) if isinstance(e, io_utils.WorkdirWriteError)
+             else e.strerror or e)
+      raise ReportError(f"--out={out}: cannot write {name}: {why}") from e
   return figures
 
 

@@ -345,6 +345,8 @@ def record_exit(workdir: str, returncode: int, log: str | None) -> None:
     if returncode == 0:
       if os.path.exists(path):
         os.unlink(path)
+        if not os.listdir(os.path.dirname(path)):  # left by failures alone
+          os.rmdir(os.path.dirname(path))
       return
     os.makedirs(os.path.dirname(path), exist_ok=True)
     ended = datetime.datetime.now().astimezone().isoformat(timespec="seconds")

@@ -14,6 +14,7 @@ from alma_jax import config_lib
 from alma_jax import gating_plot
 from alma_jax import io_utils
 from alma_jax import methods
+from alma_jax import plot_style
 from alma_jax import plots
 from alma_jax import report
 from alma_jax import run
@@ -186,7 +187,8 @@ def test_language_model_figure_is_a_trajectory_per_config(tmp_path):
   figs = report.write_report(dirs, str(tmp_path / "out"), gating=False)
   lm = figs["lm_mnist"]
   assert set(lm) == {"comp", "params", "experts"}
-  comp = {s["label"].replace(" wait=1 replay=0", ""): s for s in lm["comp"]}
+  # Labelled by the fields that tell the configs apart (not the wait, the same for all).
+  comp = {s["label"]: s for s in lm["comp"]}
   assert set(comp) == {"sm width=8", "sm width=16", "gmoe width=8"}
   sm8 = comp["sm width=8"]  # two seeds: 40 and 60 (+10, 0, 0, -10 over t = 1..4)
   np.testing.assert_allclose(sm8["x"], [2.0, 4.0, 6.0, 8.0])  # TFLOPs (2e12 MACs per stage)
@@ -194,16 +196,16 @@ def test_language_model_figure_is_a_trajectory_per_config(tmp_path):
   np.testing.assert_allclose(sm8["yerr"], [10 * np.sqrt(2)] * 4)  # ddof=1 over 40, 60
   # The last point is the summary's mean perplexity over t >= 1, as in the table.
   assert comp["sm width=16"]["y"][-1] == pytest.approx(30.0)
-  gmoe = {s["label"]: s for s in lm["experts"]}["gmoe width=8 wait=1 replay=0"]
+  gmoe = {s["label"]: s for s in lm["experts"]}["gmoe width=8"]
   np.testing.assert_allclose(gmoe["x"], [2, 3, 4, 5])
   params = {s["label"]: s for s in lm["params"]}
-  np.testing.assert_allclose(params["sm width=16 wait=1 replay=0"]["x"], [1600] * 4)
+  np.testing.assert_allclose(params["sm width=16"]["x"], [1600] * 4)
   assert (tmp_path / "out" / "lm_mnist.pdf").exists()
 
 
 def test_language_model_compute_panel_starts_where_the_learner_first_trains(tmp_path):
   # A learner that waits for the whole stream has spent no compute at t = 1..3: those points
-  # have no place on the compute panel's log axis, and the parameters panel keeps them.
+  # have no place on the compute panel's log axis.
   records = _records([0.5] * 5, macs=2e12, extra={"test_perplexity": [900.0] * 4 + [50.0]})
   for r in records[:4]:
     r["train_macs"] = 0.0
@@ -212,8 +214,7 @@ def test_language_model_compute_panel_starts_where_the_learner_first_trains(tmp_
   (comp,) = lm["comp"]
   np.testing.assert_allclose(comp["x"], [2.0])
   np.testing.assert_allclose(comp["y"], [(3 * 900.0 + 50.0) / 4])
-  (params,) = lm["params"]
-  assert len(params["x"]) == 4
+  assert "params" not in lm  # the same parameters at every point: a panel that says nothing
 
 
 def test_variants_of_one_method_have_colours_of_their_own(tmp_path):
@@ -389,7 +390,7 @@ def test_the_drawing_child_process_reports_its_error(tmp_path):
   assert proc.returncode != 0 and "missing_dir" in proc.stderr
 
 
-# -- the gating tree of a gMoE run ------------------------------------------------------------------
+# -- the gating tree of a gMoE run -----------------------------------------------------------------
 def test_leaf_paths_and_pca():
   tree = {"gate": 0, "children": [{"gate": 1, "children": [{"expert": 0}, {"expert": 2}]},
                                   {"expert": 1}]}
@@ -442,3 +443,190 @@ def test_gating_figure_of_a_gmoe_run(tmp_path):
   for l, w in enumerate(method.routing_weights(learner, x)):
     tree = method.gating_tree(learner, l)
     np.testing.assert_array_equal(data.experts[l], [_greedy(tree, wi) for wi in np.asarray(w)])
+
+
+# -- results.csv -----------------------------------------------------------------------------------
+def test_results_csv_has_a_row_per_run_and_seed_with_config_fields_and_metrics(runs, tmp_path):
+  import csv  # pylint: disable=g-import-not-at-top
+  partial = _write(tmp_path / "partial", _config(width=32), _records([0.5, 0.4]), finished=False)
+  report.write_report(runs + [partial], str(tmp_path / "out"), gating=False)
+  with open(tmp_path / "out" / "results.csv", newline="") as f:
+    rows = list(csv.DictReader(f))
+  assert len(rows) == 7  # sm8 (2 runs), sm16, sm8 with replay, ens (2 seeds), the partial run
+  columns = list(rows[0])
+  assert columns[:2] == ["workdir", "finished"]
+  for field in ("method.name", "model.width", "stream.wait", "stream.replay", "seed",
+                "optimizer.name", "cer", "cer_percent", "mem", "comp_paper", "final_error"):
+    assert field in columns, field
+  assert columns.index("seed") < columns.index("cer")  # config fields, then metrics
+  by_dir = {r["workdir"]: r for r in rows}
+  ens1 = by_dir[os.path.join(runs[-1], "seed_1")]
+  assert (ens1["method.name"], ens1["seed"], ens1["finished"]) == ("ens", "1", "True")
+  with open(os.path.join(runs[-1], "seed_1", wd.SUMMARY_FILE)) as f:
+    summary = json.load(f)
+  assert float(ens1["cer_percent"]) == summary["cer_percent"]
+  assert float(ens1["comp_paper"]) == summary["comp_paper"]
+  assert by_dir[partial]["finished"] == "False" and by_dir[partial]["cer_percent"] == ""
+  assert "results.csv" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_results_csv_reads_into_pandas(runs, tmp_path):
+  pd = pytest.importorskip("pandas")
+  report.write_report(runs, str(tmp_path / "out"), gating=False)
+  frame = pd.read_csv(tmp_path / "out" / "results.csv")
+  assert len(frame) == 6 and frame["model.width"].dtype.kind == "i"
+  assert frame.groupby("method.name")["cer_percent"].mean().loc["ens"] == pytest.approx(
+      np.mean([180.0, 140.0]))  # its two seeds
+
+
+# -- the look of the figures -----------------------------------------------------------------------
+def _canvas(fig):
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  FigureCanvasAgg(fig)
+  fig.canvas.draw()
+  return fig.canvas.get_renderer()
+
+
+def _method_runs(tmp_path, cer_scale=1.0):
+  """SM, Ens and UMix (waits 1 and 2, SM with replay too), errors scaled by `cer_scale`."""
+  dirs = []
+  for method, width, wait, replay, err in [("sm", 8, 1, 0.0, 0.8), ("sm", 16, 1, 0.0, 0.7),
+                                           ("sm", 8, 2, 0.0, 0.9), ("sm", 8, 2, 1.0, 0.85),
+                                           ("ens", 8, 1, 0.0, 0.05), ("umix", 8, 1, 0.0, 0.04)]:
+    errors = [err * (cer_scale if method == "sm" else 1.0)] * 5
+    dirs.append(_write(tmp_path / f"{method}{width}w{wait}r{replay}",
+                       _config(method, width, wait, replay), _records(errors, width * 100)))
+  return dirs
+
+
+def test_every_figure_gives_a_method_its_one_colour(tmp_path):
+  figs = report.write_report(_method_runs(tmp_path), str(tmp_path / "out"), gating=False)
+  assert {"tradeoffs_mnist", "error_mnist", "replay_mnist", "wait_mnist"} <= set(figs)
+  for name in figs:
+    assert (tmp_path / "out" / f"{name}.png").stat().st_size > 1000
+  seen = {}
+  for name, panels in figs.items():
+    for series in panels.values():
+      for s in series:
+        method = s["label"].split()[0]
+        assert s["color"] == plot_style.method_color(method), (name, s["label"])
+        seen.setdefault(method, set()).add(s["color"])
+  assert seen.keys() == {"sm", "ens", "umix"}
+  assert len({c for colors in seen.values() for c in colors}) == 3  # Ens and UMix differ too
+  # The map is fixed: the same in another report with other methods, and for a language model.
+  assert plot_style.method_color("ens") == "#ff7f0e" and plot_style.method_color("umix") == \
+      "#2ca02c"
+  assert plot_style.method_color("lm_sm") == plot_style.method_color("sm")
+  assert plot_style.method_color("new_method") == plot_style.method_color("new_method")
+  # Markers: a wait's, hollow with replay.
+  trade = {s["label"]: s for s in figs["tradeoffs_mnist"]["comp"]}
+  assert trade["sm wait=1 replay=0"]["marker"] != trade["sm wait=2 replay=0"]["marker"]
+  assert trade["sm wait=2 replay=1"]["filled"] is False
+  assert trade["sm wait=2 replay=1"]["marker"] == trade["sm wait=2 replay=0"]["marker"]
+
+
+@pytest.mark.parametrize("values, scale", [([100.0, 900.0], "linear"), ([10.0, 101.0], "log"),
+                                           ([1.0, 1.1, 1.2, 1.3, 3.5], "log"),
+                                           ([1.0, 2.0, 2.5, 3.0, 3.5], "linear"),
+                                           ([0.0, 50.0], "linear")])
+def test_an_axis_is_logarithmic_where_its_values_span_more_than_ten_times(values, scale):
+  # Or more than three times with most values in the bottom fifth (a few squash the others).
+  assert plot_style.axis_scale(values) == scale
+
+
+@pytest.mark.parametrize("cer_scale, scale", [(1.0, "log"), (0.12, "linear")])
+def test_the_cer_axis_is_logarithmic_where_the_values_span_more_than_ten_times(
+    tmp_path, cer_scale, scale):
+  # SM's CER is up to 22x UMix's with the errors as given, below 3x scaled by 0.12.
+  figs = report.write_report(_method_runs(tmp_path, cer_scale), str(tmp_path / "out"),
+                             gating=False)
+  ys = [y for s in figs["tradeoffs_mnist"]["comp"] for y in s["y"]]
+  assert (max(ys) / min(ys) > 10) == (scale == "log")
+  fig = plots.tradeoffs_figure(figs["tradeoffs_mnist"], "mnist")
+  assert [ax.get_yscale() for ax in fig.axes] == [scale, scale]
+  assert [ax.get_xscale() for ax in fig.axes] == ["log", "log"]
+
+
+def test_fonts_are_at_least_8_pt_and_mem_tick_labels_do_not_overlap(tmp_path):
+  figs = report.write_report(_method_runs(tmp_path), str(tmp_path / "out"), gating=False)
+  builders = {"tradeoffs": plots.tradeoffs_figure, "error": plots.error_figure,
+              "replay": lambda d, n: plots.replay_figure(d["replay"], n),
+              "wait": lambda d, n: plots.wait_figure(d["wait"], n)}
+  for kind, build in builders.items():
+    fig = build(figs[f"{kind}_mnist"], "mnist")
+    _canvas(fig)
+    texts = [t for ax in fig.axes for t in ax.get_xticklabels() + ax.get_yticklabels()
+             if t.get_text()]
+    texts += [t for legend in fig.legends for t in legend.get_texts()]
+    assert texts and min(t.get_fontsize() for t in texts) >= 8, kind
+  # Parameter counts over three decades, or within one: engineering labels, none overlapping.
+  for mems in ([5e5, 2e6, 3e7, 4e8], [2.1e6, 2.4e6, 2.9e6, 3.3e6]):
+    series = [{"label": "sm", "color": "#1f77b4", "marker": "o", "x": mems,
+               "y": [4.0, 3.0, 2.0, 1.0]}]
+    fig = plots.tradeoffs_figure({"comp": series, "mem": series}, "mnist")
+    renderer = _canvas(fig)
+    labels = [t for t in fig.axes[1].get_xticklabels() if t.get_text()]
+    assert 2 <= len(labels) <= 6, [t.get_text() for t in labels]
+    assert all(t.get_text()[-1] in "kMG" or t.get_text().isdigit() for t in labels)
+    boxes = sorted((t.get_window_extent(renderer) for t in labels), key=lambda b: b.x0)
+    assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:])), [t.get_text() for t in labels]
+
+
+def test_series_that_share_an_x_are_drawn_apart(tmp_path):
+  same = [{"x": [1e6, 4e6], "y": [1.0, 2.0]}, {"x": [1e6], "y": [3.0]}, {"x": [9e6], "y": [1.0]}]
+  drawn = plot_style.dodge(same)
+  assert drawn[0][0] != drawn[1][0] and drawn[0][0] != 1e6
+  np.testing.assert_allclose(drawn[2], [9e6])  # alone: where it is
+  np.testing.assert_allclose(np.asarray(drawn[0]) / np.asarray(same[0]["x"]),
+                             [drawn[0][0] / 1e6] * 2)  # a whole series moves
+  assert abs(np.log10(drawn[0][0] / drawn[1][0])) < 0.05
+  assert same[0]["x"] == [1e6, 4e6]  # the data stay exact
+
+
+def _lm_run(tmp_path, name, iid, seed, ppl):
+  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
+  c.seed, c.stream.num_megabatches, c.stream.iid = seed, 4, iid
+  config = wd.config_dict(validation.complete(c))
+  records = _records([0.5] * 5, params=5000, macs=2e12,
+                     extra={"test_perplexity": ppl, "num_experts": [4] * 5})
+  if iid:  # trained once, at t = B, on everything
+    for r in records[:4]:
+      r["train_macs"] = 0.0
+    records[4]["train_macs"] = 8e12
+  return _write(tmp_path / name, config, records)
+
+
+def test_the_language_model_figure_shows_the_iid_learner_where_it_is_evaluated(tmp_path):
+  dirs = [_lm_run(tmp_path, f"seq{s}", False, s, [5e4, 800.0 + s, 600.0, 500.0, 400.0])
+          for s in (0, 1)]
+  dirs += [_lm_run(tmp_path, f"iid{s}", True, s, [5e4, 5e4, 5e4, 5e4, 350.0 + 10 * s])
+           for s in (0, 1)]
+  figs = report.write_report(dirs, str(tmp_path / "out"), gating=False)
+  lm = figs["lm_tiny_shakespeare"]
+  # Parameters and experts are the same at every point: those panels say nothing.
+  assert set(lm) == {"comp"}
+  seq, iid = sorted(lm["comp"], key=lambda s: s["iid"])
+  assert seq["label"] == "lm_sm" and iid["label"] == "lm_sm i.i.d. (at t=B)"
+  assert all("width" not in s["label"] for s in lm["comp"])
+  np.testing.assert_allclose(seq["x"], [2.0, 4.0, 6.0, 8.0])
+  np.testing.assert_allclose(seq["y"][-1], np.mean([800.5, 600, 500, 400]))
+  np.testing.assert_allclose(iid["x"], [8.0])
+  np.testing.assert_allclose(iid["y"], [355.0])  # its perplexity at t=B, not an average
+  np.testing.assert_allclose(iid["yerr"], [np.std([350.0, 360.0], ddof=1)])
+  assert seq["color"] == plot_style.method_color("sm") and iid["color"] != seq["color"]
+  fig = plots.lm_figure(lm, "tiny_shakespeare")
+  assert len(fig.axes) == 1 and fig.axes[0].get_yscale() == "linear"
+  assert (tmp_path / "out" / "lm_tiny_shakespeare.png").exists()
+
+
+def test_the_gating_figure_gives_every_expert_a_colour_and_readable_legends(tmp_path):
+  rng = np.random.default_rng(0)
+  n = 12
+  data = gating_plot.GatingData(t=4, embedding=rng.normal(size=(200, 2)),
+                                experts=[rng.integers(0, n, 200), rng.integers(0, 2, 200)],
+                                paths=[{e: f"path{e}" for e in range(n)}, {0: "L", 1: "R"}])
+  layers = gating_plot.draw(data, str(tmp_path / "gating"), "gmoe width=8")
+  assert (tmp_path / "gating.png").exists() and (tmp_path / "gating.pdf").exists()
+  colors = [s["color"] for s in layers["layer0"]]
+  assert len(set(colors)) == n  # Tableau 20 beyond ten experts
+  assert sum(s["count"] for s in layers["layer0"]) == 200

@@ -380,7 +380,7 @@ def test_parallel_dry_run_runs_nothing(tmp_path, monkeypatch, capsys):
   assert not os.listdir(tmp_path)
 
 
-# -- signals, and sweeps that share a root ----------------------------------------------------------
+# -- signals, and sweeps that share a root ---------------------------------------------------------
 def _running(pid: int) -> bool:
   """Whether process `pid` exists and is not a zombie."""
   try:
@@ -595,7 +595,7 @@ def test_status_is_a_table_of_the_points_and_starts_nothing(tmp_path, monkeypatc
   # A run that succeeds clears the failure.
   _fake_runs(monkeypatch)
   assert sweep.main(flags + ["--grid=model.width=16"]) == 0
-  assert not os.listdir(tmp_path / "logs")
+  assert not os.path.exists(tmp_path / "logs")
 
 
 def test_every_point_is_checked_before_any_run(tmp_path, monkeypatch, capsys):
