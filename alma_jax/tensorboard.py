@@ -6,7 +6,12 @@
   of the test errors so far), `stream/num_params`, `stream/comp_paper_tflops`
   and `stream/comp_tflops` (cumulative training compute), `stream/wall_s`;
 * per epoch (`step` = epochs trained so far over the run):
-  `epoch/train_loss`, `epoch/val_accuracy` and `epoch/t` (the stage's t).
+  `epoch/train_loss`, `epoch/val_accuracy` and `epoch/t` (the stage's t);
+* `Writer.config`: the resolved config as text (`config`, a table of its
+  fields, in the Text tab) and as the run's hyperparameters (the HParams tab:
+  every field by its dotted path);
+* `Writer.summary`: every number of the summary as `summary/<metric>` at the
+  last step (the HParams tab's metrics), and the end of the session.
 
 An event file is a sequence of TFRecords (length, masked CRC-32C of the
 length, data, masked CRC-32C of the data), each an `Event` protocol buffer;
@@ -19,6 +24,7 @@ holds each step once.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import struct
@@ -27,9 +33,16 @@ from typing import Iterator, Sequence
 
 from alma_jax import io_utils
 
+
+def flatten(tree, prefix: str = "") -> dict:
+  """Nested dicts -> {"a.b.c": leaf} (an empty dict is a leaf)."""
+  if isinstance(tree, dict) and tree:
+    return {k: v for key, sub in tree.items() for k, v in flatten(sub, f"{prefix}{key}.").items()}
+  return {prefix[:-1]: tree}
+
 FILE_PREFIX = "events.out.tfevents."
 FILE_SUFFIX = ".alma_jax"
-STREAM, EPOCH = "stream/", "epoch/"
+STREAM, EPOCH, SUMMARY = "stream/", "epoch/", "summary/"
 
 # -- CRC-32C (Castagnoli), as TFRecord frames use it ------------------------------------------------
 def _crc_table(poly: int = 0x82F63B78) -> list[int]:
@@ -81,7 +94,7 @@ def read_frames(path: str) -> Iterator[bytes]:
 
 
 # -- the Event protocol buffer (wall_time=1 double, step=2 int64, file_version=3,
-#    summary=5 {value=1 {tag=1, simple_value=2 float}}) -----------------------------------------------
+#    summary=5 {value=1 {tag=1, simple_value=2 float, tensor=8, metadata=9}}) -------------------
 def _varint(n: int) -> bytes:
   out = bytearray()
   n &= (1 << 64) - 1
@@ -102,17 +115,67 @@ def _bytes_field(number: int, data: bytes) -> bytes:
 
 
 def event(wall_time: float, step: int = 0, scalars: dict[str, float] | None = None,
-          file_version: str | None = None) -> bytes:
-  """An encoded Event: a file-version header or scalars at `step`."""
+          file_version: str | None = None, values: Sequence[bytes] = ()) -> bytes:
+  """An encoded Event: a file-version header, or scalars and encoded Summary.Values (`values`,
+  e.g. `text_value`, `hparams_value`) at `step`."""
   out = _field(1, 1, struct.pack("<d", wall_time)) + _field(2, 0, _varint(step))
   if file_version is not None:
     out += _bytes_field(3, file_version.encode())
-  if scalars:
-    values = b"".join(_bytes_field(1, _bytes_field(1, tag.encode())
-                                   + _field(2, 5, struct.pack("<f", float(v))))
-                      for tag, v in scalars.items())
-    out += _bytes_field(5, values)
+  encoded = [_bytes_field(1, tag.encode()) + _field(2, 5, struct.pack("<f", float(v)))
+             for tag, v in (scalars or {}).items()] + list(values)
+  if encoded:
+    out += _bytes_field(5, b"".join(_bytes_field(1, v) for v in encoded))
   return out
+
+
+# Plugin summaries: Summary.Value {tag=1, tensor=8 TensorProto {dtype=1, tensor_shape=2
+# {dim=2 {size=1}}, float_val=5, string_val=8}, metadata=9 SummaryMetadata {plugin_data=1
+# {plugin_name=1, content=2}}}.
+_DT_FLOAT, _DT_STRING = 1, 7
+
+
+def _plugin_value(tag: str, plugin: str, content: bytes, tensor: bytes) -> bytes:
+  metadata = _bytes_field(1, _bytes_field(1, plugin.encode()) + _bytes_field(2, content))
+  return _bytes_field(1, tag.encode()) + _bytes_field(8, tensor) + _bytes_field(9, metadata)
+
+
+def text_value(tag: str, text: str) -> bytes:
+  """A Summary.Value of the Text plugin: `text` (Markdown) as a scalar string tensor."""
+  tensor = (_field(1, 0, _varint(_DT_STRING)) + _bytes_field(2, b"")
+            + _bytes_field(8, text.encode()))
+  return _plugin_value(tag, "text", b"", tensor)
+
+
+def _protobuf_value(v) -> bytes:
+  """A google.protobuf.Value: a number, bool or string (other values as JSON text)."""
+  if isinstance(v, bool):
+    return _field(4, 0, _varint(int(v)))
+  if isinstance(v, (int, float)):
+    return _field(2, 1, struct.pack("<d", float(v)))
+  return _bytes_field(3, (v if isinstance(v, str) else json.dumps(v, sort_keys=True)).encode())
+
+
+# The HParams plugin: HParamsPluginData {version=1, session_start_info=3 {hparams=1 map<string,
+# Value>, start_time_secs=5}, session_end_info=4 {status=1, end_time_secs=2}}; its tensor is an
+# empty float tensor.
+HPARAMS_START_TAG, HPARAMS_END_TAG = "_hparams_/session_start_info", "_hparams_/session_end_info"
+STATUS_SUCCESS = 1
+_EMPTY_FLOATS = _field(1, 0, _varint(_DT_FLOAT)) + _bytes_field(2, _bytes_field(2, b""))
+
+
+def hparams_start_value(hparams: dict, start_time: float) -> bytes:
+  """The HParams plugin's session start: the hyperparameters of the run."""
+  entries = b"".join(
+      _bytes_field(1, _bytes_field(1, k.encode()) + _bytes_field(2, _protobuf_value(v)))
+      for k, v in hparams.items())
+  info = entries + _field(5, 1, struct.pack("<d", start_time))
+  return _plugin_value(HPARAMS_START_TAG, "hparams", _bytes_field(3, info), _EMPTY_FLOATS)
+
+
+def hparams_end_value(end_time: float, status: int = STATUS_SUCCESS) -> bytes:
+  """The HParams plugin's session end (`status`: 1 success)."""
+  info = _field(1, 0, _varint(status)) + _field(2, 1, struct.pack("<d", end_time))
+  return _plugin_value(HPARAMS_END_TAG, "hparams", _bytes_field(4, info), _EMPTY_FLOATS)
 
 
 def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
@@ -208,6 +271,7 @@ class Writer:
     old = read_events(directory)
     walls = {(step, tag): wall for wall, step, scalars in old for tag in scalars}
     last_t = int(records[-1]["t"]) if records else -1
+    self.last_t = max(last_t, 0)
     epochs = _kept_epochs(old, last_t)
     self.epochs = max((step for _, step, _ in epochs), default=0)
     self.path = os.path.join(directory, f"{FILE_PREFIX}{int(time.time()):010d}{FILE_SUFFIX}")
@@ -230,7 +294,31 @@ class Writer:
 
   def step(self, record: dict) -> None:
     """The per-step scalars of `record` (a Record dict, the one after the last written)."""
-    self._append(event(time.time(), int(record["t"]), self.totals.scalars(record)))
+    self.last_t = int(record["t"])
+    self._append(event(time.time(), self.last_t, self.totals.scalars(record)))
+
+  def config(self, config: dict) -> None:
+    """The resolved config (`workdir.config_dict`): a Markdown table of its fields as text
+    `config`, and its fields (dotted paths; lists and dicts as JSON) as the run's
+    hyperparameters."""
+    flat = flatten(config)
+    rows = "\n".join(f"| `{k}` | `{json.dumps(v, sort_keys=True, default=repr)}` |"
+                     for k, v in flat.items())
+    hparams = {k: v if isinstance(v, (bool, int, float, str)) else
+               json.dumps(v, sort_keys=True, default=repr) for k, v in flat.items()}
+    now = time.time()
+    self._append(event(now, 0, values=[text_value("config", f"| field | value |\n|---|---|\n"
+                                                            f"{rows}"),
+                                       hparams_start_value(hparams, now)]))
+
+  def summary(self, summary: dict) -> None:
+    """Every number of `summary` (a seed's summary.json; nested ones by dotted path) as
+    `summary/<metric>` at the last step written, and the end of the HParams session."""
+    scalars = {f"{SUMMARY}{k}": float(v) for k, v in flatten(summary).items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)
+               and math.isfinite(float(v))}
+    now = time.time()
+    self._append(event(now, self.last_t, scalars, values=[hparams_end_value(now)]))
 
   def epoch(self, t: int, scalars: dict[str, float]) -> None:
     """Per-epoch scalars (tags below `epoch/`; non-finite ones left out) of an epoch of the

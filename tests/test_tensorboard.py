@@ -2,6 +2,7 @@
 
 import glob
 import os
+import struct
 import subprocess
 import sys
 
@@ -117,3 +118,74 @@ def test_a_killed_run_resumes_without_duplicate_events(tmp_path):
   assert [s for s, _ in epochs] == list(range(1, len(epochs) + 1))
   ts = [t for _, t in epochs]
   assert ts == sorted(ts) and set(ts) == {1.0, 2.0, 3.0, 4.0}
+
+
+# -- the config as text and hyperparameters, the summary as metrics --------------------------------
+CONFIG = {"method": {"name": "sm"}, "model": {"width": 8}, "stream": {"replay": 0.5, "iid": False},
+          "optimizer": {"kwargs": {"b": [0.9, 0.99]}}, "data": {"bpe_dir": None}}
+SUMMARY = {"cer": 1.4, "cer_percent": 140.0, "timings": {"train_s": 2.0}, "choices": {},
+           "diverged": float("nan")}
+
+
+def _hparams_run(directory):
+  w = tb.Writer(directory, [_record(0, 0.9)])
+  w.config(CONFIG)
+  w.step(_record(1, 0.5))
+  w.summary(SUMMARY)
+  return w
+
+
+def test_the_config_is_text_and_hyperparameters_and_the_summary_metrics(tmp_path):
+  _hparams_run(str(tmp_path))
+  (path,) = glob.glob(os.path.join(str(tmp_path), "events.out.tfevents.*"))
+  values = {v.tag: (e.step, v) for e in tf.compat.v1.train.summary_iterator(path)
+            for v in e.summary.value}
+  step, text = values["config"]
+  assert step == 0 and text.metadata.plugin_data.plugin_name == "text"
+  (table,) = text.tensor.string_val
+  assert table.decode().startswith("| field | value |\n|---|---|\n")
+  assert "| `model.width` | `8` |" in table.decode()
+  assert "| `optimizer.kwargs.b` | `[0.9, 0.99]` |" in table.decode()
+  _, start = values[tb.HPARAMS_START_TAG]
+  assert start.metadata.plugin_data.plugin_name == "hparams"
+  (info,) = [v for n, v in tb._fields(start.metadata.plugin_data.content) if n == 3]  # pylint: disable=protected-access
+  hparams = {}
+  for n, entry in tb._fields(info):  # pylint: disable=protected-access
+    if n == 1:
+      parts = dict(tb._fields(entry))  # pylint: disable=protected-access
+      hparams[parts[1].decode()] = dict(tb._fields(parts[2]))  # pylint: disable=protected-access
+  assert set(hparams) == {"method.name", "model.width", "stream.replay", "stream.iid",
+                          "optimizer.kwargs.b", "data.bpe_dir"}
+  assert hparams["method.name"] == {3: b"sm"} and hparams["stream.iid"] == {4: 0}
+  assert hparams["model.width"] == {2: struct.pack("<d", 8.0)}
+  assert hparams["optimizer.kwargs.b"] == {3: b"[0.9, 0.99]"}
+  step, end = values[tb.HPARAMS_END_TAG]
+  assert step == 1 and end.metadata.plugin_data.plugin_name == "hparams"
+  metrics = {tag: (s, v.simple_value) for tag, (s, v) in values.items()
+             if tag.startswith("summary/")}
+  assert metrics == {"summary/cer": (1, pytest.approx(1.4)), "summary/cer_percent": (1, 140.0),
+                     "summary/timings.train_s": (1, 2.0)}
+  # A resumed run's file keeps its records and epochs; the run writes its config again.
+  tb.Writer(str(tmp_path), [_record(0, 0.9), _record(1, 0.5)])
+  assert [tags for _, _, tags in tb.read_events(str(tmp_path)) if tags][-1].keys() == {
+      "stream/test_error", "stream/cer", "stream/num_params", "stream/comp_paper_tflops",
+      "stream/comp_tflops", "stream/wall_s"}
+
+
+def test_tensorboard_shows_the_hyperparameters_and_metrics(tmp_path):
+  # TensorBoard itself (the `tensorboard` extra) reads the text and the HParams session.
+  pytest.importorskip("tensorboard")
+  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=g-import-not-at-top
+  from tensorboard.plugins.hparams import metadata  # pylint: disable=g-import-not-at-top
+  _hparams_run(str(tmp_path))
+  acc = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+  acc.Reload()
+  assert {"config", tb.HPARAMS_START_TAG, tb.HPARAMS_END_TAG} <= set(acc.Tags()["tensors"])
+  content = acc.PluginTagToContent("hparams")
+  start = metadata.parse_session_start_info_plugin_data(content[tb.HPARAMS_START_TAG])
+  assert start.hparams["method.name"].string_value == "sm"
+  assert start.hparams["model.width"].number_value == 8.0
+  assert start.hparams["stream.iid"].bool_value is False
+  end = metadata.parse_session_end_info_plugin_data(content[tb.HPARAMS_END_TAG])
+  assert end.status == tb.STATUS_SUCCESS
+  assert [(e.step, e.value) for e in acc.Scalars("summary/cer_percent")] == [(1, 140.0)]

@@ -266,7 +266,7 @@ def test_a_mistyped_text_data_set_name_gets_the_name_it_is_close_to(tmp_path):
                           data_dir=str(tmp_path), cache_dir=str(tmp_path / "c"), download="no")
 
 
-# -- tiktoken's own gpt2 encoding when no BPE folder is given ---------------------------------------
+# -- tiktoken's own gpt2 encoding when no BPE folder is given --------------------------------------
 def _tiktoken_cache(tmp_path, monkeypatch, filled=True):
   """A tiktoken cache of its own (pre-filled from the local BPE files: no download), no BPE
   folder configured."""
