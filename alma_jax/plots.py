@@ -24,7 +24,7 @@ import math
 import os
 import subprocess
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
