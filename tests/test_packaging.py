@@ -16,7 +16,8 @@ from alma_jax import config_files
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 # In requirements.txt for the tests and the report; optional in the package (extras).
-_EXTRA_ONLY = {"matplotlib": "report", "pytest": "dev", "pytest-xdist": "dev"}
+_EXTRA_ONLY = {"matplotlib": "report", "pandas": "report", "tensorboard": "tensorboard",
+               "wandb": "wandb", "pytest": "dev", "pytest-xdist": "dev"}
 
 
 def _pyproject():

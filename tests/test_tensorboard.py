@@ -174,7 +174,7 @@ def test_the_config_is_text_and_hyperparameters_and_the_summary_metrics(tmp_path
 
 def test_tensorboard_shows_the_hyperparameters_and_metrics(tmp_path):
   # TensorBoard itself (the `tensorboard` extra) reads the text and the HParams session.
-  pytest.importorskip("tensorboard")
+  import tensorboard  # pylint: disable=g-import-not-at-top,unused-import
   from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=g-import-not-at-top
   from tensorboard.plugins.hparams import metadata  # pylint: disable=g-import-not-at-top
   _hparams_run(str(tmp_path))

@@ -105,7 +105,7 @@ def test_without_wandb_the_error_says_how_to_install_it(tmp_path, monkeypatch):
 
 
 def test_an_offline_w_and_b_run_is_resumed_by_its_id(tmp_path, monkeypatch):
-  pytest.importorskip("wandb")
+  import wandb  # pylint: disable=g-import-not-at-top,unused-import
   monkeypatch.setenv("WANDB_MODE", "offline")
   monkeypatch.setenv("WANDB_SILENT", "true")
   folder = str(tmp_path / "seed_0")
