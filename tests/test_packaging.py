@@ -82,10 +82,15 @@ def test_extras():
   tpu = Requirement(*extras["tpu"])
   assert tpu.name == "jax" and tpu.extras == {"tpu"} and tpu.specifier.contains(jax_pin)
   named = {k: {_norm(Requirement(r).name) for r in v} for k, v in extras.items()}
-  assert named["report"] == {"matplotlib"}
+  assert named["report"] == {"matplotlib", "pandas"}
   assert named["tensorboard"] == {"tensorboard"}
   assert named["wandb"] == {"wandb"}
   assert named["dev"] == {"pytest", "pytest-xdist"}
+  for extra in ("report", "tensorboard", "wandb"):  # the tested pins lie in the extras' ranges
+    for r in map(Requirement, extras[extra]):
+      pin = _pins().get(_norm(r.name))
+      version = None if pin is None else _pinned_version(pin)
+      assert version is None or r.specifier.contains(version), (extra, r, pin)
 
 
 def test_console_script_is_the_module_entry_point():
