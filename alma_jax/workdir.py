@@ -63,9 +63,11 @@ def has_progress(workdir: str) -> bool:
           or (os.path.isdir(ckpt_dir) and any(n[:1].isdigit() for n in os.listdir(ckpt_dir))))
 
 
-_FILES = (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, ARCH_FILE, ERROR_PNG, INPUTS_FILE)
-_DIRS = (CHECKPOINT_DIR, CORRUPT_DIR, STAGE_DIR)
-_SEED_FILES = (CONFIG_FILE, LOG_FILE, SUMMARY_FILE)
+WANDB_FILE, WANDB_DIR = "wandb_run.json", "wandb"  # alma_jax.wandb_log (config.log.wandb)
+_FILES = (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, ARCH_FILE, ERROR_PNG, INPUTS_FILE, WANDB_FILE)
+_DIRS = (CHECKPOINT_DIR, CORRUPT_DIR, STAGE_DIR, WANDB_DIR)
+_SEED_FILES = (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, WANDB_FILE)
+_SEED_DIRS = (WANDB_DIR,)
 
 
 def check_entries(workdir: str) -> None:
@@ -98,7 +100,7 @@ def _seed_output_dirs(workdir: str) -> list[str]:
   """The `seed_<k>/` folders of the workdir that hold only what a run writes there."""
   out = []
   for d in output_dirs(workdir)[1:]:
-    ours = set(_SEED_FILES) | {os.path.basename(p) for p in tensorboard.event_files(d)}
+    ours = set(_SEED_FILES + _SEED_DIRS) | {os.path.basename(p) for p in tensorboard.event_files(d)}
     if not os.path.islink(d) and set(os.listdir(d)) <= ours:
       out.append(d)
     else:

@@ -291,7 +291,10 @@ def test_overwrite_removes_only_what_the_run_wrote(tmp_path):
   (wd / "seed_analysis").mkdir()
   (wd / "seed_analysis" / "a.csv").write_text("1,2")
   (wd / "seed_0" / "my_plot.png").write_text("mine too")
+  (wd / "seed_1" / "wandb_run.json").write_text("{}")  # the W&B writer's, like the run's
+  (wd / "wandb").mkdir()
   run.run(c, str(wd), overwrite=True)
+  assert not (wd / "wandb").exists() and not (wd / "seed_1" / "wandb_run.json").exists()
   assert (wd / "seed_notes.txt").read_text() == "mine"
   assert (wd / "seed_analysis" / "a.csv").read_text() == "1,2"
   assert (wd / "seed_0" / "my_plot.png").read_text() == "mine too"
