@@ -46,6 +46,11 @@ CONFIG_CASES = [
     ("width_zero", {"model__width": 0}, r"config\.model\.width=0 must be >= 1"),
     ("unknown_backbone", {"model__name": "resnet"},
      r"config\.model\.name='resnet' is unknown; valid names: \['mlp', 'switch', 'vgg'\]"),
+    ("backbone_of_another_task", {"model__name": "switch"},
+     r"^config\.model\.name='switch' cannot model images; valid values: \['mlp', 'vgg'\]$"),
+    ("lm_name_on_images", {"method__name": "lm_sm"},
+     r"^config\.method\.name='lm_sm' is sm on text, but config\.data\.name='mnist' is images "
+     r"data; use config\.method\.name='sm'$"),
     ("unknown_method", {"method__name": "boosting"},
      r"config\.method\.name='boosting' is unknown; valid names: \[.*'sm'.*\]"),
     ("num_members_zero", {"method__name": "ens", "method__num_members": 0},
