@@ -1,7 +1,7 @@
 """The config's fields and the helpers of the experiment files in `configs/`.
 
 `BASE_FIELDS` declares every field a run reads (path, default, check, doc);
-methods declare their own (`Method.FIELDS`). A config file calls
+methods and tasks declare their own (`Method.fields`, `Task.FIELDS`). A config file calls
 `base_config(dataset, method)` for the paper's defaults of the base fields
 and the method's fields, overrides what its experiment changes, and passes
 its argument string to `apply_variant`, which knows the `smoke` (seconds, for
@@ -160,15 +160,15 @@ def resumable_paths() -> tuple[str, ...]:
 
 
 def base_config(dataset: str, method: str = "sm") -> ml_collections.ConfigDict:
-  """The paper's settings (Appendix B) for `dataset` (MNIST: MLP; others: VGG) and `method`."""
+  """The paper's settings (Appendix B) for `dataset` (MNIST: MLP; others: VGG) and `method`,
+  with the fields and settings of the task of `dataset` (`alma_jax.tasks`)."""
   c = F.fill(ml_collections.ConfigDict(), BASE_FIELDS, dataset)
   c.data.name = dataset
   c.method.name = method
-  c = F.fill(c, methods.get(method).FIELDS, dataset)
-  if tasks.name_for(c) == "text":  # the language-model setting (paper section 5, App. B.2)
-    F.fill(c, tasks.fields_for(method), dataset)
-    tasks.text.defaults(c)
-  return c
+  task = tasks.task_class(c)  # e.g. text: the language-model setting (section 5, App. B.2)
+  F.fill(c, task.FIELDS, dataset)
+  task.defaults(c)
+  return F.fill(c, methods.fields_for(c), dataset)
 
 
 LM_VARIANTS = ("", "smoke", "quick")

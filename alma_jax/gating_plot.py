@@ -28,6 +28,7 @@ from alma_jax import tasks
 from alma_jax import validation
 from alma_jax import workdir as wd
 from alma_jax.data import augment
+from alma_jax.methods import expert_growth
 from alma_jax.optim import make_optimizer
 
 MAX_POINTS = 2000
@@ -102,6 +103,9 @@ def gating_data(workdir: str, max_points: int = MAX_POINTS) -> GatingData:
     raise GatingError(f"{workdir}: the gating tree needs a gMoE run of one seed; this one has "
                       f"config.method.name={config.method.name!r}, "
                       f"config.num_seeds={config.num_seeds}")
+  if expert_growth.has_own_experts(config.model):
+    raise GatingError(f"{workdir}: config.model.name={config.model.name!r} routes through "
+                      "expert layers of its own, not a gating tree")
   if not wd.checkpoint_steps(workdir):
     raise GatingError(f"{workdir} has no checkpoint to draw the gating of "
                       f"({os.path.join(workdir, wd.CHECKPOINT_DIR)} is missing or empty)")

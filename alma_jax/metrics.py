@@ -45,10 +45,10 @@ class Record:
     inference_flops_per_example: FLOPs to predict one example at time t.
     trained: whether the model was updated at this step.
     wall_s: wall-clock seconds spent on this step (training and evaluation).
-    extra: fields of the task's own, written after the others (language
-      models: `test_nll`, `test_perplexity`, `test_bits_per_byte`,
-      `forward_macs_per_token`, `inference_flops_per_token`); empty for
-      images.
+    extra: fields of the task's own (`Task.record_metrics`), written after
+      the others (language models: `test_nll`, `test_perplexity`,
+      `test_bits_per_byte`, `forward_macs_per_token`,
+      `inference_flops_per_token`); empty for images.
   """
 
   t: int
@@ -151,28 +151,8 @@ class Log:
     """Number of training stages (steps at which the model was updated)."""
     return int(sum(r.trained for r in self.records))
 
-  def perplexity_summary(self) -> dict[str, float]:
-    """Language models: the test perplexity averaged over t = 1 ... B (the paper's average
-    perplexity, one point per mega-batch) and over t = 0 ... B, its final value, and the
-    same for bits per byte; empty when the records have no perplexity."""
-    if not self.records or "test_perplexity" not in self.records[0].extra:
-      return {}
-    ppl = [r.extra["test_perplexity"] for r in self.records]
-    bpb = [r.extra["test_bits_per_byte"] for r in self.records]
-    after = ppl[1:] or ppl
-    return {"mean_perplexity": float(sum(after) / len(after)),
-            "mean_perplexity_with_t0": float(sum(ppl) / len(ppl)),
-            "final_perplexity": float(ppl[-1]),
-            "mean_bits_per_byte": float(sum(bpb[1:] or bpb) / len(bpb[1:] or bpb)),
-            "final_bits_per_byte": float(bpb[-1]),
-            "forward_macs_per_token": float(self.records[-1].extra["forward_macs_per_token"]),
-            "inference_flops_per_token": float(
-                self.records[-1].extra["inference_flops_per_token"])}
-
   def summary(self) -> dict[str, Any]:
-    return {**self._summary(), **self.perplexity_summary()}
-
-  def _summary(self) -> dict[str, Any]:
+    """The run's summary; a task adds fields of its own (`Task.summary`)."""
     return {
         "cer": self.cer,
         "cer_percent": 100.0 * self.cer,

@@ -23,8 +23,8 @@ differ only by their seed, and writes into `--out`, per data set:
   tree over a 2-D PCA embedding of test inputs, from its last checkpoint
   (`alma_jax.gating_plot`; `--nogating` skips it).
 * `report.md`: per data set, a table with one row per group (mean ± sample
-  std over its seeds; language models also their final and mean test
-  perplexity) and the figures.
+  std over its seeds; also the tasks' own summary fields, `Task.SUMMARY_STATS`:
+  language models' final and mean test perplexity) and the figures.
 * `results.csv`: one row per run and seed: `workdir`, `finished`, every config
   field (flattened paths: `model.width`) and every summary metric (nested ones
   flattened: `timings.train_s`), for `pandas.read_csv`.
@@ -63,6 +63,7 @@ from alma_jax import config_lib
 from alma_jax import gating_plot
 from alma_jax import io_utils
 from alma_jax import plots
+from alma_jax import tasks
 from alma_jax import workdir as wd
 
 # Config fields that tell groups apart in labels and table columns, in this order.
@@ -254,9 +255,6 @@ def varying_fields(groups: Sequence[Group]) -> list[str]:
 TABLE_STATS = (("cer_percent", "CER (%)", "{:.2f}"), ("final_error", "final error", "{:.4f}"),
                ("mem", "Mem", "{:.4g}"), ("comp_paper", "Comp (TFLOPs, paper)", "{:.4g}"),
                ("comp", "Comp (TFLOPs, train step)", "{:.4g}"), ("wall_s", "wall (s)", "{:.1f}"))
-# Language models also show their perplexities (columns only where a group has them).
-PERPLEXITY_STATS = (("final_perplexity", "final perplexity", "{:.2f}"),
-                    ("mean_perplexity", "mean perplexity", "{:.2f}"))
 _TERA = ("comp_paper", "comp")
 
 
@@ -272,7 +270,8 @@ def _cell(group: Group, field: str, fmt: str) -> str:
 def table(groups: Sequence[Group]) -> str:
   """A Markdown table: one row per group, mean ± std over its finished seeds."""
   fields = varying_fields(groups)
-  stats = TABLE_STATS + tuple(s for s in PERPLEXITY_STATS
+  # The tasks' own fields (language models: perplexities), columns only where a group has them.
+  stats = TABLE_STATS + tuple(s for s in tasks.summary_stats()
                               if any(not math.isnan(g.stat(s[0])[0]) for g in groups))
   head = ["data"] + [f.split(".")[-1] if f in KEY_FIELDS else f for f in fields] + ["seeds"]
   head += [name for _, name, _ in stats]

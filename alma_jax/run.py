@@ -518,9 +518,9 @@ class _Loop:
 
   def _report(self, t: int, stats, errors, learner) -> None:
     arch = json.dumps(self.method.describe(population.unstack(learner, 0)))
-    if "test_perplexity" in self.logs[0].records[-1].extra:
-      arch = "test_ppl=%.3f %s" % (float(np.mean([log.records[-1].extra["test_perplexity"]
-                                                   for log in self.logs])), arch)
+    task_fields = self.task.progress([log.records[-1] for log in self.logs])
+    if task_fields:
+      arch = f"{task_fields} {arch}"
     if len(self.seeds) == 1:
       logging.info("t=%d/%d epochs=%d best_val_acc=%.4f test_error=%.4f %s elapsed=%.1fs", t,
                    self.num_t, stats.epochs_run[0], stats.best_val_accuracy[0], errors[0], arch,
@@ -534,7 +534,8 @@ class _Loop:
   def _summarise(self) -> dict[str, Any]:
     self._finish_save()  # the last checkpoint is complete before the summary exists
     wall_s = self.elapsed()
-    per_seed = [dict(log.summary(), wall_s=wall_s) for log in self.logs]
+    per_seed = [dict(log.summary(), **self.task.summary(log.records), wall_s=wall_s)
+                for log in self.logs]
     extra = {"timings": self.timer.report(wall_s, self.startup_s),
              "num_compilations": len(self._compiled_names()), "choices": self.choices}
     if len(self.seeds) == 1:
@@ -556,9 +557,9 @@ class _Loop:
     logging.info("done: %d seed(s), CER=%.4f mean_error=%.4f final_error=%.4f Mem=%d Comp=%.3e "
                  "wall=%.1fs", len(self.seeds), top["cer"], top["mean_error"], top["final_error"],
                  top["mem"], top["comp"], wall_s)
-    if "mean_perplexity" in top:
-      logging.info("perplexity: mean over t=1..B %.3f, final %.3f; bits per byte: mean %.4f",
-                   top["mean_perplexity"], top["final_perplexity"], top["mean_bits_per_byte"])
+    task_line = self.task.summary_line(top)
+    if task_line:
+      logging.info(task_line)
     return top
 
   def _plot_errors(self) -> None:

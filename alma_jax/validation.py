@@ -1,10 +1,11 @@
 """Checks of a run's inputs before any training, with one-line error messages.
 
 `validate(config)` checks every declared field (`alma_jax.config_lib.
-BASE_FIELDS` and the method's `FIELDS`), the rules that tie fields together,
-and builds the optimizer and (where the input shape is known without loading
-the data) the method, so their own checks run too; it also makes sure the
-data set can be had. `validate_data` checks what depends on the loaded data.
+BASE_FIELDS`, the method's fields and the task's), the rules that tie fields
+together (the task's among them: `alma_jax.tasks.check`), and builds the
+optimizer and (where the task knows the input shape without loading the data)
+the method, so their own checks run too; it also makes sure the task's data
+can be had. `validate_data` checks what depends on the loaded data.
 Every message names the offending field and its allowed values, e.g.
 `config.stream.wait=3 does not divide config.stream.num_megabatches=10; allowed values: [1, 2, 5, 10]`.
 """
@@ -12,7 +13,6 @@ Every message names the offending field and its allowed values, e.g.
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 from absl import logging
@@ -23,14 +23,10 @@ from alma_jax import methods
 from alma_jax import optim
 from alma_jax import sharding
 from alma_jax import tasks
-from alma_jax.data import images
 from alma_jax.errors import ConfigError
 
-# Input shape and number of classes of common data sets, so that the method can be
-# constructed (and check its fields) before the data is loaded.
-KNOWN_SHAPES = {"mnist": ((28, 28, 1), 10), "fashion_mnist": ((28, 28, 1), 10),
-                "kmnist": ((28, 28, 1), 10), "cifar10": ((32, 32, 3), 10),
-                "cifar100": ((32, 32, 3), 100)}
+# Input shape and number of classes of common image data sets (`ImageTask.known_shape`).
+KNOWN_SHAPES = tasks.images.KNOWN_SHAPES
 
 
 # Checks of the optimizer arguments that every optimizer of `alma_jax.optim` takes (a config
@@ -38,44 +34,6 @@ KNOWN_SHAPES = {"mnist": ((28, 28, 1), 10), "fashion_mnist": ((28, 28, 1), 10),
 OPTIMIZER_KWARG_CHECKS = {
     "learning_rate": fields.number(0.0, math.inf, open_lo=True, open_hi=True),
 }
-
-
-def _versions(root: str, marker: str) -> list[str]:
-  if not os.path.isdir(root):
-    return []
-  return sorted(v for v in os.listdir(root) if os.path.isfile(os.path.join(root, v, marker)))
-
-
-def check_dataset_available(config) -> None:
-  """Unless tfds may and can download it, the data set must be prepared or cached locally.
-
-  tfds would otherwise try to download it, which offline means minutes of
-  retries before it fails; `data.download="auto"` (the default) probes the
-  download host first.
-  """
-  name = config.data.name
-  download = fields.lookup(config, "data.download", "auto")
-  if download == "yes":
-    return
-  data_dir = (config.data.data_dir or os.environ.get("TFDS_DATA_DIR")
-              or os.path.join(os.path.expanduser("~"), "tensorflow_datasets"))
-  cache_dir = config.data.cache_dir or images.default_cache_dir()
-  if _versions(os.path.join(data_dir, name), "dataset_info.json"):
-    return
-  if config.data.use_cache and _versions(os.path.join(cache_dir, name), "meta.json"):
-    return
-  if download == "auto" and images.internet_reachable():
-    return
-  local = sorted(d for d in os.listdir(data_dir) if os.path.isdir(os.path.join(data_dir, d))
-                 ) if os.path.isdir(data_dir) else []
-  cached = " nor" if not config.data.use_cache else f" and no decoded copy in {cache_dir}/{name} nor"
-  raise images.DatasetUnavailableError(
-      f"config.data.name={name!r} is not available offline: no prepared tfds copy in "
-      f"{os.path.join(data_dir, name)}{cached} a download possible ("
-      f"{'no internet connection' if download == 'auto' else 'config.data.download=no'}); "
-      "data sets prepared in "
-      f"{data_dir}: {local}; set TFDS_DATA_DIR (or config.data.data_dir) to a folder holding "
-      "prepared tfds data, or set config.data.download=yes to let tfds download it")
 
 
 def _check_rules(config) -> None:
@@ -143,23 +101,15 @@ def validate(config):
   """
   fields.check_all(config, config_lib.BASE_FIELDS)
   config = complete(config)
-  fields.check_all(config, methods.get(config.method.name).FIELDS)
-  fields.check_all(config, tasks.fields_for(config.method.name))
+  task = tasks.task_class(config)
+  fields.check_all(config, methods.fields_for(config))
+  fields.check_all(config, task.FIELDS)
   _check_rules(config)
-  if tasks.name_for(config) == "text":
-    tasks.text.check(config)
-    tasks.text.check_available(config)
-    methods.make(config, (config.data.seq_len,), 1)
-    if not config.data.text_file:
-      check_dataset_available(config)
-    return config
-  if config.model.name == "switch":
-    raise ConfigError(f"config.model.name='switch' models text; config.method.name="
-                      f"{config.method.name!r} learns from images; valid names: "
-                      "['mlp', 'vgg'] (or a method whose name starts with lm_)")
-  if config.data.name in KNOWN_SHAPES:
-    methods.make(config, *KNOWN_SHAPES[config.data.name])
-  check_dataset_available(config)
+  tasks.check(config)
+  shape = task.known_shape(config)
+  if shape is not None:
+    methods.make(config, *shape)
+  task.check_available(config)
   return config
 
 
@@ -191,9 +141,9 @@ def complete(config):
   with c.unlocked():
     dataset = fields.lookup(c, "data.name", "")
     fields.fill(c, config_lib.BASE_FIELDS, dataset, overwrite=False)
-    name = fields.value(c, config_lib.BASE_FIELDS_BY_PATH["method.name"])
-    fields.fill(c, methods.get(name).FIELDS, dataset, overwrite=False)
-    fields.fill(c, tasks.fields_for(name), dataset, overwrite=False)
-    if tasks.name_for(c) == "text":
-      tasks.text.expand_iid(c)
+    fields.value(c, config_lib.BASE_FIELDS_BY_PATH["method.name"])  # a known name
+    task = tasks.task_class(c)
+    fields.fill(c, methods.fields_for(c), dataset, overwrite=False)
+    fields.fill(c, task.FIELDS, dataset, overwrite=False)
+    task.complete(c)
   return c

@@ -2,7 +2,7 @@
 
 Starts with 4 experts per block; before every later stage each block copies
 the k experts with the largest validation loss routed to them (their weights
-and router columns: `alma_jax.methods.lm.copy_experts`), k = 2, 2, 4 as in
+and router columns: `alma_jax.models.switch.copy_experts`), k = 2, 2, 4 as in
 the paper's Table 2: 4 -> 6 -> 8 -> 12 over B=4 mega-batches (section 5:
 top-k, k = 2 to 4). Same stream, optimizer and variants as configs/lm_sm.py.
 

@@ -15,8 +15,8 @@ from alma_jax import methods
 from alma_jax import population
 from alma_jax import train
 from alma_jax.errors import ConfigError
-from alma_jax.methods import base
 from alma_jax.methods import ensemble
+from alma_jax.tasks import base as task_base
 from tests import helpers
 from tests.conftest import requires_mnist
 
@@ -116,7 +116,7 @@ def test_ens_members_get_independent_gradients():
   assert not np.allclose(np.asarray(grads2["head"]["kernel"][2]),
                          np.asarray(grads["head"]["kernel"][2]))
   # Member i sees only its own data order x[i]: its loss is SM's loss on it.
-  sm_losses = [base.masked_cross_entropy(
+  sm_losses = [task_base.masked_cross_entropy(
       method.apply_backbone(ensemble.member(learner.params, i), {}, x[i], train=True)[0], y[i],
       mask[i]) for i in range(3)]
   np.testing.assert_allclose(float(loss), float(sum(sm_losses)), rtol=1e-5)
@@ -129,7 +129,7 @@ def test_umix_loss_is_cross_entropy_of_mean_logits_and_differs_from_ens():
   (loss, _), _ = loss_and_grads(umix, learner, x, y, mask)
   logits = [umix.apply_backbone(ensemble.member(learner.params, i), {}, x[0], train=True)[0]
             for i in range(3)]
-  expected = base.masked_cross_entropy(sum(logits) / 3, y[0], mask[0])
+  expected = task_base.masked_cross_entropy(sum(logits) / 3, y[0], mask[0])
   np.testing.assert_allclose(float(loss), float(expected), rtol=1e-5)
   (ens_loss, _), _ = loss_and_grads(ens, learner, *(jnp.repeat(a, 3, 0) for a in (x, y, mask)))
   assert abs(float(ens_loss) - float(loss)) > 1e-3

@@ -21,6 +21,7 @@ from alma_jax.methods import base
 from alma_jax.methods import firefly as ff
 from alma_jax.models import mlp as mlp_lib
 from alma_jax.models import vgg as vgg_lib
+from alma_jax.tasks import base as task_base
 from tests import helpers
 from tests.conftest import requires_mnist
 
@@ -78,7 +79,7 @@ def logits(method, learner, x, train):
 
 
 def loss(method, learner, x, y):
-  return float(base.masked_cross_entropy(logits(method, learner, x, False)[0], y,
+  return float(task_base.masked_cross_entropy(logits(method, learner, x, False)[0], y,
                                          jnp.ones(y.shape, bool)))
 
 
@@ -230,7 +231,7 @@ def test_scores_are_the_derivatives_of_the_loss_in_the_candidate_scales(mlp_step
     def mean_loss(scales):
       out = method.candidate_logits(learner.structure, learner.params, learner.model_state,
                                     cands, scales, ds_x.astype(jnp.float64))
-      return base.masked_cross_entropy(out, ds_y, jnp.ones(idx.shape, bool))
+      return task_base.masked_cross_entropy(out, ds_y, jnp.ones(idx.shape, bool))
 
     zero, h = method.zero_scales(learner.structure, jnp.float64), 1e-4
     for layer, kind, j in ((0, "split", 2), (1, "split", 5), (0, "new", 1), (1, "new", 3)):

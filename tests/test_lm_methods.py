@@ -1,4 +1,5 @@
-"""Tests of the language-model methods (alma_jax/methods/lm.py) and of fixed-step stages."""
+"""Tests of the methods on text (SM, Ens, gEns and gMoE on the Switch Transformer, also under
+the config names lm_sm, lm_ens, lm_gens and lm_gmoe) and of fixed-step stages."""
 
 import os
 
@@ -52,7 +53,8 @@ def test_a_one_member_lm_ensemble_is_the_single_model():
 
 def test_lm_gmoe_grows_by_k_until_max_experts():
   m = lm_method("lm_gmoe", grow_by=2, grow_schedule="", max_experts=9)
-  assert [m.growth(s, e) for s, e in ((1, 4), (2, 4), (3, 6), (4, 8), (5, 9))] == [0, 2, 2, 1, 0]
+  growths = [m.own.growth(s, e) for s, e in ((1, 4), (2, 4), (3, 6), (4, 8), (5, 9))]
+  assert growths == [0, 2, 2, 1, 0]
 
 
 def test_lm_gmoe_follows_its_growth_schedule_then_grow_by():
@@ -60,12 +62,12 @@ def test_lm_gmoe_follows_its_growth_schedule_then_grow_by():
   m = lm_method("lm_gmoe", grow_by=3)
   sizes, growths = [4], []
   for stage in range(1, 7):
-    growths.append(m.growth(stage, sizes[-1]))
+    growths.append(m.own.growth(stage, sizes[-1]))
     sizes.append(sizes[-1] + growths[-1])
   assert growths == [0, 2, 2, 4, 3, 3]
   # Every second stage: the schedule indexes growths, not stages.
   m = lm_method("lm_gmoe", grow_schedule="1,5", grow_every=2)
-  assert [m.growth(s, 4) for s in range(1, 8)] == [0, 0, 1, 0, 4, 0, 2]
+  assert [m.own.growth(s, 4) for s in range(1, 8)] == [0, 0, 1, 0, 4, 0, 2]
 
 
 @pytest.mark.parametrize("value", ["2,x", "2;4", "0,2"])

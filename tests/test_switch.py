@@ -1,5 +1,5 @@
-"""Tests of the Switch Transformer (alma_jax/models/switch.py) and of copy_experts
-(alma_jax/methods/lm.py)."""
+"""Tests of the Switch Transformer (alma_jax/models/switch.py) and of copying its experts
+(gMoE on its own expert layers: alma_jax/methods/expert_growth.py)."""
 
 import math
 
@@ -11,8 +11,9 @@ import pytest
 
 from alma_jax import config_lib
 from alma_jax import methods
-from alma_jax.methods import lm
+from alma_jax.methods import gmoe
 from alma_jax.models import switch
+from alma_jax.tasks import base as task_base
 
 V = 50257
 
@@ -95,7 +96,7 @@ def test_untrained_perplexity_is_near_the_vocabulary_size():
   tokens = jax.random.randint(jax.random.key(5), (4, 16), 0, V)
   params = model.init(jax.random.key(6), tokens)["params"]
   logits, _ = model.apply({"params": params}, tokens[:, :-1])
-  nll = float(lm.token_loss(logits, tokens[:, 1:], jnp.ones(4, bool)))
+  nll = float(task_base.masked_cross_entropy(logits, tokens[:, 1:], jnp.ones(4, bool)))
   assert abs(nll - math.log(V)) < 0.05, (nll, math.log(V))
 
 
@@ -111,7 +112,9 @@ def gmoe_method(noise=0.0):
   c.model.eval_capacity_factor = 0.0
   c.model.dim, c.model.ffn_dim = 32, 48
   c.method.router_noise = noise
-  return methods.make(c, (16,), V)
+  method = methods.make(c, (16,), V)
+  assert isinstance(method, gmoe.GrowingMoE) and method.own is not None
+  return method
 
 
 def test_copy_experts_leaves_the_outputs_unchanged_without_perturbation():
@@ -119,7 +122,7 @@ def test_copy_experts_leaves_the_outputs_unchanged_without_perturbation():
   learner = method.init(jax.random.key(7))
   tokens = jax.random.randint(jax.random.key(8), (3, 16), 0, V)
   before = method.predict(learner.structure, learner.params, {}, tokens)
-  grown = lm.copy_experts(learner, [[1, 3], [0, 2]], jax.random.key(9))
+  grown = method.own.copy(learner, [[1, 3], [0, 2]], jax.random.key(9))
   assert grown.structure == (6,)
   moe0 = grown.params["block0"]["moe"]
   chex.assert_shape(moe0["expert_wi"], (6, 32, 48))
@@ -138,21 +141,22 @@ def test_copy_experts_with_a_perturbation_changes_the_routing():
   learner = method.init(jax.random.key(7))
   tokens = jax.random.randint(jax.random.key(8), (3, 16), 0, V)
   before = method.predict(learner.structure, learner.params, {}, tokens)
-  grown = lm.copy_experts(learner, [0, 1], jax.random.key(9), noise=0.5)
+  grown = method.own.copy(learner, [0, 1], jax.random.key(9), noise=0.5)
   after = method.predict(grown.structure, grown.params, {}, tokens)
   assert float(jnp.max(jnp.abs(before - after))) > 1e-4
 
 
 def test_copy_experts_rejects_bad_indices():
-  learner = gmoe_method().init(jax.random.key(0))
+  method = gmoe_method()
+  learner = method.init(jax.random.key(0))
   with pytest.raises(ValueError, match="distinct indices"):
-    lm.copy_experts(learner, [1, 1], jax.random.key(0))
+    method.own.copy(learner, [1, 1], jax.random.key(0))
   with pytest.raises(ValueError, match="distinct indices"):
-    lm.copy_experts(learner, [4], jax.random.key(0))
+    switch.copy_experts(learner.params, [4], jax.random.key(0))
 
 
 def test_expert_losses_sum_the_nll_routed_to_each_expert():
   experts = jnp.asarray([[[0, 1, 1], [2, 0, 0]]])  # 1 block, b=2, L=3
   nll = jnp.asarray([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
-  out = lm.expert_losses(experts, nll, jnp.asarray([True, False]), 3)
+  out = switch.expert_losses(experts, nll, jnp.asarray([True, False]), 3)
   np.testing.assert_allclose(out, [[1.0, 5.0, 0.0]])

@@ -64,7 +64,7 @@ def test_sequences_overlap_by_one_token_and_targets_are_the_next_tokens():
 
 def test_per_example_gives_token_error_rate_and_mean_nll():
   logp = jnp.log(jnp.asarray([[[0.5, 0.25, 0.25], [0.1, 0.8, 0.1]]]))
-  errors, nll = text_task.TextTask.per_example(logp, jnp.asarray([[0, 2]]))
+  errors, nll = text_task.TextTask(seq_len=2).per_example(logp, jnp.asarray([[0, 2]]))
   np.testing.assert_allclose(errors, [0.5])
   np.testing.assert_allclose(nll, [(-math.log(0.5) - math.log(0.1)) / 2], rtol=1e-6)
 
@@ -190,14 +190,19 @@ def test_records_keep_the_task_fields_and_the_summary_averages_perplexity():
   log = Log.from_records([rec(0, 1000.0), rec(1, 40.0), rec(2, 20.0)])
   d = log.records[1].to_dict()
   assert d["test_perplexity"] == 40.0 and Record.from_dict(d) == log.records[1]
-  s = log.summary()
+  task = text_task.TextTask(seq_len=8)
+  s = task.summary(log.records)
   assert s["mean_perplexity"] == pytest.approx(30.0)
   assert s["mean_perplexity_with_t0"] == pytest.approx(1060.0 / 3)
   assert s["final_perplexity"] == 20.0 and s["mean_bits_per_byte"] == pytest.approx(0.3)
-  # Image records have no such fields: the summary is the one it always was.
+  assert not set(s) & set(log.summary())  # the task's fields come beside the log's
+  assert task.progress(log.records[-1:]) == "test_ppl=20.000"
+  assert task.summary_line(s).startswith("perplexity: mean over t=1..B 30.000, final 20.000")
+  # Image records have no such fields: the summary and the lines are the ones they always were.
   plain = Log.from_records([Record.from_dict({k: v for k, v in r.to_dict().items()
                                               if k not in r.extra}) for r in log.records])
-  assert "mean_perplexity" not in plain.summary() and plain.records[0].extra == {}
+  assert task.summary(plain.records) == {} and plain.records[0].extra == {}
+  assert task.progress(plain.records) == "" and task.summary_line(plain.summary()) == ""
 
 
 def _strict_json(text):

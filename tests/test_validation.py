@@ -46,6 +46,11 @@ CONFIG_CASES = [
     ("width_zero", {"model__width": 0}, r"config\.model\.width=0 must be >= 1"),
     ("unknown_backbone", {"model__name": "resnet"},
      r"config\.model\.name='resnet' is unknown; valid names: \['mlp', 'switch', 'vgg'\]"),
+    ("backbone_of_another_task", {"model__name": "switch"},
+     r"^config\.model\.name='switch' cannot model images; valid values: \['mlp', 'vgg'\]$"),
+    ("lm_name_on_images", {"method__name": "lm_sm"},
+     r"^config\.method\.name='lm_sm' is sm on text, but config\.data\.name='mnist' is images "
+     r"data; use config\.method\.name='sm'$"),
     ("unknown_method", {"method__name": "boosting"},
      r"config\.method\.name='boosting' is unknown; valid names: \[.*'sm'.*\]"),
     ("num_members_zero", {"method__name": "ens", "method__num_members": 0},
@@ -423,3 +428,10 @@ def test_batch_larger_than_a_stage_is_a_warning_not_an_error(caplog):
   with caplog.at_level("WARNING"):
     validation.validate_data(c, 60000, stream)
   assert "batch_size" not in caplog.text
+
+
+@requires_mnist
+def test_a_mistyped_data_set_name_is_refused_with_the_name_it_is_close_to():
+  with pytest.raises(ValueError, match=r"config\.data\.name='mnsit' is not available offline.*"
+                                        r"did you mean 'mnist'\?$"):
+    validation.validate(helpers.smoke(data__name="mnsit", data__download="no"))

@@ -11,10 +11,10 @@ import importlib
 import pkgutil
 
 from alma_jax.methods.base import Learner, Method, SingleBackbone, StageContext
-from alma_jax.methods.registry import get, make, names, register
+from alma_jax.methods.registry import fields_for, get, make, names, register
 
 for _info in pkgutil.iter_modules(__path__):
   importlib.import_module(f"{__name__}.{_info.name}")
 
 __all__ = ["Learner", "Method", "SingleBackbone", "StageContext", "register", "get", "make",
-           "names"]
+           "fields_for", "names"]

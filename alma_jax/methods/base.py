@@ -6,6 +6,11 @@ functions of `Method` below, so a new method is one file: a subclass that
 declares its config fields (`FIELDS`), overrides what it needs and registers
 itself by name (`alma_jax.methods.register`). Methods built on one Flax
 backbone from `config.model` mix in `SingleBackbone`.
+
+A method knows nothing of the kind of data: it computes logits (and whatever
+the backbone returns beside them) and asks its task (`Method.task`, the task
+of the config: `alma_jax.tasks`) for the loss, so one method class serves
+images and text alike.
 """
 
 from __future__ import annotations
@@ -17,11 +22,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import struct
 
 from alma_jax import fields
-from alma_jax import models
+from alma_jax import tasks
 from alma_jax.errors import ConfigError
 
 PyTree = Any
@@ -77,29 +81,22 @@ class StageContext:
   eval_aux: Callable[..., PyTree] | None = None
 
 
-def masked_cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
-  """Mean cross-entropy over the examples where `mask` is true."""
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-  mask = mask.astype(ce.dtype)
-  return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-
 def count_params(params: PyTree) -> int:
   return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
 class Method:
-  """The interface of a method; subclasses implement `init` and `logits` (or `loss` and
-  `predict`).
+  """The interface of a method; subclasses implement `init` and `outputs` or `logits` (or
+  `loss` and `predict`).
 
   All functions are pure: they take the learner (or its parts) and return
   new values, never mutating their inputs.
 
   Class attributes:
     name: the registry name (`config.method.name`).
-    task: the data it learns from, "images" or "text" (`alma_jax.tasks`).
     FIELDS: the method's own config fields (`alma_jax.fields.Field`, paths
       under "method."); their checked values are `self.opts.<field name>`.
+      A method whose fields depend on the backbone overrides `fields`.
     same_growth_for_every_seed: whether the architecture grows the same way
       for every seed, so that several seeds can share one program
       (`config.num_seeds`).
@@ -112,7 +109,6 @@ class Method:
   """
 
   name = ""
-  task = "images"  # the kind of data (`alma_jax.tasks.TASKS`): "images" or "text"
   FIELDS: tuple[fields.Field, ...] = ()
   same_growth_for_every_seed = True
   LEAF_AXES: tuple[tuple[str, tuple[str, ...]], ...] = ()
@@ -121,7 +117,14 @@ class Method:
     self.config = config
     self.input_shape = tuple(input_shape)
     self.num_classes = num_classes
-    self.opts = fields.resolve(config, self.FIELDS)
+    self.opts = fields.resolve(config, self.fields(config))
+    self.task = tasks.for_config(config)  # its loss is the training loss
+
+  @classmethod
+  def fields(cls, config) -> tuple[fields.Field, ...]:
+    """The method's config fields for `config` (by default `FIELDS`)."""
+    del config
+    return cls.FIELDS
 
   def refuse_kept_optimizer_state(self, why: str, when: str = "") -> None:
     """A clear error when `train.keep_optimizer_state` is set for a method whose stages
@@ -171,24 +174,37 @@ class Method:
     del learner
     return trainable
 
-  def logits(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
-    """(logits, new_model_state) of the whole model on a batch `x`.
+  def outputs(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
+    """(logits, aux, new_model_state) of the whole model on a batch `x`; `aux` holds what the
+    backbone returns beside its logits for the task's loss (e.g. an auxiliary loss), {} for
+    most backbones.
 
-    Methods trained on one data order implement this; `loss` and `predict`
-    follow from it (methods with several data orders override those instead).
+    Methods trained on one data order implement this or `logits`; `loss` and
+    `predict` follow from it (methods with several data orders override those
+    instead). By default: `logits` and no `aux`.
     """
-    raise NotImplementedError
+    logits, new_state = self.logits(structure, params, model_state, x, train=train, mask=mask,
+                                    rng=rng)
+    return logits, {}, new_state
+
+  def logits(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
+    """(logits, new_model_state) of the whole model on a batch `x`: `outputs` without aux."""
+    if type(self).outputs is Method.outputs:
+      raise NotImplementedError(f"{type(self).__name__} implements neither outputs nor logits")
+    logits, _, new_state = self.outputs(structure, params, model_state, x, train=train,
+                                        mask=mask, rng=rng)
+    return logits, new_state
 
   def loss(self, structure, trainable, frozen, model_state, x, y, mask, rng):
     """Training loss on a batch; returns (loss, new_model_state).
 
     `x`, `y` and `mask` carry a leading axis of size `num_data_orders`. By
-    default: the masked cross-entropy of `logits` on the one data order.
+    default: the task's loss of `outputs` on the one data order.
     """
     del frozen
-    logits, new_state = self.logits(structure, trainable, model_state, x[0], train=True,
-                                    mask=mask[0], rng=rng)
-    return masked_cross_entropy(logits, y[0], mask[0]), new_state
+    logits, aux, new_state = self.outputs(structure, trainable, model_state, x[0], train=True,
+                                          mask=mask[0], rng=rng)
+    return self.task.loss(logits, y[0], mask[0], aux), new_state
 
   # -- inference --------------------------------------------------------------
   def predict(self, structure, params, model_state, x) -> jnp.ndarray:
@@ -250,13 +266,41 @@ class Method:
     return {"num_params": self.num_params(learner)}
 
 
+def split_outputs(out) -> tuple[jax.Array, dict]:
+  """A backbone's output as (logits, aux): backbones return logits, or (logits, aux dict)."""
+  return (out[0], out[1]) if isinstance(out, tuple) else (out, {})
+
+
+def apply_module(module: nn.Module, params, model_state, x, *, train: bool, mask=None):
+  """Runs a backbone module; returns (logits, aux, new_model_state) (see `split_outputs`);
+  in training its non-trained collections (BatchNorm statistics) are updated."""
+  variables = {"params": params, **model_state}
+  if train and model_state:
+    out, updates = module.apply(variables, x, train=True, mask=mask, mutable=list(model_state))
+    return *split_outputs(out), dict(updates)
+  return *split_outputs(module.apply(variables, x, train=train, mask=mask)), model_state
+
+
+def backbone_leaf_axes(backbone) -> tuple[tuple[str, tuple[str, ...]], ...]:
+  """The logical axes of the stacked leaves of a backbone (a module or its class: the class's
+  `LEAF_AXES`, e.g. the Switch Transformer's experts), in the form of `Method.LEAF_AXES`;
+  none by default."""
+  cls = backbone if isinstance(backbone, type) else type(backbone)
+  return tuple(getattr(cls, "LEAF_AXES", ()))
+
+
 class SingleBackbone:
-  """Mixin for methods built on the one Flax backbone that `config.model` names."""
+  """Mixin for methods built on the one Flax backbone that `config.model` names (built by the
+  task for its inputs: `Task.backbone`)."""
 
   def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
     super().__init__(config, input_shape, num_classes)
-    self.backbone: nn.Module = models.make_backbone(config.model, num_classes)
+    self.backbone: nn.Module = self.task.backbone(config.model, num_classes, self.input_shape)
     self._init_fn = None
+
+  @property
+  def LEAF_AXES(self):  # pylint: disable=invalid-name
+    return backbone_leaf_axes(self.backbone)
 
   def init_backbone(self, key: jax.Array) -> tuple[PyTree, PyTree]:
     """Initialises one backbone; returns (params, model_state)."""
@@ -265,18 +309,18 @@ class SingleBackbone:
       # take seconds on CPU. A numpy dummy: the first call may come inside a
       # transformation (vmap, eval_shape), where a jnp array would be a
       # tracer leaking into the cache.
-      dummy = np.zeros((1,) + self.input_shape, np.float32)
+      dummy = np.zeros((1,) + self.input_shape, self.task.input_dtype)
       self._init_fn = jax.jit(lambda k: self.backbone.init(k, dummy, train=False))
     variables = self._init_fn(key)
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
     return params, model_state
 
+  def forward_backbone(self, params, model_state, x, *, train: bool, mask=None):
+    """Runs one backbone; returns (logits, aux, new_model_state) (`apply_module`)."""
+    return apply_module(self.backbone, params, model_state, x, train=train, mask=mask)
+
   def apply_backbone(self, params, model_state, x, *, train: bool, mask=None):
     """Runs one backbone; returns (logits, new_model_state)."""
-    variables = {"params": params, **model_state}
-    if train and model_state:
-      logits, updates = self.backbone.apply(variables, x, train=True, mask=mask,
-                                            mutable=list(model_state))
-      return logits, dict(updates)
-    return self.backbone.apply(variables, x, train=train, mask=mask), model_state
+    logits, _, new_state = self.forward_backbone(params, model_state, x, train=train, mask=mask)
+    return logits, new_state

@@ -20,6 +20,10 @@ i > 0 from `fold_in(key, i)`, so a one-member Ens is SM.
         trained, each with its own data order, while the older ones stay
         frozen. Prediction: log of the mean of all members' probabilities.
 
+Every member is the backbone of `config.model` for the config's task: on
+text, a Switch Transformer of E experts (Ens E@N, gEns), whose load-balancing
+loss the task adds to each member's loss.
+
 `method.strategy` says how members run inside a compiled step: "vmap"
 (`jax.vmap` over the member axis), "loop" (a Python loop over the members'
 slices, unrolled in the same jitted function) or "auto". vmap turns
@@ -271,7 +275,12 @@ class Ensemble(base.SingleBackbone, base.Method):
   name = "ens"
   FIELDS = (F.Field("method.num_members", 5, F.integer(1), "N (paper: 5; released code: 3)"),
             STRATEGY)
-  LEAF_AXES = (("", ("member",)),)  # every leaf is stacked on the member axis
+
+  @property
+  def LEAF_AXES(self):  # pylint: disable=invalid-name
+    """Every leaf is stacked on the member axis, before the backbone's own axes."""
+    own = tuple((pattern, ("member",) + axes) for pattern, axes in super().LEAF_AXES)
+    return own + (("", ("member",)),)
 
   @property
   def initial_members(self) -> int:
@@ -321,8 +330,9 @@ class Ensemble(base.SingleBackbone, base.Method):
     frozen, _ = _split(learner.params, n - k)
     return _restack(frozen, trainable, n - k)
 
-  def member_logits(self, params, model_state, x, *, train: bool, mask=None, stacked_x: bool):
-    """(logits (n, b, classes), new model_state) of the stacked members.
+  def member_outputs(self, params, model_state, x, *, train: bool, mask=None, stacked_x: bool):
+    """(logits (n, b, ...), aux (the backbones' `aux`, stacked), new model_state) of the
+    stacked members.
 
     `stacked_x`: whether x and mask carry a member axis (one data order per
     member) or are shared by all members.
@@ -330,22 +340,28 @@ class Ensemble(base.SingleBackbone, base.Method):
 
     def one(p, s, *xm):
       xi, mi = xm if stacked_x else (x, mask)
-      return self.apply_backbone(p, s, xi, train=train, mask=mi)
+      return self.forward_backbone(p, s, xi, train=train, mask=mi)
 
     stacked = (params, backbone_state(model_state)) + ((x, mask) if stacked_x else ())
-    logits, new_state = map_members(one, stacked, self.run_as)
+    logits, aux, new_state = map_members(one, stacked, self.run_as)
     active = active_slots(model_state)
-    return logits, (new_state if active is None else _with_slots(new_state, active))
+    return logits, aux, (new_state if active is None else _with_slots(new_state, active))
+
+  def member_logits(self, params, model_state, x, *, train: bool, mask=None, stacked_x: bool):
+    """(logits (n, b, ...), new model_state) of the stacked members (`member_outputs`)."""
+    logits, _, new_state = self.member_outputs(params, model_state, x, train=train, mask=mask,
+                                               stacked_x=stacked_x)
+    return logits, new_state
 
   def loss(self, structure, trainable, frozen, model_state, x, y, mask, rng):
-    """Sum over the trained members of each one's masked cross-entropy on its own x[i]."""
+    """Sum over the trained members of each one's loss (the task's) on its own x[i]."""
     del frozen, rng
     n, k = structure
     active = active_slots(model_state)
 
     def one(p, s, xi, yi, mi):
-      logits, new_s = self.apply_backbone(p, s, xi, train=True, mask=mi)
-      return base.masked_cross_entropy(logits, yi, mi), new_s
+      logits, aux, new_s = self.forward_backbone(p, s, xi, train=True, mask=mi)
+      return self.task.loss(logits, yi, mi, aux), new_s
 
     if active is None:
       frozen_state, state = _split(model_state, n - k)
@@ -425,8 +441,8 @@ class UniformMixture(Ensemble):
     del structure
     return 1
 
-  # One model on one data order: the cross-entropy and log-softmax of `logits`, selected as
-  # a whole.
+  # One model on one data order: the task's loss and the log-softmax of `outputs`, selected
+  # as a whole.
   loss = base.Method.loss
   predict = base.Method.predict
   units_are_parts = False
@@ -434,13 +450,13 @@ class UniformMixture(Ensemble):
   predict_units = base.Method.predict_units
   select_units = base.Method.select_units
 
-  def logits(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
-    """The mean of the members' logits."""
+  def outputs(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
+    """The mean of the members' logits; the members' aux outputs averaged."""
     del structure, rng
-    logits, new_state = self.member_logits(params, model_state, x, train=train, mask=mask,
-                                           stacked_x=False)
+    logits, aux, new_state = self.member_outputs(params, model_state, x, train=train, mask=mask,
+                                                 stacked_x=False)
     combined = jnp.sum(logits, axis=0) if self.opts.combine == "sum" else jnp.mean(logits, axis=0)
-    return combined, new_state
+    return combined, jax.tree.map(lambda a: jnp.mean(a, axis=0), aux), new_state
 
 
 @register

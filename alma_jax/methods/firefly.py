@@ -262,11 +262,6 @@ def select(scores: Sequence[dict], n_grow: int) -> tuple[tuple[np.ndarray, ...],
 
 
 # -- the method ------------------------------------------------------------------------------------
-def _masked_sum_ce(logits, y, mask):
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-  return jnp.sum(jnp.where(mask, ce, 0.0))
-
-
 @register
 class Firefly(base.Method):
   """One backbone whose layers grow wider before every `grow_every`-th later stage."""
@@ -379,14 +374,14 @@ class Firefly(base.Method):
             for c in structure]
 
   def fit_batch(self, structure, params, model_state, x, y, mask, carry, task):
-    """One RMSprop step of the candidates on one batch of the pass (a `ctx.scan` body)."""
-    del task
+    """One RMSprop step of the candidates on one batch of the pass (a `ctx.scan` body): on the
+    task's loss (summed, over the batch's examples) plus the penalties."""
     o = self.opts
     scales = self.zero_scales(structure, x.dtype)
 
     def objective(cands):
       logits = self.candidate_logits(structure, params, model_state, cands, scales, x)
-      ce = _masked_sum_ce(logits, y, mask) / jnp.maximum(jnp.sum(mask), 1)
+      ce = task.summed_loss(logits, y, mask) / jnp.maximum(jnp.sum(mask), 1)
       penalty = sum(o.split_penalty * jnp.sum(c["v"] ** 2) + o.new_penalty * jnp.sum(c["a"] ** 2)
                     for c in cands)
       return ce + penalty
@@ -397,9 +392,8 @@ class Firefly(base.Method):
 
   def score_batch(self, structure, params, model_state, x, y, mask, carry, task):
     """Adds each candidate's d(summed loss)/d(scale) at scale 0 on one batch (`ctx.scan`)."""
-    del task
     cands, sums = carry
-    loss = lambda s: _masked_sum_ce(  # pylint: disable=unnecessary-lambda-assignment
+    loss = lambda s: task.summed_loss(  # pylint: disable=unnecessary-lambda-assignment
         self.candidate_logits(structure, params, model_state, cands, s, x), y, mask)
     grads = jax.grad(loss)(self.zero_scales(structure, x.dtype))
     return cands, jax.tree.map(jnp.add, sums, grads)

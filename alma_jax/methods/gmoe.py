@@ -29,6 +29,11 @@ them. Padding slots run in the programs but have weight 0; Mem and every
 FLOP count use `active_view` (the active experts only), so they equal the
 counts of an unpadded model, up to the routing arithmetic (a few FLOPs per
 example per gate).
+
+A backbone whose layers are mixtures of experts of their own (the Switch
+Transformer of the text task) is grown instead by copying its losing experts
+(`alma_jax.methods.expert_growth`, with config fields of its own: see
+`GrowingMoE.fields`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import numpy as np
 from alma_jax import fields as F
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
+from alma_jax.methods import expert_growth
 from alma_jax.methods.registry import register
 from alma_jax.models import moe
 
@@ -274,6 +280,11 @@ class GrowingMoE(base.Method):
               "one structure) or exact (no padding: one structure per split)"),
   )
 
+  @classmethod
+  def fields(cls, config) -> tuple[F.Field, ...]:
+    """`FIELDS`, or those of `expert_growth` on a backbone with experts of its own."""
+    return expert_growth.FIELDS if expert_growth.has_own_experts(config.model) else cls.FIELDS
+
   def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
     super().__init__(config, input_shape, num_classes)
     o = self.opts
@@ -281,6 +292,13 @@ class GrowingMoE(base.Method):
       raise ConfigError(
           f"config.method.max_experts={o.max_experts} is below config.method.initial_experts="
           f"{o.initial_experts}; use 0 (no limit) or at least {o.initial_experts}")
+    # The backbone's own expert layers, grown by copying experts (None: gated mixtures).
+    self.own = (expert_growth.OwnExperts(self) if expert_growth.has_own_experts(config.model)
+                else None)
+    if self.own is not None:
+      self.refuse_kept_optimizer_state("a growth changes the parameter shapes")
+      self.LEAF_AXES = self.own.leaf_axes  # pylint: disable=invalid-name
+      return
     if o.slots == "max" and not o.max_experts:
       raise ConfigError("config.method.slots='max' needs config.method.max_experts > 0; "
                         f"allowed values of config.method.slots: {list(SLOTS)}")
@@ -321,6 +339,8 @@ class GrowingMoE(base.Method):
     return moe.next_power_of_two(experts)
 
   def init(self, key: jax.Array, structure: Hashable | None = None) -> base.Learner:
+    if self.own is not None:
+      return self.own.init(key, structure)
     if structure is None or structure == ():
       structure = self.initial_structure()
     self.check_structure(structure)
@@ -331,6 +351,8 @@ class GrowingMoE(base.Method):
   def program_structure(self, structure) -> Hashable:
     """Each layer's gate features and slots: ("slots", C) or, flat, ("flat", C); the
     tree itself is in the routing arrays."""
+    if self.own is not None:
+      return structure
     out = []
     for f, tree in structure:
       if moe.is_flat(tree):
@@ -343,6 +365,8 @@ class GrowingMoE(base.Method):
 
   def active_view(self, learner: base.Learner) -> base.Learner:
     """The learner without padding slots, as shapes (`jax.ShapeDtypeStruct` leaves)."""
+    if self.own is not None:
+      return learner
     return jax.eval_shape(active_view, learner)
 
   # -- training and inference -------------------------------------------------------------------
@@ -351,10 +375,12 @@ class GrowingMoE(base.Method):
     return moe.apply(self.net, structure, params, model_state, x, train=train, hard=self.hard,
                      mask=mask, rng=rng)
 
-  def logits(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
+  def outputs(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
+    if self.own is not None:
+      return self.own.outputs(structure, params, model_state, x, train=train, mask=mask)
     logits, new_state, _ = self.forward(structure, params, model_state, x, train=train,
                                         mask=mask, rng=rng)
-    return logits, new_state
+    return logits, {}, new_state
 
   # -- inspection -----------------------------------------------------------------------------
   def gating_tree(self, learner: base.Learner, layer: int) -> dict:
@@ -382,10 +408,14 @@ class GrowingMoE(base.Method):
     """Per-slot growth scores (`split_by`) of one batch, for every mixture layer (padding
     slots score 0). Every evaluation computes them (`evaluate_batch`, from the prediction's
     forward pass), so scoring adds no program of its own."""
+    if self.own is not None:  # scored by a pass of its own (`expert_growth`)
+      return ()
     return self.evaluate_batch(structure, params, model_state, x, y, mask, task)[2]
 
   def evaluate_batch(self, structure, params, model_state, x, y, mask, task):
     """The prediction (one unit: the whole model) and the growth scores of one forward pass."""
+    if self.own is not None:
+      return super().evaluate_batch(structure, params, model_state, x, y, mask, task)
     logits, _, weights = self.forward(structure, params, model_state, x, train=False)
     logp = jax.nn.log_softmax(logits)
     _, nll = task.per_example(logp, y)
@@ -416,6 +446,8 @@ class GrowingMoE(base.Method):
 
   def before_stage(self, learner: base.Learner, key: jax.Array, ctx) -> base.Learner:
     """Splits the losing experts, scored on the new stage's validation data, before it trains."""
+    if self.own is not None:
+      return self.own.before_stage(learner, key, ctx)
     if not self.should_grow(ctx.stage):
       return learner
     scores = ctx.eval_aux(learner, np.asarray(ctx.val_idx, np.int32))
@@ -427,6 +459,8 @@ class GrowingMoE(base.Method):
     return base.count_params(self.active_view(learner).params)
 
   def describe(self, learner: base.Learner) -> dict:
+    if self.own is not None:
+      return self.own.describe(learner)
     structure = learner.structure
     return {"num_params": self.num_params(learner),
             "experts": experts_per_layer(structure),

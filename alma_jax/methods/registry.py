@@ -1,7 +1,14 @@
-"""Methods by name: `config.method.name` -> a `Method` subclass."""
+"""Methods by name: `config.method.name` -> a `Method` subclass.
+
+A task may name a method on it by an alias of its own (`Task.METHOD_ALIASES`:
+`lm_sm` is SM on text); an alias is a valid `config.method.name` and gives
+the method it stands for.
+"""
 
 from __future__ import annotations
 
+from alma_jax import fields
+from alma_jax import tasks
 from alma_jax.errors import ConfigError
 
 _REGISTRY: dict[str, type] = {}
@@ -16,14 +23,23 @@ def register(cls: type) -> type:
 
 
 def names() -> list[str]:
-  return sorted(_REGISTRY)
+  """The valid `config.method.name` values: the methods and the tasks' aliases of them."""
+  return sorted(set(_REGISTRY) | set(tasks.method_aliases()))
 
 
 def get(name: str) -> type:
-  """The method class registered under `name`."""
+  """The method class registered under `name` (or under the method an alias stands for)."""
+  alias = tasks.method_aliases().get(name)
+  if alias is not None:
+    name = alias[0]
   if name not in _REGISTRY:
     raise ConfigError(f"config.method.name={name!r} is unknown; valid names: {names()}")
   return _REGISTRY[name]
+
+
+def fields_for(config) -> tuple[fields.Field, ...]:
+  """The config fields of `config`'s method (`Method.fields`)."""
+  return get(config.method.name).fields(config)
 
 
 def make(config, input_shape, num_classes):

@@ -1,4 +1,8 @@
-"""SM: a single model fine-tuned (or retrained) on each stage's data (paper section 4.1)."""
+"""SM: a single model fine-tuned (or retrained) on each stage's data (paper section 4.1).
+
+On text (the Switch Transformer) this is the paper's SM with E experts per block; the
+task's loss adds the backbone's load-balancing loss.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +25,6 @@ class SingleModel(base.SingleBackbone, base.Method):
     params, model_state = self.init_backbone(key)
     return base.Learner(params=params, model_state=model_state, structure=())
 
-  def logits(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
+  def outputs(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
     del structure, rng
-    return self.apply_backbone(params, model_state, x, train=train, mask=mask)
+    return self.forward_backbone(params, model_state, x, train=train, mask=mask)

@@ -28,16 +28,24 @@ The load-balancing loss of a layer is `E * sum_e f_e * P_e`, f_e the
 fraction of the (unmasked) tokens whose top-1 expert is e and P_e their mean
 router probability of e: 1 for uniform routing, E when every token goes to
 one expert with probability 1. The model returns the sum over layers.
+
+The model declares its expert layers to gMoE (`alma_jax.methods.gmoe`), which
+grows them instead of adding gated mixtures of its own: `copy_experts` (a
+function-preserving copy of chosen experts of every block) and
+`expert_losses` (the loss routed to each expert), and `LEAF_AXES` (the
+experts' axis, for sharding).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PRESETS = {
     # name: (layers, model dimension, heads, feed-forward dimension of an expert)
@@ -157,6 +165,75 @@ class Block(nn.Module):
     return x + y, balance, experts
 
 
+# -- growth of the experts ------------------------------------------------------------------------
+def blocks(params) -> list[str]:
+  """The names of the blocks in a model's params, in order."""
+  return sorted((k for k in params if k.startswith("block")), key=lambda k: int(k[5:]))
+
+
+def experts_per_block(params) -> int:
+  """The experts per block of a model's params."""
+  return int(params[blocks(params)[0]]["moe"]["router_bias"].shape[0])
+
+
+def copy_experts(params: dict[str, Any], experts: Sequence[int] | Sequence[Sequence[int]],
+                 key: jax.Array, noise: float = 0.0) -> dict[str, Any]:
+  """Appends a copy of `experts` (their weights and router columns) to every block.
+
+  Args:
+    params: a model's params (not modified).
+    experts: the experts to copy: one list for every block, or a list per
+      block (the same length for all); distinct indices.
+    key: PRNG key of the perturbation.
+    noise: standard deviation of a Gaussian perturbation of the copies'
+      router columns (0: none).
+
+  Returns:
+    The params of a model with `num_experts + k` experts per block: the
+    copies are appended on the expert axis. The router bias of every copied
+    expert and of its copy is lowered by log 2, so the router probabilities
+    of all other experts are unchanged and the pair's sum is the original's;
+    with `noise` 0 the pair's logits tie, so the router treats them as one
+    expert (`route`): the tokens keep their expert and scale, and the layer
+    computes the same function.
+  """
+  names, num = blocks(params), experts_per_block(params)
+  per_block = [list(experts)] * len(names) if all(
+      isinstance(e, (int, np.integer)) for e in experts) else [list(e) for e in experts]
+  if len(per_block) != len(names) or len({len(e) for e in per_block}) != 1:
+    raise ValueError(f"copy_experts: expected one list of experts, or one per block "
+                     f"({len(names)}) of the same length; got {experts!r}")
+  for e in per_block:
+    if len(set(e)) != len(e) or not all(0 <= int(i) < num for i in e):
+      raise ValueError(f"copy_experts: experts {e} must be distinct indices in [0, {num})")
+  params = dict(params)
+  for b, (name, idx) in enumerate(zip(names, per_block)):
+    idx = jnp.asarray(idx, jnp.int32)
+    moe = dict(params[name]["moe"])
+    for leaf in [k for k in moe if k.startswith("expert_")]:
+      moe[leaf] = jnp.concatenate([moe[leaf], moe[leaf][idx]], axis=0)
+    kernel = moe["router_kernel"]
+    cols = kernel[:, idx]
+    if noise:
+      cols = cols + noise * jax.random.normal(jax.random.fold_in(key, b), cols.shape, cols.dtype)
+    moe["router_kernel"] = jnp.concatenate([kernel, cols], axis=1)
+    bias = moe["router_bias"].at[idx].add(-math.log(2.0))
+    moe["router_bias"] = jnp.concatenate([bias, bias[idx]])
+    params[name] = {**params[name], "moe": moe}
+  return params
+
+
+def expert_losses(experts: jax.Array, nll: jax.Array, mask: jax.Array,
+                  num_experts: int) -> jax.Array:
+  """(blocks, E): the summed token NLL routed to each expert of each block.
+
+  `experts` (blocks, b, L) the routed expert of every token (`aux["experts"]`),
+  `nll` (b, L), `mask` (b,) the real sequences.
+  """
+  w = nll * mask[:, None].astype(nll.dtype)
+  return jnp.einsum("nble,bl->ne", jax.nn.one_hot(experts, num_experts, dtype=nll.dtype), w)
+
+
 class SwitchTransformer(nn.Module):
   """Decoder-only Switch Transformer: tokens (b, L) -> (logits (b, L, V), aux).
 
@@ -165,6 +242,11 @@ class SwitchTransformer(nn.Module):
   marks the real sequences of a padded batch (they alone take capacity and
   count in the balance loss).
   """
+
+  # The expert layers, for gMoE and the shardings (see the module docstring).
+  LEAF_AXES = ((r"\['expert_", ("expert",)),)  # the stacked experts of every block
+  copy_experts = staticmethod(copy_experts)
+  expert_losses = staticmethod(expert_losses)
 
   vocab_size: int
   max_len: int

@@ -1,35 +1,87 @@
-"""Tasks: what a batch of the stream means, behind two functions.
+"""Tasks: what a batch of the stream means, by name.
 
-A task turns indices of the resident data into model inputs and targets
-(`inputs`) and scores log-probabilities against targets (`per_example`: the
-error and negative log-likelihood of every example). The loop, the stage and
-the compiled steps see nothing else of the data, so a new kind of data (text
-for language models) is a new task, not a change of the loop. A task also
-loads its data (`load`) and puts it in the form its `inputs` reads
-(`device_data`).
+A task (`alma_jax.tasks.base.Task`) owns what depends on the kind of data:
+its config fields, loading the data, model inputs and targets, the training
+loss, each example's error and NLL, and the fields it adds to records,
+summaries and log lines. The loop, the stage, the compiled steps and the
+methods see nothing else of the data, so a new kind of data is a new task
+(one file, `register`ed), not a change of the loop or of a method.
+
+The task of a config follows its data: the first registered task that claims
+it (`Task.claims`: `data.name` in its `DATASETS`, or a `data.text_file` for
+text); else the task that a method alias stands for (`Task.METHOD_ALIASES`,
+e.g. `lm_sm`); else the one task its backbone serves (`Task.BACKBONES`); else
+images.
 """
 
-from alma_jax import methods
+from __future__ import annotations
+
+from alma_jax import fields
+from alma_jax.errors import ConfigError
+from alma_jax.tasks import base
+from alma_jax.tasks import images
 from alma_jax.tasks import text
+from alma_jax.tasks.base import Task
 from alma_jax.tasks.images import ImageTask
 from alma_jax.tasks.text import TextTask
 
-TASKS = {"images": ImageTask, "text": TextTask}
+DEFAULT = "images"
+TASKS: dict[str, type] = {}
 
 
-def name_for(config) -> str:
-  """The task of `config`'s method: "images" or "text" (`Method.task`)."""
-  return methods.get(config.method.name).task
+def register(cls: type) -> type:
+  """Makes task class `cls` available under `cls.name` (a class decorator)."""
+  if cls.name in TASKS and TASKS[cls.name] is not cls:
+    raise ValueError(f"task name {cls.name!r} registered twice")
+  TASKS[cls.name] = cls
+  return cls
 
 
-def for_config(config):
-  """The task of `config`: image classification, or language modelling for the lm_ methods."""
-  return TASKS[name_for(config)].from_config(config)
+register(ImageTask)
+register(TextTask)
 
 
-def fields_for(method: str) -> tuple:
-  """The config fields a task adds to the base fields (the text setting's; none for images)."""
-  return text.FIELDS if methods.get(method).task == "text" else ()
+def method_aliases() -> dict[str, tuple[str, str]]:
+  """{method alias: (the method's name, the task's name)} over the registered tasks."""
+  return {alias: (method, cls.name) for cls in TASKS.values()
+          for alias, method in cls.METHOD_ALIASES.items()}
 
 
-__all__ = ["ImageTask", "TextTask", "TASKS", "for_config", "fields_for", "name_for"]
+def task_class(config) -> type:
+  """The task class of `config` (see the module docstring)."""
+  for cls in TASKS.values():
+    if cls.claims(config):
+      return cls
+  alias = method_aliases().get(fields.lookup(config, "method.name", ""))
+  if alias is not None:
+    return TASKS[alias[1]]
+  model = fields.lookup(config, "model.name", "")
+  serving = [cls for cls in TASKS.values() if model in cls.BACKBONES]
+  return serving[0] if len(serving) == 1 else TASKS[DEFAULT]
+
+
+def for_config(config) -> Task:
+  """The task of `config`."""
+  return task_class(config).from_config(config)
+
+
+def check(config) -> None:
+  """That `config`'s method alias (if any) names its task, that its backbone serves the task,
+  and the task's own checks."""
+  cls = task_class(config)
+  alias = method_aliases().get(config.method.name)
+  if alias is not None and alias[1] != cls.name:
+    raise ConfigError(f"config.method.name={config.method.name!r} is {alias[0]} on "
+                      f"{alias[1]}, but config.data.name={config.data.name!r} is {cls.name} "
+                      f"data; use config.method.name={alias[0]!r}")
+  base.check_backbone(cls, config)
+  cls.check(config)
+
+
+def summary_stats() -> tuple[tuple[str, str, str], ...]:
+  """The summary fields of every registered task that the report's table shows."""
+  return tuple(s for cls in TASKS.values() for s in cls.SUMMARY_STATS)
+
+
+__all__ = ["Task", "ImageTask", "TextTask", "TASKS", "DEFAULT", "register", "method_aliases",
+           "task_class", "for_config", "check", "summary_stats", "base", "images", "text"]

@@ -4,6 +4,7 @@ The resident data (`DeviceData`, a pytree) holds the uint8 images and int32
 labels of both splits and the per-channel mean and standard deviation. A
 step receives index arrays only; `ImageTask.inputs` gathers, augments (in
 training, from the step's PRNG key) and normalises inside the compiled step.
+Loss, error and NLL are those of every classification task (`base.Task`).
 """
 
 from __future__ import annotations
@@ -11,12 +12,18 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
 from alma_jax.data import augment
 from alma_jax.data import images
+from alma_jax.tasks import base
+
+# Input shape and number of classes of common data sets, so that a method can be constructed
+# (and check its fields) before the data is loaded.
+KNOWN_SHAPES = {"mnist": ((28, 28, 1), 10), "fashion_mnist": ((28, 28, 1), 10),
+                "kmnist": ((28, 28, 1), 10), "cifar10": ((32, 32, 3), 10),
+                "cifar100": ((32, 32, 3), 100)}
 
 
 @struct.dataclass
@@ -80,8 +87,12 @@ def load_data(config, seeds: list[int]):
   return (dataclasses.replace(ds, **changes) if changes else ds), subsets
 
 
-class ImageTask:
+class ImageTask(base.Task):
   """Classification of images by argmax, trained with optional crop+flip augmentation."""
+
+  name = "images"
+  DATASETS = tuple(KNOWN_SHAPES)
+  BACKBONES = ("mlp", "vgg")
 
   def __init__(self, augmentation: str = "none"):
     if augmentation not in augment.AUGMENTATIONS:
@@ -93,24 +104,19 @@ class ImageTask:
   def from_config(cls, config) -> "ImageTask":
     return cls(config.train.augment)
 
+  @classmethod
+  def known_shape(cls, config):
+    return KNOWN_SHAPES.get(config.data.name)
+
+  @classmethod
+  def check_available(cls, config) -> None:
+    base.check_dataset_available(config)
+
   load = staticmethod(load_data)
   device_data = staticmethod(device_data)
-
-  @staticmethod
-  def global_index(data: DeviceData, split: str, idx: np.ndarray) -> np.ndarray:
-    """Indices into one split -> indices into the resident data (host side)."""
-    if split not in ("train", "test"):
-      raise ValueError(f"split {split!r} is unknown; valid values: ['test', 'train']")
-    return np.asarray(idx, np.int32) + (0 if split == "train" else np.int32(data.num_train))
 
   def inputs(self, data: DeviceData, idx, rng=None):
     """(normalised inputs, labels) of resident examples `idx`; `rng`: training augmentation."""
     x = augment.prepare_batch(data.x[idx], data.mean, data.std,
                               augment=self.augmentation if rng is not None else "none", rng=rng)
     return x, data.y[idx]
-
-  def per_example(self, logp, y):
-    """(error 0/1, negative log-likelihood) of every example."""
-    errors = (jnp.argmax(logp, -1) != y).astype(jnp.float32)
-    nll = -jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0]
-    return errors, nll

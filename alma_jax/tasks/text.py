@@ -6,12 +6,18 @@ sequences first); example i is the L + 1 tokens from `starts[i]`, read as
 inputs (the first L) and targets (the last L). A step receives sequence
 indices only. `per_example` gives each sequence's token error rate and mean
 token NLL, so the loop's "accuracy" is next-token accuracy and its NLL the
-mean token NLL (perplexity = exp(NLL), capped at `MAX_PERPLEXITY`).
+mean token NLL (perplexity = exp(NLL), capped at `MAX_PERPLEXITY`). The training loss
+is the mean token cross-entropy plus `config.model.balance_weight` times the
+backbone's load-balancing loss (`aux["balance"]`, summed over its blocks).
 
 `FIELDS` are the config fields of the text setting (data, the Switch
 Transformer, fixed-step stages, the learning-rate schedule, the i.i.d.
-ablation); `defaults` sets the base fields that differ from the image
-settings (paper section 5 and Appendix B.2).
+ablation); `TextTask.defaults` sets the base fields that differ from the image
+settings (paper section 5 and Appendix B.2). The text is the task of a run
+whose data is text (`data.text_file`, or `data.name` in `TextTask.DATASETS`),
+whose backbone is the Switch Transformer, or whose method is one of the names
+`lm_sm`, `lm_ens`, `lm_gens` and `lm_gmoe` (`TextTask.METHOD_ALIASES`: SM,
+Ens, gEns and gMoE on text, the names of the language-model configs).
 """
 
 from __future__ import annotations
@@ -27,10 +33,12 @@ from absl import logging
 from flax import struct
 
 from alma_jax import fields as F
+from alma_jax import models
+from alma_jax import optim
 from alma_jax.data import text as text_data
 from alma_jax.errors import ConfigError
 from alma_jax.models import switch
-from alma_jax.tasks import images as image_task
+from alma_jax.tasks import base
 
 SCHEDULES = ("constant", "warmup_linear")
 # A record's perplexity is at most this: exp of a huge (finite) NLL overflows a float, and a capped
@@ -74,50 +82,6 @@ FIELDS = (
 )
 
 
-def defaults(c) -> None:
-  """Sets the base fields of a text config to the paper's language-model settings."""
-  c.model.name = "switch"
-  c.optimizer.name = "adam"
-  c.optimizer.kwargs = {"learning_rate": 5e-4, "b1": 0.9, "b2": 0.98, "eps": 1e-8}
-  c.optimizer.weight_decay = 0.0
-  c.optimizer.schedule = "warmup_linear"
-  c.optimizer.warmup_steps = 4000
-  c.stream.num_megabatches = 4
-  c.stream.wait = 1
-  c.stream.val_fraction = 0.01
-  c.train.batch_size = 192
-  c.train.eval_batch_size = 16
-  c.train.epochs = 1
-  c.train.patience = 1
-  c.train.steps_per_epoch = 120000
-  c.train.augment = "none"
-
-
-def check(config) -> None:
-  """The checks of a text config that tie fields together."""
-  if config.model.name != "switch":
-    raise ConfigError(f"config.model.name={config.model.name!r} cannot model text; valid "
-                      "values: ['switch']")
-  if config.train.augment != "none":
-    raise ConfigError(f"config.train.augment={config.train.augment!r} does not apply to text; "
-                      "valid values: ['none']")
-  o = config.optimizer
-  if o.schedule == "warmup_linear" and o.warmup_steps >= stage_steps(config):
-    raise ConfigError(f"config.optimizer.warmup_steps={o.warmup_steps} must be below the steps of "
-                      f"a stage ({stage_steps(config)}: config.train.epochs x "
-                      "config.train.steps_per_epoch)")
-  if o.schedule == "warmup_linear" and not config.train.steps_per_epoch:
-    raise ConfigError("config.optimizer.schedule='warmup_linear' needs a fixed number of steps "
-                      "per stage: set config.train.steps_per_epoch > 0")
-  if config.stream.iid and config.stream.wait not in (1, config.stream.num_megabatches):
-    raise ConfigError(f"config.stream.iid=True with config.stream.wait={config.stream.wait}; "
-                      f"allowed values: [1, {config.stream.num_megabatches}]")
-
-
-def stage_steps(config) -> int:
-  return int(config.train.epochs) * int(config.train.get("steps_per_epoch", 0) or 0)
-
-
 def expand_iid(c) -> None:
   """`stream.iid` with wait 1 -> wait B and B times the steps per epoch (in place; a no-op
   once expanded, so applying it twice is the same as once)."""
@@ -127,17 +91,6 @@ def expand_iid(c) -> None:
     s.wait = b
     if c.train.get("steps_per_epoch", 0):
       c.train.steps_per_epoch = int(c.train.steps_per_epoch) * b
-
-
-def check_available(config) -> None:
-  """The BPE files and the text (a file, or a tfds data set prepared or downloadable)."""
-  try:
-    text_data.bpe_dir(config.data.bpe_dir)
-  except text_data.TokenizerUnavailableError as e:
-    raise ConfigError(str(e)) from e
-  if config.data.text_file:
-    if not os.path.isfile(config.data.text_file):
-      raise ConfigError(f"config.data.text_file={config.data.text_file!r} is not a file")
 
 
 @struct.dataclass
@@ -153,19 +106,90 @@ class TextData:
     return self.num_train if split == "train" else int(self.starts.shape[0]) - self.num_train
 
 
-class TextTask:
+class TextTask(base.Task):
   """Next-token prediction on sequences of L + 1 tokens."""
 
-  def __init__(self, seq_len: int):
+  name = "text"
+  FIELDS = FIELDS
+  DATASETS = ("tiny_shakespeare",)
+  BACKBONES = ("switch",)
+  SUMMARY_STATS = (("final_perplexity", "final perplexity", "{:.2f}"),
+                   ("mean_perplexity", "mean perplexity", "{:.2f}"))
+  METHOD_ALIASES = {"lm_sm": "sm", "lm_ens": "ens", "lm_gens": "gens", "lm_gmoe": "gmoe"}
+  input_dtype = np.int32
+
+  def __init__(self, seq_len: int, balance_weight: float = 0.01):
     self.seq_len = int(seq_len)
+    self.balance_weight = float(balance_weight)
     # The test targets that an evaluation scores: their number and UTF-8 bytes (set by `load`).
     self.test_target_tokens = 0
     self.test_target_bytes = 0
 
   @classmethod
   def from_config(cls, config) -> "TextTask":
-    return cls(config.data.seq_len)
+    return cls(config.data.seq_len, config.model.get("balance_weight", 0.01))
 
+  # -- config -------------------------------------------------------------------------------
+  @classmethod
+  def claims(cls, config) -> bool:
+    return bool(F.lookup(config, "data.text_file", None)) or super().claims(config)
+
+  @classmethod
+  def defaults(cls, c) -> None:
+    """Sets the base fields of a text config to the paper's language-model settings."""
+    c.model.name = "switch"
+    c.optimizer.name = "adam"
+    c.optimizer.kwargs = {"learning_rate": 5e-4, "b1": 0.9, "b2": 0.98, "eps": 1e-8}
+    c.optimizer.weight_decay = 0.0
+    c.optimizer.schedule = "warmup_linear"
+    c.optimizer.warmup_steps = 4000
+    c.stream.num_megabatches = 4
+    c.stream.wait = 1
+    c.stream.val_fraction = 0.01
+    c.train.batch_size = 192
+    c.train.eval_batch_size = 16
+    c.train.epochs = 1
+    c.train.patience = 1
+    c.train.steps_per_epoch = 120000
+    c.train.augment = "none"
+
+  complete = staticmethod(expand_iid)
+
+  @classmethod
+  def check(cls, config) -> None:
+    """The checks of a text config that tie fields together."""
+    if config.train.augment != "none":
+      raise ConfigError(f"config.train.augment={config.train.augment!r} does not apply to "
+                        "text; valid values: ['none']")
+    o, steps = config.optimizer, optim.stage_steps(config)
+    if o.schedule == "warmup_linear" and o.warmup_steps >= steps:
+      raise ConfigError(f"config.optimizer.warmup_steps={o.warmup_steps} must be below the steps "
+                        f"of a stage ({steps}: config.train.epochs x "
+                        "config.train.steps_per_epoch)")
+    if o.schedule == "warmup_linear" and not config.train.steps_per_epoch:
+      raise ConfigError("config.optimizer.schedule='warmup_linear' needs a fixed number of steps "
+                        "per stage: set config.train.steps_per_epoch > 0")
+    if config.stream.iid and config.stream.wait not in (1, config.stream.num_megabatches):
+      raise ConfigError(f"config.stream.iid=True with config.stream.wait={config.stream.wait}; "
+                        f"allowed values: [1, {config.stream.num_megabatches}]")
+
+  @classmethod
+  def check_available(cls, config) -> None:
+    """The BPE files and the text (a file, or a tfds data set prepared or downloadable)."""
+    try:
+      text_data.bpe_dir(config.data.bpe_dir)
+    except text_data.TokenizerUnavailableError as e:
+      raise ConfigError(str(e)) from e
+    if not config.data.text_file:
+      base.check_dataset_available(config)
+    elif not os.path.isfile(config.data.text_file):
+      raise ConfigError(f"config.data.text_file={config.data.text_file!r} is not a file")
+
+  @classmethod
+  def known_shape(cls, config):
+    return (config.data.seq_len,), text_data.VOCAB_SIZE
+
+  # -- data ---------------------------------------------------------------------------------
   def load(self, config, seeds):
     """The corpus as sequences (a data set object for the loop) and each seed's subset (None)."""
     d = config.data
@@ -203,31 +227,67 @@ class TextTask:
     return TextData(tokens=ds.tokens, starts=ds.starts, num_train=ds.num_train,
                     seq_len=self.seq_len)
 
-  # The resident layout of the image task: train sequences, then test sequences.
-  global_index = staticmethod(image_task.ImageTask.global_index)
-
   def inputs(self, data: TextData, idx, rng=None):
     """(input tokens (..., L), target tokens (..., L)) of sequences `idx`."""
     del rng
     seq = data.tokens[data.starts[idx][..., None] + jnp.arange(data.seq_len + 1)]
     return seq[..., :-1], seq[..., 1:]
 
-  @staticmethod
-  def per_example(logp, y):
+  # -- models and losses ----------------------------------------------------------------------
+  def backbone(self, model_config, num_classes: int, input_shape: tuple[int, ...], **overrides):
+    """The backbone of `config.model` with position embeddings for `input_shape[0]` tokens."""
+    return models.get_backbone(model_config.name).from_config(
+        model_config, num_classes, max_len=input_shape[0], **overrides)
+
+  def aux_loss(self, aux) -> jax.Array:
+    """`config.model.balance_weight` times the load-balancing loss."""
+    return self.balance_weight * aux["balance"]
+
+  def per_example(self, logp, y):
     """(token error rate, mean token NLL) of every sequence."""
-    nll = -jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0]
-    errors = (jnp.argmax(logp, -1) != y).astype(jnp.float32)
+    nll = base.nll(logp, y)
+    errors = base.errors(logp, y)
     return jnp.mean(errors, -1), jnp.mean(nll.astype(jnp.float32), -1)
 
-  def record_metrics(self, nll: float, flops: dict) -> dict:
+  # -- records, summaries and log lines -------------------------------------------------------
+  def record_metrics(self, nll_mean: float, flops: dict) -> dict:
     """The language-model fields of a record: test NLL (nats per token), perplexity (at most
     `MAX_PERPLEXITY`), bits per byte, and the costs per token."""
-    bits = nll * self.test_target_tokens / math.log(2)
-    return {"test_nll": float(nll), "test_perplexity": perplexity(nll),
+    bits = nll_mean * self.test_target_tokens / math.log(2)
+    return {"test_nll": float(nll_mean), "test_perplexity": perplexity(nll_mean),
             "test_bits_per_byte": float(bits / self.test_target_bytes),
             "forward_macs_per_token": flops["train_macs_per_example"] / self.seq_len,
             "inference_flops_per_token": flops["inference_per_example"] / self.seq_len}
 
+  def summary(self, records) -> dict[str, float]:
+    """The test perplexity averaged over t = 1 ... B (the paper's average perplexity, one point
+    per mega-batch) and over t = 0 ... B, its final value, the same for bits per byte, and
+    the costs per token; empty when the records have no perplexity."""
+    if not records or "test_perplexity" not in records[0].extra:
+      return {}
+    ppl = [r.extra["test_perplexity"] for r in records]
+    bpb = [r.extra["test_bits_per_byte"] for r in records]
+    after = ppl[1:] or ppl
+    return {"mean_perplexity": float(sum(after) / len(after)),
+            "mean_perplexity_with_t0": float(sum(ppl) / len(ppl)),
+            "final_perplexity": float(ppl[-1]),
+            "mean_bits_per_byte": float(sum(bpb[1:] or bpb) / len(bpb[1:] or bpb)),
+            "final_bits_per_byte": float(bpb[-1]),
+            "forward_macs_per_token": float(records[-1].extra["forward_macs_per_token"]),
+            "inference_flops_per_token": float(records[-1].extra["inference_flops_per_token"])}
+
+  def progress(self, records) -> str:
+    """The test perplexity (the mean over the seeds)."""
+    if not records or "test_perplexity" not in records[0].extra:
+      return ""
+    return "test_ppl=%.3f" % float(np.mean([r.extra["test_perplexity"] for r in records]))
+
+  def summary_line(self, summary) -> str:
+    if "mean_perplexity" not in summary:
+      return ""
+    return ("perplexity: mean over t=1..B %.3f, final %.3f; bits per byte: mean %.4f"
+            % (summary["mean_perplexity"], summary["final_perplexity"],
+               summary["mean_bits_per_byte"]))
 
 def perplexity(nll: float) -> float:
   """exp(`nll`), capped at `MAX_PERPLEXITY` (with a warning: such a model has diverged)."""
