@@ -65,7 +65,8 @@ class Passes:
                            for i in range(3))
     return correct / n, nll / n, units / n
 
-  def evaluate(self, learner: Learner, split: str, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  def evaluate(self, learner: Learner, split: str,
+               idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-member (accuracy, mean NLL) of a stacked `learner`; see `evaluate_units`."""
     acc, nll, _ = self.evaluate_units(learner, split, idx)
     return acc, nll
