@@ -72,7 +72,8 @@ def stage_data(stream: Stream, t: int, wait: int, replay: float, seed: int,
       raise ValueError(f"t={t} is not a training time for wait={wait}")
     previous = t - wait
   if not 0 <= previous < t:
-    raise ValueError(f"the stage at t={t} follows one at t={previous}; expected 0 <= it < t")
+    raise ValueError(f"a stage at t={t} cannot follow one at t={previous} (the previous stage "
+                     "comes before it; 0 for none)")
   new = tuple(range(previous + 1, t + 1))
   past = range(1, previous + 1)
   rng = np.random.default_rng([seed, t])
