@@ -13,17 +13,24 @@ backend providing one (some GPU builds report none).
 
 The paper's "training TFLOPs" are forward multiply-adds times the training
 examples processed; `Count.macs` of the training loss's forward pass gives
-that per example.
+that per example. `step_flops` counts a learner's train step, forward pass
+and prediction this way; `PassCosts` adds up the passes over data that growth
+runs (`alma_jax.passes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from alma_jax.methods.base import Learner
+from alma_jax.programs import Batch, Programs, TrainState
 
 ELEMENTWISE = frozenset({
     "abs", "acos", "acosh", "add", "add_any", "asin", "asinh", "atan", "atan2", "atanh", "cbrt",
@@ -125,3 +132,70 @@ def _count_jaxpr(jaxpr) -> Count:
 def count(fn: Callable, *args) -> Count:
   """FLOPs and MACs of `fn(*args)`; `args` may be arrays or `jax.ShapeDtypeStruct`s."""
   return _count_jaxpr(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+# -- the costs of a run's programs ---------------------------------------------------------------
+def step_flops(programs: Programs, learner: Learner) -> dict[str, float]:
+  """FLOP and multiply-add counts for one (unstacked) learner's structure.
+
+  `train_step`: one train step (forward, backward and update) on a batch;
+  `train_step_forward`: the forward pass of the training loss alone;
+  `train_macs_per_example`: the forward multiply-adds of the training loss
+  per training example (what the paper's "training FLOPs" count);
+  `inference_per_example`: predicting one example.
+  Counted from the traced computations, the same on every backend, for the
+  learner's active parts (`Method.active_view`): padding slots that the
+  compiled programs also compute are not counted.
+  """
+  method = programs.method
+  learner = method.active_view(learner)  # may be shapes alone
+  structure = method.program_structure(learner.structure)
+  trainable, frozen = jax.eval_shape(method.partition, learner)
+  d, b = method.num_data_orders(structure), programs.batch_size
+  spec = jax.ShapeDtypeStruct
+  state = TrainState(trainable, frozen, learner.model_state,
+                     jax.eval_shape(programs.tx.init, trainable))
+  rng = jax.eval_shape(lambda: jax.random.key(0))
+  idx, mask = spec((d, b), jnp.int32), spec((d, b), jnp.bool_)
+  train = count(programs.step_body(structure), state, programs.data, idx, mask, rng)
+  if train.flops <= 0:
+    raise ValueError(f"counting the FLOPs of {method.name!r}'s train step found no arithmetic; "
+                     "its loss must use differentiable array operations")
+  x, y = jax.eval_shape(programs.task.inputs, programs.data, idx)
+
+  def forward(trainable, frozen, model_state, x, y, mask, rng):
+    return method.loss(structure, trainable, frozen, model_state, x, y, mask, rng)[0]
+
+  fwd = count(forward, trainable, frozen, learner.model_state, x, y, mask, rng)
+  eb = programs.eval_batch_size
+  xe = spec((eb,) + tuple(x.shape[2:]), x.dtype)
+  infer = count(functools.partial(method.predict, structure), learner.params,
+                learner.model_state, xe)
+  return {"train_step": train.flops, "train_step_forward": fwd.flops,
+          "train_macs_per_example": fwd.macs / b, "inference_per_example": infer.flops / eb}
+
+
+class PassCosts:
+  """The FLOPs of the passes over data that growth runs, added up as they run.
+
+  A pass's cost per batch is counted once per (kind, function, structure),
+  over the learner's active parts (`Method.active_view`); `total` is the sum
+  over every batch run so far.
+  """
+
+  def __init__(self, method, data):
+    self.method, self.data = method, data
+    self._per_batch: dict[tuple, float] = {}
+    self.total = 0.0
+
+  def add(self, kind: str, fn: Callable, learner: Learner, build: Callable, batch: Batch,
+          carry: Any = ()) -> None:
+    """Adds one batch of the pass `kind` of `fn`; `build(structure)` is the pass's body."""
+    key = (kind, fn, learner.structure)
+    if key not in self._per_batch:
+      view = self.method.active_view(learner)
+      args = (view.params, view.model_state, self.data, batch) + ((carry,) if kind == "scan"
+                                                                   else ())
+      self._per_batch[key] = count(build(self.method.program_structure(view.structure)),
+                                   *args).flops
+    self.total += self._per_batch[key]

@@ -21,10 +21,12 @@ from alma_jax import fields as F
 from alma_jax import methods
 from alma_jax import models
 from alma_jax import optim
+from alma_jax import policies
 from alma_jax import sharding
 from alma_jax import tasks
 from alma_jax.data import augment
 from alma_jax.data import images
+from alma_jax.errors import ConfigError
 from alma_jax.models import conv
 from alma_jax.models import inits
 
@@ -33,6 +35,13 @@ DISTRIBUTED = ("auto", "yes", "no")
 # JAX's PRNG keys hold 32 bits of a seed: larger seeds would repeat smaller ones.
 MAX_SEED = 2**32 - 1
 _MNIST_OR = lambda mnist, other: F.ByDataset({"mnist": mnist}, other)  # pylint: disable=invalid-name
+
+
+def _optional_boolean(path: str, v):
+  if v is not None and not isinstance(v, bool):
+    raise ConfigError(f"config.{path}={v!r} must be true, false or None, got {type(v).__name__}")
+  return v
+
 
 BASE_FIELDS = (
     F.Field("seed", 0, F.integer(0, hi=MAX_SEED),
@@ -60,8 +69,15 @@ BASE_FIELDS = (
             "waiting time w: training at t = w, 2w, ..., B; must divide B"),
     F.Field("stream.replay", 0.0, F.number(0.0, 1.0),
             "fraction of all earlier mega-batches added to each stage"),
-    F.Field("stream.init_from_scratch", False, F.boolean(),
-            "re-initialise before each stage instead of fine-tuning"),
+    F.Field("stream.warm_start", "finetune", F.choice(policies.stage_names, "names"),
+            "how each stage starts (`alma_jax/policies/`): finetune (from the learner as the "
+            "previous stage left it) or scratch (re-initialised; gEns: its new members fresh)"),
+    F.Field("stream.init_from_scratch", None, F.Check(_optional_boolean, bool),
+            "the older spelling of stream.warm_start: True selects scratch (None: follows "
+            "stream.warm_start; a contradiction is an error)"),
+    F.Field("stream.wait_policy", "fixed", F.choice(policies.wait_names, "names"),
+            "when the learner trains (`alma_jax/policies/`): fixed (every stream.wait "
+            "mega-batches)"),
     # -- model
     F.Field("model.name", _MNIST_OR("mlp", "vgg"), F.choice(lambda: models.BACKBONES, "names"),
             "backbone"),
@@ -152,6 +168,9 @@ BASE_FIELDS = (
 )
 
 BASE_FIELDS_BY_PATH = {f.path: f for f in BASE_FIELDS}
+# Fields declared after runs were written: a resolved config that lacks one (a workdir's
+# config.json) ran as its default does, so absent and default are the same run.
+ADDED_FIELDS = ("stream.warm_start", "stream.wait_policy")
 
 
 def resumable_paths() -> tuple[str, ...]:

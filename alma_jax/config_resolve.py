@@ -82,9 +82,11 @@ def resolved_dict(config_arg: str, args: Sequence[str] = ()) -> dict:
 
 
 def config_hash(config: dict, length: int = 8) -> str:
-  """Hex digest of `config` (a resolved dict) without the fields that may change on resume."""
+  """Hex digest of `config` (a resolved dict) without the fields that may change on resume
+  (nor the fields added since earlier runs, at their defaults: their hashes stay)."""
   flat = {k: v for k, v in workdir.flatten(config).items()
-          if k not in config_lib.resumable_paths()}
+          if k not in config_lib.resumable_paths()
+          and not workdir.added_field_at_default(k, v, config)}
   text = json.dumps(flat, sort_keys=True, default=repr)
   return hashlib.sha256(text.encode()).hexdigest()[:length]
 

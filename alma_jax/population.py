@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from alma_jax import programs
 from alma_jax.methods.base import Learner
 
 PyTree = Any
@@ -23,19 +24,19 @@ def size(tree: PyTree) -> int:
   return int(jax.tree.leaves(tree)[0].shape[0])
 
 
+# Trees of one structure -> one tree with a leading axis: one program for the whole tree (not
+# one per leaf shape), reused while the shapes stay.
+stack_trees = programs.utility(lambda *trees: jax.tree.map(lambda *a: jnp.stack(a), *trees),
+                               "stack")
+
+
 def stack(learners: Sequence[Learner]) -> Learner:
   """Learners of one structure -> one learner with a leading population axis."""
   structures = {l.structure for l in learners}
   if len(structures) != 1:
     raise ValueError(f"the learners of a population must share one structure; got {structures}")
-  params, model_state = _stack_trees(*[(l.params, l.model_state) for l in learners])
+  params, model_state = stack_trees(*[(l.params, l.model_state) for l in learners])
   return Learner(params=params, model_state=model_state, structure=learners[0].structure)
-
-
-@jax.jit
-def _stack_trees(*trees):
-  # One program for the whole tree (not one per leaf shape), reused while the shapes stay.
-  return jax.tree.map(lambda *a: jnp.stack(a), *trees)
 
 
 def unstack(tree: PyTree, i: int) -> PyTree:

@@ -2,7 +2,8 @@
 
 The learner waits `w` mega-batches between updates: it trains at
 t = w, 2w, ..., B on the w new mega-batches plus, with replay, a fraction of
-all earlier ones.
+all earlier ones. The loop asks a waiting policy (`alma_jax.policies`) when
+to train; the fixed wait is this one.
 """
 
 from __future__ import annotations
@@ -54,20 +55,27 @@ def _replay_sample(arrays, fraction: float, rng: np.random.Generator) -> np.ndar
   return np.sort(rng.choice(pool, size=k, replace=False)).astype(np.int32)
 
 
-def stage_data(stream: Stream, t: int, wait: int, replay: float, seed: int) -> StageData:
+def stage_data(stream: Stream, t: int, wait: int, replay: float, seed: int,
+               previous: int | None = None) -> StageData:
   """The data of the stage that trains at time `t`.
 
-  The stage holds the w mega-batches t-w+1 ... t and, with `replay` > 0, a
-  uniformly drawn `replay` fraction of the examples of all earlier
-  mega-batches (1.0 = everything seen so far, 0.0 = only the new data). The
-  validation set follows the same rule with the validation parts.
+  The stage holds the mega-batches that arrived since the previous stage,
+  `previous` + 1 ... t (None: the fixed wait's t-w+1 ... t), and, with
+  `replay` > 0, a uniformly drawn `replay` fraction of the examples of all
+  earlier mega-batches (1.0 = everything seen so far, 0.0 = only the new
+  data). The validation set follows the same rule with the validation parts.
   """
   if not 0.0 <= replay <= 1.0:
     raise ValueError(f"config.stream.replay must be in [0, 1], got {replay}")
-  if not is_training_time(t, wait):
-    raise ValueError(f"t={t} is not a training time for wait={wait}")
-  new = tuple(range(t - wait + 1, t + 1))
-  past = range(1, t - wait + 1)
+  if previous is None:
+    if not is_training_time(t, wait):
+      raise ValueError(f"t={t} is not a training time for wait={wait}")
+    previous = t - wait
+  if not 0 <= previous < t:
+    raise ValueError(f"a stage at t={t} cannot follow one at t={previous} (the previous stage "
+                     "comes before it; 0 for none)")
+  new = tuple(range(previous + 1, t + 1))
+  past = range(1, previous + 1)
   rng = np.random.default_rng([seed, t])
   replay_train = _replay_sample([stream.train[i - 1] for i in past], replay, rng)
   replay_val = _replay_sample([stream.val[i - 1] for i in past], replay, rng)

@@ -10,7 +10,8 @@ The same events count compiled programs: every XLA executable the process
 builds or loads from the persistent compilation cache (`xla_programs`,
 eager operations included), those of the run's steps (`step_programs`:
 programs whose function is named `STEP_PREFIX` + kind, see
-`alma_jax.steps`), and the persistent cache's requests and hits.
+`alma_jax.programs`), and the persistent cache's requests and hits.
+`seconds_per_step` times a compiled train call.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import contextlib
 import os
 import threading
 import time
+from typing import Any
 
+import jax
+import numpy as np
 from jax import monitoring
 
 COMPILE_EVENTS = frozenset({
@@ -141,3 +145,23 @@ class Breakdown:
     requests = out["compile_cache_requests"]
     out["compile_cache_hit_rate"] = out["compile_cache_hits"] / requests if requests else 0.0
     return out
+
+
+def seconds_per_step(programs: Any, learner: Any, repeats: int = 3) -> float:
+  """Times the compiled train call of a stacked `learner` on dummy indices (it is untouched):
+  the median of `repeats` calls after the one that compiles, per step.
+
+  `programs`: the run's `alma_jax.programs.Programs`.
+  """
+  num = int(jax.tree.leaves(learner.params)[0].shape[0])
+  k = programs.steps_per_call
+  batch = programs.timing_batch(num, programs.method.num_data_orders(learner.structure))
+  keys = jax.random.split(jax.random.key(0), num)
+  state, times = programs.init_state(learner), []
+  for r in range(repeats + 1):
+    t0 = time.monotonic()
+    state, losses, _ = programs.train_call(learner.structure, state, batch, keys, np.uint32(r))
+    jax.block_until_ready(losses)
+    if r:  # the first call compiles
+      times.append(time.monotonic() - t0)
+  return float(np.median(times)) / k

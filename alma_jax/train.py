@@ -29,7 +29,8 @@ from alma_jax import population
 from alma_jax import timing
 from alma_jax.errors import divergence_error
 from alma_jax.methods.base import Learner
-from alma_jax.steps import Batch, Steps, TrainState, call_counter
+from alma_jax.programs import Batch, TrainState, call_counter
+from alma_jax.steps import Steps
 
 
 @dataclasses.dataclass(frozen=True)

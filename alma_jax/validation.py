@@ -21,6 +21,7 @@ from alma_jax import config_lib
 from alma_jax import fields
 from alma_jax import methods
 from alma_jax import optim
+from alma_jax import policies
 from alma_jax import sharding
 from alma_jax import tasks
 from alma_jax.errors import ConfigError
@@ -136,7 +137,8 @@ def validate_data(config, num_train: int, stream) -> None:
 
 
 def complete(config):
-  """A copy of `config` with every declared field that it lacks set to its default."""
+  """A copy of `config` with every declared field that it lacks set to its default (and
+  `stream.init_from_scratch` made to agree with `stream.warm_start`)."""
   c = config.copy_and_resolve_references()
   with c.unlocked():
     dataset = fields.lookup(c, "data.name", "")
@@ -146,4 +148,5 @@ def complete(config):
     fields.fill(c, methods.fields_for(c), dataset, overwrite=False)
     fields.fill(c, task.FIELDS, dataset, overwrite=False)
     task.complete(c)
+    policies.resolve_warm_start(c)
   return c

@@ -162,14 +162,26 @@ def _is_nan(v) -> bool:
   return isinstance(v, float) and math.isnan(v)
 
 
+def added_field_at_default(path: str, value: Any, config: dict) -> bool:
+  """Whether `path` is a field declared after runs were written (`config_lib.ADDED_FIELDS`)
+  and `value` is its default in `config`: a config lacking it ran the same way."""
+  if path not in config_lib.ADDED_FIELDS:
+    return False
+  dataset = config.get("data", {}).get("name", "")
+  return value == config_lib.BASE_FIELDS_BY_PATH[path].default_for(dataset)
+
+
 def config_diff(old: dict, new: dict, ignore: Sequence[str] | None = None) -> list[str]:
-  """'config.path: old → new' for every differing field (dotted paths) but the resumable ones."""
+  """'config.path: old → new' for every differing field (dotted paths) but the resumable ones
+  (and fields added since `old` was written, at their defaults)."""
   ignore = config_lib.resumable_paths() if ignore is None else ignore
   a, b = flatten(old), flatten(new)
   absent = "<absent>"
   diffs = []
   for k in sorted(set(a) | set(b)):
     if k in ignore:
+      continue
+    if k not in a and added_field_at_default(k, b[k], new):
       continue
     va, vb = a.get(k, absent), b.get(k, absent)
     if va != vb and not (_is_nan(va) and _is_nan(vb)):

@@ -1,4 +1,4 @@
-"""Killed or interrupted runs resume to the same outputs (alma_jax/run.py, io_utils.py).
+"""Killed or interrupted runs resume to the same outputs (alma_jax/run.py, observers/, io_utils.py).
 
 The subprocess runs use the testing hook of `alma_jax/run.py`: the environment
 variable ALMA_JAX_TEST_KILL_AT names the point at which the process sends
@@ -16,6 +16,7 @@ from alma_jax import checkpoint
 from alma_jax import config_lib
 from alma_jax import io_utils
 from alma_jax import run
+from alma_jax.observers import checkpoints
 from tests import helpers
 from tests.conftest import requires_mnist
 
@@ -119,9 +120,7 @@ def test_sigint_finishes_the_checkpoint_write_then_stops(baseline, tmp_path, mon
 def test_checkpoint_times():
   c = config_lib.base_config("mnist")
   c.stream.num_megabatches, c.stream.wait, c.checkpoint.every = 12, 2, 2
-  saved = [t for t in range(13)
-           if run._should_checkpoint(c, t, t > 0 and t % 2 == 0, 12)]  # pylint: disable=protected-access
-  assert saved == [0, 4, 8, 12]  # t=0, every 2nd stage (stages at 2, 4, ...), and t=B
+  due = lambda t: checkpoints.due(c, t, t // 2, t > 0 and t % 2 == 0, 12)  # stages at 2, 4, ...
+  assert [t for t in range(13) if due(t)] == [0, 4, 8, 12]  # t=0, every 2nd stage, and t=B
   c.checkpoint.every = 1
-  assert [t for t in range(13) if run._should_checkpoint(c, t, t > 0 and t % 2 == 0, 12)] == [
-      0, 2, 4, 6, 8, 10, 12]
+  assert [t for t in range(13) if due(t)] == [0, 2, 4, 6, 8, 10, 12]

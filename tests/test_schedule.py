@@ -58,3 +58,16 @@ def test_replay_out_of_range():
   s = make_stream(100, 4, 0.1, seed=0)
   with pytest.raises(ValueError, match="config.stream.replay"):
     schedule.stage_data(s, 2, 1, 1.5, seed=0)
+
+
+def test_a_stage_trains_on_the_megabatches_since_the_previous_one():
+  s = make_stream(1000, 10, 0.1, seed=0)
+  fixed = schedule.stage_data(s, 6, 2, 0.5, seed=0)
+  after_4 = schedule.stage_data(s, 6, 2, 0.5, seed=0, previous=4)
+  np.testing.assert_array_equal(fixed.train, after_4.train)  # the fixed wait's rule
+  np.testing.assert_array_equal(fixed.val, after_4.val)
+  st = schedule.stage_data(s, 6, 2, 0.0, seed=0, previous=1)  # any times: not a multiple of w
+  assert st.new_megabatches == (2, 3, 4, 5, 6)
+  np.testing.assert_array_equal(np.sort(st.train), np.sort(np.concatenate(s.train[1:6])))
+  with pytest.raises(ValueError, match="cannot follow one at t=6"):
+    schedule.stage_data(s, 6, 2, 0.0, seed=0, previous=6)

@@ -83,7 +83,7 @@ def test_meshes_give_the_same_parameters_and_metrics(name, caplog):
     specs = _specs(state)
     for path, spec in CASES[name][1].items():
       assert specs[path] == (spec if mesh == "4 data x 2 model" else P()), (mesh, path)
-    train_batch = next(v for k, v in steps._cache.items() if k[0] == "train").in_shardings[2]
+    train_batch = next(v for k, v in steps.programs.cache.items() if k[0] == "train").in_shardings[2]
     assert train_batch.idx.spec[-1] == "data"  # the batch is split over the data axis
   if name == "ens":
     assert "['dense0']['kernel'] (dimension 1, member, size 3 on model=2)" in warned

@@ -1,0 +1,95 @@
+"""The interface between the stream loop and its outputs, and the fan-out to all of them."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Sequence
+
+import numpy as np
+
+from alma_jax import interrupts
+from alma_jax import timing
+from alma_jax.checkpoint import Snapshot
+from alma_jax.metrics import Record
+from alma_jax.run_state import RunState
+
+
+class Observer:
+  """What the stream loop tells an output; every hook does nothing by default."""
+
+  def on_start(self, state: RunState, snapshot: Snapshot | None) -> None:
+    """The run starts afresh (`snapshot` None) or resumes from `snapshot`, whose records
+    `state.logs` holds: make the outputs match them. Inside a critical section."""
+
+  def on_epoch(self, t: int, epoch: int, loss: np.ndarray, val_accuracy: np.ndarray,
+               ran: np.ndarray) -> None:
+    """An epoch of the stage at `t` ended: each seed's mean training loss and validation
+    accuracy, and which seeds trained in it. Inside a critical section."""
+
+  def on_record(self, state: RunState, records: list[Record]) -> None:
+    """The records of time step `state.t`, one per seed (already in `state.logs`). Inside
+    one critical section with the other observers' writes of the same records."""
+
+  def on_step(self, state: RunState) -> None:
+    """Time step `state.t` is over; its records are written."""
+
+  def on_end(self, state: RunState) -> dict[str, Any] | None:
+    """The stream is over; the observer that writes the summary returns it."""
+    del state
+    return None
+
+  def on_interrupt(self) -> bool:
+    """A signal stops the run; returns whether the last complete checkpoint changed."""
+    return False
+
+  def close(self) -> None:
+    """The run is over (or failed); called once, last."""
+
+
+class Observers:
+  """Tells every observer, in order.
+
+  The writes of one record (`record`) or one epoch (`epoch`) form one
+  critical section, timed as I/O: a signal acts after all of them, so the
+  record's outputs are complete or, after a crash, rewritten from the
+  checkpoints. The `log` kill point (`alma_jax.interrupts`) closes a record's
+  section.
+  """
+
+  def __init__(self, observers: Sequence[Observer], signals: interrupts.Signals,
+               timer: timing.Breakdown):
+    self.observers, self.signals, self.timer = list(observers), signals, timer
+
+  def start(self, state: RunState, snapshot: Snapshot | None) -> None:
+    for o in self.observers:
+      o.on_start(state, snapshot)
+
+  def epoch(self, t: int, epoch: int, loss, val_accuracy, ran) -> None:
+    with self.timer("io_s"), self.signals.critical():
+      for o in self.observers:
+        o.on_epoch(t, epoch, loss, val_accuracy, ran)
+
+  def record(self, state: RunState, records: list[Record]) -> None:
+    with self.timer("io_s"), self.signals.critical():
+      for o in self.observers:
+        o.on_record(state, records)
+      interrupts.kill_point("log", state.t)
+
+  def step(self, state: RunState) -> None:
+    for o in self.observers:
+      o.on_step(state)
+
+  def end(self, state: RunState) -> dict[str, Any]:
+    """The summary (what the one observer that writes it returns)."""
+    results = [o.on_end(state) for o in self.observers]
+    return next(r for r in results if r is not None)
+
+  def interrupt(self) -> bool:
+    """Whether an observer changed the last complete checkpoint on the way out."""
+    return any([o.on_interrupt() for o in self.observers])
+
+  def close(self) -> None:
+    """Closes every observer, in order, even when one of them raises."""
+    with contextlib.ExitStack() as stack:
+      for o in reversed(self.observers):
+        stack.callback(o.close)

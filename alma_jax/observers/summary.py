@@ -1,0 +1,76 @@
+"""summary.json and error.png, written when the stream is over."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from absl import logging
+
+from alma_jax import interrupts
+from alma_jax import io_utils
+from alma_jax import plots
+from alma_jax import population
+from alma_jax import run_setup
+from alma_jax import workdir as wd
+from alma_jax.observers.base import Observer
+from alma_jax.observers.clock import Clock
+
+
+class Summary(Observer):
+  """The run's summary: CER, Mem, Comp and the rest of `metrics.Log.summary`, the time
+  breakdown and the compilations; with several seeds, each seed's summary in its folder and
+  their mean and standard deviation at the top. Process 0 writes it, and error.png."""
+
+  def __init__(self, setup: run_setup.Setup, signals: interrupts.Signals, clock: Clock):
+    self.setup, self.signals, self.clock = setup, signals, clock
+
+  def on_start(self, state, snapshot) -> None:
+    """A summary exists only once the run is over."""
+    s = self.setup
+    if s.primary and state.t < s.num_t:
+      for path in {s.workdir, *s.out_dirs}:
+        if os.path.exists(os.path.join(path, wd.SUMMARY_FILE)):
+          os.unlink(os.path.join(path, wd.SUMMARY_FILE))
+
+  def on_end(self, state) -> dict[str, Any]:
+    s = self.setup
+    wall_s = self.clock.elapsed()
+    per_seed = [dict(log.summary(), **s.task.summary(log.records), wall_s=wall_s)
+                for log in state.logs]
+    extra = {"timings": self.clock.timer.report(wall_s, self.clock.startup_s),
+             "num_compilations": len(self.clock.compiled()), "choices": s.choices}
+    if len(s.seeds) == 1:
+      top = dict(per_seed[0], **extra)
+    else:
+      top = dict(population.mean_summary(per_seed), seeds=s.seeds, num_seeds=len(s.seeds),
+                 per_seed=per_seed, wall_s=wall_s, **extra)
+      top.pop("wall_s_std")
+    interrupts.kill_point("summary")
+    self.signals.check()
+    with self.signals.critical():
+      if s.primary:
+        if len(s.seeds) > 1:
+          for out, summary in zip(s.out_dirs, per_seed):
+            io_utils.write_json_atomic(os.path.join(out, wd.SUMMARY_FILE), summary)
+        io_utils.write_json_atomic(os.path.join(s.workdir, wd.SUMMARY_FILE), top)
+    if s.primary:
+      self._plot_errors(state)
+    logging.info("done: %d seed(s), CER=%.4f mean_error=%.4f final_error=%.4f Mem=%d Comp=%.3e "
+                 "wall=%.1fs", len(s.seeds), top["cer"], top["mean_error"], top["final_error"],
+                 top["mem"], top["comp"], wall_s)
+    task_line = s.task.summary_line(top)
+    if task_line:
+      logging.info(task_line)
+    return top
+
+  def _plot_errors(self, state) -> None:
+    """error.png in the workdir (drawn by a child process); a failure only warns."""
+    s, c = self.setup, self.setup.config
+    path = os.path.join(s.workdir, wd.ERROR_PNG)
+    why = plots.run_error_png_in_child(
+        path, [(f"seed {sd}", [r.t for r in log.records], [r.test_error for r in log.records])
+               for sd, log in zip(s.seeds, state.logs)],
+        f"{c.data.name} {c.method.name} width={c.model.width} wait={c.stream.wait}")
+    if why is not None:
+      logging.warning("could not draw %s (%s); the run's other outputs are complete", path, why)

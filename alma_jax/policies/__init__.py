@@ -1,0 +1,27 @@
+"""Policies of the stream loop: how a learner starts a stage, and when it trains.
+
+A stage policy (`StagePolicy`, chosen by `config.stream.warm_start`) says how
+a learner starts each training stage: from what it has learnt (finetune) or
+afresh (scratch); the loop applies it to every learner of every method
+through its one hook, `StagePolicy.start_stage`. A waiting policy
+(`WaitPolicy`, chosen by `config.stream.wait_policy`) says at which time
+steps the learner trains (`WaitPolicy.trains_at`).
+
+Every module of this package is imported here, so a policy defined (and
+`@register`ed) in a new file `alma_jax/policies/<name>.py` is available by
+its name without further edits.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from alma_jax.policies.base import (StagePolicy, WaitPolicy, make_stage, make_wait, register,
+                                    resolve_warm_start, stage_names, wait_names)
+
+for _info in pkgutil.iter_modules(__path__):
+  importlib.import_module(f"{__name__}.{_info.name}")
+
+__all__ = ["StagePolicy", "WaitPolicy", "make_stage", "make_wait", "register",
+           "resolve_warm_start", "stage_names", "wait_names"]

@@ -1,0 +1,169 @@
+"""The interfaces of stage and waiting policies, their registry, and the config's alias.
+
+A new policy is one file in this package: a subclass of `StagePolicy` (or
+`WaitPolicy`) with a `name`, decorated with `@register`; the config field
+`stream.warm_start` (or `stream.wait_policy`) then takes that name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from alma_jax.errors import ConfigError
+
+PyTree = Any
+# A learner's stage key k gives fold_in(k, i): i = 1 re-initialises (a policy), 2 grows before
+# the stage (`Method.before_stage`), 3 trains, 4 grows after it (`Method.after_stage`). A policy
+# that needs keys of its own folds in FIRST_FREE_KEY or above.
+REINIT_KEY, GROWTH_KEY, FIRST_FREE_KEY = 1, 2, 5
+
+
+class StagePolicy:
+  """How a learner starts a training stage; its one hook in the loop is `start_stage`.
+
+  The loop calls `start_stage` at every stage, for every learner of the
+  population, whatever the method, and trains from what it returns. The
+  method's growth before the stage (`Method.before_stage`) runs inside the
+  hook, through `grow`, so a policy can act before growth, after it, or
+  both: e.g. the members that a gEns stage trains exist only after its
+  growth, and a re-initialisation before a gMoE split splits the fresh model.
+  `fresh_trained_units` re-initialises what a stage trains and nothing else.
+
+  Class attributes:
+    name: the registry name (`config.stream.warm_start`).
+  """
+
+  name = ""
+
+  def __init__(self, config):
+    self.config = config
+
+  def start_stage(self, method, learner, key: jax.Array, ctx, opt_state: PyTree | None):
+    """(learner, optimizer state) that the stage at `ctx.t` trains from.
+
+    Args:
+      method: the run's method (`alma_jax.methods.Method`).
+      learner: one learner (unstacked), as the previous stage left it.
+      key: this learner's key of the stage (see `REINIT_KEY`).
+      ctx: the stage's context (`alma_jax.methods.StageContext`).
+      opt_state: this learner's optimizer state after the previous stage, or None
+        (the stage then starts a fresh one; `train.keep_optimizer_state=False` also
+        discards what this returns).
+
+    The default grows (`grow`) and keeps everything else.
+    """
+    return self.grow(method, learner, key, ctx), opt_state
+
+  def grow(self, method, learner, key: jax.Array, ctx):
+    """The method's growth before the stage (`Method.before_stage`), with its key."""
+    return method.before_stage(learner, jax.random.fold_in(key, GROWTH_KEY), ctx)
+
+
+def fresh_trained_units(method, learner, key: jax.Array):
+  """`learner` with the parts that its stage trains drawn afresh, the others kept.
+
+  The parts are the method's selection units (`Method.select_units`): the
+  whole model for most methods; for gEns the members its structure marks as
+  trained (after growth: the new ones), so frozen members stay untouched. The
+  fresh values are those of `method.init(key, learner.structure)`.
+  """
+  fresh = method.init(key, learner.structure)
+  take = jnp.ones((method.num_units(learner.structure),), bool)
+  return method.select_units(learner.structure, take, fresh, learner)
+
+
+class WaitPolicy:
+  """When the learner trains: at the time steps t >= 1 where `trains_at(t, state)` holds.
+
+  A stage trains on the mega-batches that arrived since the previous stage
+  (with replay, also a fraction of the earlier ones: `alma_jax.schedule.
+  stage_data`), so a policy may choose any times.
+
+  Class attributes:
+    name: the registry name (`config.stream.wait_policy`).
+  """
+
+  name = ""
+
+  def __init__(self, config):
+    self.config = config
+
+  def trains_at(self, t: int, state) -> bool:
+    """Whether the learner trains at time step `t` >= 1; `state` is the run's state before
+    `t` (`alma_jax.run_state.RunState`: records so far, the learner, its last test errors)."""
+    raise NotImplementedError
+
+  def planned_times(self, num_megabatches: int) -> list[int]:
+    """The times the policy expects to train at, for the estimate of the training time
+    (default: every time step)."""
+    return list(range(1, num_megabatches + 1))
+
+
+# -- the registry ------------------------------------------------------------------------------
+_FIELDS = {StagePolicy: "stream.warm_start", WaitPolicy: "stream.wait_policy"}
+_REGISTRY: dict[type, dict[str, type]] = {StagePolicy: {}, WaitPolicy: {}}
+
+
+def register(cls: type) -> type:
+  """Class decorator: makes a stage or waiting policy available under `cls.name`."""
+  kind = next((k for k in _REGISTRY if issubclass(cls, k)), None)
+  if kind is None:
+    raise TypeError(f"{cls.__name__} is neither a StagePolicy nor a WaitPolicy")
+  if not cls.name:
+    raise ValueError(f"policy {cls.__name__} has no name")
+  if _REGISTRY[kind].get(cls.name, cls) is not cls:
+    raise ValueError(f"policy name {cls.name!r} registered twice")
+  _REGISTRY[kind][cls.name] = cls
+  return cls
+
+
+def stage_names() -> list[str]:
+  return sorted(_REGISTRY[StagePolicy])
+
+
+def wait_names() -> list[str]:
+  return sorted(_REGISTRY[WaitPolicy])
+
+
+def _make(kind: type, config):
+  name = config.stream.get(_FIELDS[kind].split(".")[1])
+  if name not in _REGISTRY[kind]:
+    raise ConfigError(f"config.{_FIELDS[kind]}={name!r} is unknown; valid names: "
+                      f"{sorted(_REGISTRY[kind])}")
+  return _REGISTRY[kind][name](config)
+
+
+def make_stage(config) -> StagePolicy:
+  """The stage policy that `config.stream.warm_start` names."""
+  return _make(StagePolicy, config)
+
+
+def make_wait(config) -> WaitPolicy:
+  """The waiting policy that `config.stream.wait_policy` names."""
+  return _make(WaitPolicy, config)
+
+
+# -- the older field stream.init_from_scratch ------------------------------------------------------
+def resolve_warm_start(config) -> None:
+  """Makes `stream.init_from_scratch` (the older name of `warm_start="scratch"`) and
+  `stream.warm_start` agree, in place; raises `ConfigError` when they contradict each other.
+
+  init_from_scratch unset (None) follows warm_start; True selects "scratch" (a
+  warm_start left at "finetune" cannot be told from its default, so it is read
+  as the older spelling); False (or True) with another warm_start is a
+  contradiction unless warm_start agrees.
+  """
+  s = config.stream
+  legacy, policy = s.get("init_from_scratch"), s.get("warm_start", "finetune")
+  if legacy is None:
+    s.init_from_scratch = policy == "scratch"
+  elif legacy and policy == "finetune":
+    s.warm_start = "scratch"
+  elif bool(legacy) != (policy == "scratch"):
+    raise ConfigError(
+        f"config.stream.init_from_scratch={legacy} contradicts config.stream.warm_start="
+        f"{policy!r} (init_from_scratch=True is the older spelling of warm_start='scratch'); "
+        f"set config.stream.warm_start alone; allowed values: {stage_names()}")
