@@ -152,6 +152,10 @@ BASE_FIELDS = (
     F.Field("checkpoint.enabled", True, F.boolean(), "write checkpoints", resumable=True),
     F.Field("checkpoint.max_to_keep", 3, F.integer(1), "keep the last few checkpoints",
             resumable=True),
+    F.Field("log.wandb", "", F.optional_text("a Weights & Biases project name, or '' (off)"),
+            "log to Weights & Biases (pip install wandb): the project name; each seed is one "
+            "W&B run, resumed with the run; '' turns it off",
+            resumable=True),
     F.Field("log.tensorboard", True, F.boolean(),
             "write TensorBoard event files (per time step and per epoch) into the workdir",
             resumable=True),

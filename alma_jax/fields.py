@@ -115,6 +115,15 @@ def text(what: str) -> Check:
   return Check(check, str)
 
 
+def optional_text(what: str) -> Check:
+  """A string, possibly empty (a feature turned off)."""
+  def check(path, v):
+    if not isinstance(v, str):
+      raise ConfigError(f"config.{path}={v!r} must be {what}")
+    return v
+  return Check(check, str)
+
+
 def optional_path() -> Check:
   def check(path, v):
     if v is not None and not isinstance(v, str):

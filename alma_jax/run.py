@@ -112,7 +112,8 @@ def _outputs(setup: Setup, signals: interrupts.Signals, clock: Clock,
   summary is written."""
   arch = architecture.ArchitectureLog(setup)
   checkpoints = ckpt_obs.Checkpoints(setup, signals, clock, arch)
-  told = [clock, records.RecordLog(setup), events.EventFiles(setup), arch, checkpoints,
+  told = [clock, records.RecordLog(setup), events.EventFiles(setup), events.WandbRuns(setup),
+          arch, checkpoints,
           progress.Progress(setup, clock), summary.Summary(setup, signals, clock), *extra]
   return Observers(told, signals, clock.timer), checkpoints
 

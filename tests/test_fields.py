@@ -93,7 +93,7 @@ def test_resumable_fields_are_those_declared_resumable():
       "data.data_dir", "data.cache_dir", "data.use_cache", "data.download",
       "train.progress_every_s", "train.on_divergence", "checkpoint.enabled",
       "checkpoint.max_to_keep", "checkpoint.every", "checkpoint.every_s",
-      "checkpoint.stage_every_epochs", "mesh.distributed", "log.tensorboard",
+      "checkpoint.stage_every_epochs", "mesh.distributed", "log.tensorboard", "log.wandb",
           "train.autotune", "train.cpu_fusion"}
 
 

@@ -92,6 +92,11 @@ def test_a_run_writes_events_of_its_records_and_epochs(tmp_path):
     assert {v["epoch/t"] for _, v in epochs} == {1.0, 2.0}
     assert all(0.0 <= v["epoch/val_accuracy"] <= 1.0 for _, v in epochs)
   assert not tb.event_files(workdir)  # the seeds are the runs TensorBoard shows
+  for seed in (0, 1):  # the run's config and its summary reach each seed's events
+    tags = set().union(*(t for _, _, t in tb.read_events(wd.seed_dir(workdir, seed))))
+    assert "summary/cer" in tags, sorted(tags)[:20]
+    texts = open(tb.event_files(wd.seed_dir(workdir, seed))[0], "rb").read()
+    assert b"method.name" in texts or b"method" in texts
   off = str(tmp_path / "off")
   run.run(helpers.smoke(stream__num_megabatches=2, log__tensorboard=False), off)
   assert not tb.event_files(off)

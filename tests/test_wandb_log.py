@@ -10,7 +10,10 @@ import types
 
 import pytest
 
+from alma_jax import run
 from alma_jax import wandb_log
+from tests import helpers
+from tests.conftest import requires_mnist
 
 
 def _record(t, err):
@@ -127,3 +130,22 @@ def test_an_offline_w_and_b_run_is_resumed_by_its_id(tmp_path, monkeypatch):
   for key in (b"stream/test_error", b"epoch/train_loss", b"method", b"width"):
     assert key in first, key
   assert b"cer_percent" in second and b"stream/t" in second
+
+
+@requires_mnist
+def test_a_run_with_log_wandb_logs_each_seed_and_resumes_its_w_and_b_runs(tmp_path, monkeypatch):
+  import wandb  # pylint: disable=g-import-not-at-top,unused-import
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  workdir = str(tmp_path / "run")
+  c = helpers.smoke(stream__num_megabatches=2, num_seeds=2, log__wandb="alma-tests")
+  run.run(c, workdir)
+  ids = []
+  for seed in (0, 1):
+    state = json.loads(open(os.path.join(workdir, f"seed_{seed}", wandb_log.STATE_FILE)).read())
+    assert state["last_t"] == 2
+    ids.append(state["id"])
+  run.run(c, workdir)  # resumed from its last checkpoint: the same W&B runs
+  for seed, run_id in zip((0, 1), ids):
+    state = json.loads(open(os.path.join(workdir, f"seed_{seed}", wandb_log.STATE_FILE)).read())
+    assert state["id"] == run_id

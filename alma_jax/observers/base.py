@@ -38,6 +38,9 @@ class Observer:
     del state
     return None
 
+  def on_summary(self, summary: dict[str, Any]) -> None:
+    """The run's summary, once it is written."""
+
   def on_interrupt(self) -> bool:
     """A signal stops the run; returns whether the last complete checkpoint changed."""
     return False
@@ -82,7 +85,10 @@ class Observers:
   def end(self, state: RunState) -> dict[str, Any]:
     """The summary (what the one observer that writes it returns)."""
     results = [o.on_end(state) for o in self.observers]
-    return next(r for r in results if r is not None)
+    summary = next(r for r in results if r is not None)
+    for o in self.observers:
+      o.on_summary(summary)
+    return summary
 
   def interrupt(self) -> bool:
     """Whether an observer changed the last complete checkpoint on the way out."""
