@@ -40,6 +40,7 @@ import jax
 from absl import logging
 
 from alma_jax import io_utils
+from alma_jax import models
 from alma_jax import population
 from alma_jax.data import images
 from alma_jax.methods import ensemble
@@ -86,7 +87,7 @@ def steps_per_call_rule(config=None) -> int:
 
 TUNABLES = (
     Tunable("model.conv_impl", "auto", lambda c: tuple(i for i in conv.IMPLS if i != "auto"),
-            _conv_rule, lambda c: c.model.name == "vgg"),
+            _conv_rule, lambda c: models.spec(c.model.name).conv_heavy),
     # With one member at the start both strategies run the same program.
     Tunable("method.strategy", "auto", lambda c: ("vmap", "loop"), _strategy_rule,
             lambda c: _get(c, "method.strategy") is not None and max(

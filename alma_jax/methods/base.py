@@ -255,6 +255,7 @@ class SingleBackbone:
 
   def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
     super().__init__(config, input_shape, num_classes)
+    models.check_task(config.model.name, self.task)
     self.backbone: nn.Module = models.make_backbone(config.model, num_classes)
     self._init_fn = None
 
