@@ -62,9 +62,10 @@ BASE_FIELDS = (
     # -- model
     F.Field("model.name", _MNIST_OR("mlp", "vgg"), F.choice(lambda: models.BACKBONES, "names"),
             "backbone"),
-    F.Field("model.width", 64, F.integer(1), "hidden units H (MLP) or channels C (VGG)"),
+    F.Field("model.width", 64, F.integer(1),
+            "hidden units H (MLP), channels C (VGG) or channels of the first stage (ResNet)"),
     F.Field("model.conv_impl", "auto", F.choice(conv.IMPLS),
-            "convolution gradients of convolution-heavy backbones (VGG): xla, "
+            "convolution gradients of convolution-heavy backbones (VGG, ResNet): xla, "
             "chunked_dw, or auto (chosen: see train.autotune)"),
     F.Field("model.init", "lecun", F.choice(inits.INITS),
             "initialisation: lecun (Flax: LeCun-normal kernels, zero biases) or torch (PyTorch's "

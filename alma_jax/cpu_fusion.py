@@ -11,7 +11,7 @@ device, through `config.train.cpu_fusion`:
 
   * `none`: XLA's default fusion;  `ynn`: the flag above;
   * `auto` (default): for convolution-heavy backbones (`BackboneSpec.conv_heavy`:
-    the VGG) on a CPU with `train.autotune=measure`, two child
+    the VGG, the ResNet) on a CPU with `train.autotune=measure`, two child
     processes, one per setting, each time the run's train step on its real
     shapes (synthetic data) with every candidate convolution gradient; the
     fastest pair wins, and the run then uses both (the convolution choice

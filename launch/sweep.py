@@ -24,7 +24,7 @@ data sets; the file's name and variant then lead the workdir name. A grid's
 consecutive seeds (`--grid=seed=0,1,2`) become one run of `config.num_seeds`
 seeds (seed=0, num_seeds=3: the seeds vmapped in one program, faster than
 separate runs), except for methods whose growth depends on the seed (gMoE, FF:
-one run per seed always) and for convolution-heavy backbones (the VGG) on
+one run per seed always) and for convolution-heavy backbones (VGG, ResNet) on
 a CPU, where separate runs are faster (`--seeds_together=yes|no` decides
 instead). Runs go one after another, `--parallel=P` at a time (each one's
 output then goes to <root>/logs/<workdir name>.log), into a
@@ -287,7 +287,7 @@ def _args(argv):
   p.add_argument("--dry_run", action="store_true", help="print the commands only")
   p.add_argument("--seeds_together", choices=("auto", "yes", "no"), default="auto",
                  help="run a grid's consecutive seeds as one run of config.num_seeds seeds "
-                 "(auto: except convolution-heavy backbones (the VGG) on CPU, where "
+                 "(auto: except convolution-heavy backbones (VGG, ResNet) on CPU, where "
                  "separate runs are faster)")
   p.add_argument("--slurm", help="write a SLURM array script to this path instead of running")
   p.add_argument("--slurm_gpus", type=int, default=1, help="GPUs of each array task (0: none)")

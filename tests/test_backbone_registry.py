@@ -52,12 +52,13 @@ def test_the_package_backbones_declare_their_capabilities():
          for n, s in models.BACKBONES.items()}
   assert got == {"mlp": (("images",), False, True, True),
                  "vgg": (("images",), True, True, True),
+                 "resnet": (("images",), True, False, False),
                  "switch": (("text",), False, False, False)}
   assert models.spec("switch").leaf_axes == ((r"\['expert_", ("expert",)),)
 
 
 def test_the_cpu_speed_rules_read_conv_heavy():
-  for name, heavy in (("mlp", False), ("vgg", True)):
+  for name, heavy in (("mlp", False), ("vgg", True), ("resnet", True)):
     assert ensemble.choose_strategy("auto", name, "cpu") == ("loop" if heavy else "vmap")
     assert ensemble.choose_strategy("auto", name, "gpu") == "vmap"
     c = helpers.small_config("cifar10", method="sm")
@@ -68,10 +69,10 @@ def test_the_cpu_speed_rules_read_conv_heavy():
 
 def test_unknown_names_and_tasks_are_clear_errors():
   with pytest.raises(ConfigError, match=r"config\.model\.name='nope' is not a backbone; valid "
-                     r"names: \['mlp', 'switch', 'vgg'\]"):
+                     r"names: \['mlp', 'resnet', 'switch', 'vgg'\]"):
     models.spec("nope")
   with pytest.raises(ConfigError, match=r"config\.model\.name='switch' cannot model images; "
-                     r"valid names: \['mlp', 'vgg'\]"):
+                     r"valid names: \['mlp', 'resnet', 'vgg'\]"):
     models.check_task("switch", "images")
   with pytest.raises(ValueError, match="registered twice"):
     models.register(models.BackboneSpec("mlp", lambda mc, n: None))

@@ -44,8 +44,9 @@ CONFIG_CASES = [
     ("val_fraction_one", {"stream__val_fraction": 1.0}, r"config\.stream\.val_fraction=1\.0 must be in"),
     ("val_fraction_nan", {"stream__val_fraction": float("nan")}, r"config\.stream\.val_fraction=nan"),
     ("width_zero", {"model__width": 0}, r"config\.model\.width=0 must be >= 1"),
-    ("unknown_backbone", {"model__name": "resnet"},
-     r"config\.model\.name='resnet' is unknown; valid names: \['mlp', 'switch', 'vgg'\]"),
+    ("unknown_backbone", {"model__name": "densenet"},
+     r"config\.model\.name='densenet' is unknown; valid names: \['mlp', 'resnet', 'switch', "
+     r"'vgg'\]"),
     ("unknown_method", {"method__name": "boosting"},
      r"config\.method\.name='boosting' is unknown; valid names: \[.*'sm'.*\]"),
     ("num_members_zero", {"method__name": "ens", "method__num_members": 0},

@@ -7,6 +7,7 @@ do (e.g. `spec(config.model.name).conv_heavy`).
 """
 
 from alma_jax.models import mlp
+from alma_jax.models import resnet
 from alma_jax.models import switch
 from alma_jax.models import vgg
 from alma_jax.models.registry import BACKBONES
@@ -22,6 +23,7 @@ from alma_jax.models.registry import spec
 
 register(mlp.SPEC)
 register(vgg.SPEC)
+register(resnet.SPEC)
 register(switch.SPEC)
 
 __all__ = ["BACKBONES", "BackboneSpec", "Mixture", "WidthLayout", "capability", "check_task",
