@@ -22,8 +22,6 @@ from tests import helpers
 from tests.conftest import requires_cifar10
 
 CIFAR = (32, 32, 3)
-
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "cifar_sm_resnet.py")
 
@@ -57,6 +55,10 @@ def test_methods_run_on_the_resnet(method, fields, tmp_path):
   assert np.all(np.isfinite(errors)) and np.all((errors >= 0) & (errors <= 1))
   assert summary["num_stages"] == b and summary["cer"] == pytest.approx(errors.sum())
   assert all(r["train_flops"] > 0 for r in records[1:])
+  if method == "sm":  # the record: the prediction of an evaluation batch, per example
+    eb = c.train.eval_batch_size
+    per_example = counts(c.model.width, False, eb).flops / eb
+    assert [r["inference_flops_per_example"] for r in records] == [per_example] * (b + 1)
   if method == "gens":  # one more member before every later stage
     assert records[-1]["num_params"] == b * records[1]["num_params"]
 
@@ -118,24 +120,31 @@ def test_the_hand_count_is_resnet18s_known_cost():
   assert hand_macs(64) == pytest.approx(0.56e9, rel=0.01)
 
 
-@pytest.mark.parametrize("width", [4, 64])
-def test_counted_multiply_adds_match_the_hand_count(width):
+def counts(width: int, train: bool, n: int = 3) -> accounting.Count:
+  """What `alma_jax.accounting` counts for a batch of n images through SM on the ResNet: its
+  prediction (as for `inference_flops_per_example`) or its training forward pass (as for
+  `train_macs`). Traced on shapes alone: nothing is initialised or compiled."""
   c = helpers.small_config("cifar10", width=width)
   c.model.name = "resnet"
   method = methods.make(validation.complete(c), CIFAR, 10)
-  learner = jax.eval_shape(method.init, jax.random.key(0))  # shapes only: nothing compiles
-  n = 3
+  learner = jax.eval_shape(method.init, jax.random.key(0))
   x = jax.ShapeDtypeStruct((n,) + CIFAR, np.float32)
-  for train in (False, True):  # inference; the training forward pass (`train_macs`)
-    fn = functools.partial(method.logits, (), train=train)
-    count = accounting.count(fn, learner.params, learner.model_state, x)
-    assert count.macs == n * hand_macs(width)
-    assert count.flops > 2 * count.macs  # BatchNorm, ReLU, additions and the pool add FLOPs
+  fn = (functools.partial(method.logits, (), train=True) if train
+        else functools.partial(method.predict, ()))
+  return accounting.count(fn, learner.params, learner.model_state, x)
+
+
+@pytest.mark.parametrize("width", [4, 64])
+@pytest.mark.parametrize("train", [False, True])
+def test_counted_multiply_adds_match_the_hand_count(width, train):
+  count = counts(width, train, n=3)
+  assert count.macs == 3 * hand_macs(width)
+  assert count.flops > 2 * count.macs  # BatchNorm, ReLU, additions and the pool add FLOPs
 
 
 def test_width_sets_every_stage():
-  v = jax.eval_shape(lambda k: resnet.ResNet(width=3).init(k, np.zeros((1,) + CIFAR)),
-                     jax.random.key(0))
+  x = np.zeros((1,) + CIFAR, np.float32)
+  v = jax.eval_shape(lambda k: resnet.ResNet(width=3).init(k, x), jax.random.key(0))
   widths = {name: p["conv1"]["kernel"].shape[-1] for name, p in v["params"].items()
             if name.startswith("stage")}
   assert widths == {f"stage{s}_block{b}": 3 * 2**s for s in range(4) for b in range(2)}
