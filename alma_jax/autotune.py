@@ -40,6 +40,7 @@ import jax
 from absl import logging
 
 from alma_jax import io_utils
+from alma_jax import models
 from alma_jax import population
 from alma_jax.data import images
 from alma_jax.methods import ensemble
@@ -86,7 +87,7 @@ def steps_per_call_rule(config=None) -> int:
 
 TUNABLES = (
     Tunable("model.conv_impl", "auto", lambda c: tuple(i for i in conv.IMPLS if i != "auto"),
-            _conv_rule, lambda c: c.model.name == "vgg"),
+            _conv_rule, lambda c: models.spec(c.model.name).conv_heavy),
     # With one member at the start both strategies run the same program.
     Tunable("method.strategy", "auto", lambda c: ("vmap", "loop"), _strategy_rule,
             lambda c: _get(c, "method.strategy") is not None and max(
@@ -242,7 +243,8 @@ def _measure(config, tunable: Tunable, build, measure, chosen: dict) -> tuple[An
 def _rate(config, seconds_per_example: float) -> str:
   """The speed of `seconds_per_example` in the unit of the config's examples: tokens/s for
   text (sequences of data.seq_len tokens), img/s for images."""
-  seq_len = config.data.get("seq_len") if config.model.name == "switch" else None
+  seq_len = (config.data.get("seq_len") if "text" in models.spec(config.model.name).tasks
+             else None)
   if seq_len:
     return f"{int(seq_len) / seconds_per_example:,.0f} tokens/s"
   return f"{1 / seconds_per_example:,.0f} img/s"

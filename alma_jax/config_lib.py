@@ -81,9 +81,11 @@ BASE_FIELDS = (
     # -- model
     F.Field("model.name", _MNIST_OR("mlp", "vgg"), F.choice(lambda: models.BACKBONES, "names"),
             "backbone"),
-    F.Field("model.width", 64, F.integer(1), "hidden units H (MLP) or channels C (VGG)"),
+    F.Field("model.width", 64, F.integer(1),
+            "hidden units H (MLP), channels C (VGG) or channels of the first stage (ResNet)"),
     F.Field("model.conv_impl", "auto", F.choice(conv.IMPLS),
-            "VGG convolution gradients: xla, chunked_dw, or auto (chosen: see train.autotune)"),
+            "convolution gradients of convolution-heavy backbones (VGG, ResNet): xla, "
+            "chunked_dw, or auto (chosen: see train.autotune)"),
     F.Field("model.init", "lecun", F.choice(inits.INITS),
             "initialisation: lecun (Flax: LeCun-normal kernels, zero biases) or torch (PyTorch's "
             "default, as in the released code: kernels and biases U(+-1/sqrt(fan_in)))"),
@@ -111,10 +113,10 @@ BASE_FIELDS = (
             "machine once, remembered in the cache dir) or rules", resumable=True),
     F.Field("train.cpu_fusion", "auto", F.choice(cpu_fusion.CHOICES),
             "XLA:CPU fusion flags of the run's process: none (XLA's default), ynn (its dot, "
-            "elementwise and reduction fusions by YNNPACK), or auto (VGG on a CPU: chosen by "
-            "measurement with train.autotune=measure, see alma_jax/cpu_fusion.py; none "
-            "otherwise); speed only, so it may change on resume (float round-off then "
-            "differs from there on)", resumable=True),
+            "elementwise and reduction fusions by YNNPACK), or auto (a convolution-heavy backbone "
+            "on a CPU: chosen by measurement with train.autotune=measure, see "
+            "alma_jax/cpu_fusion.py; none otherwise); speed only, so it may change on resume "
+            "(float round-off then differs from there on)", resumable=True),
     F.Field("train.on_divergence", "raise", F.choice(("raise", "rollback")),
             "a non-finite loss raises, or rolls the stage back to its best epoch (may change "
             "when a run resumes: it does not change the records already written)",

@@ -10,11 +10,12 @@ backend, so this choice is made in `alma_jax.main` before anything touches a
 device, through `config.train.cpu_fusion`:
 
   * `none`: XLA's default fusion;  `ynn`: the flag above;
-  * `auto` (default): for VGG backbones on a CPU with `train.autotune=measure`,
-    two child processes, one per setting, each time the run's train step on
-    its real shapes (synthetic data) with every candidate convolution
-    gradient; the fastest pair wins, and the run then uses both (the
-    convolution choice without measuring it again). The choice is remembered
+  * `auto` (default): for convolution-heavy backbones (`BackboneSpec.conv_heavy`:
+    the VGG, the ResNet) on a CPU with `train.autotune=measure`, two child
+    processes, one per setting, each time the run's train step on its real
+    shapes (synthetic data) with every candidate convolution gradient; the
+    fastest pair wins, and the run then uses both (the convolution choice
+    without measuring it again). The choice is remembered
     like `alma_jax.autotune`'s: in the workdir's `autotune.json` (a resumed run
     keeps it) and in `<cache dir>/autotune.json` under a key of this CPU's
     model, core count, the JAX version and the step's shapes. The rule,
@@ -41,6 +42,7 @@ import jax  # importing JAX starts no backend: flags set afterwards still count
 from absl import logging
 
 from alma_jax import autotune
+from alma_jax import models
 from alma_jax.models import conv
 
 FLAG = "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce"
@@ -61,7 +63,8 @@ _measured_with_flags: dict[str, Any] = {}
 
 
 def applies(config) -> bool:
-  return config.model.name == "vgg"
+  """Whether the fusion flags are measured for `config`: a convolution-heavy backbone."""
+  return models.spec(config.model.name).conv_heavy
 
 
 def accelerator_expected() -> bool:
@@ -144,7 +147,7 @@ def _choose(config, workdir, shapes, multiprocess, cache_file, measure):
   if setting != "auto":
     return setting, "set in the config", None
   if not applies(config) or shapes is None:
-    return RULE, "by rule (not a VGG on a known image data set)", None
+    return RULE, "by rule (not a convolution-heavy backbone on a known image data set)", None
   if multiprocess:
     return RULE, "by rule (a run of several processes)", None
   if accelerator_expected():

@@ -25,6 +25,7 @@ from alma_jax import autotune
 from alma_jax import checkpoint as ckpt_lib
 from alma_jax import cpu_fusion
 from alma_jax import methods
+from alma_jax import models
 from alma_jax import multihost
 from alma_jax import optim
 from alma_jax import policies
@@ -211,8 +212,7 @@ def build(config, workdir: str) -> Setup:
                "replay=%.2f, seeds %s; mesh %s", c.data.name, n_train, len(ds.test_y),
                s.num_megabatches, len(streams[0].train[0]) + len(streams[0].val[0]), s.wait,
                s.replay, seeds, dict(mesh.shape))
-  if (len(seeds) > 1 and jax.default_backend() == "cpu"
-      and c.model.name in ("vgg",)):
+  if len(seeds) > 1 and jax.default_backend() == "cpu" and models.spec(c.model.name).conv_heavy:
     logging.warning(VGG_SEEDS_WARNING, len(seeds), c.model.name)
   return Setup(config=c, workdir=workdir, seeds=seeds, out_dirs=out_dirs,
                primary=multihost.is_primary(), task=task, subsets=subsets, streams=streams,

@@ -38,6 +38,7 @@ import numpy as np  # pylint: disable=wrong-import-position,g-import-not-at-top
 
 from alma_jax import config_lib  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax import methods  # pylint: disable=wrong-import-position,g-import-not-at-top
+from alma_jax import models  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax import optim  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax import population  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax import sharding  # pylint: disable=wrong-import-position,g-import-not-at-top
@@ -142,8 +143,8 @@ def main(argv=None):
     rows.append(row)
     print(f"{model + str(width):<10}{row['sm_ms']:>10.1f}{row['vmap_ms']:>10.1f}"
           f"{row['loop_ms']:>10.1f}{row['vmap_over_loop']:>11.2f}{best:>6}{auto:>6}", flush=True)
-  print(f"auto rule on {backend}: loop for {list(ensemble.LOOP_ON_CPU) if backend == 'cpu' else []}"
-        ", vmap otherwise")
+  loop = models.names(lambda s: s.conv_heavy) if backend == "cpu" else []
+  print(f"auto rule on {backend}: loop for {loop}, vmap otherwise")
   mismatch = [r["model"] for r in rows if r["best"] != r["auto"] and
               max(r["vmap_ms"], r["loop_ms"]) > 1.1 * min(r["vmap_ms"], r["loop_ms"])]
   if mismatch:

@@ -35,13 +35,13 @@ field of the same name). The field `config` (a list of config files, e.g.
 ["configs/mnist_gmoe.py:quick"]) gives a grid its own config files in place of
 `--config`, so one grid file can cover methods whose fields differ, or several
 data sets; the file's name and variant then lead the workdir name. A grid's
-consecutive seeds (`--grid=seed=0,1,2`)
-become one run of `config.num_seeds` seeds (seed=0, num_seeds=3: the seeds
-vmapped in one program, faster than separate runs), except for methods whose
-growth depends on the seed (gMoE, FF: one run per seed always) and for the
-VGG on a CPU, where separate runs are faster (`--seeds_together=yes|no`
-decides instead). Runs go one after another, `--parallel=P` at a time
-(each one's output then goes to <root>/logs/<workdir name>.log), into a
+consecutive seeds (`--grid=seed=0,1,2`) become one run of `config.num_seeds`
+seeds (seed=0, num_seeds=3: the seeds vmapped in one program, faster than
+separate runs), except for methods whose growth depends on the seed (gMoE, FF:
+one run per seed always) and for convolution-heavy backbones (VGG, ResNet) on
+a CPU, where separate runs are faster (`--seeds_together=yes|no` decides
+instead). Runs go one after another, `--parallel=P` at a time (each one's
+output then goes to <root>/logs/<workdir name>.log), into a
 SLURM array script, or one after another on every worker of a Cloud TPU VM
 (`--tpu`, through launch/tpu_pod.py: the code is copied and installed on the
 workers once, then each point runs as one multi-host program; `--root` must
@@ -99,6 +99,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for local.py, 
 from alma_jax import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import io_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import methods  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import report  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import workdir as wd  # pylint: disable=g-import-not-at-top,wrong-import-position
 import local  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -176,7 +177,8 @@ def split_configs(grids):
 
 def fold_seeds(grids, together: str, config: str | None, extra: list[str], accelerator: bool):
   """Each grid's consecutive `seed` values as one run of `num_seeds` seeds (vmapped: faster
-  than separate runs, except for the VGG on CPU, where vmapped convolutions are grouped ones)
+  than separate runs, except for convolution-heavy backbones on CPU, where vmapped
+  convolutions are grouped ones)
   when `together` is "yes", or "auto" and that is faster."""
   if together == "no":
     return grids
@@ -194,7 +196,8 @@ def fold_seeds(grids, together: str, config: str | None, extra: list[str], accel
     if not all(methods.get(n).same_growth_for_every_seed for n in names):
       out.append(grid)  # its growth depends on the seed: one run per seed
       continue
-    if together == "auto" and not accelerator and resolved["model"]["name"] == "vgg":
+    if (together == "auto" and not accelerator
+        and models.spec(resolved["model"]["name"]).conv_heavy):
       out.append(grid)
       continue
     out.append([(f, [str(seeds[0])] if f == "seed" else v) for f, v in grid]
@@ -304,7 +307,8 @@ def _args(argv):
                  "before starting any; invalid points are named and nothing runs (exit code 2)")
   p.add_argument("--seeds_together", choices=("auto", "yes", "no"), default="auto",
                  help="run a grid's consecutive seeds as one run of config.num_seeds seeds "
-                 "(auto: except the VGG on CPU, where separate runs are faster)")
+                 "(auto: except convolution-heavy backbones (VGG, ResNet) on CPU, where "
+                 "separate runs are faster)")
   p.add_argument("--slurm", help="write a SLURM array script to this path instead of running")
   p.add_argument("--slurm_gpus", type=int, default=1, help="GPUs of each array task (0: none)")
   p.add_argument("--slurm_option", action="append", default=[],

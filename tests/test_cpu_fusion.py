@@ -82,8 +82,8 @@ def test_the_fastest_pair_is_chosen_remembered_and_given_to_the_run(tmp_path, ca
     (dict(train__cpu_fusion="none"), False, {}, ("none", "set in the config")),
     (dict(train__autotune="rules"), False, {}, ("none", "by rule")),
     (dict(), True, {}, ("none", "by rule (a run of several processes)")),
-    (dict(model__name="mlp"), False, {}, ("none", "by rule (not a VGG on a known image data "
-                                               "set)")),
+    (dict(model__name="mlp"), False, {}, ("none", "by rule (not a convolution-heavy backbone "
+                                               "on a known image data set)")),
     (dict(), False, {"JAX_PLATFORMS": "cuda,cpu"},
      ("none", "by rule (an accelerator backend is expected)")),
     (dict(), False, {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=dot"},

@@ -56,12 +56,12 @@ def warmed(method, x, seed=0):
   return base.Learner(learner.params, state, learner.structure)
 
 
-def plan(learner, eps, num_new=3, seed=1, split=True, new=True):
+def plan(method, learner, eps, num_new=3, seed=1, split=True, new=True):
   """Two split neurons and new candidates 0 and 2 in every layer (or none of a kind)."""
   rng = np.random.default_rng(seed)
   widths = learner.structure
-  cands = ff.init_candidates(jax.random.key(seed), learner.params, widths, num_new,
-                             (0.1, 0.1, 0.01))
+  cands = ff.init_candidates(jax.random.key(seed), method.layout, learner.params, widths,
+                             num_new, (0.1, 0.1, 0.01))
   splits = tuple(np.sort(rng.choice(c, 2, replace=False)) if split else np.zeros(0, int)
                  for c in widths)
   news = tuple(np.array([0, 2]) if new else np.zeros(0, int) for _ in widths)
@@ -108,7 +108,7 @@ def test_epsilon_zero_keeps_the_function_in_training_and_evaluation(dataset, sha
   with jax.enable_x64(True):
     x = inputs(shape)
     learner = warmed(method, x)
-    grown = ff.grow_width(learner, plan(learner, eps=0.0))
+    grown = ff.grow_width(learner, plan(method, learner, eps=0.0), method.layout)
     assert grown.structure == tuple(c + 4 for c in learner.structure)
     for train_mode in (False, True):
       before, state = logits(method, learner, x, train_mode)
@@ -135,8 +135,10 @@ def test_small_epsilon_changes_the_loss_by_order_epsilon(kind):
     y = jnp.arange(8) % 10
     learner = warmed(method, x)
     base_loss = loss(method, learner, x, y)
-    change = {eps: loss(method, ff.grow_width(learner, plan(learner, eps, split=kind == "split",
-                                                            new=kind == "new")), x, y) - base_loss
+    change = {eps: loss(method, ff.grow_width(learner, plan(method, learner, eps,
+                                                            split=kind == "split",
+                                                            new=kind == "new"), method.layout),
+                        x, y) - base_loss
               for eps in epsilons}
   assert 1e-5 < abs(change[1e-2]) < 1e-1, change
   for eps in epsilons[1:]:
@@ -153,8 +155,8 @@ def test_split_neurons_copy_their_batchnorm_and_new_neurons_start_at_identity():
   learner = base.Learner(learner.params, jax.tree.map(
       lambda a: a + jax.random.uniform(jax.random.key(1), a.shape), learner.model_state),
                          learner.structure)
-  p = plan(learner, eps=0.01)
-  grown = ff.grow_width(learner, p)
+  p = plan(method, learner, eps=0.01)
+  grown = ff.grow_width(learner, p, method.layout)
   c = learner.structure[5]
   split, new = p.split[5], p.new[5]  # layer 5: block2/conv1
   for tree, old_tree, names in ((grown.params, learner.params, ("scale", "bias")),
@@ -188,7 +190,8 @@ def test_split_neurons_copy_their_batchnorm_and_new_neurons_start_at_identity():
   chex.assert_trees_all_equal_shapes_and_dtypes(fresh.model_state, grown.model_state)
   assert method.num_params(grown) == ff.base.count_params(fresh.params)
   with pytest.raises(ValueError, match="must be distinct"):
-    ff.grow_width(learner, dataclasses.replace(p, split=(np.array([0, 0]),) + p.split[1:]))
+    ff.grow_width(learner, dataclasses.replace(p, split=(np.array([0, 0]),) + p.split[1:]),
+                  method.layout)
 
 
 # -- scores and selection --------------------------------------------------------------------
@@ -219,8 +222,8 @@ def test_scores_are_the_derivatives_of_the_loss_in_the_candidate_scales(mlp_step
   method, steps = mlp_steps
   with jax.enable_x64(True):
     learner = helpers.float64(method.init(jax.random.key(0)))
-    cands = ff.init_candidates(jax.random.key(1), learner.params, learner.structure, 4,
-                               (0.1, 0.1, 0.3))
+    cands = ff.init_candidates(jax.random.key(1), method.layout, learner.params,
+                               learner.structure, 4, (0.1, 0.1, 0.3))
     idx = np.arange(100, dtype=np.int32)  # two batches of the pass, the second one partial
     _, sums = steps.scan(method.score_batch, (cands, method.zero_scales(learner.structure,
                                                                         jnp.float64)),

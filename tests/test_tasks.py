@@ -54,7 +54,7 @@ def test_a_backbone_that_does_not_serve_the_task_is_refused():
   c = config_lib.apply_variant(config_lib.base_config("mnist"), "smoke")
   c.model.name = "switch"
   with pytest.raises(ConfigError, match=r"^config\.model\.name='switch' cannot model images; "
-                                        r"valid values: \['mlp', 'vgg'\]$"):
+                                        r"valid values: \['mlp', 'resnet', 'vgg'\]$"):
     validation.validate(c)
 
 

@@ -44,10 +44,12 @@ CONFIG_CASES = [
     ("val_fraction_one", {"stream__val_fraction": 1.0}, r"config\.stream\.val_fraction=1\.0 must be in"),
     ("val_fraction_nan", {"stream__val_fraction": float("nan")}, r"config\.stream\.val_fraction=nan"),
     ("width_zero", {"model__width": 0}, r"config\.model\.width=0 must be >= 1"),
-    ("unknown_backbone", {"model__name": "resnet"},
-     r"config\.model\.name='resnet' is unknown; valid names: \['mlp', 'switch', 'vgg'\]"),
+    ("unknown_backbone", {"model__name": "densenet"},
+     r"config\.model\.name='densenet' is unknown; valid names: \['mlp', 'resnet', 'switch', "
+     r"'vgg'\]"),
     ("backbone_of_another_task", {"model__name": "switch"},
-     r"^config\.model\.name='switch' cannot model images; valid values: \['mlp', 'vgg'\]$"),
+     r"^config\.model\.name='switch' cannot model images; valid values: \['mlp', 'resnet', "
+     r"'vgg'\]$"),
     ("lm_name_on_images", {"method__name": "lm_sm"},
      r"^config\.method\.name='lm_sm' is sm on text, but config\.data\.name='mnist' is images "
      r"data; use config\.method\.name='sm'$"),

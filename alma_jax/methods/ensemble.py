@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from alma_jax import fields as F
+from alma_jax import models
 from alma_jax.methods import base
 from alma_jax.methods.registry import register
 
@@ -60,20 +61,19 @@ MEMBER_INITS = ("copy", "fresh")
 SLOTS = ("pow2", "exact")
 SLOTS_KEY = "slots"  # model_state[SLOTS_KEY]["active"]: which member slots hold members
 VMAP_CHUNK = 32
-# Backbones that "auto" runs as a loop on CPU (convolutions; measured by
-# benchmarks/ensemble_strategy.py).
-LOOP_ON_CPU = ("vgg",)
 STRATEGY = F.Field("method.strategy", "auto", F.choice(("auto", "loop", "vmap")),
                    "how members run in a compiled step: vmap, loop, or auto (chosen: see "
-                   "train.autotune; the rule: loop for the VGG on CPU, vmap elsewhere)")
+                   "train.autotune; the rule: loop for convolution-heavy backbones on CPU, vmap "
+                   "elsewhere)")
 
 
 def choose_strategy(strategy: str, model_name: str, backend: str | None = None) -> str:
-  """Resolves "auto" to "loop" (conv backbones on CPU) or "vmap" (everything else)."""
+  """Resolves "auto" to "loop" for backbones whose spec is `conv_heavy` on CPU (measured by
+  benchmarks/ensemble_strategy.py), "vmap" for everything else."""
   if strategy != "auto":
     return strategy
   backend = backend or jax.default_backend()
-  return "loop" if backend == "cpu" and model_name in LOOP_ON_CPU else "vmap"
+  return "loop" if backend == "cpu" and models.spec(model_name).conv_heavy else "vmap"
 
 
 # -- stacked members ------------------------------------------------------------------------------

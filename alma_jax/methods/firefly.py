@@ -1,14 +1,15 @@
 """FF: Firefly, growing the width of every layer by splitting and adding neurons (paper
 section 4.2; Wu et al., 2020).
 
-The learner is one backbone (the reduced VGG19 with BatchNorm, or the MLP) whose structure is
-the tuple of its per-layer widths. Before every `grow_every`-th stage but the first it grows:
+The learner is one backbone whose spec declares a `WidthLayout` (`alma_jax.models.registry`:
+the reduced VGG19 with BatchNorm, the MLP); its structure is the tuple of its per-layer widths.
+Before every `grow_every`-th stage but the first it grows:
 
-1. Candidates, per growable layer l of width C_l (the VGG's 16 conv layers, the MLP's hidden
-   layers): a split of each neuron j, whose two halves get incoming weights w_j + eps v_j and
-   w_j - eps v_j and half of the old outgoing weights each; and K (`num_new`) new neurons with
-   incoming weights a and outgoing weights eps b. Initial scales (released code): v ~ U(-0.1,
-   0.1), a ~ N(0, 0.1^2), b ~ U(-0.01, 0.01).
+1. Candidates, per growable layer l of width C_l (the layout's layers: the VGG's 16 conv
+   layers, the MLP's hidden layers): a split of each neuron j, whose two halves get incoming
+   weights w_j + eps v_j and w_j - eps v_j and half of the old outgoing weights each; and K
+   (`num_new`) new neurons with incoming weights a and outgoing weights eps b. Initial scales
+   (released code): v ~ U(-0.1, 0.1), a ~ N(0, 0.1^2), b ~ U(-0.01, 0.01).
 2. Fit: one pass over the stage's training data (unaugmented, shuffled) of RMSprop (lr 1e-3,
    decay 0.9, momentum 0.1), one step per batch of the pass (`ctx.scan`, batches of
    `train.eval_batch_size`; the FF configs set it to 128, the released code's step), on v, a
@@ -48,59 +49,16 @@ import numpy as np
 import optax
 
 from alma_jax import fields as F
-from alma_jax.errors import ConfigError
+from alma_jax import models
 from alma_jax.methods import base
 from alma_jax.methods.registry import register
-from alma_jax.models import conv
-from alma_jax.models import inits
-from alma_jax.models import mlp as mlp_lib
-from alma_jax.models import vgg as vgg_lib
 
 PyTree = Any
 Path = tuple[str, ...]
+Layout = models.WidthLayout  # where the growable layers' weights live
 
 
-# -- where a layer's weights live --------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Layout:
-  """Paths of the growable layers' leaves; output channels are the last axis of every leaf.
-
-  Attributes:
-    kernels: per layer, its kernel in params (..., inputs, outputs).
-    vectors: per layer, (path, value for new neurons) of its per-neuron params.
-    stats: per layer, (path, value for new neurons) of its per-neuron model state.
-    head: the classifier kernel (inputs, classes), the input side of the last layer.
-  """
-
-  kernels: tuple[Path, ...]
-  vectors: tuple[tuple[tuple[Path, float], ...], ...]
-  stats: tuple[tuple[tuple[Path, float], ...], ...]
-  head: Path = ("head", "kernel")
-
-  def next_kernel(self, layer: int) -> Path:
-    return self.kernels[layer + 1] if layer + 1 < len(self.kernels) else self.head
-
-
-def vgg_layout() -> Layout:
-  names = [(f"block{b}", f"conv{i}", f"bn{i}") for b, n in enumerate(vgg_lib.BLOCKS)
-           for i in range(n)]
-  return Layout(kernels=tuple((b, c, "kernel") for b, c, _ in names),
-                vectors=tuple((((b, bn, "scale"), 1.0), ((b, bn, "bias"), 0.0))
-                              for b, _, bn in names),
-                stats=tuple(((("batch_stats", b, bn, "mean"), 0.0),
-                             (("batch_stats", b, bn, "var"), 1.0)) for b, _, bn in names))
-
-
-def mlp_layout(depth: int) -> Layout:
-  return Layout(kernels=tuple((f"dense{l}", "kernel") for l in range(depth)),
-                vectors=tuple(((((f"dense{l}", "bias"), 0.0),) for l in range(depth))),
-                stats=tuple(() for _ in range(depth)))
-
-
-def layout_of(params: PyTree, num_layers: int) -> Layout:
-  return vgg_layout() if "block0" in params else mlp_layout(num_layers)
-
-
+# -- leaves by path ------------------------------------------------------------------------------
 def _get(tree: PyTree, path: Path):
   return functools.reduce(lambda d, k: d[k], path, tree)
 
@@ -112,11 +70,10 @@ def _replace(tree: PyTree, edits: dict[Path, Any]) -> PyTree:
 
 
 # -- candidates -----------------------------------------------------------------------------------
-def init_candidates(key: jax.Array, params: PyTree, widths: Sequence[int], num_new: int,
-                    scales: tuple[float, float, float]) -> list[dict]:
+def init_candidates(key: jax.Array, layout: Layout, params: PyTree, widths: Sequence[int],
+                    num_new: int, scales: tuple[float, float, float]) -> list[dict]:
   """Per layer {"v": split directions, like the kernel; "a": incoming weights of K new neurons
   (..., inputs, K); "b": their outgoing weights (..., K, next outputs [+ K])}."""
-  layout = layout_of(params, len(widths))
   sv, sa, sb = scales
   out = []
   for l in range(len(widths)):
@@ -161,14 +118,14 @@ def _grow_vector(x, split: np.ndarray, num_new: int, fill: float):
                          axis=-1)
 
 
-def grown_trees(params, model_state, widths, split, new, candidates, eps_split, eps_new):
+def grown_trees(layout: Layout, params, model_state, widths, split, new, candidates, eps_split,
+                eps_new):
   """(params, model_state) after the growth `split`/`new` of every layer (see `grow_width`).
 
   `eps_split[l]` and `eps_new[l]` scale layer l's split perturbations and new outgoing
   weights: a number, or one value per candidate ((C_l,) and (K,)) for scoring.
   """
   num = len(widths)
-  layout = layout_of(params, num)
   edits, stat_edits = {}, {}
   for l in range(num + 1):
     path = layout.kernels[l] if l < num else layout.head
@@ -213,8 +170,9 @@ class GrowthPlan:
     return [len(s) + len(n) for s, n in zip(self.split, self.new)]
 
 
-def grow_width(state: base.Learner, plan: GrowthPlan) -> base.Learner:
-  """The learner with `plan` applied: a pure edit of its pytrees (the input is untouched).
+def grow_width(state: base.Learner, plan: GrowthPlan, layout: Layout) -> base.Learner:
+  """The learner with `plan` applied to the layers of `layout`: a pure edit of its pytrees
+  (the input is untouched).
 
   Layer l's output channels become [old (split ones perturbed by +eps v) | the other halves
   of the split neurons (-eps v), in `split` order | the new neurons, in `new` order], with
@@ -233,8 +191,8 @@ def grow_width(state: base.Learner, plan: GrowthPlan) -> base.Learner:
     if len(np.unique(s)) != len(s) or (len(s) and not 0 <= s.min() <= s.max() < c):
       raise ValueError(f"layer {l}: split neurons {s.tolist()} must be distinct, in [0, {c})")
   eps = [plan.epsilon] * len(widths)
-  params, model_state = grown_trees(state.params, state.model_state, widths, split, new,
-                                    plan.candidates, eps, eps)
+  params, model_state = grown_trees(layout, state.params, state.model_state, widths, split,
+                                    new, plan.candidates, eps, eps)
   grown = tuple(c + a for c, a in zip(widths, plan.added()))
   return base.Learner(params=params, model_state=model_state, structure=grown)
 
@@ -298,10 +256,9 @@ class Firefly(base.Method):
   def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
     super().__init__(config, input_shape, num_classes)
     self.refuse_kept_optimizer_state("a growth changes the parameter shapes")
-    if config.model.name not in ("vgg", "mlp"):
-      raise ConfigError(f"config.model.name={config.model.name!r} cannot grow with ff; valid "
-                        "names: ['mlp', 'vgg']")
-    self.num_layers = sum(vgg_lib.BLOCKS) if config.model.name == "vgg" else 2
+    self.layout: Layout = models.capability(config.model.name, "width_layout", self.name)(
+        config.model, num_classes)
+    self.num_layers = self.layout.num_layers
     self.fit_tx = optax.rmsprop(self.opts.fit_lr, decay=0.9, eps=1e-8, eps_in_sqrt=False,
                                 momentum=0.1)
     self._modules: dict[tuple[int, ...], Any] = {}
@@ -319,15 +276,7 @@ class Firefly(base.Method):
   def module(self, widths: tuple[int, ...]):
     """The backbone with these per-layer widths (equal widths: the SM backbone's params)."""
     if widths not in self._modules:
-      if self.config.model.name == "vgg":
-        impl = conv.resolve_impl(self.config.model.get("conv_impl", "auto"), min(widths))
-        self._modules[widths] = vgg_lib.VGG(width=widths[0], num_classes=self.num_classes,
-                                            conv_impl=impl, widths=widths,
-                                            init_scheme=inits.check(self.config.model.init))
-      else:
-        self._modules[widths] = mlp_lib.MLP(hidden=widths[0], num_classes=self.num_classes,
-                                            depth=len(widths), widths=widths,
-                                            init_scheme=inits.check(self.config.model.init))
+      self._modules[widths] = self.layout.build(widths)
     return self._modules[widths]
 
   def init(self, key: jax.Array, structure: Hashable | None = None) -> base.Learner:
@@ -364,7 +313,7 @@ class Firefly(base.Method):
     widths, k = tuple(structure), self.opts.num_new
     split = tuple(np.arange(c) for c in widths)
     new = tuple(np.arange(k) for _ in widths)
-    p, s = grown_trees(params, model_state, widths, split, new, candidates,
+    p, s = grown_trees(self.layout, params, model_state, widths, split, new, candidates,
                        [1.0 + sc["split"] for sc in scales], [1.0 + sc["new"] for sc in scales])
     module = self.module(tuple(2 * c + k for c in widths))
     return module.apply({"params": p, **s}, x, train=False)
@@ -408,7 +357,7 @@ class Firefly(base.Method):
     """Candidates fitted and scored on the stage's data (two `ctx.scan` passes), selected."""
     o = self.opts
     k_init, k_order = jax.random.split(key)
-    cands = init_candidates(k_init, learner.params, learner.structure, o.num_new,
+    cands = init_candidates(k_init, self.layout, learner.params, learner.structure, o.num_new,
                             (o.split_init, o.new_in_init, o.new_out_init))
     idx = self.fit_indices(ctx.train_idx, k_order)
     cands, _ = ctx.scan(self.fit_batch, (cands, self.fit_tx.init(cands)), learner, idx)
@@ -421,7 +370,7 @@ class Firefly(base.Method):
   def before_stage(self, learner: base.Learner, key: jax.Array, ctx) -> base.Learner:
     if not self.should_grow(ctx):
       return learner
-    return grow_width(learner, self.plan_growth(learner, key, ctx))
+    return grow_width(learner, self.plan_growth(learner, key, ctx), self.layout)
 
   # -- accounting -------------------------------------------------------------------------------
   def describe(self, learner: base.Learner) -> dict:

@@ -1,8 +1,10 @@
 """gMoE: a growing, tree-gated mixture of experts (paper section 4.2, Appendix A).
 
-MLP: both hidden layers are mixtures (the classifier is shared). VGG: the
-blocks after the first are mixtures (the first block and the classifier are
-shared); a block's gate sees its input average-pooled to 4x4.
+The backbone declares where it mixes (its spec's `mixture`,
+`alma_jax.models.registry.Mixture`): the MLP's two hidden layers (the
+classifier is shared); the VGG's blocks after the first (the first block and
+the classifier are shared), a block's gate seeing its input average-pooled to
+4x4. A backbone that declares none is refused.
 
 Before every `grow_every`-th training stage but the first (Algorithm 1 of the
 paper and the released code: a split expert is trained before it counts in
@@ -328,7 +330,8 @@ class GrowingMoE(base.Method):
         ok = ok and f == f0 and moe.is_flat(tree) == (not self.opts.tree)
     if not ok:
       raise ValueError(f"structure {structure!r} does not fit gmoe with config.model.name="
-                       f"{self.config.model.name!r} and config.method.tree={self.opts.tree}")
+                       f"{self.config.model.name!r} ({len(self.net.experts)} mixture layers) "
+                       f"and config.method.tree={self.opts.tree}")
 
   def slots(self, experts: int) -> int:
     """The expert slots of a layer with `experts` experts (`method.slots`)."""

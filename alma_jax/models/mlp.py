@@ -1,4 +1,8 @@
-"""The MNIST backbone: a fully connected network 784 -> H -> H -> classes."""
+"""The MNIST backbone: a fully connected network 784 -> H -> H -> classes.
+
+Firefly grows both hidden layers; gMoE makes each hidden layer a mixture of
+`DenseExpert`s whose gates see the flattened layer input.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from alma_jax.models import inits
+from alma_jax.models import registry
 
 
 class MLP(nn.Module):
@@ -36,3 +41,42 @@ class MLP(nn.Module):
       width = self.hidden if self.widths is None else self.widths[i]
       x = nn.relu(inits.dense(width, self.init_scheme, x.shape[-1], f"dense{i}")(x))
     return inits.dense(self.num_classes, self.init_scheme, x.shape[-1], "head")(x)
+
+
+class DenseExpert(nn.Module):
+  """One MLP layer as an expert: flatten, Dense(features), ReLU."""
+
+  features: int
+  init_scheme: str = "lecun"  # see alma_jax.models.inits
+
+  @nn.compact
+  def __call__(self, x, train: bool = False, mask=None):
+    del train, mask
+    x = x.reshape((x.shape[0], -1))
+    return nn.relu(inits.dense(self.features, self.init_scheme, x.shape[-1], "dense")(x))
+
+
+def width_layout(model_config, num_classes: int) -> registry.WidthLayout:
+  """Firefly grows the hidden layers: their kernels and biases."""
+  depth, scheme = MLP.depth, inits.check(model_config.get("init", "lecun"))
+
+  def build(widths: tuple[int, ...]) -> MLP:
+    return MLP(hidden=widths[0], num_classes=num_classes, depth=len(widths), widths=widths,
+               init_scheme=scheme)
+
+  return registry.WidthLayout(
+      kernels=tuple((f"dense{l}", "kernel") for l in range(depth)),
+      vectors=tuple(((((f"dense{l}", "bias"), 0.0),) for l in range(depth))),
+      stats=tuple(() for _ in range(depth)), build=build)
+
+
+def mixture(model_config, num_classes: int) -> registry.Mixture:
+  """Both hidden layers are mixtures; the gates see the flattened layer input."""
+  del num_classes
+  scheme = inits.check(model_config.get("init", "lecun"))
+  experts = tuple(DenseExpert(int(model_config.width), scheme) for _ in range(MLP.depth))
+  return registry.Mixture(experts, pooled_gates=False, gather_hard_eval=True)
+
+
+SPEC = registry.BackboneSpec("mlp", MLP.from_config, width_layout=width_layout,
+                             mixture=mixture)

@@ -54,9 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alma_jax.models import conv
 from alma_jax.models import inits
-from alma_jax.models import vgg
+from alma_jax.models import registry
 
 PyTree = Any
 Tree = Hashable
@@ -354,19 +353,6 @@ def greedy_leaf(tree: Tree, weights: jnp.ndarray) -> jnp.ndarray:
 
 
 # -- experts -----------------------------------------------------------------------------
-class DenseExpert(nn.Module):
-  """One MLP layer as an expert: flatten, Dense(features), ReLU."""
-
-  features: int
-  init_scheme: str = "lecun"  # see alma_jax.models.inits
-
-  @nn.compact
-  def __call__(self, x, train: bool = False, mask=None):
-    del train, mask
-    x = x.reshape((x.shape[0], -1))
-    return nn.relu(inits.dense(self.features, self.init_scheme, x.shape[-1], "dense")(x))
-
-
 class Head(nn.Module):
   """The shared linear classifier on the flattened features."""
 
@@ -456,25 +442,18 @@ class MoENet:
 
 
 def make_net(model_config, num_classes: int, gate_pool: int = 4) -> MoENet:
-  """MLP: both hidden layers are mixtures. VGG: the blocks after the first are mixtures.
+  """The mixture version that the backbone of `config.model` declares (`registry.Mixture`).
 
-  `model_config.init` ("lecun" when absent) initialises experts, stem, head
-  and gates alike.
+  Its image gates see their input average-pooled to `gate_pool` x `gate_pool` when the
+  backbone asks for pooled gates. `model_config.init` ("lecun" when absent) initialises
+  experts, stem, head and gates alike. A backbone without one is a `ConfigError`.
   """
-  width = int(model_config.width)
   scheme = inits.check(model_config.get("init", "lecun"))
-  head = Head(num_classes, scheme)
-  if model_config.name == "mlp":
-    experts = tuple(DenseExpert(width, scheme) for _ in range(2))
-    # The gates see the flattened layer input (no pooling).
-    return MoENet(None, experts, head, gate_pool=0, gather_hard_eval=True, init_scheme=scheme)
-  if model_config.name == "vgg":
-    impl = conv.resolve_impl(model_config.get("conv_impl", "auto"), width)
-    experts = tuple(vgg.ConvBlock(width, n, impl, scheme) for n in vgg.BLOCKS[1:])
-    return MoENet(vgg.ConvBlock(width, vgg.BLOCKS[0], impl, scheme), experts, head, gate_pool,
-                  init_scheme=scheme)
-  raise ValueError(f"config.model.name={model_config.name!r} has no mixture-of-experts version; "
-                   "valid names: ['mlp', 'vgg']")
+  build = registry.capability(model_config.name, "mixture", "gmoe")
+  m = build(model_config, num_classes)
+  head = Head(num_classes, scheme) if m.head is None else m.head
+  return MoENet(m.stem, tuple(m.experts), head, gate_pool if m.pooled_gates else 0,
+                gather_hard_eval=m.gather_hard_eval, init_scheme=scheme)
 
 
 def init(net: MoENet, key: jax.Array, structure, input_shape,

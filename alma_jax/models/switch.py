@@ -47,6 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from alma_jax.models import registry
+
 PRESETS = {
     # name: (layers, model dimension, heads, feed-forward dimension of an expert)
     "tiny": (2, 64, 2, 128),
@@ -296,3 +298,7 @@ class SwitchTransformer(nn.Module):
     x = nn.LayerNorm(name="ln_final")(x)
     logits = embed.attend(x)
     return logits, {"balance": balance, "experts": jnp.stack(experts)}
+
+
+SPEC = registry.BackboneSpec("switch", SwitchTransformer.from_config, tasks=("text",),
+                             leaf_axes=((r"\['expert_", ("expert",)),))  # stacked experts

@@ -4,6 +4,7 @@
 followed by a 2x2 max-pool; then one linear classifier. On 32x32 inputs the
 last pool leaves a 1x1xC map. `VGG.widths` gives each conv layer its own
 width instead (Firefly grows them); equal widths build the same parameters.
+gMoE makes every block after the first a mixture of copies of that block.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 
 from alma_jax.models import conv
 from alma_jax.models import inits
+from alma_jax.models import registry
 
 BLOCKS = (2, 2, 4, 4, 4)
 
@@ -88,3 +90,35 @@ class VGG(nn.Module):
           x, train, mask)
     x = x.reshape((x.shape[0], -1))
     return inits.dense(self.num_classes, self.init_scheme, x.shape[-1], "head")(x)
+
+
+def width_layout(model_config, num_classes: int) -> registry.WidthLayout:
+  """Firefly grows the 16 conv layers: their kernels, BatchNorm parameters and statistics."""
+  scheme = inits.check(model_config.get("init", "lecun"))
+  names = [(f"block{b}", f"conv{i}", f"bn{i}") for b, n in enumerate(BLOCKS) for i in range(n)]
+
+  def build(widths: tuple[int, ...]) -> VGG:
+    impl = conv.resolve_impl(model_config.get("conv_impl", "auto"), min(widths))
+    return VGG(width=widths[0], num_classes=num_classes, conv_impl=impl, widths=widths,
+               init_scheme=scheme)
+
+  return registry.WidthLayout(
+      kernels=tuple((b, c, "kernel") for b, c, _ in names),
+      vectors=tuple((((b, bn, "scale"), 1.0), ((b, bn, "bias"), 0.0)) for b, _, bn in names),
+      stats=tuple(((("batch_stats", b, bn, "mean"), 0.0), (("batch_stats", b, bn, "var"), 1.0))
+                  for b, _, bn in names),
+      build=build)
+
+
+def mixture(model_config, num_classes: int) -> registry.Mixture:
+  """The blocks after the first are mixtures; the first block is the shared stem."""
+  del num_classes
+  width = int(model_config.width)
+  scheme = inits.check(model_config.get("init", "lecun"))
+  impl = conv.resolve_impl(model_config.get("conv_impl", "auto"), width)
+  experts = tuple(ConvBlock(width, n, impl, scheme) for n in BLOCKS[1:])
+  return registry.Mixture(experts, stem=ConvBlock(width, BLOCKS[0], impl, scheme))
+
+
+SPEC = registry.BackboneSpec("vgg", VGG.from_config, conv_heavy=True,
+                             width_layout=width_layout, mixture=mixture)

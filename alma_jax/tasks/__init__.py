@@ -10,7 +10,7 @@ methods see nothing else of the data, so a new kind of data is a new task
 The task of a config follows its data: the first registered task that claims
 it (`Task.claims`: `data.name` in its `DATASETS`, or a `data.text_file` for
 text); else the task that a method alias stands for (`Task.METHOD_ALIASES`,
-e.g. `lm_sm`); else the one task its backbone serves (`Task.BACKBONES`); else
+e.g. `lm_sm`); else the one task its backbone serves (`BackboneSpec.tasks`); else
 images.
 """
 
@@ -56,7 +56,7 @@ def task_class(config) -> type:
   if alias is not None:
     return TASKS[alias[1]]
   model = fields.lookup(config, "model.name", "")
-  serving = [cls for cls in TASKS.values() if model in cls.BACKBONES]
+  serving = [cls for cls in TASKS.values() if model in base.backbones(cls)]
   return serving[0] if len(serving) == 1 else TASKS[DEFAULT]
 
 

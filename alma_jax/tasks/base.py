@@ -13,7 +13,7 @@ task (`Method.task`) for the loss, so one method class serves every task.
 `Task` is a classification task with defaults for all of this; a new kind of
 data subclasses it in one file and registers it (`alma_jax.tasks.register`).
 The task of a run follows its data (`DATASETS`, `claims`), else its backbone
-(`BACKBONES`: the `config.model.name` values that serve the task).
+(`backbones`: those whose `BackboneSpec.tasks` names the task).
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ class Task:
     name: the registry name (`alma_jax.tasks.TASKS`).
     FIELDS: config fields the task adds to the base fields (`alma_jax.fields.Field`).
     DATASETS: `config.data.name` values that are this task's data.
-    BACKBONES: `config.model.name` values that serve this task.
+    BACKBONES: `config.model.name` values that serve this task besides the backbones
+      whose spec names it (`BackboneSpec.tasks`); for a backbone registered without it.
     SUMMARY_STATS: the summary fields of its own that the report's table shows:
       (summary field, column title, format).
     METHOD_ALIASES: method names that stand for a method on this task:
@@ -264,9 +265,15 @@ class Task:
     return ""
 
 
+def backbones(cls: type) -> list[str]:
+  """The backbones that serve task class `cls`: those whose `BackboneSpec.tasks` names it
+  (`alma_jax.models`), and those the class lists itself (`BACKBONES`)."""
+  return sorted(set(models.names(lambda s: cls.name in s.tasks)) | set(cls.BACKBONES))
+
+
 def check_backbone(cls: type, config) -> None:
   """That `config.model.name` is one of the backbones of task class `cls`."""
   name = config.model.name
-  if name not in cls.BACKBONES:
+  if name not in backbones(cls):
     raise ConfigError(f"config.model.name={name!r} cannot model {cls.name}; valid values: "
-                      f"{sorted(cls.BACKBONES)}")
+                      f"{backbones(cls)}")

@@ -92,7 +92,6 @@ class ImageTask(base.Task):
 
   name = "images"
   DATASETS = tuple(KNOWN_SHAPES)
-  BACKBONES = ("mlp", "vgg")
 
   def __init__(self, augmentation: str = "none"):
     if augmentation not in augment.AUGMENTATIONS:

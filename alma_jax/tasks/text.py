@@ -112,7 +112,6 @@ class TextTask(base.Task):
   name = "text"
   FIELDS = FIELDS
   DATASETS = ("tiny_shakespeare",)
-  BACKBONES = ("switch",)
   SUMMARY_STATS = (("final_perplexity", "final perplexity", "{:.2f}"),
                    ("mean_perplexity", "mean perplexity", "{:.2f}"))
   METHOD_ALIASES = {"lm_sm": "sm", "lm_ens": "ens", "lm_gens": "gens", "lm_gmoe": "gmoe"}

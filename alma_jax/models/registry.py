@@ -1,0 +1,169 @@
+"""Backbones by name: `config.model.name` -> the `BackboneSpec` its module declares.
+
+A backbone is one module of `alma_jax/models/` that builds a Flax Linen
+module from `config.model` and declares, in a module-level `SPEC`, what the
+rest of the code may do with it: the data it models, whether convolutions
+dominate its train step (the CPU speed rules read this, never the name), how
+Firefly grows its width and where gMoE mixes experts. A capability left
+undeclared (None) makes the methods that need it refuse the backbone with an
+error naming it. `alma_jax.models` registers the package's backbones; a
+backbone defined elsewhere is `register`ed the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+
+from alma_jax.errors import ConfigError
+
+Path = tuple[str, ...]
+ModelConfig = Any  # the `config.model` ConfigDict
+
+
+@dataclasses.dataclass(frozen=True)
+class WidthLayout:
+  """A backbone's growable layers (Firefly) and where their weights live.
+
+  A layer's output channels are the last axis of every one of its leaves,
+  and the next layer's kernel (the classifier's, after the last layer) takes
+  them on its axis -2: the classifier must see the last layer's channels
+  alone (a 1x1 map, no pooling over positions).
+
+  Attributes:
+    kernels: per growable layer, the path of its kernel (..., inputs, outputs) in params.
+    vectors: per layer, (path in params, value of a new neuron) of its per-neuron params.
+    stats: per layer, (path in the model state, value of a new neuron) of its per-neuron state.
+    build: `build(widths)`, the backbone with one width per growable layer; equal widths
+      give the parameters of `make_backbone`'s module of that width.
+    head: the path of the classifier kernel (inputs, classes).
+  """
+
+  kernels: tuple[Path, ...]
+  vectors: tuple[tuple[tuple[Path, float], ...], ...]
+  stats: tuple[tuple[tuple[Path, float], ...], ...]
+  build: Callable[[tuple[int, ...]], nn.Module] = dataclasses.field(compare=False)
+  head: Path = ("head", "kernel")
+
+  @property
+  def num_layers(self) -> int:
+    return len(self.kernels)
+
+  def next_kernel(self, layer: int) -> Path:
+    return self.kernels[layer + 1] if layer + 1 < len(self.kernels) else self.head
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixture:
+  """Where a backbone mixes experts (gMoE, `alma_jax.models.moe`): stem -> mixtures -> head.
+
+  Attributes:
+    experts: per mixture layer, the expert sub-network; the layer's experts are copies of
+      it with parameters (and BatchNorm statistics) of their own.
+    stem: shared layers before the first mixture (None: none).
+    head: the shared classifier (None: a linear map of the flattened features).
+    pooled_gates: whether a gate sees its image input average-pooled (to
+      `method.gate_pool`) rather than flattened as it is.
+    gather_hard_eval: with hard gating at test time, run only each example's chosen expert
+      by gathering its parameters (cheap for dense layers; a batch-sized grouped
+      convolution otherwise); else every expert runs and the chosen output is selected.
+  """
+
+  experts: tuple[nn.Module, ...]
+  stem: nn.Module | None = None
+  head: nn.Module | None = None
+  pooled_gates: bool = True
+  gather_hard_eval: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class BackboneSpec:
+  """What a backbone is and what it can do (each backbone module declares one as `SPEC`).
+
+  Attributes:
+    name: its `config.model.name`.
+    build: `build(config.model, num_classes)`, the Flax Linen module; called as
+      `module.apply(variables, x, train=..., mask=...)`, it returns the logits and keeps
+      BatchNorm statistics, if any, in the `batch_stats` collection.
+    tasks: the data it models (`alma_jax.tasks`): "images", "text".
+    conv_heavy: whether convolutions dominate its train step. The CPU speed rules apply
+      to it (`model.conv_impl` and `train.cpu_fusion` are chosen for it, ensemble members
+      run as a loop, seeds as separate runs), and it reads `config.model.conv_impl`.
+    width_layout: `width_layout(config.model, num_classes)`, its `WidthLayout` for Firefly;
+      None: its width cannot grow.
+    mixture: `mixture(config.model, num_classes)`, its `Mixture` for gMoE; None: it has no
+      mixture-of-experts version.
+    leaf_axes: the logical axes (`alma_jax.sharding`) of leading dimensions of its own
+      parameter leaves, as in `Method.LEAF_AXES` (e.g. experts stacked inside a layer).
+  """
+
+  name: str
+  build: Callable[[ModelConfig, int], nn.Module]
+  tasks: tuple[str, ...] = ("images",)
+  conv_heavy: bool = False
+  width_layout: Callable[[ModelConfig, int], WidthLayout] | None = None
+  mixture: Callable[[ModelConfig, int], Mixture] | None = None
+  leaf_axes: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+# What each optional capability is, for the error of a method that needs it.
+CAPABILITIES = {
+    "width_layout": "the growable layers of Firefly",
+    "mixture": "the mixture points and expert sub-network of gMoE",
+}
+
+BACKBONES: dict[str, BackboneSpec] = {}
+
+
+def register(backbone: BackboneSpec) -> BackboneSpec:
+  """Makes `backbone` available as `config.model.name=backbone.name`; returns it."""
+  if backbone.name in BACKBONES and BACKBONES[backbone.name] is not backbone:
+    raise ValueError(f"backbone name {backbone.name!r} registered twice")
+  BACKBONES[backbone.name] = backbone
+  return backbone
+
+
+def names(where: Callable[[BackboneSpec], bool] | None = None) -> list[str]:
+  """The registered names (those whose spec satisfies `where`), sorted."""
+  return sorted(n for n, s in BACKBONES.items() if where is None or where(s))
+
+
+def spec(name: str) -> BackboneSpec:
+  """The spec registered under `name`."""
+  if name not in BACKBONES:
+    raise ConfigError(f"config.model.name={name!r} is not a backbone; valid names: {names()}")
+  return BACKBONES[name]
+
+
+def get_backbone(name: str):
+  """The Flax module class that builds backbone `name` (its spec's `build` is the class's
+  `from_config`), for the class-level facts some methods read (e.g. the Switch
+  Transformer's `copy_experts`); `ConfigError` for an unknown name."""
+  build = spec(name).build
+  return getattr(build, "__self__", build)
+
+
+def make_backbone(model_config, num_classes: int) -> nn.Module:
+  """The backbone module described by `config.model`."""
+  return spec(model_config.name).build(model_config, num_classes)
+
+
+def check_task(name: str, task: str) -> None:
+  """Raises `ConfigError` unless backbone `name` models data of kind `task`."""
+  if task not in spec(name).tasks:
+    raise ConfigError(f"config.model.name={name!r} cannot model {task}; valid names: "
+                      f"{names(lambda s: task in s.tasks)}")
+
+
+def capability(name: str, field: str, method: str):
+  """The spec's `field` ("width_layout" or "mixture") that `method` needs; a `ConfigError`
+  naming the undeclared capability when backbone `name` has none."""
+  value = getattr(spec(name), field)
+  if value is None:
+    able = names(lambda s: getattr(s, field) is not None)
+    raise ConfigError(f"config.model.name={name!r} cannot be used by config.method.name="
+                      f"{method!r}: its BackboneSpec declares no {field} ({CAPABILITIES[field]});"
+                      f" valid names: {able}")
+  return value
