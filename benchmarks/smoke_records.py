@@ -10,7 +10,11 @@ fields aside.
   python benchmarks/smoke_records.py --root=/tmp/smoke_before
   python benchmarks/smoke_records.py --root=/tmp/smoke_after --compare=/tmp/smoke_before
 
-Runs one config after another (`--only=mnist_sm,lm_gmoe` for a subset); the
+With `--compare`, each run is given the speed choices its earlier run measured
+(`summary.json`'s `choices`: convolution gradient, fusion flags, ensemble
+strategy), since timing on a busy machine may choose otherwise and some
+choices change float summation order. Runs one config after another
+(`--only=mnist_sm,lm_gmoe` for a subset); the
 data are found as for any run (TFDS_DATA_DIR, ALMA_JAX_BPE_DIR). Exit code 1
 when a compared run differs.
 """
@@ -67,6 +71,15 @@ def outputs(wd: str) -> dict:
   return out
 
 
+def _choices(wd: str) -> dict:
+  """The fields a run chose by measuring (its summary's `choices`)."""
+  try:
+    with open(os.path.join(wd, "summary.json")) as f:
+      return dict(json.load(f).get("choices", {}))
+  except (OSError, ValueError):
+    return {}
+
+
 def _first_difference(a, b, where="") -> str | None:
   if isinstance(a, dict) and isinstance(b, dict):
     for k in sorted(set(a) | set(b)):
@@ -108,6 +121,8 @@ def main() -> int:
       start = time.monotonic()
       cmd = [sys.executable, "-m", "alma_jax.main", f"--config=configs/{config}.py:smoke",
              f"--workdir={wd}", "--overwrite", *extra]
+      if args.compare:  # the speed choices measured then (a loaded machine may time otherwise)
+        cmd += [f"--config.{k}={v}" for k, v in _choices(os.path.join(args.compare, name)).items()]
       proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
       status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
       print(f"{name:18s} {status} in {time.monotonic() - start:.1f}s", flush=True)
