@@ -71,10 +71,15 @@ BASE_FIELDS = (
             "fraction of all earlier mega-batches added to each stage"),
     F.Field("stream.warm_start", "finetune", F.choice(policies.stage_names, "names"),
             "how each stage starts (`alma_jax/policies/`): finetune (from the learner as the "
-            "previous stage left it) or scratch (re-initialised; gEns: its new members fresh)"),
+            "previous stage left it), scratch (re-initialised; gEns: its new members fresh) or "
+            "shrink_perturb (stream.shrink * learnt + stream.perturb * fresh, after growth)"),
     F.Field("stream.init_from_scratch", None, F.Check(_optional_boolean, bool),
             "the older spelling of stream.warm_start: True selects scratch (None: follows "
             "stream.warm_start; a contradiction is an error)"),
+    F.Field("stream.shrink", 1.0, F.number(0.0, 1.0),
+            "shrink_perturb: the factor lambda of what was learnt (1 with perturb 0: finetune)"),
+    F.Field("stream.perturb", 0.0, F.number(0.0, 10.0),
+            "shrink_perturb: the factor sigma of a fresh initialisation added to it"),
     F.Field("stream.wait_policy", "fixed", F.choice(policies.wait_names, "names"),
             "when the learner trains (`alma_jax/policies/`): fixed (every stream.wait "
             "mega-batches)"),
@@ -176,7 +181,7 @@ BASE_FIELDS = (
 BASE_FIELDS_BY_PATH = {f.path: f for f in BASE_FIELDS}
 # Fields declared after runs were written: a resolved config that lacks one (a workdir's
 # config.json) ran as its default does, so absent and default are the same run.
-ADDED_FIELDS = ("stream.warm_start", "stream.wait_policy")
+ADDED_FIELDS = ("stream.warm_start", "stream.wait_policy", "stream.shrink", "stream.perturb")
 
 
 def resumable_paths() -> tuple[str, ...]:

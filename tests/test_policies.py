@@ -55,14 +55,15 @@ def registered():
 
 # -- the registry and the config fields ------------------------------------------------------------
 def test_the_registry_holds_the_policies_by_name():
-  assert policies.stage_names() == ["finetune", "scratch"]
+  assert policies.stage_names() == ["finetune", "scratch", "shrink_perturb"]
   assert policies.wait_names() == ["fixed"]
   c = validation.complete(config_lib.base_config("mnist"))
   assert type(policies.make_stage(c)).name == "finetune"
   assert type(policies.make_wait(c)).name == "fixed"
 
 
-@pytest.mark.parametrize("path, names", [("stream.warm_start", "['finetune', 'scratch']"),
+@pytest.mark.parametrize("path, names", [("stream.warm_start",
+                                          "['finetune', 'scratch', 'shrink_perturb']"),
                                          ("stream.wait_policy", "['fixed']")])
 def test_an_unknown_policy_is_an_error_naming_the_field_and_the_policies(path, names):
   c = config_lib.base_config("mnist")
@@ -253,3 +254,55 @@ def test_a_waiting_policy_in_a_new_module_decides_when_to_train(registered, tmp_
   # The stage at t=4 trains on the mega-batches 2, 3 and 4 (about three times the first's).
   ratio = log[4]["train_macs"] / log[1]["train_macs"]
   assert 2.8 < ratio < 3.2, ratio
+
+
+# -- shrink and perturb ------------------------------------------------------------------------------
+def test_shrink_perturb_at_1_0_is_finetune_and_at_0_1_is_scratch_exactly():
+  trained_at = lambda m: jax.tree.map(lambda a: a + 0.5, m.init(jax.random.key(0)))
+  key, ctx = jax.random.key(7), helpers.context(2)
+  c, method = _method("sm")
+  finetuned, _ = policies.make_stage(c).start_stage(method, trained_at(method), key, ctx, None)
+  c, method = _method("sm", warm_start="scratch")
+  scratch, _ = policies.make_stage(c).start_stage(method, trained_at(method), key, ctx, None)
+  c, method = _method("sm", warm_start="shrink_perturb", shrink=1.0, perturb=0.0)
+  same, _ = policies.make_stage(c).start_stage(method, trained_at(method), key, ctx, None)
+  assert _same(same, finetuned)
+  c, method = _method("sm", warm_start="shrink_perturb", shrink=0.0, perturb=1.0)
+  fresh, _ = policies.make_stage(c).start_stage(method, trained_at(method), key, ctx, None)
+  assert _same(fresh, scratch) and not _same(fresh.params, finetuned.params)
+  c, method = _method("sm", warm_start="shrink_perturb", shrink=0.5, perturb=0.1)
+  mixed, _ = policies.make_stage(c).start_stage(method, trained_at(method), key, ctx, None)
+  expected = jax.tree.map(lambda a, b: 0.5 * a + 0.1 * b, finetuned.params, scratch.params)
+  for got, want in zip(jax.tree.leaves(mixed.params), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(got, want, rtol=0, atol=0)  # the same two float32 operations
+
+
+def test_shrink_perturb_leaves_the_frozen_members_of_gens_untouched():
+  c, gens = _method("gens", warm_start="shrink_perturb", shrink=0.5, perturb=0.1)
+  trained = _gens_after_a_stage(gens)
+  learner, _ = policies.make_stage(c).start_stage(gens, trained, jax.random.key(3),
+                                                  helpers.context(2), None)
+  assert _same(_member(learner.params, 0), _member(trained.params, 0))  # frozen, untouched
+  assert not _same(_member(learner.params, 1), _member(trained.params, 0))
+
+
+def test_shrink_and_perturb_are_refused_without_their_policy():
+  c = helpers.small_config("mnist", "sm")
+  c.stream.perturb = 0.1
+  with pytest.raises(ConfigError, match=r"config\.stream\.shrink=1\.0 and config\.stream\."
+                                        r"perturb=0\.1 are used only by config\.stream\."
+                                        r"warm_start='shrink_perturb', not 'finetune'"):
+    validation.complete(c)
+
+
+@requires_mnist
+def test_a_run_with_shrink_1_and_perturb_0_writes_the_records_of_finetune(tmp_path):
+  finetune = str(tmp_path / "finetune")
+  run.run(helpers.smoke(), finetune)
+  same = str(tmp_path / "shrink_perturb")
+  run.run(helpers.smoke(stream__warm_start="shrink_perturb"), same)
+  assert helpers.outputs(same) == helpers.outputs(finetune)
+  mixed = str(tmp_path / "mixed")
+  run.run(helpers.smoke(stream__warm_start="shrink_perturb", stream__shrink=0.5,
+                        stream__perturb=0.1), mixed)
+  assert helpers.outputs(mixed)[0] != helpers.outputs(finetune)[0]

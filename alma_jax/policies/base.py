@@ -167,3 +167,9 @@ def resolve_warm_start(config) -> None:
         f"config.stream.init_from_scratch={legacy} contradicts config.stream.warm_start="
         f"{policy!r} (init_from_scratch=True is the older spelling of warm_start='scratch'); "
         f"set config.stream.warm_start alone; allowed values: {stage_names()}")
+  shrink, perturb = s.get("shrink", 1.0), s.get("perturb", 0.0)
+  if s.warm_start != "shrink_perturb" and (shrink, perturb) != (1.0, 0.0):
+    raise ConfigError(
+        f"config.stream.shrink={shrink} and config.stream.perturb={perturb} are used only by "
+        f"config.stream.warm_start='shrink_perturb', not {s.warm_start!r}; set it, or leave "
+        "them at 1.0 and 0.0")
