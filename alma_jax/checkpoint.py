@@ -157,7 +157,7 @@ def structure_from_json(obj: Any) -> Hashable:
 
 
 # -- checksums ---------------------------------------------------------------------
-def _array_digest(x) -> str | None:
+def array_digest(x) -> str | None:
   """SHA-256 of an array's dtype, shape and bytes; None when this process cannot read it whole."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     if not x.is_fully_replicated:
@@ -173,7 +173,7 @@ def tree_digests(tree) -> dict[str, str]:
   """{path: SHA-256} of every array of `tree` that this process can read whole."""
   out = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    digest = _array_digest(leaf)
+    digest = array_digest(leaf)
     if digest is not None:
       out[jax.tree_util.keystr(path)] = digest
   return out

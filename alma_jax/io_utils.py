@@ -264,20 +264,24 @@ class LogOrderError(RuntimeError):
   """A record that does not follow the log's last record (t = last t + 1)."""
 
 
-def open_regular(path: str, create: bool = True):
-  """`path` opened "r+b", created if `create`; refuses a symbolic link or a non-regular file
-  (a run writes only its own files)."""
-  extra = (os.O_CREAT if create else 0) | getattr(os, "O_NOFOLLOW", 0)
+def open_regular_fd(path: str, flags: int) -> int:
+  """`os.open(path, flags)` of a regular file that is not a symbolic link; raises
+  `NotRegularFileError` otherwise (a run writes only files of its own)."""
   try:
-    f = open(path, "r+b", opener=lambda p, flags: os.open(p, flags | extra, 0o666))  # pylint: disable=consider-using-with
+    fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)
   except OSError as e:
     if e.errno in (errno.ELOOP, errno.EISDIR):
       raise NotRegularFileError(path) from None
     raise
-  if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-    f.close()
+  if not stat.S_ISREG(os.fstat(fd).st_mode):
+    os.close(fd)
     raise NotRegularFileError(path)
-  return f
+  return fd
+
+
+def open_regular(path: str):
+  """`path` opened "r+b", created if missing, through `open_regular_fd`."""
+  return open(path, "r+b", opener=lambda p, flags: open_regular_fd(p, flags | os.O_CREAT))  # pylint: disable=consider-using-with
 
 
 class NotRegularFileError(ValueError):

@@ -31,7 +31,6 @@ CHECKPOINT_DIR, CORRUPT_DIR = "checkpoints", "checkpoints_unreadable"
 # The checkpoint of a training stage in progress (`alma_jax.stage_checkpoint`).
 STAGE_DIR = "checkpoints_stage"
 LOCK_FILE = ".lock"  # alma_jax.workdir_lock
-INPUTS_FILE = "inputs.json"  # fingerprints of the data the run reads
 ERROR_PNG = "error.png"  # test error vs t, drawn when the run ends
 SEED_DIR_PREFIX = "seed_"  # outputs of one seed when config.num_seeds > 1
 
@@ -64,7 +63,7 @@ def has_progress(workdir: str) -> bool:
 
 
 WANDB_FILE, WANDB_DIR = "wandb_run.json", "wandb"  # alma_jax.wandb_log (config.log.wandb)
-_FILES = (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, ARCH_FILE, ERROR_PNG, INPUTS_FILE, WANDB_FILE)
+_FILES = (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, ARCH_FILE, ERROR_PNG, WANDB_FILE)
 _DIRS = (CHECKPOINT_DIR, CORRUPT_DIR, STAGE_DIR, WANDB_DIR)
 _SEED_FILES = (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, WANDB_FILE)
 _SEED_DIRS = (WANDB_DIR,)

@@ -44,7 +44,6 @@ import errno
 import json
 import os
 import socket
-import stat
 import time
 
 try:
@@ -114,20 +113,11 @@ def _alive_here(info: dict) -> bool:
 
 # -- flock ------------------------------------------------------------------------------------
 def _open_regular(path: str, flags: int) -> int:
-  """`os.open` of a regular file that is not a symbolic link (the lock file is written)."""
+  """`io_utils.open_regular_fd`, its refusal as `WorkdirLockedError` (the lock file is written)."""
   try:
-    fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)
-  except OSError as e:
-    if e.errno not in (errno.ELOOP, errno.EISDIR):
-      raise
-    fd = None
-  if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
-    return fd
-  if fd is not None:
-    os.close(fd)
-  raise WorkdirLockedError(
-      f"{path} is {'a symbolic link' if os.path.islink(path) else 'not a regular file'}; the lock of a "
-      "workdir is a regular file the run writes: remove it (or choose another --workdir)")
+    return io_utils.open_regular_fd(path, flags)
+  except io_utils.NotRegularFileError as e:
+    raise WorkdirLockedError(str(e)) from None
 
 
 class _FlockUnsupported(Exception):

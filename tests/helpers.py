@@ -177,3 +177,13 @@ def tree_digest(path):
       with open(p, "rb") as f:
         h.update(f.read())
   return h.hexdigest()
+
+
+def kill_env(kill_at=None, sig="SIGKILL") -> dict:
+  """The environment of a subprocess run of this checkout that sends itself `sig` at the kill
+  point `kill_at` (`alma_jax.interrupts`; None: not killed)."""
+  env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env.pop("ALMA_JAX_TEST_KILL_AT", None)
+  if kill_at:
+    env.update(ALMA_JAX_TEST_KILL_AT=kill_at, ALMA_JAX_TEST_KILL_SIGNAL=sig)
+  return env

@@ -39,11 +39,7 @@ def _command(wd, config, extra=()):
 
 
 def _env(kill_at=None, sig="SIGKILL"):
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  env.pop("ALMA_JAX_TEST_KILL_AT", None)
-  if kill_at:
-    env.update(ALMA_JAX_TEST_KILL_AT=kill_at, ALMA_JAX_TEST_KILL_SIGNAL=sig)
-  return env
+  return helpers.kill_env(kill_at, sig)
 
 
 def _run(cmd, kill_at=None, sig="SIGKILL", kill_after_s=None):

@@ -15,6 +15,7 @@ import pytest
 from alma_jax import errors
 from alma_jax import io_utils
 from alma_jax import workdir_lock
+from tests import helpers
 from tests.conftest import requires_mnist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,11 +26,7 @@ HOST = socket.gethostname()
 
 
 def _env(kill_at=None, sig="SIGKILL"):
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  env.pop("ALMA_JAX_TEST_KILL_AT", None)
-  if kill_at:
-    env.update(ALMA_JAX_TEST_KILL_AT=kill_at, ALMA_JAX_TEST_KILL_SIGNAL=sig)
-  return env
+  return helpers.kill_env(kill_at, sig)
 
 
 def _cmd(wd):
