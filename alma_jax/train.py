@@ -237,6 +237,8 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
     with timer("eval_s"):
       acc, _, unit_acc = steps.evaluate_units(current, "train", val_idx)
     _keep_best(p, method, current, unit_acc, epoch, delta, int(cfg.patience))
+    if save is not None and p.active.any() and epoch < int(cfg.epochs):
+      save.between_epochs(state, epoch)  # e.g. a signal that arrived during the evaluation
     if on_epoch is not None:
       on_epoch(epoch, np.mean(losses, axis=1), np.asarray(acc), ran)
     if progress is not None and time.monotonic() - last_report >= cfg.get("progress_every_s", 10.0):
@@ -317,11 +319,19 @@ class _saver:  # pylint: disable=invalid-name  (used as a function)
     self.rng_states = [rng.bit_generator.state for rng in self.rngs]
 
   def __call__(self, state: TrainState, next_call: int, losses: list, finite, epoch_end: bool):
-    if not self.checkpoints.due(epoch_end, self.epoch):
-      return
+    if self.checkpoints.due(epoch_end, self.epoch):
+      self._save(state, self.epoch, next_call, self.rng_states, losses, finite)
+
+  def between_epochs(self, state: TrainState, epoch: int) -> None:
+    """After epoch `epoch` is evaluated and early stopping updated: saves the stage to
+    continue at the next epoch, when due (a signal that arrived during the evaluation)."""
+    if self.checkpoints.due(False, epoch):
+      self._save(state, epoch + 1, 0, [rng.bit_generator.state for rng in self.rngs], [], None)
+
+  def _save(self, state, epoch, next_call, rng_states, losses, finite) -> None:
     p = self.p
     position = {
-        "epoch": self.epoch, "next_call": next_call, "rng_states": self.rng_states,
+        "epoch": epoch, "next_call": next_call, "rng_states": rng_states,
         "losses": [np.asarray(l, np.float32).tolist() for l in losses],
         "finite": None if finite is None else np.asarray(finite).tolist(),
         "progress": {name: np.asarray(getattr(p, name)).tolist() for name in _PROGRESS_ARRAYS},

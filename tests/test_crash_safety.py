@@ -22,6 +22,7 @@ from alma_jax import checkpoint as ckpt_lib
 from alma_jax import config_lib
 from alma_jax import io_utils
 from alma_jax import run
+from alma_jax import steps as steps_lib
 from alma_jax import workdir as workdir_lib
 from alma_jax import workdir_lock
 from alma_jax.errors import ConfigError
@@ -340,3 +341,34 @@ def test_a_changed_input_file_is_refused_on_resume(tmp_path, monkeypatch):
                      match=r"written from other input data than config\.data\.text_file="):
     run.run(c, wd)
   assert json.load(open(os.path.join(wd, "config.json")))["data"]["name"] == "book"
+
+
+@requires_mnist
+def test_a_signal_during_an_epoch_s_evaluation_saves_the_stage_at_the_next_epoch(tmp_path,
+                                                                                  monkeypatch):
+  c = helpers.smoke()
+  c.checkpoint.every_s = 0.0  # saves only when the signal asks
+  base = str(tmp_path / "base")
+  run.run(c, base)
+  calls = []
+  evaluate = steps_lib.Steps.evaluate_units
+
+  def interrupted_evaluation(self, learner, split, idx):
+    if split == "train":  # a stage's validation: the third is stage 2's first epoch
+      calls.append(1)
+      if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGINT)
+    return evaluate(self, learner, split, idx)
+
+  monkeypatch.setattr(steps_lib.Steps, "evaluate_units", interrupted_evaluation)
+  wd = str(tmp_path / "wd")
+  with pytest.raises(run.RunInterrupted):
+    run.run(c, wd)
+  monkeypatch.setattr(steps_lib.Steps, "evaluate_units", evaluate)
+  stage_dir = os.path.join(wd, "checkpoints_stage")
+  (step,) = [n for n in os.listdir(stage_dir) if n.isdigit()]
+  with ckpt_lib.Checkpointer(stage_dir, 1) as ckpt:
+    meta = ckpt.read_meta(int(step))
+  assert (meta["stage_t"], meta["position"]["epoch"], meta["position"]["next_call"]) == (2, 2, 0)
+  run.run(c, wd)
+  assert helpers.outputs(wd) == helpers.outputs(base)
