@@ -6,7 +6,7 @@ resumes the run in DIR; `--overwrite` starts it afresh. Errors are one line on
 stderr, exit code 2 for invalid inputs (config, data, workdir, checkpoints), 1
 for failures while running, 128 + signal number after SIGINT/SIGTERM/SIGHUP
 (130 for Ctrl-C while starting); `--debug` shows tracebacks. A multi-process
-run (`alma_jax.multihost`, the launchers in `launch/`) runs this same command
+run (`alma_jax.core.multihost`, the launchers in `launch/`) runs this same command
 in every process.
 """
 
@@ -42,12 +42,12 @@ try:  # Ctrl-C while the libraries load (seconds): one line, no traceback
   from absl import logging  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
-  from alma_jax import cpu_tuning  # pylint: disable=g-import-not-at-top
+  from alma_jax.tuning import cpu_tuning  # pylint: disable=g-import-not-at-top
 
   cpu_tuning.apply()  # before JAX allocates its first buffer
 
   from alma_jax import errors  # pylint: disable=g-import-not-at-top
-  from alma_jax import multihost  # pylint: disable=g-import-not-at-top
+  from alma_jax.core import multihost  # pylint: disable=g-import-not-at-top
   from alma_jax.data import images  # pylint: disable=g-import-not-at-top
 except KeyboardInterrupt:
   if __name__ != "__main__":
@@ -63,7 +63,7 @@ _DEBUG = flags.DEFINE_bool("debug", False, "Show tracebacks instead of one-line 
 _DISTRIBUTED = flags.DEFINE_bool("jax_distributed", False,
                                  "Call jax.distributed.initialize() (multi-process runs); also "
                                  "enabled by ALMA_JAX_DISTRIBUTED=1, config.mesh.distributed=yes "
-                                 "or a cluster environment (see alma_jax/multihost.py).")
+                                 "or a cluster environment (see alma_jax/core/multihost.py).")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0's "
                                    "coordinator (default: detected by JAX on SLURM, Open MPI, TPU)")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes of a multi-process run "
@@ -100,7 +100,7 @@ def _override_type_error(exc: BaseException) -> str | None:
   m = re.match(r"flag --config\.([\w.]+)=(.*?): ", str(exc))
   if m is None:
     return None
-  from alma_jax import validation  # pylint: disable=g-import-not-at-top
+  from alma_jax.core import validation  # pylint: disable=g-import-not-at-top
   path, text = m.groups()
   try:
     value = ast.literal_eval(text)  # 1.5 for an integer field: a float, not a string
@@ -118,17 +118,17 @@ def _parse_flags(argv):
       raise
     if isinstance(e, flags.Error):
       _fail(f"{_override_type_error(e) or errors.flag_error(e)} (see --helpfull)", 2)
-    from alma_jax import config_resolve  # pylint: disable=g-import-not-at-top
+    from alma_jax.configuration import config_resolve  # pylint: disable=g-import-not-at-top
     config_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
     _fail(f"invalid --config override: "
           f"{config_resolve.override_error(config_arg, argv, e)} (see --helpfull)", 2)
 
 
 def _choose_cpu_fusion(multiprocess: bool) -> None:
-  """Sets XLA_FLAGS for `config.train.cpu_fusion` (alma_jax.cpu_fusion); a config that fails
+  """Sets XLA_FLAGS for `config.train.cpu_fusion` (alma_jax.tuning.cpu_fusion); a config that fails
   to load is reported later, by the run."""
-  from alma_jax import cpu_fusion  # pylint: disable=g-import-not-at-top
-  from alma_jax import validation  # pylint: disable=g-import-not-at-top
+  from alma_jax.tuning import cpu_fusion  # pylint: disable=g-import-not-at-top
+  from alma_jax.core import validation  # pylint: disable=g-import-not-at-top
   try:
     config = _CONFIG.value
     shapes = validation.KNOWN_SHAPES.get(config.data.name)
@@ -174,7 +174,7 @@ def main(argv):
                "%s; compilation cache: %s", jax.__version__, jax.default_backend(),
                jax.process_index(), jax.process_count(), jax.devices(), cpu_tuning.is_applied(),
                cache)
-  from alma_jax import run, timing  # pylint: disable=g-import-not-at-top
+  from alma_jax.core import run, timing  # pylint: disable=g-import-not-at-top
   try:
     config = _CONFIG.value
     config.get("seed")  # a config file that failed to load raises here
@@ -193,13 +193,13 @@ def main(argv):
 def console():
   """The `alma-jax` command: this module's entry point, also taking configs by name.
 
-  `--config=mnist_sm:quick` names `configs/mnist_sm.py:quick` (alma_jax.config_files).
+  `--config=mnist_sm:quick` names `configs/mnist_sm.py:quick` (alma_jax.configuration.config_files).
   """
-  from alma_jax import config_files  # pylint: disable=g-import-not-at-top
+  from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top
   sys.argv = config_files.resolve_argv_or_exit(sys.argv)
   try:
     app.run(main, flags_parser=_parse_flags)
-  except KeyboardInterrupt:  # outside the run's own handling (`alma_jax.interrupts`)
+  except KeyboardInterrupt:  # outside the run's own handling (`alma_jax.outputs.interrupts`)
     if "--debug" in sys.argv:
       raise
     _exit_now(f"interrupted by SIGINT; to resume, run the same command again: "

@@ -16,7 +16,7 @@ elsewhere compares machines, not code. This script times, in one run,
     normalised in the step, as the project does;
   PyTorch as its users run it (glibc's default allocator) and with the
     allocator tuning that `alma_jax.main` applies to itself
-    (`alma_jax/cpu_tuning.py`; it made PyTorch faster too at width 64 on one
+    (`alma_jax/tuning/cpu_tuning.py`; it made PyTorch faster too at width 64 on one
     CPU), so the comparison can be read both ways;
 then alternates timed blocks of all of them (each setting's XLA flags and
 each allocator need a process of their own: one worker process per party,
@@ -47,9 +47,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from alma_jax import cpu_fusion  # pylint: disable=wrong-import-position
-from alma_jax import cpu_tuning  # pylint: disable=wrong-import-position
 from alma_jax.models import vgg  # pylint: disable=wrong-import-position
+from alma_jax.tuning import cpu_fusion  # pylint: disable=wrong-import-position
+from alma_jax.tuning import cpu_tuning  # pylint: disable=wrong-import-position
 from benchmarks import train_speed  # pylint: disable=wrong-import-position
 
 # row -> (torch backbone, width, the project's rows of train_speed.ROWS for the same step)

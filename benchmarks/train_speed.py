@@ -1,7 +1,7 @@
 """Training and evaluation speed of every backbone and method, per device.
 
 For each row (backbone, width, method, convolution implementation) it builds
-the real compiled train call of `alma_jax.steps.Steps` (a population of one
+the real compiled train call of `alma_jax.core.steps.Steps` (a population of one
 learner, `config.train.steps_per_call` steps per call) on synthetic data and
 reports:
   * train img/s: median and min-max over repeats after a warm-up (an image is
@@ -37,7 +37,7 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from alma_jax import cpu_tuning  # pylint: disable=wrong-import-position
+from alma_jax.tuning import cpu_tuning  # pylint: disable=wrong-import-position
 
 YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce"
 
@@ -112,8 +112,10 @@ def make_trainer(name, batch_size, jax, np):
   `run(calls) -> seconds` (after `warm_up()`, which compiles), `images_per_call` and the
   parts a row reports (method, steps, learner, data)."""
   # pylint: disable=g-import-not-at-top
-  from alma_jax import config_lib, methods, optim, population, sharding, timing, validation
-  from alma_jax.steps import Batch, Steps
+  from alma_jax.configuration import config_lib
+  from alma_jax import methods
+  from alma_jax.core import optim, population, sharding, timing, validation
+  from alma_jax.core.steps import Batch, Steps
   from alma_jax.tasks import images as image_task
   # pylint: enable=g-import-not-at-top
   backbone, width, method_name, method_kw, model_kw = ROWS[name]
@@ -171,7 +173,7 @@ def make_trainer(name, batch_size, jax, np):
 def bench_row(name, args, jax, jnp, np):
   del jnp
   # pylint: disable=g-import-not-at-top
-  from alma_jax.train import fit_one
+  from alma_jax.core.train import fit_one
   # pylint: enable=g-import-not-at-top
   tr = make_trainer(name, args.batch_size, jax, np)
   if tr is None:

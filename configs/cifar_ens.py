@@ -27,7 +27,7 @@ Options:
                                         (auto: loop on CPU, vmap elsewhere)
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

@@ -33,7 +33,7 @@ train.eval_batch_size is 128: the candidate fit takes one RMSprop step per batch
 as the released code did per training batch. train.keep_optimizer_state must stay False.
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

@@ -48,7 +48,7 @@ new_member="copy". config.train.keep_optimizer_state must stay False (each
 stage trains different networks).
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

@@ -34,7 +34,7 @@ experts:
 Hard gating at test time still runs every VGG expert (see alma_jax/methods/gmoe.py).
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

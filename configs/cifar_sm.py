@@ -20,7 +20,7 @@ The released code's choices: --config.model.init=torch (PyTorch's default
 initialisation), --config.train.patience_delta=0.001.
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

@@ -22,7 +22,7 @@ Options:
                                         no growable width layout)
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

@@ -23,7 +23,7 @@ among the waiting times the text names. The paper's other settings:
 Options: --config.method.num_members=N, --config.method.strategy=vmap|loop.
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

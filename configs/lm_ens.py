@@ -13,7 +13,7 @@ Options:
   --config.model.num_experts=4            E
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

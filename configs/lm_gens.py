@@ -11,7 +11,7 @@ Options:
   --config.method.new_member=fresh        a new random model instead of a copy
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

@@ -16,7 +16,7 @@ Options:
   --config.method.router_noise=1e-3       perturb the copies' router columns
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

@@ -23,7 +23,7 @@ Options:
   --config.stream.wait=4                  train once on all mega-batches
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

@@ -24,7 +24,7 @@ Options:
                                         (auto: vmap for the MLP)
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

@@ -13,7 +13,7 @@ Variants:
 The default is the paper's setting (H=64, w=1, 100 epochs) with K=70 new-neuron candidates.
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

@@ -22,7 +22,7 @@ values the text does not list. The paper's other settings:
   --config.stream.replay=1.0           also train on every earlier mega-batch
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

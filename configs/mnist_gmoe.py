@@ -30,7 +30,7 @@ Ablations on the command line:
   --config.method.tree=False           flat gating (not function-preserving)
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

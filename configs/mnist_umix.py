@@ -20,7 +20,7 @@ values the text does not list. The paper's other settings:
 Options: --config.method.num_members=N, --config.method.strategy=vmap|loop.
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

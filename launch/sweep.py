@@ -13,12 +13,12 @@ to the point's config; a point without a summary resumes, and a workdir
 holding a different config is refused with the differing fields named. So a
 rerun of a sweep skips what is done, and a sweep with another config file or
 other flags gets workdirs of its own. A point whose workdir another process
-holds (e.g. a second sweep on the same root; see alma_jax/workdir_lock.py) is
+holds (e.g. a second sweep on the same root; see alma_jax/outputs/workdir_lock.py) is
 left to it, "running (by another process)", not failed; each point's status
 is checked again just before its run starts.
 
 Before any run starts, every point's config is checked as the run checks it
-(`alma_jax.validation.validate`, which loads no data; for SLURM and TPU runs
+(`alma_jax.core.validation.validate`, which loads no data; for SLURM and TPU runs
 the mesh is left to their machines): invalid points are named with their
 one-line errors and nothing runs (exit code 2; `--no-validate` skips the
 check). `--status` (with the sweep's own flags) prints a table of the
@@ -47,7 +47,7 @@ SLURM array script, or one after another on every worker of a Cloud TPU VM
 workers once, then each point runs as one multi-host program; `--root` must
 be a directory every worker sees, mounted at the same path where the sweep
 runs for the report). When the runs are over, the report
-(`python -m alma_jax.report`) of every grid point's workdir is written to
+(`python -m alma_jax.reports.report`) of every grid point's workdir is written to
 `--report_dir` (default <root>/report); `--no-report` skips it. SIGINT
 (Ctrl-C), SIGTERM or SIGHUP is passed on to the runs in progress (which stop
 at a safe point); the sweep then names them with their exit codes, prints its
@@ -74,7 +74,7 @@ Examples:
   # starts in this repository, is requeued on preemption, and 120 s before the
   # time limit each run saves and stops and its task is requeued to resume (see
   # launch/slurm.py); after the array,
-  # `python -m alma_jax.report --workdirs=/tmp/sweep/* --out=...`.
+  # `python -m alma_jax.reports.report --workdirs=/tmp/sweep/* --out=...`.
   python launch/sweep.py ... --slurm=sweep.sbatch --slurm_option=--time=4:00:00
   # Every point on a TPU pod slice, one after another (root on a shared mount).
   python launch/sweep.py --config=configs/cifar_sm.py --root=/mnt/shared/sweep \
@@ -96,12 +96,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for alma_jax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for local.py, tpu_pod.py
-from alma_jax import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
-from alma_jax import io_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import methods  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
-from alma_jax import report  # pylint: disable=g-import-not-at-top,wrong-import-position
-from alma_jax import workdir as wd  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.configuration import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.outputs import workdir as wd  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.reports import report  # pylint: disable=g-import-not-at-top,wrong-import-position
 import local  # pylint: disable=g-import-not-at-top,wrong-import-position
 import slurm  # pylint: disable=g-import-not-at-top,wrong-import-position
 import sweep_state  # pylint: disable=g-import-not-at-top,wrong-import-position

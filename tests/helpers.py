@@ -12,17 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alma_jax import config_lib
-from alma_jax import io_utils
 from alma_jax import methods
-from alma_jax import population
-from alma_jax import sharding
-from alma_jax import validation
-from alma_jax import workdir
+from alma_jax.configuration import config_lib
+from alma_jax.core import population
+from alma_jax.core import sharding
+from alma_jax.core import validation
+from alma_jax.core.optim import make_optimizer
+from alma_jax.core.steps import Steps
 from alma_jax.methods.base import StageContext
-from alma_jax.optim import make_optimizer
-from alma_jax.steps import Steps
+from alma_jax.outputs import io_utils
+from alma_jax.outputs import workdir
 from alma_jax.tasks import images as image_task
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 
 def synthetic_dataset(n_train=512, n_test=128, shape=(28, 28, 1), num_classes=10, seed=0,
@@ -181,7 +183,7 @@ def tree_digest(path):
 
 def kill_env(kill_at=None, sig="SIGKILL") -> dict:
   """The environment of a subprocess run of this checkout that sends itself `sig` at the kill
-  point `kill_at` (`alma_jax.interrupts`; None: not killed)."""
+  point `kill_at` (`alma_jax.outputs.interrupts`; None: not killed)."""
   env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env.pop("ALMA_JAX_TEST_KILL_AT", None)
   if kill_at:

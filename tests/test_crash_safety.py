@@ -18,15 +18,15 @@ import jax
 import numpy as np
 import pytest
 
-from alma_jax import checkpoint as ckpt_lib
-from alma_jax import config_lib
-from alma_jax import io_utils
-from alma_jax import run
-from alma_jax import steps as steps_lib
-from alma_jax import workdir as workdir_lib
-from alma_jax import workdir_lock
+from alma_jax.configuration import config_lib
+from alma_jax.core import run
+from alma_jax.core import steps as steps_lib
 from alma_jax.errors import ConfigError
 from alma_jax.methods.base import Learner
+from alma_jax.outputs import checkpoint as ckpt_lib
+from alma_jax.outputs import io_utils
+from alma_jax.outputs import workdir as workdir_lib
+from alma_jax.outputs import workdir_lock
 from tests import helpers
 from tests.conftest import requires_mnist, requires_text
 

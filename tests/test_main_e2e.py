@@ -8,11 +8,11 @@ from unittest import mock
 
 import pytest
 
-from alma_jax import autotune
-from alma_jax import config_resolve
-from alma_jax import cpu_fusion
-from alma_jax import validation
-from alma_jax.metrics import RECORD_KEYS
+from alma_jax.configuration import config_resolve
+from alma_jax.core import validation
+from alma_jax.core.metrics import RECORD_KEYS
+from alma_jax.tuning import autotune
+from alma_jax.tuning import cpu_fusion
 from tests.conftest import requires_cifar10, requires_mnist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,7 +89,7 @@ def test_mnist_sm_smoke_end_to_end(tmp_path):
 
 @requires_cifar10
 def test_cifar_sm_smoke_end_to_end_with_waiting(tmp_path):
-  # Measured choices are tested in tests/test_autotune.py and tests/test_cpu_fusion.py. Here
+  # Measured choices are tested in tests/tuning/test_autotune.py and tests/tuning/test_cpu_fusion.py. Here
   # the convolution is set, and the machine's record holds the fusion flags (`ynn`): the run
   # sets them before JAX starts and records the choice in its workdir and summary.
   config, flags = "configs/cifar_sm.py:smoke", ["--config.stream.wait=2",
@@ -122,8 +122,8 @@ def test_cifar_sm_smoke_end_to_end_with_waiting(tmp_path):
                                     "cifar_gmoe"])
 def test_every_method_config_runs_end_to_end(config, tmp_path):
   # mnist_sm, cifar_sm and mnist_gens have end-to-end tests of their own; the VGG's
-  # ensembles are tested in tests/test_ensemble.py, and every config file and variant
-  # validates and builds its method in tests/test_validation.py.
+  # ensembles are tested in tests/methods/test_ensemble.py, and every config file and variant
+  # validates and builds its method in tests/core/test_validation.py.
   proc = run_main(f"configs/{config}.py:smoke", tmp_path, "--config.train.epochs=1",
                   "--config.train.patience=1", "--config.train.autotune=rules")
   assert proc.returncode == 0, proc.stderr[-3000:]

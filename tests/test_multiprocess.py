@@ -1,5 +1,5 @@
 """Two processes of one `jax.distributed` run on CPU, coordinated over 127.0.0.1
-(alma_jax/multihost.py, sharding.py, run.py; launch/local.py)."""
+(alma_jax/core/multihost.py, sharding.py, run.py; launch/local.py)."""
 
 import io
 import json
@@ -11,7 +11,7 @@ import chex
 import jax
 import numpy as np
 
-from alma_jax import io_utils
+from alma_jax.outputs import io_utils
 from tests import multiprocess_worker
 from tests.conftest import requires_mnist
 

@@ -11,7 +11,7 @@ import zipfile
 from packaging.requirements import Requirement
 import pytest
 
-from alma_jax import config_files
+from alma_jax.configuration import config_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -151,7 +151,7 @@ def test_wheel_ships_the_configs_and_the_console_script(tmp_path):
     entry_points = z.read(f"{info}/entry_points.txt").decode()
   wanted = {f"alma_jax/configs/{n}.py" for n in config_files.available(CONFIGS)}
   assert len(wanted) >= 16 and wanted <= names
-  assert "alma_jax/config_files.py" in names and "alma_jax/methods/sm.py" in names
+  assert "alma_jax/configuration/config_files.py" in names and "alma_jax/methods/sm.py" in names
   assert f"{info}/licenses/LICENSE" in names
   assert "alma-jax = alma_jax.main:console" in entry_points
   assert not any(n.startswith(("configs/", "tests/")) for n in names)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from alma_jax import workdir_lock
+from alma_jax.outputs import workdir_lock
 from tests.conftest import requires_mnist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -489,7 +489,7 @@ def test_points_that_another_process_ran_or_runs_meanwhile_are_not_run(tmp_path,
 LOCKED_RUN = f"""
 import os, shutil, sys, time
 sys.path.insert(0, {ROOT!r})
-from alma_jax import workdir_lock
+from alma_jax.outputs import workdir_lock
 workdir, config = sys.argv[1:3]
 os.makedirs(workdir, exist_ok=True)
 try:

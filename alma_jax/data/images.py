@@ -19,7 +19,7 @@ import zlib
 import numpy as np
 from absl import logging
 
-from alma_jax import io_utils
+from alma_jax.outputs import io_utils
 
 CACHE_FORMAT = 2
 SPLITS = ("train", "test")

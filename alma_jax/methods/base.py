@@ -1,7 +1,7 @@
 """The learner state, the stage context and the interface every method implements.
 
 A method is a bundle of pure functions over a `Learner` pytree. The training
-loop (`alma_jax.run`, `alma_jax.train`, `alma_jax.steps`) only calls the
+loop (`alma_jax.core.run`, `alma_jax.core.train`, `alma_jax.core.steps`) only calls the
 functions of `Method` below, so a new method is one file: a subclass that
 declares its config fields (`FIELDS`), overrides what it needs and registers
 itself by name (`alma_jax.methods.register`). Methods built on one Flax
@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from alma_jax import fields
 from alma_jax import tasks
+from alma_jax.configuration import fields
 from alma_jax.errors import ConfigError
 
 PyTree = Any
@@ -94,13 +94,13 @@ class Method:
 
   Class attributes:
     name: the registry name (`config.method.name`).
-    FIELDS: the method's own config fields (`alma_jax.fields.Field`, paths
+    FIELDS: the method's own config fields (`alma_jax.configuration.fields.Field`, paths
       under "method."); their checked values are `self.opts.<field name>`.
       A method whose fields depend on the backbone overrides `fields`.
     same_growth_for_every_seed: whether the architecture grows the same way
       for every seed, so that several seeds can share one program
       (`config.num_seeds`).
-    LEAF_AXES: the logical axes (`alma_jax.sharding`) of the leading
+    LEAF_AXES: the logical axes (`alma_jax.core.sharding`) of the leading
       dimensions of parameter leaves, after the population axis: pairs of a
       regular expression searched in the leaf's path (`jax.tree_util.keystr`
       in the params, the model state or the optimizer state) and the names of

@@ -51,8 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alma_jax import fields as F
 from alma_jax import models
+from alma_jax.configuration import fields as F
 from alma_jax.methods import base
 from alma_jax.methods.registry import register
 

@@ -22,8 +22,8 @@ from typing import Hashable, Sequence
 import jax
 import numpy as np
 
-from alma_jax import fields as F
 from alma_jax import models
+from alma_jax.configuration import fields as F
 from alma_jax.methods import base
 from alma_jax.tasks import base as task_base
 

@@ -48,8 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from alma_jax import fields as F
 from alma_jax import models
+from alma_jax.configuration import fields as F
 from alma_jax.methods import base
 from alma_jax.methods.registry import register
 

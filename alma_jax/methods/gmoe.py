@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alma_jax import fields as F
+from alma_jax.configuration import fields as F
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
 from alma_jax.methods import expert_growth

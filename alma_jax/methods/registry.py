@@ -7,8 +7,8 @@ the method it stands for.
 
 from __future__ import annotations
 
-from alma_jax import fields
 from alma_jax import tasks
+from alma_jax.configuration import fields
 from alma_jax.errors import ConfigError
 
 _REGISTRY: dict[str, type] = {}

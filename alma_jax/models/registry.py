@@ -95,7 +95,7 @@ class BackboneSpec:
       None: its width cannot grow.
     mixture: `mixture(config.model, num_classes)`, its `Mixture` for gMoE; None: it has no
       mixture-of-experts version.
-    leaf_axes: the logical axes (`alma_jax.sharding`) of leading dimensions of its own
+    leaf_axes: the logical axes (`alma_jax.core.sharding`) of leading dimensions of its own
       parameter leaves, as in `Method.LEAF_AXES` (e.g. experts stacked inside a layer).
   """
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 
-from alma_jax import io_utils
-from alma_jax import population
-from alma_jax import run_setup
-from alma_jax import workdir as wd
+from alma_jax.core import population
+from alma_jax.core import run_setup
 from alma_jax.observers.base import Observer
+from alma_jax.outputs import io_utils
+from alma_jax.outputs import workdir as wd
 
 
 class ArchitectureLog(Observer):

@@ -7,11 +7,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from alma_jax import interrupts
-from alma_jax import timing
-from alma_jax.checkpoint import Snapshot
-from alma_jax.metrics import Record
-from alma_jax.run_state import RunState
+from alma_jax.core import timing
+from alma_jax.core.metrics import Record
+from alma_jax.core.run_state import RunState
+from alma_jax.outputs import interrupts
+from alma_jax.outputs.checkpoint import Snapshot
 
 
 class Observer:
@@ -55,7 +55,7 @@ class Observers:
   The writes of one record (`record`) or one epoch (`epoch`) form one
   critical section, timed as I/O: a signal acts after all of them, so the
   record's outputs are complete or, after a crash, rewritten from the
-  checkpoints. The `log` kill point (`alma_jax.interrupts`) closes a record's
+  checkpoints. The `log` kill point (`alma_jax.outputs.interrupts`) closes a record's
   section.
   """
 

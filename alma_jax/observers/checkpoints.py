@@ -1,12 +1,12 @@
 """The checkpoints of a run: restoring the last one, saving the stream, saving stages.
 
-Stream checkpoints (`<workdir>/checkpoints/`, `alma_jax.checkpoint`) are
+Stream checkpoints (`<workdir>/checkpoints/`, `alma_jax.outputs.checkpoint`) are
 written at t = 0, t = B and after every `config.checkpoint.every`-th stage,
 asynchronously (orbax) while the loop goes on; the next checkpoint, the
 summary, an interruption and the end of the run (before the workdir lock is
 released) first wait for the one being written, so `io_s` holds only the
 part that did not overlap training. A stage in progress is saved too
-(`alma_jax.stage_checkpoint`); its save is removed once a stream checkpoint
+(`alma_jax.outputs.stage_checkpoint`); its save is removed once a stream checkpoint
 at or after it is complete.
 """
 
@@ -18,16 +18,16 @@ import os
 import jax
 from absl import logging
 
-from alma_jax import checkpoint as ckpt_lib
-from alma_jax import interrupts
-from alma_jax import population
-from alma_jax import run_setup
-from alma_jax import stage_checkpoint
-from alma_jax import workdir as wd
-from alma_jax.metrics import Record
+from alma_jax.core import population
+from alma_jax.core import run_setup
+from alma_jax.core.metrics import Record
 from alma_jax.observers.architecture import ArchitectureLog
 from alma_jax.observers.base import Observer
 from alma_jax.observers.clock import Clock
+from alma_jax.outputs import checkpoint as ckpt_lib
+from alma_jax.outputs import interrupts
+from alma_jax.outputs import stage_checkpoint
+from alma_jax.outputs import workdir as wd
 
 
 def due(config, t: int, stage: int, trained: bool, last: int) -> bool:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import time
 
-from alma_jax import checkpoint as ckpt_lib
-from alma_jax import timing
+from alma_jax.core import timing
 from alma_jax.observers.base import Observer
+from alma_jax.outputs import checkpoint as ckpt_lib
 
 
 class Clock(Observer):

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import os
 
-from alma_jax import run_setup
-from alma_jax import tensorboard
-from alma_jax import wandb_log  # imports the wandb package only when a writer starts
-from alma_jax import workdir as wd
+from alma_jax.core import run_setup
 from alma_jax.observers.base import Observer
+from alma_jax.outputs import tensorboard
+from alma_jax.outputs import wandb_log  # imports the wandb package only when a writer starts
+from alma_jax.outputs import workdir as wd
 
 
 class EventFiles(Observer):
   """One event file per seed folder, written by process 0; a resumed run rewrites it from
-  its records (`alma_jax.tensorboard.Writer`)."""
+  its records (`alma_jax.outputs.tensorboard.Writer`)."""
 
   def __init__(self, setup: run_setup.Setup):
     self.setup = setup
@@ -60,7 +60,7 @@ class EventFiles(Observer):
 
 class WandbRuns(EventFiles):
   """The same events as W&B runs, one per seed, in the project `config.log.wandb` (grouped
-  by workdir); a resumed run continues its W&B runs (`alma_jax.wandb_log`)."""
+  by workdir); a resumed run continues its W&B runs (`alma_jax.outputs.wandb_log`)."""
 
   def make_writers(self, state) -> list:
     s = self.setup

@@ -7,8 +7,8 @@ import json
 import numpy as np
 from absl import logging
 
-from alma_jax import population
-from alma_jax import run_setup
+from alma_jax.core import population
+from alma_jax.core import run_setup
 from alma_jax.observers.base import Observer
 from alma_jax.observers.clock import Clock
 

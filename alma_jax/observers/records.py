@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-from alma_jax import io_utils
-from alma_jax import run_setup
-from alma_jax import workdir as wd
+from alma_jax.core import run_setup
 from alma_jax.observers.base import Observer
+from alma_jax.outputs import io_utils
+from alma_jax.outputs import workdir as wd
 
 
 class RecordLog(Observer):

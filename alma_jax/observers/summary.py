@@ -7,14 +7,14 @@ from typing import Any
 
 from absl import logging
 
-from alma_jax import interrupts
-from alma_jax import io_utils
-from alma_jax import plots
-from alma_jax import population
-from alma_jax import run_setup
-from alma_jax import workdir as wd
+from alma_jax.core import population
+from alma_jax.core import run_setup
 from alma_jax.observers.base import Observer
 from alma_jax.observers.clock import Clock
+from alma_jax.outputs import interrupts
+from alma_jax.outputs import io_utils
+from alma_jax.outputs import workdir as wd
+from alma_jax.reports import plots
 
 
 class Summary(Observer):

@@ -79,7 +79,7 @@ class WaitPolicy:
   """When the learner trains: at the time steps t >= 1 where `trains_at(t, state)` holds.
 
   A stage trains on the mega-batches that arrived since the previous stage
-  (with replay, also a fraction of the earlier ones: `alma_jax.schedule.
+  (with replay, also a fraction of the earlier ones: `alma_jax.core.schedule.
   stage_data`), so a policy may choose any times.
 
   Class attributes:
@@ -93,7 +93,7 @@ class WaitPolicy:
 
   def trains_at(self, t: int, state) -> bool:
     """Whether the learner trains at time step `t` >= 1; `state` is the run's state before
-    `t` (`alma_jax.run_state.RunState`: records so far, the learner, its last test errors)."""
+    `t` (`alma_jax.core.run_state.RunState`: records so far, the learner, its last test errors)."""
     raise NotImplementedError
 
   def planned_times(self, num_megabatches: int) -> list[int]:

@@ -16,7 +16,7 @@ images.
 
 from __future__ import annotations
 
-from alma_jax import fields
+from alma_jax.configuration import fields
 from alma_jax.errors import ConfigError
 from alma_jax.tasks import base
 from alma_jax.tasks import images

@@ -27,8 +27,8 @@ import numpy as np
 import optax
 from flax import struct
 
-from alma_jax import fields
 from alma_jax import models
+from alma_jax.configuration import fields
 from alma_jax.data import images
 from alma_jax.errors import ConfigError
 
@@ -127,7 +127,7 @@ class Task:
 
   Class attributes:
     name: the registry name (`alma_jax.tasks.TASKS`).
-    FIELDS: config fields the task adds to the base fields (`alma_jax.fields.Field`).
+    FIELDS: config fields the task adds to the base fields (`alma_jax.configuration.fields.Field`).
     DATASETS: `config.data.name` values that are this task's data.
     BACKBONES: `config.model.name` values that serve this task besides the backbones
       whose spec names it (`BackboneSpec.tasks`); for a backbone registered without it.

@@ -32,9 +32,9 @@ import numpy as np
 from absl import logging
 from flax import struct
 
-from alma_jax import fields as F
 from alma_jax import models
-from alma_jax import optim
+from alma_jax.configuration import fields as F
+from alma_jax.core import optim
 from alma_jax.data import text as text_data
 from alma_jax.errors import ConfigError
 from alma_jax.models import switch

@@ -6,7 +6,7 @@ Batch 128, crop+flip, SGD as in the paper; no early stopping within the 2
 epochs (patience = epochs); the test error is evaluated after every stage.
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

@@ -3,7 +3,7 @@
   python -m alma_jax.main --config=configs/bench/p2_cifar_ens.py --workdir=/tmp/p2
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

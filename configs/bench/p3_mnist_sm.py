@@ -3,7 +3,7 @@
   python -m alma_jax.main --config=configs/bench/p3_mnist_sm.py --workdir=/tmp/p3
 """
 
-from alma_jax import config_lib
+from alma_jax.configuration import config_lib
 
 
 def get_config(arg=None):

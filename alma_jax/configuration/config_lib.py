@@ -1,0 +1,307 @@
+"""The config's fields and the helpers of the experiment files in `configs/`.
+
+`BASE_FIELDS` declares every field a run reads (path, default, check, doc);
+methods and tasks declare their own (`Method.fields`, `Task.FIELDS`). A config file calls
+`base_config(dataset, method)` for the paper's defaults of the base fields
+and the method's fields, overrides what its experiment changes, and passes
+its argument string to `apply_variant`, which knows the `smoke` (seconds, for
+tests) and `quick` (minutes on a laptop CPU) variants.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import ml_collections
+
+from alma_jax import methods
+from alma_jax import models
+from alma_jax import policies
+from alma_jax import tasks
+from alma_jax.configuration import fields as F
+from alma_jax.core import optim
+from alma_jax.core import sharding
+from alma_jax.data import augment
+from alma_jax.data import images
+from alma_jax.errors import ConfigError
+from alma_jax.models import conv
+from alma_jax.models import inits
+from alma_jax.tuning import autotune
+from alma_jax.tuning import cpu_fusion
+
+VARIANTS = ("", "paper", "smoke", "quick")
+DISTRIBUTED = ("auto", "yes", "no")
+# JAX's PRNG keys hold 32 bits of a seed: larger seeds would repeat smaller ones.
+MAX_SEED = 2**32 - 1
+_MNIST_OR = lambda mnist, other: F.ByDataset({"mnist": mnist}, other)  # pylint: disable=invalid-name
+
+
+def _optional_boolean(path: str, v):
+  if v is not None and not isinstance(v, bool):
+    raise ConfigError(f"config.{path}={v!r} must be true, false or None, got {type(v).__name__}")
+  return v
+
+
+BASE_FIELDS = (
+    F.Field("seed", 0, F.integer(0, hi=MAX_SEED),
+            "the random seed (stream, initialisation, data order)"),
+    F.Field("num_seeds", 1, F.integer(1), "> 1: train seeds seed ... seed+num_seeds-1 as one "
+            "vmapped program; each seed's outputs go to <workdir>/seed_<seed>/"),
+    # -- data
+    F.Field("data.name", "mnist", F.text("the name of a tfds data set"), "tfds data set name"),
+    F.Field("data.data_dir", None, F.optional_path(),
+            "prepared tfds data (None: $TFDS_DATA_DIR or tfds's default)", resumable=True),
+    F.Field("data.cache_dir", None, F.optional_path(),
+            "decoded-array cache (None: $ALMA_JAX_CACHE_DIR or ~/.cache/alma_jax)", resumable=True),
+    F.Field("data.use_cache", True, F.boolean(), "keep decoded arrays as .npy files",
+            resumable=True),
+    F.Field("data.download", "auto", F.choice(images.DOWNLOAD_CHOICES),
+            "may tfds download a data set that is not prepared locally: yes, no, or auto (when "
+            "its download host answers)", resumable=True),
+    F.Field("data.train_subset", 0, F.integer(0), "> 0: use only this many training examples"),
+    F.Field("data.test_subset", 0, F.integer(0), "> 0: evaluate on only this many test examples"),
+    # -- stream
+    F.Field("stream.num_megabatches", _MNIST_OR(500, 100), F.integer(1), "B"),
+    F.Field("stream.val_fraction", 0.1, F.number(0.0, 1.0, open_lo=True, open_hi=True),
+            "fraction of each mega-batch kept as its validation set"),
+    F.Field("stream.wait", 1, F.integer(1),
+            "waiting time w: training at t = w, 2w, ..., B; must divide B"),
+    F.Field("stream.replay", 0.0, F.number(0.0, 1.0),
+            "fraction of all earlier mega-batches added to each stage"),
+    F.Field("stream.warm_start", "finetune", F.choice(policies.stage_names, "names"),
+            "how each stage starts (`alma_jax/policies/`): finetune (from the learner as the "
+            "previous stage left it), scratch (re-initialised; gEns: its new members fresh) or "
+            "shrink_perturb (stream.shrink * learnt + stream.perturb * fresh, after growth)"),
+    F.Field("stream.init_from_scratch", None, F.Check(_optional_boolean, bool),
+            "the older spelling of stream.warm_start: True selects scratch (None: follows "
+            "stream.warm_start; a contradiction is an error)"),
+    F.Field("stream.shrink", 1.0, F.number(0.0, 1.0),
+            "shrink_perturb: the factor lambda of what was learnt (1 with perturb 0: finetune)"),
+    F.Field("stream.perturb", 0.0, F.number(0.0, 10.0),
+            "shrink_perturb: the factor sigma of a fresh initialisation added to it"),
+    F.Field("stream.wait_policy", "fixed", F.choice(policies.wait_names, "names"),
+            "when the learner trains (`alma_jax/policies/`): fixed (every stream.wait "
+            "mega-batches)"),
+    # -- model
+    F.Field("model.name", _MNIST_OR("mlp", "vgg"), F.choice(lambda: models.BACKBONES, "names"),
+            "backbone"),
+    F.Field("model.width", 64, F.integer(1),
+            "hidden units H (MLP), channels C (VGG) or channels of the first stage (ResNet)"),
+    F.Field("model.conv_impl", "auto", F.choice(conv.IMPLS),
+            "convolution gradients of convolution-heavy backbones (VGG, ResNet): xla, "
+            "chunked_dw, or auto (chosen: see train.autotune)"),
+    F.Field("model.init", "lecun", F.choice(inits.INITS),
+            "initialisation: lecun (Flax: LeCun-normal kernels, zero biases) or torch (PyTorch's "
+            "default, as in the released code: kernels and biases U(+-1/sqrt(fan_in)))"),
+    # -- method (its own fields are declared by the method)
+    F.Field("method.name", "sm", F.choice(methods.names, "names"), "the method"),
+    # -- training
+    F.Field("train.batch_size", 128, F.integer(1), "training batch size"),
+    F.Field("train.eval_batch_size", 1000, F.integer(1), "evaluation batch size"),
+    F.Field("train.epochs", 100, F.integer(1), "at most this many epochs per stage"),
+    F.Field("train.patience", 25, F.integer(1),
+            "stop a stage after this many epochs without a better validation accuracy"),
+    F.Field("train.patience_delta", 0.0, F.number(0.0, math.inf),
+            "an epoch improves when its validation accuracy (a fraction) exceeds the best by "
+            "more than this (released code: 0.001)"),
+    F.Field("train.keep_optimizer_state", False, F.boolean(),
+            "keep the optimizer state across stages (default: fresh each stage)"),
+    F.Field("train.augment", _MNIST_OR("none", "crop_flip"), F.choice(augment.AUGMENTATIONS),
+            "crop_flip (random crop with 4-pixel padding and flip, in the step) or none"),
+    F.Field("train.steps_per_call", 1, F.integer(0),
+            "train steps per compiled call (a lax.scan over them); 0: chosen (see "
+            "train.autotune)"),
+    F.Field("train.autotune", "measure", F.choice(autotune.MODES),
+            "how fields left to be chosen (model.conv_impl='auto', method.strategy='auto', "
+            "train.steps_per_call=0) are decided: measure (time each candidate on this "
+            "machine once, remembered in the cache dir) or rules", resumable=True),
+    F.Field("train.cpu_fusion", "auto", F.choice(cpu_fusion.CHOICES),
+            "XLA:CPU fusion flags of the run's process: none (XLA's default), ynn (its dot, "
+            "elementwise and reduction fusions by YNNPACK), or auto (a convolution-heavy backbone "
+            "on a CPU: chosen by measurement with train.autotune=measure, see "
+            "alma_jax/tuning/cpu_fusion.py; none otherwise); speed only, so it may change on resume "
+            "(float round-off then differs from there on)", resumable=True),
+    F.Field("train.on_divergence", "raise", F.choice(("raise", "rollback")),
+            "a non-finite loss raises, or rolls the stage back to its best epoch (may change "
+            "when a run resumes: it does not change the records already written)",
+            resumable=True),
+    F.Field("train.progress_every_s", 10.0, F.number(0.0, math.inf),
+            "at most one progress line per this many seconds within a stage", resumable=True),
+    # -- optimizer
+    F.Field("optimizer.name", _MNIST_OR("adadelta", "sgd"), F.choice(optim.OPTIMIZERS, "names"),
+            "an optax optimizer by name"),
+    F.Field("optimizer.kwargs",
+            _MNIST_OR({"learning_rate": 1.0},
+                      {"learning_rate": 0.01, "momentum": 0.9, "nesterov": False}),
+            F.mapping(), "the optimizer's arguments (CIFAR: nesterov=True for the released "
+            "code's gMoE and Firefly)"),
+    F.Field("optimizer.weight_decay", _MNIST_OR(0.0, 1e-4), F.number(0.0, math.inf),
+            "PyTorch-style coupled weight decay"),
+    # -- devices and checkpoints
+    F.Field("mesh.num_devices", 0, F.integer(0),
+            "devices of the mesh (0: all, or config.mesh.data x config.mesh.model); a "
+            "multi-process run uses all"),
+    F.Field("mesh.data", 0, F.integer(0),
+            "size of the mesh's data axis, over which batches are split (0: the devices left "
+            "by config.mesh.model)"),
+    F.Field("mesh.model", 1, F.integer(1),
+            "size of the mesh's model axis, over which ensemble members and gMoE experts are "
+            "split"),
+    F.Field("mesh.rules", dict(sharding.DEFAULT_RULES), F.mapping(),
+            "logical axis (population, batch, member, expert) -> mesh axis (data, model) or "
+            "replicated; a dimension that does not divide its axis is replicated, with a "
+            "warning"),
+    F.Field("mesh.distributed", "auto", F.choice(DISTRIBUTED),
+            "call jax.distributed.initialize(): yes, no, or auto (when the cluster environment "
+            "asks: SLURM with several tasks, a multi-host TPU VM, or ALMA_JAX_DISTRIBUTED=1)",
+            resumable=True),
+    F.Field("checkpoint.enabled", True, F.boolean(), "write checkpoints", resumable=True),
+    F.Field("checkpoint.max_to_keep", 3, F.integer(1), "keep the last few checkpoints",
+            resumable=True),
+    F.Field("log.wandb", "", F.optional_text("a Weights & Biases project name, or '' (off)"),
+            "log to Weights & Biases (pip install wandb): the project name; each seed is one "
+            "W&B run, resumed with the run; '' turns it off",
+            resumable=True),
+    F.Field("log.tensorboard", True, F.boolean(),
+            "write TensorBoard event files (per time step and per epoch) into the workdir",
+            resumable=True),
+    F.Field("checkpoint.every", 1, F.integer(1),
+            "checkpoint after every this many training stages (and at t=0 and t=B)",
+            resumable=True),
+    F.Field("checkpoint.every_s", 300.0, F.number(0.0),
+            "inside a training stage, save its progress every this many seconds (0: off); a "
+            "signal (SIGTERM, SIGINT, SIGHUP) also saves it before the run stops",
+            resumable=True),
+    F.Field("checkpoint.stage_every_epochs", 0, F.integer(0),
+            "inside a training stage, save its progress after every this many epochs (0: off)",
+            resumable=True),
+)
+
+BASE_FIELDS_BY_PATH = {f.path: f for f in BASE_FIELDS}
+# Fields declared after runs were written: a resolved config that lacks one (a workdir's
+# config.json) ran as its default does, so absent and default are the same run.
+ADDED_FIELDS = ("stream.warm_start", "stream.wait_policy", "stream.shrink", "stream.perturb")
+
+
+def resumable_paths() -> tuple[str, ...]:
+  """Fields that may differ when a run is resumed (they do not change results)."""
+  return tuple(f.path for f in BASE_FIELDS if f.resumable)
+
+
+def base_config(dataset: str, method: str = "sm") -> ml_collections.ConfigDict:
+  """The paper's settings (Appendix B) for `dataset` (MNIST: MLP; others: VGG) and `method`,
+  with the fields and settings of the task of `dataset` (`alma_jax.tasks`)."""
+  c = F.fill(ml_collections.ConfigDict(), BASE_FIELDS, dataset)
+  c.data.name = dataset
+  c.method.name = method
+  task = tasks.task_class(c)  # e.g. text: the language-model setting (section 5, App. B.2)
+  F.fill(c, task.FIELDS, dataset)
+  task.defaults(c)
+  return F.fill(c, methods.fields_for(c), dataset)
+
+
+LM_VARIANTS = ("", "smoke", "quick")
+
+
+def apply_lm_variant(c: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:
+  """Language models: the preset `base` or `large` and the `smoke` or `quick` variant, e.g.
+  "large", "quick" or "quick,iid" (`iid`: `stream.iid=True`, Table 1's ablation; `Kx`, e.g.
+  `2x`: K times the training steps per stage, Table 2's "2x steps" rows).
+
+  smoke: seconds on a CPU (the tiny model, L=32, 16 sequences per mega-batch,
+  5 steps per stage). quick: minutes on a 2-core CPU (the tiny model on the
+  whole tiny_shakespeare stream, L=64, 80 steps of 8 sequences per stage).
+  """
+  parts = [p.strip() for p in (arg or "").split(",") if p.strip()]
+  steps_factor = 1
+  for p in parts:
+    if re.fullmatch(r"[1-9][0-9]*x", p):
+      steps_factor *= int(p[:-1])
+    elif p not in LM_VARIANTS + ("base", "large", "iid"):
+      raise ValueError(f"config variant {p!r} is unknown; valid: ['base', 'large', 'smoke', "
+                       "'quick', 'iid', 'Kx' with K a positive integer such as '2x'] "
+                       "(comma-separated)")
+  for p in parts:
+    if p in ("base", "large"):
+      c.model.preset = p
+    elif p == "smoke":
+      c.model.preset = "tiny"
+      c.data.seq_len = 32
+      c.data.train_subset = 80
+      c.data.test_subset = 16
+      c.stream.val_fraction = 0.2
+      c.train.batch_size = 4
+      c.train.eval_batch_size = 8
+      c.train.steps_per_epoch = 5
+      c.optimizer.warmup_steps = 1
+      c.optimizer.kwargs.learning_rate = 3e-3
+    elif p == "quick":
+      c.model.preset = "tiny"
+      c.data.seq_len = 64
+      c.data.test_subset = 128
+      c.stream.val_fraction = 0.02
+      c.train.batch_size = 8
+      c.train.eval_batch_size = 16
+      c.train.steps_per_epoch = 80
+      c.optimizer.warmup_steps = 8
+      c.optimizer.kwargs.learning_rate = 2e-3
+  if "iid" in parts:
+    c.stream.iid = True
+  c.train.steps_per_epoch *= steps_factor
+  return c
+
+
+def apply_variant(c: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:
+  """Shrinks `c` for the `smoke` or `quick` variant (paper settings otherwise)."""
+  arg = (arg or "").strip()
+  if arg not in VARIANTS:
+    raise ValueError(f"config variant {arg!r} is unknown; valid variants: {[v for v in VARIANTS if v]}")
+  mnist = c.data.name != "cifar10"
+  if arg == "smoke":
+    # Seconds: a small slice of the data, a tiny model, a short stream.
+    c.data.train_subset = 2000
+    c.data.test_subset = 1000
+    c.stream.num_megabatches = 4
+    c.model.width = 8
+    c.train.epochs = 2
+    c.train.patience = 2
+    if not mnist:
+      c.data.train_subset = 800
+      c.data.test_subset = 500
+      c.model.width = 4
+      c.train.eval_batch_size = 500
+  elif arg == "quick":
+    if mnist:
+      # The whole MNIST stream (B=500), training every 10 mega-batches.
+      c.stream.wait = 10
+      c.train.epochs = 20
+      c.train.patience = 5
+    else:
+      # The whole training set in 10 mega-batches, C=16, 3 epochs per stage.
+      c.stream.num_megabatches = 10
+      c.model.width = 16
+      c.train.epochs = 3
+      c.train.patience = 3
+  return c
+
+
+def protocol(c: ml_collections.ConfigDict, arg: str | None, *, num_megabatches: int, width: int,
+             epochs: int) -> ml_collections.ConfigDict:
+  """A fixed timing protocol: B mega-batches, w=1, no replay, exactly `epochs` per stage.
+
+  `arg` may be `smoke` (a tiny slice of the data, for tests of the protocol files).
+  """
+  c.stream.num_megabatches = num_megabatches
+  c.stream.wait = 1
+  c.stream.replay = 0.0
+  c.model.width = width
+  c.train.epochs = epochs
+  c.train.patience = epochs  # no early stopping within the fixed epochs
+  if arg == "smoke":
+    c.data.train_subset = 1000
+    c.data.test_subset = 500
+    c.train.epochs = c.train.patience = 1
+  elif arg:
+    raise ValueError(f"config variant {arg!r} is unknown for a timing protocol; valid: ['smoke']")
+  return c

@@ -1,0 +1,247 @@
+"""What a run is made of before its stream starts: data, streams, method, steps, policies.
+
+`build(config, workdir)` loads the data (and fingerprints it), partitions
+each seed's stream, decides the fields left to be chosen (the convolution
+gradient, the ensemble strategy, the steps per call: `alma_jax.tuning.autotune`;
+the CPU fusion flags: `alma_jax.tuning.cpu_fusion`), builds the method's compiled
+steps and the stage and waiting policies (`alma_jax.policies`). The `Setup`
+it returns also answers what the loop and the checkpoints ask of it: the
+contexts of a stage, the first learners, the FLOPs of a structure, and the
+abstract state a checkpoint is restored into.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from absl import logging
+
+from alma_jax import methods
+from alma_jax import models
+from alma_jax import policies
+from alma_jax import tasks
+from alma_jax.core import multihost
+from alma_jax.core import optim
+from alma_jax.core import population
+from alma_jax.core import schedule
+from alma_jax.core import sharding
+from alma_jax.core import validation
+from alma_jax.core.steps import Steps
+from alma_jax.data import stream as stream_lib
+from alma_jax.outputs import checkpoint as ckpt_lib
+from alma_jax.outputs import workdir as wd
+from alma_jax.tuning import autotune
+from alma_jax.tuning import cpu_fusion
+
+VGG_SEEDS_WARNING = ("config.num_seeds=%d with config.model.name=%r on CPU: vmapped convolutions "
+                     "run as grouped convolutions, many times slower than separate runs "
+                     "(benchmarks/ensemble_strategy.py); separate runs are faster here")
+
+
+@dataclasses.dataclass
+class Setup:
+  """A run's fixed parts: what every time step of its stream uses.
+
+  Attributes:
+    config, workdir: the validated config and the output directory.
+    seeds: the seeds of the population (`config.seed` ... + `config.num_seeds` - 1).
+    out_dirs: each seed's output folder (the workdir itself for one seed).
+    primary: whether this process writes the outputs (checkpoints: every process).
+    task: what a batch means (`alma_jax.tasks`).
+    subsets: each seed's training subset (indices into the training split), or None.
+    streams: each seed's mega-batches (`alma_jax.data.stream.Stream`).
+    inputs: the fingerprint of the data the run reads.
+    choices: the fields decided before the run (`alma_jax.tuning.autotune`).
+    steps: the compiled steps; `method` is `steps.method`.
+    keys: the seeds' root PRNG keys, stacked.
+    stage_policy, wait_policy: how a stage starts, and when the learner trains.
+  """
+
+  config: Any
+  workdir: str
+  seeds: list[int]
+  out_dirs: list[str]
+  primary: bool
+  task: Any
+  subsets: list[np.ndarray | None]
+  streams: list[stream_lib.Stream]
+  inputs: str
+  choices: dict
+  steps: Steps
+  keys: jax.Array
+  stage_policy: policies.StagePolicy
+  wait_policy: policies.WaitPolicy
+  _flops: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def method(self) -> methods.Method:
+    return self.steps.method
+
+  @property
+  def num_t(self) -> int:
+    """B, the last time step."""
+    return self.config.stream.num_megabatches
+
+  def test_idx(self) -> np.ndarray:
+    return np.arange(self.steps.data.size("test"), dtype=np.int32)
+
+  def contexts(self, t: int, stage: int, previous: int) -> list[methods.StageContext]:
+    """Each seed's context of the stage at time step `t` (the `stage`-th; the previous one
+    trained at `previous`, 0 for none)."""
+    s = self.config.stream
+    out = []
+    for i, sd in enumerate(self.seeds):
+      data = schedule.stage_data(self.streams[i], t, s.wait, s.replay, sd, previous=previous)
+      out.append(methods.StageContext(
+          t=t, stage=stage, is_first=stage == 1, train_idx=self._to_train_split(i, data.train),
+          val_idx=self._to_train_split(i, data.val), reduce=self.steps.reduce,
+          scan=self.steps.scan, eval_aux=self.steps.eval_aux))
+    return out
+
+  def _to_train_split(self, i: int, idx: np.ndarray) -> np.ndarray:
+    sub = self.subsets[i]
+    return idx if sub is None else sub[idx].astype(np.int32)
+
+  def initial_learner(self):
+    """The untrained learners of t = 0, stacked and placed."""
+    return self.steps.place(population.stack([self.method.init(jax.random.fold_in(k, 0))
+                                              for k in self.keys]))
+
+  def flops(self, learner) -> dict[str, float]:
+    """`Steps.flops` of one (unstacked) learner, counted once per structure."""
+    if learner.structure not in self._flops:
+      self._flops[learner.structure] = self.steps.flops(learner)
+    return self._flops[learner.structure]
+
+  def log_estimate(self, learner) -> None:
+    """Logs an upper bound on the training time (all epochs, no early stop)."""
+    b, fixed = self.config.train.batch_size, optim.stage_steps(self.config)
+    sizes = _stage_sizes(self.streams[0], self.wait_policy.planned_times(self.num_t),
+                         self.config.stream.replay)
+    total = (len(sizes) * fixed if fixed
+             else sum(-(-m // b) for m in sizes) * self.config.train.epochs)
+    if total < 5000:  # a short run: measuring would cost a noticeable part of it
+      return
+    per_step = self.steps.seconds_per_step(learner)
+    est = per_step * total
+    logging.info("estimated training time: at most %.0f s (%.1f h) for %d steps at %.4f s/step "
+                 "(growing models get slower; early stopping shortens it)", est, est / 3600,
+                 total, per_step)
+
+  # -- what a checkpoint is restored into ---------------------------------------------------------
+  def restore_target(self) -> Callable:
+    """(structure, has_opt_state) -> the abstract stacked checkpoint state, with the shardings
+    of the steps (the key replicated)."""
+    method, tx, keys, steps = self.method, self.steps.tx, self.keys, self.steps
+
+    def build(structure, has_opt_state):
+      learner = jax.eval_shape(jax.vmap(lambda k: method.init(k, structure)), keys)
+      if learner.structure != structure:
+        raise ckpt_lib.IncompatibleCheckpointError(
+            f"method {method.name!r} rebuilds structure {learner.structure!r} from the "
+            f"checkpoint's structure {structure!r}")
+      tree = {"params": learner.params, "model_state": learner.model_state,
+              "key": jax.eval_shape(jax.vmap(jax.random.key_data), keys)}
+      if has_opt_state:
+        tree["opt_state"] = jax.eval_shape(
+            jax.vmap(lambda k: tx.init(method.partition(method.init(k, structure))[0])), keys)
+      shardings = {k: steps.replicated(v) if k == "key" else steps.shardings(v, name=k)
+                   for k, v in tree.items()}
+      return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          tree, shardings)
+
+    return build
+
+  def check_saved_config(self, extra: dict) -> None:
+    """Raises unless a checkpoint's facts (`extra`) name this config and these inputs."""
+    current = wd.config_dict(self.config)
+    diffs = wd.config_diff(extra.get("config", current), current)
+    if diffs:
+      raise ckpt_lib.IncompatibleCheckpointError(
+          f"the checkpoints were written by a different config: {'; '.join(diffs)}; pass "
+          "--overwrite to discard them")
+    if extra.get("inputs", self.inputs) != self.inputs:
+      d = self.config.data
+      what = f"config.data.text_file={d.text_file!r}" if d.get("text_file") else (
+          f"the data set {d.name!r}")
+      raise ckpt_lib.IncompatibleCheckpointError(
+          f"the checkpoints were written from other input data than {what} holds now "
+          f"(fingerprint {extra['inputs'][:12]} then, {self.inputs[:12]} now); restore the "
+          "original inputs to resume, or pass --overwrite to discard the checkpoints")
+
+
+def build(config, workdir: str) -> Setup:
+  """The `Setup` of a validated `config` writing to `workdir`."""
+  c, s = config, config.stream
+  seeds = [int(c.seed) + i for i in range(int(c.num_seeds))]
+  out_dirs = [workdir] if len(seeds) == 1 else [wd.seed_dir(workdir, sd) for sd in seeds]
+  mesh = sharding.mesh_from_config(c)
+  task = tasks.for_config(c)
+  ds, subsets = task.load(c, seeds)
+  n_train = len(ds.train_y) if subsets[0] is None else len(subsets[0])
+  streams = [stream_lib.make_stream(n_train, s.num_megabatches, s.val_fraction, sd)
+             for sd in seeds]
+  validation.validate_data(c, n_train, streams[0])
+  shape, data = ds.train_x.shape[1:], task.device_data(ds)
+  inputs = fingerprint(data)
+
+  built: dict[tuple, Steps] = {}  # a measured candidate's programs serve the run
+
+  def build_steps(cfg) -> Steps:  # the compiled steps of the method `cfg` makes
+    key = autotune.signature(cfg)
+    if key not in built:
+      built[key] = Steps.from_config(cfg, methods.make(cfg, shape, ds.num_classes), task,
+                                     optim.from_config(cfg), data, mesh)
+    return built[key]
+
+  mine = os.path.join(workdir, autotune.FILE)
+  choices = autotune.choose(c, shape, build_steps, mode=c.train.autotune, workdir_file=mine,
+                            given=cpu_fusion.measured_with_flags())
+  fusion = cpu_fusion.decision(c, shape)  # made by alma_jax.main before JAX started
+  if fusion is not None:
+    if jax.process_count() == 1:
+      autotune.remember(mine, *fusion)
+    choices[cpu_fusion.FIELD] = fusion[1]
+  steps = build_steps(autotune.with_choices(c, choices))
+  logging.info("data %s: %d train / %d test examples, B=%d mega-batches of ~%d, wait=%d, "
+               "replay=%.2f, seeds %s; mesh %s", c.data.name, n_train, len(ds.test_y),
+               s.num_megabatches, len(streams[0].train[0]) + len(streams[0].val[0]), s.wait,
+               s.replay, seeds, dict(mesh.shape))
+  if len(seeds) > 1 and jax.default_backend() == "cpu" and models.spec(c.model.name).conv_heavy:
+    logging.warning(VGG_SEEDS_WARNING, len(seeds), c.model.name)
+  return Setup(config=c, workdir=workdir, seeds=seeds, out_dirs=out_dirs,
+               primary=multihost.is_primary(), task=task, subsets=subsets, streams=streams,
+               inputs=inputs, choices=choices, steps=steps, keys=population.keys(seeds),
+               stage_policy=policies.make_stage(c), wait_policy=policies.make_wait(c))
+
+
+def _stage_sizes(stream, times: list[int], replay: float) -> list[int]:
+  """How many training examples each stage at `times` has."""
+  sizes, previous = [], 0
+  for t in times:
+    new = sum(len(stream.train[i - 1]) for i in range(previous + 1, t + 1))
+    past = sum(len(stream.train[i - 1]) for i in range(1, previous + 1))
+    sizes.append(new + int(round(replay * past)))
+    previous = t
+  return sizes
+
+
+def fingerprint(data) -> str:
+  """SHA-256 of the arrays of the data a run trains and tests on (any change of an input
+  file or data set that reaches the run changes it)."""
+  digests = [ckpt_lib.array_digest(np.asarray(leaf)) for leaf in jax.tree.leaves(data)]
+  return hashlib.sha256(" ".join(digests).encode()).hexdigest()
+
+
+def seed_config(config, seed: int):
+  """The config of a separate run of `seed` (what its seed directory records)."""
+  c = config.copy_and_resolve_references()
+  with c.unlocked():
+    c.seed = seed
+    c.num_seeds = 1
+  return c

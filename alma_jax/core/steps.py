@@ -1,0 +1,116 @@
+"""The compiled steps of a run, in one object: what the stage and the stream loop call.
+
+`Steps` puts together the run's compiled programs and their cache
+(`alma_jax.core.programs`), the passes over data (`alma_jax.core.passes`), the FLOP
+counts (`alma_jax.core.accounting`) and the timing of a train call
+(`alma_jax.core.timing`); each lives in its own module, and `Steps` only forwards
+to them, so that callers hold one object.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from alma_jax.core import accounting
+from alma_jax.core import passes
+from alma_jax.core import programs as programs_lib
+from alma_jax.core import timing
+from alma_jax.core.programs import (CALLS_BOUND, Batch, TrainState, all_finite, call_counter,
+                                    over_population)
+from alma_jax.methods.base import Learner, Method
+from alma_jax.tuning import autotune
+
+__all__ = ["Steps", "Batch", "TrainState", "CALLS_BOUND", "all_finite", "call_counter",
+           "over_population"]
+PyTree = Any
+
+
+class Steps:
+  """The compiled steps of one run, cached per (kind, learner structure, population).
+
+  Attributes:
+    programs: the compiled programs and their one cache (`alma_jax.core.programs.Programs`).
+    passes: evaluation and the passes over data that growth runs (`alma_jax.core.passes.Passes`).
+    costs: the FLOPs of those passes (`alma_jax.core.accounting.PassCosts`).
+  """
+
+  def __init__(self, method: Method, task, tx, data, mesh, *, batch_size: int,
+               eval_batch_size: int, steps_per_call: int = 1, rules=None):
+    self.programs = programs_lib.Programs(
+        method, task, tx, data, mesh, batch_size=batch_size, eval_batch_size=eval_batch_size,
+        steps_per_call=steps_per_call, rules=rules)
+    p = self.programs
+    self.method, self.task, self.tx, self.mesh, self.data = p.method, p.task, p.tx, p.mesh, p.data
+    self.batch_size, self.eval_batch_size = p.batch_size, p.eval_batch_size
+    self.steps_per_call = p.steps_per_call
+    self.costs = accounting.PassCosts(method, p.data)
+    self.passes = passes.Passes(p, self.costs)
+
+  @classmethod
+  def from_config(cls, config, method: Method, task, tx, data, mesh) -> "Steps":
+    t = config.train
+    rules = config.mesh.get("rules")
+    return cls(method, task, tx, data, mesh, batch_size=t.batch_size,
+               eval_batch_size=t.eval_batch_size,
+               steps_per_call=t.get("steps_per_call", 1) or autotune.steps_per_call_rule(),
+               rules=None if rules is None else dict(rules.items()))
+
+  # -- the compile cache and placement (`alma_jax.core.programs`) ------------------------------------
+  @property
+  def compiled(self) -> tuple[tuple, ...]:
+    """The keys (kind, structure, population) of the programs compiled so far."""
+    return self.programs.compiled
+
+  @property
+  def num_compilations(self) -> int:
+    return self.programs.num_compilations
+
+  def shardings(self, tree, *, stacked: bool = True, name: str = ""):
+    return self.programs.shardings(tree, stacked=stacked, name=name)
+
+  def place(self, tree, *, stacked: bool = True):
+    return self.programs.place(tree, stacked=stacked)
+
+  def replicated(self, tree):
+    return self.programs.replicated(tree)
+
+  def put_batch(self, array: np.ndarray):
+    return self.programs.put_batch(array)
+
+  def train_call(self, structure, state: TrainState, batch: Batch, keys, counter):
+    return self.programs.train_call(structure, state, batch, keys, counter)
+
+  def init_state(self, learner: Learner, opt_state=None) -> TrainState:
+    return self.programs.init_state(learner, opt_state)
+
+  # -- passes over data (`alma_jax.core.passes`) -------------------------------------------------------
+  def evaluate_units(self, learner: Learner, split: str, idx: np.ndarray):
+    return self.passes.evaluate_units(learner, split, idx)
+
+  def evaluate(self, learner: Learner, split: str, idx: np.ndarray):
+    return self.passes.evaluate(learner, split, idx)
+
+  def eval_aux(self, learner: Learner, idx: np.ndarray) -> PyTree:
+    return self.passes.eval_aux(learner, idx)
+
+  def reduce(self, fn: Callable, learner: Learner, idx: np.ndarray) -> PyTree:
+    return self.passes.reduce(fn, learner, idx)
+
+  def scan(self, fn: Callable, carry: PyTree, learner: Learner, idx: np.ndarray) -> PyTree:
+    return self.passes.scan(fn, carry, learner, idx)
+
+  # -- FLOPs (`alma_jax.core.accounting`) and time (`alma_jax.core.timing`) ---------------------------------
+  @property
+  def pass_flops(self) -> float:
+    """FLOPs of the passes over data (`reduce`, `scan`, `eval_aux`) so far."""
+    return self.costs.total
+
+  def flops(self, learner: Learner) -> dict[str, float]:
+    """`alma_jax.core.accounting.step_flops` of one (unstacked) learner's structure."""
+    return accounting.step_flops(self.programs, learner)
+
+  def seconds_per_step(self, learner: Learner, repeats: int = 3) -> float:
+    """`alma_jax.core.timing.seconds_per_step` of a stacked `learner`."""
+    return timing.seconds_per_step(self.programs, learner, repeats)

@@ -1,0 +1,358 @@
+"""One training stage of a population: epochs, best-validation epoch, patience, divergence.
+
+`fit_stage` trains S learners stacked on a leading axis (S = 1: an ordinary
+run; S > 1: several seeds) on their own stage data. Each member keeps its own
+data order, best epoch and early stopping: a member that stops early stops
+counting steps (its best epoch is kept) while the others go on. The data
+stays on the device; a compiled call receives index arrays only (a partial
+last batch is padded and masked, never recompiled).
+
+A stage can be saved between two train calls and continued from there
+(`StageCheckpoints`): its position is the epoch, the next call, each
+member's data-order generator as it was before the epoch's orders were
+drawn, the epoch's losses so far and the early-stopping state; with the
+train state and the best parameters that is all it needs to continue to
+exactly the result of an uninterrupted stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+import jax
+import numpy as np
+from absl import logging
+
+from alma_jax.core import population
+from alma_jax.core import timing
+from alma_jax.core.programs import Batch, TrainState, call_counter
+from alma_jax.core.steps import Steps
+from alma_jax.errors import divergence_error
+from alma_jax.methods.base import Learner
+
+
+@dataclasses.dataclass(frozen=True)
+class StageStats:
+  """Per-member facts of one stage (arrays of length S) and its time."""
+
+  epochs_run: np.ndarray
+  best_epoch: np.ndarray
+  best_val_accuracy: np.ndarray
+  steps_run: np.ndarray
+  diverged: np.ndarray
+  train_s: float
+  eval_s: float
+  examples_run: np.ndarray | None = None  # training examples processed (not padding)
+
+
+def padded_orders(rng: np.random.Generator, idx: np.ndarray, num_orders: int, batch: int,
+                  steps_per_call: int, num_steps: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+  """Per-order shuffles of `idx`, padded to whole calls: (calls*K, D, b) arrays and the step count.
+
+  The padding slots hold real examples (the order repeated from its start)
+  with mask False: the loss ignores them, while BatchNorm computes its batch
+  statistics over the whole batch of real images. (Masked BatchNorm
+  statistics are avoided on purpose: on XLA:CPU, jax 0.10.2, their jitted
+  gradient inside `jax.vmap` is wrong, see tests/methods/test_ensemble.py.)
+  """
+  if num_steps:
+    return fixed_orders(rng, idx, num_orders, batch, steps_per_call, num_steps)
+  n = len(idx)
+  steps = -(-n // batch)
+  total_steps = -(-steps // steps_per_call) * steps_per_call
+  out = np.zeros((num_orders, total_steps * batch), np.int32)
+  mask = np.zeros((num_orders, total_steps * batch), bool)
+  for d in range(num_orders):
+    order = idx[rng.permutation(n)]
+    out[d, :n] = order
+    out[d, n:] = np.resize(order, total_steps * batch - n)
+    mask[d, :n] = True
+  shape = (num_orders, total_steps, batch)
+  return (out.reshape(shape).transpose(1, 0, 2), mask.reshape(shape).transpose(1, 0, 2), steps)
+
+
+def fixed_orders(rng: np.random.Generator, idx: np.ndarray, num_orders: int, batch: int,
+                 steps_per_call: int, num_steps: int) -> tuple[np.ndarray, np.ndarray, int]:
+  """Exactly `num_steps` full batches per order, drawn from successive shuffles of `idx`
+  (an epoch of a fixed number of steps); padded to whole calls with masked steps."""
+  n, need = len(idx), num_steps * batch
+  total_steps = -(-num_steps // steps_per_call) * steps_per_call
+  out = np.zeros((num_orders, total_steps * batch), np.int32)
+  mask = np.zeros((num_orders, total_steps * batch), bool)
+  for d in range(num_orders):
+    order = np.concatenate([idx[rng.permutation(n)] for _ in range(-(-need // n))])
+    out[d, :need] = order[:need]
+    mask[d, :need] = True
+  shape = (num_orders, total_steps, batch)
+  return (out.reshape(shape).transpose(1, 0, 2), mask.reshape(shape).transpose(1, 0, 2), num_steps)
+
+
+@dataclasses.dataclass
+class _Progress:
+  """The running state of a stage's early stopping, per member (and selection unit)."""
+
+  best: Learner
+  best_acc: np.ndarray  # (S, U): each selection unit's best validation accuracy
+  best_epoch: np.ndarray
+  since_best: np.ndarray
+  epochs_run: np.ndarray
+  steps_run: np.ndarray
+  active: np.ndarray
+  diverged: np.ndarray
+
+
+class StageCheckpoints(Protocol):
+  """Saves a stage in progress and hands back the last save (`alma_jax.outputs.stage_checkpoint`)."""
+
+  def load(self, template: dict) -> tuple[dict, dict] | None:
+    """(arrays shaped like `template`, position) of the stage's last save, or None."""
+
+  def due(self, epoch_end: bool, epoch: int) -> bool:
+    """Whether to save now (after a train call; `epoch_end`: it ended epoch `epoch`)."""
+
+  def save(self, arrays: dict, position: dict) -> None:
+    """Writes the stage's arrays and position (complete on return)."""
+
+
+@dataclasses.dataclass
+class _Resume:
+  """Where a saved stage continues: the epoch, its next call, its losses so far."""
+
+  epoch: int
+  next_call: int
+  losses: list[np.ndarray]
+  finite: np.ndarray | None
+
+
+def _epoch(steps: Steps, state: TrainState, structure, rngs, train_idx, keys, epoch: int,
+           check: Callable[[], None], resume: _Resume | None = None,
+           save: Callable[[TrainState, int, list, Any, bool], None] | None = None):
+  """One epoch of every member; returns (state, losses (S, steps), finite (S,), steps).
+
+  `check()` runs after every compiled call (it raises to stop the stage there);
+  before it, `save(state, next call, losses so far, finite, epoch ended)`.
+  `resume` continues an epoch saved part-way.
+  """
+  d = steps.method.num_data_orders(structure)
+  k = steps.steps_per_call
+  fixed = int(steps.method.config.train.get("steps_per_epoch", 0) or 0)
+  orders = [padded_orders(rng, train_idx[i], d, steps.batch_size, k, fixed)
+            for i, rng in enumerate(rngs)]
+  idx, mask = np.stack([o[0] for o in orders]), np.stack([o[1] for o in orders])
+  losses, finite = (list(resume.losses), resume.finite) if resume else ([], None)
+  calls = idx.shape[1] // k
+  for c in range(resume.next_call if resume else 0, calls):
+    sl = slice(c * k, (c + 1) * k)
+    batch = Batch(steps.put_batch(idx[:, sl]), steps.put_batch(mask[:, sl]))
+    state, loss, finite = steps.train_call(structure, state, batch, keys, call_counter(epoch, c))
+    losses.append(loss)
+    if save is not None:
+      save(state, c + 1, losses, finite, c + 1 == calls)
+    check()
+  n_steps = orders[0][2]
+  losses = np.concatenate([np.asarray(l) for l in losses], axis=1)[:, :n_steps]
+  return state, losses, np.asarray(finite), n_steps
+
+
+def _stop_diverged(p: _Progress, bad: np.ndarray, t: int, epoch: int, labels, policy: str):
+  """Raises for a diverged member, or (rollback) ends its stage at its best epoch."""
+  where = "" if len(labels) == 1 else f" (seeds {[labels[i] for i in np.flatnonzero(bad)]})"
+  if policy != "rollback":
+    raise divergence_error(t, epoch, where)
+  if len(labels) == 1:
+    logging.warning("stage t=%d epoch %d: non-finite loss or parameters; rolling back to the "
+                    "best epoch (%d) and ending the stage", t, epoch, int(p.best_epoch[0]))
+  else:
+    logging.warning("stage t=%d epoch %d: non-finite loss or parameters%s; they roll back to "
+                    "their best epoch and end the stage", t, epoch, where)
+  p.diverged |= bad
+  p.active &= ~bad
+
+
+def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np.ndarray,
+              keys: jax.Array, *, t: int = 0, opt_state=None,
+              progress: Callable[[str], None] | None = None, labels: Sequence[int] | None = None,
+              check: Callable[[], None] = lambda: None,
+              on_epoch: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None] | None = None,
+              checkpoints: StageCheckpoints | None = None):
+  """Trains a stacked population on one stage's data; keeps each member's best epoch.
+
+  Args:
+    steps: the run's compiled steps.
+    learner: the learners before the stage, stacked (S, ...) (not modified).
+    train_idx, val_idx: (S, n) and (S, m) indices into the training split.
+    keys: (S,) PRNG keys of the stage (data order, augmentation).
+    t: time step, for messages.
+    opt_state: stacked optimizer state to continue from (None = fresh).
+    progress: called with a one-line message at most every few seconds.
+    labels: the members' names in messages (their seeds).
+    check: called after every compiled train call; raising there stops the stage (a
+      signal handler's flag, `alma_jax.outputs.interrupts.Signals.check`).
+    on_epoch: called after every epoch with (epoch, mean training loss (S,), validation
+      accuracy (S,), which members trained in it (S,)).
+    checkpoints: saves the stage between train calls when it says so, and continues the
+      stage from its last save, if it has one.
+
+  Returns:
+    (best learners, final optimizer state (None after a rollback), StageStats).
+  """
+  cfg = steps.method.config.train
+  num = int(keys.shape[0])
+  labels = list(labels) if labels is not None else list(range(num))
+  if train_idx.shape[-1] < 1 or val_idx.shape[-1] < 1:
+    raise ValueError(f"stage t={t} has {train_idx.shape[-1]} training and {val_idx.shape[-1]} "
+                     "validation examples; both must be >= 1")
+  structure, method = learner.structure, steps.method
+  state = steps.init_state(learner, opt_state)
+  rngs = [population.numpy_rng(keys[i]) for i in range(num)]
+  zeros = lambda: np.zeros(num, int)  # pylint: disable=unnecessary-lambda-assignment
+  units = method.num_units(structure)
+  p = _Progress(learner, np.full((num, units), -1.0), zeros(), zeros(), zeros(), zeros(),
+                np.ones(num, bool), np.zeros(num, bool))
+  delta = float(cfg.patience_delta)
+  timer, last_report = timing.Breakdown(), time.monotonic()
+  resume = None
+  if checkpoints is not None:
+    state, resume = _restore_position(checkpoints, state, p, rngs, timer)
+  save = None if checkpoints is None else _saver(checkpoints, p, rngs, timer)
+  for epoch in range(resume.epoch if resume else 1, int(cfg.epochs) + 1):
+    ran = p.active.copy()
+    if save is not None:
+      save.epoch_start(epoch)
+    with timer("train_s"):
+      state, losses, finite, n_steps = _epoch(steps, state, structure, rngs, train_idx, keys, epoch,
+                                              check, resume, save)
+      resume = None
+      p.steps_run += n_steps * p.active
+      p.epochs_run[p.active] = epoch
+    bad = p.active & ~(np.all(np.isfinite(losses), axis=1) & finite)
+    if bad.any():
+      _stop_diverged(p, bad, t, epoch, labels, cfg.get("on_divergence", "raise"))
+      if not p.active.any():
+        break
+    current = Learner(params=jax.vmap(method.combine)(learner, state.trainable),
+                      model_state=state.model_state, structure=structure)
+    with timer("eval_s"):
+      acc, _, unit_acc = steps.evaluate_units(current, "train", val_idx)
+    _keep_best(p, method, current, unit_acc, epoch, delta, int(cfg.patience))
+    if save is not None and p.active.any() and epoch < int(cfg.epochs):
+      save.between_epochs(state, epoch)  # e.g. a signal that arrived during the evaluation
+    if on_epoch is not None:
+      on_epoch(epoch, np.mean(losses, axis=1), np.asarray(acc), ran)
+    if progress is not None and time.monotonic() - last_report >= cfg.get("progress_every_s", 10.0):
+      last_report = time.monotonic()
+      progress(_progress_line(t, epoch, cfg.epochs, losses, acc, p))
+    if not p.active.any():
+      break
+  best_acc = p.best_acc[:, 0]
+  if method.units_are_parts:  # the selected members together
+    with timer("eval_s"):
+      best_acc, _ = steps.evaluate(p.best, "train", val_idx)
+  spent = timer.as_dict()
+  if cfg.get("steps_per_epoch", 0):  # fixed steps: full batches
+    examples = p.steps_run * steps.batch_size
+  else:  # passes over each member's stage data
+    examples = train_idx.shape[-1] * p.epochs_run
+  stats = StageStats(p.epochs_run, p.best_epoch, np.maximum(best_acc, 0.0), p.steps_run,
+                     p.diverged, spent["train_s"], spent["eval_s"], examples)
+  return p.best, (None if p.diverged.any() else state.opt_state), stats
+
+
+def _keep_best(p: _Progress, method, current: Learner, unit_acc: np.ndarray, epoch: int,
+               delta: float, patience: int) -> None:
+  """Keeps each unit's best epoch; a member's patience restarts when any of its units improves."""
+  improved = p.active[:, None] & (unit_acc > p.best_acc + delta)
+  p.best = population.select_units(method, improved, current, p.best)
+  p.best_acc = np.where(improved, unit_acc, p.best_acc)
+  any_improved = improved.any(axis=1)
+  p.best_epoch = np.where(any_improved, epoch, p.best_epoch)
+  p.since_best = np.where(any_improved, 0, p.since_best + p.active)
+  p.active &= p.since_best < patience
+
+
+_PROGRESS_ARRAYS = ("best_acc", "best_epoch", "since_best", "epochs_run", "steps_run", "active",
+                    "diverged")
+
+
+def _arrays(state: TrainState, best: Learner) -> dict:
+  return {"state": {"trainable": state.trainable, "frozen": state.frozen,
+                    "model_state": state.model_state, "opt_state": state.opt_state},
+          "best": {"params": best.params, "model_state": best.model_state}}
+
+
+def _restore_position(checkpoints: StageCheckpoints, state: TrainState, p: _Progress, rngs,
+                      timer: timing.Breakdown):
+  """(train state, `_Resume`) of the stage's last save, applied to `p`, `rngs` and `timer`;
+  (`state`, None) when there is none."""
+  saved = checkpoints.load(_arrays(state, p.best))
+  if saved is None:
+    return state, None
+  arrays, pos = saved
+  for name in _PROGRESS_ARRAYS:
+    old = getattr(p, name)
+    setattr(p, name, np.asarray(pos["progress"][name], old.dtype).reshape(old.shape))
+  p.best = Learner(params=arrays["best"]["params"], model_state=arrays["best"]["model_state"],
+                   structure=p.best.structure)
+  for rng, st in zip(rngs, pos["rng_states"]):
+    rng.bit_generator.state = st
+  timer.add(pos["timings"])
+  a = arrays["state"]
+  state = TrainState(a["trainable"], a["frozen"], a["model_state"], a["opt_state"])
+  losses = [np.asarray(l, np.float32) for l in pos["losses"]]
+  finite = None if pos["finite"] is None else np.asarray(pos["finite"], bool)
+  return state, _Resume(int(pos["epoch"]), int(pos["next_call"]), losses, finite)
+
+
+class _saver:  # pylint: disable=invalid-name  (used as a function)
+  """`save(state, next_call, losses, finite, epoch_end)` for `_epoch`: writes the stage's
+  position when `checkpoints` says it is due."""
+
+  def __init__(self, checkpoints: StageCheckpoints, p: _Progress, rngs, timer: timing.Breakdown):
+    self.checkpoints, self.p, self.rngs, self.timer = checkpoints, p, rngs, timer
+    self.epoch, self.rng_states = 0, []
+
+  def epoch_start(self, epoch: int) -> None:
+    """Notes each member's data-order generator before the epoch draws its orders."""
+    self.epoch = epoch
+    self.rng_states = [rng.bit_generator.state for rng in self.rngs]
+
+  def __call__(self, state: TrainState, next_call: int, losses: list, finite, epoch_end: bool):
+    if self.checkpoints.due(epoch_end, self.epoch):
+      self._save(state, self.epoch, next_call, self.rng_states, losses, finite)
+
+  def between_epochs(self, state: TrainState, epoch: int) -> None:
+    """After epoch `epoch` is evaluated and early stopping updated: saves the stage to
+    continue at the next epoch, when due (a signal that arrived during the evaluation)."""
+    if self.checkpoints.due(False, epoch):
+      self._save(state, epoch + 1, 0, [rng.bit_generator.state for rng in self.rngs], [], None)
+
+  def _save(self, state, epoch, next_call, rng_states, losses, finite) -> None:
+    p = self.p
+    position = {
+        "epoch": epoch, "next_call": next_call, "rng_states": rng_states,
+        "losses": [np.asarray(l, np.float32).tolist() for l in losses],
+        "finite": None if finite is None else np.asarray(finite).tolist(),
+        "progress": {name: np.asarray(getattr(p, name)).tolist() for name in _PROGRESS_ARRAYS},
+        "timings": self.timer.as_dict()}
+    self.checkpoints.save(_arrays(state, p.best), position)
+
+
+def _progress_line(t, epoch, epochs, losses, acc, p: _Progress) -> str:
+  if len(acc) == 1:
+    return (f"  t={t} epoch {epoch}/{epochs} loss={np.mean(losses):.4f} val_acc={acc[0]:.4f} "
+            f"best={np.max(p.best_acc[0]):.4f}@{p.best_epoch[0]}")
+  return (f"  t={t} epoch {epoch}/{epochs} loss={np.mean(losses):.4f} val_acc={np.mean(acc):.4f} "
+          f"(mean of {len(acc)} seeds, {int(p.active.sum())} training)")
+
+
+def fit_one(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np.ndarray,
+            key: jax.Array, **kwargs):
+  """`fit_stage` for a single (unstacked) learner; returns (best, opt_state, StageStats)."""
+  best, opt_state, stats = fit_stage(steps, population.stack([learner]), np.asarray(train_idx)[None],
+                                     np.asarray(val_idx)[None], population.stack_keys([key]),
+                                     **kwargs)
+  if opt_state is not None:
+    opt_state = population.unstack(opt_state, 0)
+  return population.unstack(best, 0), opt_state, stats

@@ -1,0 +1,282 @@
+"""The run's output directory: file names, checks, resume compatibility, clean-up.
+
+A workdir holds `config.json`, `log.jsonl`, `summary.json`,
+`architecture.jsonl` and `checkpoints/` (and `seed_<seed>/` folders with
+the outputs of each seed when several seeds share a program). One run owns
+it at a time (`alma_jax.outputs.workdir_lock`); `check_outputs` refuses a workdir
+whose records no checkpoint can resume.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from typing import Any, Sequence
+
+from absl import logging
+
+from alma_jax.configuration import config_lib
+from alma_jax.errors import ConfigError
+from alma_jax.outputs import io_utils
+from alma_jax.outputs import tensorboard
+
+CONFIG_FILE, LOG_FILE, SUMMARY_FILE = "config.json", "log.jsonl", "summary.json"
+# One line per training stage: t and the method's description of the architecture
+# after it (members, experts per mixture layer, ...), for plots of growth.
+ARCH_FILE = "architecture.jsonl"
+CHECKPOINT_DIR, CORRUPT_DIR = "checkpoints", "checkpoints_unreadable"
+# The checkpoint of a training stage in progress (`alma_jax.outputs.stage_checkpoint`).
+STAGE_DIR = "checkpoints_stage"
+LOCK_FILE = ".lock"  # alma_jax.outputs.workdir_lock
+ERROR_PNG = "error.png"  # test error vs t, drawn when the run ends
+SEED_DIR_PREFIX = "seed_"  # outputs of one seed when config.num_seeds > 1
+
+
+def seed_dir(workdir: str, seed: int) -> str:
+  return os.path.join(workdir, f"{SEED_DIR_PREFIX}{seed}")
+
+
+def check_writable(workdir: str) -> None:
+  """The workdir exists (created if needed) and is writable."""
+  if not workdir:
+    raise ConfigError("--workdir is empty; give a directory for the run's outputs")
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ConfigError(f"--workdir={workdir} exists and is not a directory")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=workdir, prefix=".write-test-")
+    os.close(fd)
+    os.unlink(probe)
+  except OSError as e:
+    raise ConfigError(f"--workdir={workdir} is not writable: {e.strerror or e}") from e
+
+
+def has_progress(workdir: str) -> bool:
+  """Whether `workdir` holds records, checkpoints or a summary of a run."""
+  ckpt_dir, log = os.path.join(workdir, CHECKPOINT_DIR), os.path.join(workdir, LOG_FILE)
+  return (os.path.exists(os.path.join(workdir, SUMMARY_FILE))
+          or (os.path.exists(log) and os.path.getsize(log) > 0)
+          or (os.path.isdir(ckpt_dir) and any(n[:1].isdigit() for n in os.listdir(ckpt_dir))))
+
+
+WANDB_FILE, WANDB_DIR = "wandb_run.json", "wandb"  # alma_jax.outputs.wandb_log (config.log.wandb)
+_FILES = (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, ARCH_FILE, ERROR_PNG, WANDB_FILE)
+_DIRS = (CHECKPOINT_DIR, CORRUPT_DIR, STAGE_DIR, WANDB_DIR)
+_SEED_FILES = (CONFIG_FILE, LOG_FILE, SUMMARY_FILE, WANDB_FILE)
+_SEED_DIRS = (WANDB_DIR,)
+
+
+def check_entries(workdir: str) -> None:
+  """Refuses output paths that are symbolic links or of the wrong kind.
+
+  A run writes only regular files and directories of its own in its
+  workdir: a symbolic link there would make it write through the link.
+  """
+  def check(path: str, want_dir: bool) -> None:
+    if os.path.islink(path):
+      raise ConfigError(f"{path} is a symbolic link; a run writes only regular files and "
+                        "directories in its workdir: remove the link (or choose another "
+                        "--workdir)")
+    if os.path.exists(path) and os.path.isdir(path) != want_dir:
+      kind = "a directory" if want_dir else "a regular file"
+      raise ConfigError(f"{path} is not {kind}, which the run writes there: move it away (or "
+                        "choose another --workdir)")
+
+  for name in _FILES + (LOCK_FILE,):
+    check(os.path.join(workdir, name), False)
+  for name in _DIRS:
+    check(os.path.join(workdir, name), True)
+  for d in output_dirs(workdir)[1:]:
+    check(d, True)
+    for name in _SEED_FILES:
+      check(os.path.join(d, name), False)
+
+
+def _seed_output_dirs(workdir: str) -> list[str]:
+  """The `seed_<k>/` folders of the workdir that hold only what a run writes there."""
+  out = []
+  for d in output_dirs(workdir)[1:]:
+    ours = set(_SEED_FILES + _SEED_DIRS) | {os.path.basename(p) for p in tensorboard.event_files(d)}
+    if not os.path.islink(d) and set(os.listdir(d)) <= ours:
+      out.append(d)
+    else:
+      logging.warning("--overwrite: kept %s, which holds files a run does not write", d)
+  return out
+
+
+def clear_outputs(workdir: str) -> None:
+  """Removes the outputs a run wrote in `workdir` (nothing else in it)."""
+  doomed = [os.path.join(workdir, n) for n in _FILES + _DIRS]
+  doomed += tensorboard.event_files(workdir) + _seed_output_dirs(workdir)
+  for path in doomed:
+    if os.path.isdir(path) and not os.path.islink(path):
+      shutil.rmtree(path)
+    elif os.path.lexists(path):
+      os.unlink(path)
+  logging.warning("--overwrite: removed the previous run's outputs from %s", workdir)
+
+
+def sync_architecture_log(workdir: str, last_t: int, lines: list[dict] | None = None) -> None:
+  """Rewrites `ARCH_FILE` with the lines of t <= `last_t` (what a resumed run has done).
+
+  `lines`: the lines a checkpoint holds (they replace the file's); otherwise
+  the file's own lines are kept, and a line that cannot be read is an error
+  naming the file.
+  """
+  path = os.path.join(workdir, ARCH_FILE)
+  if last_t < 0:
+    lines = []
+  if lines is None:
+    try:
+      lines = io_utils.read_jsonl(path)
+      kept = [r for r in lines if int(r["t"]) <= last_t]
+    except (ValueError, KeyError, TypeError) as e:
+      raise ConfigError(f"{path} cannot be read ({e}) and the checkpoint resumed from does not "
+                        "hold its lines; delete it to resume (the lines before the checkpoint "
+                        "are then lost), or pass --overwrite") from e
+  else:
+    kept = [r for r in lines if int(r["t"]) <= last_t]
+  io_utils.write_jsonl_atomic(path, kept)
+
+
+# -- config compatibility ---------------------------------------------------------------------
+def config_dict(config) -> dict:
+  return json.loads(config.to_json())
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  """Nested dicts -> {"a.b.c": leaf}."""
+  if isinstance(tree, dict) and tree:
+    out = {}
+    for k, v in tree.items():
+      out.update(flatten(v, f"{prefix}{k}."))
+    return out
+  return {prefix[:-1]: tree}
+
+
+def _is_nan(v) -> bool:
+  return isinstance(v, float) and math.isnan(v)
+
+
+def added_field_at_default(path: str, value: Any, config: dict) -> bool:
+  """Whether `path` is a field declared after runs were written (`config_lib.ADDED_FIELDS`)
+  and `value` is its default in `config`: a config lacking it ran the same way."""
+  if path not in config_lib.ADDED_FIELDS:
+    return False
+  dataset = config.get("data", {}).get("name", "")
+  return value == config_lib.BASE_FIELDS_BY_PATH[path].default_for(dataset)
+
+
+def config_diff(old: dict, new: dict, ignore: Sequence[str] | None = None) -> list[str]:
+  """'config.path: old → new' for every differing field (dotted paths) but the resumable ones
+  (and fields added since `old` was written, at their defaults)."""
+  ignore = config_lib.resumable_paths() if ignore is None else ignore
+  a, b = flatten(old), flatten(new)
+  absent = "<absent>"
+  diffs = []
+  for k in sorted(set(a) | set(b)):
+    if k in ignore:
+      continue
+    if k not in a and added_field_at_default(k, b[k], new):
+      continue
+    va, vb = a.get(k, absent), b.get(k, absent)
+    if va != vb and not (_is_nan(va) and _is_nan(vb)):
+      diffs.append(f"config.{k}: {va!r} → {vb!r}")
+  return diffs
+
+
+def check_resume(workdir: str, config) -> None:
+  """Raises when `workdir` holds progress of a run with a different config."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not has_progress(workdir) or not os.path.exists(path):
+    return
+  hint = "choose another --workdir, or pass --overwrite to discard the old run's outputs"
+  try:
+    old = io_utils.read_json(path)
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"{path} cannot be read ({e}); delete it to resume from the checkpoints "
+                      f"(they hold the config and check it), or {hint}") from e
+  diffs = config_diff(old, config_dict(config))
+  if diffs:
+    raise ConfigError(f"--workdir={workdir} holds a run with a different config: "
+                      f"{'; '.join(diffs)}; rerun with the old values to resume it, or {hint}")
+
+
+# -- previous outputs ---------------------------------------------------------------------------
+class UnresumableWorkdirError(ValueError):
+  """The workdir holds records that no checkpoint can resume."""
+
+
+def output_dirs(workdir: str) -> list[str]:
+  """The workdir and its per-seed output folders (`seed_<k>/` of a `num_seeds` run, by k)."""
+  seeds = [n for n in os.listdir(workdir) if n.startswith(SEED_DIR_PREFIX)
+           and n[len(SEED_DIR_PREFIX):].isdigit() and os.path.isdir(os.path.join(workdir, n))]
+  seeds.sort(key=lambda n: int(n[len(SEED_DIR_PREFIX):]))
+  return [workdir] + [os.path.join(workdir, n) for n in seeds]
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+  """Steps of the complete checkpoints in `workdir` (orbax renames a step's folder to
+  its bare number once it is complete)."""
+  path = os.path.join(workdir, CHECKPOINT_DIR)
+  try:
+    names = os.listdir(path)
+  except OSError:
+    return []
+  return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(path, n)))
+
+
+def check_outputs(workdir: str, config, overwrite: bool) -> None:
+  """Decides how a run starts over the outputs found in `workdir`.
+
+  Every record is a deterministic function of (config, seed, t), and a run
+  rewrites the records after its last complete checkpoint, so records that
+  no checkpoint covers are simply computed again: the same command resumes
+  from the last complete checkpoint, or starts again from t=0 when there is
+  none (a run killed before its first checkpoint landed). `check_resume` has
+  already refused a different config; records whose config.json is missing
+  and that no checkpoint covers cannot be told apart from another config's,
+  so they are refused. Also removes stale temp files of the outputs.
+
+  Raises:
+    UnresumableWorkdirError: records without config.json or a checkpoint, and
+      no `overwrite`.
+  """
+  check_entries(workdir)
+  dirs = output_dirs(workdir)
+  for d in dirs:
+    io_utils.remove_stale_temporaries(d)
+  if overwrite:
+    return
+  last_t = -1
+  for d in dirs:
+    try:
+      records = io_utils.read_jsonl(os.path.join(d, LOG_FILE))
+      last_t = max([last_t] + [int(r["t"]) for r in records])
+    except (ValueError, KeyError, TypeError):  # unreadable: count it as records
+      last_t = max(last_t, 1)
+  summary = any(os.path.exists(os.path.join(d, SUMMARY_FILE)) for d in dirs)
+  if last_t < 1 and not summary:
+    return
+  steps = checkpoint_steps(workdir)
+  enabled = bool(config.checkpoint.enabled)
+  if enabled and steps:
+    return
+  if os.path.exists(os.path.join(workdir, CONFIG_FILE)):  # the same config (check_resume)
+    why = ("config.checkpoint.enabled=False" if not enabled
+           else "no complete checkpoint (the run was stopped before its first one landed)")
+    if steps:
+      why += f"; rerun with --config.checkpoint.enabled=True to resume from t={steps[-1]}"
+    logging.warning("%s holds records up to t=%d but %s: the run starts again from t=0 and "
+                    "computes the same records", workdir, last_t, why)
+    return
+  held = " and ".join(([f"the records of t=0..{last_t}"] if last_t >= 0 else [])
+                     + (["summary.json"] if summary else []))
+  raise UnresumableWorkdirError(
+      f"--workdir={workdir} holds {held} of a run but neither its {CONFIG_FILE} nor a "
+      f"checkpoint (in {os.path.join(workdir, CHECKPOINT_DIR)}), so it cannot be told whether "
+      "they are this config's; a new run would overwrite them: pass --overwrite to discard "
+      "them, or choose another --workdir")

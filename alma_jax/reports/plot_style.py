@@ -1,0 +1,279 @@
+"""The look of the report's figures: colours, markers, axes, fonts (see `alma_jax.reports.plots`).
+
+* A colour per method, fixed (`METHOD_COLORS`: the same in every figure and
+  every report; a language-model method takes the colour of its image
+  counterpart, `lm_sm` that of `sm`); the variants of one method in a figure
+  (configs that differ in a field other than the width, the waiting time and
+  replay, e.g. gMoE's tree and flat gating) take lighter and darker shades of
+  it (`shade`).
+* A marker per waiting time (per width where the wait is the x axis), in the
+  order of the values; replay draws it hollow, its line dashed. Series whose
+  points share an x are moved apart by a small fraction of a decade as drawn
+  (`dodge`), so that no marker hides another; the series' data stay exact.
+* An axis of CER, test error or perplexity is logarithmic where its values
+  span more than `LOG_SPAN` times, or more than `SQUASH_SPAN` times with most
+  of them in the bottom fifth of a linear axis (`axis_scale`), linear
+  otherwise. Log axes get few major
+  ticks with plain or engineering labels (`tidy_log_axis`), no labelled minor
+  ticks, so tick labels do not overlap.
+* Fonts: `FONT_PT` (8 pt) for ticks and legends, `LABEL_PT` for axis labels
+  and titles, on panels sized for a printed page (two side by side are 7
+  inches wide).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any, Sequence
+
+import numpy as np
+
+from alma_jax.outputs import io_utils
+
+Series = dict[str, Any]
+FONT_PT = 8
+LABEL_PT = 9
+LOG_SPAN = 10.0
+SQUASH_SPAN = 3.0
+MARKER_SIZE = 5.0
+PANEL_W, PANEL_H = 3.5, 2.9  # inches
+DPI = 150
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+# Tableau 10, one per method; methods outside this map get one of SPARE_COLORS by their name.
+METHOD_COLORS = {"sm": "#1f77b4", "ens": "#ff7f0e", "umix": "#2ca02c", "gens": "#d62728",
+                 "gmoe": "#9467bd", "ff": "#8c564b"}
+SPARE_COLORS = ("#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+# Shades of a method's variants: the colour mixed with white (> 0) or black (< 0).
+SHADES = (0.0, 0.45, -0.35, 0.7, -0.55)
+DODGE_DECADES = 0.012
+# Fields that have a look of their own (colour family, marker, fill): not variants.
+OWN_LOOK_FIELDS = ("method.name", "model.width", "stream.wait", "stream.replay")
+
+
+def method_color(name: str) -> str:
+  """The colour of method `name` (the same in every figure)."""
+  base = name[3:] if name.startswith("lm_") else name
+  if base in METHOD_COLORS:
+    return METHOD_COLORS[base]
+  return SPARE_COLORS[zlib.crc32(base.encode()) % len(SPARE_COLORS)]
+
+
+def shade(color: str, k: int) -> str:
+  """Variant `k` of `color` ("#rrggbb"): 0 is the colour itself, then lighter and darker."""
+  f = SHADES[k % len(SHADES)]
+  rgb = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
+  mixed = [c + (255 - c) * f if f >= 0 else c * (1 + f) for c in rgb]
+  return "#" + "".join(f"{int(round(c)):02x}" for c in mixed)
+
+
+def _order(values) -> list:
+  return sorted(set(values), key=lambda v: (v is None, float(v) if _numeric(v) else 0, str(v)))
+
+
+def _numeric(v) -> bool:
+  try:
+    float(v)
+    return True
+  except (TypeError, ValueError):
+    return False
+
+
+class Looks:
+  """The colour, marker and fill of every config (group) of one data set's figures, from all of
+  its groups, so that a config looks the same in each figure."""
+
+  def __init__(self, groups, fields: Sequence[str]):
+    self.variant_fields = [f for f in fields if f not in OWN_LOOK_FIELDS]
+    self.waits = _order(g.get("stream.wait") for g in groups)
+    self.widths = _order(g.get("model.width") for g in groups)
+    variants: dict[str, set] = {}
+    for g in groups:
+      variants.setdefault(str(g.get("method.name")), set()).add(self._variant(g))
+    self.variants = {m: sorted(v) for m, v in variants.items()}
+
+  def _variant(self, g) -> str:
+    return g.label(self.variant_fields)
+
+  def color(self, g) -> str:
+    method = str(g.get("method.name"))
+    return shade(method_color(method), self.variants[method].index(self._variant(g)))
+
+  def wait_marker(self, g) -> str:
+    return MARKERS[self.waits.index(g.get("stream.wait")) % len(MARKERS)]
+
+  def width_marker(self, g) -> str:
+    return MARKERS[self.widths.index(g.get("model.width")) % len(MARKERS)]
+
+  def of(self, g) -> Series:
+    """{"color", "marker" (the wait's), "filled" (no replay)} of group `g`."""
+    return {"color": self.color(g), "marker": self.wait_marker(g),
+            "filled": not g.get("stream.replay")}
+
+
+# -- statistics ------------------------------------------------------------------------------------
+def mean_std(vals) -> tuple[float, float]:
+  """Mean and sample standard deviation (ddof=1; 0 for a single value) of `vals`: the
+  error bars of every figure and table."""
+  vals = np.asarray(vals, np.float64)
+  return float(vals.mean()), float(vals.std(ddof=1)) if len(vals) > 1 else 0.0
+
+
+def mean_std_columns(rows) -> tuple[np.ndarray, np.ndarray]:
+  """Per column of `rows` (one row per seed): mean and sample standard deviation (as
+  `mean_std`)."""
+  rows = np.asarray(rows, np.float64)
+  return rows.mean(0), rows.std(0, ddof=1) if len(rows) > 1 else np.zeros(rows.shape[1:])
+
+
+# -- figures and axes ------------------------------------------------------------------------------
+def subplots(n: int, width: float = PANEL_W, height: float = PANEL_H, legend_entries: int = 0,
+             max_cols: int = 2):
+  """A figure (no pyplot) with `n` panels, `max_cols` to a row, and room for a legend of
+  `legend_entries` below them: (figure, [axes])."""
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  cols = min(n, max_cols)
+  rows = math.ceil(n / cols)
+  legend_rows = math.ceil(legend_entries / legend_columns(legend_entries)) if legend_entries else 0
+  fig = Figure(figsize=(width * cols, height * rows + 0.2 * legend_rows), layout="constrained")
+  axes = list(fig.subplots(rows, cols, squeeze=False).ravel())
+  for ax in axes[n:]:
+    ax.set_visible(False)
+  return fig, axes[:n]
+
+
+def legend_columns(entries: int) -> int:
+  return 1 if entries <= 3 else 2
+
+
+def save(fig, path_stem: str, formats: Sequence[str] = ("png", "pdf")) -> None:
+  """Writes `fig` to `<path_stem>.<format>` for each format, each file atomically."""
+  for fmt in formats:
+    path = f"{path_stem}.{fmt}"
+    with io_utils.output_errors(path), io_utils.atomic_writer(path, "wb") as f:
+      fig.savefig(f, format=fmt, dpi=DPI)
+
+
+def axis_scale(values) -> str:
+  """"log" when the finite values are all > 0 and span more than LOG_SPAN times, or more than
+  SQUASH_SPAN times with most of them in the bottom fifth of a linear axis (a few large values
+  would squash the others); else "linear"."""
+  v = np.asarray([x for x in values if x is not None and math.isfinite(x)], np.float64)
+  if not len(v) or (v <= 0).any():
+    return "linear"
+  lo, hi = v.min(), v.max()
+  squashed = hi > SQUASH_SPAN * lo and np.mean(v < lo + 0.2 * (hi - lo)) > 0.5
+  return "log" if hi > LOG_SPAN * lo or squashed else "linear"
+
+
+def _plain(v: float, _=None) -> str:
+  return f"{v:g}".replace("e-0", "e-").replace("e+0", "e+")
+
+
+def tidy_log_axis(axis, values, engineering: bool = False) -> None:
+  """Few major ticks on log `axis` (a matplotlib Axis) for data `values`: every decade over
+  2.5 decades or more, 1 and 3 per decade over one or more, 1, 2 and 5 over less, evenly
+  spaced ticks within 0.4 decades; no labelled minor ticks; labels plain (0.01, 200) or
+  engineering (2M, 100k)."""
+  from matplotlib import ticker  # pylint: disable=g-import-not-at-top
+  v = [x for x in values if x is not None and math.isfinite(x) and x > 0]
+  decades = math.log10(max(v) / min(v)) if v else 0.0
+  if decades >= 0.4:
+    subs = (1.0,) if decades >= 2.5 else (1.0, 3.0) if decades >= 1.0 else (1.0, 2.0, 5.0)
+    axis.set_major_locator(ticker.LogLocator(base=10, subs=subs, numticks=8))
+  else:
+    axis.set_major_locator(ticker.MaxNLocator(nbins=4, steps=[1, 2, 2.5, 5, 10]))
+  axis.set_minor_formatter(ticker.NullFormatter())
+  axis.set_major_formatter(ticker.EngFormatter(sep="") if engineering
+                           else ticker.FuncFormatter(_plain))
+
+
+def finish(ax, xlabel: str, ylabel: str, title: str = "") -> None:
+  ax.set_xlabel(xlabel, fontsize=LABEL_PT)
+  ax.set_ylabel(ylabel, fontsize=LABEL_PT)
+  if title:
+    ax.set_title(title, fontsize=LABEL_PT)
+  ax.tick_params(labelsize=FONT_PT)
+  ax.grid(alpha=0.3)
+
+
+def legend(fig, axes) -> None:
+  """One legend below the panels, each label once."""
+  seen = {}
+  for ax in axes:
+    for h, l in zip(*ax.get_legend_handles_labels()):
+      seen.setdefault(l, h)
+  if seen:
+    fig.legend(list(seen.values()), list(seen), fontsize=FONT_PT, loc="outside lower center",
+               ncols=legend_columns(len(seen)), frameon=False)
+
+
+def dodge(series: Sequence[Series], log: bool = True) -> list[np.ndarray]:
+  """The x of each series as drawn: the series whose points share an x with another series'
+  are spread over a few hundredths of a decade (log) or of the x range (linear)."""
+  xs = [np.asarray(s["x"], np.float64) for s in series]
+  keys = [{round(math.log10(x) if log else x, 6) for x in v if not log or x > 0} for v in xs]
+  shared = [i for i in range(len(xs)) if any(keys[i] & keys[j] for j in range(len(xs)) if j != i)]
+  if not shared:
+    return xs
+  span = 0.0 if log else float(np.ptp(np.concatenate(xs))) if xs else 0.0
+  out = list(xs)
+  for rank, i in enumerate(shared):
+    step = (rank - (len(shared) - 1) / 2) * DODGE_DECADES
+    out[i] = xs[i] * 10.0 ** step if log else xs[i] + step * span
+  return out
+
+
+def draw_points(ax, series: Sequence[Series], xlabel: str, ylabel: str, title: str = "",
+                logx: bool = True, engineering: bool = False) -> None:
+  """Markers with error bars, a line through each series' points (dashed with replay; a
+  segment's hollow ends drawn hollow); log x (tidy ticks), y log where it spans > LOG_SPAN."""
+  for s, x in zip(series, dodge(series, logx)):
+    filled = s.get("filled", True)
+    hollow = s.get("hollow", [not filled] * len(x))
+    ax.errorbar(x, s["y"], xerr=s.get("xerr"), yerr=s.get("yerr"), color=s["color"],
+                linestyle="-" if filled else "--", linewidth=1.2, capsize=2, marker="none",
+                elinewidth=0.8, label=None)
+    for filled_pts in (True, False):
+      sel = [i for i in range(len(x)) if hollow[i] != filled_pts]
+      if sel:
+        ax.plot(x[sel], np.asarray(s["y"])[sel], linestyle="none", marker=s["marker"],
+                markersize=MARKER_SIZE, color=s["color"], markeredgewidth=1.0,
+                markerfacecolor=s["color"] if filled_pts else "white")
+    ax.plot([], [], color=s["color"], marker=s["marker"], markersize=MARKER_SIZE,
+            linestyle="-" if filled else "--", markerfacecolor=s["color"] if filled else "white",
+            label=s["label"])
+  _scales(ax, series, logx, engineering)
+  finish(ax, xlabel, ylabel, title)
+
+
+def _scales(ax, series, logx: bool, engineering: bool) -> None:
+  xs = [x for s in series for x in s["x"]]
+  ys = [y for s in series for y in s["y"]]
+  if logx and xs and min(xs) > 0:
+    ax.set_xscale("log")
+    tidy_log_axis(ax.xaxis, xs, engineering)
+  if axis_scale(ys) == "log":
+    ax.set_yscale("log")
+    tidy_log_axis(ax.yaxis, ys)
+
+
+def draw_curves(ax, series: Sequence[Series], xlabel: str, ylabel: str, title: str = "") -> None:
+  """Lines over t with a band of ± one standard deviation; the wait's marker every ~t/6
+  points, staggered between series; dashed with replay; y log where it spans > LOG_SPAN."""
+  for k, s in enumerate(series):
+    x, y, e = np.asarray(s["x"]), np.asarray(s["y"]), np.asarray(s["yerr"])
+    every = max(1, len(x) // 6)
+    filled = s.get("filled", True)
+    ax.plot(x, y, label=s["label"], color=s["color"], linewidth=1.2,
+            linestyle="-" if filled else "--", marker=s.get("marker"), markersize=MARKER_SIZE,
+            markevery=(k * every // max(1, len(series)) % every, every),
+            markerfacecolor=s["color"] if filled else "white")
+    if np.any(e > 0):
+      ax.fill_between(x, y - e, y + e, alpha=0.15, color=s["color"], linewidth=0)
+  ys = [y for s in series for y in s["y"]]
+  if axis_scale(ys) == "log":  # limits from the means: a band may reach down to 0
+    ax.set_yscale("log")
+    ax.set_ylim(min(ys) / 1.3, max(ys) * 1.3)
+    tidy_log_axis(ax.yaxis, ys)
+  finish(ax, xlabel, ylabel, title)

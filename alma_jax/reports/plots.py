@@ -1,0 +1,325 @@
+"""Figures of ALMA runs (matplotlib, drawn without pyplot on the Agg canvas).
+
+Every figure function computes the data it plots first — a list of series
+per panel, each a dict with `label`, `x`, `y` and their standard deviations
+over seeds (`xerr`, `yerr`) — draws exactly that, writes `<name>.png` and
+`<name>.pdf`, and returns {name: {panel: series}} so that tests and callers
+can check what was drawn. `run_error_png` is the small error-vs-time figure
+that each finished run writes into its workdir; a run draws it in a child
+process (`python -m alma_jax.reports.plots` with the figure's JSON on stdin), so that
+the training process never imports matplotlib.
+
+The figures share one look (`alma_jax.reports.plot_style`): a colour per method, the
+same in every figure and report, lighter or darker for its variants (e.g.
+gMoE with tree and flat gating); a marker per waiting time (per width where
+the wait is the x axis), hollow and dashed with replay; CER and perplexity
+axes logarithmic where their values span more than `plot_style.LOG_SPAN`
+times; fonts of at least 8 pt.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from typing import Sequence
+
+import numpy as np
+
+from alma_jax.outputs import io_utils
+from alma_jax.reports import plot_style as style
+from alma_jax.reports.plot_style import Series
+
+TERA = 1e-12
+PERPLEXITY_FIELD = "test_perplexity"
+# Ignored when labelling language models: the Switch Transformer has presets, not widths.
+LM_UNLABELLED = ("model.width",)
+# Fields that `stream.iid` sets (wait B, B times the steps): an i.i.d. run is labelled by it.
+IID_DERIVED = ("stream.wait", "train.steps_per_epoch", "stream.iid")
+
+# Re-exported for the report and the tests.
+subplots, save, mean_std, mean_std_columns = (style.subplots, style.save, style.mean_std,
+                                              style.mean_std_columns)
+
+
+# -- CER vs compute and memory (Fig. 2/7), replay (Fig. 4) -----------------------------------------
+def _stat_points(groups, xfield: str, yfield: str, xscale: float, yscale: float = 1.0):
+  pts = [(g.stat(xfield), g.stat(yfield)) for g in groups]
+  return {"x": [m * xscale for (m, _), _ in pts], "xerr": [s * xscale for (_, s), _ in pts],
+          "y": [m * yscale for _, (m, _) in pts], "yerr": [s * yscale for _, (_, s) in pts]}
+
+
+def _line_key(g, fields: Sequence[str]) -> tuple:
+  return tuple(str(g.get(f)) for f in fields)
+
+
+def tradeoff_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
+  """{"comp": ..., "mem": ...}: one series per config across widths (finished runs only)."""
+  looks = style.Looks(groups, fields)
+  groups = [g for g in groups if g.finished]
+  line_fields = [f for f in fields if f != "model.width"]
+  lines: dict[tuple, list] = {}
+  for g in groups:
+    lines.setdefault(_line_key(g, line_fields), []).append(g)
+  out = {"comp": [], "mem": []}
+  for members in lines.values():
+    members = sorted(members, key=lambda g: float(g.get("model.width") or 0))
+    look = dict(looks.of(members[0]), label=members[0].label(line_fields),
+                widths=[m.get("model.width") for m in members])
+    out["comp"].append(dict(look, **_stat_points(members, "comp_paper", "cer_percent", TERA)))
+    out["mem"].append(dict(look, **_stat_points(members, "mem", "cer_percent", 1.0)))
+  return out
+
+
+def _lines_over(groups, fields: Sequence[str], field: str):
+  """(the other fields, [the finished groups of one config sorted by `field`]) for every
+  config that has two or more values of `field`."""
+  groups = [g for g in groups if g.finished]
+  others = [f for f in fields if f != field]
+  lines: dict[tuple, list] = {}
+  for g in groups:
+    lines.setdefault(_line_key(g, others), []).append(g)
+  return others, [sorted(m, key=lambda g: float(g.get(field) or 0))
+                  for m in lines.values() if len({g.get(field) for g in m}) > 1]
+
+
+def replay_series(groups, fields: Sequence[str]) -> list[Series]:
+  """Segments from each config without replay to the same config with replay (its end
+  hollow)."""
+  looks = style.Looks(groups, fields)
+  others, lines = _lines_over(groups, fields, "stream.replay")
+  return [dict(_stat_points(members, "comp_paper", "cer_percent", TERA),
+               **looks.of(members[0]), label=members[0].label(others),
+               replay=[g.get("stream.replay") for g in members],
+               hollow=[bool(g.get("stream.replay")) for g in members]) for members in lines]
+
+
+def wait_series(groups, fields: Sequence[str]) -> list[Series]:
+  """CER against the waiting time w: one series per config over its waits (two or more),
+  a marker per width."""
+  looks = style.Looks(groups, fields)
+  others, lines = _lines_over(groups, fields, "stream.wait")
+  out = []
+  for members in lines:
+    cer = [g.stat("cer_percent") for g in members]
+    first = members[0]
+    out.append(dict(looks.of(first), marker=looks.width_marker(first), label=first.label(others),
+                    x=[float(g.get("stream.wait")) for g in members],
+                    y=[m for m, _ in cer], yerr=[s for _, s in cer]))
+  return out
+
+
+# -- error over time (Fig. 1/3) --------------------------------------------------------------------
+def error_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
+  """{"width=<w>": one series per config}: mean test error (%) over t, std over seeds."""
+  looks = style.Looks(groups, fields)
+  others = [f for f in fields if f != "model.width"]
+  out: dict[str, list[Series]] = {}
+  for g in sorted(groups, key=lambda g: float(g.get("model.width") or 0)):
+    t, mean, std = g.curve("test_error")
+    out.setdefault(f"width={g.get('model.width')}", []).append(
+        dict(looks.of(g), label=g.label(others), x=t.tolist(), y=(100 * mean).tolist(),
+             yerr=(100 * std).tolist()))
+  return out
+
+
+# -- language models (Fig. 5) ----------------------------------------------------------------------
+def has_perplexity(group) -> bool:
+  return any(r.records and PERPLEXITY_FIELD in r.records[0] for r in group.runs)
+
+
+def _is_iid(group) -> bool:
+  return group.get("stream.iid") is True
+
+
+def _lm_trajectory(run, n: int, iid: bool) -> dict[str, np.ndarray]:
+  """Per mega-batch t = 1 .. n-1 of one run: the test perplexity averaged over 1 .. t (the
+  summary's `mean_perplexity` at the end), the compute spent up to t, parameters and experts.
+  An i.i.d. run has one point, where it is evaluated after its training: t = n-1, its
+  perplexity there."""
+  recs = run.records[1:n]
+  ppl = np.asarray([float(r[PERPLEXITY_FIELD]) for r in recs])
+  out = {"y": np.cumsum(ppl) / np.arange(1, len(ppl) + 1),
+         "comp": np.cumsum([float(r.get("train_macs", 0.0)) for r in run.records[:n]])[1:] * TERA,
+         "params": np.asarray([float(r["num_params"]) for r in recs]),
+         "experts": np.asarray([float(r.get("num_experts", math.nan)) for r in recs])}
+  if iid:
+    out = {k: v[-1:] for k, v in out.items()}
+    out["y"] = ppl[-1:]
+  return out
+
+
+def _differs(field: str, groups) -> bool:
+  return len({json.dumps(g.get(field), default=repr) for g in groups}) > 1
+
+
+def lm_label_fields(groups, fields: Sequence[str]) -> list[str]:
+  """The fields that tell language-model configs apart in labels: the method and those that
+  differ, less the width of a Switch Transformer (it has presets) and the fields that
+  `stream.iid` sets (wait B, B times the steps) where only it sets them apart."""
+  sequential = [g for g in groups if not _is_iid(g)]
+  switch = all(g.get("model.name") == "switch" for g in groups)
+  return [f for f in fields if f == "method.name" or (
+      not (switch and f in LM_UNLABELLED) and f != "stream.iid"
+      and _differs(f, sequential if f in IID_DERIVED else groups))]
+
+
+def lm_label(group, fields: Sequence[str]) -> str:
+  """`group.label(fields)`; an i.i.d. run says so, without the fields `stream.iid` sets."""
+  if not _is_iid(group):
+    return group.label(fields)
+  return group.label([f for f in fields if f not in IID_DERIVED]) + " i.i.d. (at t=B)"
+
+
+def lm_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
+  """{"comp", "params", "experts"}: the paper's Fig. 5, one trajectory per config with a point
+  per mega-batch t >= 1: the perplexity averaged over the mega-batches so far against the
+  compute spent so far, the parameters and the experts at t (mean ± std over seeds); an
+  i.i.d. run is one point, its perplexity after its training at t = B. `experts` only when
+  records carry `num_experts`; a panel whose points all share one x is left out (it says
+  nothing). Compute and parameters are drawn on log axes, so the mega-batches before a
+  learner first trains (no compute yet) have no point in the compute panel."""
+  groups = [g for g in groups if g.finished and has_perplexity(g)]
+  shown = lm_label_fields(groups, fields)
+  looks = style.Looks(groups, shown + ["stream.iid"] * any(_is_iid(g) for g in groups))
+  out: dict[str, list[Series]] = {"comp": [], "params": [], "experts": []}
+  for g in groups:
+    n = min(len(r.records) for r in g.finished)
+    if n < 2:
+      continue
+    runs = [_lm_trajectory(r, n, _is_iid(g)) for r in g.finished]
+    y, ystd = mean_std_columns([r["y"] for r in runs])
+    for panel in out:
+      x, xstd = mean_std_columns([r[panel] for r in runs])
+      if np.isnan(x).any():
+        continue
+      keep = x > 0 if panel != "experts" else np.ones(len(x), bool)
+      if not keep.any():
+        continue
+      out[panel].append(dict(looks.of(g), label=lm_label(g, shown), iid=_is_iid(g),
+                             x=x[keep].tolist(), xerr=xstd[keep].tolist(),
+                             y=y[keep].tolist(), yerr=ystd[keep].tolist()))
+  return {k: v for k, v in out.items()
+          if v and (k == "comp" or len({x for s in v for x in s["x"]}) > 1)}
+
+
+# -- the figures -----------------------------------------------------------------------------------
+CER = "CER (%)"
+TFLOPS = "training TFLOPs (paper count)"
+
+
+def tradeoffs_figure(trade: dict[str, list[Series]], data: str):
+  fig, axes = subplots(2, legend_entries=len(trade["comp"]))
+  style.draw_points(axes[0], trade["comp"], TFLOPS, CER, data)
+  style.draw_points(axes[1], trade["mem"], "Mem (sum of parameter counts)", CER, data,
+                    engineering=True)
+  style.legend(fig, axes)
+  return fig
+
+
+def error_figure(curves: dict[str, list[Series]], data: str):
+  fig, axes = subplots(len(curves), height=2.6,
+                       legend_entries=len({s["label"] for v in curves.values() for s in v}))
+  for ax, (panel, series) in zip(axes, curves.items()):
+    style.draw_curves(ax, series, "mega-batch t", "test error (%)", f"{data} {panel}")
+  style.legend(fig, axes)
+  return fig
+
+
+def replay_figure(replay: list[Series], data: str):
+  fig, axes = subplots(1, legend_entries=len(replay))
+  style.draw_points(axes[0], replay, TFLOPS, CER, f"{data}: replay (hollow: with replay)")
+  style.legend(fig, axes)
+  return fig
+
+
+def wait_figure(waits: list[Series], data: str):
+  fig, axes = subplots(1, legend_entries=len(waits))
+  style.draw_points(axes[0], waits, "waiting time w (mega-batches)", CER,
+                    f"{data}: waiting time")
+  style.legend(fig, axes)
+  return fig
+
+
+LM_XLABELS = {"comp": TFLOPS, "params": "parameters", "experts": "experts"}
+
+
+def lm_figure(lm: dict[str, list[Series]], data: str):
+  fig, axes = subplots(len(lm), legend_entries=len({s["label"] for v in lm.values() for s in v}))
+  for ax, (panel, series) in zip(axes, lm.items()):
+    style.draw_points(ax, series, LM_XLABELS[panel], "mean test perplexity, mega-batches 1..t",
+                      data, logx=panel != "experts", engineering=panel == "params")
+  style.legend(fig, axes)
+  return fig
+
+
+def dataset_figures(data: str, groups, fields: Sequence[str],
+                    out: str) -> dict[str, dict[str, list[Series]]]:
+  """Writes the figures of one data set's groups into `out`; returns their data.
+
+  `fields`: the config fields that tell the groups apart (labels and lines).
+  """
+  figures = {}
+  trade = tradeoff_series(groups, fields)
+  if trade["comp"]:
+    figures[f"tradeoffs_{data}"] = (trade, tradeoffs_figure(trade, data))
+  curves = error_series(groups, fields)
+  if curves:
+    figures[f"error_{data}"] = (curves, error_figure(curves, data))
+  replay = replay_series(groups, fields)
+  if replay:
+    figures[f"replay_{data}"] = ({"replay": replay}, replay_figure(replay, data))
+  waits = wait_series(groups, fields)
+  if waits:
+    figures[f"wait_{data}"] = ({"wait": waits}, wait_figure(waits, data))
+  lm = lm_series(groups, fields)
+  if lm:
+    figures[f"lm_{data}"] = (lm, lm_figure(lm, data))
+  for name, (_, fig) in figures.items():
+    save(fig, os.path.join(out, name))
+  return {name: series for name, (series, _) in figures.items()}
+
+
+# -- one run ---------------------------------------------------------------------------------------
+def run_error_png(path: str, curves: Sequence[tuple[str, Sequence[int], Sequence[float]]],
+                  title: str = "") -> None:
+  """Writes `path` (PNG): test error (%) vs mega-batch t, one line per (label, t, error)."""
+  fig, (ax,) = subplots(1, 4.0, 3.0)
+  for label, t, err in curves:
+    ax.plot(t, 100 * np.asarray(err, float), label=label)
+  style.finish(ax, "mega-batch t", "test error (%)", title)
+  if len(curves) > 1:
+    ax.legend(fontsize=style.FONT_PT)
+  with io_utils.output_errors(path), io_utils.atomic_writer(path, "wb") as f:
+    fig.savefig(f, format="png", dpi=90)
+
+
+def run_error_png_in_child(path: str, curves, title: str = "") -> str | None:
+  """`run_error_png` in a child process (`python -m alma_jax.reports.plots`), so that the caller
+  never imports matplotlib; returns why it failed (None: drawn)."""
+  package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [package_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  spec = {"path": path, "curves": [list(c) for c in curves], "title": title}
+  try:
+    proc = subprocess.run([sys.executable, "-m", "alma_jax.reports.plots"], input=json.dumps(spec),
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+  except (OSError, subprocess.SubprocessError) as e:
+    return f"{type(e).__name__}: {e}"
+  if proc.returncode:
+    lines = proc.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit code {proc.returncode}"
+  return None
+
+
+def main() -> int:
+  """Draws `run_error_png` of {"path", "title", "curves": [[label, t, errors], ...]} on stdin."""
+  spec = json.load(sys.stdin)
+  run_error_png(spec["path"], [tuple(c) for c in spec["curves"]], spec.get("title", ""))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,434 @@
+"""The paper's figures and a table from the outputs of finished runs.
+
+  python -m alma_jax.reports.report --workdirs=/tmp/sweep/* --out=/tmp/report
+
+reads every run's `config.json`, `log.jsonl` and `summary.json` (the
+`seed_<k>/` folders of a `num_seeds` run are its seeds), groups the runs that
+differ only by their seed, and writes into `--out`, per data set:
+
+* `tradeoffs_<data>.png/.pdf`: CER (%) vs paper-comparable training TFLOPs
+  (`comp_paper`, forward multiply-adds x examples) and vs Mem, one colour per
+  method, a line across widths, a marker per waiting time (paper Fig. 2/7);
+  error bars are one sample standard deviation (ddof=1) over seeds.
+* `error_<data>.png/.pdf`: test error vs mega-batch t, one panel per width
+  (Fig. 1/3), the band one standard deviation over seeds.
+* `wait_<data>.png/.pdf`: CER vs waiting time w, a line per config over its
+  waits (paper Fig. 2's question: which wait is best), when a config has two
+  or more.
+* `replay_<data>.png/.pdf`: CER vs compute, a segment from each config
+  without replay to the same config with replay (Fig. 4), when both exist.
+* `lm_<data>.png/.pdf`: average perplexity vs compute, parameters and
+  experts (Fig. 5), for runs whose records carry `test_perplexity`.
+* `gating_<run>.png/.pdf`: for each gMoE config, its first seed's gating
+  tree over a 2-D PCA embedding of test inputs, from its last checkpoint
+  (`alma_jax.reports.gating_plot`; `--nogating` skips it).
+* `report.md`: per data set, a table with one row per group (mean ± sample
+  std over its seeds; also the tasks' own summary fields, `Task.SUMMARY_STATS`:
+  language models' final and mean test perplexity) and the figures.
+* `results.csv`: one row per run and seed: `workdir`, `finished`, every config
+  field (flattened paths: `model.width`) and every summary metric (nested ones
+  flattened: `timings.train_s`), for `pandas.read_csv`.
+
+A run without a summary (unfinished) is listed in the table but left out of
+the CER figures. A folder that is not a run is an error naming what it lacks;
+a pattern (`--workdirs=/tmp/sweep/*`, quoted or not: the shell does not expand
+it after `=`) stands for the runs it matches, so a sweep's `logs/` and
+`report/` folders beside them are passed over. A run given twice (the same
+folder after resolving links) counts once, with a warning. Bad inputs (a
+folder that is not a run, unreadable or malformed files, an `--out` that is
+not a writable directory) end the command with one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import dataclasses
+import glob
+import io
+import json
+import math
+import numbers
+import os
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+from absl import app
+from absl import flags
+from absl import logging
+
+from alma_jax import tasks
+from alma_jax.configuration import config_lib
+from alma_jax.outputs import checkpoint as ckpt_lib
+from alma_jax.outputs import io_utils
+from alma_jax.outputs import workdir as wd
+from alma_jax.reports import gating_plot
+from alma_jax.reports import plots
+
+# Config fields that tell groups apart in labels and table columns, in this order.
+KEY_FIELDS = ("method.name", "model.width", "stream.wait", "stream.replay")
+SEED_FIELDS = ("seed", "num_seeds")
+# Fields that change how a run is executed, not what it computes: groups that differ in them stay
+# apart, but labels and table columns leave them out (a config that evaluates in smaller batches
+# to bound its memory would otherwise carry "eval_batch_size=..." on every other line).
+UNLABELLED_FIELDS = ("train.eval_batch_size", "train.steps_per_call", "model.conv_impl",
+                     "method.strategy", "train.autotune", "train.cpu_fusion")
+
+
+class ReportError(ValueError):
+  """A workdir cannot be reported (not a run, unreadable files)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """The outputs of one seed of one run."""
+
+  path: str
+  config: dict
+  records: tuple[dict, ...]
+  summary: dict | None  # None: the run has not finished
+
+  @property
+  def flat(self) -> dict:
+    return wd.flatten(self.config)
+
+  @property
+  def finished(self) -> bool:
+    return self.summary is not None
+
+  def curve(self, field: str = "test_error") -> np.ndarray:
+    return np.asarray([float(r[field]) for r in self.records])
+
+
+# -- loading -----------------------------------------------------------------------------------
+def _is_number(v: Any) -> bool:
+  return isinstance(v, numbers.Real)  # bools too: a record's `trained`
+
+
+def _read_json(path: str) -> dict:
+  try:
+    obj = io_utils.read_json(path)
+  except (OSError, ValueError) as e:
+    raise ReportError(f"{path} cannot be read: {e}") from e
+  if not isinstance(obj, dict):
+    raise ReportError(f"{path} is not a run's output: it holds a JSON {type(obj).__name__}, not "
+                      "an object")
+  return obj
+
+
+# Config fields the report reads as numbers (grouping, sorting, labels).
+_NUMERIC_CONFIG = ("seed",) + KEY_FIELDS[1:]
+# Summary fields of the table (a run's own summary.json holds numbers there).
+_SUMMARY_STATS = ("cer_percent", "final_error", "mem", "comp_paper", "comp", "wall_s",
+                  "final_perplexity", "mean_perplexity")
+
+
+def _check_seed(path: str, config: dict, records, summary) -> None:
+  """Raises `ReportError` naming the file whose contents are not a run's."""
+  flat = wd.flatten(config)
+  for k in _NUMERIC_CONFIG:
+    if flat.get(k) is not None and not _is_number(flat[k]):
+      raise ReportError(f"{os.path.join(path, wd.CONFIG_FILE)}: {k}={flat[k]!r} is not a number")
+  log = os.path.join(path, wd.LOG_FILE)
+  for i, r in enumerate(records):
+    if not (isinstance(r, dict) and {"t", "test_error"} <= set(r)
+            and all(_is_number(v) for v in r.values())):
+      raise ReportError(f"{log}: record {i + 1} ({json.dumps(r)[:80]}) is not a run's record (a "
+                        "JSON object of numbers with 't' and 'test_error')")
+  bad = [k for k in _SUMMARY_STATS if summary and k in summary and not _is_number(summary[k])]
+  if bad:
+    raise ReportError(f"{os.path.join(path, wd.SUMMARY_FILE)}: {bad[0]}={summary[bad[0]]!r} is "
+                      "not a number")
+
+
+def _read_seed(path: str) -> Run:
+  config = _read_json(os.path.join(path, wd.CONFIG_FILE))
+  try:
+    records = tuple(io_utils.read_jsonl(os.path.join(path, wd.LOG_FILE)))
+  except (OSError, ValueError) as e:
+    raise ReportError(f"{os.path.join(path, wd.LOG_FILE)} cannot be read: {e}") from e
+  summary_path = os.path.join(path, wd.SUMMARY_FILE)
+  summary = _read_json(summary_path) if os.path.exists(summary_path) else None
+  _check_seed(path, config, records, summary)
+  return Run(path, config, records, summary)
+
+
+def load_runs(path: str) -> list[Run]:
+  """The seeds of the run in `path` (one, or those of its `seed_<k>/` folders)."""
+  if not os.path.isdir(path):
+    raise ReportError(f"--workdirs: {path} is not a directory")
+  seeds = wd.output_dirs(path)[1:]
+  if seeds and os.path.exists(os.path.join(path, wd.CONFIG_FILE)):
+    return [_read_seed(s) for s in seeds]
+  missing = [n for n in (wd.CONFIG_FILE, wd.LOG_FILE) if not os.path.exists(os.path.join(path, n))]
+  if missing:
+    raise ReportError(f"--workdirs: {path} is not a run's workdir: it lacks {' and '.join(missing)}"
+                      " (a run writes config.json and log.jsonl when it starts)")
+  return [_read_seed(path)]
+
+
+# -- groups: runs that differ only by their seed -------------------------------------------------
+def group_key(run: Run) -> str:
+  ignore = set(SEED_FIELDS) | set(config_lib.resumable_paths())
+  return json.dumps({k: v for k, v in run.flat.items() if k not in ignore}, sort_keys=True,
+                    default=repr)
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """Runs of one config that differ only by their seed."""
+
+  runs: tuple[Run, ...]
+
+  @property
+  def flat(self) -> dict:
+    return self.runs[0].flat
+
+  def get(self, field: str, default: Any = None) -> Any:
+    return self.flat.get(field, default)
+
+  @property
+  def dataset(self) -> str:
+    return str(self.get("data.name", "data"))
+
+  @property
+  def finished(self) -> tuple[Run, ...]:
+    return tuple(r for r in self.runs if r.finished)
+
+  @property
+  def seeds(self) -> list[int]:
+    return [int(r.flat.get("seed", 0)) for r in self.runs]
+
+  def stat(self, field: str) -> tuple[float, float]:
+    """(mean, standard deviation) of summary `field` over the finished seeds (nan: none)."""
+    vals = [float(r.summary[field]) for r in self.finished if field in r.summary]
+    if not vals:
+      return math.nan, math.nan
+    return plots.mean_std(vals)
+
+  def curve(self, field: str = "test_error") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(t, mean, std) of a per-step field over the seeds, up to the shortest log."""
+    curves = [r.curve(field) for r in self.runs if r.records and field in r.records[0]]
+    if not curves:
+      return np.zeros(0), np.zeros(0), np.zeros(0)
+    n = min(len(c) for c in curves)
+    t = np.asarray([int(r["t"]) for r in self.runs[0].records[:n]])
+    return (t,) + plots.mean_std_columns([c[:n] for c in curves])
+
+  def label(self, fields: Sequence[str]) -> str:
+    """The values of `fields` that this group has (another method's fields are left out)."""
+    return " ".join(_fmt(self.get(f)) if f == "method.name" else
+                    f"{f.split('.')[-1]}={_fmt(self.get(f))}" for f in fields
+                    if self.get(f) is not None)
+
+
+def _fmt(v: Any) -> str:
+  if v is None:  # a field of another method
+    return "–"
+  return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def group_runs(runs: Sequence[Run]) -> list[Group]:
+  by_key: dict[str, list[Run]] = collections.OrderedDict()
+  for r in runs:
+    by_key.setdefault(group_key(r), []).append(r)
+  groups = [Group(tuple(sorted(rs, key=lambda r: int(r.flat.get("seed", 0)))))
+            for rs in by_key.values()]
+  return sorted(groups, key=lambda g: tuple(str(g.get(f)) for f in ("data.name", "method.name"))
+                + tuple(float(g.get(f) or 0) for f in KEY_FIELDS[1:]))
+
+
+def varying_fields(groups: Sequence[Group]) -> list[str]:
+  """KEY_FIELDS plus the other config fields whose values differ between groups."""
+  if not groups:
+    return list(KEY_FIELDS)
+  keys = (set().union(*(g.flat for g in groups)) - set(SEED_FIELDS) - set(UNLABELLED_FIELDS)
+          - set(config_lib.resumable_paths()))
+  def differs(k):  # among the groups that have the field (methods declare their own)
+    return len({json.dumps(g.flat[k], default=repr) for g in groups if k in g.flat}) > 1
+  other = sorted(k for k in keys - set(KEY_FIELDS) if differs(k))
+  return list(KEY_FIELDS) + other
+
+
+# -- the table -----------------------------------------------------------------------------------
+TABLE_STATS = (("cer_percent", "CER (%)", "{:.2f}"), ("final_error", "final error", "{:.4f}"),
+               ("mem", "Mem", "{:.4g}"), ("comp_paper", "Comp (TFLOPs, paper)", "{:.4g}"),
+               ("comp", "Comp (TFLOPs, train step)", "{:.4g}"), ("wall_s", "wall (s)", "{:.1f}"))
+_TERA = ("comp_paper", "comp")
+
+
+def _cell(group: Group, field: str, fmt: str) -> str:
+  mean, std = group.stat(field)
+  if math.isnan(mean):
+    return "–"
+  scale = 1e-12 if field in _TERA else 1.0
+  text = fmt.format(mean * scale)
+  return text + (" ± " + fmt.format(std * scale) if len(group.finished) > 1 else "")
+
+
+def table(groups: Sequence[Group]) -> str:
+  """A Markdown table: one row per group, mean ± std over its finished seeds."""
+  fields = varying_fields(groups)
+  # The tasks' own fields (language models: perplexities), columns only where a group has them.
+  stats = TABLE_STATS + tuple(s for s in tasks.summary_stats()
+                              if any(not math.isnan(g.stat(s[0])[0]) for g in groups))
+  head = ["data"] + [f.split(".")[-1] if f in KEY_FIELDS else f for f in fields] + ["seeds"]
+  head += [name for _, name, _ in stats]
+  rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for g in groups:
+    n_done = len(g.finished)
+    seeds = f"{n_done}" if n_done == len(g.runs) else f"{n_done} of {len(g.runs)} finished"
+    cells = [g.dataset] + [_fmt(g.get(f)) for f in fields] + [seeds]
+    cells += [_cell(g, f, fmt) for f, _, fmt in stats]
+    rows.append("| " + " | ".join(cells) + " |")
+  return "\n".join(rows) + "\n"
+
+
+# -- results.csv -----------------------------------------------------------------------------------
+RESULTS_CSV = "results.csv"
+
+
+def _csv_value(v: Any) -> Any:
+  if v is None:
+    return ""
+  return json.dumps(v, sort_keys=True, default=repr) if isinstance(v, (list, tuple, dict)) else v
+
+
+def results_csv(groups: Sequence[Group]) -> str:
+  """The text of results.csv: one row per run and seed with its workdir, whether it finished,
+  its config fields (sorted paths) and its summary metrics (in summary order; empty for an
+  unfinished run)."""
+  runs = [r for g in groups for r in g.runs]
+  config_cols = sorted(set().union(*(r.flat for r in runs)))
+  metric_cols = list(dict.fromkeys(k for r in runs for k in wd.flatten(r.summary or {})
+                                   if k not in config_cols))
+  text = io.StringIO()
+  writer = csv.DictWriter(text, ["workdir", "finished"] + config_cols + metric_cols,
+                          lineterminator="\n")
+  writer.writeheader()
+  for r in runs:
+    row = {"workdir": r.path, "finished": r.finished}
+    row.update((k, _csv_value(v)) for k, v in r.flat.items())
+    row.update((k, _csv_value(v)) for k, v in wd.flatten(r.summary or {}).items()
+               if k not in config_cols)
+    writer.writerow(row)
+  return text.getvalue()
+
+
+# -- the whole report ----------------------------------------------------------------------------
+def load_groups(workdirs: Sequence[str]) -> list[Group]:
+  """The groups of the runs in `workdirs`; a run given twice (a repeated or linked folder, or a
+  seed folder of a run also given) counts once, with a warning."""
+  runs, seen = [], {}
+  for path in workdirs:
+    for r in load_runs(path):
+      real = os.path.realpath(r.path)
+      if real in seen:
+        same = "" if seen[real] == r.path else f" (the run {seen[real]})"
+        logging.warning("--workdirs: %s%s is given more than once; it counts once", r.path, same)
+        continue
+      seen[real] = r.path
+      runs.append(r)
+  if not runs:
+    raise ReportError("--workdirs: no runs given")
+  return group_runs(runs)
+
+
+def gating_figures(groups: Sequence[Group], out: str,
+                   fields: Sequence[str] = KEY_FIELDS) -> dict:
+  """`gating_<workdir name>` of the first seed of every gMoE group, titled with its values of
+  `fields` (a run that cannot be drawn, e.g. without checkpoints, is skipped with a
+  warning)."""
+  figures = {}
+  for g in groups:
+    if g.get("method.name") != "gmoe":
+      continue
+    run = g.runs[0]
+    name = f"gating_{os.path.basename(os.path.normpath(run.path))}"
+    try:
+      data = gating_plot.gating_data(run.path)
+    except (gating_plot.GatingError, ckpt_lib.CheckpointError) as e:
+      logging.warning("no gating figure of %s: %s", run.path, e)
+      continue
+    figures[name] = gating_plot.draw(data, os.path.join(out, name), g.label(fields))
+  return figures
+
+
+def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True) -> dict:
+  """Writes the figures and `report.md` into `out`; returns {figure name: its plotted data}."""
+  if not out:
+    raise ReportError("--out is empty; give the directory for the figures and report.md")
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise ReportError(f"--out={out} exists and is not a directory")
+  groups = load_groups(workdirs)
+  try:
+    os.makedirs(out, exist_ok=True)
+  except OSError as e:
+    raise ReportError(f"--out={out} cannot be created: {e.strerror or e}") from e
+  figures = {}
+  by_data = collections.OrderedDict()
+  for g in groups:
+    by_data.setdefault(g.dataset, []).append(g)
+  text = ["# ALMA report", "", f"{sum(len(g.runs) for g in groups)} runs in {len(groups)} "
+          "groups (runs that differ only by their seed); mean ± sample standard deviation "
+          "(ddof=1) over seeds. Comp (paper) counts forward multiply-adds × training examples, "
+          f"the unit of the paper's figures. [{RESULTS_CSV}]({RESULTS_CSV}) holds one row per "
+          "run and seed: its config fields and summary metrics.", ""]
+  for data, gs in by_data.items():
+    fields = varying_fields(gs)
+    drawn = plots.dataset_figures(data, gs, fields, out)
+    if gating:
+      drawn.update(gating_figures(gs, out, fields))
+    figures.update(drawn)
+    text += [f"## {data}", "", table(gs)] + [f"![{name}]({name}.png)\n" for name in drawn]
+  for name, content in ((RESULTS_CSV, results_csv(groups)), ("report.md", "\n".join(text))):
+    try:
+      io_utils.write_text_atomic(os.path.join(out, name), content)
+    except (OSError, io_utils.WorkdirWriteError) as e:
+      why = (os.strerror(e.errno) if isinstance(e, io_utils.WorkdirWriteError)
+             else e.strerror or e)
+      raise ReportError(f"--out={out}: cannot write {name}: {why}") from e
+  return figures
+
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("workdirs", None, "run workdirs (comma-separated; shell globs expand to several)")
+flags.DEFINE_string("out", None, "output directory of the figures and report.md")
+flags.DEFINE_bool("gating", True, "draw the gating tree of gMoE runs from their last checkpoint")
+
+
+def expand_workdirs(items: Sequence[str]) -> list[str]:
+  """`items` with each pattern (`*`, `?`, `[`) replaced by the run workdirs it matches, in
+  order; a pattern that matches no run is kept, so that the error names it."""
+  out = []
+  for item in items:
+    if not glob.has_magic(item):
+      out.append(item)
+      continue
+    runs = [d for d in sorted(glob.glob(item))
+            if os.path.isfile(os.path.join(d, wd.CONFIG_FILE))]
+    out.extend(runs or [item])
+  return out
+
+
+def _fail(message: str) -> None:
+  """Ends the command with one line on stderr and exit code 2 (a bad input)."""
+  print(f"report: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def main(argv):
+  workdirs = expand_workdirs(list(FLAGS.workdirs or []) +
+                             [a for a in argv[1:] if not a.startswith("-")])
+  if not workdirs or FLAGS.out is None:
+    _fail("give --workdirs=DIR[,DIR...] (or directories as arguments) and --out=DIR")
+  try:
+    figures = write_report(workdirs, FLAGS.out, gating=FLAGS.gating)
+  except ReportError as e:
+    _fail(str(e))
+  print(f"wrote {os.path.join(FLAGS.out, 'report.md')} and {len(figures)} figures")
+
+
+if __name__ == "__main__":
+  app.run(main)

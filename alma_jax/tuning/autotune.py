@@ -1,0 +1,250 @@
+"""Implementation choices made by measurement on the machine that runs.
+
+Some choices change the speed of a train step, not its arithmetic (beyond
+float round-off), and which one wins depends on the machine: the convolution
+gradient (`model.conv_impl`: XLA's kernels or a weight gradient summed over
+batch chunks), how ensemble members run (`method.strategy`: vmap or a loop)
+and how many train steps one compiled call runs (`train.steps_per_call`).
+Crossovers measured on one CPU do not transfer to another, so when such a
+field is left to be chosen ("auto", or 0 steps per call) and
+`config.train.autotune="measure"`, the run builds the train call of every
+candidate on the run's real shapes, times a few steps of each, and keeps the
+fastest.
+
+A choice is remembered under a key made of the device, the JAX version and
+the shapes that decide it:
+  * in `<cache dir>/autotune.json` (beside the persistent compilation cache;
+    the cache dir is `$ALMA_JAX_CACHE_DIR` or `~/.cache/alma_jax`), so only the
+    first run of a shape on a machine pays for the measurement;
+  * in the run's workdir (`autotune.json`), so a resumed run keeps its
+    choices even on another machine.
+The run logs every choice (and the times behind a new one) and writes them to
+`summary.json` under "choices".
+
+The rules decide with `train.autotune="rules"`, in a run of several
+processes (which must agree without measuring or reading files) and for a
+candidate that fails to build: `models.conv.resolve_impl`, `methods.ensemble.
+choose_strategy`, and `RULE_STEPS_PER_CALL` steps per call on CPU and
+`ACCELERATOR_STEPS_PER_CALL` on accelerators (where a small step is bound by
+the launch of each call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable
+
+import jax
+from absl import logging
+
+from alma_jax import models
+from alma_jax.core import population
+from alma_jax.data import images
+from alma_jax.methods import ensemble
+from alma_jax.models import conv
+from alma_jax.outputs import io_utils
+
+FILE = "autotune.json"
+MODES = ("measure", "rules")
+RULE_STEPS_PER_CALL = 1  # CPU: a call's launch is small beside its step
+ACCELERATOR_STEPS_PER_CALL = 8
+STEPS_PER_CALL_CANDIDATES = (1, 8)
+AUTO_STEPS_PER_CALL = 0  # the value of train.steps_per_call that asks for a choice
+TIMED_STEPS = 3  # timed calls per candidate, after the one that compiles
+
+
+@dataclasses.dataclass(frozen=True)
+class Tunable:
+  """A config field whose value may be chosen: when it applies, its candidates and its rule."""
+
+  path: str
+  auto: Any
+  candidates: Callable[[Any], tuple]
+  rule: Callable[[Any], Any]
+  applies: Callable[[Any], bool] = lambda config: True
+
+
+def _get(config, path: str):
+  section, name = path.split(".")
+  return config[section].get(name)
+
+
+def _conv_rule(config):
+  return conv.resolve_impl("auto", config.model.width)
+
+
+def _strategy_rule(config):
+  return ensemble.choose_strategy("auto", config.model.name)
+
+
+def steps_per_call_rule(config=None) -> int:
+  """Steps per compiled call when they are left to be chosen and not measured."""
+  del config
+  return RULE_STEPS_PER_CALL if jax.default_backend() == "cpu" else ACCELERATOR_STEPS_PER_CALL
+
+
+TUNABLES = (
+    Tunable("model.conv_impl", "auto", lambda c: tuple(i for i in conv.IMPLS if i != "auto"),
+            _conv_rule, lambda c: models.spec(c.model.name).conv_heavy),
+    # With one member at the start both strategies run the same program.
+    Tunable("method.strategy", "auto", lambda c: ("vmap", "loop"), _strategy_rule,
+            lambda c: _get(c, "method.strategy") is not None and max(
+                c.method.get("num_members", 1), c.method.get("initial_members", 1)) > 1),
+    Tunable("train.steps_per_call", AUTO_STEPS_PER_CALL, lambda c: STEPS_PER_CALL_CANDIDATES,
+            steps_per_call_rule),
+)
+
+
+def pending(config) -> list[Tunable]:
+  """The tunables this config leaves to be chosen."""
+  return [t for t in TUNABLES if t.applies(config) and _get(config, t.path) == t.auto]
+
+
+def signature(config) -> tuple:
+  """The values of every tunable field of `config`."""
+  return tuple(repr(_get(config, t.path)) for t in TUNABLES)
+
+
+def with_choices(config, choices: dict[str, Any]):
+  """A copy of `config` with the chosen values in place of "auto"."""
+  out = config.copy_and_resolve_references()
+  with out.unlocked():
+    for path, value in choices.items():
+      section, name = path.split(".")
+      out[section][name] = value
+  return out
+
+
+def step_facts(config, input_shape, path: str) -> dict[str, Any]:
+  """The facts of the train step that a choice of field `path` depends on."""
+  return {
+      "field": path, "input": list(input_shape), "model": config.model.name,
+      "width": config.model.width, "method": config.method.name,
+      "batch": config.train.batch_size,
+      "method_fields": {k: v for k, v in sorted(config.method.items())
+                        if isinstance(v, (int, float, str, bool)) and k != "strategy"},
+      "mesh": [config.mesh.get("num_devices"), config.mesh.get("model")],
+  }
+
+
+def machine_key(config, input_shape, path: str) -> str:
+  """What a choice depends on: the device, the JAX version and XLA flags, the step's shapes."""
+  dev = jax.devices()[0]
+  facts = dict(step_facts(config, input_shape, path), backend=jax.default_backend(),
+               device=getattr(dev, "device_kind", str(dev)), devices=jax.device_count(),
+               jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""))
+  return json.dumps(facts, sort_keys=True)
+
+
+def default_cache_file() -> str:
+  return os.path.join(images.default_cache_dir(), FILE)
+
+
+def read(path: str | None) -> dict[str, Any]:
+  """The choices stored in `path` (a missing or unreadable file holds none)."""
+  if not path or not os.path.exists(path):
+    return {}
+  try:
+    stored = io_utils.read_json(path)
+    return stored if isinstance(stored, dict) else {}
+  except (OSError, ValueError):
+    logging.warning("ignoring the unreadable choices file %s", path)
+    return {}
+
+
+def remember(path: str, key: str, value) -> None:
+  """Adds one choice to the file at `path` (read, merged and replaced atomically)."""
+  try:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    stored = read(path)
+    stored[key] = value
+    io_utils.write_json_atomic(path, stored)
+  except (OSError, io_utils.WorkdirWriteError) as e:
+    # A read-only cache costs a measurement next time, nothing else.
+    logging.warning("could not store the choice in %s: %s", path, e)
+
+
+def time_train_step(steps, seed: int = 0) -> float:
+  """Seconds per train step of `steps`' method, freshly initialised, on its real shapes."""
+  learner = population.stack([steps.method.init(jax.random.key(seed))])
+  return steps.seconds_per_step(learner, repeats=TIMED_STEPS)
+
+
+def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
+           workdir_file: str | None = None, cache_file: str | None = None,
+           measure: Callable[[Any], float] = time_train_step,
+           given: dict[str, tuple[Any, str]] | None = None) -> dict[str, Any]:
+  """Chooses a value for every field `config` leaves to be chosen.
+
+  Args:
+    config: the run's config.
+    input_shape: one example's shape.
+    build: config -> `steps.Steps` of the method that config makes (what is timed).
+    mode: "measure" or "rules" (`config.train.autotune`).
+    workdir_file: the run's own record of its choices (read first, then written).
+    cache_file: this machine's record (default `default_cache_file()`).
+    measure: Steps -> seconds per train step.
+    given: {field path: (value, how)} measured already (e.g. with the process's XLA flags,
+      `cpu_fusion.measured_with_flags()`): used and remembered in place of a measurement.
+
+  Returns:
+    {field path: value}, one entry per field that was left to be chosen.
+  """
+  cache_file = cache_file or default_cache_file()
+  given = given or {}
+  mine, machine = read(workdir_file), read(cache_file)
+  choices: dict[str, Any] = {}
+  for tunable in pending(config):
+    path = tunable.path
+    key = machine_key(config, input_shape, path)
+    if jax.process_count() > 1:  # processes must agree: none measures
+      value, how = tunable.rule(config), "by rule (a run of several processes)"
+    elif key in mine:
+      value, how = mine[key], f"kept from {workdir_file}"
+    elif path in given:
+      value, how = given[path]
+      remember(cache_file, key, value)
+    elif mode == "rules":
+      value, how = tunable.rule(config), "by rule"
+    elif key in machine:
+      value, how = machine[key], f"measured earlier on this machine ({cache_file})"
+    else:
+      value, how, measured = _measure(config, tunable, build, measure, choices)
+      if measured:  # a rule's answer is not remembered as a measurement
+        remember(cache_file, key, value)
+    logging.info("%s: %r %s", path, value, how)
+    choices[path] = value
+    if workdir_file and jax.process_count() == 1:
+      remember(workdir_file, key, value)
+  return choices
+
+
+def _measure(config, tunable: Tunable, build, measure, chosen: dict) -> tuple[Any, str, bool]:
+  """(the fastest candidate, how it was chosen, True); (the rule, why, False) when a candidate
+  fails."""
+  times = {}
+  others = {t.path: t.rule(config) for t in pending(config)}  # the rules, until chosen
+  for candidate in tunable.candidates(config):
+    variant = with_choices(config, {**others, **chosen, tunable.path: candidate})
+    try:
+      steps = build(variant)
+      times[candidate] = measure(steps) / _get(variant, "train.batch_size")
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("%s=%r could not be timed (%s: %s); the rule decides", tunable.path,
+                      candidate, type(e).__name__, e)
+      return tunable.rule(config), "by rule (a candidate failed)", False
+  best = min(times, key=times.get)
+  timed = ", ".join(f"{k!r} {_rate(config, v)}" for k, v in times.items())
+  return best, f"measured ({timed})", True
+
+
+def _rate(config, seconds_per_example: float) -> str:
+  """The speed of `seconds_per_example` in the unit of the config's examples: tokens/s for
+  text (sequences of data.seq_len tokens), img/s for images."""
+  seq_len = (config.data.get("seq_len") if "text" in models.spec(config.model.name).tasks
+             else None)
+  if seq_len:
+    return f"{int(seq_len) / seconds_per_example:,.0f} tokens/s"
+  return f"{1 / seconds_per_example:,.0f} img/s"

@@ -1,0 +1,58 @@
+"""Tests of the immutable metrics log (alma_jax/core/metrics.py)."""
+
+import dataclasses
+
+import pytest
+
+from alma_jax.core.metrics import Log, Record, RECORD_KEYS
+
+
+def rec(t, err, params, flops, trained=True):
+  return Record(t=t, test_error=err, num_params=params, train_flops=flops,
+                train_flops_forward=flops / 3, train_macs=flops / 6, growth_flops=flops / 10,
+                inference_flops_per_example=10.0, trained=trained, wall_s=0.5)
+
+
+def test_cer_mem_comp_on_hand_made_log():
+  log = Log()
+  log = log.append(rec(0, 0.9, 100, 0.0, trained=False))
+  log = log.append(rec(1, 0.5, 100, 3e6))
+  log = log.append(rec(2, 0.5, 200, 0.0, trained=False))
+  log = log.append(rec(3, 0.2, 300, 6e6))
+  assert log.cer == pytest.approx(2.1)
+  assert log.mean_error == pytest.approx(2.1 / 4)
+  assert log.mem == 700
+  assert log.comp == pytest.approx(9e6)
+  assert log.comp_paper == pytest.approx(1.5e6) and log.comp_growth == pytest.approx(9e5)
+  assert log.final_error == pytest.approx(0.2)
+  assert log.num_stages == 2
+  s = log.summary()
+  for k in ("cer", "mean_error", "mem", "comp", "final_error", "num_stages", "wall_s"):
+    assert k in s
+  assert s["cer_percent"] == pytest.approx(210.0) and s["comp_paper"] == pytest.approx(1.5e6)
+  assert s["wall_s"] == pytest.approx(2.0)
+
+
+def test_log_is_immutable():
+  log = Log()
+  log2 = log.append(rec(0, 0.9, 1, 0.0))
+  assert len(log) == 0 and len(log2) == 1
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    log2.records = ()
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    log2.records[0].test_error = 0.0
+
+
+def test_records_must_arrive_in_order():
+  log = Log().append(rec(0, 0.9, 1, 0.0))
+  with pytest.raises(ValueError, match="in order"):
+    log.append(rec(2, 0.9, 1, 0.0))
+
+
+def test_record_round_trip():
+  r = rec(3, 0.25, 7, 1e3)
+  d = r.to_dict()
+  assert tuple(d) == RECORD_KEYS
+  assert Record.from_dict(d) == r
+  with pytest.raises(ValueError, match="missing keys"):
+    Record.from_dict({"t": 1})

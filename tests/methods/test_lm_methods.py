@@ -1,0 +1,110 @@
+"""Tests of the methods on text (SM, Ens, gEns and gMoE on the Switch Transformer, also under
+the config names lm_sm, lm_ens, lm_gens and lm_gmoe) and of fixed-step stages."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from alma_jax import methods
+from alma_jax.configuration import config_lib
+from alma_jax.core import run as run_lib
+from alma_jax.core import train
+from alma_jax.errors import ConfigError
+from alma_jax.outputs import io_utils
+from alma_jax.outputs import workdir
+from tests.data.test_text import requires_bpe, requires_shakespeare, smoke
+
+V = 50257
+
+
+def lm_method(name, **method_fields):
+  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", name), "smoke")
+  c.model.dim, c.model.ffn_dim = 32, 48
+  for k, v in method_fields.items():
+    c.method[k] = v
+  return methods.make(c, (16,), V)
+
+
+def test_fixed_orders_give_exactly_the_steps_asked_for_from_reshuffled_data():
+  rng = np.random.default_rng(0)
+  idx = np.arange(10, 17)  # 7 examples
+  orders, mask, steps = train.padded_orders(rng, idx, 2, 3, 4, num_steps=5)
+  assert steps == 5 and orders.shape == (8, 2, 3)  # padded to 2 calls of 4 steps
+  assert mask[:5].all() and not mask[5:].any()
+  for d in range(2):
+    drawn = orders[:5, d].reshape(-1)
+    np.testing.assert_array_equal(np.sort(drawn[:7]), idx)  # a whole shuffle first
+    np.testing.assert_array_equal(np.sort(drawn[7:14]), idx)
+  # Without a fixed number of steps, one pass over the data (as before).
+  _, mask, steps = train.padded_orders(np.random.default_rng(0), idx, 1, 3, 1)
+  assert steps == 3 and mask.sum() == 7
+
+
+def test_a_one_member_lm_ensemble_is_the_single_model():
+  sm, ens = lm_method("lm_sm"), lm_method("lm_ens", num_members=1)
+  key = jax.random.key(3)
+  a, b = sm.init(key), ens.init(key)
+  tokens = jax.random.randint(jax.random.key(4), (2, 16), 0, V)
+  np.testing.assert_allclose(sm.predict(a.structure, a.params, {}, tokens),
+                             ens.predict(b.structure, b.params, {}, tokens), atol=1e-5)
+
+
+def test_lm_gmoe_grows_by_k_until_max_experts():
+  m = lm_method("lm_gmoe", grow_by=2, grow_schedule="", max_experts=9)
+  growths = [m.own.growth(s, e) for s, e in ((1, 4), (2, 4), (3, 6), (4, 8), (5, 9))]
+  assert growths == [0, 2, 2, 1, 0]
+
+
+def test_lm_gmoe_follows_its_growth_schedule_then_grow_by():
+  # The paper's default: 4 -> 6 -> 8 -> 12, then k = grow_by.
+  m = lm_method("lm_gmoe", grow_by=3)
+  sizes, growths = [4], []
+  for stage in range(1, 7):
+    growths.append(m.own.growth(stage, sizes[-1]))
+    sizes.append(sizes[-1] + growths[-1])
+  assert growths == [0, 2, 2, 4, 3, 3]
+  # Every second stage: the schedule indexes growths, not stages.
+  m = lm_method("lm_gmoe", grow_schedule="1,5", grow_every=2)
+  assert [m.own.growth(s, 4) for s in range(1, 8)] == [0, 0, 1, 0, 4, 0, 2]
+
+
+@pytest.mark.parametrize("value", ["2,x", "2;4", "0,2"])
+def test_lm_gmoe_refuses_a_bad_growth_schedule(value):
+  with pytest.raises(ConfigError, match="config.method.grow_schedule="):
+    lm_method("lm_gmoe", grow_schedule=value)
+
+
+def architecture(wd):
+  return io_utils.read_jsonl(os.path.join(wd, workdir.ARCH_FILE))
+
+
+def perplexities(wd):
+  return [r["test_perplexity"] for r in io_utils.read_jsonl(os.path.join(wd, "log.jsonl"))]
+
+
+@requires_bpe
+@requires_shakespeare
+def test_lm_gmoe_run_copies_experts_before_every_later_stage(tmp_path):
+  wd = str(tmp_path / "gmoe")
+  run_lib.run(smoke("lm_gmoe"), wd)
+  assert [a["experts"] for a in architecture(wd)] == [4, 6, 8, 12]
+  log = io_utils.read_jsonl(os.path.join(wd, "log.jsonl"))
+  assert [r["growth_flops"] > 0 for r in log] == [False, False, True, True, True]
+  ppl = perplexities(wd)
+  assert ppl[-1] < ppl[1] < ppl[0]
+
+
+@requires_bpe
+@requires_shakespeare
+def test_lm_gens_run_adds_one_model_per_stage(tmp_path):
+  # lm_ens shares this machinery (one model per member; a one-member lm_ens is lm_sm above).
+  method, members = "lm_gens", [1, 2, 3, 4]
+  wd = str(tmp_path / method)
+  run_lib.run(smoke(method), wd)
+  arch = architecture(wd)
+  assert [a["members"] for a in arch] == members
+  assert arch[-1]["num_params"] == members[-1] * arch[0]["num_params"] // members[0]
+  ppl = perplexities(wd)
+  assert len(ppl) == 5 and ppl[-1] < ppl[0]

@@ -1,0 +1,171 @@
+"""Tests of the signal handling of a run (alma_jax/outputs/interrupts.py)."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from alma_jax.outputs import interrupts
+from tests.conftest import requires_mnist
+from tests import helpers
+
+ROOT = helpers.ROOT
+
+
+def _main(workdir, *args, env=None, timeout=300):
+  """`python -m alma_jax.main` in a subprocess (this checkout first on the path)."""
+  env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+  return subprocess.run([sys.executable, "-m", "alma_jax.main", f"--workdir={workdir}", *args],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+                        check=False)
+
+
+def _term_from_a_callback(x):
+  """A compiled function whose host callback sends this process SIGTERM."""
+  def send():
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  jax.debug.callback(send)
+  return x + 1
+
+
+def test_a_signal_inside_a_jax_callback_stops_at_the_next_check():
+  with interrupts.Signals() as signals, signals.deferred():
+    out = jax.jit(_term_from_a_callback)(jnp.float32(1.0))
+    jax.effects_barrier()
+    assert float(out) == 2.0  # the compiled call completed: nothing was raised inside JAX
+    assert signals.pending == signal.SIGTERM
+    with pytest.raises(interrupts.RunInterrupted) as info:
+      signals.check()
+  assert info.value.exit_code == 128 + signal.SIGTERM
+
+
+def test_outside_deferred_sections_a_signal_raises_at_once_and_writes_finish_first():
+  with interrupts.Signals() as signals:
+    with pytest.raises(interrupts.RunInterrupted):
+      os.kill(os.getpid(), signal.SIGINT)
+      for _ in range(10 ** 6):  # the handler raises at the next bytecode
+        pass
+    signals.pending = None
+    done = []
+    with pytest.raises(interrupts.RunInterrupted):
+      with signals.critical():
+        os.kill(os.getpid(), signal.SIGTERM)
+        done.append("write finished")
+    assert done == ["write finished"]
+
+
+def test_sighup_stops_a_run_like_sigterm():
+  hung_up = []
+  before = signal.signal(signal.SIGHUP, lambda *_: hung_up.append(True))  # not this process's end
+  try:
+    with interrupts.Signals():
+      with pytest.raises(interrupts.RunInterrupted) as info:
+        os.kill(os.getpid(), signal.SIGHUP)
+        for _ in range(10 ** 6):  # the handler raises at the next bytecode
+          pass
+    assert info.value.exit_code == 129 and "interrupted by SIGHUP" in str(info.value)
+    assert not hung_up
+    os.kill(os.getpid(), signal.SIGHUP)  # the handler before the run is back
+    assert hung_up
+  finally:
+    signal.signal(signal.SIGHUP, before)
+
+
+def test_a_run_started_with_nohup_keeps_ignoring_sighup():
+  before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+  try:
+    with interrupts.Signals() as signals:
+      assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+      os.kill(os.getpid(), signal.SIGHUP)
+      signals.check()
+      assert signals.pending is None
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+  finally:
+    signal.signal(signal.SIGHUP, before)
+
+
+@requires_mnist
+def test_sighup_through_the_command_line_says_how_to_resume(tmp_path):
+  proc = _main(str(tmp_path / "wd"), "--config=configs/mnist_sm.py:smoke",
+               "--config.mesh.num_devices=1",
+               env={"ALMA_JAX_TEST_KILL_AT": "t=2:stage", "ALMA_JAX_TEST_KILL_SIGNAL": "SIGHUP"})
+  assert proc.returncode == 129, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr
+  last = proc.stderr.rstrip("\n").splitlines()[-1]
+  assert last.startswith("alma_jax: error: interrupted by SIGHUP; the last checkpoint is t=1; "
+                         "to resume, run the same command again: python -m alma_jax.main "), last
+
+
+# Runs the entry point with `run.run` replaced by a run that a signal interrupts while native
+# work that no exception stops (as an XLA compilation in a thread of its own) goes on.
+_STUCK_RUN = """
+import os, runpy, signal, sys, threading, time
+from alma_jax.core import run
+from alma_jax.outputs import interrupts
+
+def stuck_run(config, workdir, **kwargs):
+  threading.Thread(target=time.sleep, args=(600,)).start()
+  with interrupts.Signals():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(600)
+
+run.run = stuck_run
+sys.argv = ["alma_jax.main"] + sys.argv[1:]
+runpy.run_module("alma_jax.main", run_name="__main__")
+"""
+
+# Runs the entry point and presses Ctrl-C when it first imports $INTERRUPT_AT.
+_CTRL_C_AT_IMPORT = """
+import importlib.abc, os, runpy, signal, sys
+
+class CtrlC(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path=None, target=None):
+    if name == os.environ["INTERRUPT_AT"]:
+      sys.meta_path.remove(self)
+      os.kill(os.getpid(), signal.SIGINT)  # KeyboardInterrupt at the next bytecode
+    return None
+
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["alma_jax.main"] + sys.argv[1:]
+runpy.run_module("alma_jax.main", run_name="__main__")
+"""
+
+
+def _script(code, *args, env=None, timeout=60):
+  env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+  try:
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+  except subprocess.TimeoutExpired as e:
+    pytest.fail(f"still running {timeout} s after the signal: {e.stderr[-2000:]!r}")
+
+
+def test_an_interrupted_run_exits_at_once_though_native_work_goes_on(tmp_path):
+  proc = _script(_STUCK_RUN, "--config=configs/mnist_sm.py:smoke", f"--workdir={tmp_path}/wd")
+  assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr
+  last = proc.stderr.rstrip("\n").splitlines()[-1]
+  assert last.startswith("alma_jax: error: interrupted by SIGTERM; no checkpoint was written "
+                         "yet; to resume, run the same command again: python -m alma_jax.main "
+                         "--config=configs/mnist_sm.py:smoke"), last
+
+
+@pytest.mark.parametrize("module, message", [
+    ("ml_collections", "interrupted by SIGINT while starting, before the run; run the same "
+                       "command again to start it"),
+    ("alma_jax.core.run", "interrupted by SIGINT; to resume, run the same command again: python -m "
+                     "alma_jax.main --config=configs/mnist_sm.py:smoke"),
+], ids=["imports", "imports_of_main"])
+def test_ctrl_c_while_starting_is_one_line_and_exit_code_130(tmp_path, module, message):
+  proc = _script(_CTRL_C_AT_IMPORT, "--config=configs/mnist_sm.py:smoke",
+                 f"--workdir={tmp_path}/wd", env={"INTERRUPT_AT": module})
+  assert proc.returncode == 130, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr
+  lines = proc.stderr.rstrip("\n").splitlines()
+  assert lines[-1].startswith(f"alma_jax: error: {message}"), proc.stderr[-3000:]
+  assert sum(l.startswith("alma_jax: error: ") for l in lines) == 1

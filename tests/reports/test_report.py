@@ -1,0 +1,632 @@
+"""Tests of the report (alma_jax/reports/report.py) and its figures (alma_jax/reports/plots.py)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import ml_collections
+import numpy as np
+import pytest
+
+from alma_jax import methods
+from alma_jax import tasks
+from alma_jax.configuration import config_lib
+from alma_jax.core import run
+from alma_jax.core import validation
+from alma_jax.data import augment
+from alma_jax.outputs import io_utils
+from alma_jax.outputs import workdir as wd
+from alma_jax.reports import gating_plot
+from alma_jax.reports import plot_style
+from alma_jax.reports import plots
+from alma_jax.reports import report
+from tests import helpers
+from tests.conftest import requires_mnist
+
+ROOT = helpers.ROOT
+
+
+def _config(method="sm", width=8, wait=1, replay=0.0, seed=0, num_seeds=1, dataset="mnist"):
+  c = config_lib.base_config(dataset, method)
+  c.model.width, c.stream.wait, c.stream.replay = width, wait, replay
+  c.seed, c.num_seeds, c.stream.num_megabatches = seed, num_seeds, 4
+  return wd.config_dict(c)
+
+
+def _records(errors, params=100, macs=1e12, extra=None):
+  out = []
+  for t, e in enumerate(errors):
+    r = {"t": t, "test_error": e, "num_params": params, "train_flops": 3 * macs * (t > 0),
+         "train_flops_forward": macs * (t > 0), "train_macs": macs * (t > 0), "growth_flops": 0.0,
+         "inference_flops_per_example": 10.0, "trained": t > 0, "wall_s": 0.1}
+    r.update({k: v[t] for k, v in (extra or {}).items()})
+    out.append(r)
+  return out
+
+
+def _summary(records):
+  cer = sum(r["test_error"] for r in records)
+  return {"cer": cer, "cer_percent": 100 * cer, "mean_error": cer / len(records),
+          "mem": sum(r["num_params"] for r in records),
+          "comp": sum(r["train_flops"] for r in records),
+          "comp_paper": sum(r["train_macs"] for r in records), "comp_forward": 0.0,
+          "comp_growth": 0.0, "final_error": records[-1]["test_error"], "num_stages": 4,
+          "wall_s": 1.0}
+
+
+def _write(path, config, records, finished=True, summary_extra=None):
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, wd.CONFIG_FILE), "w") as f:
+    json.dump(config, f)
+  with open(os.path.join(path, wd.LOG_FILE), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records)
+  if finished:
+    with open(os.path.join(path, wd.SUMMARY_FILE), "w") as f:
+      json.dump(dict(_summary(records), **(summary_extra or {})), f)
+  return str(path)
+
+
+@pytest.fixture(name="runs")
+def _runs(tmp_path):
+  """SM at widths 8 and 16 (two seeds of width 8 as separate runs), Ens with a 2-seed
+  `num_seeds` run, and SM width 8 with replay."""
+  dirs = [
+      _write(tmp_path / "sm8_s0", _config(seed=0), _records([0.9, 0.5, 0.4, 0.3, 0.2])),
+      _write(tmp_path / "sm8_s1", _config(seed=1), _records([0.9, 0.7, 0.6, 0.5, 0.4],
+                                                            macs=3e12)),
+      _write(tmp_path / "sm16", _config(width=16), _records([0.9, 0.3, 0.2, 0.1, 0.1], 400, 4e12)),
+      _write(tmp_path / "sm8_replay", _config(replay=1.0), _records([0.9, 0.4, 0.3, 0.2, 0.2],
+                                                                    macs=5e12)),
+  ]
+  ens = tmp_path / "ens"
+  _write(ens, _config("ens", num_seeds=2), [], finished=False)
+  _write(ens / "seed_0", _config("ens", seed=0), _records([0.8, 0.4, 0.2, 0.2, 0.2], 500, 5e12))
+  _write(ens / "seed_1", _config("ens", seed=1), _records([0.8, 0.2, 0.2, 0.2, 0.0], 500, 5e12))
+  return dirs + [str(ens)]
+
+
+def test_seeds_are_grouped_and_their_mean_and_std_computed(runs):
+  groups = report.load_groups(runs)
+  by = {(g.get("method.name"), g.get("model.width"), g.get("stream.replay")): g for g in groups}
+  assert len(groups) == 4
+  sm8 = by[("sm", 8, 0.0)]
+  assert sm8.seeds == [0, 1]
+  mean, std = sm8.stat("cer_percent")
+  np.testing.assert_allclose([mean, std], [np.mean([230, 310]), np.std([230, 310], ddof=1)])
+  ens = by[("ens", 8, 0.0)]
+  assert ens.seeds == [0, 1]  # the seed_<k> folders of a num_seeds run
+  t, m, s = ens.curve()
+  np.testing.assert_allclose(m, [0.8, 0.3, 0.2, 0.2, 0.1])
+  np.testing.assert_allclose(s, np.sqrt(2) * np.array([0.0, 0.1, 0.0, 0.0, 0.1]))  # ddof=1
+  np.testing.assert_array_equal(t, np.arange(5))
+
+
+def test_report_writes_figures_whose_data_are_the_runs(runs, tmp_path):
+  out = tmp_path / "out"
+  figs = report.write_report(runs, str(out))
+  for name in ("tradeoffs_mnist", "error_mnist", "replay_mnist"):
+    assert name in figs
+    for ext in ("png", "pdf"):
+      assert (out / f"{name}.{ext}").stat().st_size > 1000
+  comp = {s["label"]: s for s in figs["tradeoffs_mnist"]["comp"]}
+  sm = comp["sm wait=1 replay=0"]
+  assert sm["widths"] == [8, 16]
+  np.testing.assert_allclose(sm["x"], [8.0, 16.0])  # TFLOPs: mean of 4 and 12; 16
+  np.testing.assert_allclose(sm["xerr"], [4.0 * np.sqrt(2), 0.0])  # sample std of 4, 12
+  np.testing.assert_allclose(sm["y"], [270.0, 160.0])
+  np.testing.assert_allclose(sm["yerr"], [40.0 * np.sqrt(2), 0.0])
+  assert sm["marker"] == "o" and sm["color"] != comp["ens wait=1 replay=0"]["color"]
+  mem = {s["label"]: s for s in figs["tradeoffs_mnist"]["mem"]}
+  np.testing.assert_allclose(mem["sm wait=1 replay=0"]["x"], [500, 2000])
+  (rep,) = figs["replay_mnist"]["replay"]
+  assert rep["replay"] == [0.0, 1.0]
+  np.testing.assert_allclose(rep["x"], [8.0, 20.0])
+  np.testing.assert_allclose(rep["y"], [270.0, 200.0])
+  panels = figs["error_mnist"]
+  assert set(panels) == {"width=8", "width=16"}
+  ens = {s["label"]: s for s in panels["width=8"]}["ens wait=1 replay=0"]
+  np.testing.assert_allclose(ens["y"], [80, 30, 20, 20, 10])
+  text = (out / "report.md").read_text()
+  assert "| mnist | sm | 8 | 1 | 0 | 2 | 270.00 ± 56.57 |" in text
+  assert "![tradeoffs_mnist](tradeoffs_mnist.png)" in text
+  assert "lm_mnist" not in figs
+
+
+def test_wait_figure_has_a_line_per_config_over_its_waits(runs, tmp_path):
+  # SM width 8 at waits 1 (two seeds, above) and 2; SM width 16 has one wait: no line.
+  extra = _write(tmp_path / "sm8_w2", _config(wait=2), _records([0.9, 0.9, 0.3, 0.3, 0.1]))
+  figs = report.write_report(runs + [extra], str(tmp_path / "out"), gating=False)
+  assert "wait_mnist" not in report.write_report(runs, str(tmp_path / "out1"), gating=False)
+  (line,) = figs["wait_mnist"]["wait"]
+  assert line["label"] == "sm width=8 replay=0"
+  np.testing.assert_allclose(line["x"], [1.0, 2.0])
+  np.testing.assert_allclose(line["y"], [270.0, 250.0])
+  np.testing.assert_allclose(line["yerr"], [40.0 * np.sqrt(2), 0.0])
+  assert (tmp_path / "out" / "wait_mnist.png").stat().st_size > 1000
+
+
+def test_execution_fields_keep_groups_apart_but_stay_out_of_labels(runs, tmp_path):
+  config = _config(width=32)
+  config["train"]["eval_batch_size"] = 128  # how it is evaluated, not what is computed
+  extra = _write(tmp_path / "sm32", config, _records([0.9, 0.2, 0.1, 0.1, 0.1]))
+  groups = report.load_groups(runs + [extra])
+  assert len(groups) == 5  # a group of its own
+  fields = report.varying_fields(groups)
+  assert "train.eval_batch_size" not in fields
+  assert {g.label(fields) for g in groups} >= {"sm width=32 wait=1 replay=0"}
+  report.write_report(runs + [extra], str(tmp_path / "out"), gating=False)
+  assert "eval_batch_size" not in (tmp_path / "out" / "report.md").read_text()
+  # A field that does change the computation still shows where it differs.
+  config["train"]["epochs"] = 7
+  other = _write(tmp_path / "sm32e", config, _records([0.9, 0.2, 0.1, 0.1, 0.1]))
+  assert "train.epochs" in report.varying_fields(report.load_groups(runs + [other]))
+
+
+def test_unfinished_runs_are_listed_but_not_in_the_cer_figures(tmp_path):
+  done = _write(tmp_path / "a", _config(), _records([0.5] * 5))
+  partial = _write(tmp_path / "b", _config(width=32), _records([0.5, 0.4]), finished=False)
+  figs = report.write_report([done, partial], str(tmp_path / "out"))
+  assert [s["widths"] for s in figs["tradeoffs_mnist"]["comp"]] == [[8]]
+  assert "width=32" in figs["error_mnist"]
+  assert "0 of 1 finished" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_language_model_figure_is_a_trajectory_per_config(tmp_path):
+  # Fig. 5: a point per mega-batch t >= 1, the perplexity averaged over 1..t against the
+  # compute spent up to t; configs that differ in a field other than the method (here the
+  # width, and two seeds of one) are separate lines.
+  dirs = []
+  for i, (method, width, seed, ppl) in enumerate([("sm", 8, 0, 40.0), ("sm", 8, 1, 60.0),
+                                                  ("sm", 16, 0, 30.0), ("gmoe", 8, 0, 35.0)]):
+    extra = {"test_perplexity": [1000.0, ppl + 10, ppl, ppl, ppl - 10],
+             "num_experts": [2, 2, 3, 4, 5] if method == "gmoe" else [4] * 5}
+    dirs.append(_write(tmp_path / f"r{i}", _config(method, width, seed=seed),
+                       _records([0.5] * 5, params=100 * width, macs=2e12, extra=extra)))
+  figs = report.write_report(dirs, str(tmp_path / "out"), gating=False)
+  lm = figs["lm_mnist"]
+  assert set(lm) == {"comp", "params", "experts"}
+  # Labelled by the fields that tell the configs apart (not the wait, the same for all).
+  comp = {s["label"]: s for s in lm["comp"]}
+  assert set(comp) == {"sm width=8", "sm width=16", "gmoe width=8"}
+  sm8 = comp["sm width=8"]  # two seeds: 40 and 60 (+10, 0, 0, -10 over t = 1..4)
+  np.testing.assert_allclose(sm8["x"], [2.0, 4.0, 6.0, 8.0])  # TFLOPs (2e12 MACs per stage)
+  np.testing.assert_allclose(sm8["y"], [60.0, 55.0, 53.333333, 50.0])
+  np.testing.assert_allclose(sm8["yerr"], [10 * np.sqrt(2)] * 4)  # ddof=1 over 40, 60
+  # The last point is the summary's mean perplexity over t >= 1, as in the table.
+  assert comp["sm width=16"]["y"][-1] == pytest.approx(30.0)
+  gmoe = {s["label"]: s for s in lm["experts"]}["gmoe width=8"]
+  np.testing.assert_allclose(gmoe["x"], [2, 3, 4, 5])
+  params = {s["label"]: s for s in lm["params"]}
+  np.testing.assert_allclose(params["sm width=16"]["x"], [1600] * 4)
+  assert (tmp_path / "out" / "lm_mnist.pdf").exists()
+
+
+def test_language_model_compute_panel_starts_where_the_learner_first_trains(tmp_path):
+  # A learner that waits for the whole stream has spent no compute at t = 1..3: those points
+  # have no place on the compute panel's log axis.
+  records = _records([0.5] * 5, macs=2e12, extra={"test_perplexity": [900.0] * 4 + [50.0]})
+  for r in records[:4]:
+    r["train_macs"] = 0.0
+  run_dir = _write(tmp_path / "iid", _config(wait=4), records)
+  lm = report.write_report([run_dir], str(tmp_path / "out"), gating=False)["lm_mnist"]
+  (comp,) = lm["comp"]
+  np.testing.assert_allclose(comp["x"], [2.0])
+  np.testing.assert_allclose(comp["y"], [(3 * 900.0 + 50.0) / 4])
+  assert "params" not in lm  # the same parameters at every point: a panel that says nothing
+
+
+def test_variants_of_one_method_have_colours_of_their_own(tmp_path):
+  # gMoE with tree and flat gating at one wait: two lines that marker and fill cannot tell apart.
+  dirs = []
+  for tree in (True, False):
+    config = _config("gmoe", 8)
+    config["method"]["tree"] = tree
+    dirs.append(_write(tmp_path / f"tree{tree}", config, _records([0.5] * 5)))
+  dirs.append(_write(tmp_path / "sm_w1", _config(wait=1), _records([0.5] * 5)))
+  dirs.append(_write(tmp_path / "sm_w2", _config(wait=2), _records([0.5] * 5)))
+  comp = report.write_report(dirs, str(tmp_path / "out"), gating=False)["tradeoffs_mnist"]["comp"]
+  by_label = {s["label"]: s for s in comp}
+  gmoe = [s for label, s in by_label.items() if label.startswith("gmoe")]
+  assert len(gmoe) == 2 and gmoe[0]["color"] != gmoe[1]["color"]
+  assert gmoe[0]["marker"] == gmoe[1]["marker"]
+  # The waiting time is the marker, not the colour.
+  sm = [s for label, s in by_label.items() if label.startswith("sm")]
+  assert len(sm) == 2 and sm[0]["color"] == sm[1]["color"] and sm[0]["marker"] != sm[1]["marker"]
+
+
+def test_one_table_per_data_set_with_perplexities_where_runs_have_them(tmp_path):
+  dirs = [_write(tmp_path / f"lm{i}", _config(width=8, seed=i, dataset="tiny_shakespeare"),
+                 _records([0.5] * 5),
+                 summary_extra={"final_perplexity": p, "mean_perplexity": 2 * p})
+          for i, p in enumerate([30.0, 40.0])]
+  dirs.append(_write(tmp_path / "img", _config(width=16), _records([0.5] * 5)))
+  report.write_report(dirs, str(tmp_path / "out"), gating=False)
+  text = (tmp_path / "out" / "report.md").read_text()
+  img, lm = text.split("## mnist")[1].split("## tiny_shakespeare")
+  assert "perplexity" not in img and "| mnist | sm | 16 |" in img
+  assert "| final perplexity | mean perplexity |" in lm
+  assert "| 35.00 ± 7.07 | 70.00 ± 14.14 |" in lm  # mean ± sample std of 30, 40 (and doubled)
+
+
+def test_a_folder_that_is_not_a_run_is_named_with_what_it_lacks(tmp_path):
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(report.ReportError, match=r"empty is not a run's workdir: it lacks "
+                     r"config\.json and log\.jsonl"):
+    report.load_runs(str(tmp_path / "empty"))
+  with pytest.raises(report.ReportError, match="nowhere is not a directory"):
+    report.load_runs(str(tmp_path / "nowhere"))
+  bad = tmp_path / "bad"
+  _write(bad, _config(), _records([0.5]))
+  (bad / wd.SUMMARY_FILE).write_text("{not json")
+  with pytest.raises(report.ReportError, match=r"bad/summary\.json cannot be read"):
+    report.load_runs(str(bad))
+
+
+def test_command_line_error_names_the_path(tmp_path):
+  (tmp_path / "x").mkdir()
+  proc = subprocess.run([sys.executable, "-m", "alma_jax.reports.report", f"--workdirs={tmp_path / 'x'}",
+                         f"--out={tmp_path / 'o'}"], cwd=ROOT, capture_output=True, text=True,
+                        env=dict(os.environ, PYTHONPATH=ROOT), check=False)
+  assert proc.returncode == 2
+  assert f"report: error: --workdirs: {tmp_path / 'x'} is not a run's workdir" in proc.stderr
+
+
+def _report(*args):
+  return subprocess.run([sys.executable, "-m", "alma_jax.reports.report", "--nogating", *args], cwd=ROOT,
+                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
+                        check=False)
+
+
+def test_a_run_given_twice_counts_once_with_a_warning(runs, tmp_path, caplog):
+  sm8, ens = runs[0], runs[-1]
+  os.symlink(sm8, tmp_path / "link")
+  groups = report.load_groups([sm8, sm8, str(tmp_path / "link"), ens, os.path.join(ens, "seed_1")])
+  assert sorted(len(g.runs) for g in groups) == [1, 2]  # sm8 once; ens: its two seeds
+  assert f"--workdirs: {sm8} is given more than once; it counts once" in caplog.text
+  assert f"{tmp_path / 'link'} (the run {sm8}) is given more than once" in caplog.text
+  proc = _report(f"--workdirs={sm8},{sm8}", f"--out={tmp_path / 'out'}")
+  assert proc.returncode == 0, proc.stderr
+  assert "| mnist | sm | 8 | 1 | 0 | 1 |" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("out, message", [
+    ("a_file", r"--out=\S*a_file exists and is not a directory"),
+    ("a_file/sub", r"--out=\S*a_file/sub cannot be created: Not a directory"),
+    ("", r"--out is empty"),
+    (None, r"give --workdirs=DIR\[,DIR\.\.\.\] \(or directories as arguments\) and --out=DIR"),
+], ids=["file", "below_a_file", "empty", "missing"])
+def test_a_bad_out_is_one_line_with_exit_code_2(runs, tmp_path, out, message):
+  (tmp_path / "a_file").write_text("kept")
+  proc = _report(f"--workdirs={runs[0]}", *([] if out is None else [f"--out={tmp_path / out}"
+                                                                     if out else "--out="]))
+  assert proc.returncode == 2, proc.stderr
+  assert "Traceback" not in proc.stderr
+  line = proc.stderr.rstrip("\n").splitlines()[-1]
+  assert line.startswith("report: error: ") and re.search(message, line), proc.stderr
+  assert (tmp_path / "a_file").read_text() == "kept"
+
+
+@pytest.mark.parametrize("name, text, message", [
+    (wd.CONFIG_FILE, "[1, 2]", r"config\.json is not a run's output: it holds a JSON list"),
+    (wd.CONFIG_FILE, json.dumps(dict(_config(), seed="zero")),
+     r"config\.json: seed='zero' is not a number"),
+    (wd.LOG_FILE, '{"t": 0, "test_error": "x"}\n',
+     r"log\.jsonl: record 1 \(\{\"t\": 0, \"test_error\": \"x\"\}\) is not a run's record"),
+    (wd.LOG_FILE, '{"t": 0, "test_error": null}\n', r"log\.jsonl: record 1 .* is not a run's"),
+    (wd.LOG_FILE, "[1]\n", r"log\.jsonl: record 1 \(\[1\]\) is not a run's record"),
+    (wd.SUMMARY_FILE, "[1]", r"summary\.json is not a run's output"),
+    (wd.SUMMARY_FILE, '{"cer_percent": "high"}', r"summary\.json: cer_percent='high' is not a"),
+], ids=["config_list", "config_seed", "record_string", "record_null", "record_list",
+        "summary_list", "summary_field"])
+def test_malformed_run_files_are_named(tmp_path, name, text, message):
+  run_dir = _write(tmp_path / "run", _config(), _records([0.9, 0.5]))
+  (tmp_path / "run" / name).write_text(text)
+  with pytest.raises(report.ReportError, match=message):
+    report.load_runs(run_dir)
+  proc = _report(f"--workdirs={run_dir}", f"--out={tmp_path / 'out'}")
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  assert proc.stderr.rstrip("\n").splitlines()[-1].startswith(f"report: error: {run_dir}")
+
+
+def test_a_pattern_stands_for_the_runs_it_matches(runs, tmp_path):
+  # As a sweep's root holds them: the runs, its logs/ and report/ folders.
+  (tmp_path / "logs").mkdir()
+  (tmp_path / "report").mkdir()
+  assert report.expand_workdirs([str(tmp_path / "*")]) == sorted(runs)
+  assert report.expand_workdirs([str(tmp_path / "sm8_s?"), "a"]) == sorted(runs[:2]) + ["a"]
+  assert report.expand_workdirs([str(tmp_path / "none*")]) == [str(tmp_path / "none*")]
+  proc = subprocess.run([sys.executable, "-m", "alma_jax.reports.report", f"--workdirs={tmp_path}/*",
+                         f"--out={tmp_path / 'report'}", "--nogating"], cwd=ROOT,
+                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
+                        check=False)
+  assert proc.returncode == 0, proc.stderr
+  assert "| mnist | sm | 8 | 1 | 0 | 2 |" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_run_error_png(tmp_path):
+  path = str(tmp_path / "e.png")
+  plots.run_error_png(path, [("seed 0", [0, 1, 2], [0.9, 0.5, 0.3])], "t")
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# -- real runs ------------------------------------------------------------------------------------
+@requires_mnist
+def test_a_smoke_run_draws_its_errors_and_is_reported(tmp_path):
+  workdir = str(tmp_path / "run")
+  summary = run.run(helpers.smoke(stream__num_megabatches=2), workdir)
+  with open(os.path.join(workdir, wd.ERROR_PNG), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  figs = report.write_report([workdir], str(tmp_path / "out"))
+  (series,) = figs["tradeoffs_mnist"]["comp"]
+  np.testing.assert_allclose(series["x"], [summary["comp_paper"] * 1e-12])
+  np.testing.assert_allclose(series["y"], [summary["cer_percent"]])
+  (curve,) = figs["error_mnist"]["width=8"]
+  with open(os.path.join(workdir, wd.LOG_FILE)) as f:
+    errors = [100 * json.loads(line)["test_error"] for line in f]
+  np.testing.assert_allclose(curve["y"], errors)
+  assert (tmp_path / "out" / "tradeoffs_mnist.pdf").exists()
+
+
+@requires_mnist
+def test_a_failure_to_draw_keeps_the_outputs(tmp_path, monkeypatch):
+  warnings = []
+  monkeypatch.setattr(sys, "executable", "/no/such/python")
+  monkeypatch.setattr(run.logging, "warning", lambda msg, *a: warnings.append(msg % a))
+  workdir = str(tmp_path / "run")
+  run.run(helpers.smoke(stream__num_megabatches=2), workdir)
+  assert os.path.exists(os.path.join(workdir, wd.SUMMARY_FILE))
+  assert not os.path.exists(os.path.join(workdir, wd.ERROR_PNG))
+  assert any("could not draw" in w and "FileNotFoundError" in w for w in warnings), warnings
+
+
+def test_the_drawing_child_process_reports_its_error(tmp_path):
+  spec = {"path": str(tmp_path / "missing_dir" / "e.png"), "curves": [["a", [0], [0.5]]]}
+  proc = subprocess.run([sys.executable, "-m", "alma_jax.reports.plots"], input=json.dumps(spec),
+                        cwd=ROOT, capture_output=True, text=True, check=False,
+                        env=dict(os.environ, PYTHONPATH=ROOT))
+  assert proc.returncode != 0 and "missing_dir" in proc.stderr
+
+
+# -- the gating tree of a gMoE run -----------------------------------------------------------------
+def test_leaf_paths_and_pca():
+  tree = {"gate": 0, "children": [{"gate": 1, "children": [{"expert": 0}, {"expert": 2}]},
+                                  {"expert": 1}]}
+  assert gating_plot.leaf_paths(tree) == {0: "LL", 2: "LR", 1: "R"}
+  assert gating_plot.leaf_paths({"expert": 0}) == {0: "root"}
+  flat = {"gate": 0, "children": [{"expert": 0}, {"expert": 2}, {"expert": 1}]}
+  assert gating_plot.leaf_paths(flat) == {0: "softmax", 1: "softmax", 2: "softmax"}
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(200, 3)) * [5.0, 0.1, 1.0]
+  emb = gating_plot.pca_2d(x)
+  assert emb.shape == (200, 2)
+  np.testing.assert_allclose(np.abs(emb[:, 0]), np.abs(x[:, 0] - x[:, 0].mean()), rtol=0.05,
+                             atol=0.05)
+  assert emb[:, 0].var() > emb[:, 1].var() > 10 * x[:, 1].var()
+
+
+def _greedy(node, weights):
+  """The leaf reached by taking the heavier subtree at every gate (leaf weights (E,))."""
+  if "expert" in node:
+    return node["expert"]
+  mass = [sum(weights[e] for e in gating_plot.leaf_paths(k)) for k in node["children"]]
+  return _greedy(node["children"][int(np.argmax(mass))], weights)
+
+
+@requires_mnist
+def test_gating_figure_of_a_gmoe_run(tmp_path):
+  workdir = str(tmp_path / "gmoe")
+  c = config_lib.apply_variant(config_lib.base_config("mnist", "gmoe"), "smoke")
+  c.mesh.num_devices, c.method.grow_every = 1, 1
+  run.run(c, workdir)
+  figs = report.write_report([workdir], str(tmp_path / "out"))
+  layers = figs["gating_gmoe"]
+  assert (tmp_path / "out" / "gating_gmoe.png").exists()
+  with open(os.path.join(workdir, wd.ARCH_FILE)) as f:
+    experts = json.loads(f.readlines()[-1])["experts"]
+  assert [len(layers[f"layer{l}"]) for l in range(len(experts))] == experts
+  data = gating_plot.gating_data(workdir)
+  assert data.t == 4 and data.embedding.shape == (1000, 2)
+  for l, series in enumerate(layers.values()):
+    assert sum(s["count"] for s in series) == 1000
+    for s in series:
+      np.testing.assert_allclose(s["x"], data.embedding[data.experts[l] == s["expert"], 0])
+  # The experts are those of greedy descent through the gates of the restored learner.
+  config = validation.validate(ml_collections.ConfigDict(
+      io_utils.read_json(os.path.join(workdir, wd.CONFIG_FILE))))
+  method = methods.make(config, (28, 28, 1), 10)
+  learner, _ = gating_plot._restore(workdir, config, method)  # pylint: disable=protected-access
+  ds, _ = tasks.for_config(config).load(config, [0])
+  x = augment.prepare_batch(ds.test_x, ds.mean, ds.std, augment="none", rng=None)
+  for l, w in enumerate(method.routing_weights(learner, x)):
+    tree = method.gating_tree(learner, l)
+    np.testing.assert_array_equal(data.experts[l], [_greedy(tree, wi) for wi in np.asarray(w)])
+
+
+# -- results.csv -----------------------------------------------------------------------------------
+def test_results_csv_has_a_row_per_run_and_seed_with_config_fields_and_metrics(runs, tmp_path):
+  import csv  # pylint: disable=g-import-not-at-top
+  partial = _write(tmp_path / "partial", _config(width=32), _records([0.5, 0.4]), finished=False)
+  report.write_report(runs + [partial], str(tmp_path / "out"), gating=False)
+  with open(tmp_path / "out" / "results.csv", newline="") as f:
+    rows = list(csv.DictReader(f))
+  assert len(rows) == 7  # sm8 (2 runs), sm16, sm8 with replay, ens (2 seeds), the partial run
+  columns = list(rows[0])
+  assert columns[:2] == ["workdir", "finished"]
+  for field in ("method.name", "model.width", "stream.wait", "stream.replay", "seed",
+                "optimizer.name", "cer", "cer_percent", "mem", "comp_paper", "final_error"):
+    assert field in columns, field
+  assert columns.index("seed") < columns.index("cer")  # config fields, then metrics
+  by_dir = {r["workdir"]: r for r in rows}
+  ens1 = by_dir[os.path.join(runs[-1], "seed_1")]
+  assert (ens1["method.name"], ens1["seed"], ens1["finished"]) == ("ens", "1", "True")
+  with open(os.path.join(runs[-1], "seed_1", wd.SUMMARY_FILE)) as f:
+    summary = json.load(f)
+  assert float(ens1["cer_percent"]) == summary["cer_percent"]
+  assert float(ens1["comp_paper"]) == summary["comp_paper"]
+  assert by_dir[partial]["finished"] == "False" and by_dir[partial]["cer_percent"] == ""
+  assert "results.csv" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_results_csv_reads_into_pandas(runs, tmp_path):
+  import pandas as pd  # pylint: disable=g-import-not-at-top
+  report.write_report(runs, str(tmp_path / "out"), gating=False)
+  frame = pd.read_csv(tmp_path / "out" / "results.csv")
+  assert len(frame) == 6 and frame["model.width"].dtype.kind == "i"
+  assert frame.groupby("method.name")["cer_percent"].mean().loc["ens"] == pytest.approx(
+      np.mean([180.0, 140.0]))  # its two seeds
+
+
+# -- the look of the figures -----------------------------------------------------------------------
+def _canvas(fig):
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  FigureCanvasAgg(fig)
+  fig.canvas.draw()
+  return fig.canvas.get_renderer()
+
+
+def _method_runs(tmp_path, cer_scale=1.0):
+  """SM, Ens and UMix (waits 1 and 2, SM with replay too), errors scaled by `cer_scale`."""
+  dirs = []
+  for method, width, wait, replay, err in [("sm", 8, 1, 0.0, 0.8), ("sm", 16, 1, 0.0, 0.7),
+                                           ("sm", 8, 2, 0.0, 0.9), ("sm", 8, 2, 1.0, 0.85),
+                                           ("ens", 8, 1, 0.0, 0.05), ("umix", 8, 1, 0.0, 0.04)]:
+    errors = [err * (cer_scale if method == "sm" else 1.0)] * 5
+    dirs.append(_write(tmp_path / f"{method}{width}w{wait}r{replay}",
+                       _config(method, width, wait, replay), _records(errors, width * 100)))
+  return dirs
+
+
+def test_every_figure_gives_a_method_its_one_colour(tmp_path):
+  figs = report.write_report(_method_runs(tmp_path), str(tmp_path / "out"), gating=False)
+  assert {"tradeoffs_mnist", "error_mnist", "replay_mnist", "wait_mnist"} <= set(figs)
+  for name in figs:
+    assert (tmp_path / "out" / f"{name}.png").stat().st_size > 1000
+  seen = {}
+  for name, panels in figs.items():
+    for series in panels.values():
+      for s in series:
+        method = s["label"].split()[0]
+        assert s["color"] == plot_style.method_color(method), (name, s["label"])
+        seen.setdefault(method, set()).add(s["color"])
+  assert seen.keys() == {"sm", "ens", "umix"}
+  assert len({c for colors in seen.values() for c in colors}) == 3  # Ens and UMix differ too
+  # The map is fixed: the same in another report with other methods, and for a language model.
+  assert plot_style.method_color("ens") == "#ff7f0e" and plot_style.method_color("umix") == \
+      "#2ca02c"
+  assert plot_style.method_color("lm_sm") == plot_style.method_color("sm")
+  assert plot_style.method_color("new_method") == plot_style.method_color("new_method")
+  # Markers: a wait's, hollow with replay.
+  trade = {s["label"]: s for s in figs["tradeoffs_mnist"]["comp"]}
+  assert trade["sm wait=1 replay=0"]["marker"] != trade["sm wait=2 replay=0"]["marker"]
+  assert trade["sm wait=2 replay=1"]["filled"] is False
+  assert trade["sm wait=2 replay=1"]["marker"] == trade["sm wait=2 replay=0"]["marker"]
+
+
+@pytest.mark.parametrize("values, scale", [([100.0, 900.0], "linear"), ([10.0, 101.0], "log"),
+                                           ([1.0, 1.1, 1.2, 1.3, 3.5], "log"),
+                                           ([1.0, 2.0, 2.5, 3.0, 3.5], "linear"),
+                                           ([0.0, 50.0], "linear")])
+def test_an_axis_is_logarithmic_where_its_values_span_more_than_ten_times(values, scale):
+  # Or more than three times with most values in the bottom fifth (a few squash the others).
+  assert plot_style.axis_scale(values) == scale
+
+
+@pytest.mark.parametrize("cer_scale, scale", [(1.0, "log"), (0.12, "linear")])
+def test_the_cer_axis_is_logarithmic_where_the_values_span_more_than_ten_times(
+    tmp_path, cer_scale, scale):
+  # SM's CER is up to 22x UMix's with the errors as given, below 3x scaled by 0.12.
+  figs = report.write_report(_method_runs(tmp_path, cer_scale), str(tmp_path / "out"),
+                             gating=False)
+  ys = [y for s in figs["tradeoffs_mnist"]["comp"] for y in s["y"]]
+  assert (max(ys) / min(ys) > 10) == (scale == "log")
+  fig = plots.tradeoffs_figure(figs["tradeoffs_mnist"], "mnist")
+  assert [ax.get_yscale() for ax in fig.axes] == [scale, scale]
+  assert [ax.get_xscale() for ax in fig.axes] == ["log", "log"]
+
+
+def test_fonts_are_at_least_8_pt_and_mem_tick_labels_do_not_overlap(tmp_path):
+  figs = report.write_report(_method_runs(tmp_path), str(tmp_path / "out"), gating=False)
+  builders = {"tradeoffs": plots.tradeoffs_figure, "error": plots.error_figure,
+              "replay": lambda d, n: plots.replay_figure(d["replay"], n),
+              "wait": lambda d, n: plots.wait_figure(d["wait"], n)}
+  for kind, build in builders.items():
+    fig = build(figs[f"{kind}_mnist"], "mnist")
+    _canvas(fig)
+    texts = [t for ax in fig.axes for t in ax.get_xticklabels() + ax.get_yticklabels()
+             if t.get_text()]
+    texts += [t for legend in fig.legends for t in legend.get_texts()]
+    assert texts and min(t.get_fontsize() for t in texts) >= 8, kind
+  # Parameter counts over three decades, or within one: engineering labels, none overlapping.
+  for mems in ([5e5, 2e6, 3e7, 4e8], [2.1e6, 2.4e6, 2.9e6, 3.3e6]):
+    series = [{"label": "sm", "color": "#1f77b4", "marker": "o", "x": mems,
+               "y": [4.0, 3.0, 2.0, 1.0]}]
+    fig = plots.tradeoffs_figure({"comp": series, "mem": series}, "mnist")
+    renderer = _canvas(fig)
+    labels = [t for t in fig.axes[1].get_xticklabels() if t.get_text()]
+    assert 2 <= len(labels) <= 6, [t.get_text() for t in labels]
+    assert all(t.get_text()[-1] in "kMG" or t.get_text().isdigit() for t in labels)
+    boxes = sorted((t.get_window_extent(renderer) for t in labels), key=lambda b: b.x0)
+    assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:])), [t.get_text() for t in labels]
+
+
+def test_series_that_share_an_x_are_drawn_apart(tmp_path):
+  same = [{"x": [1e6, 4e6], "y": [1.0, 2.0]}, {"x": [1e6], "y": [3.0]}, {"x": [9e6], "y": [1.0]}]
+  drawn = plot_style.dodge(same)
+  assert drawn[0][0] != drawn[1][0] and drawn[0][0] != 1e6
+  np.testing.assert_allclose(drawn[2], [9e6])  # alone: where it is
+  np.testing.assert_allclose(np.asarray(drawn[0]) / np.asarray(same[0]["x"]),
+                             [drawn[0][0] / 1e6] * 2)  # a whole series moves
+  assert abs(np.log10(drawn[0][0] / drawn[1][0])) < 0.05
+  assert same[0]["x"] == [1e6, 4e6]  # the data stay exact
+
+
+def _lm_run(tmp_path, name, iid, seed, ppl):
+  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
+  c.seed, c.stream.num_megabatches, c.stream.iid = seed, 4, iid
+  config = wd.config_dict(validation.complete(c))
+  records = _records([0.5] * 5, params=5000, macs=2e12,
+                     extra={"test_perplexity": ppl, "num_experts": [4] * 5})
+  if iid:  # trained once, at t = B, on everything
+    for r in records[:4]:
+      r["train_macs"] = 0.0
+    records[4]["train_macs"] = 8e12
+  return _write(tmp_path / name, config, records)
+
+
+def test_the_language_model_figure_shows_the_iid_learner_where_it_is_evaluated(tmp_path):
+  dirs = [_lm_run(tmp_path, f"seq{s}", False, s, [5e4, 800.0 + s, 600.0, 500.0, 400.0])
+          for s in (0, 1)]
+  dirs += [_lm_run(tmp_path, f"iid{s}", True, s, [5e4, 5e4, 5e4, 5e4, 350.0 + 10 * s])
+           for s in (0, 1)]
+  figs = report.write_report(dirs, str(tmp_path / "out"), gating=False)
+  lm = figs["lm_tiny_shakespeare"]
+  # Parameters and experts are the same at every point: those panels say nothing.
+  assert set(lm) == {"comp"}
+  seq, iid = sorted(lm["comp"], key=lambda s: s["iid"])
+  assert seq["label"] == "lm_sm" and iid["label"] == "lm_sm i.i.d. (at t=B)"
+  assert all("width" not in s["label"] for s in lm["comp"])
+  np.testing.assert_allclose(seq["x"], [2.0, 4.0, 6.0, 8.0])
+  np.testing.assert_allclose(seq["y"][-1], np.mean([800.5, 600, 500, 400]))
+  np.testing.assert_allclose(iid["x"], [8.0])
+  np.testing.assert_allclose(iid["y"], [355.0])  # its perplexity at t=B, not an average
+  np.testing.assert_allclose(iid["yerr"], [np.std([350.0, 360.0], ddof=1)])
+  assert seq["color"] == plot_style.method_color("sm") and iid["color"] != seq["color"]
+  fig = plots.lm_figure(lm, "tiny_shakespeare")
+  assert len(fig.axes) == 1 and fig.axes[0].get_yscale() == "linear"
+  assert (tmp_path / "out" / "lm_tiny_shakespeare.png").exists()
+
+
+def test_the_gating_figure_gives_every_expert_a_colour_and_readable_legends(tmp_path):
+  rng = np.random.default_rng(0)
+  n = 12
+  data = gating_plot.GatingData(t=4, embedding=rng.normal(size=(200, 2)),
+                                experts=[rng.integers(0, n, 200), rng.integers(0, 2, 200)],
+                                paths=[{e: f"path{e}" for e in range(n)}, {0: "L", 1: "R"}])
+  layers = gating_plot.draw(data, str(tmp_path / "gating"), "gmoe width=8")
+  assert (tmp_path / "gating.png").exists() and (tmp_path / "gating.pdf").exists()
+  colors = [s["color"] for s in layers["layer0"]]
+  assert len(set(colors)) == n  # Tableau 20 beyond ten experts
+  assert sum(s["count"] for s in layers["layer0"]) == 200

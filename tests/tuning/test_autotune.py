@@ -1,0 +1,140 @@
+"""Tests of choices made by measurement (alma_jax/tuning/autotune.py)."""
+
+import json
+import logging
+import os
+import types
+
+import pytest
+
+from alma_jax.core import run as run_lib
+from alma_jax.core import validation
+from alma_jax.tuning import autotune
+from tests import helpers
+from tests.conftest import requires_mnist
+
+MNIST = validation.KNOWN_SHAPES["mnist"][0]
+
+
+def _fake(seconds: dict):
+  """(build, measure, calls): Steps stand-ins whose 'time' is `seconds[value]` of the
+  tunable field; `calls` records the measured configs."""
+  calls = []
+
+  def build(cfg):
+    return types.SimpleNamespace(config=cfg)
+
+  def measure(steps):
+    c = steps.config
+    key = (c.train.steps_per_call, c.model.conv_impl, c.method.get("strategy"))
+    calls.append(key)
+    return seconds[key]
+
+  return build, measure, calls
+
+
+def test_the_fastest_candidate_is_chosen_remembered_and_reused(tmp_path, caplog):
+  c = helpers.small_config(steps_per_call=0)
+  build, measure, calls = _fake({(1, "auto", None): 2.0, (8, "auto", None): 1.0})
+  cache, mine = str(tmp_path / "machine.json"), str(tmp_path / "wd" / autotune.FILE)
+  with caplog.at_level(logging.INFO):
+    got = autotune.choose(c, MNIST, build, mode="measure", workdir_file=mine, cache_file=cache,
+                          measure=measure)
+  assert got == {"train.steps_per_call": 8} and sorted(calls) == [(1, "auto", None),
+                                                                 (8, "auto", None)]
+  assert "train.steps_per_call: 8 measured (1 64 img/s, 8 128 img/s)" in caplog.text
+  key = autotune.machine_key(c, MNIST, "train.steps_per_call")
+  assert json.load(open(cache)) == {key: 8} == json.load(open(mine))
+  # The machine's record spares the measurement; the workdir's record wins over it.
+  calls.clear()
+  again = autotune.choose(c, MNIST, build, mode="measure", cache_file=cache, measure=measure)
+  assert again == got and not calls
+  autotune.remember(mine, key, 1)
+  kept = autotune.choose(c, MNIST, build, mode="measure", workdir_file=mine, cache_file=cache,
+                         measure=measure)
+  assert kept == {"train.steps_per_call": 1} and not calls
+  # Another shape is another key: measured again.
+  c.train.batch_size = 64
+  autotune.choose(c, MNIST, build, mode="measure", cache_file=cache, measure=measure)
+  assert len(calls) == 2 and len(json.load(open(cache))) == 2
+
+
+def test_rules_explicit_values_and_fields_that_do_not_apply_are_not_measured(tmp_path):
+  build, measure, calls = _fake({})
+  cache = str(tmp_path / "machine.json")
+  vgg = helpers.small_config("cifar10", method="ens", width=4, steps_per_call=0)
+  vgg.method.num_members = 2
+  ruled = autotune.choose(vgg, (32, 32, 3), build, mode="rules", cache_file=cache,
+                          measure=measure)
+  assert ruled == {"model.conv_impl": autotune.conv.resolve_impl("auto", 4),
+                   "method.strategy": autotune.ensemble.choose_strategy("auto", "vgg"),
+                   "train.steps_per_call": autotune.steps_per_call_rule()}
+  assert not calls and not os.path.exists(cache)
+  vgg.model.conv_impl, vgg.method.strategy, vgg.train.steps_per_call = "xla", "loop", 2
+  assert autotune.pending(vgg) == []
+  mlp = helpers.small_config(method="gens")  # an MLP, one member at the start
+  assert autotune.pending(mlp) == []
+  mlp.method.initial_members = 2
+  assert [t.path for t in autotune.pending(mlp)] == ["method.strategy"]
+
+
+def test_a_candidate_that_fails_leaves_the_choice_to_the_rule(tmp_path, caplog):
+  c = helpers.small_config(steps_per_call=0)
+
+  def build(cfg):
+    if cfg.train.steps_per_call == 8:
+      raise RuntimeError("out of memory")
+    return cfg
+
+  cache = str(tmp_path / "machine.json")
+  with caplog.at_level(logging.WARNING):
+    got = autotune.choose(c, MNIST, build, mode="measure", cache_file=cache,
+                          measure=lambda steps: 1.0)
+  assert got == {"train.steps_per_call": autotune.steps_per_call_rule()}
+  assert "train.steps_per_call=8 could not be timed (RuntimeError: out of memory)" in caplog.text
+  assert not os.path.exists(cache)  # a rule's answer is not a measurement
+
+
+def test_a_real_measurement_times_both_strategies_of_an_ensemble(tmp_path):
+  c = helpers.small_config(method="ens", width=4, batch_size=16)
+  c.method.num_members = 2
+  ds = helpers.synthetic_dataset(n_train=64, n_test=16)
+  timed = []
+
+  def measure(steps):
+    timed.append(steps.method.run_as)
+    seconds = autotune.time_train_step(steps)
+    assert seconds > 0
+    return seconds
+
+  got = autotune.choose(c, MNIST, lambda cfg: helpers.make_steps(cfg, ds)[1], mode="measure",
+                        cache_file=str(tmp_path / "machine.json"), measure=measure)
+  assert sorted(timed) == ["loop", "vmap"] and got["method.strategy"] in timed
+
+
+@requires_mnist
+def test_a_run_records_its_choices_in_the_workdir_the_cache_and_the_summary(tmp_path):
+  c = helpers.smoke(train__steps_per_call=0, stream__num_megabatches=2)
+  wd = str(tmp_path / "wd")
+  summary = run_lib.run(c, wd)
+  key = autotune.machine_key(c, MNIST, "train.steps_per_call")
+  chosen = summary["choices"]["train.steps_per_call"]
+  assert chosen in autotune.STEPS_PER_CALL_CANDIDATES
+  assert autotune.read(os.path.join(wd, autotune.FILE)) == {key: chosen}
+  assert autotune.read(autotune.default_cache_file())[key] == chosen
+
+
+def test_the_measurement_of_a_language_model_is_logged_in_tokens_per_second(tmp_path, caplog):
+  from alma_jax.configuration import config_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
+  c.train.steps_per_call, c.mesh.num_devices = 0, 1
+  per_call = {1: 2.0, 8: 1.0}
+  with caplog.at_level(logging.INFO):
+    got = autotune.choose(c, (c.data.seq_len,), lambda cfg: cfg, mode="measure",
+                          cache_file=str(tmp_path / "machine.json"),
+                          measure=lambda cfg: per_call[cfg.train.steps_per_call])
+  assert got == {"train.steps_per_call": 8}
+  b, l = c.train.batch_size, c.data.seq_len
+  assert (f"train.steps_per_call: 8 measured (1 {b * l / 2.0:,.0f} tokens/s, "
+          f"8 {b * l / 1.0:,.0f} tokens/s)") in caplog.text
+  assert "img/s" not in caplog.text

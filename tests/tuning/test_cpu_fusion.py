@@ -1,0 +1,132 @@
+"""Tests of the process's XLA:CPU fusion flags chosen before JAX starts (alma_jax/tuning/cpu_fusion.py)."""
+
+import json
+import logging
+import os
+
+import pytest
+
+from alma_jax.configuration import config_lib
+from alma_jax.core import validation
+from alma_jax.tuning import autotune
+from alma_jax.tuning import cpu_fusion
+
+CIFAR = validation.KNOWN_SHAPES["cifar10"]
+
+
+@pytest.fixture(autouse=True)
+def _cpu_only(monkeypatch):
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+
+
+def _vgg(**fields):
+  c = config_lib.base_config("cifar10", "sm")
+  c.model.width = 4
+  for k, v in fields.items():
+    section, name = k.split("__")
+    c[section][name] = v
+  return c
+
+
+def _fake(seconds: dict):
+  """measure(...) whose 'seconds per step' is seconds[(setting, impl)]; `calls` records them."""
+  calls = []
+
+  def measure(config, input_shape, num_classes, setting, impls):
+    assert (tuple(input_shape), num_classes) == CIFAR
+    calls.append((setting, tuple(impls)))
+    return {i: seconds[(setting, i)] for i in impls}
+
+  return measure, calls
+
+
+def _choose(config, workdir=None, *, multiprocess=False, **kwargs):
+  return cpu_fusion.choose(config, workdir, shapes=CIFAR, multiprocess=multiprocess, **kwargs)
+
+
+def test_the_fastest_pair_is_chosen_remembered_and_given_to_the_run(tmp_path, caplog):
+  c = _vgg()
+  measure, calls = _fake({("none", "xla"): 4.0, ("none", "chunked_dw"): 3.0,
+                          ("ynn", "xla"): 2.0, ("ynn", "chunked_dw"): 2.5})
+  cache = str(tmp_path / "machine.json")
+  value, how = _choose(c, cache_file=cache, measure=measure)
+  assert value == "ynn" and calls == [("none", ("xla", "chunked_dw")),
+                                      ("ynn", ("xla", "chunked_dw"))]
+  assert how == ("measured in child processes (none/xla 32 img/s, none/chunked_dw 43 img/s, "
+                 "ynn/xla 64 img/s, ynn/chunked_dw 51 img/s)")
+  key = cpu_fusion.process_key(c, CIFAR[0])
+  assert json.load(open(cache)) == {key: "ynn"}
+  assert cpu_fusion.decision(c, CIFAR[0]) == (key, "ynn")
+  assert cpu_fusion.decision(_vgg(model__width=8), CIFAR[0]) is None  # another config
+  # The run's own choice of the convolution gradient takes the pair's, without measuring.
+  def no_measure(_):
+    raise AssertionError("measured again")
+  with caplog.at_level(logging.INFO):
+    got = autotune.choose(c, CIFAR[0], lambda cfg: cfg, mode="measure", cache_file=cache,
+                          measure=no_measure, given=cpu_fusion.measured_with_flags())
+  assert got == {"model.conv_impl": "xla"}
+  assert "model.conv_impl: 'xla' measured with train.cpu_fusion in child processes" in caplog.text
+  # The machine's record spares the measurement; a workdir's record wins over it.
+  calls.clear()
+  assert _choose(c, cache_file=cache, measure=measure)[0] == "ynn" and not calls
+  assert cpu_fusion.measured_with_flags() == {}  # nothing measured this time
+  os.makedirs(tmp_path / "wd")
+  autotune.remember(str(tmp_path / "wd" / autotune.FILE), key, "none")
+  value, how = _choose(c, str(tmp_path / "wd"), cache_file=cache, measure=measure)
+  assert (value, how.split(" ")[0]) == ("none", "kept") and not calls
+
+
+@pytest.mark.parametrize("config, multiprocess, env, expected", [
+    (dict(train__cpu_fusion="ynn"), False, {}, ("ynn", "set in the config")),
+    (dict(train__cpu_fusion="none"), False, {}, ("none", "set in the config")),
+    (dict(train__autotune="rules"), False, {}, ("none", "by rule")),
+    (dict(), True, {}, ("none", "by rule (a run of several processes)")),
+    (dict(model__name="mlp"), False, {}, ("none", "by rule (not a convolution-heavy backbone "
+                                               "on a known image data set)")),
+    (dict(), False, {"JAX_PLATFORMS": "cuda,cpu"},
+     ("none", "by rule (an accelerator backend is expected)")),
+    (dict(), False, {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=dot"},
+     (cpu_fusion.KEEP_ENV, "set in XLA_FLAGS (--xla_cpu_experimental_ynn_fusion_type=dot)")),
+])
+def test_settings_and_rules_measure_nothing(tmp_path, monkeypatch, config, multiprocess, env,
+                                            expected):
+  for k, v in env.items():
+    monkeypatch.setenv(k, v)
+  measure, calls = _fake({})
+  got = _choose(_vgg(**config), multiprocess=multiprocess, cache_file=str(tmp_path / "m.json"),
+                measure=measure)
+  assert got == expected and not calls
+  assert not os.path.exists(tmp_path / "m.json")
+
+
+def test_a_failing_child_leaves_the_choice_to_the_rule(tmp_path, caplog):
+  def measure(*args):
+    raise RuntimeError("the child process exited with 1: boom")
+  cache = str(tmp_path / "m.json")
+  got = _choose(_vgg(), cache_file=cache, measure=measure)
+  assert got == ("none", "by rule (a child process failed)")
+  assert "could not be timed (the child process exited with 1: boom)" in caplog.text
+  assert not os.path.exists(cache) and cpu_fusion.decision(_vgg(), CIFAR[0]) is None
+
+
+def test_flags_keep_the_others_and_apply_sets_the_environment(monkeypatch):
+  other = "--xla_cpu_enable_fast_math=false"
+  assert cpu_fusion.flags_with("ynn", other) == f"{other} {cpu_fusion.FLAG}"
+  assert cpu_fusion.flags_with("none", f"{cpu_fusion.FLAG} {other}") == other
+  assert cpu_fusion.flags_with("ynn", f"{cpu_fusion.FLAG} {other}") == f"{other} {cpu_fusion.FLAG}"
+  cpu_fusion.apply("ynn")
+  assert os.environ["XLA_FLAGS"] == f"{other} {cpu_fusion.FLAG}"
+  cpu_fusion.apply(cpu_fusion.KEEP_ENV)
+  assert os.environ["XLA_FLAGS"] == f"{other} {cpu_fusion.FLAG}"
+  cpu_fusion.apply("none")
+  assert os.environ["XLA_FLAGS"] == other
+
+
+# A whole run that applies a remembered choice: tests/test_main_e2e.py (the CIFAR run).
+def test_a_child_process_times_the_real_step_with_its_flags():
+  c = _vgg(train__batch_size=8)
+  got = cpu_fusion.measure_in_child(c, *CIFAR, "ynn", ["xla"])
+  assert set(got) == {"xla"} and 0 < got["xla"] < 60
+  with pytest.raises(RuntimeError, match="the child process exited with 1: .*unknown"):
+    cpu_fusion.measure_in_child(c, *CIFAR, "none", ["unknown"])
