@@ -6,7 +6,7 @@ i.e. `python -m alma_jax.main`):
   import alma_jax
   config = alma_jax.load_config("mnist_sm:quick")   # a name or a path, with a variant
   config.stream.wait = 2
-  summary = alma_jax.core.run(config, "/tmp/mnist_sm")   # resumes when the folder holds this run
+  summary = alma_jax.run(config, "/tmp/mnist_sm")   # resumes when the folder holds this run
   for seed in alma_jax.read_results("/tmp/mnist_sm"):
     print(seed.summary["cer"], seed.curve("test_error")[-1])
 

@@ -47,6 +47,7 @@ try:  # Ctrl-C while the libraries load (seconds): one line, no traceback
   cpu_tuning.apply()  # before JAX allocates its first buffer
 
   from alma_jax import errors  # pylint: disable=g-import-not-at-top
+  from alma_jax.configuration import fields as F  # pylint: disable=g-import-not-at-top
   from alma_jax.core import multihost  # pylint: disable=g-import-not-at-top
   from alma_jax.data import images  # pylint: disable=g-import-not-at-top
 except KeyboardInterrupt:
@@ -161,7 +162,7 @@ def main(argv):
     _fail(f"unexpected arguments: {argv[1:]}", 2)
   import jax  # pylint: disable=g-import-not-at-top
   try:
-    setting = _CONFIG.value.mesh.get("distributed", "auto")
+    setting = F.get(_CONFIG.value.mesh, "mesh.distributed")
   except Exception:  # pylint: disable=broad-except
     setting = "auto"  # a config that fails to load is reported below
   start, why = multihost.wanted(setting, _DISTRIBUTED.value)

@@ -331,7 +331,7 @@ def test_a_changed_input_file_is_refused_on_resume(tmp_path, monkeypatch):
   text = tmp_path / "book.txt"
   text.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n"
                           for i in range(400)), encoding="utf-8")
-  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
+  c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
   c.mesh.num_devices = 1
   c.data.text_file, c.data.name = str(text), "book"
   wd = str(tmp_path / "wd")

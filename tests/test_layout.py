@@ -14,68 +14,61 @@ PACKAGE = os.path.join(helpers.ROOT, "alma_jax")
 ROOT_MODULES = {"__init__", "main", "errors"}
 
 
-def _modules() -> dict[str, str]:
-  """Dotted module name -> file, for every module of the package (configs aside)."""
-  out = {}
-  for folder, dirs, files in os.walk(PACKAGE):
-    dirs[:] = [d for d in dirs if d not in ("configs", "__pycache__")]
-    for f in files:
-      if f.endswith(".py"):
-        rel = os.path.relpath(os.path.join(folder, f), helpers.ROOT)[:-3].replace(os.sep, ".")
-        out[rel.removesuffix(".__init__")] = os.path.join(folder, f)
-  return out
+def _module_name(path: str) -> str:
+  rel = os.path.relpath(path, helpers.ROOT)[:-3].replace(os.sep, ".")
+  return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
 
 
-def _module_level_imports(path: str, modules: dict[str, str]) -> set[str]:
-  """The package's modules that `path` imports when it is imported (not inside functions)."""
-  tree = ast.parse(open(path).read())
-  found = set()
-  for node in tree.body:
+def _imports(path: str, modules) -> tuple[set[str], list[str]]:
+  """(alma_jax modules imported at module level, those imported inside functions)."""
+  with open(path) as f:
+    tree = ast.parse(f.read())
+  top, local = set(), []
+
+  def names(node):
     if isinstance(node, ast.Import):
-      names = [a.name for a in node.names]
-    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-      # `from package import module` needs the module; `from module import name`, the module.
-      names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-               for a in node.names]
-    else:
-      continue
-    found.update(n for n in names if n in modules)
-  return found
+      return [a.name for a in node.names]
+    base = node.module or ""  # `from pkg import mod` depends on pkg.mod, else on pkg
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+      found = [n for n in names(node) if n.startswith("alma_jax")]
+      (top.update(found) if node in tree.body else local.extend(found))
+  return top, local
 
 
-def test_the_package_root_keeps_only_the_entry_point_errors_and_api():
-  flat = {f[:-3] for f in os.listdir(PACKAGE) if f.endswith(".py")}
-  assert flat == ROOT_MODULES
+def test_package_imports_form_a_dag_without_function_local_imports():
+  modules = {}
+  for root, dirs, files in os.walk(PACKAGE):
+    dirs[:] = [d for d in dirs if d not in ("configs", "__pycache__")]
+    for name in files:
+      if name.endswith(".py"):
+        modules[_module_name(os.path.join(root, name))] = os.path.join(root, name)
+  graph, local = {}, {}
+  for mod, path in modules.items():
+    top, inner = _imports(path, modules)
+    graph[mod] = {m for m in top if m in modules and m != mod}
+    if inner:
+      local[mod] = inner
+  # main.py imports the run lazily on purpose (allocator tuning first), and the package root's
+  # API imports what each function needs when called (importing the package stays light);
+  # nothing else may.
+  assert set(local) <= {"alma_jax.main", "alma_jax"}, local
+  state = {}
 
-
-def test_module_imports_form_a_dag():
-  modules = _modules()
-  graph = {m: _module_level_imports(p, modules) - {m} for m, p in modules.items()}
-  state, stack = {}, []
-
-  def visit(m):
+  def visit(m, stack):
     state[m] = "open"
-    stack.append(m)
     for n in sorted(graph[m]):
       if state.get(n) == "open":
-        cycle = stack[stack.index(n):] + [n]
-        pytest.fail("import cycle: " + " -> ".join(cycle))
+        raise AssertionError(f"import cycle: {' -> '.join(stack + [m, n])}")
       if n not in state:
-        visit(n)
-    stack.pop()
+        visit(n, stack + [m])
     state[m] = "done"
 
   for m in sorted(graph):
     if m not in state:
-      visit(m)
-
-
-def test_the_schema_and_errors_import_nothing_of_the_package_but_each_other():
-  modules = _modules()
-  leaves = {"alma_jax.errors", "alma_jax.configuration.fields"}
-  for leaf in leaves:
-    assert _module_level_imports(modules[leaf], modules) <= leaves | {"alma_jax",
-                                                                     "alma_jax.configuration"}
+      visit(m, [])
 
 
 def test_tests_mirror_the_package():
@@ -100,7 +93,7 @@ def test_load_config_takes_a_name_or_a_path_with_a_variant():
 @requires_mnist
 def test_run_and_read_results(tmp_path):
   config = alma_jax.load_config("mnist_sm:smoke")
-  summary = alma_jax.core.run(config, str(tmp_path))
+  summary = alma_jax.run(config, str(tmp_path))
   (seed,) = alma_jax.read_results(str(tmp_path))
   assert seed.summary == summary
   # One record per time step, t = 0 (before any data) to B.

@@ -4,8 +4,13 @@
 methods and tasks declare their own (`Method.fields`, `Task.FIELDS`). A config file calls
 `base_config(dataset, method)` for the paper's defaults of the base fields
 and the method's fields, overrides what its experiment changes, and passes
-its argument string to `apply_variant`, which knows the `smoke` (seconds, for
-tests) and `quick` (minutes on a laptop CPU) variants.
+its argument string to `apply_variant`, the one parser of variants: named sets
+of field values (`IMAGE_VARIANTS`, `TEXT_VARIANTS`, `PROTOCOL_VARIANTS`), e.g.
+`smoke` (seconds, for tests) and `quick` (minutes on a laptop CPU).
+
+This module imports nothing heavy (no JAX): a config file that imports it
+loads as data. `base_config` imports the task and method modules, whose
+fields it fills in.
 """
 
 from __future__ import annotations
@@ -13,24 +18,13 @@ from __future__ import annotations
 import math
 import re
 
+import importlib
+
 import ml_collections
 
-from alma_jax import methods
-from alma_jax import models
-from alma_jax import policies
-from alma_jax import tasks
 from alma_jax.configuration import fields as F
-from alma_jax.core import optim
-from alma_jax.core import sharding
-from alma_jax.data import augment
-from alma_jax.data import images
 from alma_jax.errors import ConfigError
-from alma_jax.models import conv
-from alma_jax.models import inits
-from alma_jax.tuning import autotune
-from alma_jax.tuning import cpu_fusion
 
-VARIANTS = ("", "paper", "smoke", "quick")
 DISTRIBUTED = ("auto", "yes", "no")
 # JAX's PRNG keys hold 32 bits of a seed: larger seeds would repeat smaller ones.
 MAX_SEED = 2**32 - 1
@@ -56,7 +50,7 @@ BASE_FIELDS = (
             "decoded-array cache (None: $ALMA_JAX_CACHE_DIR or ~/.cache/alma_jax)", resumable=True),
     F.Field("data.use_cache", True, F.boolean(), "keep decoded arrays as .npy files",
             resumable=True),
-    F.Field("data.download", "auto", F.choice(images.DOWNLOAD_CHOICES),
+    F.Field("data.download", "auto", F.choice(F.owned("alma_jax.data.images:DOWNLOAD_CHOICES")),
             "may tfds download a data set that is not prepared locally: yes, no, or auto (when "
             "its download host answers)", resumable=True),
     F.Field("data.train_subset", 0, F.integer(0), "> 0: use only this many training examples"),
@@ -69,7 +63,7 @@ BASE_FIELDS = (
             "waiting time w: training at t = w, 2w, ..., B; must divide B"),
     F.Field("stream.replay", 0.0, F.number(0.0, 1.0),
             "fraction of all earlier mega-batches added to each stage"),
-    F.Field("stream.warm_start", "finetune", F.choice(policies.stage_names, "names"),
+    F.Field("stream.warm_start", "finetune", F.choice(F.owned("alma_jax.policies:stage_names"), "names"),
             "how each stage starts (`alma_jax/policies/`): finetune (from the learner as the "
             "previous stage left it), scratch (re-initialised; gEns: its new members fresh) or "
             "shrink_perturb (stream.shrink * learnt + stream.perturb * fresh, after growth)"),
@@ -80,22 +74,22 @@ BASE_FIELDS = (
             "shrink_perturb: the factor lambda of what was learnt (1 with perturb 0: finetune)"),
     F.Field("stream.perturb", 0.0, F.number(0.0, 10.0),
             "shrink_perturb: the factor sigma of a fresh initialisation added to it"),
-    F.Field("stream.wait_policy", "fixed", F.choice(policies.wait_names, "names"),
+    F.Field("stream.wait_policy", "fixed", F.choice(F.owned("alma_jax.policies:wait_names"), "names"),
             "when the learner trains (`alma_jax/policies/`): fixed (every stream.wait "
             "mega-batches)"),
     # -- model
-    F.Field("model.name", _MNIST_OR("mlp", "vgg"), F.choice(lambda: models.BACKBONES, "names"),
+    F.Field("model.name", _MNIST_OR("mlp", "vgg"), F.choice(F.owned("alma_jax.models:BACKBONES"), "names"),
             "backbone"),
     F.Field("model.width", 64, F.integer(1),
             "hidden units H (MLP), channels C (VGG) or channels of the first stage (ResNet)"),
-    F.Field("model.conv_impl", "auto", F.choice(conv.IMPLS),
+    F.Field("model.conv_impl", "auto", F.choice(F.owned("alma_jax.models.conv:IMPLS")),
             "convolution gradients of convolution-heavy backbones (VGG, ResNet): xla, "
             "chunked_dw, or auto (chosen: see train.autotune)"),
-    F.Field("model.init", "lecun", F.choice(inits.INITS),
+    F.Field("model.init", "lecun", F.choice(F.owned("alma_jax.models.inits:INITS")),
             "initialisation: lecun (Flax: LeCun-normal kernels, zero biases) or torch (PyTorch's "
             "default, as in the released code: kernels and biases U(+-1/sqrt(fan_in)))"),
     # -- method (its own fields are declared by the method)
-    F.Field("method.name", "sm", F.choice(methods.names, "names"), "the method"),
+    F.Field("method.name", "sm", F.choice(F.owned("alma_jax.methods:names"), "names"), "the method"),
     # -- training
     F.Field("train.batch_size", 128, F.integer(1), "training batch size"),
     F.Field("train.eval_batch_size", 1000, F.integer(1), "evaluation batch size"),
@@ -107,16 +101,16 @@ BASE_FIELDS = (
             "more than this (released code: 0.001)"),
     F.Field("train.keep_optimizer_state", False, F.boolean(),
             "keep the optimizer state across stages (default: fresh each stage)"),
-    F.Field("train.augment", _MNIST_OR("none", "crop_flip"), F.choice(augment.AUGMENTATIONS),
+    F.Field("train.augment", _MNIST_OR("none", "crop_flip"), F.choice(F.owned("alma_jax.data.augment:AUGMENTATIONS")),
             "crop_flip (random crop with 4-pixel padding and flip, in the step) or none"),
     F.Field("train.steps_per_call", 1, F.integer(0),
             "train steps per compiled call (a lax.scan over them); 0: chosen (see "
             "train.autotune)"),
-    F.Field("train.autotune", "measure", F.choice(autotune.MODES),
+    F.Field("train.autotune", "measure", F.choice(F.owned("alma_jax.tuning.autotune:MODES")),
             "how fields left to be chosen (model.conv_impl='auto', method.strategy='auto', "
             "train.steps_per_call=0) are decided: measure (time each candidate on this "
             "machine once, remembered in the cache dir) or rules", resumable=True),
-    F.Field("train.cpu_fusion", "auto", F.choice(cpu_fusion.CHOICES),
+    F.Field("train.cpu_fusion", "auto", F.choice(F.owned("alma_jax.tuning.cpu_fusion:CHOICES")),
             "XLA:CPU fusion flags of the run's process: none (XLA's default), ynn (its dot, "
             "elementwise and reduction fusions by YNNPACK), or auto (a convolution-heavy backbone "
             "on a CPU: chosen by measurement with train.autotune=measure, see "
@@ -129,7 +123,7 @@ BASE_FIELDS = (
     F.Field("train.progress_every_s", 10.0, F.number(0.0, math.inf),
             "at most one progress line per this many seconds within a stage", resumable=True),
     # -- optimizer
-    F.Field("optimizer.name", _MNIST_OR("adadelta", "sgd"), F.choice(optim.OPTIMIZERS, "names"),
+    F.Field("optimizer.name", _MNIST_OR("adadelta", "sgd"), F.choice(F.owned("alma_jax.core.optim:OPTIMIZERS"), "names"),
             "an optax optimizer by name"),
     F.Field("optimizer.kwargs",
             _MNIST_OR({"learning_rate": 1.0},
@@ -148,7 +142,9 @@ BASE_FIELDS = (
     F.Field("mesh.model", 1, F.integer(1),
             "size of the mesh's model axis, over which ensemble members and gMoE experts are "
             "split"),
-    F.Field("mesh.rules", dict(sharding.DEFAULT_RULES), F.mapping(),
+    F.Field("mesh.rules", {"population": "replicated", "batch": "data", "member": "model",
+                           "expert": "model"},
+            F.mapping(),
             "logical axis (population, batch, member, expert) -> mesh axis (data, model) or "
             "replicated; a dimension that does not divide its axis is replicated, with a "
             "warning"),
@@ -179,6 +175,7 @@ BASE_FIELDS = (
 )
 
 BASE_FIELDS_BY_PATH = {f.path: f for f in BASE_FIELDS}
+F.declare(BASE_FIELDS)
 # Fields declared after runs were written: a resolved config that lacks one (a workdir's
 # config.json) ran as its default does, so absent and default are the same run.
 ADDED_FIELDS = ("stream.warm_start", "stream.wait_policy", "stream.shrink", "stream.perturb")
@@ -195,94 +192,100 @@ def base_config(dataset: str, method: str = "sm") -> ml_collections.ConfigDict:
   c = F.fill(ml_collections.ConfigDict(), BASE_FIELDS, dataset)
   c.data.name = dataset
   c.method.name = method
+  # The task and the method declare fields of their own: their modules are imported here, when a
+  # config is built, never when a config file is loaded.
+  tasks = importlib.import_module("alma_jax.tasks")
+  methods = importlib.import_module("alma_jax.methods")
   task = tasks.task_class(c)  # e.g. text: the language-model setting (section 5, App. B.2)
   F.fill(c, task.FIELDS, dataset)
   task.defaults(c)
   return F.fill(c, methods.fields_for(c), dataset)
 
 
-LM_VARIANTS = ("", "smoke", "quick")
+# -- variants: named sets of field values, chosen after the colon of --config -----------------
+KEEP = object()  # a variant's value that leaves the field as it is for this data set
+_CIFAR_OR = lambda cifar, other: F.ByDataset({"cifar10": cifar}, other)  # pylint: disable=invalid-name
+
+# Image data (MNIST-like and CIFAR-10). smoke: seconds (a small slice of the data, a tiny model,
+# a short stream); quick: minutes on a laptop CPU (MNIST: the whole stream B=500 with w=10;
+# CIFAR-10: the whole training set in 10 mega-batches, C=16, 3 epochs per stage).
+IMAGE_VARIANTS = {
+    "paper": {},
+    "smoke": {"data.train_subset": _CIFAR_OR(800, 2000), "data.test_subset": _CIFAR_OR(500, 1000),
+              "stream.num_megabatches": 4, "model.width": _CIFAR_OR(4, 8), "train.epochs": 2,
+              "train.patience": 2, "train.eval_batch_size": _CIFAR_OR(500, KEEP)},
+    "quick": {"stream.wait": _CIFAR_OR(KEEP, 10), "stream.num_megabatches": _CIFAR_OR(10, KEEP),
+              "model.width": _CIFAR_OR(16, KEEP), "train.epochs": _CIFAR_OR(3, 20),
+              "train.patience": _CIFAR_OR(3, 5)},
+}
+# Text: the presets `base` and `large` (the paper's sizes); smoke: seconds on a CPU (the tiny
+# model, L=32, 16 sequences per mega-batch, 5 steps per stage); quick: minutes on a 2-core CPU
+# (the tiny model on the whole tiny_shakespeare stream, L=64, 80 steps of 8 sequences per
+# stage); iid: Table 1's i.i.d. ablation; `Kx` (e.g. `2x`): K times the training steps per
+# stage, Table 2's "2x steps" rows.
+TEXT_VARIANTS = {
+    "base": {"model.preset": "base"},
+    "large": {"model.preset": "large"},
+    "smoke": {"model.preset": "tiny", "data.seq_len": 32, "data.train_subset": 80,
+              "data.test_subset": 16, "stream.val_fraction": 0.2, "train.batch_size": 4,
+              "train.eval_batch_size": 8, "train.steps_per_epoch": 5,
+              "optimizer.warmup_steps": 1, "optimizer.kwargs.learning_rate": 3e-3},
+    "quick": {"model.preset": "tiny", "data.seq_len": 64, "data.test_subset": 128,
+              "stream.val_fraction": 0.02, "train.batch_size": 8, "train.eval_batch_size": 16,
+              "train.steps_per_epoch": 80, "optimizer.warmup_steps": 8,
+              "optimizer.kwargs.learning_rate": 2e-3},
+    "iid": {"stream.iid": True},
+}
+# A timing protocol (`protocol`): smoke is a tiny slice of the data, for tests of its files.
+PROTOCOL_VARIANTS = {
+    "smoke": {"data.train_subset": 1000, "data.test_subset": 500, "train.epochs": 1,
+              "train.patience": 1},
+}
+# The variants of each task (`alma_jax.tasks`); a task without an entry has the image ones.
+TASK_VARIANTS = {"images": IMAGE_VARIANTS, "text": TEXT_VARIANTS}
+_SCALE_STEPS = re.compile(r"[1-9][0-9]*x")  # `Kx`: K times train.steps_per_epoch (text only)
 
 
-def apply_lm_variant(c: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:
-  """Language models: the preset `base` or `large` and the `smoke` or `quick` variant, e.g.
-  "large", "quick" or "quick,iid" (`iid`: `stream.iid=True`, Table 1's ablation; `Kx`, e.g.
-  `2x`: K times the training steps per stage, Table 2's "2x steps" rows).
+def _set(c: ml_collections.ConfigDict, path: str, value) -> None:
+  *parents, leaf = path.split(".")
+  node = c
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
 
-  smoke: seconds on a CPU (the tiny model, L=32, 16 sequences per mega-batch,
-  5 steps per stage). quick: minutes on a 2-core CPU (the tiny model on the
-  whole tiny_shakespeare stream, L=64, 80 steps of 8 sequences per stage).
+
+def apply_variant(c: ml_collections.ConfigDict, arg: str | None,
+                  table: dict | None = None) -> ml_collections.ConfigDict:
+  """Applies the comma-separated variants `arg` (e.g. "quick" or "quick,iid") to `c`, in order.
+
+  Args:
+    c: a config from `base_config`.
+    arg: the variants; "" or None: none (the paper's settings).
+    table: variant name -> {field path: value}; by default the variants of `c`'s task
+      (`TASK_VARIANTS`). A value may be a `ByDataset` (by `c.data.name`) and `KEEP`.
+
+  Raises:
+    ValueError: an unknown variant, naming the valid ones.
   """
+  if table is None:
+    task = importlib.import_module("alma_jax.tasks").task_class(c).name
+    table = TASK_VARIANTS.get(task, IMAGE_VARIANTS)
+  scalable = table is TEXT_VARIANTS
   parts = [p.strip() for p in (arg or "").split(",") if p.strip()]
   steps_factor = 1
   for p in parts:
-    if re.fullmatch(r"[1-9][0-9]*x", p):
+    if scalable and _SCALE_STEPS.fullmatch(p):
       steps_factor *= int(p[:-1])
-    elif p not in LM_VARIANTS + ("base", "large", "iid"):
-      raise ValueError(f"config variant {p!r} is unknown; valid: ['base', 'large', 'smoke', "
-                       "'quick', 'iid', 'Kx' with K a positive integer such as '2x'] "
-                       "(comma-separated)")
+    elif p not in table:
+      valid = list(table) + (["'Kx' with K a positive integer such as '2x'"] if scalable else [])
+      raise ValueError(f"config variant {p!r} is unknown; valid: {valid} (comma-separated)")
   for p in parts:
-    if p in ("base", "large"):
-      c.model.preset = p
-    elif p == "smoke":
-      c.model.preset = "tiny"
-      c.data.seq_len = 32
-      c.data.train_subset = 80
-      c.data.test_subset = 16
-      c.stream.val_fraction = 0.2
-      c.train.batch_size = 4
-      c.train.eval_batch_size = 8
-      c.train.steps_per_epoch = 5
-      c.optimizer.warmup_steps = 1
-      c.optimizer.kwargs.learning_rate = 3e-3
-    elif p == "quick":
-      c.model.preset = "tiny"
-      c.data.seq_len = 64
-      c.data.test_subset = 128
-      c.stream.val_fraction = 0.02
-      c.train.batch_size = 8
-      c.train.eval_batch_size = 16
-      c.train.steps_per_epoch = 80
-      c.optimizer.warmup_steps = 8
-      c.optimizer.kwargs.learning_rate = 2e-3
-  if "iid" in parts:
-    c.stream.iid = True
-  c.train.steps_per_epoch *= steps_factor
-  return c
-
-
-def apply_variant(c: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:
-  """Shrinks `c` for the `smoke` or `quick` variant (paper settings otherwise)."""
-  arg = (arg or "").strip()
-  if arg not in VARIANTS:
-    raise ValueError(f"config variant {arg!r} is unknown; valid variants: {[v for v in VARIANTS if v]}")
-  mnist = c.data.name != "cifar10"
-  if arg == "smoke":
-    # Seconds: a small slice of the data, a tiny model, a short stream.
-    c.data.train_subset = 2000
-    c.data.test_subset = 1000
-    c.stream.num_megabatches = 4
-    c.model.width = 8
-    c.train.epochs = 2
-    c.train.patience = 2
-    if not mnist:
-      c.data.train_subset = 800
-      c.data.test_subset = 500
-      c.model.width = 4
-      c.train.eval_batch_size = 500
-  elif arg == "quick":
-    if mnist:
-      # The whole MNIST stream (B=500), training every 10 mega-batches.
-      c.stream.wait = 10
-      c.train.epochs = 20
-      c.train.patience = 5
-    else:
-      # The whole training set in 10 mega-batches, C=16, 3 epochs per stage.
-      c.stream.num_megabatches = 10
-      c.model.width = 16
-      c.train.epochs = 3
-      c.train.patience = 3
+    for path, value in table.get(p, {}).items():
+      value = value.get(c.data.name) if isinstance(value, F.ByDataset) else value
+      if value is not KEEP:
+        _set(c, path, value)
+  if steps_factor != 1:
+    c.train.steps_per_epoch *= steps_factor
   return c
 
 
@@ -290,7 +293,8 @@ def protocol(c: ml_collections.ConfigDict, arg: str | None, *, num_megabatches: 
              epochs: int) -> ml_collections.ConfigDict:
   """A fixed timing protocol: B mega-batches, w=1, no replay, exactly `epochs` per stage.
 
-  `arg` may be `smoke` (a tiny slice of the data, for tests of the protocol files).
+  `arg` may be `smoke` (`PROTOCOL_VARIANTS`: a tiny slice of the data, for tests of the
+  protocol files).
   """
   c.stream.num_megabatches = num_megabatches
   c.stream.wait = 1
@@ -298,10 +302,4 @@ def protocol(c: ml_collections.ConfigDict, arg: str | None, *, num_megabatches: 
   c.model.width = width
   c.train.epochs = epochs
   c.train.patience = epochs  # no early stopping within the fixed epochs
-  if arg == "smoke":
-    c.data.train_subset = 1000
-    c.data.test_subset = 500
-    c.train.epochs = c.train.patience = 1
-  elif arg:
-    raise ValueError(f"config variant {arg!r} is unknown for a timing protocol; valid: ['smoke']")
-  return c
+  return apply_variant(c, arg, PROTOCOL_VARIANTS)

@@ -10,11 +10,18 @@ so a default or a check is written in one place.
 
 Every check raises `ConfigError` with the field's path and its allowed
 values, e.g. `config.stream.replay=1.5 must be in [0.0, 1.0]`.
+
+This module and the base table (`config_lib`) import nothing heavy, so that
+config files load without JAX: a choice list that a heavy module owns is
+named by `owned("module:ATTRIBUTE")` and read when a value is checked, and
+code that reads a field of a partial config takes its default from the one
+table (`get`), never from a literal of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import types
 from typing import Any, Callable, Iterable, Sequence
@@ -95,6 +102,17 @@ def boolean() -> Check:
       raise ConfigError(f"config.{path}={v!r} must be true or false, got {type(v).__name__}")
     return v
   return Check(check, bool)
+
+
+def owned(name: str) -> Callable[[], Iterable[str]]:
+  """The choice list `ATTRIBUTE` of module `module` (`"module:ATTRIBUTE"`), read when a value is
+  checked; a callable attribute (a registry's `names`) is called."""
+  module, attribute = name.split(":")
+
+  def values():
+    found = getattr(importlib.import_module(module), attribute)
+    return found() if callable(found) else found
+  return values
 
 
 def choice(values: Iterable[str] | Callable[[], Iterable[str]], what: str = "values") -> Check:
@@ -178,6 +196,46 @@ class Field:
   @property
   def name(self) -> str:
     return self.path.rsplit(".", 1)[-1]
+
+
+# -- the declared fields, by path -------------------------------------------------------------
+_DECLARED: dict[str, Field] = {}
+# The modules whose import declares the base fields and the tasks' fields.
+_TABLES = ("alma_jax.configuration.config_lib", "alma_jax.tasks")
+
+
+def declare(table: Iterable[Field]) -> None:
+  """Makes the fields of `table` known by path (`declared`, `get`); a path declared twice must
+  have the same default."""
+  for f in table:
+    known = _DECLARED.get(f.path)
+    if known is not None and known.default != f.default:
+      raise ValueError(f"config.{f.path} declared twice with different defaults: "
+                       f"{known.default!r} and {f.default!r}")
+    _DECLARED[f.path] = f
+
+
+def declared(path: str) -> Field:
+  """The field declared at `path` (the base fields, and those of every imported method and
+  task)."""
+  for module in _TABLES:
+    if path not in _DECLARED:
+      importlib.import_module(module)
+  if path not in _DECLARED:
+    raise KeyError(f"config.{path} is not a declared field")
+  return _DECLARED[path]
+
+
+def get(section, path: str) -> Any:
+  """The value of field `path` in `section`, the config node that holds it (e.g.
+  `get(config.model, "model.init")`); the declared default when absent."""
+  leaf = path.rsplit(".", 1)[-1]
+  if leaf in section:
+    return section[leaf]
+  field = declared(path)
+  if isinstance(field.default, ByDataset):
+    raise ConfigError(f"config.{path} is missing (its default depends on the data set)")
+  return field.default_for("")
 
 
 def lookup(config, path: str, default: Any = _MISSING) -> Any:

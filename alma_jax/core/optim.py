@@ -6,6 +6,8 @@ import inspect
 
 import optax
 
+from alma_jax.configuration import fields as F
+
 # Names accepted in `config.optimizer.name`: optax's gradient transformations
 # that take a learning rate.
 OPTIMIZERS = ("adadelta", "adagrad", "adam", "adamw", "lamb", "lion", "nadam", "rmsprop",
@@ -14,7 +16,7 @@ OPTIMIZERS = ("adadelta", "adagrad", "adam", "adamw", "lamb", "lion", "nadam", "
 
 def stage_steps(config) -> int:
   """Train steps of a stage when its epochs have a fixed length (0: they do not)."""
-  return int(config.train.epochs) * int(config.train.get("steps_per_epoch", 0) or 0)
+  return int(config.train.epochs) * int(F.get(config.train, "train.steps_per_epoch"))
 
 
 def from_config(config) -> optax.GradientTransformation:
@@ -24,13 +26,13 @@ def from_config(config) -> optax.GradientTransformation:
 
 def learning_rate(opt_config, lr: float, total_steps: int):
   """`lr`, or the schedule of `opt_config.schedule` over a stage of `total_steps` steps."""
-  schedule = opt_config.get("schedule", "constant")
+  schedule = F.get(opt_config, "optimizer.schedule")
   if schedule == "constant":
     return lr
   if schedule != "warmup_linear":
     raise ValueError(f"config.optimizer.schedule={schedule!r} is unknown; valid values: "
                      "['constant', 'warmup_linear']")
-  warmup = int(opt_config.get("warmup_steps", 0))
+  warmup = int(F.get(opt_config, "optimizer.warmup_steps"))
   if total_steps <= warmup:
     raise ValueError(f"config.optimizer.schedule='warmup_linear' needs more steps per stage "
                      f"({total_steps}) than config.optimizer.warmup_steps={warmup}; set "
@@ -63,7 +65,7 @@ def make_optimizer(opt_config, total_steps: int = 0) -> optax.GradientTransforma
   if "learning_rate" in kwargs:
     kwargs["learning_rate"] = learning_rate(opt_config, kwargs["learning_rate"], total_steps)
   tx = fn(**kwargs)
-  wd = float(opt_config.get("weight_decay", 0.0))
+  wd = float(F.get(opt_config, "optimizer.weight_decay"))
   if wd < 0:
     raise ValueError(f"config.optimizer.weight_decay must be >= 0, got {wd}")
   if wd > 0:

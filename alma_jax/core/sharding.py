@@ -38,14 +38,15 @@ import numpy as np
 from absl import logging
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from alma_jax.configuration import fields as F
 from alma_jax.errors import ConfigError
 
 DATA_AXIS, MODEL_AXIS = "data", "model"
 MESH_AXES = (DATA_AXIS, MODEL_AXIS)
 REPLICATED = "replicated"
 LOGICAL_AXES = ("population", "batch", "member", "expert")
-DEFAULT_RULES = {"population": REPLICATED, "batch": DATA_AXIS, "member": MODEL_AXIS,
-                 "expert": MODEL_AXIS}
+DEFAULT_RULES = dict(F.declared("mesh.rules").default)  # population replicated, batch on data,
+# members and experts on model
 PyTree = Any
 
 
@@ -86,7 +87,7 @@ def make_mesh(num_devices: int | None = None, data: int = 0, model: int = 1) -> 
 
 def mesh_from_config(config) -> Mesh:
   c = config.mesh
-  return make_mesh(c.num_devices, c.get("data", 0), c.get("model", 1))
+  return make_mesh(c.num_devices, F.get(c, "mesh.data"), F.get(c, "mesh.model"))
 
 
 def check_rules(rules: Mapping[str, str]) -> dict[str, str]:

@@ -19,6 +19,7 @@ from alma_jax.core import programs as programs_lib
 from alma_jax.core import timing
 from alma_jax.core.programs import (CALLS_BOUND, Batch, TrainState, all_finite, call_counter,
                                     over_population)
+from alma_jax.configuration import fields as F
 from alma_jax.methods.base import Learner, Method
 from alma_jax.tuning import autotune
 
@@ -54,7 +55,7 @@ class Steps:
     rules = config.mesh.get("rules")
     return cls(method, task, tx, data, mesh, batch_size=t.batch_size,
                eval_batch_size=t.eval_batch_size,
-               steps_per_call=t.get("steps_per_call", 1) or autotune.steps_per_call_rule(),
+               steps_per_call=F.get(t, "train.steps_per_call") or autotune.steps_per_call_rule(),
                rules=None if rules is None else dict(rules.items()))
 
   # -- the compile cache and placement (`alma_jax.core.programs`) ------------------------------------

@@ -129,7 +129,7 @@ class Method:
   def refuse_kept_optimizer_state(self, why: str, when: str = "") -> None:
     """A clear error when `train.keep_optimizer_state` is set for a method whose stages
     change the parameters' shapes or the trained parameters (`why` says how)."""
-    if bool(self.config.train.get("keep_optimizer_state", False)):
+    if bool(fields.get(self.config.train, "train.keep_optimizer_state")):
       raise ConfigError(f"config.train.keep_optimizer_state=True is not supported by "
                         f"{self.name}{when}: {why}; allowed values: [False]")
 

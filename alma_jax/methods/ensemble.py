@@ -561,7 +561,7 @@ class GrowingEnsemble(Ensemble):
     """Appends `grow_by` members (they alone are trained), except before the first stage."""
     if ctx.is_first:
       return learner
-    scratch = bool(self.config.stream.get("init_from_scratch", False))
+    scratch = bool(F.get(self.config.stream, "stream.init_from_scratch"))
     n = learner.structure[0] + self.opts.grow_by
     return add_member(learner, key, init="fresh" if scratch else self.opts.new_member,
                       k=self.opts.grow_by, init_fn=self.init_backbone, slots=self.slots(n))

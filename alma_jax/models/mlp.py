@@ -11,6 +11,7 @@ from typing import Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from alma_jax.configuration import fields as F
 from alma_jax.models import inits
 from alma_jax.models import registry
 
@@ -31,7 +32,7 @@ class MLP(nn.Module):
   @classmethod
   def from_config(cls, model_config, num_classes: int) -> "MLP":
     return cls(hidden=model_config.width, num_classes=num_classes,
-               init_scheme=inits.check(model_config.get("init", "lecun")))
+               init_scheme=inits.check(F.get(model_config, "model.init")))
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False, mask=None) -> jnp.ndarray:
@@ -58,7 +59,7 @@ class DenseExpert(nn.Module):
 
 def width_layout(model_config, num_classes: int) -> registry.WidthLayout:
   """Firefly grows the hidden layers: their kernels and biases."""
-  depth, scheme = MLP.depth, inits.check(model_config.get("init", "lecun"))
+  depth, scheme = MLP.depth, inits.check(F.get(model_config, "model.init"))
 
   def build(widths: tuple[int, ...]) -> MLP:
     return MLP(hidden=widths[0], num_classes=num_classes, depth=len(widths), widths=widths,
@@ -73,7 +74,7 @@ def width_layout(model_config, num_classes: int) -> registry.WidthLayout:
 def mixture(model_config, num_classes: int) -> registry.Mixture:
   """Both hidden layers are mixtures; the gates see the flattened layer input."""
   del num_classes
-  scheme = inits.check(model_config.get("init", "lecun"))
+  scheme = inits.check(F.get(model_config, "model.init"))
   experts = tuple(DenseExpert(int(model_config.width), scheme) for _ in range(MLP.depth))
   return registry.Mixture(experts, pooled_gates=False, gather_hard_eval=True)
 

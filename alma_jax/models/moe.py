@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from alma_jax.configuration import fields as F
 from alma_jax.models import inits
 from alma_jax.models import registry
 
@@ -448,7 +449,7 @@ def make_net(model_config, num_classes: int, gate_pool: int = 4) -> MoENet:
   backbone asks for pooled gates. `model_config.init` ("lecun" when absent) initialises
   experts, stem, head and gates alike. A backbone without one is a `ConfigError`.
   """
-  scheme = inits.check(model_config.get("init", "lecun"))
+  scheme = inits.check(F.get(model_config, "model.init"))
   build = registry.capability(model_config.name, "mixture", "gmoe")
   m = build(model_config, num_classes)
   head = Head(num_classes, scheme) if m.head is None else m.head

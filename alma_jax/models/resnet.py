@@ -25,6 +25,7 @@ from typing import Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from alma_jax.configuration import fields as F
 from alma_jax.models import conv
 from alma_jax.models import inits
 from alma_jax.models import registry
@@ -72,9 +73,9 @@ class ResNet(nn.Module):
 
   @classmethod
   def from_config(cls, model_config, num_classes: int) -> "ResNet":
-    impl = conv.resolve_impl(model_config.get("conv_impl", "auto"), model_config.width)
+    impl = conv.resolve_impl(F.get(model_config, "model.conv_impl"), model_config.width)
     return cls(width=model_config.width, num_classes=num_classes, conv_impl=impl,
-               init_scheme=inits.check(model_config.get("init", "lecun")))
+               init_scheme=inits.check(F.get(model_config, "model.init")))
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False, mask=None) -> jnp.ndarray:

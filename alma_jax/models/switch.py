@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from alma_jax.configuration import fields as F
 from alma_jax.models import registry
 
 PRESETS = {
@@ -264,7 +265,7 @@ class SwitchTransformer(nn.Module):
   def from_config(cls, model_config, num_classes: int, max_len: int = 1024,
                   num_experts: int | None = None) -> "SwitchTransformer":
     """The model of `config.model` (a preset, then its non-zero size fields)."""
-    preset = model_config.get("preset", "tiny")
+    preset = F.get(model_config, "model.preset")
     if preset not in PRESETS:
       raise ValueError(f"config.model.preset={preset!r} is unknown; valid values: "
                        f"{sorted(PRESETS)}")
@@ -276,9 +277,9 @@ class SwitchTransformer(nn.Module):
       raise ValueError(f"config.model.dim={sizes['dim']} must be a multiple of "
                        f"config.model.num_heads={sizes['num_heads']}")
     return cls(vocab_size=int(num_classes), max_len=int(max_len),
-               num_experts=int(num_experts or model_config.get("num_experts", 4)),
-               capacity_factor=float(model_config.get("capacity_factor", 1.0)),
-               eval_capacity_factor=float(model_config.get("eval_capacity_factor", 2.0)),
+               num_experts=int(num_experts or F.get(model_config, "model.num_experts")),
+               capacity_factor=float(F.get(model_config, "model.capacity_factor")),
+               eval_capacity_factor=float(F.get(model_config, "model.eval_capacity_factor")),
                **sizes)
 
   @nn.compact

@@ -14,6 +14,7 @@ from typing import Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from alma_jax.configuration import fields as F
 from alma_jax.models import conv
 from alma_jax.models import inits
 from alma_jax.models import registry
@@ -77,9 +78,9 @@ class VGG(nn.Module):
 
   @classmethod
   def from_config(cls, model_config, num_classes: int) -> "VGG":
-    impl = conv.resolve_impl(model_config.get("conv_impl", "auto"), model_config.width)
+    impl = conv.resolve_impl(F.get(model_config, "model.conv_impl"), model_config.width)
     return cls(width=model_config.width, num_classes=num_classes, conv_impl=impl,
-               init_scheme=inits.check(model_config.get("init", "lecun")))
+               init_scheme=inits.check(F.get(model_config, "model.init")))
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False, mask=None) -> jnp.ndarray:
@@ -94,11 +95,11 @@ class VGG(nn.Module):
 
 def width_layout(model_config, num_classes: int) -> registry.WidthLayout:
   """Firefly grows the 16 conv layers: their kernels, BatchNorm parameters and statistics."""
-  scheme = inits.check(model_config.get("init", "lecun"))
+  scheme = inits.check(F.get(model_config, "model.init"))
   names = [(f"block{b}", f"conv{i}", f"bn{i}") for b, n in enumerate(BLOCKS) for i in range(n)]
 
   def build(widths: tuple[int, ...]) -> VGG:
-    impl = conv.resolve_impl(model_config.get("conv_impl", "auto"), min(widths))
+    impl = conv.resolve_impl(F.get(model_config, "model.conv_impl"), min(widths))
     return VGG(width=widths[0], num_classes=num_classes, conv_impl=impl, widths=widths,
                init_scheme=scheme)
 
@@ -114,8 +115,8 @@ def mixture(model_config, num_classes: int) -> registry.Mixture:
   """The blocks after the first are mixtures; the first block is the shared stem."""
   del num_classes
   width = int(model_config.width)
-  scheme = inits.check(model_config.get("init", "lecun"))
-  impl = conv.resolve_impl(model_config.get("conv_impl", "auto"), width)
+  scheme = inits.check(F.get(model_config, "model.init"))
+  impl = conv.resolve_impl(F.get(model_config, "model.conv_impl"), width)
   experts = tuple(ConvBlock(width, n, impl, scheme) for n in BLOCKS[1:])
   return registry.Mixture(experts, stem=ConvBlock(width, BLOCKS[0], impl, scheme))
 

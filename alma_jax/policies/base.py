@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from alma_jax.configuration import fields as F
 from alma_jax.errors import ConfigError
 
 PyTree = Any
@@ -157,7 +158,7 @@ def resolve_warm_start(config) -> None:
   contradiction unless warm_start agrees.
   """
   s = config.stream
-  legacy, policy = s.get("init_from_scratch"), s.get("warm_start", "finetune")
+  legacy, policy = F.get(s, "stream.init_from_scratch"), F.get(s, "stream.warm_start")
   if legacy is None:
     s.init_from_scratch = policy == "scratch"
   elif legacy and policy == "finetune":
@@ -167,7 +168,7 @@ def resolve_warm_start(config) -> None:
         f"config.stream.init_from_scratch={legacy} contradicts config.stream.warm_start="
         f"{policy!r} (init_from_scratch=True is the older spelling of warm_start='scratch'); "
         f"set config.stream.warm_start alone; allowed values: {stage_names()}")
-  shrink, perturb = s.get("shrink", 1.0), s.get("perturb", 0.0)
+  shrink, perturb = F.get(s, "stream.shrink"), F.get(s, "stream.perturb")
   if s.warm_start != "shrink_perturb" and (shrink, perturb) != (1.0, 0.0):
     raise ConfigError(
         f"config.stream.shrink={shrink} and config.stream.perturb={perturb} are used only by "

@@ -34,6 +34,7 @@ def register(cls: type) -> type:
   if cls.name in TASKS and TASKS[cls.name] is not cls:
     raise ValueError(f"task name {cls.name!r} registered twice")
   TASKS[cls.name] = cls
+  fields.declare(cls.FIELDS)
   return cls
 
 

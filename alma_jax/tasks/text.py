@@ -86,10 +86,10 @@ def expand_iid(c) -> None:
   """`stream.iid` with wait 1 -> wait B and B times the steps per epoch (in place; a no-op
   once expanded, so applying it twice is the same as once)."""
   s = c.stream
-  if s.get("iid", False) is True and s.wait == 1 and s.num_megabatches > 1:
+  if F.get(s, "stream.iid") is True and s.wait == 1 and s.num_megabatches > 1:
     b = s.num_megabatches
     s.wait = b
-    if c.train.get("steps_per_epoch", 0):
+    if F.get(c.train, "train.steps_per_epoch"):
       c.train.steps_per_epoch = int(c.train.steps_per_epoch) * b
 
 
@@ -126,7 +126,7 @@ class TextTask(base.Task):
 
   @classmethod
   def from_config(cls, config) -> "TextTask":
-    return cls(config.data.seq_len, config.model.get("balance_weight", 0.01))
+    return cls(config.data.seq_len, F.get(config.model, "model.balance_weight"))
 
   # -- config -------------------------------------------------------------------------------
   @classmethod

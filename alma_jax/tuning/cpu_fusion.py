@@ -42,6 +42,7 @@ import jax  # importing JAX starts no backend: flags set afterwards still count
 from absl import logging
 
 from alma_jax import models
+from alma_jax.configuration import fields as F
 from alma_jax.models import conv
 from alma_jax.tuning import autotune
 
@@ -143,7 +144,7 @@ def choose(config, workdir: str | None, *, shapes: tuple | None, multiprocess: b
 def _choose(config, workdir, shapes, multiprocess, cache_file, measure):
   if _FLAG_NAME in os.environ.get("XLA_FLAGS", ""):
     return KEEP_ENV, f"set in XLA_FLAGS ({os.environ['XLA_FLAGS']})", None
-  setting = config.train.get("cpu_fusion", "auto")
+  setting = F.get(config.train, "train.cpu_fusion")
   if setting != "auto":
     return setting, "set in the config", None
   if not applies(config) or shapes is None:

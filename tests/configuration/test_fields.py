@@ -1,7 +1,5 @@
-"""Tests of the config fields declared once (alma_jax/configuration/fields.py, config_lib.py) and of the
-package's import graph."""
+"""Tests of the config fields declared once (alma_jax/configuration/fields.py, config_lib.py)."""
 
-import ast
 import os
 
 import ml_collections
@@ -16,7 +14,6 @@ from alma_jax.errors import ConfigError
 from tests import helpers
 
 ROOT = helpers.ROOT
-PACKAGE = os.path.join(ROOT, "alma_jax")
 
 
 @pytest.mark.parametrize("check, value, message", [
@@ -109,58 +106,3 @@ def test_readme_names_every_declared_field():
     declared += [f.path for f in task.FIELDS]
   missing = sorted({p for p in declared if f"`{p}`" not in readme})
   assert not missing, f"README's field table lacks {missing}"
-
-
-# -- the import graph ------------------------------------------------------------------------
-def _module_name(path: str) -> str:
-  rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-  return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
-
-
-def _imports(path: str, modules) -> tuple[set[str], list[str]]:
-  """(alma_jax modules imported at module level, those imported inside functions)."""
-  with open(path) as f:
-    tree = ast.parse(f.read())
-  top, local = set(), []
-
-  def names(node):
-    if isinstance(node, ast.Import):
-      return [a.name for a in node.names]
-    base = node.module or ""  # `from pkg import mod` depends on pkg.mod, else on pkg
-    return [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-
-  for node in ast.walk(tree):
-    if isinstance(node, (ast.Import, ast.ImportFrom)):
-      found = [n for n in names(node) if n.startswith("alma_jax")]
-      (top.update(found) if node in tree.body else local.extend(found))
-  return top, local
-
-
-def test_package_imports_form_a_dag_without_function_local_imports():
-  modules = {}
-  for root, _, files in os.walk(PACKAGE):
-    for name in files:
-      if name.endswith(".py"):
-        modules[_module_name(os.path.join(root, name))] = os.path.join(root, name)
-  graph, local = {}, {}
-  for mod, path in modules.items():
-    top, inner = _imports(path, modules)
-    graph[mod] = {m for m in top if m in modules and m != mod}
-    if inner:
-      local[mod] = inner
-  # main.py imports the run lazily on purpose (allocator tuning first), nothing else may.
-  assert set(local) <= {"alma_jax.main"}, local
-  state = {}
-
-  def visit(m, stack):
-    state[m] = "open"
-    for n in sorted(graph[m]):
-      if state.get(n) == "open":
-        raise AssertionError(f"import cycle: {' -> '.join(stack + [m, n])}")
-      if n not in state:
-        visit(n, stack + [m])
-    state[m] = "done"
-
-  for m in sorted(graph):
-    if m not in state:
-      visit(m, [])

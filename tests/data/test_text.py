@@ -79,7 +79,7 @@ def test_bits_per_byte_is_the_total_nll_in_bits_over_the_bytes():
 
 
 def test_schedule_warms_up_then_decays_to_zero():
-  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
+  c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
   c.train.steps_per_epoch, c.optimizer.warmup_steps = 10, 4
   lr = optim.learning_rate(c.optimizer, 1.0, optim.stage_steps(c))
   np.testing.assert_allclose([float(lr(s)) for s in (0, 2, 4, 7, 10)],
@@ -87,7 +87,7 @@ def test_schedule_warms_up_then_decays_to_zero():
 
 
 def test_iid_flag_trains_once_on_all_megabatches_with_b_times_the_steps():
-  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", "lm_ens"),
+  c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_ens"),
                                   "smoke,iid")
   done = validation.complete(c)
   assert done.stream.wait == 4 and done.train.steps_per_epoch == 20
@@ -98,7 +98,7 @@ def test_iid_flag_trains_once_on_all_megabatches_with_b_times_the_steps():
 
 def test_kx_variants_multiply_the_steps_per_stage():
   def steps(arg):
-    return config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"),
+    return config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"),
                                        arg).train.steps_per_epoch
   assert steps("") == 120_000 and steps("2x") == 240_000 and steps("large,4x") == 480_000
   assert steps("quick") == 80 and steps("quick,2x") == 160 and steps("2x,quick") == 160
@@ -114,7 +114,7 @@ def test_kx_variants_multiply_the_steps_per_stage():
     ("stream.wait", 2, r"config\.stream\.iid=True with config\.stream\.wait=2"),
 ])
 def test_bad_text_configs_name_the_field(path, value, message):
-  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"),
+  c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"),
                                   "smoke,iid" if path == "stream.wait" else "smoke")
   *parents, leaf = path.split(".")
   node = c
@@ -127,7 +127,7 @@ def test_bad_text_configs_name_the_field(path, value, message):
 
 # -- whole runs ---------------------------------------------------------------------------------
 def smoke(method="lm_sm", **fields):
-  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", method), "smoke")
+  c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", method), "smoke")
   c.mesh.num_devices = 1
   c.checkpoint.enabled = False
   for path, value in fields.items():

@@ -20,7 +20,7 @@ V = 50257
 
 
 def lm_method(name, **method_fields):
-  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", name), "smoke")
+  c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", name), "smoke")
   c.model.dim, c.model.ffn_dim = 32, 48
   for k, v in method_fields.items():
     c.method[k] = v

@@ -108,7 +108,7 @@ def test_capacity_limit():
 
 
 def gmoe_method(noise=0.0):
-  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", "lm_gmoe"), "smoke")
+  c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_gmoe"), "smoke")
   c.model.eval_capacity_factor = 0.0
   c.model.dim, c.model.ffn_dim = 32, 48
   c.method.router_noise = noise

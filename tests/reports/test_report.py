@@ -584,7 +584,7 @@ def test_series_that_share_an_x_are_drawn_apart(tmp_path):
 
 
 def _lm_run(tmp_path, name, iid, seed, ppl):
-  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
+  c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
   c.seed, c.stream.num_megabatches, c.stream.iid = seed, 4, iid
   config = wd.config_dict(validation.complete(c))
   records = _records([0.5] * 5, params=5000, macs=2e12,

@@ -25,6 +25,7 @@ from alma_jax.methods import gmoe
 from alma_jax.methods import sm
 from alma_jax.outputs import io_utils
 from alma_jax.tasks import base as task_base
+from tests import helpers
 
 
 # -- which task ------------------------------------------------------------------------------------
@@ -77,17 +78,17 @@ RECORDED_METHOD_FIELDS = {
 def test_an_lm_name_is_its_method_on_text(alias):
   name, cls = ALIASES[alias]
   assert methods.get(alias) is cls and alias in methods.names()
-  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", alias), "smoke")
-  plain = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", name), "smoke")
+  c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", alias), "smoke")
+  plain = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", name), "smoke")
   if alias == "lm_ens":  # configs/lm_ens.py's own choice
     c.method.num_members = plain.method.num_members = 2
   assert c.method.name == alias
   with c.unlocked():
     c.method.name = name
   assert c.to_dict() == plain.to_dict()  # the same config but for the name
-  with open(os.path.join(os.path.dirname(__file__), "..", "configs", f"{alias}.py")) as f:
+  with open(os.path.join(helpers.ROOT, "configs", f"{alias}.py")) as f:
     assert f'base_config("tiny_shakespeare", "{alias}")' in f.read()
-  recorded = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", alias), "")
+  recorded = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", alias), "")
   if alias == "lm_ens":
     recorded.method.num_members = 2
   assert recorded.method.to_dict() == RECORDED_METHOD_FIELDS[alias]

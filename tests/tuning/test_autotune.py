@@ -126,7 +126,7 @@ def test_a_run_records_its_choices_in_the_workdir_the_cache_and_the_summary(tmp_
 
 def test_the_measurement_of_a_language_model_is_logged_in_tokens_per_second(tmp_path, caplog):
   from alma_jax.configuration import config_lib  # pylint: disable=g-import-not-at-top
-  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
+  c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
   c.train.steps_per_call, c.mesh.num_devices = 0, 1
   per_call = {1: 2.0, 8: 1.0}
   with caplog.at_level(logging.INFO):

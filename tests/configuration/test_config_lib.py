@@ -1,0 +1,99 @@
+"""Configs as data: config files load without JAX, one variant parser, defaults only in the
+field table (alma_jax/configuration/config_lib.py, fields.py)."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from alma_jax.configuration import config_lib
+from alma_jax.configuration import fields as F
+from alma_jax.errors import ConfigError
+from tests import helpers
+
+_LOAD_ALL = """
+import glob, json, runpy, sys
+import ml_collections
+for path in sorted(glob.glob("configs/**/*.py", recursive=True)):
+  runpy.run_path(path)
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "flax",
+                                                                      "optax", "tensorflow"))))
+"""
+
+
+def test_every_config_file_loads_without_jax():
+  assert len(glob.glob(os.path.join(helpers.ROOT, "configs", "**", "*.py"), recursive=True)) > 15
+  proc = subprocess.run([sys.executable, "-c", _LOAD_ALL], cwd=helpers.ROOT, capture_output=True,
+                        text=True, check=True, env=dict(os.environ, PYTHONPATH=helpers.ROOT))
+  assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_schema_module_imports_nothing_heavy():
+  code = ("import sys; from alma_jax.configuration import config_lib, fields; "
+          "print(sorted(m for m in sys.modules if m.startswith(('jax', 'flax', 'optax'))))")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=helpers.ROOT, capture_output=True,
+                        text=True, check=True, env=dict(os.environ, PYTHONPATH=helpers.ROOT))
+  assert proc.stdout.strip() == "[]"
+
+
+def test_a_field_absent_from_a_partial_config_reads_the_table_default():
+  model = ml_collections.ConfigDict({"width": 8})
+  assert F.get(model, "model.init") == "lecun"
+  assert F.get(model, "model.preset") == F.declared("model.preset").default == "base"
+  assert F.get(ml_collections.ConfigDict({"init": "torch"}), "model.init") == "torch"
+  with pytest.raises(KeyError, match="model.nonexistent"):
+    F.get(model, "model.nonexistent")
+  # A default that depends on the data set cannot be guessed for a partial config.
+  with pytest.raises(ConfigError, match="config.model.name is missing"):
+    F.get(model, "model.name")
+
+
+def test_choices_owned_by_heavy_modules_are_read_when_checked():
+  check = F.choice(F.owned("alma_jax.models.inits:INITS"))
+  assert check("model.init", "torch") == "torch"
+  with pytest.raises(ConfigError, match=r"config\.model\.init='x' is unknown; valid values: "
+                                        r"\['lecun', 'torch'\]"):
+    check("model.init", "x")
+
+
+@pytest.mark.parametrize("dataset, expected", [
+    ("mnist", {"stream.wait": 10, "stream.num_megabatches": 500, "model.width": 64,
+               "train.epochs": 20}),
+    ("cifar10", {"stream.wait": 1, "stream.num_megabatches": 10, "model.width": 16,
+                 "train.epochs": 3}),
+])
+def test_a_variant_sets_its_fields_for_the_data_set(dataset, expected):
+  c = config_lib.apply_variant(config_lib.base_config(dataset), "quick")
+  assert {p: F.lookup(c, p) for p in expected} == expected
+
+
+def test_text_variants_compose_in_order_and_scale_steps():
+  c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"),
+                               "smoke,large,iid,3x")
+  assert (c.model.preset, c.stream.iid, c.train.steps_per_epoch, c.data.seq_len) == (
+      "large", True, 15, 32)
+
+
+@pytest.mark.parametrize("dataset, method, arg, message", [
+    ("mnist", "sm", "quikc", r"config variant 'quikc' is unknown; valid: \['paper', 'smoke', "
+                             r"'quick'\] \(comma-separated\)"),
+    ("tiny_shakespeare", "lm_sm", "smoke,paper",
+     r"config variant 'paper' is unknown; valid: \['base', 'large', 'smoke', 'quick', 'iid', "
+     r"\"'Kx' with K a positive integer such as '2x'\"\]"),
+])
+def test_an_unknown_variant_names_the_valid_ones(dataset, method, arg, message):
+  with pytest.raises(ValueError, match=message):
+    config_lib.apply_variant(config_lib.base_config(dataset, method), arg)
+
+
+def test_a_timing_protocol_takes_only_its_own_variant():
+  c = config_lib.protocol(config_lib.base_config("mnist"), "smoke", num_megabatches=10, width=64,
+                          epochs=5)
+  assert (c.train.epochs, c.train.patience, c.data.train_subset) == (1, 1, 1000)
+  with pytest.raises(ValueError, match=r"config variant 'quick' is unknown; valid: \['smoke'\]"):
+    config_lib.protocol(config_lib.base_config("mnist"), "quick", num_megabatches=10, width=64,
+                        epochs=5)
