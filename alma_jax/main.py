@@ -126,25 +126,17 @@ def _parse_flags(argv):
 
 
 def _choose_cpu_fusion(multiprocess: bool) -> None:
-  """Sets XLA_FLAGS for `config.train.cpu_fusion` (alma_jax.tuning.cpu_fusion); a config that fails
-  to load is reported later, by the run."""
-  from alma_jax.tuning import cpu_fusion  # pylint: disable=g-import-not-at-top
+  """Sets XLA_FLAGS for `config.train.cpu_fusion` (`alma_jax.tuning.tune.process_flags`); a
+  config that fails to load is reported later, by the run."""
   from alma_jax.core import validation  # pylint: disable=g-import-not-at-top
+  from alma_jax.tuning import tune  # pylint: disable=g-import-not-at-top
   try:
     config = _CONFIG.value
     shapes = validation.KNOWN_SHAPES.get(config.data.name)
   except Exception:  # pylint: disable=broad-except
     return
-  try:
-    value, how = cpu_fusion.choose(config, None if _OVERWRITE.value else _WORKDIR.value,
-                                   shapes=shapes, multiprocess=multiprocess)
-  except Exception as e:  # pylint: disable=broad-except  (a speed choice never stops a run)
-    if _DEBUG.value:
-      raise
-    value, how = cpu_fusion.RULE, f"by rule ({type(e).__name__}: {e})"
-  cpu_fusion.apply(value)
-  logging.info("%s: %r %s; XLA_FLAGS=%r", cpu_fusion.FIELD, value, how,
-               os.environ.get("XLA_FLAGS", ""))
+  tune.process_flags(config, None if _OVERWRITE.value else _WORKDIR.value, shapes=shapes,
+                     multiprocess=multiprocess, debug=_DEBUG.value)
 
 
 def _resume_command() -> str:

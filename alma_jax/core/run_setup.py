@@ -2,8 +2,8 @@
 
 `build(config, workdir)` loads the data (and fingerprints it), partitions
 each seed's stream, decides the fields left to be chosen (the convolution
-gradient, the ensemble strategy, the steps per call: `alma_jax.tuning.autotune`;
-the CPU fusion flags: `alma_jax.tuning.cpu_fusion`), builds the method's compiled
+gradient, the ensemble strategy, the steps per call, and the CPU fusion flags in effect:
+`alma_jax.tuning.tune`), builds the method's compiled
 steps and the stage and waiting policies (`alma_jax.policies`). The `Setup`
 it returns also answers what the loop and the checkpoints ask of it: the
 contexts of a stage, the first learners, the FLOPs of a structure, and the
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 from typing import Any, Callable
 
 import jax
@@ -35,8 +34,7 @@ from alma_jax.core.steps import Steps
 from alma_jax.data import stream as stream_lib
 from alma_jax.outputs import checkpoint as ckpt_lib
 from alma_jax.outputs import workdir as wd
-from alma_jax.tuning import autotune
-from alma_jax.tuning import cpu_fusion
+from alma_jax.tuning import tune
 
 VGG_SEEDS_WARNING = ("config.num_seeds=%d with config.model.name=%r on CPU: vmapped convolutions "
                      "run as grouped convolutions, many times slower than separate runs "
@@ -193,21 +191,14 @@ def build(config, workdir: str) -> Setup:
   built: dict[tuple, Steps] = {}  # a measured candidate's programs serve the run
 
   def build_steps(cfg) -> Steps:  # the compiled steps of the method `cfg` makes
-    key = autotune.signature(cfg)
+    key = tune.signature(cfg)
     if key not in built:
       built[key] = Steps.from_config(cfg, methods.make(cfg, shape, ds.num_classes), task,
                                      optim.from_config(cfg), data, mesh)
     return built[key]
 
-  mine = os.path.join(workdir, autotune.FILE)
-  choices = autotune.choose(c, shape, build_steps, mode=c.train.autotune, workdir_file=mine,
-                            given=cpu_fusion.measured_with_flags())
-  fusion = cpu_fusion.decision(c, shape)  # made by alma_jax.main before JAX started
-  if fusion is not None:
-    if jax.process_count() == 1:
-      autotune.remember(mine, *fusion)
-    choices[cpu_fusion.FIELD] = fusion[1]
-  steps = build_steps(autotune.with_choices(c, choices))
+  choices = tune.run_choices(c, shape, build_steps, workdir)
+  steps = build_steps(tune.with_choices(c, choices))
   logging.info("data %s: %d train / %d test examples, B=%d mega-batches of ~%d, wait=%d, "
                "replay=%.2f, seeds %s; mesh %s", c.data.name, n_train, len(ds.test_y),
                s.num_megabatches, len(streams[0].train[0]) + len(streams[0].val[0]), s.wait,

@@ -1,0 +1,70 @@
+"""The speed choices of a run, behind one entry point.
+
+A speed choice changes how fast a run goes, never what it learns (at most the
+order of float summation). Three kinds, applied at three moments:
+
+  `cpu_tuning.apply()`    glibc's allocator, first thing in the process, before JAX loads
+                          (`alma_jax.main` does it);
+  `process_flags(...)`    the XLA:CPU fusion flags, before JAX starts its backend;
+  `run_choices(...)`      the fields left to be chosen (`model.conv_impl='auto'`,
+                          `method.strategy='auto'`, `train.steps_per_call=0`), measured once
+                          per machine and remembered (`autotune.py`), with the fusion decision
+                          recorded beside them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import jax
+from absl import logging
+
+from alma_jax.tuning import autotune
+from alma_jax.tuning import cpu_fusion
+
+signature = autotune.signature
+with_choices = autotune.with_choices
+
+
+def process_flags(config, workdir: str | None, *, shapes, multiprocess: bool,
+                  debug: bool = False) -> None:
+  """Sets XLA_FLAGS for `config.train.cpu_fusion` (measured in a child process or by rule).
+
+  Args:
+    config: the run's config.
+    workdir: where an earlier run's choice may be remembered (None: measure afresh).
+    shapes: the data set's input shape, when known before loading it.
+    multiprocess: the run spans several processes (they must agree: by rule).
+    debug: raise a failed measurement instead of falling back to the rule.
+  """
+  try:
+    value, how = cpu_fusion.choose(config, workdir, shapes=shapes, multiprocess=multiprocess)
+  except Exception as e:  # pylint: disable=broad-except  (a speed choice never stops a run)
+    if debug:
+      raise
+    value, how = cpu_fusion.RULE, f"by rule ({type(e).__name__}: {e})"
+  cpu_fusion.apply(value)
+  logging.info("%s: %r %s; XLA_FLAGS=%r", cpu_fusion.FIELD, value, how,
+               os.environ.get("XLA_FLAGS", ""))
+
+
+def run_choices(config, input_shape, build_steps: Callable[[Any], Any],
+                workdir: str) -> dict[str, Any]:
+  """The values of the fields left to be chosen, and the fusion flags in effect.
+
+  Args:
+    config: the run's config.
+    input_shape: one example's shape.
+    build_steps: config -> its compiled steps (a measured candidate's serve the run).
+    workdir: the run's folder; its `autotune.json` remembers the choices.
+  """
+  mine = os.path.join(workdir, autotune.FILE)
+  choices = autotune.choose(config, input_shape, build_steps, mode=config.train.autotune,
+                            workdir_file=mine, given=cpu_fusion.measured_with_flags())
+  fusion = cpu_fusion.decision(config, input_shape)  # made by `process_flags` before JAX started
+  if fusion is not None:
+    if jax.process_count() == 1:
+      autotune.remember(mine, *fusion)
+    choices[cpu_fusion.FIELD] = fusion[1]
+  return choices
