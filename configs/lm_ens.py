@@ -19,4 +19,4 @@ from alma_jax.configuration import config_lib
 def get_config(arg=None):
   c = config_lib.base_config("tiny_shakespeare", "lm_ens")
   c.method.num_members = 2
-  return config_lib.apply_lm_variant(c, arg)
+  return config_lib.apply_variant(c, arg)
