@@ -94,6 +94,12 @@ def test_consecutive_seeds_become_one_run_of_num_seeds_except_the_vgg_on_cpu(tmp
   assert sweep.main(gmoe + ["--dry_run", "--seeds_together=yes"]) == 0
   assert "num_seeds" not in capsys.readouterr().out
   assert len(_dry(tmp_path, capsys, "--grid=method.name=sm,ff", "--grid=seed=0,1")) == 4
+  # A waiting policy that times each seed's stages from its own data: one run per seed too.
+  trig = _dry(tmp_path, capsys, "--grid=stream.wait_policy=geometric,triggered",
+              "--grid=seed=0,1", "--seeds_together=yes")
+  assert len(trig) == 4 and not any("num_seeds" in l for l in trig)
+  assert len(_dry(tmp_path, capsys, "--grid=stream.wait_policy=geometric", "--grid=seed=0,1",
+                  "--seeds_together=yes")) == 1
   path = tmp_path / "s.sbatch"
   sweep.main(vgg + [f"--slurm={path}"])
   assert "#SBATCH --array=0-0" in path.read_text() and "--config.num_seeds=2" in path.read_text()
