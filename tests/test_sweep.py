@@ -327,6 +327,24 @@ def test_the_findings_grid_expands_as_documented(tmp_path, capsys):
   assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == 28
 
 
+def test_the_beyond_grid_expands_as_documented(tmp_path, capsys):
+  # launch/grids/beyond.py, REPRODUCTION.md's "Beyond the paper": H in {4, 64} x (6 fixed
+  # waits, 4 geometric, 2 scratch, 4 shrink-and-perturb) with three seeds in one run each; the
+  # 4 triggered points one run per seed (each seed decides its own training times).
+  assert sweep.main([f"--root={tmp_path}", "--grid_file=launch/grids/beyond.py",
+                     "--dry_run"]) == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert len(lines) == 2 * 16 + 2 * 4 * 3
+  together = [l for l in lines if "--config.seed=0 --config.num_seeds=3" in l]
+  assert len(together) == 32
+  apart = [l for l in lines if "num_seeds" not in l]
+  assert len(apart) == 24 and all("--config.stream.wait_policy=triggered" in l for l in apart)
+  assert sum("--config.stream.wait_policy=geometric" in l for l in together) == 8
+  assert sum("--config.stream.warm_start=shrink_perturb" in l for l in together) == 8
+  assert all("--config.stream.wait=1 " in l for l in lines if "wait_policy" in l)
+  assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == 56
+
+
 @pytest.mark.parametrize("text, message", [
     ("X = 1", "must define GRID.*got no GRID"),
     ("GRID = {'seed': []}", "must define GRID"),
