@@ -7,6 +7,7 @@ import pytest
 
 from alma_jax import config_lib
 from alma_jax import io_utils
+from alma_jax import methods
 from alma_jax import policies
 from alma_jax import run
 from alma_jax import validation
@@ -318,3 +319,18 @@ def test_every_method_runs_with_the_triggered_policy(method, tmp_path):
   assert all(r["wait_decision"] == ("trained" if r["trained"] else "waited") for r in log[1:])
   evaluated = [r for r in log if "trigger_error" in r]
   assert all(r["trigger_flops"] > 0 for r in evaluated)
+
+
+def test_gmoe_grows_about_ten_times_over_the_stages_its_waiting_policy_plans():
+  def period(**stream):
+    c = helpers.small_config("mnist", "gmoe")
+    c.stream.num_megabatches = 500
+    for k, v in stream.items():
+      c.stream[k] = v
+    return methods.make(validation.validate(c), *validation.KNOWN_SHAPES["mnist"]).grow_period
+  assert period(wait=10) == 5  # 50 stages
+  assert period(wait_policy="geometric", geometric_ratio=1.05) == 8  # 86 stages
+  assert period(wait_policy="geometric", geometric_ratio=1.2) == 3  # 31 stages
+  # Triggered: the stages its counts call for (doubling up to 64, then every 50 mega-batches:
+  # 15), whatever its error adds.
+  assert period(wait_policy="triggered", trigger_max_wait=50) == 1
