@@ -168,11 +168,11 @@ def stream(setup: Setup, state: RunState, observers: Observers,
 
   At every time step t the mega-batch t arrives. When the waiting policy says
   so (`WaitPolicy.decide`, which may evaluate the learner on the new data and
-  adds its record fields), the learner trains on what arrived since its last stage (with replay, a
-  fraction of the earlier data too): the stage policy starts the stage, the
-  method grows before and after it. The learner is then evaluated on the test
-  set (an unchanged one is not re-evaluated), and the observers get the
-  step's records (one per seed) and the end of the step.
+  adds its record fields), the learner trains on what arrived since its last
+  stage (with replay, a fraction of the earlier data too): the stage policy
+  starts the stage, the method grows before and after it. The learner is then
+  evaluated on the test set (an unchanged one is not re-evaluated), and the
+  observers get the step's records (one per seed) and the end of the step.
   """
   for t in range(state.t + 1, setup.num_t + 1):
     signals.check()

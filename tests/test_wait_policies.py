@@ -21,7 +21,7 @@ from tests import helpers
 from tests.conftest import requires_mnist, requires_text
 
 
-# -- geometric ---------------------------------------------------------------------------------------
+# -- geometric -------------------------------------------------------------------------------------
 def test_geometric_times_are_the_distinct_ceilings_of_w0_r_to_the_k():
   assert geometric_times(20, 1.0, 2.0) == [1, 2, 4, 8, 16]
   # 10 * 1.1 is 11.000000000000002 in floats: still 11; 10 * 1.21 = 12.1 -> 13.
@@ -71,7 +71,7 @@ def test_bad_geometric_fields_are_one_line_errors_naming_the_field(fields, messa
     validation.validate(c)
 
 
-# -- triggered: the config -----------------------------------------------------------------------------
+# -- triggered: the config -------------------------------------------------------------------------
 BAD_TRIGGER_FIELDS = [
     ({"num_seeds": 2}, r"config\.stream\.wait_policy='triggered' decides each seed's training "
                        r"times .* set config\.num_seeds=1 \(one run per seed\), not 2"),
@@ -117,7 +117,7 @@ def test_the_iid_language_model_stream_needs_the_fixed_wait():
     validation.validate(c)
 
 
-# -- triggered: the decision on a constructed stream (the evaluation stubbed) ------------------------
+# -- triggered: the decision on a constructed stream (the evaluation stubbed) ----------------------
 def _record(t, trained, **extra):
   return Record(t=t, test_error=0.5, num_params=1, train_flops=0.0, train_flops_forward=0.0,
                 train_macs=0.0, growth_flops=0.0, inference_flops_per_example=0.0,
@@ -202,7 +202,7 @@ def test_the_counts_plan_the_triggered_stages_for_the_training_estimate():
   assert wait.planned_times(20) == [1, 2, 4, 8, 14, 20]  # doubling, then every 6
 
 
-# -- runs on a constructed stream -----------------------------------------------------------------------
+# -- runs on a constructed stream ------------------------------------------------------------------
 def _constructed(monkeypatch, shift_from):
   """Makes MNIST runs (B=4, the smoke stream of 2000 examples) read a synthetic data set whose
   class y brightens rows 2y, 2y+1; from mega-batch `shift_from` on (None: never) the labels
@@ -266,7 +266,7 @@ def test_triggered_costs_are_a_geometric_run_s_plus_its_evaluations(tmp_path):
   assert t_sum["cer"] == g_sum["cer"] and t_sum["mem"] == g_sum["mem"]
 
 
-# -- resume ------------------------------------------------------------------------------------------
+# -- resume ----------------------------------------------------------------------------------------
 def _interrupt(config, wd, point, monkeypatch):
   """Runs `config` in `wd` (in this process) until SIGINT stops it at kill point `point`."""
   with monkeypatch.context() as m:
@@ -298,7 +298,7 @@ def test_waiting_policies_resume_mid_stream_to_identical_records(fields, tmp_pat
   assert helpers.outputs(wd) == expected
 
 
-# -- every method ---------------------------------------------------------------------------------------
+# -- every method ----------------------------------------------------------------------------------
 IMAGE_METHODS = [pytest.param(m, marks=requires_mnist)
                  for m in ("sm", "ens", "umix", "gens", "gmoe", "ff")]
 LM_METHODS = [pytest.param(m, marks=requires_text) for m in ("lm_sm", "lm_ens", "lm_gens",

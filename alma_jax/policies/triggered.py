@@ -90,7 +90,8 @@ class TriggeredWait(WaitPolicy):
     elif s.trigger_max_wait and gap >= s.trigger_max_wait:
       train, reason = True, f"maximum wait ({gap} >= {s.trigger_max_wait})"
     elif unseen >= s.trigger_fraction * seen:
-      train, reason = True, f"unseen fraction {fields['unseen_fraction']:.4f} >= {s.trigger_fraction}"
+      train = True
+      reason = f"unseen fraction {fields['unseen_fraction']:.4f} >= {s.trigger_fraction}"
     else:
       idx = setup.megabatch_val_idx(0, t)
       if not len(idx):
