@@ -38,7 +38,8 @@ data sets; the file's name and variant then lead the workdir name. A grid's
 consecutive seeds (`--grid=seed=0,1,2`) become one run of `config.num_seeds`
 seeds (seed=0, num_seeds=3: the seeds vmapped in one program, faster than
 separate runs), except for methods whose growth depends on the seed (gMoE, FF:
-one run per seed always) and for convolution-heavy backbones (VGG, ResNet) on
+one run per seed always), for waiting policies that time each seed's stages
+from its own data (`triggered`: one run per seed always), and for convolution-heavy backbones (VGG, ResNet) on
 a CPU, where separate runs are faster (`--seeds_together=yes|no` decides
 instead). Runs go one after another, `--parallel=P` at a time (each one's
 output then goes to <root>/logs/<workdir name>.log), into a
@@ -98,6 +99,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for local.py, tpu_pod.py
 from alma_jax import methods  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax import policies  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.configuration import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import workdir as wd  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -195,6 +197,11 @@ def fold_seeds(grids, together: str, config: str | None, extra: list[str], accel
                                             for v in vals}
     if not all(methods.get(n).same_growth_for_every_seed for n in names):
       out.append(grid)  # its growth depends on the seed: one run per seed
+      continue
+    waits = {resolved["stream"]["wait_policy"]} | {v for f, vals in grid
+                                                   if f == "stream.wait_policy" for v in vals}
+    if not all(policies.wait_class(w).same_times_for_every_seed for w in waits):
+      out.append(grid)  # each seed decides its own training times: one run per seed
       continue
     if (together == "auto" and not accelerator
         and models.spec(resolved["model"]["name"]).conv_heavy):

@@ -94,6 +94,12 @@ def test_consecutive_seeds_become_one_run_of_num_seeds_except_the_vgg_on_cpu(tmp
   assert sweep.main(gmoe + ["--dry_run", "--seeds_together=yes"]) == 0
   assert "num_seeds" not in capsys.readouterr().out
   assert len(_dry(tmp_path, capsys, "--grid=method.name=sm,ff", "--grid=seed=0,1")) == 4
+  # A waiting policy that times each seed's stages from its own data: one run per seed too.
+  trig = _dry(tmp_path, capsys, "--grid=stream.wait_policy=geometric,triggered",
+              "--grid=seed=0,1", "--seeds_together=yes")
+  assert len(trig) == 4 and not any("num_seeds" in l for l in trig)
+  assert len(_dry(tmp_path, capsys, "--grid=stream.wait_policy=geometric", "--grid=seed=0,1",
+                  "--seeds_together=yes")) == 1
   path = tmp_path / "s.sbatch"
   sweep.main(vgg + [f"--slurm={path}"])
   assert "#SBATCH --array=0-0" in path.read_text() and "--config.num_seeds=2" in path.read_text()
@@ -319,6 +325,24 @@ def test_the_findings_grid_expands_as_documented(tmp_path, capsys):
     assert sum(f"--config.method.tree={tree}" in l for l in apart) == 3
   assert sum("--config.stream.replay=1.0" in l for l in lines) == 2
   assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == 28
+
+
+def test_the_beyond_grid_expands_as_documented(tmp_path, capsys):
+  # launch/grids/beyond.py, REPRODUCTION.md's "Beyond the paper": H in {4, 64} x (6 fixed
+  # waits, 4 geometric, 2 scratch, 4 shrink-and-perturb) with three seeds in one run each; the
+  # 4 triggered points one run per seed (each seed decides its own training times).
+  assert sweep.main([f"--root={tmp_path}", "--grid_file=launch/grids/beyond.py",
+                     "--dry_run"]) == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert len(lines) == 2 * 16 + 2 * 4 * 3
+  together = [l for l in lines if "--config.seed=0 --config.num_seeds=3" in l]
+  assert len(together) == 32
+  apart = [l for l in lines if "num_seeds" not in l]
+  assert len(apart) == 24 and all("--config.stream.wait_policy=triggered" in l for l in apart)
+  assert sum("--config.stream.wait_policy=geometric" in l for l in together) == 8
+  assert sum("--config.stream.warm_start=shrink_perturb" in l for l in together) == 8
+  assert all("--config.stream.wait=1 " in l for l in lines if "wait_policy" in l)
+  assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == 56
 
 
 @pytest.mark.parametrize("text, message", [

@@ -15,10 +15,9 @@ fields it fills in.
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
-
-import importlib
 
 import ml_collections
 
@@ -76,7 +75,23 @@ BASE_FIELDS = (
             "shrink_perturb: the factor sigma of a fresh initialisation added to it"),
     F.Field("stream.wait_policy", "fixed", F.choice(F.owned("alma_jax.policies:wait_names"), "names"),
             "when the learner trains (`alma_jax/policies/`): fixed (every stream.wait "
-            "mega-batches)"),
+            "mega-batches), geometric (at ceil(w0 * r^k)) or triggered (when the new data's "
+            "error or the unseen share calls for it; one seed per run)"),
+    F.Field("stream.geometric_w0", 1.0, F.number(1.0, math.inf, open_hi=True),
+            "geometric: the first training time w0 (the k-th is ceil(w0 * r^k))"),
+    F.Field("stream.geometric_ratio", 2.0, F.number(1.0, math.inf, open_lo=True, open_hi=True),
+            "geometric: the ratio r > 1 of successive training times"),
+    F.Field("stream.trigger_margin", 0.02, F.number(0.0, 1.0),
+            "triggered: train when the new mega-batch's validation error exceeds the last "
+            "stage's validation error by more than this (delta)"),
+    F.Field("stream.trigger_fraction", 0.5, F.number(0.0, 1.0, open_lo=True),
+            "triggered: train when the unseen training examples reach this fraction (rho) of "
+            "all seen"),
+    F.Field("stream.trigger_min_wait", 1, F.integer(1),
+            "triggered: never train fewer than this many mega-batches after the last stage"),
+    F.Field("stream.trigger_max_wait", 0, F.integer(0),
+            "triggered: always train this many mega-batches after the last stage (0: no "
+            "maximum)"),
     # -- model
     F.Field("model.name", _MNIST_OR("mlp", "vgg"), F.choice(F.owned("alma_jax.models:BACKBONES"), "names"),
             "backbone"),
@@ -178,7 +193,9 @@ BASE_FIELDS_BY_PATH = {f.path: f for f in BASE_FIELDS}
 F.declare(BASE_FIELDS)
 # Fields declared after runs were written: a resolved config that lacks one (a workdir's
 # config.json) ran as its default does, so absent and default are the same run.
-ADDED_FIELDS = ("stream.warm_start", "stream.wait_policy", "stream.shrink", "stream.perturb")
+ADDED_FIELDS = ("stream.warm_start", "stream.wait_policy", "stream.shrink", "stream.perturb",
+                "stream.geometric_w0", "stream.geometric_ratio", "stream.trigger_margin",
+                "stream.trigger_fraction", "stream.trigger_min_wait", "stream.trigger_max_wait")
 
 
 def resumable_paths() -> tuple[str, ...]:

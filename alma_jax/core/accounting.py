@@ -142,7 +142,8 @@ def step_flops(programs: Programs, learner: Learner) -> dict[str, float]:
   `train_step_forward`: the forward pass of the training loss alone;
   `train_macs_per_example`: the forward multiply-adds of the training loss
   per training example (what the paper's "training FLOPs" count);
-  `inference_per_example`: predicting one example.
+  `inference_per_example`: predicting one example (`inference_macs_per_example`: its
+  multiply-adds).
   Counted from the traced computations, the same on every backend, for the
   learner's active parts (`Method.active_view`): padding slots that the
   compiled programs also compute are not counted.
@@ -172,7 +173,8 @@ def step_flops(programs: Programs, learner: Learner) -> dict[str, float]:
   infer = count(functools.partial(method.predict, structure), learner.params,
                 learner.model_state, xe)
   return {"train_step": train.flops, "train_step_forward": fwd.flops,
-          "train_macs_per_example": fwd.macs / b, "inference_per_example": infer.flops / eb}
+          "train_macs_per_example": fwd.macs / b, "inference_per_example": infer.flops / eb,
+          "inference_macs_per_example": infer.macs / eb}
 
 
 class PassCosts:

@@ -3,7 +3,10 @@
 The paper (section 3.1) judges a learner on its whole trajectory over the
 stream: the cumulative error rate (CER) is the sum of the test error over
 t = 0 ... B (t = 0 is the untrained model), memory (Mem) is the sum of the
-parameter counts, and compute (Comp) is the sum of the training FLOPs.
+parameter counts, and compute (Comp) is the sum of the training FLOPs. A waiting policy that
+evaluates the learner to decide when to train (`alma_jax.policies.triggered`)
+records that evaluation's FLOPs and multiply-adds as `trigger_flops` and
+`trigger_macs`; Comp includes them.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ class Record:
     extra: fields of the task's own (`Task.record_metrics`), written after
       the others (language models: `test_nll`, `test_perplexity`,
       `test_bits_per_byte`, `forward_macs_per_token`,
-      `inference_flops_per_token`); empty for images.
+      `inference_flops_per_token`; empty for images), then the waiting
+      policy's (`WaitPolicy.stage_fields`; none for the fixed wait).
   """
 
   t: int
@@ -125,17 +129,27 @@ class Log:
 
   @property
   def comp(self) -> float:
-    """Cumulative compute: sum of training FLOPs over the stream."""
-    return float(sum(r.train_flops for r in self.records))
+    """Cumulative compute: sum of training FLOPs over the stream (and of the evaluations a
+    waiting policy ran to decide, `trigger_flops`)."""
+    return float(sum(_with(r, r.train_flops, "trigger_flops") for r in self.records))
 
   @property
   def comp_forward(self) -> float:
-    return float(sum(r.train_flops_forward for r in self.records))
+    """`comp` counting forward passes alone (a policy's evaluations are forward passes)."""
+    return float(sum(_with(r, r.train_flops_forward, "trigger_flops") for r in self.records))
 
   @property
   def comp_paper(self) -> float:
-    """Cumulative forward multiply-adds x training examples (the paper's compute unit)."""
-    return float(sum(r.train_macs for r in self.records))
+    """Cumulative forward multiply-adds x training examples (the paper's compute unit), and
+    those of a waiting policy's evaluations (`trigger_macs`)."""
+    return float(sum(_with(r, r.train_macs, "trigger_macs") for r in self.records))
+
+  @property
+  def comp_trigger(self) -> float | None:
+    """FLOPs of a waiting policy's evaluations (part of `comp`); None: it ran none."""
+    if not any("trigger_flops" in r.extra for r in self.records):
+      return None
+    return float(sum(r.extra.get("trigger_flops", 0.0) for r in self.records))
 
   @property
   def comp_growth(self) -> float:
@@ -165,4 +179,10 @@ class Log:
         "final_error": self.final_error,
         "num_stages": self.num_stages,
         "wall_s": float(sum(r.wall_s for r in self.records)),
+        **({} if self.comp_trigger is None else {"comp_trigger": self.comp_trigger}),
     }
+
+
+def _with(r: Record, value: float, field: str) -> float:
+  """`value` plus the record's `extra[field]` when it has one (else `value` itself)."""
+  return value + float(r.extra[field]) if field in r.extra else value

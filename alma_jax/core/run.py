@@ -167,31 +167,38 @@ def stream(setup: Setup, state: RunState, observers: Observers,
   """Algorithm 1 from the time step after `state.t` to B; returns the summary.
 
   At every time step t the mega-batch t arrives. When the waiting policy says
-  so, the learner trains on what arrived since its last stage (with replay, a
-  fraction of the earlier data too): the stage policy starts the stage, the
-  method grows before and after it. The learner is then evaluated on the test
-  set (an unchanged one is not re-evaluated), and the observers get the
-  step's records (one per seed) and the end of the step.
+  so (`WaitPolicy.decide`, which may evaluate the learner on the new data and
+  adds its record fields), the learner trains on what arrived since its last
+  stage (with replay, a fraction of the earlier data too): the stage policy
+  starts the stage, the method grows before and after it. The learner is then
+  evaluated on the test set (an unchanged one is not re-evaluated), and the
+  observers get the step's records (one per seed) and the end of the step.
   """
   for t in range(state.t + 1, setup.num_t + 1):
     signals.check()
     t_step = time.monotonic()
-    state.stats, spent = None, {}
-    if t > 0 and setup.wait_policy.trains_at(t, state):
-      spent = _stage(setup, state, t, observers, checkpoints, signals, clock)
+    state.stats, spent, decided = None, {}, []
+    if t > 0:
+      with clock.timer("eval_s"):  # a policy may evaluate the learner on the new data
+        decision = setup.wait_policy.decide(t, state, setup)
+      if decision.train:
+        spent = _stage(setup, state, t, observers, checkpoints, signals, clock)
+      decided = setup.wait_policy.stage_fields(decision, state)
     if state.errors is None or state.trained:  # an unchanged model is not re-evaluated
       with clock.timer("eval_s"):
         acc, state.nll = setup.steps.evaluate(state.learner, "test", setup.test_idx())
         state.errors = 1.0 - acc
-    step = _records(setup, state, t, spent, time.monotonic() - t_step)
+    step = _records(setup, state, t, spent, time.monotonic() - t_step, decided)
     state.logs = [log.append(r) for log, r in zip(state.logs, step)]
     observers.record(state, step)
     observers.step(state)
   return observers.end(state)
 
 
-def _records(setup: Setup, state: RunState, t: int, spent: dict, wall_s: float) -> list[Record]:
-  """Each seed's record of time step `t`: test error, Mem, the compute `spent` on it."""
+def _records(setup: Setup, state: RunState, t: int, spent: dict, wall_s: float,
+             decided: list[dict]) -> list[Record]:
+  """Each seed's record of time step `t`: test error, Mem, the compute `spent` on it, and the
+  waiting policy's fields (`decided`: one dict per seed, or none)."""
   first = population.unstack(state.learner, 0)
   flops = setup.flops(first)
   num_params = setup.method.num_params(first)
@@ -201,7 +208,8 @@ def _records(setup: Setup, state: RunState, t: int, spent: dict, wall_s: float) 
                  **{f: float(spent[f][i]) if f in spent else 0.0 for f in fields},
                  inference_flops_per_example=flops["inference_per_example"],
                  trained=state.trained, wall_s=wall_s,
-                 extra={} if extra is None else extra(float(state.nll[i]), flops))
+                 extra={**({} if extra is None else extra(float(state.nll[i]), flops)),
+                        **(decided[i] if decided else {})})
           for i in range(len(setup.seeds))]
 
 

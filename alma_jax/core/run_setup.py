@@ -101,6 +101,10 @@ class Setup:
           scan=self.steps.scan, eval_aux=self.steps.eval_aux))
     return out
 
+  def megabatch_val_idx(self, i: int, t: int) -> np.ndarray:
+    """Seed `i`'s validation examples of mega-batch `t` (indices into the training split)."""
+    return self._to_train_split(i, np.asarray(self.streams[i].val[t - 1], np.int32))
+
   def _to_train_split(self, i: int, idx: np.ndarray) -> np.ndarray:
     sub = self.subsets[i]
     return idx if sub is None else sub[idx].astype(np.int32)

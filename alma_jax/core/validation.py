@@ -39,6 +39,9 @@ OPTIMIZER_KWARG_CHECKS = {
 
 def _check_rules(config) -> None:
   """The checks that tie several fields together."""
+  dataset = fields.lookup(config, "data.name", "")
+  policies.check_wait(config,
+                      lambda p: config_lib.BASE_FIELDS_BY_PATH[p].default_for(dataset))
   b, w = config.stream.num_megabatches, config.stream.wait
   if b % w:
     divisors = [d for d in range(1, b + 1) if b % d == 0]

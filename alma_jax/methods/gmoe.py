@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from alma_jax import policies
 from alma_jax.configuration import fields as F
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
@@ -268,7 +269,8 @@ class GrowingMoE(base.Method):
               "experts per layer at the start (paper: 1; released code: 2)"),
       F.Field("method.grow_every", 0, F.integer(0),
               "grow before every this many-th stage; 0: about 10 growths over the stream "
-              "(every max(1, stages // 10) stages; the released runs reach 6-11 experts)"),
+              "(every max(1, stages // 10) stages, of the stages the waiting policy plans; "
+              "the released runs reach 6-11 experts)"),
       F.Field("method.split_by", "loss", F.choice(SPLIT_BY),
               "the expert to split: largest routed validation loss (paper) or usage "
               "(released code)"),
@@ -429,7 +431,8 @@ class GrowingMoE(base.Method):
     """Stages between growths (`grow_every`, or its automatic value)."""
     if self.opts.grow_every:
       return self.opts.grow_every
-    stages = self.config.stream.num_megabatches // self.config.stream.wait
+    stream = self.config.stream
+    stages = len(policies.make_wait(self.config).planned_times(stream.num_megabatches))
     return max(1, stages // 10)
 
   def should_grow(self, stage: int) -> bool:

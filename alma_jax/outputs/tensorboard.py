@@ -244,8 +244,8 @@ class _Totals:
   def scalars(self, r: dict) -> dict[str, float]:
     """The per-step scalars of record `r` (a Record dict), the records before it summed."""
     self.cer += r["test_error"]
-    self.comp += r["train_flops"]
-    self.comp_paper += r["train_macs"]
+    self.comp += r["train_flops"] + r.get("trigger_flops", 0.0)
+    self.comp_paper += r["train_macs"] + r.get("trigger_macs", 0.0)
     return {f"{STREAM}test_error": r["test_error"], f"{STREAM}cer": self.cer,
             f"{STREAM}num_params": r["num_params"],
             f"{STREAM}comp_paper_tflops": self.comp_paper * 1e-12,

@@ -7,10 +7,12 @@ A new policy is one file in this package: a subclass of `StagePolicy` (or
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from alma_jax.configuration import fields as F
 from alma_jax.errors import ConfigError
@@ -76,21 +78,67 @@ def fresh_trained_units(method, learner, key: jax.Array):
   return method.select_units(learner.structure, take, fresh, learner)
 
 
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """A waiting policy's decision at one time step.
+
+  Attributes:
+    train: whether the learner trains at this step.
+    reason: why (a short phrase; '' for policies that record nothing).
+    fields: each seed's record fields of the decision (`Record.extra`), one dict per seed;
+      empty for policies that record nothing (the fixed wait).
+    flops, macs: each seed's cost of deciding (FLOPs and forward multiply-adds of the
+      evaluations it ran; zero for a schedule).
+  """
+
+  train: bool
+  reason: str = ""
+  fields: tuple[dict, ...] = ()
+  flops: np.ndarray | None = None
+  macs: np.ndarray | None = None
+
+
 class WaitPolicy:
   """When the learner trains: at the time steps t >= 1 where `trains_at(t, state)` holds.
 
   A stage trains on the mega-batches that arrived since the previous stage
   (with replay, also a fraction of the earlier ones: `alma_jax.core.schedule.
-  stage_data`), so a policy may choose any times.
+  stage_data`), so a policy may choose any times. The loop asks `decide`,
+  which by default asks `trains_at` and records nothing; a policy that looks
+  at the data (or records why it decided) overrides `decide`, and may add
+  record fields after the stage (`stage_fields`).
 
   Class attributes:
     name: the registry name (`config.stream.wait_policy`).
+    fields: the config fields (dotted paths below `config`) that the policy reads; every
+      other policy's fields must stay at their defaults.
+    same_times_for_every_seed: whether every seed of a population trains at the same times
+      (False: the seeds are separate runs, `config.num_seeds` = 1).
   """
 
   name = ""
+  fields: tuple[str, ...] = ()
+  same_times_for_every_seed = True
 
   def __init__(self, config):
     self.config = config
+
+  @classmethod
+  def check(cls, config) -> None:
+    """Raises `ConfigError` for values of the policy's fields that do not fit together."""
+    del config
+
+  def decide(self, t: int, state, setup) -> Decision:
+    """The decision at time step `t` >= 1 (`state`: the run's state before `t`; `setup`:
+    the run's `alma_jax.core.run_setup.Setup`)."""
+    del setup
+    return Decision(self.trains_at(t, state))
+
+  def stage_fields(self, decision: Decision, state) -> list[dict]:
+    """Each seed's record fields of the step decided by `decision`, once its stage (if any)
+    has trained (`state.stats`); by default `decision.fields`."""
+    del state
+    return [dict(f) for f in decision.fields]
 
   def trains_at(self, t: int, state) -> bool:
     """Whether the learner trains at time step `t` >= 1; `state` is the run's state before
@@ -145,6 +193,48 @@ def make_stage(config) -> StagePolicy:
 def make_wait(config) -> WaitPolicy:
   """The waiting policy that `config.stream.wait_policy` names."""
   return _make(WaitPolicy, config)
+
+
+def wait_class(name: str) -> type:
+  """The class of the waiting policy `name` (a `ConfigError` for an unknown name)."""
+  if name not in _REGISTRY[WaitPolicy]:
+    raise ConfigError(f"config.stream.wait_policy={name!r} is unknown; valid names: "
+                      f"{wait_names()}")
+  return _REGISTRY[WaitPolicy][name]
+
+
+def check_wait(config, default: Callable[[str], Any]) -> None:
+  """Raises `ConfigError` when the waiting policy's fields do not fit the config.
+
+  `default(path)` is the default of a base field. The fields of the other
+  waiting policies must stay at their defaults, `stream.wait` too unless the
+  policy is the fixed wait; a policy that times each seed's stages on its own
+  needs `num_seeds` = 1.
+  """
+  s = config.stream
+  name = s.get("wait_policy", "fixed")
+  cls = wait_class(name)
+  if name != "fixed":
+    if s.get("iid", False) is True:
+      raise ConfigError(f"config.stream.iid=True trains once, at t=B, on the whole stream: it "
+                        f"needs config.stream.wait_policy='fixed', not {name!r}")
+    if s.wait != 1:
+      raise ConfigError(f"config.stream.wait={s.wait} is read only by config.stream."
+                        f"wait_policy='fixed', not {name!r}; leave it at 1")
+  others = sorted({f for c in _REGISTRY[WaitPolicy].values() for f in c.fields} - set(cls.fields))
+  for path in others:
+    value = config.get(path.split(".")[0]).get(path.split(".")[1], default(path))
+    if value != default(path):
+      users = [c.name for c in _REGISTRY[WaitPolicy].values() if path in c.fields]
+      raise ConfigError(f"config.{path}={value!r} is read only by config.stream.wait_policy="
+                        f"{users[0] if len(users) == 1 else users}, not {name!r}; set it, or "
+                        f"leave the field at {default(path)!r}")
+  n = config.get("num_seeds", 1)
+  if n > 1 and not cls.same_times_for_every_seed:
+    raise ConfigError(f"config.stream.wait_policy={name!r} decides each seed's training times "
+                      f"from its own data and model, so the seeds cannot train together; set "
+                      f"config.num_seeds=1 (one run per seed), not {n}")
+  cls.check(config)
 
 
 # -- the older field stream.init_from_scratch ------------------------------------------------------

@@ -111,6 +111,42 @@ def wait_series(groups, fields: Sequence[str]) -> list[Series]:
   return out
 
 
+# -- waiting and warm-start policies against the fixed waits --------------------------------------
+# The paper's learner: fixed waits, fine-tuned (absent: a run written before the fields existed).
+PLAIN_POLICIES = {"stream.wait_policy": (None, "fixed"), "stream.warm_start": (None, "finetune")}
+
+
+def _plain(g) -> bool:
+  return all(g.get(f) in values for f, values in PLAIN_POLICIES.items())
+
+
+def policy_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
+  """{"width=<w>": series} when a group uses another waiting or warm-start policy than the
+  paper's: first each method's frontier of the fixed waits (fine-tuned, without replay, joined
+  in order of compute), then one point per other config; CER against compute (finished runs
+  only)."""
+  groups = [g for g in groups if g.finished and not g.get("stream.replay")]
+  if all(_plain(g) for g in groups):
+    return {}
+  looks = style.Looks(groups, fields)
+  others = [f for f in fields if f != "model.width"]
+  out: dict[str, list[Series]] = {}
+  for width in sorted({g.get("model.width") for g in groups}, key=lambda w: float(w or 0)):
+    same = [g for g in groups if g.get("model.width") == width]
+    series = []
+    for method in sorted({str(g.get("method.name")) for g in same if _plain(g)}):
+      fixed = sorted((g for g in same if _plain(g) and str(g.get("method.name")) == method),
+                     key=lambda g: g.stat("comp_paper")[0])
+      waits = ", ".join(str(g.get("stream.wait")) for g in fixed)
+      series.append(dict(looks.of(fixed[0]), label=f"{method} fixed waits w = {waits} (finetune)",
+                         **_stat_points(fixed, "comp_paper", "cer_percent", TERA)))
+    series += [dict(looks.of(g), label=g.label(others),
+                    **_stat_points([g], "comp_paper", "cer_percent", TERA))
+               for g in same if not _plain(g)]
+    out[f"width={width}"] = series
+  return out
+
+
 # -- error over time (Fig. 1/3) --------------------------------------------------------------------
 def error_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   """{"width=<w>": one series per config}: mean test error (%) over t, std over seeds."""
@@ -246,6 +282,15 @@ def wait_figure(waits: list[Series], data: str):
 LM_XLABELS = {"comp": TFLOPS, "params": "parameters", "experts": "experts"}
 
 
+def policy_figure(panels: dict[str, list[Series]], data: str):
+  fig, axes = subplots(len(panels), legend_entries=len({s["label"] for v in panels.values()
+                                                       for s in v}))
+  for ax, (panel, series) in zip(axes, panels.items()):
+    style.draw_points(ax, series, TFLOPS, CER, f"{data} {panel}: policies vs fixed waits")
+  style.legend(fig, axes)
+  return fig
+
+
 def lm_figure(lm: dict[str, list[Series]], data: str):
   fig, axes = subplots(len(lm), legend_entries=len({s["label"] for v in lm.values() for s in v}))
   for ax, (panel, series) in zip(axes, lm.items()):
@@ -274,6 +319,9 @@ def dataset_figures(data: str, groups, fields: Sequence[str],
   waits = wait_series(groups, fields)
   if waits:
     figures[f"wait_{data}"] = ({"wait": waits}, wait_figure(waits, data))
+  panels = policy_series(groups, fields)
+  if panels:
+    figures[f"policies_{data}"] = (panels, policy_figure(panels, data))
   lm = lm_series(groups, fields)
   if lm:
     figures[f"lm_{data}"] = (lm, lm_figure(lm, data))

@@ -17,6 +17,10 @@ differ only by their seed, and writes into `--out`, per data set:
   or more.
 * `replay_<data>.png/.pdf`: CER vs compute, a segment from each config
   without replay to the same config with replay (Fig. 4), when both exist.
+* `policies_<data>.png/.pdf`: when some run uses another waiting policy
+  (`stream.wait_policy`) or warm start (`stream.warm_start`) than the
+  paper's: CER vs compute per width, each method's fixed waits (fine-tuned,
+  no replay) as a line in order of compute, every other policy config a point.
 * `lm_<data>.png/.pdf`: average perplexity vs compute, parameters and
   experts (Fig. 5), for runs whose records carry `test_perplexity`.
 * `gating_<run>.png/.pdf`: for each gMoE config, its first seed's gating

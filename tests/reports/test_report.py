@@ -630,3 +630,35 @@ def test_the_gating_figure_gives_every_expert_a_colour_and_readable_legends(tmp_
   colors = [s["color"] for s in layers["layer0"]]
   assert len(set(colors)) == n  # Tableau 20 beyond ten experts
   assert sum(s["count"] for s in layers["layer0"]) == 200
+
+
+def test_the_policies_figure_sets_each_policy_against_the_frontier_of_fixed_waits(runs,
+                                                                                  tmp_path):
+  assert "policies_mnist" not in report.write_report(runs, str(tmp_path / "out0"),
+                                                     gating=False)
+  c = _config()
+  c["stream"].update(wait_policy="geometric", geometric_ratio=3.0)
+  geo = _write(tmp_path / "geo", c, _records([0.9, 0.6, 0.6, 0.3, 0.3], macs=2e12))
+  c = _config(wait=2)
+  c["stream"]["warm_start"] = "scratch"
+  scratch = _write(tmp_path / "scratch", c, _records([0.9, 0.9, 0.5, 0.5, 0.2], macs=6e12))
+  w2 = _write(tmp_path / "sm8_w2", _config(wait=2), _records([0.9, 0.9, 0.3, 0.3, 0.1]))
+  figs = report.write_report(runs + [geo, scratch, w2], str(tmp_path / "out"), gating=False)
+  panels = figs["policies_mnist"]
+  assert set(panels) == {"width=8", "width=16"}
+  ens, frontier, *others = panels["width=8"]
+  # Each method's fixed waits without replay, fine-tuned, in order of compute: SM's w=2
+  # (4 TFLOPs) then w=1 (mean of 4 and 12); the replay run and the other policies are not on it.
+  assert ens["label"] == "ens fixed waits w = 1 (finetune)"
+  assert frontier["label"] == "sm fixed waits w = 2, 1 (finetune)"
+  np.testing.assert_allclose(frontier["x"], [4.0, 8.0])
+  np.testing.assert_allclose(frontier["y"], [250.0, 270.0])
+  by = {s["label"]: s for s in others}
+  assert set(by) == {"sm wait=1 replay=0 geometric_ratio=3 wait_policy=geometric "
+                     "warm_start=finetune",
+                     "sm wait=2 replay=0 geometric_ratio=2 wait_policy=fixed "
+                     "warm_start=scratch"}, set(by)
+  np.testing.assert_allclose(by["sm wait=1 replay=0 geometric_ratio=3 wait_policy=geometric "
+                                "warm_start=finetune"]["x"], [8.0])
+  assert [s["label"] for s in panels["width=16"]] == ["sm fixed waits w = 1 (finetune)"]
+  assert (tmp_path / "out" / "policies_mnist.png").stat().st_size > 1000

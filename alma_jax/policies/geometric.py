@@ -1,0 +1,73 @@
+"""The waiting policy `geometric`: waits that grow with the data seen.
+
+The learner trains at t_k = ceil(w0 * r^k), k = 0, 1, 2, ... (each time once,
+up to B), w0 = `config.stream.geometric_w0` and r = `config.stream.
+geometric_ratio` > 1: the k-th stage adds about a fraction (r - 1) / r of
+new data to what the learner has seen, so early stages come quickly, while
+the model changes fast, and later ones rarely. The waits are never shorter
+than one mega-batch (a time that repeats trains once).
+
+w0 * r^k is rounded to 9 decimal places before the ceiling, so a product
+that is an integer in exact arithmetic (10 * 1.1 = 11) is not pushed to the
+next integer by float round-off (11.000000000000002).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from alma_jax.errors import ConfigError
+from alma_jax.policies.base import Decision, WaitPolicy, register
+
+ROUND_DIGITS = 9
+
+
+def geometric_times(num_megabatches: int, w0: float, ratio: float) -> list[int]:
+  """The distinct times ceil(w0 * ratio^k) <= `num_megabatches`, k = 0, 1, ..., in order."""
+  if w0 < 1 or ratio <= 1:
+    raise ValueError(f"geometric times need w0 >= 1 and ratio > 1, got {w0} and {ratio}")
+  times, k = [], 0
+  while True:
+    t = math.ceil(round(w0 * ratio**k, ROUND_DIGITS))
+    if t > num_megabatches:
+      return times
+    if not times or t > times[-1]:
+      times.append(t)
+    k += 1
+
+
+@register
+class GeometricWait(WaitPolicy):
+  """geometric: trains at t_k = ceil(w0 * r^k) (see the module docstring)."""
+
+  name = "geometric"
+  fields = ("stream.geometric_w0", "stream.geometric_ratio")
+
+  @classmethod
+  def check(cls, config) -> None:
+    s = config.stream
+    if s.geometric_w0 > s.num_megabatches:
+      raise ConfigError(f"config.stream.geometric_w0={s.geometric_w0} is after the last time "
+                        f"step (config.stream.num_megabatches={s.num_megabatches}): the learner "
+                        f"would never train; allowed values: [1, {s.num_megabatches}]")
+
+  @functools.cached_property
+  def times(self) -> list[int]:
+    s = self.config.stream
+    return geometric_times(s.num_megabatches, s.geometric_w0, s.geometric_ratio)
+
+  def trains_at(self, t: int, state) -> bool:
+    del state
+    return t in self.times
+
+  def planned_times(self, num_megabatches: int) -> list[int]:
+    return [t for t in self.times if t <= num_megabatches]
+
+  def decide(self, t: int, state, setup) -> Decision:
+    train = self.trains_at(t, state)
+    nxt = next((x for x in self.times if x > t), None)
+    reason = (f"scheduled: stage {self.times.index(t) + 1} of {len(self.times)}" if train else
+              f"waiting for t={nxt}" if nxt is not None else "no stage left before B")
+    fields = {"wait_decision": "trained" if train else "waited", "wait_reason": reason}
+    return Decision(train, reason, tuple(dict(fields) for _ in setup.seeds))
