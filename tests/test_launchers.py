@@ -98,8 +98,8 @@ def test_tpu_pod_copies_installs_and_runs_the_same_command_on_every_worker(tmp_p
   assert "jax[tpu]==0.10.2" in " ".join(lines[2])
   tpu_pod.main(["--tpu=pod", "--zone=z", "--steps=run", "--dry_run", "--", *FLAGS])
   assert len(capsys.readouterr().out.splitlines()) == 1
-  # The README says how many commands a dry run prints.
-  with open(os.path.join(ROOT, "README.md")) as f:
+  # The devices page says how many commands a dry run prints.
+  with open(os.path.join(ROOT, "docs", "devices.md")) as f:
     readme = " ".join(f.read().split())
   said = re.search(r"`launch/tpu_pod\.py --dry_run` prints its (\w+) `gcloud", readme).group(1)
   assert said == ["one", "two", "three", "four", "five"][len(lines) - 1]

@@ -174,6 +174,9 @@ BASE_FIELDS = (
             "log to Weights & Biases (pip install wandb): the project name; each seed is one "
             "W&B run, resumed with the run; '' turns it off",
             resumable=True),
+    F.Field("log.progress", "full", F.choice(("off", "stage", "full"), "levels"),
+            "progress lines: full (compile lines, running lines with speed and ETAs, a "
+            "heartbeat), stage (a line per training stage), or off", resumable=True),
     F.Field("log.tensorboard", True, F.boolean(),
             "write TensorBoard event files (per time step and per epoch) into the workdir",
             resumable=True),

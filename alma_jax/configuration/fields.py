@@ -178,7 +178,7 @@ class Field:
     path: dotted path below `config`, e.g. "stream.wait".
     default: its value when absent (a `ByDataset` for dataset-dependent ones).
     check: validates a value (see the constructors above).
-    doc: one line for the README's field table and `--help` readers.
+    doc: one line for the field table (docs/fields.md) and `--help` readers.
     resumable: the field may change when a run is resumed (it does not
       change results, e.g. where data is read from).
   """

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Any, Callable, Mapping, Sequence
+import time
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,8 @@ UTILITY_PREFIX = "alma_utility_"  # names the utility programs (not steps) in `j
 # one data order per trained ensemble member; an evaluation batch (S, b) or shared (b,).
 TRAIN_BATCH_AXES = ("population", None, "member", "batch")
 EVAL_BATCH_AXES = ("population", "batch")
+PROGRAM_NAMES = {"train": "the train step", "eval": "the evaluation",
+                 "eval_shared": "the evaluation"}
 
 
 @struct.dataclass
@@ -93,6 +96,11 @@ def all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
+def _short(value, limit: int = 80) -> str:
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def utility(fn: Callable, name: str) -> Callable:
   """`jax.jit(fn)` for a small program that moves data (not a step of the run's count)."""
   def program(*args):
@@ -102,12 +110,28 @@ def utility(fn: Callable, name: str) -> Callable:
   return jax.jit(program)
 
 
+class CompileListener(Protocol):
+  """Told about each program before and after its first call, which compiles it
+  (`alma_jax.core.meter.Meter`)."""
+
+  def compiling(self, what: str, why: str) -> None:
+    """`what` is about to compile, for the reason `why`."""
+
+  def compiled(self, what: str, seconds: float) -> None:
+    """`what` compiled and ran once in `seconds`."""
+
+
 class Program:
-  """A jitted step with the shardings of its arguments, which it places before each call."""
+  """A jitted step with the shardings of its arguments, which it places before each call.
+
+  Its first call compiles it; a `listener` hears of it before and after.
+  """
 
   def __init__(self, fn: Callable, in_shardings: tuple, out_shardings, donate: tuple,
-               name: str = "program"):
+               name: str = "program", *, what: str = "", why: str = "",
+               listener: CompileListener | None = None):
     self.in_shardings = in_shardings
+    self.what, self.why, self.listener = what or name, why, listener
 
     def program(*args):
       return fn(*args)
@@ -118,7 +142,14 @@ class Program:
                           donate_argnums=donate)
 
   def __call__(self, *args):
-    return self.jitted(*sharding.put(args, self.in_shardings))
+    if self.listener is None:
+      return self.jitted(*sharding.put(args, self.in_shardings))
+    listener, self.listener = self.listener, None  # the first call only
+    listener.compiling(self.what, self.why)
+    t0 = time.monotonic()
+    out = self.jitted(*sharding.put(args, self.in_shardings))
+    listener.compiled(self.what, time.monotonic() - t0)
+    return out
 
 
 class Programs:
@@ -134,6 +165,7 @@ class Programs:
     self.eval_batch_size = int(eval_batch_size)
     self.steps_per_call = int(steps_per_call)
     self._cache: dict[tuple, Program] = {}
+    self.listener: CompileListener | None = None  # hears of each compilation of a step
     # One small program per shapes (not one per optimizer-state leaf); not a step.
     self._opt_init = utility(jax.vmap(tx.init), "opt_init")
 
@@ -147,8 +179,25 @@ class Programs:
     """
     if key not in self._cache:
       name = "".join(c if c.isalnum() else "_" for c in str(key[0]))
-      self._cache[key] = Program(build(), *shardings(), donate, name)
+      what, why = self.describe(key)
+      self._cache[key] = Program(build(), *shardings(), donate, name, what=what, why=why,
+                                 listener=self.listener)
     return self._cache[key]
+
+  def describe(self, key: tuple) -> tuple[str, str]:
+    """(what the program of `key` is, why it is compiled now): the first program of its
+    kind, a new program structure (the method names it: e.g. a new slot count), or a new
+    population size."""
+    kind, structure, num = key
+    what = PROGRAM_NAMES.get(kind, f"the pass {kind}")
+    if num > 1:
+      what += f" of {num} learners"
+    same_kind = [k for k in self._cache if k[0] == kind]
+    if not same_kind:
+      return what, "first use" + (f"; structure {_short(structure)}" if structure != () else "")
+    if all(k[1] != structure for k in same_kind):
+      return what, self.method.program_change(same_kind[-1][1], structure)
+    return what, f"new population of {num}"
 
   @property
   def cache(self) -> Mapping[tuple, Program]:

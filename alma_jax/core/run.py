@@ -31,6 +31,7 @@ summaries, and all processes write and restore the checkpoints together.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Sequence
 
@@ -38,6 +39,8 @@ import jax
 import numpy as np
 from absl import logging
 
+from alma_jax.configuration import fields as F
+from alma_jax.core import meter as meter_lib
 from alma_jax.core import multihost
 from alma_jax.core import population
 from alma_jax.core import run_setup
@@ -93,19 +96,26 @@ def run(config, workdir: str, *, overwrite: bool = False, startup_s: float | Non
       wd.check_resume(workdir, config)
     wd.check_outputs(workdir, config, overwrite)
     multihost.sync("alma_jax: workdir checked")  # before process 0 writes to it
-    with interrupts.Signals() as signals:
+    meter = meter_lib.Meter(F.get(config.log, "log.progress"),
+                            every_s=config.train.get("progress_every_s", 10.0),
+                            primary=multihost.is_primary())
+    with interrupts.Signals() as signals, contextlib.closing(meter.start()):
       t_start, timer = time.monotonic(), timing.Breakdown()
+      meter.doing("loading the data and setting the run up (with any speed choices left to "
+                  "measure)")
       with timer("data_s"):
         setup = run_setup.build(config, workdir)
+      setup.steps.programs.listener = meter
+      meter.plan = setup.progress_plan()
       clock = Clock(setup.steps, timer, t_start, startup_s)
-      told, checkpoints = _outputs(setup, signals, clock, observers)
+      told, checkpoints = _outputs(setup, signals, clock, meter, observers)
       try:
-        return _walk(setup, told, checkpoints, signals, clock, overwrite)
+        return _walk(setup, told, checkpoints, signals, clock, meter, overwrite)
       finally:
         told.close()
 
 
-def _outputs(setup: Setup, signals: interrupts.Signals, clock: Clock,
+def _outputs(setup: Setup, signals: interrupts.Signals, clock: Clock, meter: meter_lib.Meter,
              extra: Sequence[Observer]) -> tuple[Observers, ckpt_obs.Checkpoints]:
   """The run's observers, in the order they are told (the checkpoints among them): a step's
   checkpoint starts before its progress line, and the last one is complete before the
@@ -114,18 +124,21 @@ def _outputs(setup: Setup, signals: interrupts.Signals, clock: Clock,
   checkpoints = ckpt_obs.Checkpoints(setup, signals, clock, arch)
   told = [clock, records.RecordLog(setup), events.EventFiles(setup), events.WandbRuns(setup),
           arch, checkpoints,
-          progress.Progress(setup, clock), summary.Summary(setup, signals, clock), *extra]
+          progress.Progress(setup, clock, meter), summary.Summary(setup, signals, clock), *extra]
   return Observers(told, signals, clock.timer), checkpoints
 
 
 def _walk(setup: Setup, observers: Observers, checkpoints: ckpt_obs.Checkpoints,
-          signals: interrupts.Signals, clock: Clock, overwrite: bool) -> dict[str, Any]:
+          signals: interrupts.Signals, clock: Clock, meter: meter_lib.Meter,
+          overwrite: bool) -> dict[str, Any]:
   """Restores the run, then walks its stream; returns the summary."""
+  meter.doing("restoring the last checkpoint")
   state, snapshot = _open(setup, observers, checkpoints, signals, overwrite)
   try:
     with signals.deferred():  # a signal stops the loop at the next step boundary
+      meter.doing("starting the stream")
       _begin(setup, state, snapshot, clock)
-      return stream(setup, state, observers, checkpoints, signals, clock)
+      return stream(setup, state, observers, checkpoints, signals, clock, meter)
   except RunInterrupted as e:
     if observers.interrupt():  # the checkpoint being written completed first: name it
       raise RunInterrupted(e.signum, signals.last_checkpoint) from None
@@ -163,7 +176,7 @@ def _begin(setup: Setup, state: RunState, snapshot, clock: Clock) -> None:
 # -- Algorithm 1 -----------------------------------------------------------------------------------
 def stream(setup: Setup, state: RunState, observers: Observers,
            checkpoints: ckpt_obs.Checkpoints, signals: interrupts.Signals,
-           clock: Clock) -> dict[str, Any]:
+           clock: Clock, meter: meter_lib.Meter | None = None) -> dict[str, Any]:
   """Algorithm 1 from the time step after `state.t` to B; returns the summary.
 
   At every time step t the mega-batch t arrives. When the waiting policy says
@@ -172,26 +185,32 @@ def stream(setup: Setup, state: RunState, observers: Observers,
   stage (with replay, a fraction of the earlier data too): the stage policy
   starts the stage, the method grows before and after it. The learner is then
   evaluated on the test set (an unchanged one is not re-evaluated), and the
-  observers get the step's records (one per seed) and the end of the step.
+  observers get the step's records (one per seed) and the end of the step;
+  `meter` says the progress.
   """
+  meter = meter or meter_lib.Meter("off")
   for t in range(state.t + 1, setup.num_t + 1):
     signals.check()
+    meter.at(t)
     t_step = time.monotonic()
     state.stats, spent, decided = None, {}, []
     if t > 0:
       with clock.timer("eval_s"):  # a policy may evaluate the learner on the new data
         decision = setup.wait_policy.decide(t, state, setup)
       if decision.train:
-        spent = _stage(setup, state, t, observers, checkpoints, signals, clock)
+        spent = _stage(setup, state, t, observers, checkpoints, signals, clock, meter)
       decided = setup.wait_policy.stage_fields(decision, state)
     if state.errors is None or state.trained:  # an unchanged model is not re-evaluated
+      meter.doing(f"evaluating the test set at t={t}")
       with clock.timer("eval_s"):
         acc, state.nll = setup.steps.evaluate(state.learner, "test", setup.test_idx())
         state.errors = 1.0 - acc
     step = _records(setup, state, t, spent, time.monotonic() - t_step, decided)
     state.logs = [log.append(r) for log, r in zip(state.logs, step)]
+    meter.doing(f"writing the outputs of t={t}")
     observers.record(state, step)
     observers.step(state)
+  meter.doing("writing the summary")
   return observers.end(state)
 
 
@@ -216,7 +235,7 @@ def _records(setup: Setup, state: RunState, t: int, spent: dict, wall_s: float,
 # -- a training stage ------------------------------------------------------------------------------
 def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
            checkpoints: ckpt_obs.Checkpoints, signals: interrupts.Signals,
-           clock: Clock) -> dict[str, np.ndarray]:
+           clock: Clock, meter: meter_lib.Meter) -> dict[str, np.ndarray]:
   """The stage at time step `t`: the stage policy starts it (growth included), it trains,
   the method grows after it. Sets the state's learner, optimizer state and stage stats;
   returns the compute spent per seed (Record fields)."""
@@ -224,14 +243,15 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
   contexts = setup.contexts(t, state.num_stages + 1, state.last_stage_t)
   passes_before = steps.pass_flops
   skeys = population.fold(setup.keys, t)
+  meter.doing(f"starting the stage at t={t} ({setup.stage_policy.name}, growth before it)")
   learner, opt_state = _start_stage(setup, state.learner, skeys, contexts, state.opt_state)
   if not setup.config.train.keep_optimizer_state:
     opt_state = None
   kill_point("stage", t)
   signals.check()
 
-  def progress_line(msg):
-    logging.info(msg)
+  def progress_line(msg):  # the meter says the line
+    del msg
     kill_point("epoch", t)
 
   store = checkpoints.stage(t, learner.structure)
@@ -240,11 +260,12 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
         steps, learner, np.stack([x.train_idx for x in contexts]),
         np.stack([x.val_idx for x in contexts]), population.fold(skeys, 3), t=t,
         opt_state=opt_state, progress=progress_line, labels=setup.seeds, check=signals.check,
-        on_epoch=lambda *a: observers.epoch(t, *a), checkpoints=store)
+        on_epoch=lambda *a: observers.epoch(t, *a), checkpoints=store, meter=meter)
   except RunInterrupted:
     checkpoints.stage_interrupted(t)
     raise
   checkpoints.stage_done()
+  meter.stage_end(float(np.max(stats.epochs_run)))
   if stats.diverged.any():
     logging.warning("stage t=%d diverged; continuing with its best epoch (%s)", t,
                     ", ".join(str(e) for e in stats.best_epoch))
@@ -253,6 +274,7 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
   spent = {"train_flops": flops["train_step"] * stats.steps_run,
            "train_flops_forward": flops["train_step_forward"] * stats.steps_run,
            "train_macs": flops["train_macs_per_example"] * stats.examples_run}
+  meter.doing(f"growing after the stage at t={t}")
   state.learner = steps.place(_each(method.after_stage, learner, population.fold(skeys, 4),
                                     contexts))
   state.opt_state, state.stats = opt_state, stats

@@ -24,6 +24,7 @@ from alma_jax import methods
 from alma_jax import models
 from alma_jax import policies
 from alma_jax import tasks
+from alma_jax.core import meter as meter_lib
 from alma_jax.core import multihost
 from alma_jax.core import optim
 from alma_jax.core import population
@@ -134,6 +135,20 @@ class Setup:
     logging.info("estimated training time: at most %.0f s (%.1f h) for %d steps at %.4f s/step "
                  "(growing models get slower; early stopping shortens it)", est, est / 3600,
                  total, per_step)
+
+  def progress_plan(self) -> meter_lib.Plan:
+    """What the progress ETAs count on: the planned stages' train steps per epoch (the
+    first seed's stream), epochs, examples per step and their unit."""
+    times = self.wait_policy.planned_times(self.num_t)
+    fixed = int(self.config.train.get("steps_per_epoch", 0) or 0)
+    b = int(self.config.train.batch_size)
+    sizes = _stage_sizes(self.streams[0], times, self.config.stream.replay)
+    unit, per_example = tune.example_unit(self.config)
+    return meter_lib.Plan(num_t=self.num_t, stages={t: fixed or -(-m // b)
+                                                    for t, m in zip(times, sizes)},
+                          epochs=int(self.config.train.epochs),
+                          examples_per_step=b * len(self.seeds),
+                          unit="examples" if unit == "img" else unit, unit_per_example=per_example)
 
   # -- what a checkpoint is restored into ---------------------------------------------------------
   def restore_target(self) -> Callable:

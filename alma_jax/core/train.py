@@ -27,6 +27,7 @@ from absl import logging
 
 from alma_jax.core import population
 from alma_jax.core import timing
+from alma_jax.core.meter import Meter
 from alma_jax.core.programs import Batch, TrainState, call_counter
 from alma_jax.core.steps import Steps
 from alma_jax.errors import divergence_error
@@ -128,12 +129,15 @@ class _Resume:
 
 def _epoch(steps: Steps, state: TrainState, structure, rngs, train_idx, keys, epoch: int,
            check: Callable[[], None], resume: _Resume | None = None,
-           save: Callable[[TrainState, int, list, Any, bool], None] | None = None):
+           save: Callable[[TrainState, int, list, Any, bool], None] | None = None,
+           meter: Meter | None = None):
   """One epoch of every member; returns (state, losses (S, steps), finite (S,), steps).
 
   `check()` runs after every compiled call (it raises to stop the stage there);
-  before it, `save(state, next call, losses so far, finite, epoch ended)`.
-  `resume` continues an epoch saved part-way.
+  before it, `save(state, next call, losses so far, finite, epoch ended)`. With
+  a full `meter`, each call is waited for once the next one is dispatched, and
+  the meter is told of it then (it may say a running line). `resume` continues
+  an epoch saved part-way.
   """
   d = steps.method.num_data_orders(structure)
   k = steps.steps_per_call
@@ -143,16 +147,28 @@ def _epoch(steps: Steps, state: TrainState, structure, rngs, train_idx, keys, ep
   idx, mask = np.stack([o[0] for o in orders]), np.stack([o[1] for o in orders])
   losses, finite = (list(resume.losses), resume.finite) if resume else ([], None)
   calls = idx.shape[1] // k
-  for c in range(resume.next_call if resume else 0, calls):
+  pending = None  # (steps done in the epoch, steps) of the call in flight, for the meter
+  first = resume.next_call if resume else 0
+  for c in range(first, calls):
     sl = slice(c * k, (c + 1) * k)
     batch = Batch(steps.put_batch(idx[:, sl]), steps.put_batch(mask[:, sl]))
     state, loss, finite = steps.train_call(structure, state, batch, keys, call_counter(epoch, c))
     losses.append(loss)
+    if meter is not None and meter.full:
+      if pending is not None:  # the previous call: the count of steps done is exact
+        jax.block_until_ready(losses[-2])
+        meter.trained(epoch, *pending)
+      done = min((c + 1) * k, orders[0][2])
+      pending = (done, done - min(c * k, orders[0][2]))
     if save is not None:
       save(state, c + 1, losses, finite, c + 1 == calls)
     check()
   n_steps = orders[0][2]
   losses = np.concatenate([np.asarray(l) for l in losses], axis=1)[:, :n_steps]
+  if pending is not None:
+    meter.trained(epoch, *pending, last=True)
+  elif meter is not None and calls > first:  # the epoch's steps, done (the losses are here)
+    meter.trained(epoch, n_steps, n_steps - min(first * k, n_steps), last=True)
   return state, losses, np.asarray(finite), n_steps
 
 
@@ -176,7 +192,7 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
               progress: Callable[[str], None] | None = None, labels: Sequence[int] | None = None,
               check: Callable[[], None] = lambda: None,
               on_epoch: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None] | None = None,
-              checkpoints: StageCheckpoints | None = None):
+              checkpoints: StageCheckpoints | None = None, meter: Meter | None = None):
   """Trains a stacked population on one stage's data; keeps each member's best epoch.
 
   Args:
@@ -194,6 +210,9 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
       accuracy (S,), which members trained in it (S,)).
     checkpoints: saves the stage between train calls when it says so, and continues the
       stage from its last save, if it has one.
+    meter: told where the stage is after every train call and epoch
+      (`alma_jax.core.meter.Meter`: running lines with speed and ETAs); the epoch's
+      `progress` line goes through it.
 
   Returns:
     (best learners, final optimizer state (None after a rollback), StageStats).
@@ -217,13 +236,16 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
   if checkpoints is not None:
     state, resume = _restore_position(checkpoints, state, p, rngs, timer)
   save = None if checkpoints is None else _saver(checkpoints, p, rngs, timer)
+  if meter is not None:
+    fixed = int(cfg.get("steps_per_epoch", 0) or 0)
+    meter.stage_start(t, int(cfg.epochs), fixed or -(-train_idx.shape[-1] // steps.batch_size))
   for epoch in range(resume.epoch if resume else 1, int(cfg.epochs) + 1):
     ran = p.active.copy()
     if save is not None:
       save.epoch_start(epoch)
     with timer("train_s"):
       state, losses, finite, n_steps = _epoch(steps, state, structure, rngs, train_idx, keys, epoch,
-                                              check, resume, save)
+                                              check, resume, save, meter)
       resume = None
       p.steps_run += n_steps * p.active
       p.epochs_run[p.active] = epoch
@@ -241,9 +263,13 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
       save.between_epochs(state, epoch)  # e.g. a signal that arrived during the evaluation
     if on_epoch is not None:
       on_epoch(epoch, np.mean(losses, axis=1), np.asarray(acc), ran)
-    if progress is not None and time.monotonic() - last_report >= cfg.get("progress_every_s", 10.0):
-      last_report = time.monotonic()
-      progress(_progress_line(t, epoch, cfg.epochs, losses, acc, p))
+    line = None
+    if time.monotonic() - last_report >= cfg.get("progress_every_s", 10.0):
+      last_report, line = time.monotonic(), _progress_line(t, epoch, cfg.epochs, losses, acc, p)
+    if meter is not None:
+      meter.epoch_end(line)
+    if progress is not None and line is not None:
+      progress(line)
     if not p.active.any():
       break
   best_acc = p.best_acc[:, 0]

@@ -155,6 +155,11 @@ class Method:
     """
     return structure
 
+  def program_change(self, old: Hashable, new: Hashable) -> str:
+    """Why programs compile again when the program structure goes from `old` to `new`
+    (for the progress log; methods with slots name the slot count)."""
+    return f"new structure {_short(new)}, was {_short(old)}"
+
   def active_view(self, learner: Learner) -> Learner:
     """The learner without its padding slots: what Mem and Comp count (default: itself)."""
     return learner
@@ -264,6 +269,11 @@ class Method:
   def describe(self, learner: Learner) -> dict:
     """JSON-friendly facts about the current architecture, for progress logs."""
     return {"num_params": self.num_params(learner)}
+
+
+def _short(value, limit: int = 60) -> str:
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def split_outputs(out) -> tuple[jax.Array, dict]:

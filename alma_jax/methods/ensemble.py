@@ -505,6 +505,11 @@ class GrowingEnsemble(Ensemble):
     n, k = structure
     return (self.slots(n), k)
 
+  def program_change(self, old, new) -> str:
+    if old[1] == new[1]:
+      return f"new slot count: {old[0]} -> {new[0]} member slots"
+    return f"new structure: {new[0]} member slots, {new[1]} of them trained (was {old})"
+
   def init(self, key: jax.Array, structure: Hashable | None = None) -> base.Learner:
     if structure is None or structure == ():
       structure = self.initial_structure()

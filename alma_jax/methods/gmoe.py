@@ -368,6 +368,12 @@ class GrowingMoE(base.Method):
         out.append((f, ("slots", self.slots(moe.num_experts(tree)))))
     return tuple(out)
 
+  def program_change(self, old, new) -> str:
+    slots = lambda s: [tree[1] for _, tree in s if isinstance(tree, tuple) and len(tree) == 2]
+    if self.own is None and len(old) == len(new) and [f for f, _ in old] == [f for f, _ in new]:
+      return f"new slot count: {slots(old)} -> {slots(new)} expert slots per mixture layer"
+    return super().program_change(old, new)
+
   def active_view(self, learner: base.Learner) -> base.Learner:
     """The learner without padding slots, as shapes (`jax.ShapeDtypeStruct` leaves)."""
     if self.own is not None:

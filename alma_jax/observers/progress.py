@@ -1,37 +1,41 @@
-"""A progress line after every training stage."""
+"""A progress line after every training stage (the lines within a stage, the compile lines
+and the heartbeat: `alma_jax.core.meter`)."""
 
 from __future__ import annotations
 
 import json
 
 import numpy as np
-from absl import logging
-
 from alma_jax.core import population
+from alma_jax.core.meter import Meter
 from alma_jax.core import run_setup
 from alma_jax.observers.base import Observer
 from alma_jax.observers.clock import Clock
 
 
 class Progress(Observer):
-  """Logs each stage's epochs, validation accuracy, test error and architecture."""
+  """Logs each stage's epochs, validation accuracy, test error and architecture, with the
+  position in the stream and the run's ETA (`config.log.progress` stage or full; process 0
+  only)."""
 
-  def __init__(self, setup: run_setup.Setup, clock: Clock):
+  def __init__(self, setup: run_setup.Setup, clock: Clock, meter: Meter | None = None):
     self.setup, self.clock = setup, clock
+    self.meter = meter or Meter("stage", primary=setup.primary)
 
   def on_step(self, state) -> None:
-    if not state.trained:
+    if not state.trained or not self.meter.stages:
       return
     s, t, stats, errors, learner = self.setup, state.t, state.stats, state.errors, state.learner
     arch = json.dumps(s.method.describe(population.unstack(learner, 0)))
     task_fields = s.task.progress([log.records[-1] for log in state.logs])
     if task_fields:
       arch = f"{task_fields} {arch}"
+    where = f"t={t}/{s.num_t} ({100.0 * t / s.num_t:.0f}%)"
     if len(s.seeds) == 1:
-      logging.info("t=%d/%d epochs=%d best_val_acc=%.4f test_error=%.4f %s elapsed=%.1fs", t,
-                   s.num_t, stats.epochs_run[0], stats.best_val_accuracy[0], errors[0], arch,
-                   self.clock.elapsed())
+      line = (f"{where} epochs={stats.epochs_run[0]} best_val_acc={stats.best_val_accuracy[0]:.4f} "
+              f"test_error={errors[0]:.4f}")
     else:
-      logging.info("t=%d/%d seeds=%d epochs=%s test_error=%.4f±%.4f %s elapsed=%.1fs", t,
-                   s.num_t, len(s.seeds), stats.epochs_run.tolist(), float(np.mean(errors)),
-                   float(np.std(errors)), arch, self.clock.elapsed())
+      line = (f"{where} seeds={len(s.seeds)} epochs={stats.epochs_run.tolist()} "
+              f"test_error={float(np.mean(errors)):.4f}±{float(np.std(errors)):.4f}")
+    self.meter.say(f"{line} {arch} elapsed={self.clock.elapsed():.1f}s {self.meter.fields()}",
+                   level="stage")

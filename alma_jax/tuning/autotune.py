@@ -240,11 +240,16 @@ def _measure(config, tunable: Tunable, build, measure, chosen: dict) -> tuple[An
   return best, f"measured ({timed})", True
 
 
+def example_unit(config) -> tuple[str, int]:
+  """(the unit a speed counts, units per example): tokens of data.seq_len per sequence
+  for text, one image per example for images."""
+  seq_len = (config.data.get("seq_len") if "text" in models.spec(config.model.name).tasks
+             else None)
+  return ("tokens", int(seq_len)) if seq_len else ("img", 1)
+
+
 def _rate(config, seconds_per_example: float) -> str:
   """The speed of `seconds_per_example` in the unit of the config's examples: tokens/s for
   text (sequences of data.seq_len tokens), img/s for images."""
-  seq_len = (config.data.get("seq_len") if "text" in models.spec(config.model.name).tasks
-             else None)
-  if seq_len:
-    return f"{int(seq_len) / seconds_per_example:,.0f} tokens/s"
-  return f"{1 / seconds_per_example:,.0f} img/s"
+  unit, per_example = example_unit(config)
+  return f"{per_example / seconds_per_example:,.0f} {unit}/s"

@@ -25,6 +25,7 @@ from alma_jax.tuning import cpu_fusion
 
 signature = autotune.signature
 with_choices = autotune.with_choices
+example_unit = autotune.example_unit  # what a speed counts: tokens for text, images
 
 
 def process_flags(config, workdir: str | None, *, shapes, multiprocess: bool,
