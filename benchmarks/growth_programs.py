@@ -54,6 +54,9 @@ def run_one(spec: str, slots: str, workdir: str) -> dict:
   out.update(compile_s=t["compile_s"], step_programs=t["step_programs"],
              xla_programs=t["xla_programs"], process_s=elapsed)
   out["compile_share"] = t["compile_s"] / summary["wall_s"]
+  with open(os.path.join(workdir, "run", "architecture.jsonl")) as f:
+    arch = [json.loads(line) for line in f if line.strip()]
+  out["last_architecture"] = {k: v for k, v in arch[-1].items() if k != "t"} if arch else {}
   return out
 
 

@@ -37,12 +37,13 @@ Compute: both passes run the candidate network, of width 2 C_l + K per layer, th
 `ctx.scan` (counted by the core as growth compute); `fit_examples` bounds the examples used.
 
 Slots (`method.slots`, `alma_jax.models.slots`): with "pow2" every growable layer holds its
-C_l channels in S_l = the next power of two of C_l channel slots, the first C_l active
+C_l channels in S channel slots, S the next power of two of the widest layer's width, the
+first C_l active
 (`model_state["slots"]["active"]`, one (S_l,) mask per layer). Inactive channels output
 exactly 0 (the backbone multiplies them by their mask), so they receive no gradient; their
 BatchNorm statistics are kept as they are in training; padding values are zeros. The
 compiled programs are keyed by the slots (`program_structure`), so growths inside one power
-of two reuse them; the candidate network holds 2 S_l + K channels, its candidates on inactive
+of two of the widest layer reuse them; the candidate network holds 2 S + K channels, its candidates on inactive
 channels masked too and never selected. Candidates are drawn, and growth is computed, on the
 active channels, then written into the slots, so a run gives the records of "exact" (no
 slots: one structure per growth) up to float summation order. Mem and every FLOP count are
@@ -364,8 +365,9 @@ class Firefly(base.Method):
       F.Field("method.fit_examples", 0, F.integer(0),
               "fit and score on at most this many of the stage's examples (0: all)"),
       F.Field("method.slots", "pow2", F.choice(SLOTS),
-              "channel slots of a growable layer: pow2 (the next power of two of its width: "
-              "one compiled structure per power of two) or exact (one per growth)"),
+              "channel slots of the growable layers: pow2 (each the next power of two of the "
+              "widest layer's width: one compiled structure per power of two) or exact (one "
+              "per growth)"),
   )
 
   def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
@@ -395,8 +397,13 @@ class Firefly(base.Method):
     return self._modules[widths]
 
   def slots(self, widths: Sequence[int]) -> tuple[int, ...]:
-    """The channel slots of layers of these widths (`method.slots`)."""
-    return tuple(slots_lib.capacity(c, self.opts.slots) for c in widths)
+    """The channel slots of layers of these widths (`method.slots`): with pow2 every layer
+    has the slots of the widest one, so a run compiles one structure per power of two of its
+    widest layer (layers that grow unevenly would otherwise cross powers of two at different
+    growths)."""
+    if self.opts.slots == "exact":
+      return tuple(widths)
+    return (slots_lib.capacity(max(widths), self.opts.slots),) * len(widths)
 
   def program_structure(self, structure) -> tuple[int, ...]:
     """The channel slots of every growable layer (which are active is in the masks)."""
