@@ -27,6 +27,7 @@ from flax import struct
 from alma_jax import tasks
 from alma_jax.configuration import fields
 from alma_jax.errors import ConfigError
+from alma_jax.models import slots
 
 PyTree = Any
 
@@ -81,8 +82,7 @@ class StageContext:
   eval_aux: Callable[..., PyTree] | None = None
 
 
-def count_params(params: PyTree) -> int:
-  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+count_params = slots.count_params
 
 
 class Method:
@@ -148,10 +148,11 @@ class Method:
     Programs are compiled once per program structure and are traced with it
     in place of `structure`, so every function that runs inside them
     (`loss`, `predict`, `predict_units`, passes over data) must accept it.
-    A method that allocates growth in slots (gMoE experts, gEns members)
-    maps every structure that fits the same slots to one value and keeps the
-    rest (which slots are active, the gating tree) in arrays; the default is
-    the structure itself. Must be idempotent.
+    A method that allocates growth in slots (gMoE experts, gEns members, FF
+    channels; `alma_jax.models.slots`) maps every structure that fits the
+    same slots to one value and keeps the rest (which slots are active, the
+    gating tree) in arrays; the default is the structure itself. Must be
+    idempotent.
     """
     return structure
 
@@ -264,7 +265,8 @@ class Method:
 
   # -- accounting -------------------------------------------------------------
   def num_params(self, learner: Learner) -> int:
-    return count_params(learner.params)
+    """Mem: the parameters of the learner's active parts (`active_view`)."""
+    return count_params(self.active_view(learner).params)
 
   def describe(self, learner: Learner) -> dict:
     """JSON-friendly facts about the current architecture, for progress logs."""

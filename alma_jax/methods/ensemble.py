@@ -43,7 +43,6 @@ evaluation but are masked out of the prediction, and are never trained.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable, Hashable
 
@@ -55,10 +54,11 @@ from alma_jax import models
 from alma_jax.configuration import fields as F
 from alma_jax.methods import base
 from alma_jax.methods.registry import register
+from alma_jax.models import slots as slots_lib
 
 PyTree = Any
 MEMBER_INITS = ("copy", "fresh")
-SLOTS = ("pow2", "exact")
+SLOTS = ("pow2", "exact")  # of `alma_jax.models.slots.POLICIES`
 SLOTS_KEY = "slots"  # model_state[SLOTS_KEY]["active"]: which member slots hold members
 VMAP_CHUNK = 32
 STRATEGY = F.Field("method.strategy", "auto", F.choice(("auto", "loop", "vmap")),
@@ -77,22 +77,11 @@ def choose_strategy(strategy: str, model_name: str, backend: str | None = None) 
 
 
 # -- stacked members ------------------------------------------------------------------------------
-def num_members(tree: PyTree) -> int:
-  """The size of the leading (member) axis shared by all leaves of `tree`."""
-  sizes = {a.shape[0] for a in jax.tree.leaves(tree)}
-  if len(sizes) != 1:
-    raise ValueError(f"the leaves of a stacked tree must share their leading axis; got {sorted(sizes)}")
-  return sizes.pop()
-
-
-def stack_members(members: list[PyTree]) -> PyTree:
-  """[tree_0, ..., tree_{n-1}] (same structure) -> one tree with a leading axis n."""
-  return jax.tree.map(lambda *a: jnp.stack(a), *members)
-
-
-def member(tree, i: int):
-  """Slice `i` of every leaf of a stacked tree."""
-  return jax.tree.map(lambda a: a[i], tree)
+# Members are slots of the leading axis (`alma_jax.models.slots`).
+num_members = slots_lib.leading_size
+stack_members = slots_lib.stack
+member = slots_lib.index
+take_members = slots_lib.take
 
 
 def map_members(fn: Callable, stacked: tuple, strategy: str, chunk: int = VMAP_CHUNK):
@@ -149,38 +138,6 @@ def _per_member(active, logits):
 
 def _with_slots(model_state: PyTree, active) -> PyTree:
   return {**backbone_state(model_state), SLOTS_KEY: {"active": jnp.asarray(active)}}
-
-
-@jax.jit
-def _put_members(tree: PyTree, new: PyTree, start) -> PyTree:
-  # `start` is an argument: one program per shapes, wherever the members go.
-  return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype),
-                                                                       start, 0), tree, new)
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _take_members(tree: PyTree, start, k: int) -> PyTree:
-  return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, k), tree)
-
-
-def take_members(tree: PyTree, start: int, k: int) -> PyTree:
-  """Members [start, start + k) of a stacked tree (one program per shapes)."""
-  if _traced(tree):
-    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, k), tree)
-  return _take_members(tree, np.int32(start), k)
-
-
-def _traced(tree) -> bool:
-  return any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(tree))
-
-
-def _resize(tree: PyTree, slots: int) -> PyTree:
-  """Every stacked leaf cut or padded (with copies of slot 0) to `slots` slots."""
-  def one(a):
-    if slots <= a.shape[0]:
-      return a[:slots]
-    return jnp.concatenate([a, jnp.repeat(a[:1], slots - a.shape[0], axis=0)], axis=0)
-  return jax.tree.map(one, tree)
 
 
 # -- growth: add_member ---------------------------------------------------------------------------
@@ -256,14 +213,14 @@ def add_member(state: base.Learner, key: jax.Array, *, init: str = "fresh", k: i
                         model_state=_concat(state.model_state, model_state, "model_state"),
                         structure=(n + k, k))
   if slots is None:
-    slots = c if n + k <= c else 1 << (n + k - 1).bit_length()
+    slots = c if n + k <= c else slots_lib.next_power_of_two(n + k)
   slots = max(int(slots), n + k)
   _check_new(state.params, params, "params")
   _check_new(backbone_state(state.model_state), model_state, "model_state")
-  put = lambda old, new: _put_members(_resize(old, slots), new, np.int32(n))
+  put = lambda old, new: slots_lib.put(slots_lib.resize(old, slots), new, n)
   return base.Learner(params=put(state.params, params),
                       model_state=_with_slots(put(backbone_state(state.model_state), model_state),
-                                              np.arange(slots) < n + k),
+                                              slots_lib.mask(n + k, slots)),
                       structure=(n + k, k))
 
 
@@ -370,10 +327,9 @@ class Ensemble(base.SingleBackbone, base.Method):
     # Slots: the trained members are slots [n - k, n), n counted from the active slots.
     start = jnp.sum(active.astype(jnp.int32)) - k
     members = backbone_state(model_state)
-    state = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, k), members)
+    state = slots_lib.take(members, start, k)
     losses, new_state = map_members(one, (trainable, state, x, y, mask), self.run_as)
-    members = jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, start, 0),
-                           members, new_state)
+    members = slots_lib.put(members, new_state, start)
     return jnp.sum(losses), _with_slots(members, active)
 
   # -- inference ------------------------------------------------------------------------------------
@@ -499,7 +455,7 @@ class GrowingEnsemble(Ensemble):
   # -- member slots ---------------------------------------------------------------------------
   def slots(self, members: int) -> int:
     """The member slots of an ensemble of `members` members (`method.slots`)."""
-    return members if self.opts.slots == "exact" else 1 << (members - 1).bit_length()
+    return slots_lib.capacity(members, self.opts.slots)
 
   def program_structure(self, structure) -> tuple[int, int]:
     n, k = structure
@@ -516,7 +472,7 @@ class GrowingEnsemble(Ensemble):
     self.check_structure(structure)
     n, c = structure[0], self.slots(structure[0])
     params, model_state = self.init_members(key, c)  # slot i as member i would be
-    return base.Learner(params=params, model_state=_with_slots(model_state, np.arange(c) < n),
+    return base.Learner(params=params, model_state=_with_slots(model_state, slots_lib.mask(n, c)),
                         structure=tuple(structure))
 
   def partition(self, learner: base.Learner):
@@ -527,21 +483,15 @@ class GrowingEnsemble(Ensemble):
 
   def combine(self, learner: base.Learner, trainable):
     n, k = learner.structure
-    if _traced(learner.params):
-      return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, n - k, 0),
-                          learner.params, trainable)
-    return _put_members(learner.params, trainable, np.int32(n - k))
+    return slots_lib.put(learner.params, trainable, n - k)
 
   def active_view(self, learner: base.Learner) -> base.Learner:
     """The n members alone (no padding slots), as shapes."""
     n = learner.structure[0]
-    cut = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct((n,) + a.shape[1:], a.dtype), t)
-    return learner.replace(params=cut(learner.params),
-                           model_state={**cut(backbone_state(learner.model_state)),
-                                        SLOTS_KEY: {"active": np.ones((n,), bool)}})
-
-  def num_params(self, learner: base.Learner) -> int:
-    return base.count_params(self.active_view(learner).params)
+    return learner.replace(params=slots_lib.cut_shapes(learner.params, n),
+                           model_state={**slots_lib.cut_shapes(backbone_state(learner.model_state),
+                                                               n),
+                                        SLOTS_KEY: {"active": slots_lib.mask(n, n)}})
 
   def check_structure(self, structure) -> None:
     ok = (isinstance(structure, tuple) and len(structure) == 2

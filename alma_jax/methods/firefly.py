@@ -35,6 +35,20 @@ their BatchNorm parameters and statistics, new neurons get scale 1, bias 0, mean
 
 Compute: both passes run the candidate network, of width 2 C_l + K per layer, through
 `ctx.scan` (counted by the core as growth compute); `fit_examples` bounds the examples used.
+
+Slots (`method.slots`, `alma_jax.models.slots`): with "pow2" every growable layer holds its
+C_l channels in S channel slots, S the next power of two of the widest layer's width, the
+first C_l active
+(`model_state["slots"]["active"]`, one (S_l,) mask per layer). Inactive channels output
+exactly 0 (the backbone multiplies them by their mask), so they receive no gradient; their
+BatchNorm statistics are kept as they are in training; padding values are zeros. The
+compiled programs are keyed by the slots (`program_structure`), so growths inside one power
+of two of the widest layer reuse them; the candidate network holds 2 S + K channels, its candidates on inactive
+channels masked too and never selected. Candidates are drawn, and growth is computed, on the
+active channels, then written into the slots, so a run gives the records of "exact" (no
+slots: one structure per growth) up to float summation order. Mem and every FLOP count are
+taken on `active_view` (the active channels alone, no masks): they do not depend on the
+slots.
 """
 
 from __future__ import annotations
@@ -52,10 +66,13 @@ from alma_jax import models
 from alma_jax.configuration import fields as F
 from alma_jax.methods import base
 from alma_jax.methods.registry import register
+from alma_jax.models import slots as slots_lib
 
 PyTree = Any
 Path = tuple[str, ...]
 Layout = models.WidthLayout  # where the growable layers' weights live
+SLOTS = ("pow2", "exact")  # of `alma_jax.models.slots.POLICIES`
+SLOTS_KEY = "slots"  # model_state[SLOTS_KEY]["active"]: one channel mask per growable layer
 
 
 # -- leaves by path ------------------------------------------------------------------------------
@@ -67,6 +84,85 @@ def _replace(tree: PyTree, edits: dict[Path, Any]) -> PyTree:
   """A new tree with the leaves at the paths of `edits` replaced (the input is untouched)."""
   keys = lambda p: tuple(k.key for k in p)  # pylint: disable=unnecessary-lambda-assignment
   return jax.tree_util.tree_map_with_path(lambda p, x: edits.get(keys(p), x), tree)
+
+
+# -- channel slots --------------------------------------------------------------------------------
+def _fit_axis(a, axis: int, n: int):
+  """`a` with axis `axis` cut or zero-padded to size `n`."""
+  size = a.shape[axis]
+  if n <= size:
+    return jax.lax.slice_in_dim(a, 0, n, axis=axis)
+  pad = [(0, 0)] * a.ndim
+  pad[axis] = (0, n - size)
+  return jnp.pad(a, pad)
+
+
+def layer_widths(layout: Layout, params: PyTree) -> tuple[int, ...]:
+  """The channels (active or not) each growable layer's arrays hold."""
+  return tuple(int(_get(params, k).shape[-1]) for k in layout.kernels)
+
+
+def resize_channels(layout: Layout, params: PyTree, model_state: PyTree,
+                    widths: Sequence[int]) -> tuple[PyTree, PyTree]:
+  """(params, model_state) with every growable layer's channels cut or zero-padded to
+  `widths` (its kernel's outputs, per-channel vectors and statistics, and the next kernel's
+  inputs); the slot masks, if any, are left out."""
+  old = layer_widths(layout, params)
+  edits, stat_edits = {}, {}
+  for l, n in enumerate(widths):
+    if old[l] == n:
+      continue
+    path = layout.kernels[l]
+    edits[path] = _fit_axis(edits.get(path, _get(params, path)), -1, n)
+    nxt = layout.next_kernel(l)
+    edits[nxt] = _fit_axis(edits.get(nxt, _get(params, nxt)), -2, n)
+    for p, _ in layout.vectors[l]:
+      edits[p] = _fit_axis(_get(params, p), -1, n)
+    for p, _ in layout.stats[l]:
+      stat_edits[p] = _fit_axis(_get(model_state, p), -1, n)
+  state = {k: v for k, v in model_state.items() if k != SLOTS_KEY}
+  return _replace(params, edits), _replace(state, stat_edits)
+
+
+def in_slots(layout: Layout, params: PyTree, model_state: PyTree, widths: Sequence[int],
+             slots: Sequence[int]) -> tuple[PyTree, PyTree]:
+  """(params, model_state) of `widths` active channels held in `slots` channel slots, with
+  the masks (`SLOTS_KEY`); the active values are those of the input."""
+  params, model_state = resize_channels(layout, params, model_state, slots)
+  masks = [jnp.asarray(slots_lib.mask(c, s)) for c, s in zip(widths, slots)]
+  return params, {**model_state, SLOTS_KEY: {"active": masks}}
+
+
+def active_masks(model_state: PyTree):
+  """The per-layer channel masks, or None for a learner without slots."""
+  if isinstance(model_state, dict) and SLOTS_KEY in model_state:
+    return model_state[SLOTS_KEY]["active"]
+  return None
+
+
+def resize_candidates(tree: PyTree, old: Sequence[int], new: Sequence[int]) -> PyTree:
+  """Candidate-shaped leaves (`init_candidates`' {"v", "a", "b"}, scores' {"split", "new"},
+  and optimizer states of them: any leaf whose path ends in a layer index and one of those
+  keys) moved from `old` to `new` channel slots per layer, cut or zero-padded; the columns
+  of "b" keep their K new-neuron columns last."""
+  num = len(old)
+
+  def one(path, a):
+    if len(path) < 2 or not isinstance(path[-2], jax.tree_util.SequenceKey):
+      return a
+    l, name = path[-2].idx, getattr(path[-1], "key", None)
+    if name in ("v", "split"):
+      a = _fit_axis(a, -1, new[l])
+    if name in ("v", "a") and l > 0:
+      a = _fit_axis(a, -2, new[l - 1])
+    if name == "b" and l + 1 < num:
+      a = jnp.concatenate([_fit_axis(a[..., :old[l + 1]], -1, new[l + 1]),
+                           a[..., old[l + 1]:]], axis=-1)
+    return a
+
+  if tuple(old) == tuple(new):
+    return tree
+  return jax.tree_util.tree_map_with_path(one, tree)
 
 
 # -- candidates -----------------------------------------------------------------------------------
@@ -170,7 +266,8 @@ class GrowthPlan:
     return [len(s) + len(n) for s, n in zip(self.split, self.new)]
 
 
-def grow_width(state: base.Learner, plan: GrowthPlan, layout: Layout) -> base.Learner:
+def grow_width(state: base.Learner, plan: GrowthPlan, layout: Layout,
+               slots: Sequence[int] | None = None) -> base.Learner:
   """The learner with `plan` applied to the layers of `layout`: a pure edit of its pytrees
   (the input is untouched).
 
@@ -181,8 +278,24 @@ def grow_width(state: base.Learner, plan: GrowthPlan, layout: Layout) -> base.Le
   classifier's) input rows of split neurons are halved for both halves; those of new neurons
   are eps b. With eps = 0 the grown network computes the old function, in training and
   evaluation mode alike; the structure becomes the grown widths.
+
+  A learner in channel slots (`in_slots`) stays in slots: the grown channels go to the free
+  slots after the active ones (in the order above), in `slots` channel slots per layer (None:
+  the current slots where the grown width fits, else its next power of two); `plan` is in
+  active channels.
   """
   widths = tuple(state.structure)
+  if active_masks(state.model_state) is not None:
+    old_slots = layer_widths(layout, state.params)
+    params, model_state = resize_channels(layout, state.params, state.model_state, widths)
+    grown = grow_width(base.Learner(params, model_state, widths), plan, layout)
+    if slots is None:
+      slots = tuple(s if c <= s else slots_lib.next_power_of_two(c)
+                    for c, s in zip(grown.structure, old_slots))
+    slots = tuple(max(int(s), c) for s, c in zip(slots, grown.structure))
+    params, model_state = in_slots(layout, grown.params, grown.model_state, grown.structure,
+                                   slots)
+    return base.Learner(params=params, model_state=model_state, structure=grown.structure)
   if not (len(plan.split) == len(plan.new) == len(plan.candidates) == len(widths)):
     raise ValueError(f"a growth plan needs one entry per layer ({len(widths)})")
   split = tuple(np.asarray(s, np.int64).reshape(-1) for s in plan.split)
@@ -251,6 +364,10 @@ class Firefly(base.Method):
               "RMSprop learning rate of the candidate fit (released code: 1e-3)"),
       F.Field("method.fit_examples", 0, F.integer(0),
               "fit and score on at most this many of the stage's examples (0: all)"),
+      F.Field("method.slots", "pow2", F.choice(SLOTS),
+              "channel slots of the growable layers: pow2 (each the next power of two of the "
+              "widest layer's width: one compiled structure per power of two) or exact (one "
+              "per growth)"),
   )
 
   def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
@@ -279,6 +396,30 @@ class Firefly(base.Method):
       self._modules[widths] = self.layout.build(widths)
     return self._modules[widths]
 
+  def slots(self, widths: Sequence[int]) -> tuple[int, ...]:
+    """The channel slots of layers of these widths (`method.slots`): with pow2 every layer
+    has the slots of the widest one, so a run compiles one structure per power of two of its
+    widest layer (layers that grow unevenly would otherwise cross powers of two at different
+    growths)."""
+    if self.opts.slots == "exact":
+      return tuple(widths)
+    return (slots_lib.capacity(max(widths), self.opts.slots),) * len(widths)
+
+  def program_structure(self, structure) -> tuple[int, ...]:
+    """The channel slots of every growable layer (which are active is in the masks)."""
+    return self.slots(tuple(structure))
+
+  def active_view(self, learner: base.Learner) -> base.Learner:
+    """The learner cut to its active channels, without masks, as shapes."""
+    if active_masks(learner.model_state) is None:
+      return learner
+
+    def cut(params, model_state):
+      return resize_channels(self.layout, params, model_state, learner.structure)
+
+    params, model_state = jax.eval_shape(cut, learner.params, learner.model_state)
+    return learner.replace(params=params, model_state=model_state)
+
   def init(self, key: jax.Array, structure: Hashable | None = None) -> base.Learner:
     widths = self.initial_structure() if structure in (None, ()) else tuple(structure)
     if len(widths) != self.num_layers or not all(
@@ -290,18 +431,32 @@ class Firefly(base.Method):
       module = self.module(widths)
       self._init_fns[widths] = jax.jit(lambda k: module.init(k, dummy, train=False))
     variables = self._init_fns[widths](key)
+    params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
-    return base.Learner(params=variables["params"], model_state=model_state, structure=widths)
+    if self.opts.slots != "exact":  # the active channels are those of an exact learner
+      params, model_state = in_slots(self.layout, params, model_state, widths,
+                                     self.slots(widths))
+    return base.Learner(params=params, model_state=model_state, structure=widths)
 
   # -- training and inference ----------------------------------------------------------------------
   def logits(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
-    del rng
-    module, variables = self.module(tuple(structure)), {"params": params, **model_state}
-    if train and model_state:
-      logits, updates = module.apply(variables, x, train=True, mask=mask,
-                                     mutable=list(model_state))
-      return logits, dict(updates)
-    return module.apply(variables, x, train=train, mask=mask), model_state
+    """The backbone of the arrays' widths (slots or active channels); inactive channels
+    masked, their BatchNorm statistics unchanged by training."""
+    del structure, rng
+    active = active_masks(model_state)
+    state = {k: v for k, v in model_state.items() if k != SLOTS_KEY}
+    module = self.module(layer_widths(self.layout, params))
+    variables = {"params": params, **state}
+    if not (train and state):
+      return module.apply(variables, x, train=train, mask=mask, active=active), model_state
+    logits, updates = module.apply(variables, x, train=True, mask=mask, active=active,
+                                   mutable=list(state))
+    updates = dict(updates)
+    if active is not None:
+      edits = {p: jnp.where(active[l], _get(updates, p), _get(state, p))
+               for l in range(self.num_layers) for p, _ in self.layout.stats[l]}
+      updates = {**_replace(updates, edits), SLOTS_KEY: model_state[SLOTS_KEY]}
+    return logits, updates
 
   # -- growth ---------------------------------------------------------------------------------------
   def should_grow(self, ctx) -> bool:
@@ -309,24 +464,38 @@ class Firefly(base.Method):
             and (ctx.stage - 1) % self.opts.grow_every == 0)
 
   def candidate_logits(self, structure, params, model_state, candidates, scales, x):
-    """Logits of the candidate network: every candidate taken, at size 1 + its scale."""
-    widths, k = tuple(structure), self.opts.num_new
+    """Logits of the candidate network: every candidate taken, at size 1 + its scale (in
+    slots: the candidates of inactive channels masked)."""
+    del structure
+    widths, k = layer_widths(self.layout, params), self.opts.num_new
+    active = active_masks(model_state)
+    state = {k_: v for k_, v in model_state.items() if k_ != SLOTS_KEY}
     split = tuple(np.arange(c) for c in widths)
     new = tuple(np.arange(k) for _ in widths)
-    p, s = grown_trees(self.layout, params, model_state, widths, split, new, candidates,
+    p, s = grown_trees(self.layout, params, state, widths, split, new, candidates,
                        [1.0 + sc["split"] for sc in scales], [1.0 + sc["new"] for sc in scales])
+    if active is not None:
+      active = [jnp.concatenate([m, m, jnp.ones((k,), bool)]) for m in active]
     module = self.module(tuple(2 * c + k for c in widths))
-    return module.apply({"params": p, **s}, x, train=False)
+    return module.apply({"params": p, **s}, x, train=False, active=active)
 
   def zero_scales(self, structure, dtype=jnp.float32) -> list[dict]:
     return [{"split": jnp.zeros((c,), dtype), "new": jnp.zeros((self.opts.num_new,), dtype)}
             for c in structure]
 
+  def _carry_at(self, carry, params):
+    """A pass's carry cut to the widths of `params` (the active view that FLOP counts
+    trace); unchanged in the compiled passes, whose params are in the carry's slots."""
+    cands = carry[0]
+    have = tuple(int(c["v"].shape[-1]) for c in cands)
+    return resize_candidates(carry, have, layer_widths(self.layout, params))
+
   def fit_batch(self, structure, params, model_state, x, y, mask, carry, task):
     """One RMSprop step of the candidates on one batch of the pass (a `ctx.scan` body): on the
     task's loss (summed, over the batch's examples) plus the penalties."""
     o = self.opts
-    scales = self.zero_scales(structure, x.dtype)
+    carry = self._carry_at(carry, params)
+    scales = self.zero_scales(layer_widths(self.layout, params), x.dtype)
 
     def objective(cands):
       logits = self.candidate_logits(structure, params, model_state, cands, scales, x)
@@ -341,10 +510,10 @@ class Firefly(base.Method):
 
   def score_batch(self, structure, params, model_state, x, y, mask, carry, task):
     """Adds each candidate's d(summed loss)/d(scale) at scale 0 on one batch (`ctx.scan`)."""
-    cands, sums = carry
+    cands, sums = self._carry_at(carry, params)
     loss = lambda s: task.summed_loss(  # pylint: disable=unnecessary-lambda-assignment
         self.candidate_logits(structure, params, model_state, cands, s, x), y, mask)
-    grads = jax.grad(loss)(self.zero_scales(structure, x.dtype))
+    grads = jax.grad(loss)(self.zero_scales(layer_widths(self.layout, params), x.dtype))
     return cands, jax.tree.map(jnp.add, sums, grads)
 
   def fit_indices(self, train_idx, key: jax.Array) -> np.ndarray:
@@ -357,12 +526,17 @@ class Firefly(base.Method):
     """Candidates fitted and scored on the stage's data (two `ctx.scan` passes), selected."""
     o = self.opts
     k_init, k_order = jax.random.split(key)
-    cands = init_candidates(k_init, self.layout, learner.params, learner.structure, o.num_new,
+    widths = tuple(learner.structure)
+    slots = layer_widths(self.layout, learner.params)
+    # Drawn on the active channels (the draws of a learner without slots), then put in slots.
+    active, _ = resize_channels(self.layout, learner.params, learner.model_state, widths)
+    cands = init_candidates(k_init, self.layout, active, widths, o.num_new,
                             (o.split_init, o.new_in_init, o.new_out_init))
+    cands = resize_candidates(cands, widths, slots)
     idx = self.fit_indices(ctx.train_idx, k_order)
     cands, _ = ctx.scan(self.fit_batch, (cands, self.fit_tx.init(cands)), learner, idx)
-    _, sums = ctx.scan(self.score_batch, (cands, self.zero_scales(learner.structure)), learner,
-                       idx)
+    _, sums = ctx.scan(self.score_batch, (cands, self.zero_scales(slots)), learner, idx)
+    sums, cands = resize_candidates((sums, cands), slots, widths)
     scores = jax.tree.map(lambda a: np.asarray(a, np.float64) / len(idx), sums)
     split, new = select(scores, self.n_grow)
     return GrowthPlan(split, new, tuple(cands), o.epsilon)
@@ -370,7 +544,11 @@ class Firefly(base.Method):
   def before_stage(self, learner: base.Learner, key: jax.Array, ctx) -> base.Learner:
     if not self.should_grow(ctx):
       return learner
-    return grow_width(learner, self.plan_growth(learner, key, ctx), self.layout)
+    plan = self.plan_growth(learner, key, ctx)
+    if active_masks(learner.model_state) is None:
+      return grow_width(learner, plan, self.layout)
+    grown = tuple(c + a for c, a in zip(learner.structure, plan.added()))
+    return grow_width(learner, plan, self.layout, self.slots(grown))
 
   # -- accounting -------------------------------------------------------------------------------
   def describe(self, learner: base.Learner) -> dict:

@@ -53,10 +53,11 @@ from alma_jax.methods import base
 from alma_jax.methods import expert_growth
 from alma_jax.methods.registry import register
 from alma_jax.models import moe
+from alma_jax.models import slots as slots_lib
 
 GATINGS = ("soft", "hard")
 SPLIT_BY = ("loss", "usage")
-SLOTS = ("pow2", "max", "exact")
+SLOTS = slots_lib.POLICIES
 
 
 def gating_tree(learner: base.Learner, layer: int) -> dict:
@@ -103,14 +104,6 @@ def losing_expert(scores) -> int:
   return int(np.argmax(scores))
 
 
-def _resize(a, slots: int):
-  """`a` with its leading (slot) axis cut or padded to `slots` (padding repeats slot 0)."""
-  n = a.shape[0]
-  if slots <= n:
-    return a[:slots]
-  return jnp.concatenate([a, jnp.repeat(a[:1], slots - n, axis=0)], axis=0)
-
-
 def _resize_gates(lp: dict, tree, feat_dim: int, slots: int) -> dict:
   """Gate params of layer params `lp` for `slots` expert slots (new gate slots are zeros)."""
   out = {k: v for k, v in lp.items() if k not in ("gate", "gates")}
@@ -137,12 +130,11 @@ def resize_layer(state: base.Learner, layer: int, slots: int) -> base.Learner:
                      "hold them")
   name = moe.layer_name(layer)
   lp = _resize_gates(state.params[name], tree, feat_dim, slots)
-  lp["experts"] = jax.tree.map(lambda a: _resize(a, slots), lp["experts"])
+  lp["experts"] = slots_lib.resize(lp["experts"], slots)
   model_state = dict(state.model_state)
   stats = model_state.get("batch_stats", {})
   if name in stats:
-    model_state["batch_stats"] = {**stats, name: jax.tree.map(lambda a: _resize(a, slots),
-                                                              stats[name])}
+    model_state["batch_stats"] = {**stats, name: slots_lib.resize(stats[name], slots)}
   model_state["routing"] = {**model_state["routing"],
                             name: jax.tree.map(jnp.asarray, moe.tree_arrays(tree, slots))}
   return state.replace(params={**state.params, name: lp}, model_state=model_state)
@@ -152,36 +144,17 @@ def num_slots(learner: base.Learner, layer: int) -> int:
   return int(learner.model_state["routing"][moe.layer_name(layer)]["active"].shape[0])
 
 
-@jax.jit
-def _copy_slot(tree, dst, src):
-  # Slot indices are arguments: one program per slot shapes, whichever slots are edited.
-  def one(a):
-    return jax.lax.dynamic_update_index_in_dim(a, jax.lax.dynamic_index_in_dim(a, src, 0), dst,
-                                               0)
-  return jax.tree.map(one, tree)
-
-
-@jax.jit
-def _set_index(a, value, index):
-  return jax.lax.dynamic_update_index_in_dim(a, value.astype(a.dtype)[None], index, 0)
-
-
-def _set_slot(tree, dst: int, src: int):
-  """Every stacked leaf of `tree` with slot `dst` set to a copy of slot `src`."""
-  return _copy_slot(tree, np.int32(dst), np.int32(src))
-
-
 def _grown_gates(lp: dict, tree, feat_dim: int, key: jax.Array, scheme: str) -> dict:
   """The gate parameters of layer params `lp` after a split of `tree` (a free slot exists)."""
   if moe.is_flat(tree):
-    g, e = lp["gate"], np.int32(moe.num_experts(tree))
+    g, e = lp["gate"], moe.num_experts(tree)
     column, bias = moe.init_gate(key, feat_dim, 1, scheme)
-    return {"gate": {"kernel": _set_index(g["kernel"].T, column[:, 0], e).T,
-                     "bias": _set_index(g["bias"], bias[0], e)}}
+    return {"gate": {"kernel": slots_lib.set_slot(g["kernel"].T, column[:, 0], e).T,
+                     "bias": slots_lib.set_slot(g["bias"], bias[0], e)}}
   kernel, bias = moe.init_gate(key, feat_dim, 2, scheme)
-  g, i = lp["gates"], np.int32(moe.num_gates(tree))
-  return {"gates": {"kernel": _set_index(g["kernel"], kernel, i),
-                    "bias": _set_index(g["bias"], bias, i)}}
+  g, i = lp["gates"], moe.num_gates(tree)
+  return {"gates": {"kernel": slots_lib.set_slot(g["kernel"], kernel, i),
+                    "bias": slots_lib.set_slot(g["bias"], bias, i)}}
 
 
 def split_expert(state: base.Learner, layer: int, leaf: int, key: jax.Array,
@@ -224,16 +197,16 @@ def split_expert(state: base.Learner, layer: int, leaf: int, key: jax.Array,
   e = moe.num_experts(tree)
   if slots is None:
     current = num_slots(state, layer)
-    slots = current if e < current else moe.next_power_of_two(e + 1)
+    slots = current if e < current else slots_lib.next_power_of_two(e + 1)
   state = resize_layer(state, layer, max(int(slots), e + 1))
   name = moe.layer_name(layer)
   lp = dict(state.params[name])
-  lp["experts"] = _set_slot(lp["experts"], e, leaf)
+  lp["experts"] = slots_lib.copy_slot(lp["experts"], e, leaf)
   lp.update(_grown_gates(lp, tree, feat_dim, key, scheme))
   model_state = dict(state.model_state)
   stats = model_state.get("batch_stats", {})
   if name in stats:
-    model_state["batch_stats"] = {**stats, name: _set_slot(stats[name], e, leaf)}
+    model_state["batch_stats"] = {**stats, name: slots_lib.copy_slot(stats[name], e, leaf)}
   model_state["routing"] = {**model_state["routing"], name: jax.tree.map(
       jnp.asarray, moe.tree_arrays(new_tree, num_slots(state, layer)))}
   new_structure = structure[:layer] + ((feat_dim, new_tree),) + structure[layer + 1:]
@@ -337,11 +310,7 @@ class GrowingMoE(base.Method):
 
   def slots(self, experts: int) -> int:
     """The expert slots of a layer with `experts` experts (`method.slots`)."""
-    if self.opts.slots == "exact":
-      return experts
-    if self.opts.slots == "max":
-      return max(self.opts.max_experts, experts)
-    return moe.next_power_of_two(experts)
+    return slots_lib.capacity(experts, self.opts.slots, self.opts.max_experts)
 
   def init(self, key: jax.Array, structure: Hashable | None = None) -> base.Learner:
     if self.own is not None:
@@ -466,10 +435,6 @@ class GrowingMoE(base.Method):
     return self.grow_learner(learner, [np.asarray(s, np.float64) for s in scores], key)
 
   # -- accounting -------------------------------------------------------------------------------
-  def num_params(self, learner: base.Learner) -> int:
-    """Parameters of the active experts and gates (padding slots do not count)."""
-    return base.count_params(self.active_view(learner).params)
-
   def describe(self, learner: base.Learner) -> dict:
     if self.own is not None:
       return self.own.describe(learner)

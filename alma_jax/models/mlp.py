@@ -35,12 +35,17 @@ class MLP(nn.Module):
                init_scheme=inits.check(F.get(model_config, "model.init")))
 
   @nn.compact
-  def __call__(self, x: jnp.ndarray, train: bool = False, mask=None) -> jnp.ndarray:
+  def __call__(self, x: jnp.ndarray, train: bool = False, mask=None,
+               active: Sequence[jnp.ndarray] | None = None) -> jnp.ndarray:
+    """Logits; `active` (one (width,) mask per hidden layer, or None: all) zeroes the
+    outputs of inactive units, so they contribute nothing and receive no gradient."""
     del train, mask  # no batch statistics in this backbone
     x = x.reshape((x.shape[0], -1))
     for i in range(self.depth):
       width = self.hidden if self.widths is None else self.widths[i]
       x = nn.relu(inits.dense(width, self.init_scheme, x.shape[-1], f"dense{i}")(x))
+      if active is not None:
+        x = x * active[i].astype(x.dtype)
     return inits.dense(self.num_classes, self.init_scheme, x.shape[-1], "head")(x)
 
 

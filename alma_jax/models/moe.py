@@ -57,6 +57,7 @@ import numpy as np
 from alma_jax.configuration import fields as F
 from alma_jax.models import inits
 from alma_jax.models import registry
+from alma_jax.models import slots
 
 PyTree = Any
 Tree = Hashable
@@ -212,8 +213,7 @@ def tree_from_arrays(active, path, flat: bool = False) -> Tree:
   return build(list(range(e)))
 
 
-def next_power_of_two(n: int) -> int:
-  return 1 << max(int(n) - 1, 0).bit_length()
+next_power_of_two = slots.next_power_of_two
 
 
 # -- gates -------------------------------------------------------------------------------

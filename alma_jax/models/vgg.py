@@ -54,7 +54,9 @@ class ConvBlock(nn.Module):
   init_scheme: str = "lecun"  # see alma_jax.models.inits
 
   @nn.compact
-  def __call__(self, x, train: bool = False, mask=None):
+  def __call__(self, x, train: bool = False, mask=None, active=None):
+    """`active`: one (width,) mask per conv (None: all channels) zeroing inactive channels'
+    outputs after the ReLU (their BatchNorm statistics are the caller's to keep)."""
     del mask
     for i in range(self.num_convs):
       width = self.width if isinstance(self.width, int) else self.width[i]
@@ -63,6 +65,8 @@ class ConvBlock(nn.Module):
       x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
                        name=f"bn{i}")(x)
       x = nn.relu(x)
+      if active is not None:
+        x = x * active[i].astype(x.dtype)
     return max_pool_2x2(x)
 
 
@@ -83,12 +87,14 @@ class VGG(nn.Module):
                init_scheme=inits.check(F.get(model_config, "model.init")))
 
   @nn.compact
-  def __call__(self, x: jnp.ndarray, train: bool = False, mask=None) -> jnp.ndarray:
+  def __call__(self, x: jnp.ndarray, train: bool = False, mask=None,
+               active: Sequence[jnp.ndarray] | None = None) -> jnp.ndarray:
+    """Logits; `active`: one (width,) channel mask per conv layer (None: all channels)."""
     for i, n in enumerate(self.blocks):
       start = sum(self.blocks[:i])
       width = self.width if self.widths is None else tuple(self.widths[start:start + n])
       x = ConvBlock(width, n, self.conv_impl, self.init_scheme, name=f"block{i}")(
-          x, train, mask)
+          x, train, mask, None if active is None else active[start:start + n])
     x = x.reshape((x.shape[0], -1))
     return inits.dense(self.num_classes, self.init_scheme, x.shape[-1], "head")(x)
 

@@ -88,7 +88,7 @@ def test_equal_widths_build_the_sm_backbone():
   for dataset, shape in (("cifar10", CIFAR), ("mnist", MNIST)):
     c = helpers.small_config(dataset, method="sm", width=4)
     sm = methods.make(c, shape, 10)
-    fire = make_method(dataset)
+    fire = make_method(dataset, slots="exact")  # no channel slots: the SM backbone's trees
     a, b = sm.init(jax.random.key(5)), fire.init(jax.random.key(5))
     chex.assert_trees_all_equal((a.params, a.model_state), (b.params, b.model_state))
     x = inputs(shape, dtype=jnp.float32)
@@ -212,6 +212,7 @@ def mlp_steps():
   ds = helpers.synthetic_dataset(n_train=160, n_test=16)
   c = helpers.small_config(method="ff", width=6, epochs=1)
   c.method.num_new = 4
+  c.method.slots = "exact"  # one structure per growth (slots: tests/methods/test_growth_slots.py)
   c.train.eval_batch_size = 64
   return helpers.make_steps(c, ds)
 

@@ -1,4 +1,5 @@
-"""Growth inside slots: gMoE experts and gEns members allocated in power-of-two slots.
+"""Growth inside slots: gMoE experts, gEns members and FF channels allocated in power-of-two
+slots.
 
 A split or an added member that fits the slots is an edit of values and
 masks (same shapes, same compiled programs); padding slots change neither
@@ -16,8 +17,11 @@ from alma_jax import methods
 from alma_jax.core import run as run_lib
 from alma_jax.core import timing
 from alma_jax.methods import ensemble
+from alma_jax.methods import firefly as ff
 from alma_jax.methods import gmoe
 from alma_jax.models import moe
+from alma_jax.models import slots as slots_lib
+from alma_jax.outputs import io_utils
 from tests import helpers
 from tests.methods.test_gmoe import SPLIT_ATOL, batch, loss_and_predictions, make_method, randomize_gates
 
@@ -153,6 +157,123 @@ def ensemble_method():
   return methods.make(helpers.small_config(method="gens", width=4), (28, 28, 1), 10)
 
 
+# -- FF: channel slots ------------------------------------------------------------------------
+# In float64 the slotted network sums the exact network's products plus exact zeros (padding
+# channels), in another blocking order: ~1e-16 relative per operation, through at most 17
+# layers and BatchNorm's division by small standard deviations, stays below ~1e-13 (as for a
+# function-preserving growth, tests/methods/test_firefly.py). A channel out of place or an unmasked
+# padding channel moves the logits by 1e-2 or more.
+FF_ATOL = 1e-9
+
+
+def ff_methods(dataset, width=6):
+  """(pow2, exact) FF methods of a small config (width 6: 8 channel slots)."""
+  return tuple(helpers.cached_method("ff", dataset, width, num_new=3, slots=s)
+               for s in ("pow2", "exact"))
+
+
+def ff_plan(method, learner, eps, seed=1):
+  """Splits of neurons 1 and 3 and new candidates 0 and 2 in every layer (active channels)."""
+  widths = learner.structure
+  active = ff.resize_channels(method.layout, learner.params, learner.model_state, widths)[0]
+  cands = ff.init_candidates(jax.random.key(seed), method.layout, active, widths, 3,
+                             (0.1, 0.1, 0.01))
+  return ff.GrowthPlan(tuple(np.array([1, 3]) for _ in widths),
+                       tuple(np.array([0, 2]) for _ in widths), tuple(cands), eps)
+
+
+def _ff_logits(method, learner, x, train):
+  return jax.jit(lambda p, s: method.logits(learner.structure, p, s, x, train=train))(
+      learner.params, learner.model_state)
+
+
+def _garbage_in_padding(method, learner):
+  """Every padding channel's values (incoming and outgoing weights, BatchNorm parameters and
+  statistics) set to 5, the active values kept."""
+  widths, slots = learner.structure, ff.layer_widths(method.layout, learner.params)
+  active = ff.resize_channels(method.layout, learner.params, learner.model_state, widths)
+  ones = jax.tree.map(jnp.ones_like, active)
+  kept = ff.resize_channels(method.layout, *ones, slots)  # 1: active entry, 0: padding
+  noisy = jax.tree.map(lambda a, k: jnp.where(k == 1, a, 5.0),
+                       (learner.params, {k: v for k, v in learner.model_state.items()
+                                         if k != ff.SLOTS_KEY}), kept)
+  return learner.replace(params=noisy[0], model_state={
+      **noisy[1], ff.SLOTS_KEY: learner.model_state[ff.SLOTS_KEY]})
+
+
+@pytest.mark.parametrize("dataset,shape", [("mnist", (28, 28, 1)), ("cifar10", (32, 32, 3))])
+def test_ff_channel_slots_compute_the_exact_network(dataset, shape):
+  pow2, exact = ff_methods(dataset)
+  with jax.enable_x64(True):
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8,) + shape))
+    slotted = helpers.float64(pow2.init(jax.random.key(0)))
+    tight = helpers.float64(exact.init(jax.random.key(0)))
+    assert ff.layer_widths(pow2.layout, slotted.params) == (8,) * pow2.num_layers
+    assert pow2.program_structure(slotted.structure) == (8,) * pow2.num_layers
+    assert pow2.num_params(slotted) == exact.num_params(tight) < base_count(slotted)
+    noisy = _garbage_in_padding(pow2, slotted)
+    for train_mode in (True, False):
+      ref, ref_state = _ff_logits(exact, tight, x, train_mode)
+      for learner in (slotted, noisy):
+        out, state = _ff_logits(pow2, learner, x, train_mode)
+        chex.assert_trees_all_close(out, ref, atol=FF_ATOL, rtol=0)
+        if train_mode and ref_state:
+          # Active statistics move as the exact network's; inactive ones are kept as they were.
+          cut = ff.resize_channels(pow2.layout, learner.params, state, tight.structure)[1]
+          chex.assert_trees_all_close(cut, ref_state, atol=FF_ATOL, rtol=0)
+          chex.assert_trees_all_equal(
+              jax.tree.map(lambda a: a[..., 6:], state["batch_stats"]),
+              jax.tree.map(lambda a: a[..., 6:], learner.model_state["batch_stats"]))
+    # Padding channels get no gradient, whatever their values.
+    grads = jax.grad(lambda p: jnp.sum(pow2.logits(noisy.structure, p, noisy.model_state, x,
+                                                   train=True)[0] ** 2))(noisy.params)
+    for l, path in enumerate(pow2.layout.kernels):
+      g = ff._get(grads, path)  # pylint: disable=protected-access
+      assert float(jnp.abs(g[..., 6:]).max()) == 0.0 and float(jnp.abs(g[..., :6]).max()) > 0
+      if l > 0:
+        assert float(jnp.abs(g[..., 6:, :]).max()) == 0.0
+
+
+def test_ff_growth_inside_the_slots_keeps_shapes_programs_and_function():
+  pow2, exact = ff_methods("cifar10")
+  with jax.enable_x64(True):
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 32, 32, 3)))
+    learner = helpers.float64(pow2.init(jax.random.key(0)))
+    tight = helpers.float64(exact.init(jax.random.key(0)))
+    plan = ff_plan(pow2, learner, eps=0.0)
+    assert plan.added() == [4] * pow2.num_layers  # 6 -> 10 channels: past 8 slots, into 16
+    grown = ff.grow_width(learner, plan, pow2.layout, pow2.slots((10,) * pow2.num_layers))
+    grown_tight = ff.grow_width(tight, plan, exact.layout)
+    assert grown.structure == grown_tight.structure == (10,) * pow2.num_layers
+    assert ff.layer_widths(pow2.layout, grown.params) == (16,) * pow2.num_layers
+    for train_mode in (False, True):
+      before = _ff_logits(pow2, learner, x, train_mode)[0]
+      chex.assert_trees_all_close(_ff_logits(pow2, grown, x, train_mode)[0], before,
+                                  atol=FF_ATOL, rtol=0)
+      chex.assert_trees_all_close(_ff_logits(pow2, grown, x, train_mode)[0],
+                                  _ff_logits(exact, grown_tight, x, train_mode)[0],
+                                  atol=FF_ATOL, rtol=0)
+    # A growth inside the slots (10 -> 14 of 16) edits values only.
+    again = ff.grow_width(grown, ff_plan(pow2, grown, eps=0.01), pow2.layout)
+    chex.assert_trees_all_equal_shapes_and_dtypes(again.params, grown.params)
+    chex.assert_trees_all_equal_shapes_and_dtypes(again.model_state, grown.model_state)
+    assert pow2.program_structure(again.structure) == pow2.program_structure(grown.structure)
+    assert pow2.num_params(again) == exact.num_params(
+        ff.grow_width(grown_tight, ff_plan(exact, grown_tight, eps=0.01), exact.layout))
+
+
+def test_ff_mem_and_flops_count_active_channels_only():
+  ds = helpers.synthetic_dataset(n_train=64, n_test=16)
+  c = helpers.small_config(method="ff", width=6)
+  c.method.num_new = 3
+  method, steps = helpers.make_steps(c, ds)
+  c.method.slots = "exact"
+  method_exact, steps_exact = helpers.make_steps(c, ds)
+  padded, tight = method.init(jax.random.key(0)), method_exact.init(jax.random.key(0))
+  assert method.num_params(padded) == method_exact.num_params(tight) < base_count(padded)
+  assert steps.flops(padded) == steps_exact.flops(tight)
+
+
 # -- compiled programs over whole runs ---------------------------------------------------------
 def _run(tmp_path, name, **fields):
   c = helpers.smoke(name, **fields)
@@ -178,6 +299,21 @@ def test_compiled_programs_per_run_are_bounded(tmp_path, method, extra, bound):
   assert compiled == summary["num_compilations"] <= bound, (compiled, summary)
   assert summary["timings"]["step_programs"] == compiled
   assert 0.0 <= summary["timings"]["compile_cache_hit_rate"] <= 1.0
+
+
+def test_ff_run_compiles_once_per_power_of_two_of_the_widest_layer(tmp_path):
+  summary, compiled = _run(tmp_path, "ff", stream__num_megabatches=7, train__epochs=1,
+                           checkpoint__enabled=False)
+  widths = [tuple(r["widths"]) for r in
+            io_utils.read_jsonl(str(tmp_path / "ff" / "architecture.jsonl"))]
+  assert len(widths) == 7 and len(set(widths)) == 7  # a growth before every stage but the first
+  slots = [slots_lib.next_power_of_two(max(w)) for w in widths]
+  # Train and evaluation once per slot structure; the candidate fit and score passes once per
+  # slot structure grown from (all but the last stage's).
+  assert compiled == summary["num_compilations"] == 2 * len(set(slots)) + 2 * len(set(slots[:-1]))
+  # A new slot structure only when the widest layer passes a power of two, far below one per
+  # growth (2 x 7 + 2 x 6 = 26 programs).
+  assert len(set(slots)) == 1 + int(np.log2(slots[-1] // slots[0])) and compiled < 26
 
 
 # -- resume across growth in slots ---------------------------------------------------------
