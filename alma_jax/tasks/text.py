@@ -45,6 +45,10 @@ SCHEDULES = ("constant", "warmup_linear")
 # value stays finite in JSON and in the summary's sums and standard deviations.
 MAX_PERPLEXITY = 1e30
 
+# Base fields of image backbones that the Switch Transformer does not read, with their defaults
+# (`alma_jax.config_lib.BASE_FIELDS`): a text config that sets another value is refused.
+IMAGE_MODEL_FIELDS = {"model.width": 64, "model.init": "lecun", "model.conv_impl": "auto"}
+
 FIELDS = (
     F.Field("data.text_file", None, F.optional_path(),
             "a UTF-8 text file to model instead of the tfds data set data.name (its last "
@@ -157,6 +161,12 @@ class TextTask(base.Task):
   @classmethod
   def check(cls, config) -> None:
     """The checks of a text config that tie fields together."""
+    for path, default in IMAGE_MODEL_FIELDS.items():
+      value = F.lookup(config, path, default)
+      if value != default:
+        raise ConfigError(f"config.{path}={value!r} does not apply to the Switch Transformer "
+                          "(its size: config.model.preset, num_layers, dim, num_heads, ffn_dim); "
+                          f"allowed values: [{default!r}]")
     if config.train.augment != "none":
       raise ConfigError(f"config.train.augment={config.train.augment!r} does not apply to "
                         "text; valid values: ['none']")
