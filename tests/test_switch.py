@@ -13,6 +13,7 @@ from alma_jax import config_lib
 from alma_jax import methods
 from alma_jax.methods import gmoe
 from alma_jax.models import switch
+from alma_jax.tasks import text as text_task
 from alma_jax.tasks import base as task_base
 
 V = 50257
@@ -117,7 +118,7 @@ def gmoe_method(noise=0.0):
   return method
 
 
-def test_copy_experts_leaves_the_outputs_unchanged_without_perturbation():
+def test_copy_experts_leaves_the_outputs_unchanged_without_perturbation_or_capacity_limit():
   method = gmoe_method()
   learner = method.init(jax.random.key(7))
   tokens = jax.random.randint(jax.random.key(8), (3, 16), 0, V)
@@ -134,6 +135,67 @@ def test_copy_experts_leaves_the_outputs_unchanged_without_perturbation():
   assert learner.structure == (4,)
   per_expert = 32 * 48 + 48 + 48 * 32 + 32 + 32 + 1  # weights, biases, router column and bias
   assert method.num_params(grown) == method.num_params(learner) + 2 * 2 * per_expert
+
+
+def _ffn_and_copy(router_bias, kernel_scale=1.0):
+  """A 4-expert layer at the default capacity factors, its params (router kernel scaled by
+  `kernel_scale`), and the params after copying experts 0 and 2 (`copy_experts`), on 64
+  tokens."""
+  fields = {f.path: f.default for f in text_task.FIELDS}
+  ffn = switch.SwitchFFN(num_experts=4, ffn_dim=24)
+  assert (ffn.capacity_factor, ffn.eval_capacity_factor) == (
+      fields["model.capacity_factor"], fields["model.eval_capacity_factor"])
+  x = jax.random.normal(jax.random.key(0), (1, 64, 16))
+  mask = jnp.ones((1, 64), bool)
+  params = ffn.init(jax.random.key(1), x, mask, True)["params"]
+  params = {**params, "router_bias": jnp.asarray(router_bias, jnp.float32),
+            "router_kernel": kernel_scale * params["router_kernel"]}
+  grown = switch.copy_experts({"block0": {"moe": params}}, [0, 2], jax.random.key(2))
+  return ffn, x, mask, params, grown["block0"]["moe"]
+
+
+@pytest.mark.parametrize("train, factor", [(True, 1.0), (False, 2.0)])
+def test_at_the_default_capacity_a_copy_drops_the_tokens_beyond_the_smaller_capacity(
+    train, factor):
+  # Every token prefers expert 1, which is not copied: its capacity ceil(f * 64 / E) shrinks
+  # from E = 4 to E = 6, and the tokens beyond it are dropped (the layer adds zero for them).
+  ffn, x, mask, params, grown = _ffn_and_copy([0.0, 2.0, 0.0, 0.0])
+  y4, _, e4 = ffn.apply({"params": params}, x, mask, train)
+  y6, _, e6 = ffn.clone(num_experts=6).apply({"params": grown}, x, mask, train)
+  np.testing.assert_array_equal(e4, e6)  # the routing is kept ...
+  y4, y6 = np.asarray(y4[0]), np.asarray(y6[0])
+  kept4, kept6 = np.abs(y4).sum(-1) > 0, np.abs(y6).sum(-1) > 0
+  assert int(np.sum(np.asarray(e4) == 1)) == 64
+  cap4, cap6 = switch.capacity(64, 4, factor), switch.capacity(64, 6, factor)
+  assert (kept4.sum(), kept6.sum()) == (cap4, cap6) and cap6 < cap4  # ... the capacity is not
+  assert not np.any(kept6 & ~kept4)
+  np.testing.assert_array_equal(y6[kept4 & ~kept6], 0.0)
+  # The tokens kept by both get the same output: the same expert weights and, up to float32
+  # rounding of the softmax (relative 1e-6 on outputs of magnitude < 1), the same gate.
+  np.testing.assert_allclose(y6[kept6], y4[kept6], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("step", [1e-6, 1e-3])
+def test_the_first_step_that_separates_a_copied_pair_halves_its_tokens_output(step):
+  # The tied pair counts as one expert only while its router logits are exactly equal; any
+  # update that moves them apart gives each member its own probability, half the pair's. A
+  # confident router (logits far apart: a scaled kernel) keeps the pair's tokens on the pair;
+  # a less confident one can also send them to another expert.
+  ffn, x, mask, _, grown = _ffn_and_copy([0.0, 0.0, 0.0, 0.0], kernel_scale=50.0)
+  ffn6 = ffn.clone(num_experts=6, eval_capacity_factor=0.0)  # no token dropped: routing alone
+  tied, _, e_tied = ffn6.apply({"params": grown}, x, mask, False)
+  moved = {**grown, "router_bias": grown["router_bias"].at[4].add(step)}  # copy of expert 0
+  apart, _, e_apart = ffn6.apply({"params": moved}, x, mask, False)
+  e_tied, e_apart = np.asarray(e_tied[0]), np.asarray(e_apart[0])
+  pair = (e_tied == 0) & (e_apart == 4)  # the pair's tokens that stay on it (all but one)
+  assert pair.sum() >= 10 and np.all(e_apart[e_tied != 0] == e_tied[e_tied != 0])
+  # The gate goes from the pair's probability 2p to p * exp(step) / (1 + p (exp(step) - 1)):
+  # a relative change of 1/2 up to about `step`, plus float32 rounding (1e-6).
+  np.testing.assert_allclose(np.asarray(apart[0])[pair], 0.5 * np.asarray(tied[0])[pair],
+                             rtol=2 * step + 1e-5, atol=1e-7)
+  others = e_tied != 0
+  np.testing.assert_allclose(np.asarray(apart[0])[others], np.asarray(tied[0])[others],
+                             rtol=0, atol=1e-5)
 
 
 def test_copy_experts_with_a_perturbation_changes_the_routing():

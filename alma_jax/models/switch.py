@@ -11,9 +11,11 @@ Routing is top-1: each token goes to the expert of its largest router
 probability, and the expert's output is scaled by that probability. Experts
 whose router logits are exactly equal (an expert and its copy right after
 `copy_experts`) count as one: each one's mass is their summed probability,
-and a token routed to them goes to the first. This makes the copy
-function-preserving; without ties (the case of any trained router) it is the
-plain Switch rule.
+and a token routed to them goes to the first. So right after a copy every
+token keeps its expert weights and its gate; without ties (the case of any
+trained router, and of a copied pair after its first update) it is the plain
+Switch rule. The copy preserves the function only while no capacity binds
+(see `copy_experts`).
 Every expert has room for `capacity = ceil(capacity_factor * T / E)` tokens
 of a batch of T tokens, taken in order; a token beyond it is dropped: the
 layer outputs zero for it, so it passes through the residual unchanged. The
@@ -31,7 +33,8 @@ one expert with probability 1. The model returns the sum over layers.
 
 The model declares its expert layers to gMoE (`alma_jax.methods.gmoe`), which
 grows them instead of adding gated mixtures of its own: `copy_experts` (a
-function-preserving copy of chosen experts of every block) and
+copy of chosen experts of every block, which keeps every token's routing and
+gate) and
 `expert_losses` (the loss routed to each expert), and `LEAF_AXES` (the
 experts' axis, for sharding).
 """
@@ -196,8 +199,19 @@ def copy_experts(params: dict[str, Any], experts: Sequence[int] | Sequence[Seque
     expert and of its copy is lowered by log 2, so the router probabilities
     of all other experts are unchanged and the pair's sum is the original's;
     with `noise` 0 the pair's logits tie, so the router treats them as one
-    expert (`route`): the tokens keep their expert and scale, and the layer
-    computes the same function.
+    expert (`route`): every token keeps its expert weights and its gate.
+
+    What that preserves: the layer's function exactly when no token is
+    dropped before or after the copy (e.g. `eval_capacity_factor=0` at
+    evaluation). It does not preserve the function under a binding capacity:
+    every expert's capacity ceil(factor * T / E) shrinks as E grows (the
+    default factors, 1 in training and 2 at evaluation, included), and the
+    tied pair sends all its tokens to its first member, so tokens beyond the
+    smaller capacity are dropped (the layer adds zero for them). Nor does it
+    survive training: the first update that moves the pair's logits apart
+    (any optimizer step, however small) ends the tie, and each member's gate
+    becomes its own probability, half the pair's, so the output of the
+    pair's tokens halves.
   """
   names, num = blocks(params), experts_per_block(params)
   per_block = [list(experts)] * len(names) if all(
