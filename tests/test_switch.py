@@ -222,3 +222,57 @@ def test_expert_losses_sum_the_nll_routed_to_each_expert():
   nll = jnp.asarray([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
   out = switch.expert_losses(experts, nll, jnp.asarray([True, False]), 3)
   np.testing.assert_allclose(out, [[1.0, 5.0, 0.0]])
+
+
+def _param_count(preset, num_experts):
+  """Parameters of the built Switch Transformer of `preset` with GPT-2's vocabulary and
+  sequences of 512 tokens (the paper's), counted from shapes alone."""
+  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), preset)
+  c.model.num_experts = num_experts
+  model = switch.SwitchTransformer.from_config(c.model, V, max_len=512)
+  shapes = jax.eval_shape(lambda k: model.init(k, jnp.zeros((1, 512), jnp.int32)),
+                          jax.random.key(0))
+  return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(shapes["params"]))
+
+
+# The paper's Table 2 (appendix D): parameters of SM with E experts per block.
+TABLE_2 = {"base": {4: 65e6, 8: 91e6, 12: 116e6}, "large": {4: 210e6, 8: 323e6, 12: 436e6}}
+
+
+@pytest.mark.parametrize("preset", ["base", "large"])
+def test_the_presets_have_the_paper_s_parameter_counts_within_3_percent(preset):
+  counts = {e: _param_count(preset, e) for e in (4, 8, 12)}
+  for e, paper in TABLE_2[preset].items():
+    assert abs(counts[e] / paper - 1) < 0.03, (preset, e, counts[e], paper)
+  # Per expert and shared, as fitted to the table: (116 - 65) / 8 = 6.375M and 65 - 4 x 6.375
+  # = 39.5M (the text rounds them to 6M and 40M); (436 - 210) / 8 = 28.25M and 97M (28M, 96M).
+  table = TABLE_2[preset]
+  per_expert = (counts[12] - counts[4]) / 8
+  paper_per_expert = (table[12] - table[4]) / 8
+  assert abs(per_expert / paper_per_expert - 1) < 0.03, (per_expert, paper_per_expert)
+  shared = counts[4] - 4 * per_expert
+  paper_shared = table[4] - 4 * paper_per_expert
+  assert abs(shared / paper_shared - 1) < 0.03, (shared, paper_shared)
+
+
+def test_dropout_is_off_in_evaluation_and_draws_its_key_in_training():
+  model = tiny(dropout=0.5)
+  tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, V)
+  params = model.init(jax.random.key(4), tokens)["params"]
+  plain = tiny().apply({"params": params}, tokens)[0]
+  np.testing.assert_array_equal(model.apply({"params": params}, tokens)[0], plain)
+  one = model.apply({"params": params}, tokens, train=True, rngs={"dropout": jax.random.key(1)})
+  two = model.apply({"params": params}, tokens, train=True, rngs={"dropout": jax.random.key(2)})
+  assert float(jnp.max(jnp.abs(one[0] - two[0]))) > 1e-3
+  with pytest.raises(Exception, match="dropout"):  # no key: Flax names the missing stream
+    model.apply({"params": params}, tokens, train=True)
+
+
+def test_a_mixture_in_every_other_block_and_dense_layers_between():
+  model = tiny(num_experts=4, moe_every=2)
+  tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, V)
+  params = model.init(jax.random.key(4), tokens)["params"]
+  assert "moe" not in params["block0"] and "ffn_wi" in params["block0"]
+  assert "moe" in params["block1"] and switch.blocks(params) == ["block1"]
+  _, aux = model.apply({"params": params}, tokens)
+  chex.assert_shape(aux["experts"], (1, 2, 16))  # one mixture layer

@@ -354,24 +354,26 @@ class Ensemble(base.SingleBackbone, base.Method):
     return logits, new_state
 
   def loss(self, structure, trainable, frozen, model_state, x, y, mask, rng):
-    """Sum over the trained members of each one's loss (the task's) on its own x[i]."""
-    del frozen, rng
+    """Sum over the trained members of each one's loss (the task's) on its own x[i]; each
+    member's dropout key is its own split of `rng`."""
+    del frozen
     n, k = structure
     active = active_slots(model_state)
 
-    def one(p, s, xi, yi, mi):
-      logits, aux, new_s = self.forward_backbone(p, s, xi, train=True, mask=mi)
+    def one(p, s, xi, yi, mi, ki=None):
+      logits, aux, new_s = self.forward_backbone(p, s, xi, train=True, mask=mi, rng=ki)
+    keys = () if rng is None else (jax.random.split(rng, k),)
       return self.task.loss(logits, yi, mi, aux), new_s
 
     if active is None:
       frozen_state, state = _split(model_state, n - k)
-      losses, new_state = map_members(one, (trainable, state, x, y, mask), self.run_as)
+      losses, new_state = map_members(one, (trainable, state, x, y, mask) + keys, self.run_as)
       return jnp.sum(losses), _restack(frozen_state, new_state, n - k)
     # Slots: the trained members are slots [n - k, n), n counted from the active slots.
     start = jnp.sum(active.astype(jnp.int32)) - k
     members = backbone_state(model_state)
     state = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, k), members)
-    losses, new_state = map_members(one, (trainable, state, x, y, mask), self.run_as)
+    losses, new_state = map_members(one, (trainable, state, x, y, mask) + keys, self.run_as)
     members = jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, start, 0),
                            members, new_state)
     return jnp.sum(losses), _with_slots(members, active)

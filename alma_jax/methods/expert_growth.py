@@ -98,10 +98,11 @@ class OwnExperts:
                         model_state={k: v for k, v in variables.items() if k != "params"},
                         structure=structure)
 
-  def outputs(self, structure, params, model_state, x, *, train: bool, mask=None):
-    """(logits, aux, new model_state) of the backbone with `structure[0]` experts."""
+  def outputs(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
+    """(logits, aux, new model_state) of the backbone with `structure[0]` experts (`rng`: the
+    dropout key in training)."""
     return base.apply_module(self.net(structure[0]), params, model_state, x, train=train,
-                             mask=mask)
+                             mask=mask, rng=rng)
 
   # -- growth -------------------------------------------------------------------------------------
   def score_batch(self, structure, params, model_state, x, y, mask, task):
