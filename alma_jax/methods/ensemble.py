@@ -223,8 +223,11 @@ def add_member(state: base.Learner, key: jax.Array, *, init: str = "fresh", k: i
     state: an ensemble learner whose structure is `(num_members, num_trainable)`
       and whose params/model_state leaves are stacked on axis 0 (not modified).
     key: PRNG key of the new members (member j of the k uses `fold_in(key, j)`).
-    init: "fresh" (a new random network from `init_fn`; the paper's text) or
-      "copy" (a copy of the last member; the paper's released code).
+    init: "copy" (a copy of the last member: the released code's, and gEns's
+      default `method.new_member`) or "fresh" (a new random network from
+      `init_fn`). The paper says only that new networks are added (section
+      4.2); its section 6.1 remark that with replay the last member
+      "essentially coincides with SM" fits a copy.
     k: how many members to add.
     init_fn: key -> (params, model_state) of one unstacked member; needed for
       "fresh".
@@ -359,10 +362,10 @@ class Ensemble(base.SingleBackbone, base.Method):
     del frozen
     n, k = structure
     active = active_slots(model_state)
+    keys = () if rng is None else (jax.random.split(rng, k),)
 
     def one(p, s, xi, yi, mi, ki=None):
       logits, aux, new_s = self.forward_backbone(p, s, xi, train=True, mask=mi, rng=ki)
-    keys = () if rng is None else (jax.random.split(rng, k),)
       return self.task.loss(logits, yi, mi, aux), new_s
 
     if active is None:
@@ -480,8 +483,9 @@ class GrowingEnsemble(Ensemble):
             F.Field("method.grow_by", 1, F.integer(1),
                     "k, members added (and trained) before every later stage (paper: 1)"),
             F.Field("method.new_member", "copy", F.choice(MEMBER_INITS),
-                    "copy (of the last member, which then keeps learning: the released code, "
-                    "the paper's Fig. 9) or fresh (a new random network)"),
+                    "copy (of the last member, which then keeps learning: the released code; "
+                    "the paper's section 6.1 remark on replay fits it) or fresh (a new random "
+                    "network; the paper's section 4.2 does not say which)"),
             F.Field("method.combine", "probs", F.choice(("probs", "logits")),
                     "predict the mean of the members' probabilities (the paper) or the softmax "
                     "of their mean logits (the released code)"),
