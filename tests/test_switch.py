@@ -7,6 +7,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from alma_jax import config_lib
@@ -196,6 +197,27 @@ def test_the_first_step_that_separates_a_copied_pair_halves_its_tokens_output(st
   others = e_tied != 0
   np.testing.assert_allclose(np.asarray(apart[0])[others], np.asarray(tied[0])[others],
                              rtol=0, atol=1e-5)
+
+
+def test_one_adam_step_after_a_copy_ends_the_tie_whatever_its_learning_rate():
+  ffn, x, mask, _, grown = _ffn_and_copy([0.0, 0.0, 0.0, 0.0], kernel_scale=50.0)
+  ffn6 = ffn.clone(num_experts=6, eval_capacity_factor=0.0)
+  target = jax.random.normal(jax.random.key(5), x.shape)
+  loss = lambda p: jnp.sum(ffn6.apply({"params": p}, x, mask, True)[0] * target)
+  tied, _, e_tied = ffn6.apply({"params": grown}, x, mask, False)
+  tx = optax.adam(1e-7)
+  updates, _ = tx.update(jax.grad(loss)(grown), tx.init(grown), grown)
+  stepped = optax.apply_updates(grown, updates)
+  # The pair's router biases get gradients of opposite sign (the gate is the first member's
+  # probability times 2), so Adam's first step, +-1e-7 per parameter, separates them.
+  assert float(stepped["router_bias"][0]) != float(stepped["router_bias"][4])
+  after, _, _ = ffn6.apply({"params": stepped}, x, mask, False)
+  pair = np.asarray(e_tied[0]) == 0
+  ratio = np.linalg.norm(np.asarray(after[0])[pair]) / np.linalg.norm(np.asarray(tied[0])[pair])
+  # Each pair token's gate becomes one member's probability, about half the pair's (the
+  # members' logits now differ by about 1e-7 x the input, and a few tokens may move to another
+  # expert): the output of the pair's tokens about halves, a change of order 1, not of 1e-7.
+  assert 0.4 < ratio < 0.6, ratio
 
 
 def test_copy_experts_with_a_perturbation_changes_the_routing():
