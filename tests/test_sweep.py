@@ -329,7 +329,7 @@ def test_the_cifar_grids_expand_as_documented(tmp_path, capsys):
                      "--dry_run", "--seeds_together=no"]) == 0
   lines = [l for l in capsys.readouterr().out.strip().splitlines() if "alma_jax.main" in l]
   assert len(lines) == 45 and len({l.split("--workdir=")[1].split()[0] for l in lines}) == 45
-  assert all("--config.data.train_subset=20000" in l and "--config.train.epochs=5" in l
+  assert all("--config.data.train_subset=20000" in l and "--config.train.epochs=4" in l
              for l in lines)
   assert sum("configs/cifar_ens.py:quick " in l for l in lines) == 6
   assert sum("--config.method.num_members=3" in l for l in lines) == 12

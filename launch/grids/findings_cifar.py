@@ -7,7 +7,7 @@ The protocol (`configs/cifar_<method>.py:quick` with the fields of `_PROTOCOL`):
 a random 40% of the CIFAR-10 training set (20,000 images) as a stream of
 B = 10 mega-batches of 2,000 (10% of each its validation set), the reduced
 VGG with BatchNorm of width C, SGD as in the paper (lr 0.01, momentum 0.9,
-weight decay 1e-4, batch 128, crop+flip), exactly 5 epochs per stage (no
+weight decay 1e-4, batch 128, crop+flip), exactly 4 epochs per stage (no
 early stopping), and the test error of 2,000 test images after every stage.
 The speed choices follow the rules (`train.autotune=rules`), so every run
 makes the same ones on any machine and none is timed.
@@ -26,15 +26,15 @@ The grid expands to 15 points x 3 seeds = 45 runs. The sweep resumes: run
 the command again after an interruption and it skips the finished runs.
 
 Time on an idle 2-core CPU, estimated from one measured run of each kind
-(REPRODUCTION.md, "CIFAR-10"): about 85 minutes for the 45 runs with
+(REPRODUCTION.md, "CIFAR-10"): about 80 minutes for the 45 runs with
 `--parallel=1`, caches cold (`benchmarks/README.md` for the measurement
 commands).
 """
 
 _SEEDS = [0, 1, 2]
-# The reduced protocol: 40% of the training set in 10 mega-batches, 5 epochs per stage.
+# The reduced protocol: 40% of the training set in 10 mega-batches, 4 epochs per stage.
 _PROTOCOL = {"data.train_subset": [20000], "data.test_subset": [2000],
-             "stream.num_megabatches": [10], "train.epochs": [5], "train.patience": [5],
+             "stream.num_megabatches": [10], "train.epochs": [4], "train.patience": [4],
              "train.autotune": ["rules"]}
 _SM = ["configs/cifar_sm.py:quick"]
 
