@@ -34,8 +34,9 @@ Options (override any with --config.method.<field>=<value>):
   initial_members  networks at the start, trained at the first stage (1).
   grow_by          k: networks added and trained at every later stage (paper: 1).
   new_member       "copy" (default): a copy of the last member, which then keeps training
-                   (the released code; the paper's section 6.1); "fresh": a new
-                   randomly initialised network.
+                   (the released code; the paper's section 6.1 remark on replay
+                   fits it); "fresh": a new randomly initialised network (the
+                   paper's section 4.2 does not say which).
   strategy         how the members run inside the compiled step: "vmap" (one
                    batched computation), "loop" (one network after the other in
                    the same compiled function) or "auto" (loop for the VGG on CPU,

@@ -345,6 +345,25 @@ def test_the_beyond_grid_expands_as_documented(tmp_path, capsys):
   assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == 56
 
 
+def test_the_cifar_grids_expand_as_documented(tmp_path, capsys):
+  # launch/grids/findings_cifar.py: 15 points x 3 seeds, one run per seed (the VGG on a CPU),
+  # all on the reduced protocol; launch/grids/paper_cifar.py: 6 methods x 5 widths x (3 waits
+  # + replay at w = 10) x 3 seeds.
+  assert sweep.main([f"--root={tmp_path}", "--grid_file=launch/grids/findings_cifar.py",
+                     "--dry_run", "--seeds_together=no"]) == 0
+  lines = [l for l in capsys.readouterr().out.strip().splitlines() if "alma_jax.main" in l]
+  assert len(lines) == 45 and len({l.split("--workdir=")[1].split()[0] for l in lines}) == 45
+  assert all("--config.data.train_subset=20000" in l and "--config.train.epochs=4" in l
+             for l in lines)
+  assert sum("configs/cifar_ens.py:quick " in l for l in lines) == 6
+  assert sum("--config.method.num_members=3" in l for l in lines) == 12
+  assert sweep.main([f"--root={tmp_path / 'paper'}", "--grid_file=launch/grids/paper_cifar.py",
+                     "--dry_run", "--seeds_together=no"]) == 0
+  lines = [l for l in capsys.readouterr().out.strip().splitlines() if "alma_jax.main" in l]
+  assert len(lines) == 360
+  assert sum("--config.stream.replay=1.0" in l for l in lines) == 90
+
+
 @pytest.mark.parametrize("text, message", [
     ("X = 1", "must define GRID.*got no GRID"),
     ("GRID = {'seed': []}", "must define GRID"),

@@ -64,8 +64,9 @@ BASE_FIELDS = (
             "fraction of all earlier mega-batches added to each stage"),
     F.Field("stream.warm_start", "finetune", F.choice(F.owned("alma_jax.policies:stage_names"), "names"),
             "how each stage starts (`alma_jax/policies/`): finetune (from the learner as the "
-            "previous stage left it), scratch (re-initialised; gEns: its new members fresh) or "
-            "shrink_perturb (stream.shrink * learnt + stream.perturb * fresh, after growth)"),
+            "previous stage left it), scratch (re-initialised after the growth, which "
+            "decides on the trained learner; gEns: its new members fresh) or shrink_perturb "
+            "(stream.shrink * learnt + stream.perturb * fresh, after growth)"),
     F.Field("stream.init_from_scratch", None, F.Check(_optional_boolean, bool),
             "the older spelling of stream.warm_start: True selects scratch (None: follows "
             "stream.warm_start; a contradiction is an error)"),

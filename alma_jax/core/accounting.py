@@ -182,7 +182,9 @@ class PassCosts:
 
   A pass's cost per batch is counted once per (kind, function, structure),
   over the learner's active parts (`Method.active_view`); `total` is the sum
-  over every batch run so far.
+  over every batch run so far of that cost times the fraction of the batch
+  that holds real examples (padding, e.g. of a validation set smaller than
+  an evaluation batch, is not counted).
   """
 
   def __init__(self, method, data):
@@ -200,4 +202,5 @@ class PassCosts:
                                                                    else ())
       self._per_batch[key] = count(build(self.method.program_structure(view.structure)),
                                    *args).flops
-    self.total += self._per_batch[key]
+    mask = np.asarray(batch.mask)
+    self.total += self._per_batch[key] * (float(np.count_nonzero(mask)) / mask.size)

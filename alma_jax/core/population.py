@@ -79,11 +79,17 @@ def numpy_rng(key: jax.Array) -> np.random.Generator:
   return np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
 
 
+STD_CONVENTION = "sample standard deviation over the seeds (ddof=1)"
+
+
 def mean_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-  """Each numeric metric's mean over the population and its standard deviation (`<key>_std`)."""
+  """Each numeric metric's mean over the population and its sample standard deviation
+  (`<key>_std`, ddof=1, the convention of the report's tables and figures; 0 for one
+  learner), and `std_convention` naming it."""
   out = {}
   for key in summaries[0]:
     values = np.asarray([s[key] for s in summaries], np.float64)
     out[key] = float(np.mean(values))
-    out[f"{key}_std"] = float(np.std(values))
+    out[f"{key}_std"] = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+  out["std_convention"] = STD_CONVENTION
   return out

@@ -18,7 +18,7 @@ go to the observers (`alma_jax.observers`), which write the outputs:
 (`config.log.tensorboard`) and, at the end, `summary.json` and `error.png`;
 with S > 1 each seed's `config.json`, `log.jsonl` and `summary.json` go to
 `seed_<seed>/` and the top-level `summary.json` holds each metric's mean and
-standard deviation over the seeds. Running the same command again resumes
+sample standard deviation (ddof=1) over the seeds. Running the same command again resumes
 from the last complete checkpoint; every random choice is seeded by (seed,
 t), so a resumed run writes the same records and summary as an uninterrupted
 one (wall-clock times aside). Signals and the kill-point test hook:

@@ -283,14 +283,19 @@ def split_outputs(out) -> tuple[jax.Array, dict]:
   return (out[0], out[1]) if isinstance(out, tuple) else (out, {})
 
 
-def apply_module(module: nn.Module, params, model_state, x, *, train: bool, mask=None):
+def apply_module(module: nn.Module, params, model_state, x, *, train: bool, mask=None,
+                 rng=None):
   """Runs a backbone module; returns (logits, aux, new_model_state) (see `split_outputs`);
-  in training its non-trained collections (BatchNorm statistics) are updated."""
+  in training its non-trained collections (BatchNorm statistics) are updated, and `rng` (if
+  given) is its dropout key."""
   variables = {"params": params, **model_state}
+  rngs = {"dropout": rng} if train and rng is not None else None
   if train and model_state:
-    out, updates = module.apply(variables, x, train=True, mask=mask, mutable=list(model_state))
+    out, updates = module.apply(variables, x, train=True, mask=mask, mutable=list(model_state),
+                                rngs=rngs)
     return *split_outputs(out), dict(updates)
-  return *split_outputs(module.apply(variables, x, train=train, mask=mask)), model_state
+  return (*split_outputs(module.apply(variables, x, train=train, mask=mask, rngs=rngs)),
+          model_state)
 
 
 def backbone_leaf_axes(backbone) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -328,9 +333,10 @@ class SingleBackbone:
     model_state = {k: v for k, v in variables.items() if k != "params"}
     return params, model_state
 
-  def forward_backbone(self, params, model_state, x, *, train: bool, mask=None):
-    """Runs one backbone; returns (logits, aux, new_model_state) (`apply_module`)."""
-    return apply_module(self.backbone, params, model_state, x, train=train, mask=mask)
+  def forward_backbone(self, params, model_state, x, *, train: bool, mask=None, rng=None):
+    """Runs one backbone; returns (logits, aux, new_model_state) (`apply_module`; `rng`: the
+    dropout key in training)."""
+    return apply_module(self.backbone, params, model_state, x, train=train, mask=mask, rng=rng)
 
   def apply_backbone(self, params, model_state, x, *, train: bool, mask=None):
     """Runs one backbone; returns (logits, new_model_state)."""

@@ -180,8 +180,11 @@ def add_member(state: base.Learner, key: jax.Array, *, init: str = "fresh", k: i
     state: an ensemble learner whose structure is `(num_members, num_trainable)`
       and whose params/model_state leaves are stacked on axis 0 (not modified).
     key: PRNG key of the new members (member j of the k uses `fold_in(key, j)`).
-    init: "fresh" (a new random network from `init_fn`; the paper's text) or
-      "copy" (a copy of the last member; the paper's released code).
+    init: "copy" (a copy of the last member: the released code's, and gEns's
+      default `method.new_member`) or "fresh" (a new random network from
+      `init_fn`). The paper says only that new networks are added (section
+      4.2); its section 6.1 remark that with replay the last member
+      "essentially coincides with SM" fits a copy.
     k: how many members to add.
     init_fn: key -> (params, model_state) of one unstacked member; needed for
       "fresh".
@@ -311,24 +314,26 @@ class Ensemble(base.SingleBackbone, base.Method):
     return logits, new_state
 
   def loss(self, structure, trainable, frozen, model_state, x, y, mask, rng):
-    """Sum over the trained members of each one's loss (the task's) on its own x[i]."""
-    del frozen, rng
+    """Sum over the trained members of each one's loss (the task's) on its own x[i]; each
+    member's dropout key is its own split of `rng`."""
+    del frozen
     n, k = structure
     active = active_slots(model_state)
+    keys = () if rng is None else (jax.random.split(rng, k),)
 
-    def one(p, s, xi, yi, mi):
-      logits, aux, new_s = self.forward_backbone(p, s, xi, train=True, mask=mi)
+    def one(p, s, xi, yi, mi, ki=None):
+      logits, aux, new_s = self.forward_backbone(p, s, xi, train=True, mask=mi, rng=ki)
       return self.task.loss(logits, yi, mi, aux), new_s
 
     if active is None:
       frozen_state, state = _split(model_state, n - k)
-      losses, new_state = map_members(one, (trainable, state, x, y, mask), self.run_as)
+      losses, new_state = map_members(one, (trainable, state, x, y, mask) + keys, self.run_as)
       return jnp.sum(losses), _restack(frozen_state, new_state, n - k)
     # Slots: the trained members are slots [n - k, n), n counted from the active slots.
     start = jnp.sum(active.astype(jnp.int32)) - k
     members = backbone_state(model_state)
     state = slots_lib.take(members, start, k)
-    losses, new_state = map_members(one, (trainable, state, x, y, mask), self.run_as)
+    losses, new_state = map_members(one, (trainable, state, x, y, mask) + keys, self.run_as)
     members = slots_lib.put(members, new_state, start)
     return jnp.sum(losses), _with_slots(members, active)
 
@@ -434,8 +439,9 @@ class GrowingEnsemble(Ensemble):
             F.Field("method.grow_by", 1, F.integer(1),
                     "k, members added (and trained) before every later stage (paper: 1)"),
             F.Field("method.new_member", "copy", F.choice(MEMBER_INITS),
-                    "copy (of the last member, which then keeps learning: the released code, "
-                    "the paper's Fig. 9) or fresh (a new random network)"),
+                    "copy (of the last member, which then keeps learning: the released code; "
+                    "the paper's section 6.1 remark on replay fits it) or fresh (a new random "
+                    "network; the paper's section 4.2 does not say which)"),
             F.Field("method.combine", "probs", F.choice(("probs", "logits")),
                     "predict the mean of the members' probabilities (the paper) or the softmax "
                     "of their mean logits (the released code)"),

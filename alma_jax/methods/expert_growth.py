@@ -10,8 +10,9 @@ each block copies its k experts with the largest validation loss routed to
 them (the cross-entropy of the tokens whose top-1 expert they are), k from
 `grow_schedule` for the first growths (the paper's Table 2: 4 -> 6 -> 8 ->
 12 experts) and `grow_by` after those, never beyond `max_experts`; with
-`router_noise` 0 a copy computes the same function (see
-`alma_jax.models.switch.copy_experts`).
+`router_noise` 0 a copy keeps every token's routing and gate, which
+preserves the function only while no expert capacity binds, and only until
+the first optimizer step (see `alma_jax.models.switch.copy_experts`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ FIELDS = (
             "never grow beyond this many experts per block (0: no limit)"),
     F.Field("method.router_noise", 0.0, F.number(0.0, math.inf),
             "standard deviation of a perturbation of the copies' router columns (0: the "
-            "copy preserves the function)"),
+            "copy keeps every token's routing and gate)"),
 )
 
 
@@ -97,10 +98,11 @@ class OwnExperts:
                         model_state={k: v for k, v in variables.items() if k != "params"},
                         structure=structure)
 
-  def outputs(self, structure, params, model_state, x, *, train: bool, mask=None):
-    """(logits, aux, new model_state) of the backbone with `structure[0]` experts."""
+  def outputs(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
+    """(logits, aux, new model_state) of the backbone with `structure[0]` experts (`rng`: the
+    dropout key in training)."""
     return base.apply_module(self.net(structure[0]), params, model_state, x, train=train,
-                             mask=mask)
+                             mask=mask, rng=rng)
 
   # -- growth -------------------------------------------------------------------------------------
   def score_batch(self, structure, params, model_state, x, y, mask, task):

@@ -357,7 +357,8 @@ class GrowingMoE(base.Method):
 
   def outputs(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
     if self.own is not None:
-      return self.own.outputs(structure, params, model_state, x, train=train, mask=mask)
+      return self.own.outputs(structure, params, model_state, x, train=train, mask=mask,
+                              rng=rng)
     logits, new_state, _ = self.forward(structure, params, model_state, x, train=train,
                                         mask=mask, rng=rng)
     return logits, {}, new_state

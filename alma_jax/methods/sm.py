@@ -26,5 +26,5 @@ class SingleModel(base.SingleBackbone, base.Method):
     return base.Learner(params=params, model_state=model_state, structure=())
 
   def outputs(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
-    del structure, rng
-    return self.forward_backbone(params, model_state, x, train=train, mask=mask)
+    del structure
+    return self.forward_backbone(params, model_state, x, train=train, mask=mask, rng=rng)

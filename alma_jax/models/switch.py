@@ -1,19 +1,25 @@
 """A decoder-only Switch Transformer (Fedus et al., 2021) for language modelling.
 
 Pre-LayerNorm blocks: `x + attention(LN(x))` with a causal mask, then
-`x + switch(LN(x))`, where the feed-forward layer of every block is a
-mixture of E experts stacked on a leading axis (`expert_wi` (E, d, f),
-`expert_wo` (E, f, d) and their biases) and a linear router (`router_kernel`
-(d, E), `router_bias` (E,)). The token embedding is tied to the output
-projection; positions have learned embeddings.
+`x + ffn(LN(x))`. The feed-forward layer of every `moe_every`-th block
+(blocks moe_every - 1, 2 moe_every - 1, ...; the presets base and large: every
+other block, as in Switch Transformers) is a mixture of E experts stacked on
+a leading axis (`expert_wi` (E, d, f), `expert_wo` (E, f, d) and their
+biases) and a linear router (`router_kernel` (d, E), `router_bias` (E,));
+the other blocks' is one dense two-layer ReLU network of the same size. The
+token embedding is tied to the output projection; positions have learned
+embeddings. Dropout (`dropout`, in training) applies to the embeddings and
+to the output of every attention and feed-forward layer.
 
 Routing is top-1: each token goes to the expert of its largest router
 probability, and the expert's output is scaled by that probability. Experts
 whose router logits are exactly equal (an expert and its copy right after
 `copy_experts`) count as one: each one's mass is their summed probability,
-and a token routed to them goes to the first. This makes the copy
-function-preserving; without ties (the case of any trained router) it is the
-plain Switch rule.
+and a token routed to them goes to the first. So right after a copy every
+token keeps its expert weights and its gate; without ties (the case of any
+trained router, and of a copied pair after its first update) it is the plain
+Switch rule. The copy preserves the function only while no capacity binds
+(see `copy_experts`).
 Every expert has room for `capacity = ceil(capacity_factor * T / E)` tokens
 of a batch of T tokens, taken in order; a token beyond it is dropped: the
 layer outputs zero for it, so it passes through the residual unchanged. The
@@ -31,7 +37,8 @@ one expert with probability 1. The model returns the sum over layers.
 
 The model declares its expert layers to gMoE (`alma_jax.methods.gmoe`), which
 grows them instead of adding gated mixtures of its own: `copy_experts` (a
-function-preserving copy of chosen experts of every block) and
+copy of chosen experts of every block, which keeps every token's routing and
+gate) and
 `expert_losses` (the loss routed to each expert), and `LEAF_AXES` (the
 experts' axis, for sharding).
 """
@@ -51,11 +58,14 @@ from alma_jax.configuration import fields as F
 from alma_jax.models import registry
 
 PRESETS = {
-    # name: (layers, model dimension, heads, feed-forward dimension of an expert)
-    "tiny": (2, 64, 2, 128),
-    "base": (6, 512, 8, 1024),
-    "large": (12, 768, 12, 1536),
+    # name: (layers, model dimension, heads, feed-forward dimension, a mixture every k-th block).
+    # base and large: the paper's sizes (section 5: 40M shared + 6M per expert, 96M + 28M),
+    # with Switch Transformers' d_ff = 4 d and a mixture in every other block.
+    "tiny": (2, 64, 2, 128, 1),
+    "base": (6, 512, 8, 2048, 2),
+    "large": (12, 768, 12, 3072, 2),
 }
+SIZE_FIELDS = ("num_layers", "dim", "num_heads", "ffn_dim", "moe_every")
 INIT_STD = 0.02
 
 
@@ -147,31 +157,40 @@ class SwitchFFN(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-LN decoder block: causal self-attention, then the Switch feed-forward layer."""
+  """Pre-LN decoder block: causal self-attention, then the Switch feed-forward layer (`moe`)
+  or a dense one; returns (x, balance loss, experts (b, L), or None for a dense block)."""
 
   num_heads: int
   num_experts: int
   ffn_dim: int
   capacity_factor: float
   eval_capacity_factor: float
+  moe: bool = True
+  dropout: float = 0.0
 
   @nn.compact
   def __call__(self, x, mask, train: bool = False):
     causal = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
     init = nn.initializers.normal(INIT_STD)
+    drop = nn.Dropout(self.dropout, deterministic=not train)
     h = nn.LayerNorm(name="ln_attn")(x)
-    x = x + nn.MultiHeadDotProductAttention(self.num_heads, kernel_init=init, name="attn")(
-        h, mask=causal, deterministic=True)
+    x = x + drop(nn.MultiHeadDotProductAttention(self.num_heads, kernel_init=init, name="attn")(
+        h, mask=causal, deterministic=True))
     h = nn.LayerNorm(name="ln_ffn")(x)
+    if not self.moe:
+      y = nn.Dense(self.ffn_dim, kernel_init=init, name="ffn_wi")(h)
+      y = nn.Dense(x.shape[-1], kernel_init=init, name="ffn_wo")(nn.relu(y))
+      return x + drop(y), jnp.float32(0.0), None
     y, balance, experts = SwitchFFN(self.num_experts, self.ffn_dim, self.capacity_factor,
                                     self.eval_capacity_factor, name="moe")(h, mask, train)
-    return x + y, balance, experts
+    return x + drop(y), balance, experts
 
 
 # -- growth of the experts ------------------------------------------------------------------------
 def blocks(params) -> list[str]:
-  """The names of the blocks in a model's params, in order."""
-  return sorted((k for k in params if k.startswith("block")), key=lambda k: int(k[5:]))
+  """The names of the blocks with experts (a mixture) in a model's params, in order."""
+  return sorted((k for k in params if k.startswith("block") and "moe" in params[k]),
+                key=lambda k: int(k[5:]))
 
 
 def experts_per_block(params) -> int:
@@ -197,8 +216,19 @@ def copy_experts(params: dict[str, Any], experts: Sequence[int] | Sequence[Seque
     expert and of its copy is lowered by log 2, so the router probabilities
     of all other experts are unchanged and the pair's sum is the original's;
     with `noise` 0 the pair's logits tie, so the router treats them as one
-    expert (`route`): the tokens keep their expert and scale, and the layer
-    computes the same function.
+    expert (`route`): every token keeps its expert weights and its gate.
+
+    What that preserves: the layer's function exactly when no token is
+    dropped before or after the copy (e.g. `eval_capacity_factor=0` at
+    evaluation). It does not preserve the function under a binding capacity:
+    every expert's capacity ceil(factor * T / E) shrinks as E grows (the
+    default factors, 1 in training and 2 at evaluation, included), and the
+    tied pair sends all its tokens to its first member, so tokens beyond the
+    smaller capacity are dropped (the layer adds zero for them). Nor does it
+    survive training: the first update that moves the pair's logits apart
+    (any optimizer step, however small) ends the tie, and each member's gate
+    becomes its own probability, half the pair's, so the output of the
+    pair's tokens halves.
   """
   names, num = blocks(params), experts_per_block(params)
   per_block = [list(experts)] * len(names) if all(
@@ -241,7 +271,8 @@ class SwitchTransformer(nn.Module):
   """Decoder-only Switch Transformer: tokens (b, L) -> (logits (b, L, V), aux).
 
   `aux` holds `balance` (the load-balancing loss summed over layers) and
-  `experts` (layers, b, L), the expert each token was routed to. `mask` (b,)
+  `experts` (mixture layers, b, L), the expert each token was routed to in
+  each block with a mixture. `mask` (b,)
   marks the real sequences of a padded batch (they alone take capacity and
   count in the balance loss).
   """
@@ -260,6 +291,8 @@ class SwitchTransformer(nn.Module):
   num_experts: int = 4
   capacity_factor: float = 1.0
   eval_capacity_factor: float = 2.0
+  moe_every: int = 1
+  dropout: float = 0.0
 
   @classmethod
   def from_config(cls, model_config, num_classes: int, max_len: int = 1024,
@@ -269,10 +302,14 @@ class SwitchTransformer(nn.Module):
     if preset not in PRESETS:
       raise ValueError(f"config.model.preset={preset!r} is unknown; valid values: "
                        f"{sorted(PRESETS)}")
-    sizes = dict(zip(("num_layers", "dim", "num_heads", "ffn_dim"), PRESETS[preset]))
+    sizes = dict(zip(SIZE_FIELDS, PRESETS[preset]))
     for k in sizes:
       if model_config.get(k, 0):
         sizes[k] = int(model_config[k])
+    if sizes["moe_every"] > sizes["num_layers"]:
+      raise ValueError(f"config.model.moe_every={sizes['moe_every']} leaves no block with "
+                       f"experts among config.model.num_layers={sizes['num_layers']}; allowed "
+                       f"values: 0 (the preset's) to {sizes['num_layers']}")
     if sizes["dim"] % sizes["num_heads"]:
       raise ValueError(f"config.model.dim={sizes['dim']} must be a multiple of "
                        f"config.model.num_heads={sizes['num_heads']}")
@@ -280,7 +317,7 @@ class SwitchTransformer(nn.Module):
                num_experts=int(num_experts or F.get(model_config, "model.num_experts")),
                capacity_factor=float(F.get(model_config, "model.capacity_factor")),
                eval_capacity_factor=float(F.get(model_config, "model.eval_capacity_factor")),
-               **sizes)
+               dropout=float(F.get(model_config, "model.dropout")), **sizes)
 
   @nn.compact
   def __call__(self, tokens, train: bool = False, mask=None):
@@ -290,12 +327,13 @@ class SwitchTransformer(nn.Module):
     embed = nn.Embed(self.vocab_size, self.dim, embedding_init=nn.initializers.normal(INIT_STD),
                      name="embed")
     pos = self.param("pos_embed", nn.initializers.normal(INIT_STD), (self.max_len, self.dim))
-    x = embed(tokens) + pos[:l]
+    x = nn.Dropout(self.dropout, deterministic=not train)(embed(tokens) + pos[:l])
     balance, experts = jnp.float32(0.0), []
     for i in range(self.num_layers):
       x, bl, ex = Block(self.num_heads, self.num_experts, self.ffn_dim, self.capacity_factor,
-                        self.eval_capacity_factor, name=f"block{i}")(x, tmask, train)
-      balance, experts = balance + bl, experts + [ex]
+                        self.eval_capacity_factor, moe=(i + 1) % self.moe_every == 0,
+                        dropout=self.dropout, name=f"block{i}")(x, tmask, train)
+      balance, experts = balance + bl, experts + ([] if ex is None else [ex])
     x = nn.LayerNorm(name="ln_final")(x)
     logits = embed.attend(x)
     return logits, {"balance": balance, "experts": jnp.stack(experts)}

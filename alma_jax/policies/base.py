@@ -32,7 +32,7 @@ class StagePolicy:
   method's growth before the stage (`Method.before_stage`) runs inside the
   hook, through `grow`, so a policy can act before growth, after it, or
   both: e.g. the members that a gEns stage trains exist only after its
-  growth, and a re-initialisation before a gMoE split splits the fresh model.
+  growth, and `scratch` grows on the trained learner, then re-initialises.
   `fresh_trained_units` re-initialises what a stage trains and nothing else.
 
   Class attributes:

@@ -11,19 +11,21 @@ from alma_jax.policies.base import REINIT_KEY, StagePolicy, register
 class Scratch(StagePolicy):
   """scratch: every stage trains freshly initialised parameters, with a fresh optimizer state.
 
-  Before the method grows, the learner is re-initialised with its structure
-  kept (`Method.reinit`, key `REINIT_KEY`); the growth then edits the fresh
-  learner (a gMoE split splits the fresh experts).
+  The method grows first, on the learner as the previous stage left it (so
+  growth decides on what was learnt: gMoE's losing expert, Firefly's
+  candidates), and the grown learner is then re-initialised with its
+  structure kept (`Method.reinit`, key `REINIT_KEY`), as in the released
+  code.
 
   gEns (and lm_gens) train, at each stage, members that no stage has trained
   yet: at the first stage the initial members, still at their
   initialisation, at every later one the members that growth adds; the older
-  members are frozen. Before growth their `reinit` keeps every member (the
-  members the stage trains do not exist yet, and re-drawing the frozen ones
-  would discard what they learnt); their growth then draws the new members
-  afresh, whatever `method.new_member` says (it reads
+  members are frozen. Their growth draws the new members afresh, whatever
+  `method.new_member` says (it reads
   `config.stream.init_from_scratch`, which the config keeps equal to
-  `warm_start == "scratch"`: `resolve_warm_start`). So every gEns stage
+  `warm_start == "scratch"`: `resolve_warm_start`), and their `reinit`
+  keeps every member (re-drawing the frozen ones would discard what they
+  learnt; the new ones are fresh already). So every gEns stage
   trains members that start from an initialisation, never from trained
   values, and the frozen members stay untouched.
   """
@@ -32,5 +34,5 @@ class Scratch(StagePolicy):
 
   def start_stage(self, method, learner, key: jax.Array, ctx, opt_state):
     del opt_state  # a fresh optimizer state
-    learner = method.reinit(learner, jax.random.fold_in(key, REINIT_KEY))
-    return self.grow(method, learner, key, ctx), None
+    grown = self.grow(method, learner, key, ctx)
+    return method.reinit(grown, jax.random.fold_in(key, REINIT_KEY)), None

@@ -8,10 +8,9 @@ learnt but can generalise worse than training afresh; shrinking towards zero
 and perturbing restores the gradients' diversity while keeping most of it.
 
 `stream.shrink` (lam) = 1 and `stream.perturb` (sigma) = 0 is `finetune`
-exactly; lam = 0, sigma = 1 is a fresh initialisation, which for a method
-that does not grow is `scratch` exactly (for a growing method `scratch`
-re-initialises before growth, this policy after it, so their growth
-decisions differ). Frozen parts (gEns's older members) are left untouched,
+exactly; lam = 0, sigma = 1 is a fresh initialisation after growth, which
+is `scratch` exactly for every method but gEns (whose `scratch` growth
+draws the new members afresh instead of copying one). Frozen parts (gEns's older members) are left untouched,
 as by `scratch`. The optimizer state follows `train.keep_optimizer_state`,
 as with `finetune`.
 """

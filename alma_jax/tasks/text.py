@@ -45,6 +45,10 @@ SCHEDULES = ("constant", "warmup_linear")
 # value stays finite in JSON and in the summary's sums and standard deviations.
 MAX_PERPLEXITY = 1e30
 
+# Base fields of image backbones that the Switch Transformer does not read, with their defaults
+# (`alma_jax.configuration.config_lib.BASE_FIELDS`): a text config that sets another value is refused.
+IMAGE_MODEL_FIELDS = {"model.width": 64, "model.init": "lecun", "model.conv_impl": "auto"}
+
 FIELDS = (
     F.Field("data.text_file", None, F.optional_path(),
             "a UTF-8 text file to model instead of the tfds data set data.name (its last "
@@ -57,11 +61,21 @@ FIELDS = (
             "the test share of a data.text_file"),
     F.Field("data.seq_len", 512, F.integer(2), "L, tokens per sequence (paper: 512)"),
     F.Field("model.preset", "base", F.choice(tuple(switch.PRESETS)),
-            "Switch Transformer size: base (6 layers, d=512), large (12, d=768) or tiny (CPU)"),
+            "Switch Transformer size: base (6 layers, d=512, d_ff=2048, a mixture in every other "
+            "block: 39M shared + 6.3M per expert), large (12, d=768, d_ff=3072: 96M + 28M) or "
+            "tiny (CPU)"),
     F.Field("model.num_layers", 0, F.integer(0), "blocks (0: the preset's)"),
     F.Field("model.dim", 0, F.integer(0), "model dimension d (0: the preset's)"),
     F.Field("model.num_heads", 0, F.integer(0), "attention heads (0: the preset's)"),
-    F.Field("model.ffn_dim", 0, F.integer(0), "hidden units of an expert (0: the preset's)"),
+    F.Field("model.ffn_dim", 0, F.integer(0),
+            "hidden units of an expert and of a dense feed-forward layer (0: the preset's)"),
+    F.Field("model.moe_every", 0, F.integer(0),
+            "a mixture of experts in every this many-th block, dense feed-forward layers in the "
+            "others (0: the preset's: 2 for base and large, as in Switch Transformers; 1 for "
+            "tiny)"),
+    F.Field("model.dropout", 0.0, F.number(0.0, 1.0, open_hi=True),
+            "dropout rate in training, on the embeddings and the output of every attention and "
+            "feed-forward layer (the paper tunes it on the validation set)"),
     F.Field("model.num_experts", 4, F.integer(1), "E, experts per block (paper: 4, 8, 12)"),
     F.Field("model.capacity_factor", 1.0, F.number(0.0, math.inf, open_lo=True),
             "expert capacity in training, in multiples of tokens / E (paper: 1.0)"),
@@ -157,6 +171,12 @@ class TextTask(base.Task):
   @classmethod
   def check(cls, config) -> None:
     """The checks of a text config that tie fields together."""
+    for path, default in IMAGE_MODEL_FIELDS.items():
+      value = F.lookup(config, path, default)
+      if value != default:
+        raise ConfigError(f"config.{path}={value!r} does not apply to the Switch Transformer "
+                          "(its size: config.model.preset, num_layers, dim, num_heads, ffn_dim); "
+                          f"allowed values: [{default!r}]")
     if config.train.augment != "none":
       raise ConfigError(f"config.train.augment={config.train.augment!r} does not apply to "
                         "text; valid values: ['none']")

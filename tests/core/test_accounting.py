@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from alma_jax.core import accounting
+from alma_jax.core.programs import Batch
+from alma_jax.methods.base import Learner
 from tests import helpers
 from tests.conftest import requires_mnist
 from tests.test_main_e2e import run_main
@@ -107,3 +109,27 @@ def test_gmoe_mem_equals_sm_until_its_first_growth(tmp_path):
   assert growth[:2] == [0.0, 0.0] and all(g > 0 for g in growth[2:])
   assert all(r["growth_flops"] == 0.0 for r in logs["sm"])
   assert np.all(np.diff(params["gmoe"][1:]) > 0)  # one split per layer before each later stage
+
+
+class _WholeLearner:
+  """The two methods' hooks that `PassCosts` calls, for a learner without padding slots."""
+
+  def active_view(self, learner):
+    return learner
+
+  def program_structure(self, structure):
+    return structure
+
+
+def test_growth_passes_count_only_the_real_examples_of_a_padded_batch():
+  data = jnp.ones((20, 5))
+  learner = Learner(params=jnp.ones((5, 7)), model_state={}, structure=())
+  build = lambda structure: lambda params, model_state, data, batch: (data[batch.idx] @ params)
+  costs = accounting.PassCosts(_WholeLearner(), data)
+  full = Batch(np.arange(8, dtype=np.int32), np.ones((8,), bool))
+  padded = Batch(np.arange(8, dtype=np.int32), np.arange(8) < 3)
+  costs.add("reduce", build, learner, build, full)
+  per_example = 2 * 5 * 7  # one row of the product: 5 x 7 multiply-adds, 2 FLOPs each
+  assert costs.total == 8 * per_example
+  costs.add("reduce", build, learner, build, padded)
+  assert costs.total == (8 + 3) * per_example  # exact: small integers in float64

@@ -12,6 +12,7 @@ from alma_jax.core import population
 from alma_jax.core import train
 from alma_jax.core import validation
 from alma_jax.errors import ConfigError
+from alma_jax.reports import plot_style
 from tests import helpers
 from tests.conftest import requires_mnist
 from tests.test_main_e2e import check_outputs, run_main
@@ -73,7 +74,15 @@ def test_num_seeds_is_validated():
 
 def test_mean_summary():
   out = population.mean_summary([{"cer": 1.0, "mem": 4}, {"cer": 3.0, "mem": 4}])
-  assert out == {"cer": 2.0, "cer_std": 1.0, "mem": 4.0, "mem_std": 0.0}
+  # Sample standard deviation: sqrt(((1 - 2)^2 + (3 - 2)^2) / (2 - 1)) = sqrt(2).
+  assert out == {"cer": 2.0, "cer_std": np.sqrt(2.0), "mem": 4.0, "mem_std": 0.0,
+                 "std_convention": "sample standard deviation over the seeds (ddof=1)"}
+
+
+def test_summary_and_report_share_one_standard_deviation():
+  errors = [0.1, 0.25, 0.4]
+  out = population.mean_summary([{"final_error": e} for e in errors])
+  assert (out["final_error"], out["final_error_std"]) == plot_style.mean_std(errors)
 
 
 def _read(path):

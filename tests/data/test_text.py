@@ -112,6 +112,11 @@ def test_kx_variants_multiply_the_steps_per_stage():
     ("model.preset", "huge", r"config\.model\.preset='huge' is unknown; valid values"),
     ("optimizer.warmup_steps", 50, r"config\.optimizer\.warmup_steps=50"),
     ("stream.wait", 2, r"config\.stream\.iid=True with config\.stream\.wait=2"),
+    ("model.width", 128, r"config\.model\.width=128 does not apply to the Switch Transformer .*"
+                         r"allowed values: \[64\]"),
+    ("model.init", "torch", r"config\.model\.init='torch' does not apply to the Switch "
+                            r"Transformer .*allowed values: \['lecun'\]"),
+    ("model.conv_impl", "xla", r"config\.model\.conv_impl='xla' does not apply"),
 ])
 def test_bad_text_configs_name_the_field(path, value, message):
   c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"),
@@ -123,6 +128,11 @@ def test_bad_text_configs_name_the_field(path, value, message):
   node[leaf] = value
   with pytest.raises(ConfigError, match=message):
     validation.validate(c)
+
+
+def test_the_refused_image_model_fields_are_refused_only_away_from_their_defaults():
+  defaults = {f.path: f.default for f in config_lib.BASE_FIELDS}
+  assert {p: defaults[p] for p in text_task.IMAGE_MODEL_FIELDS} == text_task.IMAGE_MODEL_FIELDS
 
 
 # -- whole runs ---------------------------------------------------------------------------------

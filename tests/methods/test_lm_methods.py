@@ -19,9 +19,9 @@ from tests.data.test_text import requires_bpe, requires_shakespeare, smoke
 V = 50257
 
 
-def lm_method(name, **method_fields):
+def lm_method(name, dropout=0.0, **method_fields):
   c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", name), "smoke")
-  c.model.dim, c.model.ffn_dim = 32, 48
+  c.model.dim, c.model.ffn_dim, c.model.dropout = 32, 48, dropout
   for k, v in method_fields.items():
     c.method[k] = v
   return methods.make(c, (16,), V)
@@ -49,6 +49,25 @@ def test_a_one_member_lm_ensemble_is_the_single_model():
   tokens = jax.random.randint(jax.random.key(4), (2, 16), 0, V)
   np.testing.assert_allclose(sm.predict(a.structure, a.params, {}, tokens),
                              ens.predict(b.structure, b.params, {}, tokens), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["lm_sm", "lm_ens", "lm_gens", "lm_gmoe"])
+def test_every_lm_method_trains_with_dropout_drawn_from_the_step_key(name):
+  tokens = jax.random.randint(jax.random.key(4), (1, 2, 17), 0, V)
+  x, y, mask = tokens[..., :-1], tokens[..., 1:], np.ones((1, 2), bool)
+
+  def losses(dropout):
+    m = lm_method(name, dropout=dropout)
+    learner = m.init(jax.random.key(3))
+    trainable, frozen = m.partition(learner)
+    n = m.num_data_orders(learner.structure)
+    xs, ys, ms = (np.repeat(np.asarray(a), n, axis=0) for a in (x, y, mask))
+    return [float(m.loss(learner.structure, trainable, frozen, learner.model_state, xs, ys, ms,
+                         jax.random.key(k))[0]) for k in (1, 2)]
+
+  off, on = losses(0.0), losses(0.5)
+  assert off[0] == off[1]  # no dropout: the key does not matter
+  assert on[0] != on[1] and on[0] != off[0]
 
 
 def test_lm_gmoe_grows_by_k_until_max_experts():

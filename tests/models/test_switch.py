@@ -7,6 +7,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from alma_jax import methods
@@ -14,6 +15,7 @@ from alma_jax.configuration import config_lib
 from alma_jax.methods import gmoe
 from alma_jax.models import switch
 from alma_jax.tasks import base as task_base
+from alma_jax.tasks import text as text_task
 
 V = 50257
 
@@ -117,7 +119,7 @@ def gmoe_method(noise=0.0):
   return method
 
 
-def test_copy_experts_leaves_the_outputs_unchanged_without_perturbation():
+def test_copy_experts_leaves_the_outputs_unchanged_without_perturbation_or_capacity_limit():
   method = gmoe_method()
   learner = method.init(jax.random.key(7))
   tokens = jax.random.randint(jax.random.key(8), (3, 16), 0, V)
@@ -134,6 +136,88 @@ def test_copy_experts_leaves_the_outputs_unchanged_without_perturbation():
   assert learner.structure == (4,)
   per_expert = 32 * 48 + 48 + 48 * 32 + 32 + 32 + 1  # weights, biases, router column and bias
   assert method.num_params(grown) == method.num_params(learner) + 2 * 2 * per_expert
+
+
+def _ffn_and_copy(router_bias, kernel_scale=1.0):
+  """A 4-expert layer at the default capacity factors, its params (router kernel scaled by
+  `kernel_scale`), and the params after copying experts 0 and 2 (`copy_experts`), on 64
+  tokens."""
+  fields = {f.path: f.default for f in text_task.FIELDS}
+  ffn = switch.SwitchFFN(num_experts=4, ffn_dim=24)
+  assert (ffn.capacity_factor, ffn.eval_capacity_factor) == (
+      fields["model.capacity_factor"], fields["model.eval_capacity_factor"])
+  x = jax.random.normal(jax.random.key(0), (1, 64, 16))
+  mask = jnp.ones((1, 64), bool)
+  params = ffn.init(jax.random.key(1), x, mask, True)["params"]
+  params = {**params, "router_bias": jnp.asarray(router_bias, jnp.float32),
+            "router_kernel": kernel_scale * params["router_kernel"]}
+  grown = switch.copy_experts({"block0": {"moe": params}}, [0, 2], jax.random.key(2))
+  return ffn, x, mask, params, grown["block0"]["moe"]
+
+
+@pytest.mark.parametrize("train, factor", [(True, 1.0), (False, 2.0)])
+def test_at_the_default_capacity_a_copy_drops_the_tokens_beyond_the_smaller_capacity(
+    train, factor):
+  # Every token prefers expert 1, which is not copied: its capacity ceil(f * 64 / E) shrinks
+  # from E = 4 to E = 6, and the tokens beyond it are dropped (the layer adds zero for them).
+  ffn, x, mask, params, grown = _ffn_and_copy([0.0, 2.0, 0.0, 0.0])
+  y4, _, e4 = ffn.apply({"params": params}, x, mask, train)
+  y6, _, e6 = ffn.clone(num_experts=6).apply({"params": grown}, x, mask, train)
+  np.testing.assert_array_equal(e4, e6)  # the routing is kept ...
+  y4, y6 = np.asarray(y4[0]), np.asarray(y6[0])
+  kept4, kept6 = np.abs(y4).sum(-1) > 0, np.abs(y6).sum(-1) > 0
+  assert int(np.sum(np.asarray(e4) == 1)) == 64
+  cap4, cap6 = switch.capacity(64, 4, factor), switch.capacity(64, 6, factor)
+  assert (kept4.sum(), kept6.sum()) == (cap4, cap6) and cap6 < cap4  # ... the capacity is not
+  assert not np.any(kept6 & ~kept4)
+  np.testing.assert_array_equal(y6[kept4 & ~kept6], 0.0)
+  # The tokens kept by both get the same output: the same expert weights and, up to float32
+  # rounding of the softmax (relative 1e-6 on outputs of magnitude < 1), the same gate.
+  np.testing.assert_allclose(y6[kept6], y4[kept6], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("step", [1e-6, 1e-3])
+def test_the_first_step_that_separates_a_copied_pair_halves_its_tokens_output(step):
+  # The tied pair counts as one expert only while its router logits are exactly equal; any
+  # update that moves them apart gives each member its own probability, half the pair's. A
+  # confident router (logits far apart: a scaled kernel) keeps the pair's tokens on the pair;
+  # a less confident one can also send them to another expert.
+  ffn, x, mask, _, grown = _ffn_and_copy([0.0, 0.0, 0.0, 0.0], kernel_scale=50.0)
+  ffn6 = ffn.clone(num_experts=6, eval_capacity_factor=0.0)  # no token dropped: routing alone
+  tied, _, e_tied = ffn6.apply({"params": grown}, x, mask, False)
+  moved = {**grown, "router_bias": grown["router_bias"].at[4].add(step)}  # copy of expert 0
+  apart, _, e_apart = ffn6.apply({"params": moved}, x, mask, False)
+  e_tied, e_apart = np.asarray(e_tied[0]), np.asarray(e_apart[0])
+  pair = (e_tied == 0) & (e_apart == 4)  # the pair's tokens that stay on it (all but one)
+  assert pair.sum() >= 10 and np.all(e_apart[e_tied != 0] == e_tied[e_tied != 0])
+  # The gate goes from the pair's probability 2p to p * exp(step) / (1 + p (exp(step) - 1)):
+  # a relative change of 1/2 up to about `step`, plus float32 rounding (1e-6).
+  np.testing.assert_allclose(np.asarray(apart[0])[pair], 0.5 * np.asarray(tied[0])[pair],
+                             rtol=2 * step + 1e-5, atol=1e-7)
+  others = e_tied != 0
+  np.testing.assert_allclose(np.asarray(apart[0])[others], np.asarray(tied[0])[others],
+                             rtol=0, atol=1e-5)
+
+
+def test_one_adam_step_after_a_copy_ends_the_tie_whatever_its_learning_rate():
+  ffn, x, mask, _, grown = _ffn_and_copy([0.0, 0.0, 0.0, 0.0], kernel_scale=50.0)
+  ffn6 = ffn.clone(num_experts=6, eval_capacity_factor=0.0)
+  target = jax.random.normal(jax.random.key(5), x.shape)
+  loss = lambda p: jnp.sum(ffn6.apply({"params": p}, x, mask, True)[0] * target)
+  tied, _, e_tied = ffn6.apply({"params": grown}, x, mask, False)
+  tx = optax.adam(1e-7)
+  updates, _ = tx.update(jax.grad(loss)(grown), tx.init(grown), grown)
+  stepped = optax.apply_updates(grown, updates)
+  # The pair's router biases get gradients of opposite sign (the gate is the first member's
+  # probability times 2), so Adam's first step, +-1e-7 per parameter, separates them.
+  assert float(stepped["router_bias"][0]) != float(stepped["router_bias"][4])
+  after, _, _ = ffn6.apply({"params": stepped}, x, mask, False)
+  pair = np.asarray(e_tied[0]) == 0
+  ratio = np.linalg.norm(np.asarray(after[0])[pair]) / np.linalg.norm(np.asarray(tied[0])[pair])
+  # Each pair token's gate becomes one member's probability, about half the pair's (the
+  # members' logits now differ by about 1e-7 x the input, and a few tokens may move to another
+  # expert): the output of the pair's tokens about halves, a change of order 1, not of 1e-7.
+  assert 0.4 < ratio < 0.6, ratio
 
 
 def test_copy_experts_with_a_perturbation_changes_the_routing():
@@ -160,3 +244,57 @@ def test_expert_losses_sum_the_nll_routed_to_each_expert():
   nll = jnp.asarray([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
   out = switch.expert_losses(experts, nll, jnp.asarray([True, False]), 3)
   np.testing.assert_allclose(out, [[1.0, 5.0, 0.0]])
+
+
+def _param_count(preset, num_experts):
+  """Parameters of the built Switch Transformer of `preset` with GPT-2's vocabulary and
+  sequences of 512 tokens (the paper's), counted from shapes alone."""
+  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), preset)
+  c.model.num_experts = num_experts
+  model = switch.SwitchTransformer.from_config(c.model, V, max_len=512)
+  shapes = jax.eval_shape(lambda k: model.init(k, jnp.zeros((1, 512), jnp.int32)),
+                          jax.random.key(0))
+  return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(shapes["params"]))
+
+
+# The paper's Table 2 (appendix D): parameters of SM with E experts per block.
+TABLE_2 = {"base": {4: 65e6, 8: 91e6, 12: 116e6}, "large": {4: 210e6, 8: 323e6, 12: 436e6}}
+
+
+@pytest.mark.parametrize("preset", ["base", "large"])
+def test_the_presets_have_the_paper_s_parameter_counts_within_3_percent(preset):
+  counts = {e: _param_count(preset, e) for e in (4, 8, 12)}
+  for e, paper in TABLE_2[preset].items():
+    assert abs(counts[e] / paper - 1) < 0.03, (preset, e, counts[e], paper)
+  # Per expert and shared, as fitted to the table: (116 - 65) / 8 = 6.375M and 65 - 4 x 6.375
+  # = 39.5M (the text rounds them to 6M and 40M); (436 - 210) / 8 = 28.25M and 97M (28M, 96M).
+  table = TABLE_2[preset]
+  per_expert = (counts[12] - counts[4]) / 8
+  paper_per_expert = (table[12] - table[4]) / 8
+  assert abs(per_expert / paper_per_expert - 1) < 0.03, (per_expert, paper_per_expert)
+  shared = counts[4] - 4 * per_expert
+  paper_shared = table[4] - 4 * paper_per_expert
+  assert abs(shared / paper_shared - 1) < 0.03, (shared, paper_shared)
+
+
+def test_dropout_is_off_in_evaluation_and_draws_its_key_in_training():
+  model = tiny(dropout=0.5)
+  tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, V)
+  params = model.init(jax.random.key(4), tokens)["params"]
+  plain = tiny().apply({"params": params}, tokens)[0]
+  np.testing.assert_array_equal(model.apply({"params": params}, tokens)[0], plain)
+  one = model.apply({"params": params}, tokens, train=True, rngs={"dropout": jax.random.key(1)})
+  two = model.apply({"params": params}, tokens, train=True, rngs={"dropout": jax.random.key(2)})
+  assert float(jnp.max(jnp.abs(one[0] - two[0]))) > 1e-3
+  with pytest.raises(Exception, match="dropout"):  # no key: Flax names the missing stream
+    model.apply({"params": params}, tokens, train=True)
+
+
+def test_a_mixture_in_every_other_block_and_dense_layers_between():
+  model = tiny(num_experts=4, moe_every=2)
+  tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, V)
+  params = model.init(jax.random.key(4), tokens)["params"]
+  assert "moe" not in params["block0"] and "ffn_wi" in params["block0"]
+  assert "moe" in params["block1"] and switch.blocks(params) == ["block1"]
+  _, aux = model.apply({"params": params}, tokens)
+  chex.assert_shape(aux["experts"], (1, 2, 16))  # one mixture layer

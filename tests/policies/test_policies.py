@@ -159,6 +159,33 @@ def test_finetune_keeps_the_learner_and_scratch_starts_afresh():
   assert _same(learner, fresh) and not _same(learner.params, trained.params)
 
 
+class _OrderRecorder:
+  """A method stand-in whose growth and re-initialisation record what they were given."""
+
+  def __init__(self):
+    self.calls = []
+
+  def before_stage(self, learner, key, ctx):
+    del key, ctx
+    self.calls.append(("grow", learner))
+    return learner + ("grown",)
+
+  def reinit(self, learner, key):
+    del key
+    self.calls.append(("reinit", learner))
+    return ("fresh",) + learner[1:]
+
+
+def test_scratch_grows_on_the_trained_learner_then_reinitialises_the_grown_one():
+  c, _ = _method("sm", warm_start="scratch")
+  method = _OrderRecorder()
+  learner, opt_state = policies.make_stage(c).start_stage(
+      method, ("trained",), jax.random.key(0), helpers.context(2), {"mu": 1})
+  # Growth decides on what the previous stage learnt; the grown structure is then redrawn.
+  assert method.calls == [("grow", ("trained",)), ("reinit", ("trained", "grown"))]
+  assert learner == ("fresh", "grown") and opt_state is None
+
+
 def _member(tree, i):
   return jax.tree.map(lambda a: np.asarray(a[i]), tree)
 
