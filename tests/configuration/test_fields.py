@@ -95,7 +95,7 @@ def test_resumable_fields_are_those_declared_resumable():
       "train.progress_every_s", "train.on_divergence", "checkpoint.enabled",
       "checkpoint.max_to_keep", "checkpoint.every", "checkpoint.every_s",
       "checkpoint.stage_every_epochs", "mesh.distributed", "log.tensorboard", "log.wandb",
-          "train.autotune", "train.cpu_fusion"}
+          "train.autotune", "train.cpu_fusion", "train.stage_program"}
 
 
 def test_readme_names_every_declared_field():
