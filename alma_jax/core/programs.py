@@ -1,4 +1,5 @@
-"""The compiled programs of a run and their one cache: train chunks, evaluation, passes.
+"""The compiled programs of a run and their one cache: train chunks, evaluation, passes,
+whole stages.
 
 This module holds every `jax.jit` of the training core. `Programs` holds the
 one compile cache of a run (so `Programs.num_compilations` is the number of

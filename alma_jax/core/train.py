@@ -13,6 +13,15 @@ member's data-order generator as it was before the epoch's orders were
 drawn, the epoch's losses so far and the early-stopping state; with the
 train state and the best parameters that is all it needs to continue to
 exactly the result of an uninterrupted stage.
+
+With `whole` (`train.stage_program`, see `whole_stage`) the epochs run as one
+compiled program (`Programs.stage_call`: a `lax.while_loop` over epochs of
+train calls, the validation evaluation and the best-epoch rule); the host
+draws the epochs' data orders first, as the per-epoch loop would, and then
+goes through the program's per-epoch losses and validation counts to give
+the same messages, divergence handling and `on_epoch` calls, so both paths
+give the same results. The best-epoch comparison is made on exact counts of
+correct examples (`improvement_thresholds`).
 """
 
 from __future__ import annotations
