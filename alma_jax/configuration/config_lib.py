@@ -122,6 +122,12 @@ BASE_FIELDS = (
     F.Field("train.steps_per_call", 1, F.integer(0),
             "train steps per compiled call (a lax.scan over them); 0: chosen (see "
             "train.autotune)"),
+    F.Field("train.stage_program", "auto", F.choice(("per_epoch", "whole", "auto")),
+            "per_epoch (a compiled call per chunk of steps, an evaluation per epoch), whole (a "
+            "stage's epochs, validation and early stopping as one compiled program; image "
+            "tasks) or auto (whole on a CPU for a backbone that is not convolution-heavy and a "
+            "method that does not grow); speed only (see alma_jax/core/train.py)",
+            resumable=True),
     F.Field("train.autotune", "measure", F.choice(F.owned("alma_jax.tuning.autotune:MODES")),
             "how fields left to be chosen (model.conv_impl='auto', method.strategy='auto', "
             "train.steps_per_call=0) are decided: measure (time each candidate on this "

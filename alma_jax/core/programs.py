@@ -1,4 +1,5 @@
-"""The compiled programs of a run and their one cache: train chunks, evaluation, passes.
+"""The compiled programs of a run and their one cache: train chunks, evaluation, passes,
+whole stages.
 
 This module holds every `jax.jit` of the training core. `Programs` holds the
 one compile cache of a run (so `Programs.num_compilations` is the number of
@@ -359,3 +360,127 @@ class Programs:
 
     return self.program((name, self.method.program_structure(learner.structure), 1), build,
                         shardings)
+
+  # -- a whole stage as one program -------------------------------------------------------------
+  def stage_body(self, structure, num: int, patience: int,
+                 divergence_stops_all: bool) -> Callable:
+    """Epochs of a stacked population with validation and early stopping, as one program.
+
+    (state, base params, best (params, model_state), progress, data, orders Batch
+    (M, C, S, K, D, b), validation Batch (V, S, b'), keys (S,), first epoch, end epoch,
+    train calls per epoch, steps per epoch, validation batches, improvement thresholds) ->
+    (state, best,
+    progress, per-epoch outputs of the M epoch slots, the epoch after the last one run).
+
+    Epoch e (from the first epoch while e < end epoch and a member is active) runs the
+    same train calls as `train_call` (the same PRNG counters), then the evaluation
+    program's body over the validation batches, then the best-epoch rule of
+    `alma_jax.core.train` on exact counts: a unit improves when its number of correct
+    validation examples is at least `thresholds[best count + 1]` (best count -1: none
+    yet), a table the host computes with its own float64 comparison. `progress` holds
+    the per-member arrays of that rule (best_count (S, U), best_epoch, since_best,
+    epochs_run, steps_run, active, diverged).
+    """
+    method = self.method
+    chunk = over_population(self.chunk_body(structure), (0, None, 0, 0, None), num)
+    evaluate = over_population(self.eval_body(structure), (0, 0, None, 0), num)
+    combine = jax.vmap(method.combine)
+    select = jax.vmap(lambda t, a, b: method.select_units(structure, t, a, b))
+
+    def stage(state: TrainState, base: Learner, best: Learner, progress, data, orders: Batch,
+              val: Batch, keys, first, end, num_calls, n_steps, num_val, thresholds):
+      m_slots, c_max = orders.idx.shape[:2]
+      k = orders.idx.shape[3]
+      units = progress["best_count"].shape[1]
+      out = {"losses": jnp.zeros((m_slots, num, c_max * k), jnp.float32),
+             "finite": jnp.zeros((m_slots, num), bool),
+             "correct": jnp.zeros((m_slots, num), jnp.float32),
+             "units": jnp.zeros((m_slots, num, units), jnp.float32)}
+
+      def epoch_body(carry):
+        e, state, best, p, out = carry
+        slot = e - first
+        idx, mask = orders.idx[slot], orders.mask[slot]
+        counter0 = e.astype(jnp.uint32) * jnp.uint32(CALLS_BOUND)
+
+        def call(c, inner):
+          state, losses, _ = inner
+          batch = Batch(idx[c], mask[c])
+          state, loss, finite = chunk(state, data, batch, keys, counter0 + c.astype(jnp.uint32))
+          return state, jax.lax.dynamic_update_slice(losses, loss, (0, c * k)), finite
+
+        state, losses, finite = jax.lax.fori_loop(
+            0, num_calls, call, (state, jnp.zeros((num, c_max * k), jnp.float32),
+                                 jnp.ones((num,), bool)))
+        active = p["active"]
+        p = dict(p, steps_run=p["steps_run"] + n_steps * active,
+                 epochs_run=jnp.where(active, e, p["epochs_run"]))
+        # The losses past the epoch's steps are zeros (padding steps report 0).
+        ok = jnp.all(jnp.isfinite(losses), axis=1) & finite
+        bad = active & ~ok
+        if divergence_stops_all:  # the host raises at this epoch
+          active = jnp.where(jnp.any(bad), False, active)
+        else:
+          active = active & ~bad
+        diverged = p["diverged"] | bad
+        current = Learner(params=combine(base, state.trainable), model_state=state.model_state,
+                          structure=structure)
+
+        def val_batch(v, sums):
+          r = evaluate(current.params, current.model_state, data, Batch(val.idx[v], val.mask[v]))
+          return sums[0] + r[0], sums[1] + r[2]
+
+        correct, unit_correct = jax.lax.fori_loop(
+            0, num_val, val_batch, (jnp.zeros((num,), jnp.float32),
+                                    jnp.zeros((num, units), jnp.float32)))
+        counts = unit_correct.astype(jnp.int32)
+        improved = active[:, None] & (counts >= thresholds[p["best_count"] + 1])
+        best = select(improved, current, best)
+        any_improved = jnp.any(improved, axis=1)
+        since_best = jnp.where(any_improved, 0, p["since_best"] + active)
+        p = dict(p, best_count=jnp.where(improved, counts, p["best_count"]),
+                 best_epoch=jnp.where(any_improved, e, p["best_epoch"]), since_best=since_best,
+                 active=active & (since_best < patience), diverged=diverged)
+        out = {"losses": out["losses"].at[slot].set(losses), "finite": out["finite"].at[slot].set(finite),
+               "correct": out["correct"].at[slot].set(correct),
+               "units": out["units"].at[slot].set(unit_correct)}
+        return e + 1, state, best, p, out
+
+      def running(carry):
+        e, _, _, p, _ = carry
+        return (e < end) & jnp.any(p["active"])
+
+      e, state, best, progress, out = jax.lax.while_loop(
+          running, epoch_body, (first, state, best, progress, out))
+      return state, best, progress, out, e
+
+    return stage
+
+  def stage_call(self, structure, state: TrainState, base: Learner, best: Learner, progress,
+                 orders: Batch, val: Batch, keys, first: int, end: int, num_calls: int,
+                 n_steps: int, num_val: int, thresholds: np.ndarray, *, patience: int,
+                 divergence_stops_all: bool):
+    """Runs `stage_body`'s program (compiled once per structure, population, array shapes
+    and the static facts of the stage); the state is donated."""
+    num, structure = int(keys.shape[0]), self.method.program_structure(structure)
+    base = Learner(base.params, base.model_state, structure)
+    best = Learner(best.params, best.model_state, structure)
+    key = ("stage", structure, num, orders.idx.shape, val.idx.shape, thresholds.shape, patience,
+           divergence_stops_all)
+
+    def shardings():
+      rep = self.layout.replicated
+      state_sh = self.shardings(state)
+      learner_sh = lambda l: Learner(self.shardings(l.params, name="params"),  # pylint: disable=unnecessary-lambda-assignment
+                                     self.shardings(l.model_state, name="model_state"), structure)
+      ins = (state_sh, learner_sh(base), learner_sh(best), self.replicated(progress),
+             self.replicated(self.data), Batch(rep, rep), Batch(rep, rep), rep, rep, rep, rep,
+             rep, rep, rep)
+      return ins, (state_sh, learner_sh(best), self.replicated(progress), rep, rep)
+
+    fn = self.program(key, lambda: self.stage_body(structure, num, patience,
+                                                   divergence_stops_all),
+                      shardings, donate=(0,))
+    i32 = lambda v: np.asarray(v, np.int32)  # pylint: disable=unnecessary-lambda-assignment
+    return fn(state, base, best, progress, self.data, orders, val, keys, i32(first), i32(end),
+              i32(num_calls), i32(n_steps), i32(num_val), thresholds)

@@ -260,7 +260,8 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
         steps, learner, np.stack([x.train_idx for x in contexts]),
         np.stack([x.val_idx for x in contexts]), population.fold(skeys, 3), t=t,
         opt_state=opt_state, progress=progress_line, labels=setup.seeds, check=signals.check,
-        on_epoch=lambda *a: observers.epoch(t, *a), checkpoints=store, meter=meter)
+        on_epoch=lambda *a: observers.epoch(t, *a), checkpoints=store, meter=meter,
+        whole=train.whole_stage(setup.config, setup.task, method))
   except RunInterrupted:
     checkpoints.stage_interrupted(t)
     raise

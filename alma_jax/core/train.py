@@ -13,6 +13,15 @@ member's data-order generator as it was before the epoch's orders were
 drawn, the epoch's losses so far and the early-stopping state; with the
 train state and the best parameters that is all it needs to continue to
 exactly the result of an uninterrupted stage.
+
+With `whole` (`train.stage_program`, see `whole_stage`) the epochs run as one
+compiled program (`Programs.stage_call`: a `lax.while_loop` over epochs of
+train calls, the validation evaluation and the best-epoch rule); the host
+draws the epochs' data orders first, as the per-epoch loop would, and then
+goes through the program's per-epoch losses and validation counts to give
+the same messages, divergence handling and `on_epoch` calls, so both paths
+give the same results. The best-epoch comparison is made on exact counts of
+correct examples (`improvement_thresholds`).
 """
 
 from __future__ import annotations
@@ -25,13 +34,15 @@ import jax
 import numpy as np
 from absl import logging
 
+from alma_jax import models
 from alma_jax.core import population
 from alma_jax.core import timing
 from alma_jax.core.meter import Meter
 from alma_jax.core.programs import Batch, TrainState, call_counter
 from alma_jax.core.steps import Steps
-from alma_jax.errors import divergence_error
-from alma_jax.methods.base import Learner
+from alma_jax.errors import ConfigError, divergence_error
+from alma_jax.methods.base import Learner, Method
+from alma_jax.tasks import base as tasks_base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +99,30 @@ def fixed_orders(rng: np.random.Generator, idx: np.ndarray, num_orders: int, bat
     mask[d, :need] = True
   shape = (num_orders, total_steps, batch)
   return (out.reshape(shape).transpose(1, 0, 2), mask.reshape(shape).transpose(1, 0, 2), num_steps)
+
+
+def whole_stage(config, task, method) -> bool:
+  """Whether `config.train.stage_program` runs a stage as one program (`_fit_whole`).
+
+  `auto`: on a CPU, for a backbone that is not convolution-heavy and a method that does not
+  grow, where a step is short and the calls from the host are a large part of a stage (an
+  MLP: about twice as fast); convolution-heavy steps leave nothing to gain, and a growing
+  model would compile the larger stage program once per structure. The program counts
+  correct validation examples exactly, so it needs a task whose examples are right or
+  wrong (not text).
+  """
+  choice = config.train.get("stage_program", "per_epoch")
+  exact = type(task).per_example is tasks_base.Task.per_example
+  if choice == "whole" and not exact:
+    raise ConfigError(f"config.train.stage_program='whole' needs a task whose examples are "
+                      f"right or wrong; for task {type(task).__name__} valid: "
+                      "['per_epoch', 'auto']")
+  if choice != "auto":
+    return choice == "whole"
+  grows = any(getattr(type(method), hook) is not getattr(Method, hook)
+              for hook in ("before_stage", "after_stage"))
+  return (exact and not grows and jax.default_backend() == "cpu"
+          and not models.spec(config.model.name).conv_heavy)
 
 
 @dataclasses.dataclass
@@ -192,7 +227,8 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
               progress: Callable[[str], None] | None = None, labels: Sequence[int] | None = None,
               check: Callable[[], None] = lambda: None,
               on_epoch: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None] | None = None,
-              checkpoints: StageCheckpoints | None = None, meter: Meter | None = None):
+              checkpoints: StageCheckpoints | None = None, meter: Meter | None = None,
+              whole: bool = False):
   """Trains a stacked population on one stage's data; keeps each member's best epoch.
 
   Args:
@@ -213,6 +249,9 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
     meter: told where the stage is after every train call and epoch
       (`alma_jax.core.meter.Meter`: running lines with speed and ETAs); the epoch's
       `progress` line goes through it.
+    whole: run the epochs as one compiled program (`_fit_whole`) rather than one train call
+      per chunk of steps and one evaluation per epoch; the same results. A stage saved in
+      the middle of an epoch continues per call.
 
   Returns:
     (best learners, final optimizer state (None after a rollback), StageStats).
@@ -239,6 +278,12 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
   if meter is not None:
     fixed = int(cfg.get("steps_per_epoch", 0) or 0)
     meter.stage_start(t, int(cfg.epochs), fixed or -(-train_idx.shape[-1] // steps.batch_size))
+  if whole and (resume is None or resume.next_call == 0):
+    state = _fit_whole(steps, learner, state, p, rngs, train_idx, val_idx, keys,
+                       resume.epoch if resume else 1, timer, save, check,
+                       int(getattr(checkpoints, "every_epochs", 0) or 0), t=t, labels=labels,
+                       on_epoch=on_epoch, progress=progress, meter=meter)
+    return _finish(steps, p, state, train_idx, val_idx, timer)
   for epoch in range(resume.epoch if resume else 1, int(cfg.epochs) + 1):
     ran = p.active.copy()
     if save is not None:
@@ -272,8 +317,15 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
       progress(line)
     if not p.active.any():
       break
+  return _finish(steps, p, state, train_idx, val_idx, timer)
+
+
+def _finish(steps: Steps, p: _Progress, state: TrainState, train_idx: np.ndarray,
+            val_idx: np.ndarray, timer: timing.Breakdown):
+  """(best learners, final optimizer state (None after a rollback), StageStats) of a stage."""
+  cfg = steps.method.config.train
   best_acc = p.best_acc[:, 0]
-  if method.units_are_parts:  # the selected members together
+  if steps.method.units_are_parts:  # the selected members together
     with timer("eval_s"):
       best_acc, _ = steps.evaluate(p.best, "train", val_idx)
   spent = timer.as_dict()
@@ -286,11 +338,129 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
   return p.best, (None if p.diverged.any() else state.opt_state), stats
 
 
-def _keep_best(p: _Progress, method, current: Learner, unit_acc: np.ndarray, epoch: int,
+def _bucket(n: int) -> int:
+  """`n` rounded up to a power of two: sizes that vary from stage to stage share a program."""
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def improvement_thresholds(m: int, delta: float) -> np.ndarray:
+  """For a validation set of `m` examples, the least number of correct ones that improves on a
+  best of b correct (entry b + 1; entry 0: no best yet, accuracy -1): the host's
+  `acc > best_acc + delta` in float64, tabulated once, so that a program decides it exactly."""
+  acc = np.arange(m + 1) / m
+  best = np.concatenate([[-1.0], acc])
+  table = np.searchsorted(acc, best + delta, side="right").astype(np.int32)
+  return np.pad(table, (0, _bucket(m + 2) - (m + 2)), constant_values=m + 1)
+
+
+def _segment_orders(steps: Steps, structure, rngs, train_idx, first: int, end: int, slots: int):
+  """The index and mask arrays (slots, C, S, K, D, b) of epochs `first`..`end - 1`, drawn in
+  order as `_epoch` draws them (C: the calls of an epoch rounded up by `_bucket`; later
+  slots and calls are padding that never runs); returns (Batch, calls, steps per epoch)."""
+  d = steps.method.num_data_orders(structure)
+  k = steps.steps_per_call
+  fixed = int(steps.method.config.train.get("steps_per_epoch", 0) or 0)
+  idx_all, mask_all, calls, n_steps = None, None, 0, 0
+  for j in range(end - first):
+    orders = [padded_orders(rng, train_idx[i], d, steps.batch_size, k, fixed)
+              for i, rng in enumerate(rngs)]
+    idx, mask = np.stack([o[0] for o in orders]), np.stack([o[1] for o in orders])
+    n_steps, calls = orders[0][2], idx.shape[1] // k
+    if idx_all is None:
+      shape = (slots, _bucket(calls), len(rngs), k) + idx.shape[2:]
+      idx_all, mask_all = np.zeros(shape, np.int32), np.zeros(shape, bool)
+    split = lambda a: np.moveaxis(a.reshape(a.shape[0], calls, k, *a.shape[2:]), 1, 0)  # pylint: disable=unnecessary-lambda-assignment,cell-var-from-loop
+    idx_all[j, :calls], mask_all[j, :calls] = split(idx), split(mask)
+  return Batch(idx_all, mask_all), calls, n_steps
+
+
+def _val_batches(steps: Steps, val_idx: np.ndarray) -> tuple[Batch, int]:
+  """The validation batches (V, S, b) of `Passes.evaluate_units` (V rounded up by `_bucket`)
+  and how many of them are real."""
+  idx = steps.task.global_index(steps.data, "train", val_idx)
+  batches = list(steps.passes.eval_batches(idx))
+  slots = _bucket(len(batches))
+  idx_all = np.zeros((slots,) + batches[0].idx.shape, np.int32)
+  mask_all = np.zeros(idx_all.shape, bool)
+  for v, b in enumerate(batches):
+    idx_all[v], mask_all[v] = b.idx, b.mask
+  return Batch(idx_all, mask_all), len(batches)
+
+
+def _fit_whole(steps: Steps, learner: Learner, state: TrainState, p: _Progress, rngs,
+               train_idx: np.ndarray, val_idx: np.ndarray, keys: jax.Array, first: int,
+               timer: timing.Breakdown, save: "_saver | None", check: Callable[[], None],
+               every_epochs: int, *, t: int, labels, on_epoch, progress,
+               meter: Meter | None = None) -> TrainState:
+  """The epochs from `first` on as one compiled program per segment (all epochs, or
+  `every_epochs` of them when the stage is saved after every so many): the program trains,
+  evaluates and keeps the best epoch; the host then goes through its per-epoch outputs as
+  `fit_stage` would (messages, divergence, `on_epoch`), and saves and checks for a signal
+  between segments. Updates `p`; returns the final train state."""
+  cfg, method, structure = steps.method.config.train, steps.method, learner.structure
+  epochs, m = int(cfg.epochs), val_idx.shape[-1]
+  slots = min(every_epochs, epochs) if every_epochs > 0 else epochs
+  delta, patience = float(cfg.patience_delta), int(cfg.patience)
+  policy = cfg.get("on_divergence", "raise")
+  thresholds = improvement_thresholds(m, delta)
+  val, num_val = _val_batches(steps, val_idx)
+  last_report = time.monotonic()
+  while first <= epochs and p.active.any():
+    end = min(first + slots, epochs + 1)
+    with timer("train_s"):  # training and the validation inside it
+      orders, calls, n_steps = _segment_orders(steps, structure, rngs, train_idx, first, end, slots)
+      counts = np.where(p.best_acc < 0, -1, np.round(p.best_acc * m)).astype(np.int32)
+      prog = {"best_count": counts, "best_epoch": p.best_epoch.astype(np.int32),
+              "since_best": p.since_best.astype(np.int32),
+              "epochs_run": p.epochs_run.astype(np.int32),
+              "steps_run": p.steps_run.astype(np.int32), "active": p.active.copy(),
+              "diverged": p.diverged.copy()}
+      state, best, prog, out, stop = steps.programs.stage_call(
+          structure, state, learner, p.best, prog, orders, val, keys, first, end, calls, n_steps,
+          num_val, thresholds, patience=patience,
+          divergence_stops_all=policy != "rollback")
+      out = jax.tree.map(np.asarray, out)
+      stop = int(stop)
+    for epoch in range(first, stop):
+      j, ran = epoch - first, p.active.copy()
+      losses = out["losses"][j][:, :n_steps]
+      p.steps_run += n_steps * p.active
+      p.epochs_run[p.active] = epoch
+      bad = p.active & ~(np.all(np.isfinite(losses), axis=1) & out["finite"][j])
+      if bad.any():
+        _stop_diverged(p, bad, t, epoch, labels, policy)
+        if not p.active.any():
+          break
+      acc = out["correct"][j].astype(np.float64) / m
+      _keep_best(p, method, None, out["units"][j].astype(np.float64) / m, epoch, delta, patience)
+      if on_epoch is not None:
+        on_epoch(epoch, np.mean(losses, axis=1), acc, ran)
+      line = None
+      if time.monotonic() - last_report >= cfg.get("progress_every_s", 10.0):
+        last_report, line = time.monotonic(), _progress_line(t, epoch, cfg.epochs, losses, acc, p)
+      if meter is not None:
+        meter.epoch_end(line)
+      if progress is not None and line is not None:
+        progress(line)
+    for name in _PROGRESS_ARRAYS[1:]:  # the program and the host took the same decisions
+      if not np.array_equal(np.asarray(prog[name]), getattr(p, name)):
+        raise RuntimeError(f"stage t={t}: the stage program and the host disagree on {name}")
+    p.best = Learner(params=best.params, model_state=best.model_state, structure=structure)
+    first = stop
+    if first <= epochs and p.active.any():  # a segment ended with the stage going on
+      if save is not None:
+        save.segment_end(state, first - 1)
+      check()
+  return state
+
+
+def _keep_best(p: _Progress, method, current: Learner | None, unit_acc: np.ndarray, epoch: int,
                delta: float, patience: int) -> None:
-  """Keeps each unit's best epoch; a member's patience restarts when any of its units improves."""
+  """Keeps each unit's best epoch; a member's patience restarts when any of its units improves.
+  (`current` None: the best parameters are kept elsewhere, only the counts here.)"""
   improved = p.active[:, None] & (unit_acc > p.best_acc + delta)
-  p.best = population.select_units(method, improved, current, p.best)
+  if current is not None:
+    p.best = population.select_units(method, improved, current, p.best)
   p.best_acc = np.where(improved, unit_acc, p.best_acc)
   any_improved = improved.any(axis=1)
   p.best_epoch = np.where(any_improved, epoch, p.best_epoch)
@@ -347,6 +517,12 @@ class _saver:  # pylint: disable=invalid-name  (used as a function)
   def __call__(self, state: TrainState, next_call: int, losses: list, finite, epoch_end: bool):
     if self.checkpoints.due(epoch_end, self.epoch):
       self._save(state, self.epoch, next_call, self.rng_states, losses, finite)
+
+  def segment_end(self, state: TrainState, epoch: int) -> None:
+    """After a whole-stage segment that ended with epoch `epoch` (the data-order generators
+    have drawn exactly its epochs): saves the stage to continue at the next epoch, when due."""
+    if self.checkpoints.due(True, epoch):
+      self._save(state, epoch + 1, 0, [rng.bit_generator.state for rng in self.rngs], [], None)
 
   def between_epochs(self, state: TrainState, epoch: int) -> None:
     """After epoch `epoch` is evaluated and early stopping updated: saves the stage to
