@@ -97,7 +97,7 @@ def run(config, workdir: str, *, overwrite: bool = False, startup_s: float | Non
     wd.check_outputs(workdir, config, overwrite)
     multihost.sync("alma_jax: workdir checked")  # before process 0 writes to it
     meter = meter_lib.Meter(F.get(config.log, "log.progress"),
-                            every_s=config.train.get("progress_every_s", 10.0),
+                            every_s=F.get(config.train, "train.progress_every_s"),
                             primary=multihost.is_primary())
     with interrupts.Signals() as signals, contextlib.closing(meter.start()):
       t_start, timer = time.monotonic(), timing.Breakdown()

@@ -24,6 +24,7 @@ from alma_jax import methods
 from alma_jax import models
 from alma_jax import policies
 from alma_jax import tasks
+from alma_jax.configuration import fields as F
 from alma_jax.core import meter as meter_lib
 from alma_jax.core import multihost
 from alma_jax.core import optim
@@ -140,7 +141,7 @@ class Setup:
     """What the progress ETAs count on: the planned stages' train steps per epoch (the
     first seed's stream), epochs, examples per step and their unit."""
     times = self.wait_policy.planned_times(self.num_t)
-    fixed = int(self.config.train.get("steps_per_epoch", 0) or 0)
+    fixed = int(F.get(self.config.train, "train.steps_per_epoch"))
     b = int(self.config.train.batch_size)
     sizes = _stage_sizes(self.streams[0], times, self.config.stream.replay)
     unit, per_example = tune.example_unit(self.config)

@@ -35,6 +35,7 @@ import numpy as np
 from absl import logging
 
 from alma_jax import models
+from alma_jax.configuration import fields as F
 from alma_jax.core import population
 from alma_jax.core import timing
 from alma_jax.core.meter import Meter
@@ -111,7 +112,7 @@ def whole_stage(config, task, method) -> bool:
   correct validation examples exactly, so it needs a task whose examples are right or
   wrong (not text).
   """
-  choice = config.train.get("stage_program", "per_epoch")
+  choice = F.get(config.train, "train.stage_program")
   exact = type(task).per_example is tasks_base.Task.per_example
   if choice == "whole" and not exact:
     raise ConfigError(f"config.train.stage_program='whole' needs a task whose examples are "
@@ -176,7 +177,7 @@ def _epoch(steps: Steps, state: TrainState, structure, rngs, train_idx, keys, ep
   """
   d = steps.method.num_data_orders(structure)
   k = steps.steps_per_call
-  fixed = int(steps.method.config.train.get("steps_per_epoch", 0) or 0)
+  fixed = int(F.get(steps.method.config.train, "train.steps_per_epoch"))
   orders = [padded_orders(rng, train_idx[i], d, steps.batch_size, k, fixed)
             for i, rng in enumerate(rngs)]
   idx, mask = np.stack([o[0] for o in orders]), np.stack([o[1] for o in orders])
@@ -276,7 +277,7 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
     state, resume = _restore_position(checkpoints, state, p, rngs, timer)
   save = None if checkpoints is None else _saver(checkpoints, p, rngs, timer)
   if meter is not None:
-    fixed = int(cfg.get("steps_per_epoch", 0) or 0)
+    fixed = int(F.get(cfg, "train.steps_per_epoch"))
     meter.stage_start(t, int(cfg.epochs), fixed or -(-train_idx.shape[-1] // steps.batch_size))
   if whole and (resume is None or resume.next_call == 0):
     state = _fit_whole(steps, learner, state, p, rngs, train_idx, val_idx, keys,
@@ -296,7 +297,7 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
       p.epochs_run[p.active] = epoch
     bad = p.active & ~(np.all(np.isfinite(losses), axis=1) & finite)
     if bad.any():
-      _stop_diverged(p, bad, t, epoch, labels, cfg.get("on_divergence", "raise"))
+      _stop_diverged(p, bad, t, epoch, labels, F.get(cfg, "train.on_divergence"))
       if not p.active.any():
         break
     current = Learner(params=jax.vmap(method.combine)(learner, state.trainable),
@@ -309,7 +310,7 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
     if on_epoch is not None:
       on_epoch(epoch, np.mean(losses, axis=1), np.asarray(acc), ran)
     line = None
-    if time.monotonic() - last_report >= cfg.get("progress_every_s", 10.0):
+    if time.monotonic() - last_report >= F.get(cfg, "train.progress_every_s"):
       last_report, line = time.monotonic(), _progress_line(t, epoch, cfg.epochs, losses, acc, p)
     if meter is not None:
       meter.epoch_end(line)
@@ -329,7 +330,7 @@ def _finish(steps: Steps, p: _Progress, state: TrainState, train_idx: np.ndarray
     with timer("eval_s"):
       best_acc, _ = steps.evaluate(p.best, "train", val_idx)
   spent = timer.as_dict()
-  if cfg.get("steps_per_epoch", 0):  # fixed steps: full batches
+  if F.get(cfg, "train.steps_per_epoch"):  # fixed steps: full batches
     examples = p.steps_run * steps.batch_size
   else:  # passes over each member's stage data
     examples = train_idx.shape[-1] * p.epochs_run
@@ -359,7 +360,7 @@ def _segment_orders(steps: Steps, structure, rngs, train_idx, first: int, end: i
   slots and calls are padding that never runs); returns (Batch, calls, steps per epoch)."""
   d = steps.method.num_data_orders(structure)
   k = steps.steps_per_call
-  fixed = int(steps.method.config.train.get("steps_per_epoch", 0) or 0)
+  fixed = int(F.get(steps.method.config.train, "train.steps_per_epoch"))
   idx_all, mask_all, calls, n_steps = None, None, 0, 0
   for j in range(end - first):
     orders = [padded_orders(rng, train_idx[i], d, steps.batch_size, k, fixed)
@@ -401,7 +402,7 @@ def _fit_whole(steps: Steps, learner: Learner, state: TrainState, p: _Progress, 
   epochs, m = int(cfg.epochs), val_idx.shape[-1]
   slots = min(every_epochs, epochs) if every_epochs > 0 else epochs
   delta, patience = float(cfg.patience_delta), int(cfg.patience)
-  policy = cfg.get("on_divergence", "raise")
+  policy = F.get(cfg, "train.on_divergence")
   thresholds = improvement_thresholds(m, delta)
   val, num_val = _val_batches(steps, val_idx)
   last_report = time.monotonic()
@@ -436,7 +437,7 @@ def _fit_whole(steps: Steps, learner: Learner, state: TrainState, p: _Progress, 
       if on_epoch is not None:
         on_epoch(epoch, np.mean(losses, axis=1), acc, ran)
       line = None
-      if time.monotonic() - last_report >= cfg.get("progress_every_s", 10.0):
+      if time.monotonic() - last_report >= F.get(cfg, "train.progress_every_s"):
         last_report, line = time.monotonic(), _progress_line(t, epoch, cfg.epochs, losses, acc, p)
       if meter is not None:
         meter.epoch_end(line)

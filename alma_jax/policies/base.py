@@ -212,10 +212,10 @@ def check_wait(config, default: Callable[[str], Any]) -> None:
   needs `num_seeds` = 1.
   """
   s = config.stream
-  name = s.get("wait_policy", "fixed")
+  name = F.get(s, "stream.wait_policy")
   cls = wait_class(name)
   if name != "fixed":
-    if s.get("iid", False) is True:
+    if F.get(s, "stream.iid") is True:
       raise ConfigError(f"config.stream.iid=True trains once, at t=B, on the whole stream: it "
                         f"needs config.stream.wait_policy='fixed', not {name!r}")
     if s.wait != 1:
@@ -229,7 +229,7 @@ def check_wait(config, default: Callable[[str], Any]) -> None:
       raise ConfigError(f"config.{path}={value!r} is read only by config.stream.wait_policy="
                         f"{users[0] if len(users) == 1 else users}, not {name!r}; set it, or "
                         f"leave the field at {default(path)!r}")
-  n = config.get("num_seeds", 1)
+  n = F.get(config, "num_seeds")
   if n > 1 and not cls.same_times_for_every_seed:
     raise ConfigError(f"config.stream.wait_policy={name!r} decides each seed's training times "
                       f"from its own data and model, so the seeds cannot train together; set "

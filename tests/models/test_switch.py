@@ -249,7 +249,7 @@ def test_expert_losses_sum_the_nll_routed_to_each_expert():
 def _param_count(preset, num_experts):
   """Parameters of the built Switch Transformer of `preset` with GPT-2's vocabulary and
   sequences of 512 tokens (the paper's), counted from shapes alone."""
-  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), preset)
+  c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), preset)
   c.model.num_experts = num_experts
   model = switch.SwitchTransformer.from_config(c.model, V, max_len=512)
   shapes = jax.eval_shape(lambda k: model.init(k, jnp.zeros((1, 512), jnp.int32)),

@@ -108,7 +108,7 @@ def test_the_fixed_wait_refuses_the_other_policies_fields():
 
 @requires_text
 def test_the_iid_language_model_stream_needs_the_fixed_wait():
-  c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"),
+  c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"),
                                   "smoke,iid")
   c.stream.wait_policy = "geometric"
   with pytest.raises(ConfigError, match=r"config\.stream\.iid=True trains once, at t=B, on the "
@@ -308,7 +308,7 @@ LM_METHODS = [pytest.param(m, marks=requires_text) for m in ("lm_sm", "lm_ens", 
 @pytest.mark.parametrize("method", IMAGE_METHODS + LM_METHODS)
 def test_every_method_runs_with_the_triggered_policy(method, tmp_path):
   if method.startswith("lm_"):
-    c = config_lib.apply_lm_variant(config_lib.base_config("tiny_shakespeare", method), "smoke")
+    c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", method), "smoke")
     c.mesh.num_devices = 1
   else:
     c = helpers.smoke(method)
