@@ -49,7 +49,7 @@ UTILITY_PREFIX = "alma_utility_"  # names the utility programs (not steps) in `j
 TRAIN_BATCH_AXES = ("population", None, "member", "batch")
 EVAL_BATCH_AXES = ("population", "batch")
 PROGRAM_NAMES = {"train": "the train step", "eval": "the evaluation",
-                 "eval_shared": "the evaluation"}
+                 "eval_shared": "the evaluation", "stage": "the whole training stage"}
 
 
 @struct.dataclass
@@ -188,8 +188,8 @@ class Programs:
   def describe(self, key: tuple) -> tuple[str, str]:
     """(what the program of `key` is, why it is compiled now): the first program of its
     kind, a new program structure (the method names it: e.g. a new slot count), or a new
-    population size."""
-    kind, structure, num = key
+    population size (a stage program's key also holds its padded sizes)."""
+    kind, structure, num = key[:3]
     what = PROGRAM_NAMES.get(kind, f"the pass {kind}")
     if num > 1:
       what += f" of {num} learners"
@@ -198,7 +198,9 @@ class Programs:
       return what, "first use" + (f"; structure {_short(structure)}" if structure != () else "")
     if all(k[1] != structure for k in same_kind):
       return what, self.method.program_change(same_kind[-1][1], structure)
-    return what, f"new population of {num}"
+    if all(k[2] != num for k in same_kind if k[1] == structure):
+      return what, f"new population of {num}"
+    return what, "new sizes"
 
   @property
   def cache(self) -> Mapping[tuple, Program]:
