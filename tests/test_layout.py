@@ -49,6 +49,14 @@ def test_package_imports_form_a_dag_without_function_local_imports():
   for mod, path in modules.items():
     top, inner = _imports(path, modules)
     graph[mod] = {m for m in top if m in modules and m != mod}
+    # Importing a.b.c first runs a.b's __init__ (unless the importer is inside a.b already).
+    mine = {mod.rsplit(".", k)[0] for k in range(1, mod.count(".") + 1)} | {mod}
+    for target in list(graph[mod]):
+      parts = target.split(".")
+      graph[mod] |= {".".join(parts[:k]) for k in range(2, len(parts))} - mine
+    if path.endswith("__init__.py") and "pkgutil.iter_modules" in open(path).read():
+      # A package that imports every module of its own (methods, policies) depends on them.
+      graph[mod] |= {m for m in modules if m.rsplit(".", 1)[0] == mod}
     if inner:
       local[mod] = inner
   # main.py imports the run lazily on purpose (allocator tuning first), and the package root's

@@ -122,6 +122,10 @@ class Setup:
       self._flops[learner.structure] = self.steps.flops(learner)
     return self._flops[learner.structure]
 
+  def seed_flops(self, learners, i: int = 0) -> dict[str, float]:
+    """`flops` of seed `i`'s learner in the stacked `learners`."""
+    return self.flops(population.unstack(learners, i))
+
   def log_estimate(self, learner) -> None:
     """Logs an upper bound on the training time (all epochs, no early stop)."""
     b, fixed = self.config.train.batch_size, optim.stage_steps(self.config)

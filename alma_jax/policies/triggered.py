@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from alma_jax.core import population
 from alma_jax.errors import ConfigError
 from alma_jax.policies.base import Decision, WaitPolicy, register
 
@@ -100,7 +99,7 @@ class TriggeredWait(WaitPolicy):
         acc, _ = setup.steps.evaluate(state.learner, "train", idx)
         err = float(1.0 - acc[0])
         ref = _reference(state)
-        cost = setup.flops(population.unstack(state.learner, 0))
+        cost = setup.seed_flops(state.learner)
         flops = np.full(len(setup.seeds), cost["inference_per_example"] * len(idx))
         macs = np.full(len(setup.seeds), cost["inference_macs_per_example"] * len(idx))
         fields.update(trigger_error=err, trigger_reference=ref)
