@@ -118,7 +118,8 @@ BASE_FIELDS = (
             "machine once, remembered in the cache dir) or rules", resumable=True),
     F.Field("train.cpu_fusion", "auto", F.choice(cpu_fusion.CHOICES),
             "XLA:CPU fusion flags of the run's process: none (XLA's default), ynn (its dot, "
-            "elementwise and reduction fusions by YNNPACK), or auto (a convolution-heavy backbone "
+            "elementwise and reduction fusions by YNNPACK), onednn (convolutions and matrix "
+            "products by oneDNN), ynn_onednn (both), or auto (a convolution-heavy backbone "
             "on a CPU: chosen by measurement with train.autotune=measure, see "
             "alma_jax/tuning/cpu_fusion.py; none otherwise); speed only, so it may change on resume "
             "(float round-off then differs from there on)", resumable=True),
