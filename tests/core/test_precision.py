@@ -29,9 +29,22 @@ def _config(dataset, method, backbone, dtype, **train_fields):
   return c
 
 
+def _contraction(line: str) -> int:
+  """How many products a dot_general line sums per output element (1 for a convolution's
+  line: not parsed, kept)."""
+  m = re.search(r"contracting_dims = \[([0-9, ]*)\] x .*?: \(tensor<([0-9x]+)x[a-z]", line)
+  if "stablehlo.convolution" in line or not m:
+    return 2
+  dims, shape = m.group(1), [int(d) for d in m.group(2).split("x")]
+  return int(np.prod([shape[int(d)] for d in dims.split(",") if d.strip()]))
+
+
 def _products(hlo: str) -> list[str]:
-  """The lines of a lowered program that multiply: its matrix products and convolutions."""
-  return [l for l in hlo.splitlines() if re.search(r"stablehlo\.(dot_general|convolution)", l)]
+  """The lines of a lowered program that multiply and sum: its convolutions and matrix
+  products over more than one term (not a mixture's weighting of its experts' outputs by
+  their gate values, a product over one term, which gMoE computes between module calls)."""
+  return [l for l in hlo.splitlines()
+          if re.search(r"stablehlo\.(dot_general|convolution)", l) and _contraction(l) > 1]
 
 
 def _train_program_text(steps, learner) -> str:
