@@ -72,6 +72,14 @@ def _accuracy(values: list[float | None]) -> str:
   return f"{statistics.median(values):.3f}" if values else "-"
 
 
+def _breakdown(summaries: list[dict]) -> str:
+  """Median seconds of each part of the runs' own timings (`summary.json`)."""
+  keys = sorted({k for s in summaries for k in s.get("timings", {}) if k.endswith("_s")})
+  return ", ".join(f"{k.removesuffix('_s')} "
+                   f"{statistics.median(s['timings'].get(k, 0.0) for s in summaries):.1f}"
+                   for k in keys)
+
+
 def row(protocol: str, ours: list[dict], theirs: list[dict]) -> dict:
   """The figures of one protocol: `ours` are {"wall_s", "summary"}, `theirs` the peer's
   JSON lines. Failed peer runs (an "error" field) are left out of its figures."""
@@ -85,7 +93,7 @@ def row(protocol: str, ours: list[dict], theirs: list[dict]) -> dict:
       "ours_wall_s": our_walls, "theirs_wall_s": their_walls, "ratio": ratio,
       "ours_final_acc": [1.0 - r["summary"]["final_error"] for r in ours],
       "theirs_final_acc": [r.get("final_test_acc") for r in ok],
-      "ours_breakdown": end_to_end.fmt_breakdown([r["summary"] for r in ours]) if ours else "",
+      "ours_breakdown": _breakdown([r["summary"] for r in ours]),
       "peer_failures": len(theirs) - len(ok),
       "max_load": max([r.get("load", 0.0) for r in ours]
                       + [max(r.get("loadavg_before", [0.0])[:1] + r.get("loadavg_after", [0.0])[:1])
