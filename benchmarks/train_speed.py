@@ -22,6 +22,7 @@ Usage:
   python benchmarks/train_speed.py --rows=vgg16_sm,vgg16_sm_xla --repeats=7
   python benchmarks/train_speed.py --quick          # fewer repeats and rows
   python benchmarks/train_speed.py --xla_ynn        # with XLA:CPU's YNN fusions
+  python benchmarks/train_speed.py --compute_dtype=bfloat16   # mixed precision
 It runs unchanged on GPU/TPU (see benchmarks/README.md).
 """
 
@@ -78,6 +79,8 @@ def _parse():
   p.add_argument("--seconds_per_repeat", type=float, default=2.0)
   p.add_argument("--batch_size", type=int, default=128)
   p.add_argument("--xla_ynn", action="store_true", help=f"set XLA_FLAGS={YNN_FLAG} (CPU)")
+  p.add_argument("--compute_dtype", default="float32", choices=("float32", "bfloat16"),
+                 help="train.compute_dtype of every row")
   p.add_argument("--no_malloc_tuning", action="store_true")
   p.add_argument("--json", default="", help="write the results here as JSON")
   return p.parse_args()
@@ -107,7 +110,7 @@ def _synthetic(np, shape, n_train=512, n_test=1000):
       num_classes=10)
 
 
-def make_trainer(name, batch_size, jax, np):
+def make_trainer(name, batch_size, jax, np, compute_dtype="float32"):
   """The real compiled train call of row `name` on synthetic data: a namespace with
   `run(calls) -> seconds` (after `warm_up()`, which compiles), `images_per_call` and the
   parts a row reports (method, steps, learner, data)."""
@@ -129,6 +132,7 @@ def make_trainer(name, batch_size, jax, np):
     c.method[k] = v
   c.train.batch_size = batch_size
   c.train.eval_batch_size = 500
+  c.train.compute_dtype = compute_dtype
   c.train.epochs, c.train.patience = 1, 1  # the two short stages counting compilations
   c.mesh.num_devices = 1
   c = validation.complete(c)
@@ -175,7 +179,7 @@ def bench_row(name, args, jax, jnp, np):
   # pylint: disable=g-import-not-at-top
   from alma_jax.core.train import fit_one
   # pylint: enable=g-import-not-at-top
-  tr = make_trainer(name, args.batch_size, jax, np)
+  tr = make_trainer(name, args.batch_size, jax, np, args.compute_dtype)
   if tr is None:
     return {"row": name, "skipped": f"method {ROWS[name][2]!r} is not available"}
   backbone, width, method_name = ROWS[name][:3]
@@ -234,9 +238,11 @@ def main():
   peak = _peak_gflops(jax, jnp)
   env = {"backend": jax.default_backend(), "devices": str(jax.devices()),
          "jax": jax.__version__, "malloc_tuned": cpu_tuning.is_applied(),
-         "xla_flags": os.environ.get("XLA_FLAGS", ""), "peak_matmul_gflop_s": peak}
+         "xla_flags": os.environ.get("XLA_FLAGS", ""), "peak_matmul_gflop_s": peak,
+         "compute_dtype": args.compute_dtype}
   print(f"# train speed on {env['backend']} ({env['devices']}), jax {env['jax']}, allocator tuned: "
-        f"{env['malloc_tuned']}, XLA_FLAGS={env['xla_flags']!r}, matmul peak {peak:.1f} GFLOP/s",
+        f"{env['malloc_tuned']}, compute dtype {args.compute_dtype}, "
+        f"XLA_FLAGS={env['xla_flags']!r}, matmul peak {peak:.1f} GFLOP/s",
         flush=True)
   print("| row | conv | train img/s (median, min-max) | compile s | eval img/s | GFLOP/s | "
         "% peak | compiled functions / added by a 2nd stage |")

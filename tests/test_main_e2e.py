@@ -18,8 +18,12 @@ from tests.conftest import requires_cifar10, requires_mnist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# A donated train state that XLA cannot reuse is an error in these runs (it warns otherwise).
+NO_UNUSED_DONATION = ["-W", "error:Some donated buffers were not usable:UserWarning"]
+
+
 def run_main(config, workdir, *flags, env=None):
-  cmd = [sys.executable, "-m", "alma_jax.main", f"--config={config}", f"--workdir={workdir}",
+  cmd = [sys.executable, *NO_UNUSED_DONATION, "-m", "alma_jax.main", f"--config={config}", f"--workdir={workdir}",
          "--config.mesh.num_devices=1", *flags]
   return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
 
@@ -65,7 +69,8 @@ def test_mnist_sm_smoke_end_to_end(tmp_path):
   # Warm the decoded-data cache first, so the run below must not import TensorFlow.
   from alma_jax.data import images  # pylint: disable=g-import-not-at-top
   images.load_image_dataset("mnist")
-  cmd = [sys.executable, "-c", _MAIN_AND_REPORT_IMPORTS, "--config=configs/mnist_sm.py:smoke",
+  cmd = [sys.executable, *NO_UNUSED_DONATION, "-c", _MAIN_AND_REPORT_IMPORTS,
+         "--config=configs/mnist_sm.py:smoke",
          f"--workdir={tmp_path}", "--config.mesh.num_devices=1"]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -134,10 +134,15 @@ BASE_FIELDS = (
             "machine once, remembered in the cache dir) or rules", resumable=True),
     F.Field("train.cpu_fusion", "auto", F.choice(F.owned("alma_jax.tuning.cpu_fusion:CHOICES")),
             "XLA:CPU fusion flags of the run's process: none (XLA's default), ynn (its dot, "
-            "elementwise and reduction fusions by YNNPACK), or auto (a convolution-heavy backbone "
+            "elementwise and reduction fusions by YNNPACK), onednn (convolutions and matrix "
+            "products by oneDNN), ynn_onednn (both), or auto (a convolution-heavy backbone "
             "on a CPU: chosen by measurement with train.autotune=measure, see "
             "alma_jax/tuning/cpu_fusion.py; none otherwise); speed only, so it may change on resume "
             "(float round-off then differs from there on)", resumable=True),
+    F.Field("train.compute_dtype", "float32", F.choice(("float32", "bfloat16")),
+            "arithmetic of the train and evaluation programs: float32, or bfloat16 (mixed "
+            "precision: float32 parameters, optimizer and model state; for GPUs and TPUs, no "
+            "faster on XLA:CPU; see alma_jax/core/precision.py)"),
     F.Field("train.on_divergence", "raise", F.choice(("raise", "rollback")),
             "a non-finite loss raises, or rolls the stage back to its best epoch (may change "
             "when a run resumes: it does not change the records already written)",

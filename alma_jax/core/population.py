@@ -51,13 +51,21 @@ def members(learner: Learner) -> list[Learner]:
 def select_units(method, take: np.ndarray, new: Learner, old: Learner) -> Learner:
   """Per member s and selection unit u: `new` where `take[s, u]`, else `old`."""
   take = np.asarray(take, bool)
-  if take.all():
-    return jax.tree.map(jnp.copy, new)
   if not take.any():
     return old
-  structure = new.structure
-  return jax.vmap(lambda t, a, b: method.select_units(structure, t, a, b))(jnp.asarray(take),
-                                                                          new, old)
+  # Taking all of `new` runs the same program (a copy of `new`), so that the first stage
+  # compiles it whichever units improve.
+  return _select_units(method, new.structure, take, new, old)
+
+
+def _select(method, structure, take, new, old):
+  return jax.vmap(lambda t, a, b: method.select_units(structure, t, a, b))(take, new, old)
+
+
+# One small program per (method, structure, shapes), not a dispatch per leaf and operation; a
+# utility in `jax.monitoring`, not a step.
+_select.__name__ = _select.__qualname__ = programs.UTILITY_PREFIX + "select_units"
+_select_units = jax.jit(_select, static_argnums=(0, 1))
 
 
 def keys(seeds: Sequence[int]) -> jax.Array:

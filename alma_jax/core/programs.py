@@ -35,6 +35,7 @@ import numpy as np
 import optax
 from flax import struct
 
+from alma_jax.core import precision
 from alma_jax.core import sharding
 from alma_jax.core import timing
 from alma_jax.methods.base import Learner, Method
@@ -157,8 +158,10 @@ class Programs:
   """The compiled programs of one run, cached per (kind, program structure, population)."""
 
   def __init__(self, method: Method, task, tx: optax.GradientTransformation, data, mesh, *,
-               batch_size: int, eval_batch_size: int, steps_per_call: int = 1, rules=None):
+               batch_size: int, eval_batch_size: int, steps_per_call: int = 1, rules=None,
+               compute_dtype: str = "float32"):
     self.method, self.task, self.tx, self.mesh = method, task, tx, mesh
+    self.compute_dtype = compute_dtype  # of the train and evaluation programs (`precision`)
     self.layout = sharding.Layout(mesh, rules)
     self.leaf_axes = sharding.leaf_axes_by_pattern(method.LEAF_AXES)
     self.data = sharding.put(data, self.layout.replicated)
@@ -243,7 +246,7 @@ class Programs:
   def step_body(self, structure) -> Callable:
     """One train step of one learner: (state, data, idx (D, b), mask, rng) -> (state, loss)."""
     method, task, tx = self.method, self.task, self.tx
-    loss_fn = functools.partial(method.loss, structure)
+    loss_fn = precision.loss_in(self.compute_dtype, functools.partial(method.loss, structure))
 
     def step(state: TrainState, data, idx, mask, rng):
       x, y = task.inputs(data, idx, rng)
@@ -318,11 +321,13 @@ class Programs:
     number correct of each selection unit (U,), the method's `eval_aux` of the batch); an
     example counts 1 - its error."""
     method, task = self.method, self.task
+    evaluate_batch = precision.evaluate_in(
+        self.compute_dtype, lambda params, model_state, x, y, mask: method.evaluate_batch(
+            structure, params, model_state, x, y, mask, task))
 
     def evaluate(params, model_state, data, batch: Batch):
       x, y = task.inputs(data, batch.idx)
-      logp, unit_logp, aux = method.evaluate_batch(structure, params, model_state, x, y,
-                                                   batch.mask, task)
+      logp, unit_logp, aux = evaluate_batch(params, model_state, x, y, batch.mask)
       errors, nll = task.per_example(logp, y)
       unit_errors, _ = jax.vmap(lambda lp: task.per_example(lp, y))(unit_logp)
       # Accuracy: 1 - error of each example (images: 0 or 1; text: the token error rate).

@@ -38,10 +38,11 @@ class Steps:
   """
 
   def __init__(self, method: Method, task, tx, data, mesh, *, batch_size: int,
-               eval_batch_size: int, steps_per_call: int = 1, rules=None):
+               eval_batch_size: int, steps_per_call: int = 1, rules=None,
+               compute_dtype: str = "float32"):
     self.programs = programs_lib.Programs(
         method, task, tx, data, mesh, batch_size=batch_size, eval_batch_size=eval_batch_size,
-        steps_per_call=steps_per_call, rules=rules)
+        steps_per_call=steps_per_call, rules=rules, compute_dtype=compute_dtype)
     p = self.programs
     self.method, self.task, self.tx, self.mesh, self.data = p.method, p.task, p.tx, p.mesh, p.data
     self.batch_size, self.eval_batch_size = p.batch_size, p.eval_batch_size
@@ -56,7 +57,8 @@ class Steps:
     return cls(method, task, tx, data, mesh, batch_size=t.batch_size,
                eval_batch_size=t.eval_batch_size,
                steps_per_call=F.get(t, "train.steps_per_call") or autotune.steps_per_call_rule(),
-               rules=None if rules is None else dict(rules.items()))
+               rules=None if rules is None else dict(rules.items()),
+               compute_dtype=F.get(t, "train.compute_dtype"))
 
   # -- the compile cache and placement (`alma_jax.core.programs`) ------------------------------------
   @property

@@ -1,31 +1,37 @@
 """XLA:CPU fusion flags of a run's process, chosen by measurement before JAX starts.
 
 XLA:CPU can hand its dot, elementwise and reduction fusions to the YNNPACK
-library (`--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce`). On a
-2-core AMD EPYC that made the VGG's forward and input-gradient convolutions at
-width 64 about twice as fast, while other measurements of the same flag found
-narrower VGGs slower; and it interacts with the convolution gradient
+library (`--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce`), and its
+convolutions and matrix products to oneDNN (`--xla_cpu_use_onednn=true`). On a
+2-core AMD EPYC the first made the VGG's forward and input-gradient
+convolutions at width 64 about twice as fast, while other measurements of the
+same flag found narrower VGGs slower; on a 2-core Intel Xeon with AVX-512
+oneDNN made the VGG's train step at width 16 about 1.5x and its evaluation
+about 1.7x faster. Both interact with the convolution gradient
 (`model.conv_impl`). XLA reads its flags once per process, when JAX starts its
 backend, so this choice is made in `alma_jax.main` before anything touches a
 device, through `config.train.cpu_fusion`:
 
-  * `none`: XLA's default fusion;  `ynn`: the flag above;
+  * `none`: XLA's default;  `ynn`: the YNNPACK flag;  `onednn`: the oneDNN flag;
+    `ynn_onednn`: both;
   * `auto` (default): for convolution-heavy backbones (`BackboneSpec.conv_heavy`:
-    the VGG, the ResNet) on a CPU with `train.autotune=measure`, two child
-    processes, one per setting, each time the run's train step on its real
-    shapes (synthetic data) with every candidate convolution gradient; the
-    fastest pair wins, and the run then uses both (the convolution choice
-    without measuring it again). The choice is remembered
+    the VGG, the ResNet) on a CPU with `train.autotune=measure`, one child
+    process per setting, each timing the run's train step on its real shapes
+    (synthetic data) with every candidate convolution gradient; the fastest
+    pair wins, and the run then uses both (the convolution choice without
+    measuring it again). A setting whose child fails (e.g. a jaxlib that does
+    not know its flag) is left out. The choice is remembered
     like `alma_jax.tuning.autotune`'s: in the workdir's `autotune.json` (a resumed run
     keeps it) and in `<cache dir>/autotune.json` under a key of this CPU's
     model, core count, the JAX version and the step's shapes. The rule,
     `none`, decides otherwise: MLPs and transformers, `train.autotune=rules`,
     runs of several processes, machines with an accelerator plugin installed
-    (the flag only concerns XLA:CPU, and on an accelerator the children's
-    compilations would cost more than they could save), and a child that fails.
+    (the flags only concern XLA:CPU, and on an accelerator the children's
+    compilations would cost more than they could save), and a failing child
+    for the `none` setting.
 
-The other flags in `XLA_FLAGS` are kept; when `XLA_FLAGS` already sets the
-fusion flag, it wins and nothing is measured.
+The other flags in `XLA_FLAGS` are kept; when `XLA_FLAGS` already sets one of
+the flags above, it wins and nothing is measured.
 """
 
 from __future__ import annotations
@@ -47,12 +53,16 @@ from alma_jax.models import conv
 from alma_jax.tuning import autotune
 
 FLAG = "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce"
-SETTINGS = ("none", "ynn")
+ONEDNN_FLAG = "--xla_cpu_use_onednn=true"
+# Each setting's flags; "none" first: it is XLA's default and the fallback.
+SETTING_FLAGS = {"none": (), "ynn": (FLAG,), "onednn": (ONEDNN_FLAG,),
+                 "ynn_onednn": (FLAG, ONEDNN_FLAG)}
+SETTINGS = tuple(SETTING_FLAGS)
 CHOICES = ("auto",) + SETTINGS
 FIELD = "train.cpu_fusion"
 RULE = "none"
 KEEP_ENV = "XLA_FLAGS"  # the user's XLA_FLAGS already set the fusion: left as they are
-_FLAG_NAME = FLAG.split("=", 1)[0]
+_FLAG_NAMES = tuple(f.split("=", 1)[0] for f in (FLAG, ONEDNN_FLAG))
 _ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
                         "jax_rocm7_plugin", "libtpu")
 RESULT = "CPU_FUSION_RESULT "  # the result line of the child (alma_jax.tuning.cpu_fusion_child)
@@ -90,14 +100,19 @@ def cpu_name() -> str:
 def process_key(config, input_shape) -> str:
   """What the choice depends on, known before JAX starts: this CPU, the step's shapes."""
   facts = dict(autotune.step_facts(config, input_shape, FIELD), cpu=cpu_name(),
-               cpus=os.cpu_count(), jax=jax.__version__)
+               cpus=os.cpu_count(), jax=jax.__version__, candidates=list(SETTINGS))
   return json.dumps(facts, sort_keys=True)
+
+
+def _sets_a_flag(flags: str) -> bool:
+  """Whether `flags` (an `XLA_FLAGS` value) sets one of the settings' flags."""
+  return any(f.split("=", 1)[0] in _FLAG_NAMES for f in flags.split())
 
 
 def flags_with(value: str, current: str) -> str:
   """`XLA_FLAGS` for the setting `value`, keeping the other flags of `current`."""
-  kept = [f for f in current.split() if not f.startswith(_FLAG_NAME)]
-  return " ".join(kept + ([FLAG] if value == "ynn" else []))
+  kept = [f for f in current.split() if f.split("=", 1)[0] not in _FLAG_NAMES]
+  return " ".join(kept + list(SETTING_FLAGS[value]))
 
 
 def apply(value: str) -> None:
@@ -142,7 +157,7 @@ def choose(config, workdir: str | None, *, shapes: tuple | None, multiprocess: b
 
 
 def _choose(config, workdir, shapes, multiprocess, cache_file, measure):
-  if _FLAG_NAME in os.environ.get("XLA_FLAGS", ""):
+  if _sets_a_flag(os.environ.get("XLA_FLAGS", "")):
     return KEEP_ENV, f"set in XLA_FLAGS ({os.environ['XLA_FLAGS']})", None
   setting = F.get(config.train, "train.cpu_fusion")
   if setting != "auto":
@@ -171,24 +186,28 @@ def _choose(config, workdir, shapes, multiprocess, cache_file, measure):
 
 
 def _measure(config, shapes, measure) -> tuple[str, str, bool]:
-  """(the fastest setting, how it was chosen, True); (the rule, why, False) when a child
-  fails."""
+  """(the fastest setting, how it was chosen, True); (the rule, why, False) when the child
+  of the rule's setting fails. A setting whose child fails otherwise is left out."""
   impls = ([i for i in conv.IMPLS if i != "auto"] if config.model.conv_impl == "auto"
            else [config.model.conv_impl])
-  times = {}
+  times, failed = {}, []
   for setting in SETTINGS:
     try:
       for impl, seconds in measure(config, shapes[0], shapes[1], setting, impls).items():
         times[(setting, impl)] = seconds
     except Exception as e:  # pylint: disable=broad-except
-      logging.warning("%s=%s could not be timed (%s); the rule decides: %s", FIELD, setting, e,
-                      RULE)
-      return RULE, "by rule (a child process failed)", False
+      if setting == RULE:
+        logging.warning("%s=%s could not be timed (%s); the rule decides: %s", FIELD, setting, e,
+                        RULE)
+        return RULE, "by rule (a child process failed)", False
+      logging.warning("%s=%s could not be timed (%s); left out", FIELD, setting, e)
+      failed.append(setting)
   setting, impl = min(times, key=times.get)
   if config.model.conv_impl == "auto":
     _measured_with_flags["model.conv_impl"] = impl
   batch = config.train.batch_size
   timed = ", ".join(f"{s}/{i} {batch / t:,.0f} img/s" for (s, i), t in times.items())
+  timed += "".join(f", {s} failed" for s in failed)
   return setting, f"measured in child processes ({timed})", True
 
 
