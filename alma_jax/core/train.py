@@ -422,6 +422,8 @@ def _fit_whole(steps: Steps, learner: Learner, state: TrainState, p: _Progress, 
           divergence_stops_all=policy != "rollback")
       out = jax.tree.map(np.asarray, out)
       stop = int(stop)
+    if meter is not None and stop > first:  # the segment's steps, in one measurement
+      meter.trained(stop - 1, n_steps, n_steps * (stop - first), last=True)
     for epoch in range(first, stop):
       j, ran = epoch - first, p.active.copy()
       losses = out["losses"][j][:, :n_steps]

@@ -214,11 +214,15 @@ def _progress_lines(text: str) -> list[str]:
 
 
 @requires_mnist
-def test_a_run_says_compilations_and_running_lines_and_off_silences_them(tmp_path, caplog):
+@pytest.mark.parametrize("stage_program, compiled", [
+    ("per_epoch", "the train step"), ("whole", "the whole training stage")])
+def test_a_run_says_compilations_and_running_lines_and_off_silences_them(
+    tmp_path, caplog, stage_program, compiled):
   with caplog.at_level(logging.INFO):
-    run.run(helpers.smoke(train__progress_every_s=0.0), str(tmp_path / "full"))
+    run.run(helpers.smoke(train__progress_every_s=0.0, train__stage_program=stage_program),
+            str(tmp_path / "full"))
   text = caplog.text
-  assert "compiling the train step (first use)" in text
+  assert f"compiling {compiled} (first use)" in text
   assert "compiling the evaluation (first use)" in text
   # An epoch line (every epoch with progress_every_s=0) and a stage line per stage.
   assert re.search(r"t=1 epoch 1/2 loss=\S+ val_acc=\S+ best=\S+ [\d,]+ examples/s "
@@ -229,8 +233,8 @@ def test_a_run_says_compilations_and_running_lines_and_off_silences_them(tmp_pat
   full = helpers.outputs(str(tmp_path / "full"))
   caplog.clear()
   with caplog.at_level(logging.INFO):
-    run.run(helpers.smoke(train__progress_every_s=0.0, log__progress="off"),
-            str(tmp_path / "off"))
+    run.run(helpers.smoke(train__progress_every_s=0.0, log__progress="off",
+                          train__stage_program=stage_program), str(tmp_path / "off"))
   assert caplog.text and not _progress_lines(caplog.text), _progress_lines(caplog.text)
   assert helpers.outputs(str(tmp_path / "off")) == full  # the records do not change
   config = io_utils.read_json(os.path.join(tmp_path, "off", "config.json"))

@@ -149,7 +149,8 @@ def _decide(t, stages, accuracy, num_megabatches=8, **fields):
   setup = types.SimpleNamespace(
       seeds=[0], streams=[stream], steps=steps,
       megabatch_val_idx=lambda i, t: stream.val[t - 1],
-      flops=lambda learner: {"inference_per_example": 100.0, "inference_macs_per_example": 40.0})
+      seed_flops=lambda learners: {"inference_per_example": 100.0,
+                                   "inference_macs_per_example": 40.0})
   records = [_record(s, s in stages, **({"stage_val_error": 0.25} if s in stages else {}))
              for s in range(t)]
   state = RunState(logs=[Log.from_records(records)], learner=np.zeros((1, 1)))
