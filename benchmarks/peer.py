@@ -26,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,7 +35,10 @@ import end_to_end  # pylint: disable=wrong-import-position
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROTOCOLS = ("P1", "P2", "P3", "P4")
 DEFAULT_PEER_SCRIPT = os.path.join(os.path.dirname(ROOT), "shared", "peer", "run_peer.sh")
-BUSY_LOAD = 0.5  # 1-minute load average above which timings are not trusted
+# Share of all cores busy in the second before a run (when none of the benchmark's own runs is
+# going) above which its timing is not trusted. The load average cannot say it: it still counts
+# the previous run for a minute after it ends.
+BUSY_SHARE = 0.15
 
 
 def cpu_model(lscpu_text: str) -> str:
@@ -46,6 +50,25 @@ def cpu_model(lscpu_text: str) -> str:
       fields.setdefault(key.strip(), value.strip())
   name = fields.get("Model name", "unknown CPU")
   return f"{name}, {fields['CPU(s)']} CPUs" if "CPU(s)" in fields else name
+
+
+def _cpu_times() -> tuple[int, int]:
+  """(busy, total) jiffies of all CPUs since boot (/proc/stat)."""
+  with open("/proc/stat") as f:
+    values = [int(v) for v in f.readline().split()[1:]]
+  idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+  return sum(values) - idle, sum(values)
+
+
+def busy_share(seconds: float = 1.0) -> float:
+  """The share of all CPUs busy over the next `seconds` (0: idle; 1: every core busy)."""
+  try:
+    busy0, total0 = _cpu_times()
+    time.sleep(seconds)
+    busy1, total1 = _cpu_times()
+  except (OSError, ValueError, IndexError):
+    return 0.0
+  return (busy1 - busy0) / max(1, total1 - total0)
 
 
 def parse_peer_lines(stdout: str) -> list[dict]:
@@ -95,9 +118,8 @@ def row(protocol: str, ours: list[dict], theirs: list[dict]) -> dict:
       "theirs_final_acc": [r.get("final_test_acc") for r in ok],
       "ours_breakdown": _breakdown([r["summary"] for r in ours]),
       "peer_failures": len(theirs) - len(ok),
-      "max_load": max([r.get("load", 0.0) for r in ours]
-                      + [max(r.get("loadavg_before", [0.0])[:1] + r.get("loadavg_after", [0.0])[:1])
-                         for r in theirs], default=0.0),
+      "max_busy": max([r.get("busy_before", 0.0) for r in ours]
+                      + [r.get("busy_before", 0.0) for r in theirs], default=0.0),
   }
 
 
@@ -105,11 +127,11 @@ def table(rows: list[dict], cpu: str, load: tuple[float, ...]) -> str:
   """The Markdown table of `rows` (`row`), with the CPU and load average above it."""
   lines = [f"# alma_jax vs the released code on {cpu}; load average before: "
            f"{', '.join(f'{x:.2f}' for x in load)}"]
-  busy = [r["protocol"] for r in rows if r["max_load"] > BUSY_LOAD]
-  if load and load[0] > BUSY_LOAD or busy:
-    lines.append(f"WARNING: the machine was busy (1-minute load > {BUSY_LOAD}"
-                 f"{' during ' + ', '.join(busy) if busy else ''}): the released code's timings "
-                 "are inflated; re-measure on an idle machine.")
+  busy = [r["protocol"] for r in rows if r["max_busy"] > BUSY_SHARE]
+  if busy:
+    lines.append(f"WARNING: other work kept more than {BUSY_SHARE:.0%} of the CPUs busy just "
+                 f"before a run of {', '.join(busy)}: the released code's timings are inflated; "
+                 "re-measure on an idle machine.")
   lines += ["| protocol | alma_jax s (median, min-max) | released code s | ratio | "
             "final accuracy (ours / theirs) | alma_jax breakdown (median s) |",
             "|---|---|---|---|---|---|"]
@@ -125,19 +147,20 @@ def table(rows: list[dict], cpu: str, load: tuple[float, ...]) -> str:
 
 def run_ours(protocol: str, extra: list[str]) -> dict:
   path = end_to_end.protocol_files([protocol.lower()])[protocol.lower()]
-  load = os.getloadavg()[0]
+  busy = busy_share()
   wall, summary = end_to_end.run_once(path, extra)
-  return {"wall_s": wall, "summary": summary, "load": max(load, os.getloadavg()[0])}
+  return {"wall_s": wall, "summary": summary, "busy_before": busy}
 
 
 def run_theirs(protocol: str, script: str) -> list[dict]:
+  busy = busy_share()
   proc = subprocess.run(["bash", script, "--repeat", "1", protocol], capture_output=True,
                         text=True, check=False)
   lines = parse_peer_lines(proc.stdout)
   if not lines:
     raise SystemExit(f"peer: {script} {protocol} printed no result (exit {proc.returncode}):\n"
                      f"{proc.stderr[-2000:]}")
-  return lines
+  return [dict(line, busy_before=busy) for line in lines]
 
 
 def main(argv=None) -> int:

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import threading
 
 import pytest
 
@@ -25,13 +26,12 @@ Flags:                                   fpu vme de: not a field
 """
 
 
-def _theirs(wall, acc, load=0.1, **extra):
-  return dict(protocol="P3", wall_s=wall, final_test_acc=acc, loadavg_before=[load, 0.2, 0.3],
-              loadavg_after=[load, 0.2, 0.3], **extra)
+def _theirs(wall, acc, busy=0.02, **extra):
+  return dict(protocol="P3", wall_s=wall, final_test_acc=acc, busy_before=busy, **extra)
 
 
-def _ours(wall, error, load=0.1):
-  return {"wall_s": wall, "load": load,
+def _ours(wall, error, busy=0.02):
+  return {"wall_s": wall, "busy_before": busy,
           "summary": {"final_error": error, "timings": {"train_s": wall / 2, "eval_s": 1.0,
                                                         "compile_cache_hits": 3}}}
 
@@ -62,12 +62,35 @@ def test_the_row_takes_medians_and_leaves_failed_peer_runs_out(peer):
 
 
 def test_a_busy_machine_is_warned_about(peer):
-  r = peer.row("P1", [_ours(70.0, 0.55, load=2.0)], [_theirs(140.0, 0.40)])
+  r = peer.row("P1", [_ours(70.0, 0.55, busy=0.6)], [_theirs(140.0, 0.40)])
   assert r["ratio"] == pytest.approx(2.0)
   text = peer.table([r], "cpu", (0.2, 0.2, 0.2))
-  assert "WARNING: the machine was busy (1-minute load > 0.5 during P1)" in text
-  assert "WARNING" in peer.table([peer.row("P1", [_ours(1.0, 0.5)], [_theirs(1.0, 0.5)])],
-                                 "cpu", (3.0, 1.0, 1.0))
+  assert "WARNING: other work kept more than 15% of the CPUs busy just before a run of P1" in text
+  # The load average alone (which still counts the benchmark's previous run) warns of nothing.
+  assert "WARNING" not in peer.table([peer.row("P1", [_ours(1.0, 0.5)], [_theirs(1.0, 0.5)])],
+                                     "cpu", (3.0, 1.0, 1.0))
+  assert "WARNING" in peer.table([peer.row("P1", [_ours(1.0, 0.5)],
+                                           [_theirs(1.0, 0.5, busy=0.5)])], "cpu", (0.0,) * 3)
+
+
+def test_busy_share_sees_a_busy_core(peer):
+
+  stop = threading.Event()
+
+  def spin():
+    while not stop.is_set():
+      pass
+
+  idle = peer.busy_share(0.5)
+  worker = threading.Thread(target=spin)
+  worker.start()
+  try:
+    busy = peer.busy_share(0.5)
+  finally:
+    stop.set()
+    worker.join()
+  # One spinning thread keeps one of the machine's cores busy: at least 1/ncpu minus noise.
+  assert busy > idle and busy >= 0.8 / os.cpu_count()
 
 
 def test_no_successful_peer_run_gives_no_ratio(peer):
