@@ -78,7 +78,7 @@ def test_two_process_run_writes_one_log_and_resumes_after_a_kill(tmp_path):
   assert "mesh {'data': 2, 'model': 2}" in out
   assert out.count("] done: 1 seed(s)") == 2  # both processes finish ...
   # ... and process 0 alone says the progress lines.
-  assert out.count("compiling the train step (first use") == 1, out[-5000:]
+  assert out.count("compiling the evaluation (first use") == 1, out[-5000:]
   assert out.count("t=4/4 (100%) epochs=") == 1, out[-5000:]
   names = sorted(n for n in os.listdir(tmp_path / "whole") if not n.startswith("."))
   events = [n for n in names if n.startswith("events.out.tfevents.")]

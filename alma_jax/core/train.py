@@ -309,16 +309,24 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
       save.between_epochs(state, epoch)  # e.g. a signal that arrived during the evaluation
     if on_epoch is not None:
       on_epoch(epoch, np.mean(losses, axis=1), np.asarray(acc), ran)
-    line = None
-    if time.monotonic() - last_report >= F.get(cfg, "train.progress_every_s"):
-      last_report, line = time.monotonic(), _progress_line(t, epoch, cfg.epochs, losses, acc, p)
-    if meter is not None:
-      meter.epoch_end(line)
-    if progress is not None and line is not None:
-      progress(line)
+    last_report = _tell_epoch(cfg, last_report, t, epoch, losses, acc, p, meter, progress)
     if not p.active.any():
       break
   return _finish(steps, p, state, train_idx, val_idx, timer)
+
+
+def _tell_epoch(cfg, last_report: float, t: int, epoch: int, losses, acc, p: _Progress,
+                meter: Meter | None, progress: Callable[[str], None] | None) -> float:
+  """Tells the meter an epoch ended, with the epoch's progress line when one is due (at most
+  every `train.progress_every_s`); returns when the last line was said."""
+  line = None
+  if time.monotonic() - last_report >= F.get(cfg, "train.progress_every_s"):
+    last_report, line = time.monotonic(), _progress_line(t, epoch, cfg.epochs, losses, acc, p)
+  if meter is not None:
+    meter.epoch_end(line)
+  if progress is not None and line is not None:
+    progress(line)
+  return last_report
 
 
 def _finish(steps: Steps, p: _Progress, state: TrainState, train_idx: np.ndarray,
@@ -438,13 +446,7 @@ def _fit_whole(steps: Steps, learner: Learner, state: TrainState, p: _Progress, 
       _keep_best(p, method, None, out["units"][j].astype(np.float64) / m, epoch, delta, patience)
       if on_epoch is not None:
         on_epoch(epoch, np.mean(losses, axis=1), acc, ran)
-      line = None
-      if time.monotonic() - last_report >= F.get(cfg, "train.progress_every_s"):
-        last_report, line = time.monotonic(), _progress_line(t, epoch, cfg.epochs, losses, acc, p)
-      if meter is not None:
-        meter.epoch_end(line)
-      if progress is not None and line is not None:
-        progress(line)
+      last_report = _tell_epoch(cfg, last_report, t, epoch, losses, acc, p, meter, progress)
     for name in _PROGRESS_ARRAYS[1:]:  # the program and the host took the same decisions
       if not np.array_equal(np.asarray(prog[name]), getattr(p, name)):
         raise RuntimeError(f"stage t={t}: the stage program and the host disagree on {name}")

@@ -17,11 +17,14 @@ ROOT = helpers.ROOT
 
 
 def _main(workdir, *args, env=None, timeout=300):
-  """`python -m alma_jax.main` in a subprocess (this checkout first on the path)."""
+  """`python -m alma_jax.main` in a subprocess (this checkout first on the path), with SIGHUP's
+  default disposition whatever this process's is (under `nohup` it is ignored, and the run
+  would keep it so)."""
   env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
   return subprocess.run([sys.executable, "-m", "alma_jax.main", f"--workdir={workdir}", *args],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-                        check=False)
+                        check=False,
+                        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
 
 
 def _term_from_a_callback(x):
