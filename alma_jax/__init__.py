@@ -23,16 +23,16 @@ __all__ = ["load_config", "run", "read_results"]
 def load_config(spec: str):
   """The config that `--config=spec` gives: `NAME_OR_PATH[:VARIANT]`, e.g. `mnist_sm:quick`.
 
+  Loaded as the command line loads it (`config_resolve.resolve`): its fields may be set, not
+  added.
+
   Raises:
-    ValueError: no such config file or name (the message lists the names).
+    ValueError: no such config file or name (the message lists the names), or a file that
+      fails to load.
   """
-  import importlib.util  # pylint: disable=g-import-not-at-top
   from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top
-  path, _, variant = config_files.resolve(spec).partition(":")
-  module_spec = importlib.util.spec_from_file_location("alma_jax_config_file", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(variant) if variant else module.get_config()
+  from alma_jax.configuration import config_resolve  # pylint: disable=g-import-not-at-top
+  return config_resolve.resolve(config_files.resolve(spec))
 
 
 def run(config, workdir: str, *, overwrite: bool = False) -> dict:
