@@ -3,7 +3,6 @@
 import importlib.util
 import json
 import os
-import threading
 
 import pytest
 
@@ -73,24 +72,29 @@ def test_a_busy_machine_is_warned_about(peer):
                                            [_theirs(1.0, 0.5, busy=0.5)])], "cpu", (0.0,) * 3)
 
 
-def test_busy_share_sees_a_busy_core(peer):
+def test_busy_share_is_the_busy_fraction_of_the_jiffies_between_two_reads(peer, monkeypatch):
+  # Scripted /proc/stat readings: the share is decided by the counters, not by how busy this
+  # machine happens to be while the test runs.
+  reads = iter([(1_000, 10_000), (1_150, 10_200)])  # (busy, total) jiffies, 0.75 busy in between
+  monkeypatch.setattr(peer, "_cpu_times", lambda: next(reads))
+  monkeypatch.setattr(peer.time, "sleep", lambda s: None)
+  assert peer.busy_share(1.0) == 0.75
+  monkeypatch.setattr(peer, "_cpu_times", lambda: (5, 5))  # no jiffy passed: no division by 0
+  assert peer.busy_share(1.0) == 0.0
 
-  stop = threading.Event()
+  def unreadable():
+    raise OSError("no /proc/stat")
 
-  def spin():
-    while not stop.is_set():
-      pass
+  monkeypatch.setattr(peer, "_cpu_times", unreadable)
+  assert peer.busy_share(1.0) == 0.0
 
-  idle = peer.busy_share(0.5)
-  worker = threading.Thread(target=spin)
-  worker.start()
-  try:
-    busy = peer.busy_share(0.5)
-  finally:
-    stop.set()
-    worker.join()
-  # One spinning thread keeps one of the machine's cores busy: at least 1/ncpu minus noise.
-  assert busy > idle and busy >= 0.8 / os.cpu_count()
+
+def test_cpu_times_reads_counters_that_only_grow(peer):
+  busy0, total0 = peer._cpu_times()
+  sum(range(200_000))  # some work of this process between the reads
+  busy1, total1 = peer._cpu_times()
+  assert 0 <= busy0 <= total0 and 0 <= busy1 <= total1
+  assert busy1 >= busy0 and total1 >= total0 and total0 > 0
 
 
 def test_no_successful_peer_run_gives_no_ratio(peer):

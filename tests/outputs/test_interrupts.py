@@ -16,15 +16,22 @@ from tests import helpers
 ROOT = helpers.ROOT
 
 
+def _default_signals():
+  """In a child before it starts Python: the default disposition of the signals the tests send,
+  whatever this process's is. Under `nohup` SIGHUP is ignored, and a job started in the
+  background by a non-interactive shell (`cmd &`, as CI runners do) ignores SIGINT; Python keeps
+  an ignored SIGINT ignored instead of raising KeyboardInterrupt, so the run would never see it."""
+  for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, signal.SIG_DFL)
+
+
 def _main(workdir, *args, env=None, timeout=300):
-  """`python -m alma_jax.main` in a subprocess (this checkout first on the path), with SIGHUP's
-  default disposition whatever this process's is (under `nohup` it is ignored, and the run
-  would keep it so)."""
+  """`python -m alma_jax.main` in a subprocess (this checkout first on the path), with the
+  default disposition of the signals the tests send (`_default_signals`)."""
   env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
   return subprocess.run([sys.executable, "-m", "alma_jax.main", f"--workdir={workdir}", *args],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-                        check=False,
-                        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+                        check=False, preexec_fn=_default_signals)
 
 
 def _term_from_a_callback(x):
@@ -143,7 +150,8 @@ def _script(code, *args, env=None, timeout=60):
   env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
   try:
     return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout, check=False)
+                          capture_output=True, text=True, timeout=timeout, check=False,
+                          preexec_fn=_default_signals)
   except subprocess.TimeoutExpired as e:
     pytest.fail(f"still running {timeout} s after the signal: {e.stderr[-2000:]!r}")
 
