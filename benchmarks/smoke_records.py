@@ -31,7 +31,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Fields that measure the machine, not the learner.
-WALL_FIELDS = ("wall_s", "wall_s_std", "timings", "choices")
+WALL_FIELDS = ("wall_s", "wall_s_std", "timings", "choices", "provenance")
 EXTRA_RUNS = {"mnist_sm_2seeds": ("mnist_sm", ["--config.num_seeds=2"])}
 
 

@@ -49,7 +49,8 @@ workers once, then each point runs as one multi-host program; `--root` must
 be a directory every worker sees, mounted at the same path where the sweep
 runs for the report). When the runs are over, the report
 (`python -m alma_jax.reports.report`) of every grid point's workdir is written to
-`--report_dir` (default <root>/report); `--no-report` skips it. SIGINT
+`--report_dir` (default <root>/report), with the verdicts of the grid file's
+FINDINGS (`alma_jax.reports.findings`) when it names them; `--no-report` skips it. SIGINT
 (Ctrl-C), SIGTERM or SIGHUP is passed on to the runs in progress (which stop
 at a safe point); the sweep then names them with their exit codes, prints its
 own command line to resume, and exits with 128 + the signal number.
@@ -103,6 +104,7 @@ from alma_jax import policies  # pylint: disable=g-import-not-at-top,wrong-impor
 from alma_jax.configuration import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import workdir as wd  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.reports import findings  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.reports import report  # pylint: disable=g-import-not-at-top,wrong-import-position
 import local  # pylint: disable=g-import-not-at-top,wrong-import-position
 import slurm  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -465,8 +467,9 @@ def _report(args, runs) -> int:
           "report: no grid point has outputs yet; nothing to report", file=sys.stderr)
     return 0
   try:
-    figures = report.write_report(workdirs, out)
-  except (report.ReportError, OSError) as e:
+    found = findings.load_findings(args.grid_file) if args.grid_file else ()
+    figures = report.write_report(workdirs, out, findings=found)
+  except (report.ReportError, findings.FindingsError, OSError) as e:
     print(f"report: error: {e}", file=sys.stderr)
     return 1
   print(f"report of {len(workdirs)} workdirs: {os.path.join(out, 'report.md')} and "
@@ -474,18 +477,24 @@ def _report(args, runs) -> int:
   return 0
 
 
-def main(argv=None):
-  argv = sys.argv[1:] if argv is None else argv
-  args = _args(argv)
+def plan(args) -> dict:
+  """{workdir: (command, workdir, resolved config, (config file, flags))} of the grid's points."""
   grids = combine(load_grid_file(args.grid_file) if args.grid_file else [],
                   parse_grid(args.grid))
   if args.seeds_together != "no":
     grids = fold_seeds(split_configs(grids), args.seeds_together, args.config, args.extra,
                        args.seeds_together == "auto" and _accelerator(args))
-  made = {}  # workdir -> (command, workdir, resolved config, (config file, flags))
+  made = {}
   for pt in (pt for g in grids for pt in points(g)):
     cmd, workdir, resolved = command(args.config, args.root, pt, args.extra)
     made[workdir] = (cmd, workdir, resolved, point_args(args.config, pt, args.extra))
+  return made
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else argv
+  args = _args(argv)
+  made = plan(args)
   runs = [m[:3] for m in made.values()]
   if args.status:
     return sweep_state.print_status(args.root, runs)

@@ -307,16 +307,19 @@ def test_a_grid_names_its_own_config_files(tmp_path, capsys):
 
 
 def test_the_findings_grid_expands_as_documented(tmp_path, capsys):
-  # launch/grids/findings.py, the grid behind REPRODUCTION.md: 16 MNIST SM/Ens/UMix points, gEns
-  # and 2 language-model points with three seeds in one run each; Firefly and the two gMoE
-  # gatings one run per seed (their growth depends on the seed).
+  # launch/grids/findings.py, the grid behind REPRODUCTION.md: 20 MNIST SM/Ens/UMix points, gEns
+  # and 4 language-model points (Ens 4@2, k = 4 and 3, sequential and i.i.d.) with three seeds
+  # in one run each; Firefly and the two gMoE gatings one run per seed (their growth depends on
+  # the seed).
   assert sweep.main([f"--root={tmp_path}", "--grid_file=launch/grids/findings.py",
                      "--dry_run"]) == 0
   lines = capsys.readouterr().out.strip().splitlines()
-  assert len(lines) == 28
+  assert len(lines) == 34
   together = [l for l in lines if "--config.seed=0 --config.num_seeds=3" in l]
-  assert len(together) == 19
-  assert sum("configs/lm_sm.py:quick " in l for l in together) == 2
+  assert len(together) == 25
+  assert sum("configs/lm_ens.py:quick " in l for l in together) == 4
+  for wait in (1, 25, 50, 250, 500):  # and 10, the config's own
+    assert sum(f"--config.stream.wait={wait} " in l + " " for l in together) == 2 + 2 * (wait == 50)
   assert sum("configs/mnist_gens.py:quick " in l for l in together) == 1
   apart = [l for l in lines if "num_seeds" not in l]
   assert len(apart) == 9
@@ -324,7 +327,7 @@ def test_the_findings_grid_expands_as_documented(tmp_path, capsys):
   for tree in ("True", "False"):
     assert sum(f"--config.method.tree={tree}" in l for l in apart) == 3
   assert sum("--config.stream.replay=1.0" in l for l in lines) == 2
-  assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == 28
+  assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == 34
 
 
 def test_the_beyond_grid_expands_as_documented(tmp_path, capsys):
@@ -346,22 +349,56 @@ def test_the_beyond_grid_expands_as_documented(tmp_path, capsys):
 
 
 def test_the_cifar_grids_expand_as_documented(tmp_path, capsys):
-  # launch/grids/findings_cifar.py: 15 points x 3 seeds, one run per seed (the VGG on a CPU),
-  # all on the reduced protocol; launch/grids/paper_cifar.py: 6 methods x 5 widths x (3 waits
-  # + replay at w = 10) x 3 seeds.
+  # launch/grids/findings_cifar.py: 19 points x 3 seeds, one run per seed (the VGG on a CPU),
+  # all on the reduced protocol (early stopping within 8 epochs); launch/grids/paper_cifar.py:
+  # 6 methods x 5 widths x (3 waits + replay at w = 10) x 3 seeds.
   assert sweep.main([f"--root={tmp_path}", "--grid_file=launch/grids/findings_cifar.py",
-                     "--dry_run", "--seeds_together=no"]) == 0
+                     "--dry_run"]) == 0
   lines = [l for l in capsys.readouterr().out.strip().splitlines() if "alma_jax.main" in l]
-  assert len(lines) == 45 and len({l.split("--workdir=")[1].split()[0] for l in lines}) == 45
-  assert all("--config.data.train_subset=20000" in l and "--config.train.epochs=4" in l
-             for l in lines)
-  assert sum("configs/cifar_ens.py:quick " in l for l in lines) == 6
-  assert sum("--config.method.num_members=3" in l for l in lines) == 12
+  assert len(lines) == 57 and len({l.split("--workdir=")[1].split()[0] for l in lines}) == 57
+  assert all("--config.data.train_subset=20000" in l and "--config.train.epochs=8" in l
+             and "--config.train.patience=2" in l and "num_seeds" not in l for l in lines)
+  assert sum("configs/cifar_ens.py:quick " in l for l in lines) == 9
+  assert sum("--config.method.num_members=3" in l for l in lines) == 15
+  assert sum("--config.stream.replay=1.0" in l for l in lines) == 9
+  assert sum("--config.stream.wait=10 " in l for l in lines) == 6  # the tardy learner, w = B
   assert sweep.main([f"--root={tmp_path / 'paper'}", "--grid_file=launch/grids/paper_cifar.py",
                      "--dry_run", "--seeds_together=no"]) == 0
   lines = [l for l in capsys.readouterr().out.strip().splitlines() if "alma_jax.main" in l]
   assert len(lines) == 360
   assert sum("--config.stream.replay=1.0" in l for l in lines) == 90
+
+
+@pytest.mark.parametrize("grid_file", ["launch/grids/findings.py",
+                                       "launch/grids/findings_cifar.py"])
+def test_every_finding_of_a_grid_compares_points_of_that_grid(tmp_path, grid_file):
+  # Each selector of the grid file's FINDINGS picks exactly one of its points (seeds aside), so
+  # the report can judge every comparison once the grid has run.
+  import csv  # pylint: disable=g-import-not-at-top
+  import io  # pylint: disable=g-import-not-at-top
+  from alma_jax.outputs import workdir as wd  # pylint: disable=g-import-not-at-top
+  from alma_jax.reports import findings  # pylint: disable=g-import-not-at-top
+  made = sweep.plan(sweep._args([f"--root={tmp_path}", f"--grid_file={grid_file}",
+                                 "--seeds_together=no"]))
+  rows = []
+  for _, workdir, resolved, _ in made.values():
+    flat = wd.flatten(resolved)
+    group = json.dumps({k: v for k, v in flat.items() if k not in ("seed", "num_seeds")},
+                       sort_keys=True, default=repr)
+    rows.append(dict(flat, workdir=workdir, finished=True, group=group, cer_percent=1.0,
+                     final_error=0.1, final_perplexity=100.0, comp_paper_total=1.0, mem=1.0))
+  text = io.StringIO()
+  writer = csv.DictWriter(text, sorted(set().union(*rows)), lineterminator="\n")
+  writer.writeheader()
+  writer.writerows({k: json.dumps(v) if isinstance(v, (list, dict)) else v
+                    for k, v in r.items()} for r in rows)
+  spec = findings.load_findings(grid_file)
+  assert spec, f"{grid_file} names no FINDINGS"
+  found = findings.evaluate(findings.read_rows(text.getvalue()), spec)
+  for f in found:
+    for c in f.comparisons:
+      assert c.outcome != findings.MISSING, (f.id, c)
+      assert c.better.n == 3 and c.worse.n == 3, (f.id, c)
 
 
 @pytest.mark.parametrize("text, message", [

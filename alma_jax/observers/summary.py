@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import platform
+import shlex
+import subprocess
+import sys
 from typing import Any
 
 from absl import logging
@@ -15,6 +20,38 @@ from alma_jax.outputs import interrupts
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir as wd
 from alma_jax.reports import plots
+from alma_jax.tuning import cpu_fusion
+
+
+@functools.cache
+def provenance() -> dict[str, str]:
+  """What made the numbers: the source's git commit (`+dirty` when tracked files differ from it;
+  "unknown" outside a git checkout), the CPU's model name (as `lscpu` names it), the
+  versions of Python, jax and jaxlib, and the process's command line (its arguments rerun the
+  run)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  source = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  commit = "unknown"
+  try:
+    git = ["git", "-C", source]
+    head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True,
+                          timeout=10, check=True).stdout.strip()
+    dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    commit = head + ("+dirty" if dirty else "")
+  except (OSError, subprocess.SubprocessError):
+    pass
+  return {"commit": commit, "cpu": cpu_fusion.cpu_name(), "python": platform.python_version(),
+          "jax": jax.__version__, "jaxlib": getattr(jaxlib, "__version__", "unknown"),
+          "command": shlex.join(_program() + sys.argv[1:])}
+
+
+def _program() -> list[str]:
+  """How this process was started: `python -m alma_jax.main`, or its script's name."""
+  if sys.argv[0].endswith(os.path.join("alma_jax", "main.py")):
+    return ["python", "-m", "alma_jax.main"]
+  return [os.path.basename(sys.argv[0])]
 
 
 class Summary(Observer):
@@ -39,7 +76,8 @@ class Summary(Observer):
     per_seed = [dict(log.summary(), **s.task.summary(log.records), wall_s=wall_s)
                 for log in state.logs]
     extra = {"timings": self.clock.timer.report(wall_s, self.clock.startup_s),
-             "num_compilations": len(self.clock.compiled()), "choices": s.choices}
+             "num_compilations": len(self.clock.compiled()), "choices": s.choices,
+             "provenance": provenance()}
     if len(s.seeds) == 1:
       top = dict(per_seed[0], **extra)
     else:
@@ -52,7 +90,8 @@ class Summary(Observer):
       if s.primary:
         if len(s.seeds) > 1:
           for out, summary in zip(s.out_dirs, per_seed):
-            io_utils.write_json_atomic(os.path.join(out, wd.SUMMARY_FILE), summary)
+            io_utils.write_json_atomic(os.path.join(out, wd.SUMMARY_FILE),
+                                       dict(summary, provenance=extra["provenance"]))
         io_utils.write_json_atomic(os.path.join(s.workdir, wd.SUMMARY_FILE), top)
     if s.primary:
       self._plot_errors(state)

@@ -33,6 +33,10 @@ from alma_jax.reports import plot_style as style
 from alma_jax.reports.plot_style import Series
 
 TERA = 1e-12
+# The compute axis of every CER figure: the paper's count (forward multiply-adds x examples) of
+# all the learner's work, growth's own passes over data and a waiting policy's evaluations
+# included, so that a growing method is never drawn at less compute than it spent.
+COMP_AXIS = "comp_paper_total"
 PERPLEXITY_FIELD = "test_perplexity"
 # Ignored when labelling language models: the Switch Transformer has presets, not widths.
 LM_UNLABELLED = ("model.width",)
@@ -68,7 +72,7 @@ def tradeoff_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
     members = sorted(members, key=lambda g: float(g.get("model.width") or 0))
     look = dict(looks.of(members[0]), label=members[0].label(line_fields),
                 widths=[m.get("model.width") for m in members])
-    out["comp"].append(dict(look, **_stat_points(members, "comp_paper", "cer_percent", TERA)))
+    out["comp"].append(dict(look, **_stat_points(members, COMP_AXIS, "cer_percent", TERA)))
     out["mem"].append(dict(look, **_stat_points(members, "mem", "cer_percent", 1.0)))
   return out
 
@@ -90,7 +94,7 @@ def replay_series(groups, fields: Sequence[str]) -> list[Series]:
   hollow)."""
   looks = style.Looks(groups, fields)
   others, lines = _lines_over(groups, fields, "stream.replay")
-  return [dict(_stat_points(members, "comp_paper", "cer_percent", TERA),
+  return [dict(_stat_points(members, COMP_AXIS, "cer_percent", TERA),
                **looks.of(members[0]), label=members[0].label(others),
                replay=[g.get("stream.replay") for g in members],
                hollow=[bool(g.get("stream.replay")) for g in members]) for members in lines]
@@ -136,12 +140,12 @@ def policy_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
     series = []
     for method in sorted({str(g.get("method.name")) for g in same if _plain(g)}):
       fixed = sorted((g for g in same if _plain(g) and str(g.get("method.name")) == method),
-                     key=lambda g: g.stat("comp_paper")[0])
+                     key=lambda g: g.stat(COMP_AXIS)[0])
       waits = ", ".join(str(g.get("stream.wait")) for g in fixed)
       series.append(dict(looks.of(fixed[0]), label=f"{method} fixed waits w = {waits} (finetune)",
-                         **_stat_points(fixed, "comp_paper", "cer_percent", TERA)))
+                         **_stat_points(fixed, COMP_AXIS, "cer_percent", TERA)))
     series += [dict(looks.of(g), label=g.label(others),
-                    **_stat_points([g], "comp_paper", "cer_percent", TERA))
+                    **_stat_points([g], COMP_AXIS, "cer_percent", TERA))
                for g in same if not _plain(g)]
     out[f"width={width}"] = series
   return out
@@ -170,6 +174,12 @@ def _is_iid(group) -> bool:
   return group.get("stream.iid") is True
 
 
+def record_macs(record: dict) -> float:
+  """The paper-count compute of one record: training, growth's passes and a waiting policy's
+  evaluations (the per-step part of `COMP_AXIS`)."""
+  return sum(float(record.get(k, 0.0)) for k in ("train_macs", "growth_macs", "trigger_macs"))
+
+
 def _lm_trajectory(run, n: int, iid: bool) -> dict[str, np.ndarray]:
   """Per mega-batch t = 1 .. n-1 of one run: the test perplexity averaged over 1 .. t (the
   summary's `mean_perplexity` at the end), the compute spent up to t, parameters and experts.
@@ -178,7 +188,7 @@ def _lm_trajectory(run, n: int, iid: bool) -> dict[str, np.ndarray]:
   recs = run.records[1:n]
   ppl = np.asarray([float(r[PERPLEXITY_FIELD]) for r in recs])
   out = {"y": np.cumsum(ppl) / np.arange(1, len(ppl) + 1),
-         "comp": np.cumsum([float(r.get("train_macs", 0.0)) for r in run.records[:n]])[1:] * TERA,
+         "comp": np.cumsum([record_macs(r) for r in run.records[:n]])[1:] * TERA,
          "params": np.asarray([float(r["num_params"]) for r in recs]),
          "experts": np.asarray([float(r.get("num_experts", math.nan)) for r in recs])}
   if iid:
@@ -243,7 +253,7 @@ def lm_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
 
 # -- the figures -----------------------------------------------------------------------------------
 CER = "CER (%)"
-TFLOPS = "training TFLOPs (paper count)"
+TFLOPS = "TFLOPs, paper count (training, growth, waiting policy)"
 
 
 def tradeoffs_figure(trade: dict[str, list[Series]], data: str):

@@ -6,8 +6,9 @@ reads every run's `config.json`, `log.jsonl` and `summary.json` (the
 `seed_<k>/` folders of a `num_seeds` run are its seeds), groups the runs that
 differ only by their seed, and writes into `--out`, per data set:
 
-* `tradeoffs_<data>.png/.pdf`: CER (%) vs paper-comparable training TFLOPs
-  (`comp_paper`, forward multiply-adds x examples) and vs Mem, one colour per
+* `tradeoffs_<data>.png/.pdf`: CER (%) vs paper-comparable TFLOPs of all the
+  learner's work (`comp_paper_total`, forward multiply-adds x examples of training,
+  growth's passes over data and a waiting policy's evaluations) and vs Mem, one colour per
   method, a line across widths, a marker per waiting time (paper Fig. 2/7);
   error bars are one sample standard deviation (ddof=1) over seeds.
 * `error_<data>.png/.pdf`: test error vs mega-batch t, one panel per width
@@ -49,6 +50,7 @@ import collections
 import csv
 import dataclasses
 import glob
+import hashlib
 import io
 import json
 import math
@@ -67,6 +69,7 @@ from alma_jax.configuration import config_lib
 from alma_jax.outputs import checkpoint as ckpt_lib
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir as wd
+from alma_jax.reports import findings as findings_lib
 from alma_jax.reports import gating_plot
 from alma_jax.reports import plots
 
@@ -124,8 +127,22 @@ def _read_json(path: str) -> dict:
 # Config fields the report reads as numbers (grouping, sorting, labels).
 _NUMERIC_CONFIG = ("seed",) + KEY_FIELDS[1:]
 # Summary fields of the table (a run's own summary.json holds numbers there).
-_SUMMARY_STATS = ("cer_percent", "final_error", "mem", "comp_paper", "comp", "wall_s",
-                  "final_perplexity", "mean_perplexity")
+_SUMMARY_STATS = ("cer_percent", "final_error", "mem", "comp_paper", "comp", "comp_total",
+                  "comp_paper_total", "wall_s", "final_perplexity", "mean_perplexity")
+
+
+def with_totals(summary: dict | None) -> dict | None:
+  """`summary` with `comp_total` and `comp_paper_total` (training, growth's passes over data and
+  a waiting policy's evaluations) for a run written before the summary carried them: FLOPs as
+  `comp` + `comp_growth`; multiply-adds as `comp_paper` where growth ran no pass, else nan (the
+  older records do not count growth's multiply-adds)."""
+  if summary is None or not all(k in summary for k in ("comp", "comp_paper")):
+    return summary
+  out = dict(summary)
+  growth = float(out.get("comp_growth", 0.0))
+  out.setdefault("comp_total", float(out["comp"]) + growth)
+  out.setdefault("comp_paper_total", float(out["comp_paper"]) if growth == 0 else math.nan)
+  return out
 
 
 def _check_seed(path: str, config: dict, records, summary) -> None:
@@ -155,6 +172,7 @@ def _read_seed(path: str) -> Run:
   summary_path = os.path.join(path, wd.SUMMARY_FILE)
   summary = _read_json(summary_path) if os.path.exists(summary_path) else None
   _check_seed(path, config, records, summary)
+  summary = with_totals(summary)
   return Run(path, config, records, summary)
 
 
@@ -257,9 +275,11 @@ def varying_fields(groups: Sequence[Group]) -> list[str]:
 
 # -- the table -----------------------------------------------------------------------------------
 TABLE_STATS = (("cer_percent", "CER (%)", "{:.2f}"), ("final_error", "final error", "{:.4f}"),
-               ("mem", "Mem", "{:.4g}"), ("comp_paper", "Comp (TFLOPs, paper)", "{:.4g}"),
-               ("comp", "Comp (TFLOPs, train step)", "{:.4g}"), ("wall_s", "wall (s)", "{:.1f}"))
-_TERA = ("comp_paper", "comp")
+               ("mem", "Mem", "{:.4g}"),
+               ("comp_paper_total", "Comp (TFLOPs, paper count, all work)", "{:.4g}"),
+               ("comp_total", "Comp (TFLOPs, train steps and growth)", "{:.4g}"),
+               ("wall_s", "wall (s)", "{:.1f}"))
+_TERA = ("comp_paper", "comp", "comp_paper_total", "comp_total")
 
 
 def _cell(group: Group, field: str, fmt: str) -> str:
@@ -308,16 +328,26 @@ def results_csv(groups: Sequence[Group]) -> str:
   metric_cols = list(dict.fromkeys(k for r in runs for k in wd.flatten(r.summary or {})
                                    if k not in config_cols))
   text = io.StringIO()
-  writer = csv.DictWriter(text, ["workdir", "finished"] + config_cols + metric_cols,
-                          lineterminator="\n")
+  writer = csv.DictWriter(text, ["workdir", "finished", findings_lib.GROUP_COLUMN] + config_cols
+                          + metric_cols, lineterminator="\n")
   writer.writeheader()
-  for r in runs:
-    row = {"workdir": r.path, "finished": r.finished}
-    row.update((k, _csv_value(v)) for k, v in r.flat.items())
-    row.update((k, _csv_value(v)) for k, v in wd.flatten(r.summary or {}).items()
-               if k not in config_cols)
-    writer.writerow(row)
+  for g in groups:
+    for r in g.runs:
+      writer.writerow(_csv_row(r, group_id(g), config_cols))
   return text.getvalue()
+
+
+def group_id(group: "Group") -> str:
+  """10 hex digits naming a group: its config less the seed (`group_key`)."""
+  return hashlib.sha256(group_key(group.runs[0]).encode()).hexdigest()[:10]
+
+
+def _csv_row(r: Run, group: str, config_cols) -> dict:
+  row = {"workdir": r.path, "finished": r.finished, findings_lib.GROUP_COLUMN: group}
+  row.update((k, _csv_value(v)) for k, v in r.flat.items())
+  row.update((k, _csv_value(v)) for k, v in wd.flatten(r.summary or {}).items()
+             if k not in config_cols)
+  return row
 
 
 # -- the whole report ----------------------------------------------------------------------------
@@ -359,8 +389,11 @@ def gating_figures(groups: Sequence[Group], out: str,
   return figures
 
 
-def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True) -> dict:
-  """Writes the figures and `report.md` into `out`; returns {figure name: its plotted data}."""
+def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True,
+                 findings: Sequence[dict] = ()) -> dict:
+  """Writes the figures, `results.csv` and `report.md` into `out`; returns {figure name: its
+  plotted data}. `findings` (a grid file's FINDINGS, `alma_jax.reports.findings`) adds their
+  verdicts, computed from the rows of `results.csv`, to `report.md`."""
   if not out:
     raise ReportError("--out is empty; give the directory for the figures and report.md")
   if os.path.exists(out) and not os.path.isdir(out):
@@ -376,9 +409,24 @@ def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True) -> d
     by_data.setdefault(g.dataset, []).append(g)
   text = ["# ALMA report", "", f"{sum(len(g.runs) for g in groups)} runs in {len(groups)} "
           "groups (runs that differ only by their seed); mean ± sample standard deviation "
-          "(ddof=1) over seeds. Comp (paper) counts forward multiply-adds × training examples, "
-          f"the unit of the paper's figures. [{RESULTS_CSV}]({RESULTS_CSV}) holds one row per "
+          "(ddof=1) over seeds. Comp (paper count) counts forward multiply-adds × examples, the "
+          "unit of the paper's figures, of all the learner's work: training, growth's passes over "
+          "data and a waiting policy's evaluations (`comp_paper_total`; `comp_total` counts the "
+          f"same work in FLOPs of the compiled steps). [{RESULTS_CSV}]({RESULTS_CSV}) holds one row per "
           "run and seed: its config fields and summary metrics.", ""]
+  csv_text = results_csv(groups)
+  if findings:
+    try:
+      found = findings_lib.evaluate(findings_lib.read_rows(csv_text), findings)
+    except findings_lib.FindingsError as e:
+      raise ReportError(str(e)) from e
+    text += ["## Findings", "", f"Verdicts computed from [{RESULTS_CSV}]({RESULTS_CSV}) by "
+             "`alma_jax.reports.findings`: Welch's t over the seeds (sample standard "
+             f"deviations), a difference clear when |t| > {findings_lib.CLEAR_T:g}; a finding "
+             "is *reproduced* when every comparison is clear in the paper's direction, *partly* "
+             "when some are and the rest point its way, *not reproduced* when others point "
+             "against it, *against* when a clear difference goes against it and none its way, "
+             "*not shown* when no difference is clear.", "", findings_lib.table(found)]
   for data, gs in by_data.items():
     fields = varying_fields(gs)
     drawn = plots.dataset_figures(data, gs, fields, out)
@@ -386,7 +434,7 @@ def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True) -> d
       drawn.update(gating_figures(gs, out, fields))
     figures.update(drawn)
     text += [f"## {data}", "", table(gs)] + [f"![{name}]({name}.png)\n" for name in drawn]
-  for name, content in ((RESULTS_CSV, results_csv(groups)), ("report.md", "\n".join(text))):
+  for name, content in ((RESULTS_CSV, csv_text), ("report.md", "\n".join(text))):
     try:
       io_utils.write_text_atomic(os.path.join(out, name), content)
     except (OSError, io_utils.WorkdirWriteError) as e:
@@ -400,6 +448,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("workdirs", None, "run workdirs (comma-separated; shell globs expand to several)")
 flags.DEFINE_string("out", None, "output directory of the figures and report.md")
 flags.DEFINE_bool("gating", True, "draw the gating tree of gMoE runs from their last checkpoint")
+flags.DEFINE_string("findings", None, "a grid file whose FINDINGS get verdicts in report.md "
+                    "(e.g. launch/grids/findings.py)")
 
 
 def expand_workdirs(items: Sequence[str]) -> list[str]:
@@ -428,8 +478,9 @@ def main(argv):
   if not workdirs or FLAGS.out is None:
     _fail("give --workdirs=DIR[,DIR...] (or directories as arguments) and --out=DIR")
   try:
-    figures = write_report(workdirs, FLAGS.out, gating=FLAGS.gating)
-  except ReportError as e:
+    found = findings_lib.load_findings(FLAGS.findings) if FLAGS.findings else ()
+    figures = write_report(workdirs, FLAGS.out, gating=FLAGS.gating, findings=found)
+  except (ReportError, findings_lib.FindingsError) as e:
     _fail(str(e))
   print(f"wrote {os.path.join(FLAGS.out, 'report.md')} and {len(figures)} figures")
 

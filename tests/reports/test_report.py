@@ -1,6 +1,7 @@
 """Tests of the report (alma_jax/reports/report.py) and its figures (alma_jax/reports/plots.py)."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -662,3 +663,35 @@ def test_the_policies_figure_sets_each_policy_against_the_frontier_of_fixed_wait
                                 "warm_start=finetune"]["x"], [8.0])
   assert [s["label"] for s in panels["width=16"]] == ["sm fixed waits w = 1 (finetune)"]
   assert (tmp_path / "out" / "policies_mnist.png").stat().st_size > 1000
+
+
+def test_the_report_computes_the_findings_verdicts_from_its_results_csv(runs, tmp_path):
+  import csv  # pylint: disable=g-import-not-at-top
+  found = [{"id": "F3", "claim": "Ens beats SM", "comparisons": [
+      {"better": {"method.name": "ens"},
+       "worse": {"method.name": "sm", "model.width": 8, "stream.replay": 0.0}}]}]
+  report.write_report(runs, str(tmp_path / "out"), gating=False, findings=found)
+  with open(tmp_path / "out" / "results.csv", newline="") as f:
+    rows = list(csv.DictReader(f))
+  groups = {r["workdir"]: r["group"] for r in rows}
+  assert groups[runs[0]] == groups[runs[1]]  # sm8's two seeds: one group
+  assert len(set(groups.values())) == 4 and all(len(g) == 10 for g in groups.values())
+  text = (tmp_path / "out" / "report.md").read_text()
+  assert "## Findings" in text and "| F3 | Ens beats SM |" in text
+  # Ens: CER 180 and 140; SM H=8: 230 and 310 (in %): t = (270 - 160) / sqrt(800/2 + 3200/2).
+  t = 110 / math.sqrt(800 / 2 + 3200 / 2)
+  assert f"| {t:+.1f} | as the paper, not clear |" in text
+  bad = [{"id": "F9", "claim": "", "comparisons": [{"better": {"method.name": "sm"},
+                                                    "worse": {"method.name": "ens"}}]}]
+  with pytest.raises(report.ReportError, match="F9.*matches 3 groups"):
+    report.write_report(runs, str(tmp_path / "out2"), gating=False, findings=bad)
+
+
+def test_compute_totals_of_a_run_written_before_the_summary_had_them():
+  old = {"comp": 10.0, "comp_paper": 4.0, "comp_growth": 0.0}
+  assert report.with_totals(old) == dict(old, comp_total=10.0, comp_paper_total=4.0)
+  grown = report.with_totals({"comp": 10.0, "comp_paper": 4.0, "comp_growth": 5.0})
+  assert grown["comp_total"] == 15.0 and math.isnan(grown["comp_paper_total"])
+  new = {"comp": 10.0, "comp_paper": 4.0, "comp_growth": 5.0, "comp_total": 15.0,
+         "comp_paper_total": 6.5}
+  assert report.with_totals(new) == new

@@ -1,0 +1,339 @@
+"""Verdicts on the paper's findings, computed from the per-seed rows of `results.csv`.
+
+A grid file (`launch/grids/findings.py`) names, next to its points, the
+findings it tests as `FINDINGS`: a list of dicts
+
+  {"id": "F2", "claim": "bigger models have a lower CER",
+   "metric": "cer_percent",                      # lower is better
+   "comparisons": [{"better": {"model.width": 16, ...}, "worse": {"model.width": 4, ...}},
+                   ...]}
+
+Each comparison states the paper's direction: the group that `better`
+selects has a lower `metric` than the group that `worse` selects. A selector
+is a dict of config fields (flattened paths) and values; it must pick out
+exactly one group of `results.csv` (the runs that differ only by their seed,
+its `group` column). A comparison may set its own `metric`, and `better` may
+be a list of selectors: with `"within": "comp_total"` (or another summary
+field) the candidate whose mean `comp_total` is largest without exceeding
+that of `worse` is compared (a fixed model against a growing one at no more
+compute); without it, the candidate with the lowest mean metric (the best of
+the intermediate waits against an extreme one: a choice made on the same
+seeds, which favours the paper's side a little, and the table says so).
+
+Each comparison gets Welch's t over the seeds (sample standard deviations,
+ddof=1): t = (mean_worse - mean_better) / sqrt(s_b^2/n_b + s_w^2/n_w),
+positive when the paper's direction holds. It is *clear* when |t| > 3. A
+finding's verdict, from its comparisons:
+
+* `reproduced`: every comparison clear in the paper's direction;
+* `partly`: some clear in its direction, none clear against, the rest in its
+  direction without being clear;
+* `not reproduced`: some clear in its direction, and others against it
+  (clear or not);
+* `against`: some clear against the paper, none clear in its direction;
+* `not shown`: no clear difference (or groups missing from the results).
+
+  python -m alma_jax.reports.findings --results=results.csv --grid_file=launch/grids/findings.py
+
+prints the table that the report writes into `report.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import io
+import json
+import math
+import sys
+from typing import Any, Iterable, Mapping, Sequence
+
+CLEAR_T = 3.0
+VERDICTS = ("reproduced", "partly", "not reproduced", "against", "not shown")
+# Outcomes of one comparison.
+CLEAR_FOR, FOR, AGAINST, CLEAR_AGAINST, MISSING = (
+    "clear, as the paper", "as the paper, not clear", "against, not clear",
+    "clear, against the paper", "missing")
+GROUP_COLUMN = "group"
+
+
+class FindingsError(ValueError):
+  """A finding's specification does not fit the results (an ambiguous selector, a bad field)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Side:
+  """One compared group: its label and the finished seeds' values of the metric."""
+
+  label: str
+  values: tuple[float, ...]
+
+  @property
+  def n(self) -> int:
+    return len(self.values)
+
+  @property
+  def mean(self) -> float:
+    return math.fsum(self.values) / self.n if self.values else math.nan
+
+  @property
+  def std(self) -> float:
+    """Sample standard deviation (ddof=1); nan below two seeds."""
+    if self.n < 2:
+      return math.nan
+    m = self.mean
+    return math.sqrt(math.fsum((v - m) ** 2 for v in self.values) / (self.n - 1))
+
+  def text(self, fmt: str = "{:,.4g}") -> str:
+    if not self.values:
+      return f"{self.label}: no finished run"
+    spread = f" ± {fmt.format(self.std)}" if self.n > 1 else ""
+    return f"{self.label}: {fmt.format(self.mean)}{spread} (n={self.n})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+  metric: str
+  better: Side | None  # None: no group matched
+  worse: Side | None
+  t: float
+  outcome: str
+  note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+  id: str
+  claim: str
+  comparisons: tuple[Comparison, ...]
+  verdict: str
+
+
+def welch_t(better: Sequence[float], worse: Sequence[float]) -> float:
+  """(mean(worse) - mean(better)) / its standard error, sample variances (ddof=1).
+
+  nan when a side has fewer than two values; +-inf when both sides have no
+  spread and different means; 0 when they have neither spread nor difference.
+  """
+  a, b = Side("", tuple(better)), Side("", tuple(worse))
+  if a.n < 2 or b.n < 2:
+    return math.nan
+  diff = b.mean - a.mean
+  se = math.sqrt(a.std ** 2 / a.n + b.std ** 2 / b.n)
+  if se == 0.0:
+    return 0.0 if diff == 0.0 else math.copysign(math.inf, diff)
+  return diff / se
+
+
+def outcome(t: float, better: Side, worse: Side) -> str:
+  """The comparison's outcome; with too few seeds for t, the sign of the mean difference."""
+  if math.isnan(t):
+    return FOR if worse.mean > better.mean else AGAINST
+  if t > CLEAR_T:
+    return CLEAR_FOR
+  if t < -CLEAR_T:
+    return CLEAR_AGAINST
+  return FOR if t > 0 else AGAINST
+
+
+def verdict(outcomes: Iterable[str]) -> str:
+  """A finding's verdict from its comparisons' outcomes (the rule in the module docstring); a
+  comparison whose groups are missing counts as not clear."""
+  outcomes = list(outcomes)
+  clear_for = outcomes.count(CLEAR_FOR)
+  if clear_for:
+    if clear_for == len(outcomes):
+      return "reproduced"
+    return "not reproduced" if AGAINST in outcomes or CLEAR_AGAINST in outcomes else "partly"
+  return "against" if CLEAR_AGAINST in outcomes else "not shown"
+
+
+# -- rows of results.csv --------------------------------------------------------------------------
+def _norm(v: Any) -> Any:
+  """A value of a selector or of a CSV cell, comparable across the two (4 == "4" == "4.0")."""
+  if isinstance(v, bool):
+    return v
+  if isinstance(v, (int, float)):
+    return float(v)
+  if isinstance(v, str):
+    if v in ("True", "False"):
+      return v == "True"
+    try:
+      return float(v)
+    except ValueError:
+      pass
+    if v[:1] in "[{":
+      try:
+        return json.dumps(json.loads(v), sort_keys=True)
+      except ValueError:
+        return v
+    return v
+  if isinstance(v, (list, tuple, dict)):
+    return json.dumps(v, sort_keys=True)
+  return v
+
+
+def read_rows(text: str) -> list[dict]:
+  """The rows of a `results.csv` text."""
+  return list(csv.DictReader(io.StringIO(text)))
+
+
+def _groups(rows: Sequence[Mapping[str, str]]) -> dict[str, list[Mapping[str, str]]]:
+  if rows and GROUP_COLUMN not in rows[0]:
+    raise FindingsError(f"results.csv has no '{GROUP_COLUMN}' column (written by the report "
+                        "since verdicts are computed): regenerate it with "
+                        "`python -m alma_jax.reports.report`")
+  out: dict[str, list] = {}
+  for r in rows:
+    out.setdefault(r[GROUP_COLUMN], []).append(r)
+  return out
+
+
+def _describe(selector: Mapping[str, Any]) -> str:
+  return " ".join(f"{k.split('.')[-1]}={v}" for k, v in selector.items())
+
+
+def _select(groups, selector: Mapping[str, Any], finding: str) -> tuple[str, list] | None:
+  """(label, rows) of the one group all of whose rows match `selector`; None: no group."""
+  if not isinstance(selector, Mapping) or not selector:
+    raise FindingsError(f"finding {finding}: a selector must be a non-empty dict of config "
+                        f"fields, got {selector!r}")
+  want = {k: _norm(v) for k, v in selector.items()}
+  found = [(g, rows) for g, rows in groups.items()
+           if all(k in r and _norm(r[k]) == v for r in rows for k, v in want.items())]
+  if len(found) > 1:
+    differ = sorted(k for k in found[0][1][0] if k not in want and k not in (
+        "workdir", "finished", GROUP_COLUMN, "seed", "num_seeds")
+                    and len({_norm(rows[0].get(k)) for _, rows in found}) > 1)
+    raise FindingsError(f"finding {finding}: the selector {dict(selector)} matches "
+                        f"{len(found)} groups; they differ in {differ[:6]}: add one of these "
+                        "fields to it")
+  return (_describe(selector), found[0][1]) if found else None
+
+
+def _side(picked, metric: str, finding: str) -> Side | None:
+  if picked is None:
+    return None
+  label, rows = picked
+  values = []
+  for r in rows:
+    if str(r.get("finished")) != "True":
+      continue
+    cell = r.get(metric, "")
+    if cell in ("", None):
+      raise FindingsError(f"finding {finding}: results.csv has no value of {metric!r} for "
+                          f"{r.get('workdir')}")
+    values.append(float(cell))
+  return Side(label, tuple(values))
+
+
+def _mean_of(picked, field: str) -> float:
+  vals = [float(r[field]) for r in picked[1] if str(r.get("finished")) == "True"
+          and r.get(field) not in ("", None)]
+  return math.fsum(vals) / len(vals) if vals else math.nan
+
+
+def compare(groups, spec: Mapping[str, Any], metric: str, finding: str) -> Comparison:
+  metric = spec.get("metric", metric)
+  unknown = set(spec) - {"better", "worse", "metric", "within", "note"}
+  if unknown or "better" not in spec or "worse" not in spec:
+    raise FindingsError(f"finding {finding}: a comparison has the keys better, worse and "
+                        f"optionally metric, within, note; got {sorted(spec)}")
+  worse_pick = _select(groups, spec["worse"], finding)
+  note = spec.get("note", "")
+  within = spec.get("within")
+  if within:
+    candidates = spec["better"] if isinstance(spec["better"], (list, tuple)) else [spec["better"]]
+    picks = [p for p in (_select(groups, c, finding) for c in candidates) if p is not None]
+    budget = _mean_of(worse_pick, within) if worse_pick else math.nan
+    fit = [(b, p) for p in picks for b in [_mean_of(p, within)] if b <= budget]
+    better_pick = max(fit, key=lambda bp: bp[0])[1] if fit else None
+    if better_pick is not None:
+      note = (note + "; " if note else "") + (
+          f"{within} {_mean_of(better_pick, within):.3g} vs {budget:.3g}")
+    elif picks and worse_pick:
+      note = (note + "; " if note else "") + f"no candidate within {within} {budget:.3g}"
+  elif isinstance(spec["better"], (list, tuple)):  # the best of the candidates
+    picks = [p for p in (_select(groups, c, finding) for c in spec["better"]) if p is not None]
+    scored = [(m, p) for p in picks for m in [_mean_of(p, metric)] if not math.isnan(m)]
+    better_pick = min(scored, key=lambda mp: mp[0])[1] if scored else None
+    if len(picks) > 1 and better_pick is not None:
+      note = (note + "; " if note else "") + f"the best of {len(picks)}"
+  else:
+    better_pick = _select(groups, spec["better"], finding)
+  better, worse = _side(better_pick, metric, finding), _side(worse_pick, metric, finding)
+  if better is None or worse is None or not better.values or not worse.values:
+    return Comparison(metric, better, worse, math.nan, MISSING, note)
+  t = welch_t(better.values, worse.values)
+  return Comparison(metric, better, worse, t, outcome(t, better, worse), note)
+
+
+def evaluate(rows: Sequence[Mapping[str, str]], findings: Sequence[Mapping[str, Any]]
+             ) -> list[Finding]:
+  """Every finding's comparisons and verdict from the rows of `results.csv`."""
+  groups = _groups(rows)
+  out = []
+  for f in findings:
+    fid = str(f.get("id", "?"))
+    if not f.get("comparisons"):
+      raise FindingsError(f"finding {fid}: it has no comparisons")
+    comps = tuple(compare(groups, c, f.get("metric", "cer_percent"), fid)
+                  for c in f["comparisons"])
+    out.append(Finding(fid, str(f.get("claim", "")), comps, verdict(c.outcome for c in comps)))
+  return out
+
+
+def _t_text(t: float) -> str:
+  if math.isnan(t):
+    return "–"
+  return f"{t:+.1f}" if math.isfinite(t) else ("+∞" if t > 0 else "−∞")
+
+
+def table(found: Sequence[Finding]) -> str:
+  """Markdown: a verdict per finding, then one row per comparison."""
+  lines = ["| finding | claim | verdict |", "|---|---|---|"]
+  lines += [f"| {f.id} | {f.claim} | **{f.verdict}** |" for f in found]
+  lines += ["", "| finding | metric | paper: lower | paper: higher | Welch t | outcome |",
+            "|---|---|---|---|---|---|"]
+  for f in found:
+    for c in f.comparisons:
+      better = c.better.text() if c.better else "not in the results"
+      worse = c.worse.text() if c.worse else "not in the results"
+      note = f" ({c.note})" if c.note else ""
+      lines.append(f"| {f.id} | {c.metric} | {better} | {worse} | {_t_text(c.t)} | "
+                   f"{c.outcome}{note} |")
+  return "\n".join(lines) + "\n"
+
+
+def load_findings(path: str) -> list[dict]:
+  """The FINDINGS of a grid file (an empty list when it defines none)."""
+  scope = {"__file__": path, "__name__": "grid_file"}
+  try:
+    with open(path) as f:
+      exec(compile(f.read(), path, "exec"), scope)  # pylint: disable=exec-used
+  except (OSError, SyntaxError) as e:
+    raise FindingsError(f"--grid_file={path}: {e}") from e
+  found = scope.get("FINDINGS", [])
+  if not isinstance(found, (list, tuple)) or not all(isinstance(f, dict) for f in found):
+    raise FindingsError(f"--grid_file={path}: FINDINGS must be a list of dicts")
+  return list(found)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  p.add_argument("--results", required=True, help="a results.csv written by the report")
+  p.add_argument("--grid_file", required=True, help="a grid file that defines FINDINGS")
+  args = p.parse_args(argv)
+  try:
+    with open(args.results) as f:
+      rows = read_rows(f.read())
+    print(table(evaluate(rows, load_findings(args.grid_file))), end="")
+  except (OSError, FindingsError) as e:
+    print(f"findings: error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

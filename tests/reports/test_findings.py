@@ -1,0 +1,174 @@
+"""Tests of the verdicts computed from results.csv (alma_jax/reports/findings.py)."""
+
+import csv
+import io
+import math
+
+import pytest
+
+from alma_jax.reports import findings as F
+
+
+def _rows(groups):
+  """results.csv rows: {label: (fields, [metric values per seed], extra metrics)}."""
+  rows = []
+  for label, (fields, values, *extra) in groups.items():
+    for seed, v in enumerate(values):
+      row = {"workdir": f"/runs/{label}/seed_{seed}", "finished": "True", "group": label,
+             "seed": str(seed), "cer_percent": repr(v)}
+      row.update({k: str(x) for k, x in fields.items()})
+      if extra:
+        row.update({k: repr(x) for k, x in extra[0].items()})
+      rows.append(row)
+  # Through the CSV text, as the report writes it and the command reads it.
+  text = io.StringIO()
+  writer = csv.DictWriter(text, sorted(set().union(*rows)), lineterminator="\n")
+  writer.writeheader()
+  writer.writerows(rows)
+  return F.read_rows(text.getvalue())
+
+
+def _sm(width, wait=10):
+  return {"method.name": "sm", "model.width": width, "stream.wait": wait}
+
+
+def test_welch_t_by_hand():
+  # means 2 and 5, sample variances 1 and 1, n = 3 each: (5 - 2) / sqrt(1/3 + 1/3) = 3.674...
+  assert F.welch_t([1, 2, 3], [4, 5, 6]) == pytest.approx(3 / math.sqrt(2 / 3), rel=1e-12)
+  assert F.welch_t([4, 5, 6], [1, 2, 3]) == pytest.approx(-3 / math.sqrt(2 / 3), rel=1e-12)
+  assert math.isnan(F.welch_t([1.0], [2.0, 3.0]))  # one seed: no spread to judge by
+  assert F.welch_t([1, 1], [2, 2]) == math.inf and F.welch_t([1, 1], [1, 1]) == 0.0
+
+
+def _one(values_better, values_worse, metric="cer_percent"):
+  rows = _rows({"a": (_sm(4), values_better), "b": (_sm(16), values_worse)})
+  spec = [{"id": "X", "claim": "c", "metric": metric,
+           "comparisons": [{"better": _sm(4), "worse": _sm(16)}]}]
+  return F.evaluate(rows, spec)[0]
+
+
+@pytest.mark.parametrize("better, worse, expected_outcome", [
+    ([1.0, 1.1, 0.9], [2.0, 2.1, 1.9], F.CLEAR_FOR),       # t = 12.2
+    ([1.0, 1.5, 0.5], [1.5, 2.0, 1.0], F.FOR),             # t = 1.22
+    ([1.5, 2.0, 1.0], [1.0, 1.5, 0.5], F.AGAINST),         # t = -1.22
+    ([2.0, 2.1, 1.9], [1.0, 1.1, 0.9], F.CLEAR_AGAINST),   # t = -12.2
+])
+def test_the_outcome_of_one_comparison(better, worse, expected_outcome):
+  found = _one(better, worse)
+  (c,) = found.comparisons
+  assert c.outcome == expected_outcome
+  assert c.better.mean == pytest.approx(sum(better) / 3) and c.better.n == 3
+  assert c.t == pytest.approx(F.welch_t(better, worse))
+
+
+@pytest.mark.parametrize("outcomes, verdict", [
+    ([F.CLEAR_FOR, F.CLEAR_FOR], "reproduced"),
+    ([F.CLEAR_FOR, F.FOR], "partly"),
+    ([F.CLEAR_FOR, F.MISSING], "partly"),
+    ([F.CLEAR_FOR, F.AGAINST], "not reproduced"),
+    ([F.CLEAR_FOR, F.CLEAR_AGAINST], "not reproduced"),
+    ([F.CLEAR_AGAINST, F.FOR], "against"),
+    ([F.AGAINST, F.CLEAR_AGAINST], "against"),
+    ([F.FOR, F.AGAINST], "not shown"),
+    ([F.FOR, F.FOR], "not shown"),
+    ([F.MISSING], "not shown"),
+])
+def test_the_verdict_rule(outcomes, verdict):
+  assert F.verdict(outcomes) == verdict
+  assert verdict in F.VERDICTS
+
+
+def test_every_verdict_class_from_a_results_csv():
+  clear_low, clear_high = [1.0, 1.1, 0.9], [2.0, 2.1, 1.9]
+  unclear_low, unclear_high = [1.0, 1.5, 0.5], [1.5, 2.0, 1.0]
+  rows = _rows({
+      "s4": (_sm(4), clear_high), "s8": (_sm(8), unclear_high), "s16": (_sm(16), unclear_low),
+      "s32": (_sm(32), clear_low)})
+
+  def finding(*pairs):
+    return {"id": "X", "claim": "", "comparisons": [{"better": _sm(b), "worse": _sm(w)}
+                                                    for b, w in pairs]}
+
+  cases = {
+      "reproduced": finding((32, 4), (16, 4)),    # 16 vs 4: t = 3.6 (sd 0.5 against 0.1)
+      "partly": finding((32, 4), (16, 8)),        # clear, then the same way unclearly
+      "not reproduced": finding((32, 4), (8, 16)),  # clear, then against unclearly
+      "against": finding((4, 32)),                 # clearly the other way
+      "not shown": finding((16, 8)),               # the paper's way, not clear
+  }
+  for expected, spec in cases.items():
+    (got,) = F.evaluate(rows, [spec])
+    assert got.verdict == expected, (expected, [c.outcome for c in got.comparisons])
+
+
+def test_a_missing_group_is_not_shown_and_an_ambiguous_selector_is_an_error():
+  rows = _rows({"a": (_sm(4), [1.0, 1.1]), "b": (dict(_sm(4), **{"stream.replay": 1.0}),
+                                                  [0.5, 0.6])})
+  spec = {"id": "F9", "claim": "", "comparisons": [{"better": _sm(64), "worse": _sm(4)}]}
+  with pytest.raises(F.FindingsError, match=r"F9.*matches 2 groups.*stream.replay"):
+    F.evaluate(rows, [spec])
+  spec["comparisons"][0]["worse"] = dict(_sm(4), **{"stream.replay": 1.0})
+  (got,) = F.evaluate(rows, [spec])
+  assert got.verdict == "not shown" and got.comparisons[0].outcome == F.MISSING
+  assert "not in the results" in F.table([got])
+
+
+def test_within_a_budget_the_largest_candidate_that_spends_no_more_is_compared():
+  rows = _rows({
+      "s4": (_sm(4), [5.0, 5.1, 4.9], {"comp_total": 1.0}),
+      "s16": (_sm(16), [2.0, 2.1, 1.9], {"comp_total": 3.0}),
+      "s64": (_sm(64), [1.0, 1.1, 0.9], {"comp_total": 9.0}),  # more than the budget
+      "grow": ({"method.name": "gmoe", "model.width": 4, "stream.wait": 10}, [3.0, 3.1, 2.9],
+               {"comp_total": 4.0})})
+  spec = {"id": "F4", "claim": "", "comparisons": [
+      {"better": [_sm(4), _sm(16), _sm(64)], "within": "comp_total",
+       "worse": {"method.name": "gmoe"}}]}
+  (got,) = F.evaluate(rows, [spec])
+  (c,) = got.comparisons
+  assert c.better.label == "name=sm width=16 wait=10" and c.outcome == F.CLEAR_FOR
+  assert "comp_total 3 vs 4" in c.note
+  spec["comparisons"][0]["better"] = [_sm(64)]  # nothing within the budget
+  (got,) = F.evaluate(rows, [spec])
+  assert got.comparisons[0].outcome == F.MISSING and "no candidate within" in (
+      got.comparisons[0].note)
+
+
+def test_a_list_without_a_budget_compares_its_best_candidate():
+  rows = _rows({"w1": (_sm(4, 1), [5.0, 5.2, 4.8]), "w10": (_sm(4, 10), [3.0, 3.2, 2.8]),
+                "w50": (_sm(4, 50), [4.0, 4.2, 3.8]), "w500": (_sm(4, 500), [9.0, 9.2, 8.8])})
+  spec = {"id": "F1", "claim": "", "comparisons": [
+      {"better": [_sm(4, 10), _sm(4, 50)], "worse": _sm(4, w)} for w in (1, 500)]}
+  (got,) = F.evaluate(rows, [spec])
+  assert [c.better.label for c in got.comparisons] == ["name=sm width=4 wait=10"] * 2
+  assert got.verdict == "reproduced" and "the best of 2" in got.comparisons[0].note
+
+
+def test_only_finished_seeds_count_and_a_metric_must_be_present():
+  rows = _rows({"a": (_sm(4), [1.0, 1.1, 0.9]), "b": (_sm(16), [2.0, 2.1, 1.9])})
+  rows[0]["finished"] = "False"
+  spec = {"id": "X", "claim": "", "comparisons": [{"better": _sm(4), "worse": _sm(16)}]}
+  (got,) = F.evaluate(rows, [spec])
+  assert got.comparisons[0].better.n == 2
+  spec["metric"] = "final_error"
+  with pytest.raises(F.FindingsError, match="no value of 'final_error'"):
+    F.evaluate(rows, [spec])
+
+
+def test_the_command_prints_the_table(tmp_path, capsys):
+  rows = _rows({"a": (_sm(4), [1.0, 1.1, 0.9]), "b": (_sm(16), [2.0, 2.1, 1.9])})
+  results = tmp_path / "results.csv"
+  with open(results, "w", newline="") as f:
+    writer = csv.DictWriter(f, list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+  grid = tmp_path / "grid.py"
+  grid.write_text("GRID = {'seed': [0]}\nFINDINGS = [{'id': 'F2', 'claim': 'smaller is better',"
+                  " 'comparisons': [{'better': {'model.width': 4}, 'worse': "
+                  "{'model.width': 16}}]}]\n")
+  assert F.main([f"--results={results}", f"--grid_file={grid}"]) == 0
+  out = capsys.readouterr().out
+  assert "| F2 | smaller is better | **reproduced** |" in out
+  assert "| F2 | cer_percent | width=4: 1 ± 0.1 (n=3) | width=16: 2 ± 0.1 (n=3) | +12.2 |" in out
+  grid.write_text("FINDINGS = 3\n")
+  assert F.main([f"--results={results}", f"--grid_file={grid}"]) == 2
+  assert "FINDINGS must be a list of dicts" in capsys.readouterr().err
