@@ -40,10 +40,11 @@ def get_config(arg=None):
   c = config_lib.base_config("cifar10", "ff")
   c = config_lib.apply_variant(c, arg)
   c.train.eval_batch_size = 128
-  if arg == "smoke":
+  variants = config_lib.variant_names(arg)
+  if "smoke" in variants:
     c.method.num_new = 4
     c.method.grow_every = 2
-  elif arg == "quick":
+  elif "quick" in variants:
     c.method.num_new = 16
     c.method.fit_examples = 1024
     c.method.grow_every = 3
