@@ -16,6 +16,11 @@ Variants:
           examples, and a growth every 3rd stage (before stages 4, 7 and 10), so that it runs
           in tens of minutes on a 2-core CPU (the candidate network is 3x wider than the
           learner and every growth compiles new programs).
+  :paper  the paper's values (or, where it is silent, the released code's) of the
+          fields whose defaults are neither: model.init=torch, train.patience_delta=0.001,
+          optimizer.kwargs.nesterov=True, method.epsilon=1 (the released
+          unscaled splits).
+          :quick,paper (or paper,quick) keeps quick's reductions.
 The default is the paper's setting (C=64, B=100, w=1, 100 epochs, patience 25, SGD lr 0.01,
 momentum 0.9, weight decay 1e-4, crop+flip) with the released code's Firefly settings:
 meant for a GPU.
@@ -40,10 +45,11 @@ def get_config(arg=None):
   c = config_lib.base_config("cifar10", "ff")
   c = config_lib.apply_variant(c, arg)
   c.train.eval_batch_size = 128
-  if arg == "smoke":
+  variants = config_lib.variant_names(arg)
+  if "smoke" in variants:
     c.method.num_new = 4
     c.method.grow_every = 2
-  elif arg == "quick":
+  elif "quick" in variants:
     c.method.num_new = 16
     c.method.fit_examples = 1024
     c.method.grow_every = 3

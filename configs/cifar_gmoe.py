@@ -13,6 +13,11 @@ Variants:
   :smoke  seconds: 800 training / 500 test images, B=4, C=4, 2 epochs.
   :quick  the whole training set in B=10 mega-batches, C=16, 3 epochs per
           stage; minutes on a 2-core CPU.
+  :paper  the paper's values (or, where it is silent, the released code's) of the
+          fields whose defaults are neither: model.init=torch, train.patience_delta=0.001,
+          optimizer.kwargs.nesterov=True, method.grow_every=1 (a split before
+          every stage but the first).
+          :quick,paper (or paper,quick) keeps quick's reductions.
 The default is ONE setting, not the paper's sweep: C=64, B=100, w=1, at most 100
 epochs per stage, SGD lr 0.01, momentum 0.9, weight decay 1e-4, crop+flip,
 soft gating; meant for a GPU (how many experts a block reaches depends on
@@ -25,7 +30,8 @@ among the waiting times the text names. The paper's other settings:
   --config.stream.wait=2|10|100        w (a divisor of B=100)
   --config.stream.replay=1.0           also train on every earlier mega-batch
 The released code trained gMoE with Nesterov momentum and PyTorch's
-initialisation: --config.optimizer.kwargs.nesterov=True --config.model.init=torch.
+initialisation (both set by :paper): --config.optimizer.kwargs.nesterov=True
+--config.model.init=torch.
 The early version's ablations (its section 5.2) grow every 2 stages from 2
 experts:
   --config.method.initial_experts=2 --config.method.grow_every=2

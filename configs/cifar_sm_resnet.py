@@ -11,6 +11,10 @@ Variants:
   :smoke  seconds: 800 training / 500 test images, B=4, C=4, 2 epochs.
   :quick  the whole training set in B=10 mega-batches, C=16, 3 epochs per
           stage; minutes on a 2-core CPU.
+  :paper  the paper's values (or, where it is silent, the released code's) of the
+          fields whose defaults are neither: model.init=torch, train.patience_delta=0.001 (the
+          ResNet stays).
+          :quick,paper (or paper,quick) keeps quick's reductions.
 The default is ONE setting: B=100, w=1, C=64 (the usual ResNet-18, 11.2M
 parameters), at most 100 epochs per stage with patience 25, SGD lr 0.01,
 momentum 0.9, weight decay 1e-4, crop+flip: meant for a GPU.

@@ -11,6 +11,9 @@ Variants:
   :smoke  seconds: 800 training / 500 test images, B=4, C=4, 2 epochs.
   :quick  the whole training set in B=10 mega-batches, C=16, 3 epochs per
           stage; five networks, so about five times cifar_sm.py:quick.
+  :paper  the paper's values (or, where it is silent, the released code's) of the
+          fields whose defaults are neither: model.init=torch, train.patience=100.
+          :quick,paper (or paper,quick) keeps quick's reductions.
 The default is ONE setting, not the paper's sweep: N=5 members of C=64, B=100,
 w=1, at most 100 epochs per stage.
 The paper's CIFAR-10 figures sweep widths C from 4 to 64 (section 5; Appendix

@@ -10,6 +10,9 @@ Variants (the argument after the colon):
   :smoke  a few seconds: 2,000 training images, B=4, H=8, 2 epochs (tests use it).
   :quick  the whole stream (B=500) with waiting time w=10 and at most 20 epochs
           per stage.
+  :paper  the paper's values (or, where it is silent, the released code's) of the
+          fields whose defaults are neither: model.init=torch, train.patience=100.
+          :quick,paper (or paper,quick) keeps quick's reductions.
 The default is ONE setting, not the paper's sweep: N=5 members of H=64, B=500,
 w=1, at most 100 epochs per stage with patience 25.
 The paper's MNIST figures (Fig. 3 bottom, Fig. 7) sweep hidden sizes H from 4

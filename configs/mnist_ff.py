@@ -10,6 +10,10 @@ Run:
 Variants:
   :smoke  a few seconds: 2,000 training images, B=4, H=8, 2 epochs.
   :quick  the whole stream (B=500) with w=10 and at most 20 epochs per stage.
+  :paper  the paper's values (or, where it is silent, the released code's) of the
+          fields whose defaults are neither: model.init=torch, train.patience_delta=0.001,
+          method.epsilon=1 (the released unscaled splits).
+          :quick,paper (or paper,quick) keeps quick's reductions.
 The default is the paper's setting (H=64, w=1, 100 epochs) with K=70 new-neuron candidates.
 """
 

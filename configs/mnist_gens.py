@@ -12,6 +12,9 @@ Variants:
           2 epochs.
   :quick  the whole stream (B=500) with w=10 (50 members at the end) and at most
           20 epochs per stage.
+  :paper  the paper's values (or, where it is silent, the released code's) of the
+          fields whose defaults are neither: model.init=torch, train.patience_delta=0.001.
+          :quick,paper (or paper,quick) keeps quick's reductions.
 The default is ONE setting, not the paper's sweep: H=64, B=500, w=1, at most 100
 epochs per stage; 500 members at the end of the stream.
 The paper's MNIST figures (Fig. 3 bottom, Fig. 7) sweep hidden sizes H from 4

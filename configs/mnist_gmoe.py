@@ -12,6 +12,11 @@ Variants (the argument after the colon):
   :smoke  a few seconds: 2,000 training images, B=4, H=8, 2 epochs (tests use it).
   :quick  the whole stream (B=500) with waiting time w=10 and at most 20 epochs
           per stage (50 stages, a split every grow_every of them); minutes on a CPU.
+  :paper  the paper's values (or, where it is silent, the released code's) of the
+          fields whose defaults are neither: model.init=torch, train.patience_delta=0.001,
+          method.grow_every=1 (a split before every stage but the first).
+          :quick,paper (or paper,quick) keeps quick's reductions: 49 splits
+          per layer over its 50 stages, much slower than :quick.
 The default is ONE setting, not the paper's sweep: H=64, B=500, w=1, at most 100
 epochs per stage with patience 25, soft gating, one initial expert; meant for
 a GPU (soft gating runs every expert; how many a layer reaches depends on

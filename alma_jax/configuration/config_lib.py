@@ -6,7 +6,9 @@ methods and tasks declare their own (`Method.fields`, `Task.FIELDS`). A config f
 and the method's fields, overrides what its experiment changes, and passes
 its argument string to `apply_variant`, the one parser of variants: named sets
 of field values (`IMAGE_VARIANTS`, `TEXT_VARIANTS`, `PROTOCOL_VARIANTS`), e.g.
-`smoke` (seconds, for tests) and `quick` (minutes on a laptop CPU).
+`smoke` (seconds, for tests), `quick` (minutes on a laptop CPU) and `paper` (the
+paper's values, or the released code's where the paper is silent, of the fields
+whose defaults are neither; `alma_jax/configuration/paper.py` sources them).
 
 This module imports nothing heavy (no JAX): a config file that imports it
 loads as data. `base_config` imports the task and method modules, whose
@@ -237,12 +239,27 @@ def base_config(dataset: str, method: str = "sm") -> ml_collections.ConfigDict:
 # -- variants: named sets of field values, chosen after the colon of --config -----------------
 KEEP = object()  # a variant's value that leaves the field as it is for this data set
 _CIFAR_OR = lambda cifar, other: F.ByDataset({"cifar10": cifar}, other)  # pylint: disable=invalid-name
+# Variants applied before the others, wherever they are named: `paper` sets what the paper
+# fixes, and a variant named with it (quick, smoke) keeps every field it sets (its reductions of
+# the stream, the width, the epochs and the patience), so "quick,paper" == "paper,quick".
+FIRST_VARIANTS = ("paper",)
 
-# Image data (MNIST-like and CIFAR-10). smoke: seconds (a small slice of the data, a tiny model,
-# a short stream); quick: minutes on a laptop CPU (MNIST: the whole stream B=500 with w=10;
-# CIFAR-10: the whole training set in 10 mega-batches, C=16, 3 epochs per stage).
+# Image data (MNIST-like and CIFAR-10). paper: the fields whose defaults are neither the paper's
+# nor the released code's, set to those (values and sources: alma_jax/configuration/paper.py;
+# a method-dependent value follows the config file's method.name); smoke: seconds (a small
+# slice of the data, a tiny model, a short stream); quick: minutes on a laptop CPU (MNIST: the
+# whole stream B=500 with w=10; CIFAR-10: the whole training set in 10 mega-batches, C=16, 3
+# epochs per stage).
 IMAGE_VARIANTS = {
-    "paper": {},
+    "paper": {
+        "model.init": "torch",
+        "train.patience": F.ByMethod({"ens": 100, "umix": 100}, 25),
+        "train.patience_delta": F.ByMethod({"ens": 0.0, "umix": 0.0}, 0.001),
+        "optimizer.kwargs.nesterov": _MNIST_OR(KEEP, F.ByMethod({"gmoe": True, "ff": True},
+                                                                False)),
+        "method.grow_every": F.ByMethod({"gmoe": 1, "ff": 1}, KEEP),
+        "method.epsilon": F.ByMethod({"ff": 1.0}, KEEP),
+    },
     "smoke": {"data.train_subset": _CIFAR_OR(800, 2000), "data.test_subset": _CIFAR_OR(500, 1000),
               "stream.num_megabatches": 4, "model.width": _CIFAR_OR(4, 8), "train.epochs": 2,
               "train.patience": 2, "train.eval_batch_size": _CIFAR_OR(500, KEEP)},
@@ -254,7 +271,12 @@ IMAGE_VARIANTS = {
 # model, L=32, 16 sequences per mega-batch, 5 steps per stage); quick: minutes on a 2-core CPU
 # (the tiny model on the whole tiny_shakespeare stream, L=64, 80 steps of 8 sequences per
 # stage); iid: Table 1's i.i.d. ablation; `Kx` (e.g. `2x`): K times the training steps per
-# stage, Table 2's "2x steps" rows.
+# stage, Table 2's "2x steps" rows. No `paper` variant: the text defaults (`tasks/text.py`:
+# Adam 0.9/0.98/1e-8, warm-up then linear decay to 0, 192 sequences of 512 tokens, 120,000
+# steps per mega-batch, B=4, balancing weight 0.01, capacity factor 1, k = 2, 2, 4) already
+# are the paper's (section 5, App. B.2); what it leaves to tuning (the peak learning rate in
+# [2e-4, 5e-3], the warm-up in [500, 4000] steps, dropout) has no one value to set, and the
+# released code has no language models.
 TEXT_VARIANTS = {
     "base": {"model.preset": "base"},
     "large": {"model.preset": "large"},
@@ -286,15 +308,33 @@ def _set(c: ml_collections.ConfigDict, path: str, value) -> None:
   node[leaf] = value
 
 
+def variant_names(arg: str | None) -> list[str]:
+  """The variants named in `arg` ("quick,paper" -> ["quick", "paper"]), in the order given."""
+  return [p.strip() for p in (arg or "").split(",") if p.strip()]
+
+
+def variant_value(c: ml_collections.ConfigDict, value):
+  """A variant's `value` for `c`: a `ByDataset` taken by `c.data.name`, a `ByMethod` by
+  `c.method.name` (nested either way), anything else as it is (`KEEP` included)."""
+  while isinstance(value, (F.ByDataset, F.ByMethod)):
+    value = value.get(c.data.name if isinstance(value, F.ByDataset) else c.method.name)
+  return value
+
+
 def apply_variant(c: ml_collections.ConfigDict, arg: str | None,
                   table: dict | None = None) -> ml_collections.ConfigDict:
-  """Applies the comma-separated variants `arg` (e.g. "quick" or "quick,iid") to `c`, in order.
+  """Applies the comma-separated variants `arg` (e.g. "quick" or "quick,iid") to `c`.
+
+  The variants of `FIRST_VARIANTS` (`paper`) come first, the others follow in the order given,
+  so a later one wins a field that two set: "quick,paper" and "paper,quick" are the same config,
+  quick's reductions kept and every other field the paper fixes set to the paper's value.
 
   Args:
     c: a config from `base_config`.
-    arg: the variants; "" or None: none (the paper's settings).
+    arg: the variants; "" or None: none (the defaults).
     table: variant name -> {field path: value}; by default the variants of `c`'s task
-      (`TASK_VARIANTS`). A value may be a `ByDataset` (by `c.data.name`) and `KEEP`.
+      (`TASK_VARIANTS`). A value may be a `ByDataset` (by `c.data.name`), a `ByMethod` (by
+      `c.method.name`) and `KEEP`.
 
   Raises:
     ValueError: an unknown variant, naming the valid ones.
@@ -303,7 +343,7 @@ def apply_variant(c: ml_collections.ConfigDict, arg: str | None,
     task = importlib.import_module("alma_jax.tasks").task_class(c).name
     table = TASK_VARIANTS.get(task, IMAGE_VARIANTS)
   scalable = table is TEXT_VARIANTS
-  parts = [p.strip() for p in (arg or "").split(",") if p.strip()]
+  parts = variant_names(arg)
   steps_factor = 1
   for p in parts:
     if scalable and _SCALE_STEPS.fullmatch(p):
@@ -311,9 +351,10 @@ def apply_variant(c: ml_collections.ConfigDict, arg: str | None,
     elif p not in table:
       valid = list(table) + (["'Kx' with K a positive integer such as '2x'"] if scalable else [])
       raise ValueError(f"config variant {p!r} is unknown; valid: {valid} (comma-separated)")
+  parts = sorted(parts, key=lambda p: p not in FIRST_VARIANTS)  # stable: the rest keep order
   for p in parts:
     for path, value in table.get(p, {}).items():
-      value = value.get(c.data.name) if isinstance(value, F.ByDataset) else value
+      value = variant_value(c, value)
       if value is not KEEP:
         _set(c, path, value)
   if steps_factor != 1:

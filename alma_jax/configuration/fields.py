@@ -171,6 +171,18 @@ class ByDataset:
 
 
 @dataclasses.dataclass(frozen=True)
+class ByMethod:
+  """A variant's value that depends on the method (`config.method.name`): `values[name]`, else
+  `other`. Variants only: a field's default depends on the data set at most."""
+
+  values: dict
+  other: Any
+
+  def get(self, method: str) -> Any:
+    return self.values.get(method, self.other)
+
+
+@dataclasses.dataclass(frozen=True)
 class Field:
   """One config field.
 

@@ -243,7 +243,7 @@ class GrowingMoE(base.Method):
       F.Field("method.grow_every", 0, F.integer(0),
               "grow before every this many-th stage; 0: about 10 growths over the stream "
               "(every max(1, stages // 10) stages, of the stages the waiting policy plans; "
-              "the released runs reach 6-11 experts)"),
+              "the released runs reach 6-11 experts); the paper and the released config: 1"),
       F.Field("method.split_by", "loss", F.choice(SPLIT_BY),
               "the expert to split: largest routed validation loss (paper) or usage "
               "(released code)"),
