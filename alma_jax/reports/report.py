@@ -39,7 +39,8 @@ the CER figures. A folder that is not a run is an error naming what it lacks;
 a pattern (`--workdirs=/tmp/sweep/*`, quoted or not: the shell does not expand
 it after `=`) stands for the runs it matches, so a sweep's `logs/` and
 `report/` folders beside them are passed over. A run given twice (the same
-folder after resolving links) counts once, with a warning. Bad inputs (a
+folder after resolving links), or a folder with the same config and seed as
+another (a copy), counts once, with a warning. Bad inputs (a
 folder that is not a run, unreadable or malformed files, an `--out` that is
 not a writable directory) end the command with one line and exit code 2.
 """
@@ -351,10 +352,18 @@ def _csv_row(r: Run, group: str, config_cols) -> dict:
 
 
 # -- the whole report ----------------------------------------------------------------------------
+def run_identity(run: Run) -> str:
+  """What a run computes: its config less the fields that do not change its records
+  (`group_key`), and its seed. Two folders with one identity hold the same run (a copy, or the
+  same config and seed run twice) and count once."""
+  return json.dumps([group_key(run), run.flat.get("seed", 0)], default=repr)
+
+
 def load_groups(workdirs: Sequence[str]) -> list[Group]:
   """The groups of the runs in `workdirs`; a run given twice (a repeated or linked folder, or a
-  seed folder of a run also given) counts once, with a warning."""
-  runs, seen = [], {}
+  seed folder of a run also given) counts once, with a warning, and so does a run whose config
+  and seed another folder already holds (a copy: it is not another seed)."""
+  runs, seen, identities = [], {}, {}
   for path in workdirs:
     for r in load_runs(path):
       real = os.path.realpath(r.path)
@@ -363,6 +372,13 @@ def load_groups(workdirs: Sequence[str]) -> list[Group]:
         logging.warning("--workdirs: %s%s is given more than once; it counts once", r.path, same)
         continue
       seen[real] = r.path
+      identity = run_identity(r)
+      if identity in identities:
+        logging.warning("--workdirs: %s holds the same config and seed (%s) as %s: the same run, "
+                        "not another seed; it counts once, as %s", r.path,
+                        r.flat.get("seed", 0), identities[identity], identities[identity])
+        continue
+      identities[identity] = r.path
       runs.append(r)
   if not runs:
     raise ReportError("--workdirs: no runs given")

@@ -695,3 +695,19 @@ def test_compute_totals_of_a_run_written_before_the_summary_had_them():
   new = {"comp": 10.0, "comp_paper": 4.0, "comp_growth": 5.0, "comp_total": 15.0,
          "comp_paper_total": 6.5}
   assert report.with_totals(new) == new
+
+
+def test_a_copy_of_a_run_is_not_another_seed(runs, tmp_path, caplog):
+  import shutil  # pylint: disable=g-import-not-at-top
+  sm16, ens = runs[2], runs[-1]
+  shutil.copytree(sm16, tmp_path / "sm16_copy")
+  shutil.copytree(ens, tmp_path / "ens_copy")
+  groups = report.load_groups([sm16, str(tmp_path / "sm16_copy"), ens, str(tmp_path / "ens_copy")])
+  assert sorted(len(g.runs) for g in groups) == [1, 2]  # sm16: one seed; ens: seeds 0 and 1
+  ens_group = next(g for g in groups if g.get("method.name") == "ens")
+  assert ens_group.seeds == [0, 1] and ens_group.stat("cer_percent")[0] == pytest.approx(160.0)
+  assert f"{tmp_path / 'sm16_copy'} holds the same config and seed (0) as {sm16}" in caplog.text
+  # Another seed of the same config is another run.
+  other = _write(tmp_path / "sm16_s1", _config(width=16, seed=1), _records([0.9, 0.4, 0.2, 0.2, 0.1]))
+  groups = report.load_groups([sm16, str(tmp_path / "sm16_copy"), other])
+  assert [len(g.runs) for g in groups] == [2]
