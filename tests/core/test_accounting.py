@@ -107,7 +107,10 @@ def test_gmoe_mem_equals_sm_until_its_first_growth(tmp_path):
   assert all(g > s for g, s in zip(params["gmoe"][2:], params["sm"][2:]))
   growth = [r["growth_flops"] for r in logs["gmoe"]]
   assert growth[:2] == [0.0, 0.0] and all(g > 0 for g in growth[2:])
-  assert all(r["growth_flops"] == 0.0 for r in logs["sm"])
+  assert all(r["growth_flops"] == 0.0 and r["growth_macs"] == 0.0 for r in logs["sm"])
+  # The scoring passes' multiply-adds: at least one per two FLOPs counted besides them.
+  macs = [r["growth_macs"] for r in logs["gmoe"]]
+  assert macs[:2] == [0.0, 0.0] and all(0 < 2 * m < g for m, g in zip(macs[2:], growth[2:]))
   assert np.all(np.diff(params["gmoe"][1:]) > 0)  # one split per layer before each later stage
 
 
@@ -130,6 +133,8 @@ def test_growth_passes_count_only_the_real_examples_of_a_padded_batch():
   padded = Batch(np.arange(8, dtype=np.int32), np.arange(8) < 3)
   costs.add("reduce", build, learner, build, full)
   per_example = 2 * 5 * 7  # one row of the product: 5 x 7 multiply-adds, 2 FLOPs each
-  assert costs.total == 8 * per_example
+  assert costs.total == 8 * per_example and costs.total_macs == 8 * per_example / 2
   costs.add("reduce", build, learner, build, padded)
   assert costs.total == (8 + 3) * per_example  # exact: small integers in float64
+  assert costs.total_macs == (8 + 3) * 5 * 7
+
