@@ -146,9 +146,14 @@ def step_flops(programs: Programs, learner: Learner) -> dict[str, float]:
   multiply-adds).
   Counted from the traced computations, the same on every backend, for the
   learner's active parts (`Method.active_view`): padding slots that the
-  compiled programs also compute are not counted.
+  compiled programs also compute are not counted. The programs traced are
+  those of `Method.counted()`, one canonical form of the method's step (an
+  ensemble's members in one vmap whatever `method.strategy` runs, XLA's
+  convolutions whatever `model.conv_impl` runs), and they are traced
+  unsharded: the counts do not depend on the execution strategy or on the
+  mesh.
   """
-  method = programs.method
+  method = programs.method.counted()
   learner = method.active_view(learner)  # may be shapes alone
   structure = method.program_structure(learner.structure)
   trainable, frozen = jax.eval_shape(method.partition, learner)
@@ -158,7 +163,7 @@ def step_flops(programs: Programs, learner: Learner) -> dict[str, float]:
                      jax.eval_shape(programs.tx.init, trainable))
   rng = jax.eval_shape(lambda: jax.random.key(0))
   idx, mask = spec((d, b), jnp.int32), spec((d, b), jnp.bool_)
-  train = count(programs.step_body(structure), state, programs.data, idx, mask, rng)
+  train = count(programs.step_body(structure, method), state, programs.data, idx, mask, rng)
   if train.flops <= 0:
     raise ValueError(f"counting the FLOPs of {method.name!r}'s train step found no arithmetic; "
                      "its loss must use differentiable array operations")
