@@ -14,8 +14,8 @@ backend providing one (some GPU builds report none).
 The paper's "training TFLOPs" are forward multiply-adds times the training
 examples processed; `Count.macs` of the training loss's forward pass gives
 that per example. `step_flops` counts a learner's train step, forward pass
-and prediction this way; `PassCosts` adds up the passes over data that growth
-runs (`alma_jax.core.passes`).
+and prediction this way; `PassCosts` adds up the FLOPs and multiply-adds of
+the passes over data that growth runs (`alma_jax.core.passes`).
 """
 
 from __future__ import annotations
@@ -146,9 +146,14 @@ def step_flops(programs: Programs, learner: Learner) -> dict[str, float]:
   multiply-adds).
   Counted from the traced computations, the same on every backend, for the
   learner's active parts (`Method.active_view`): padding slots that the
-  compiled programs also compute are not counted.
+  compiled programs also compute are not counted. The programs traced are
+  those of `Method.counted()`, one canonical form of the method's step (an
+  ensemble's members in one vmap whatever `method.strategy` runs, XLA's
+  convolutions whatever `model.conv_impl` runs), and they are traced
+  unsharded: the counts do not depend on the execution strategy or on the
+  mesh.
   """
-  method = programs.method
+  method = programs.method.counted()
   learner = method.active_view(learner)  # may be shapes alone
   structure = method.program_structure(learner.structure)
   trainable, frozen = jax.eval_shape(method.partition, learner)
@@ -158,7 +163,7 @@ def step_flops(programs: Programs, learner: Learner) -> dict[str, float]:
                      jax.eval_shape(programs.tx.init, trainable))
   rng = jax.eval_shape(lambda: jax.random.key(0))
   idx, mask = spec((d, b), jnp.int32), spec((d, b), jnp.bool_)
-  train = count(programs.step_body(structure), state, programs.data, idx, mask, rng)
+  train = count(programs.step_body(structure, method), state, programs.data, idx, mask, rng)
   if train.flops <= 0:
     raise ValueError(f"counting the FLOPs of {method.name!r}'s train step found no arithmetic; "
                      "its loss must use differentiable array operations")
@@ -178,19 +183,21 @@ def step_flops(programs: Programs, learner: Learner) -> dict[str, float]:
 
 
 class PassCosts:
-  """The FLOPs of the passes over data that growth runs, added up as they run.
+  """The FLOPs and multiply-adds of the passes over data that growth runs, added up as they run.
 
   A pass's cost per batch is counted once per (kind, function, structure),
-  over the learner's active parts (`Method.active_view`); `total` is the sum
-  over every batch run so far of that cost times the fraction of the batch
-  that holds real examples (padding, e.g. of a validation set smaller than
-  an evaluation batch, is not counted).
+  over the learner's active parts (`Method.active_view`); `total` (FLOPs) and
+  `total_macs` (multiply-adds) are the sums over every batch run so far of
+  that cost times the fraction of the batch that holds real examples
+  (padding, e.g. of a validation set smaller than an evaluation batch, is not
+  counted).
   """
 
   def __init__(self, method, data):
     self.method, self.data = method, data
-    self._per_batch: dict[tuple, float] = {}
+    self._per_batch: dict[tuple, Count] = {}
     self.total = 0.0
+    self.total_macs = 0.0
 
   def add(self, kind: str, fn: Callable, learner: Learner, build: Callable, batch: Batch,
           carry: Any = ()) -> None:
@@ -200,7 +207,8 @@ class PassCosts:
       view = self.method.active_view(learner)
       args = (view.params, view.model_state, self.data, batch) + ((carry,) if kind == "scan"
                                                                    else ())
-      self._per_batch[key] = count(build(self.method.program_structure(view.structure)),
-                                   *args).flops
+      self._per_batch[key] = count(build(self.method.program_structure(view.structure)), *args)
     mask = np.asarray(batch.mask)
-    self.total += self._per_batch[key] * (float(np.count_nonzero(mask)) / mask.size)
+    real = float(np.count_nonzero(mask)) / mask.size
+    self.total += self._per_batch[key].flops * real
+    self.total_macs += self._per_batch[key].macs * real

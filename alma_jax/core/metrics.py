@@ -6,7 +6,10 @@ t = 0 ... B (t = 0 is the untrained model), memory (Mem) is the sum of the
 parameter counts, and compute (Comp) is the sum of the training FLOPs. A waiting policy that
 evaluates the learner to decide when to train (`alma_jax.policies.triggered`)
 records that evaluation's FLOPs and multiply-adds as `trigger_flops` and
-`trigger_macs`; Comp includes them.
+`trigger_macs`; Comp includes them. Growth's own passes over data (gMoE's
+expert scores, Firefly's candidates) are recorded apart (`growth_flops`,
+`growth_macs`); `comp_total` and `comp_paper_total` add them to Comp, so that a
+growing method's compute counts its growth.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ RECORD_KEYS = (
     "train_flops_forward",
     "train_macs",
     "growth_flops",
+    "growth_macs",
     "inference_flops_per_example",
     "trained",
     "wall_s",
@@ -45,6 +49,12 @@ class Record:
       paper's "training FLOPs" and of its released code.
     growth_flops: FLOPs of the passes over data that growth ran at this step
       (gMoE's expert scores, Firefly's candidates), not part of train_flops.
+    growth_macs: the multiply-adds of the same passes (real examples alone,
+      like growth_flops), not part of train_macs. A record written before
+      this field existed reads as 0.0 when its growth_flops is 0 (no growth
+      pass ran, so none of its multiply-adds can be missing) and as NaN
+      otherwise (unknown: the sums that use it, comp_growth_macs and
+      comp_paper_total, then say so instead of understating growth).
     inference_flops_per_example: FLOPs to predict one example at time t.
     trained: whether the model was updated at this step.
     wall_s: wall-clock seconds spent on this step (training and evaluation).
@@ -62,6 +72,7 @@ class Record:
   train_flops_forward: float
   train_macs: float
   growth_flops: float
+  growth_macs: float
   inference_flops_per_example: float
   trained: bool
   wall_s: float
@@ -72,6 +83,8 @@ class Record:
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "Record":
+    if "growth_macs" not in d and "growth_flops" in d:  # a log of older code
+      d = dict(d, growth_macs=0.0 if float(d["growth_flops"]) == 0.0 else float("nan"))
     missing = [k for k in RECORD_KEYS if k not in d]
     if missing:
       raise ValueError(f"log record is missing keys {missing}; expected {list(RECORD_KEYS)}")
@@ -83,6 +96,7 @@ class Record:
         train_flops_forward=float(d["train_flops_forward"]),
         train_macs=float(d["train_macs"]),
         growth_flops=float(d["growth_flops"]),
+        growth_macs=float(d["growth_macs"]),
         inference_flops_per_example=float(d["inference_flops_per_example"]),
         trained=bool(d["trained"]),
         wall_s=float(d["wall_s"]),
@@ -157,6 +171,21 @@ class Log:
     return float(sum(r.growth_flops for r in self.records))
 
   @property
+  def comp_growth_macs(self) -> float:
+    """Cumulative multiply-adds of growth's passes over data."""
+    return float(sum(r.growth_macs for r in self.records))
+
+  @property
+  def comp_total(self) -> float:
+    """All the FLOPs the learner spent: `comp` and growth's passes over data (`comp_growth`)."""
+    return self.comp + self.comp_growth
+
+  @property
+  def comp_paper_total(self) -> float:
+    """`comp_paper` and the multiply-adds of growth's passes over data (`comp_growth_macs`)."""
+    return self.comp_paper + self.comp_growth_macs
+
+  @property
   def final_error(self) -> float:
     return self.records[-1].test_error if self.records else float("nan")
 
@@ -176,6 +205,9 @@ class Log:
         "comp_forward": self.comp_forward,
         "comp_paper": self.comp_paper,
         "comp_growth": self.comp_growth,
+        "comp_growth_macs": self.comp_growth_macs,
+        "comp_total": self.comp_total,
+        "comp_paper_total": self.comp_paper_total,
         "final_error": self.final_error,
         "num_stages": self.num_stages,
         "wall_s": float(sum(r.wall_s for r in self.records)),

@@ -243,9 +243,13 @@ class Programs:
     return sharding.put(array, self.layout.sharding(array.shape, axes, "batch"))
 
   # -- training ---------------------------------------------------------------------------------
-  def step_body(self, structure) -> Callable:
-    """One train step of one learner: (state, data, idx (D, b), mask, rng) -> (state, loss)."""
-    method, task, tx = self.method, self.task, self.tx
+  def step_body(self, structure, method: Method | None = None) -> Callable:
+    """One train step of one learner: (state, data, idx (D, b), mask, rng) -> (state, loss).
+
+    `method`: the method whose loss it differentiates (default: the run's; the FLOP count
+    traces `Method.counted()`).
+    """
+    method, task, tx = method or self.method, self.task, self.tx
     loss_fn = precision.loss_in(self.compute_dtype, functools.partial(method.loss, structure))
 
     def step(state: TrainState, data, idx, mask, rng):

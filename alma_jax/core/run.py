@@ -221,7 +221,7 @@ def _records(setup: Setup, state: RunState, t: int, spent: dict, wall_s: float,
   first = population.unstack(state.learner, 0)
   flops = setup.flops(first)
   num_params = setup.method.num_params(first)
-  fields = ("train_flops", "train_flops_forward", "train_macs", "growth_flops")
+  fields = ("train_flops", "train_flops_forward", "train_macs", "growth_flops", "growth_macs")
   extra = getattr(setup.task, "record_metrics", None)  # fields of the task's own
   return [Record(t=t, test_error=float(state.errors[i]), num_params=num_params,
                  **{f: float(spent[f][i]) if f in spent else 0.0 for f in fields},
@@ -241,7 +241,7 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
   returns the compute spent per seed (Record fields)."""
   method, steps = setup.method, setup.steps
   contexts = setup.contexts(t, state.num_stages + 1, state.last_stage_t)
-  passes_before = steps.pass_flops
+  passes_before, pass_macs_before = steps.pass_flops, steps.pass_macs
   skeys = population.fold(setup.keys, t)
   meter.doing(f"starting the stage at t={t} ({setup.stage_policy.name}, growth before it)")
   learner, opt_state = _start_stage(setup, state.learner, skeys, contexts, state.opt_state)
@@ -281,6 +281,8 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
   state.opt_state, state.stats = opt_state, stats
   spent["growth_flops"] = np.full(len(setup.seeds), (steps.pass_flops - passes_before)
                                   / len(setup.seeds))
+  spent["growth_macs"] = np.full(len(setup.seeds), (steps.pass_macs - pass_macs_before)
+                                 / len(setup.seeds))
   return spent
 
 

@@ -110,6 +110,11 @@ class Steps:
     """FLOPs of the passes over data (`reduce`, `scan`, `eval_aux`) so far."""
     return self.costs.total
 
+  @property
+  def pass_macs(self) -> float:
+    """Multiply-adds of the same passes so far."""
+    return self.costs.total_macs
+
   def flops(self, learner: Learner) -> dict[str, float]:
     """`alma_jax.core.accounting.step_flops` of one (unstacked) learner's structure."""
     return accounting.step_flops(self.programs, learner)

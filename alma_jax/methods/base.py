@@ -15,6 +15,7 @@ images and text alike.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable, Hashable
 
@@ -164,6 +165,12 @@ class Method:
   def active_view(self, learner: Learner) -> Learner:
     """The learner without its padding slots: what Mem and Comp count (default: itself)."""
     return learner
+
+  def counted(self) -> "Method":
+    """The method whose traced programs Comp counts (`alma_jax.core.accounting`): the same
+    learning algorithm in one canonical execution form, so that the FLOPs counted do not
+    depend on how a run executes it (an ensemble's `method.strategy`). Default: itself."""
+    return self
 
   # -- training -------------------------------------------------------------
   def num_data_orders(self, structure: Hashable) -> int:
@@ -332,6 +339,17 @@ class SingleBackbone:
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
     return params, model_state
+
+  def counted(self):
+    """`Method.counted`: the method with its backbone's convolutions as XLA's own
+    (`model.conv_impl="xla"`). `chunked_dw`'s custom gradient also computes the input
+    gradient of the first convolution, which autodiff leaves out (the images need none), and
+    adds up its chunks' weight gradients: work of that implementation, not of the learner."""
+    view = super().counted()
+    if getattr(self.backbone, "conv_impl", "xla") != "xla":
+      view = copy.copy(view)
+      view.backbone = self.backbone.clone(conv_impl="xla")
+    return view
 
   def forward_backbone(self, params, model_state, x, *, train: bool, mask=None, rng=None):
     """Runs one backbone; returns (logits, aux, new_model_state) (`apply_module`; `rng`: the

@@ -31,7 +31,9 @@ convolutions into grouped convolutions, which XLA:CPU runs several times
 slower than separate ones (see benchmarks/ensemble_strategy.py), so "auto" is
 "loop" for the VGG backbone on CPU and "vmap" otherwise. With vmap, more than
 `VMAP_CHUNK` members run as a Python loop over chunks of that many, which
-bounds the memory of the activations.
+bounds the memory of the activations. Compute is counted in one form whatever
+the strategy (`Ensemble.counted`: one vmap over all members), so Comp does
+not depend on how the members ran.
 
 gEns holds its members in slots (`method.slots`: the next power of two by
 default): params and model_state have C >= n slots on the member axis, and
@@ -43,6 +45,7 @@ evaluation but are masked out of the prediction, and are never trained.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Callable, Hashable
 
@@ -251,6 +254,24 @@ class Ensemble(base.SingleBackbone, base.Method):
     """The strategy actually used: "vmap" or "loop"."""
     return choose_strategy(self.opts.strategy, self.config.model.name)
 
+  _counting = False  # set on the copy `counted` returns
+
+  def counted(self) -> "Ensemble":
+    """This method with its members run as one `jax.vmap` over all of them: the form its
+    compute is counted in (`base.Method.counted`). With "loop" (and vmap's chunks) the
+    gradient of every member's slice is a cotangent of the whole stacked params, added up
+    across members (`add_any`): work of the execution strategy, not of the learning
+    algorithm, which made Comp depend on the strategy."""
+    view = copy.copy(super().counted())
+    view._counting = True  # pylint: disable=protected-access
+    return view
+
+  def _map_members(self, fn: Callable, stacked: tuple):
+    """`map_members` with the run's strategy, or one vmap over all members when counting."""
+    if self._counting:
+      return map_members(fn, stacked, "vmap", chunk=max(1, num_members(stacked)))
+    return map_members(fn, stacked, self.run_as)
+
   # -- construction ---------------------------------------------------------------------------
   def initial_structure(self) -> tuple[int, int]:
     return (self.initial_members, self.initial_members)
@@ -303,7 +324,7 @@ class Ensemble(base.SingleBackbone, base.Method):
       return self.forward_backbone(p, s, xi, train=train, mask=mi)
 
     stacked = (params, backbone_state(model_state)) + ((x, mask) if stacked_x else ())
-    logits, aux, new_state = map_members(one, stacked, self.run_as)
+    logits, aux, new_state = self._map_members(one, stacked)
     active = active_slots(model_state)
     return logits, aux, (new_state if active is None else _with_slots(new_state, active))
 
@@ -327,13 +348,13 @@ class Ensemble(base.SingleBackbone, base.Method):
 
     if active is None:
       frozen_state, state = _split(model_state, n - k)
-      losses, new_state = map_members(one, (trainable, state, x, y, mask) + keys, self.run_as)
+      losses, new_state = self._map_members(one, (trainable, state, x, y, mask) + keys)
       return jnp.sum(losses), _restack(frozen_state, new_state, n - k)
     # Slots: the trained members are slots [n - k, n), n counted from the active slots.
     start = jnp.sum(active.astype(jnp.int32)) - k
     members = backbone_state(model_state)
     state = slots_lib.take(members, start, k)
-    losses, new_state = map_members(one, (trainable, state, x, y, mask) + keys, self.run_as)
+    losses, new_state = self._map_members(one, (trainable, state, x, y, mask) + keys)
     members = slots_lib.put(members, new_state, start)
     return jnp.sum(losses), _with_slots(members, active)
 

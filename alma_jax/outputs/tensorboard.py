@@ -4,7 +4,9 @@
 
 * per time step t (`step` = t): `stream/test_error`, `stream/cer` (the sum
   of the test errors so far), `stream/num_params`, `stream/comp_paper_tflops`
-  and `stream/comp_tflops` (cumulative training compute), `stream/wall_s`;
+  and `stream/comp_tflops` (cumulative training compute), `stream/comp_total_tflops`
+  and `stream/comp_paper_total_tflops` (the same with growth's passes over
+  data: `Log.comp_total`, `Log.comp_paper_total`), `stream/wall_s`;
 * per epoch (`step` = epochs trained so far over the run):
   `epoch/train_loss`, `epoch/val_accuracy` and `epoch/t` (the stage's t);
 * `Writer.config`: the resolved config as text (`config`, a table of its
@@ -239,17 +241,22 @@ class _Totals:
   """Running sums of the per-step scalars."""
 
   def __init__(self):
-    self.cer = self.comp = self.comp_paper = 0.0
+    self.cer = self.comp = self.comp_paper = self.growth = self.growth_macs = 0.0
 
   def scalars(self, r: dict) -> dict[str, float]:
     """The per-step scalars of record `r` (a Record dict), the records before it summed."""
     self.cer += r["test_error"]
     self.comp += r["train_flops"] + r.get("trigger_flops", 0.0)
     self.comp_paper += r["train_macs"] + r.get("trigger_macs", 0.0)
+    self.growth += r.get("growth_flops", 0.0)
+    self.growth_macs += r.get("growth_macs", 0.0)
     return {f"{STREAM}test_error": r["test_error"], f"{STREAM}cer": self.cer,
             f"{STREAM}num_params": r["num_params"],
             f"{STREAM}comp_paper_tflops": self.comp_paper * 1e-12,
-            f"{STREAM}comp_tflops": self.comp * 1e-12, f"{STREAM}wall_s": r["wall_s"]}
+            f"{STREAM}comp_tflops": self.comp * 1e-12,
+            f"{STREAM}comp_total_tflops": (self.comp + self.growth) * 1e-12,
+            f"{STREAM}comp_paper_total_tflops": (self.comp_paper + self.growth_macs) * 1e-12,
+            f"{STREAM}wall_s": r["wall_s"]}
 
 
 def _kept_epochs(events, last_t: int) -> list[tuple[float, int, dict[str, float]]]:

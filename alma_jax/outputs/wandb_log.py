@@ -6,7 +6,8 @@ when a writer is made. One writer per seed's output folder (`seed_<k>/` of a
 
 * `step(record)`: the per-step scalars of the event files (`stream/test_error`,
   `stream/cer`, `stream/num_params`, `stream/comp_paper_tflops`,
-  `stream/comp_tflops`, `stream/wall_s`) against `stream/t`;
+  `stream/comp_tflops`, `stream/comp_total_tflops`, `stream/comp_paper_total_tflops`,
+  `stream/wall_s`) against `stream/t`;
 * `epoch(t, scalars)`: `epoch/train_loss`, `epoch/val_accuracy`, `epoch/t`
   against `epoch/index` (epochs trained so far over the run);
 * `config(config)`: the resolved config, as the W&B run's config;

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from alma_jax.core import accounting
+from alma_jax.core import run as run_lib
 from alma_jax.core.programs import Batch
 from alma_jax.methods.base import Learner
 from tests import helpers
@@ -63,6 +64,12 @@ def test_vgg_multiply_adds_match_the_analytic_count(width, impl):
   assert flops["train_macs_per_example"] == 16848 * width ** 2 + 27658 * width
 
 
+def test_counts_do_not_depend_on_the_convolution_implementation():
+  # chunked_dw's custom gradient computes the first layer's input gradient (the images need
+  # none) and adds up chunks: the count is that of XLA's convolutions whichever runs.
+  assert _flops("cifar10", 8, conv_impl="chunked_dw") == _flops("cifar10", 8, conv_impl="xla")
+
+
 def test_counts_do_not_use_the_backends_cost_analysis(monkeypatch):
   expected = _flops("mnist", 16)
   # A backend without cost analysis (some GPU builds return none).
@@ -107,7 +114,10 @@ def test_gmoe_mem_equals_sm_until_its_first_growth(tmp_path):
   assert all(g > s for g, s in zip(params["gmoe"][2:], params["sm"][2:]))
   growth = [r["growth_flops"] for r in logs["gmoe"]]
   assert growth[:2] == [0.0, 0.0] and all(g > 0 for g in growth[2:])
-  assert all(r["growth_flops"] == 0.0 for r in logs["sm"])
+  assert all(r["growth_flops"] == 0.0 and r["growth_macs"] == 0.0 for r in logs["sm"])
+  # The scoring passes' multiply-adds: at least one per two FLOPs counted besides them.
+  macs = [r["growth_macs"] for r in logs["gmoe"]]
+  assert macs[:2] == [0.0, 0.0] and all(0 < 2 * m < g for m, g in zip(macs[2:], growth[2:]))
   assert np.all(np.diff(params["gmoe"][1:]) > 0)  # one split per layer before each later stage
 
 
@@ -130,6 +140,49 @@ def test_growth_passes_count_only_the_real_examples_of_a_padded_batch():
   padded = Batch(np.arange(8, dtype=np.int32), np.arange(8) < 3)
   costs.add("reduce", build, learner, build, full)
   per_example = 2 * 5 * 7  # one row of the product: 5 x 7 multiply-adds, 2 FLOPs each
-  assert costs.total == 8 * per_example
+  assert costs.total == 8 * per_example and costs.total_macs == 8 * per_example / 2
   costs.add("reduce", build, learner, build, padded)
   assert costs.total == (8 + 3) * per_example  # exact: small integers in float64
+  assert costs.total_macs == (8 + 3) * 5 * 7
+
+
+# -- Comp counts the learning algorithm, not how it was executed ----------------------------------
+def _comps(wd):
+  with open(wd / "summary.json") as f:
+    s = json.load(f)
+  return {k: s[k] for k in ("comp", "comp_forward", "comp_paper", "comp_total")}
+
+
+@requires_mnist
+def test_ensemble_comp_is_the_same_for_every_strategy_and_device_count(tmp_path):
+  # Counts are sums of integers (FLOPs of traced programs times steps and examples) well below
+  # 2**53, so every strategy and mesh must give exactly the same numbers, not close ones.
+  # loop on 1 and 8 devices: the mesh; loop and vmap on 8: the strategy.
+  comps = {}
+  for strategy, devices in (("loop", 1), ("loop", 8), ("vmap", 8)):
+    c = helpers.smoke("ens", method__strategy=strategy)
+    c.mesh.num_devices = devices
+    wd = tmp_path / f"{strategy}_{devices}"
+    run_lib.run(c, str(wd))
+    comps[(strategy, devices)] = _comps(wd)
+  first = comps[("loop", 1)]
+  assert first["comp"] > 0
+  assert all(c == first for c in comps.values()), comps
+
+
+@pytest.mark.parametrize("name", ["umix", "gens"])
+def test_step_counts_do_not_depend_on_the_strategy(name):
+  ds = helpers.synthetic_dataset(n_train=64, n_test=8)
+  counts = []
+  for strategy in ("loop", "vmap"):
+    c = helpers.small_config("mnist", method=name, width=8)
+    for field, value in ({"num_members": 3} if name == "umix"
+                         else {"initial_members": 2, "grow_by": 2}).items():
+      c.method[field] = value
+    c.method.strategy = strategy
+    method, steps = helpers.make_steps(c, ds)
+    learner = helpers.init(method)
+    if name == "gens":  # 2 frozen members and 2 trained ones, in slots
+      learner = method.before_stage(learner, jax.random.key(1), helpers.context(2, stage=2))
+    counts.append(steps.flops(learner))
+  assert counts[0] == counts[1]

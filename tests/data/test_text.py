@@ -191,7 +191,8 @@ def test_a_text_file_by_path_works_the_same(tmp_path):
 def test_records_keep_the_task_fields_and_the_summary_averages_perplexity():
   def rec(t, ppl):
     return Record(t=t, test_error=0.5, num_params=10, train_flops=1.0, train_flops_forward=0.5,
-                  train_macs=0.2, growth_flops=0.0, inference_flops_per_example=3.0,
+                  train_macs=0.2, growth_flops=0.0, growth_macs=0.0,
+                  inference_flops_per_example=3.0,
                   trained=t > 0, wall_s=0.1,
                   extra={"test_nll": math.log(ppl), "test_perplexity": ppl,
                          "test_bits_per_byte": ppl / 100, "forward_macs_per_token": 7.0,
@@ -236,7 +237,8 @@ def test_a_huge_test_nll_gives_a_capped_perplexity_that_stays_valid_json():
   assert fields["test_perplexity"] == text_task.MAX_PERPLEXITY
   assert fields["test_nll"] == 17671.5
   records = [Record(t=t, test_error=0.9, num_params=10, train_flops=1.0, train_flops_forward=0.5,
-                    train_macs=0.2, growth_flops=0.0, inference_flops_per_example=3.0,
+                    train_macs=0.2, growth_flops=0.0, growth_macs=0.0,
+                    inference_flops_per_example=3.0,
                     trained=t > 0, wall_s=0.1, extra=task.record_metrics(nll, flops))
              for t, nll in enumerate([10.8, 17671.5, 1e6])]
   summaries = [dict(Log.from_records(records).summary(), wall_s=1.0)] * 2

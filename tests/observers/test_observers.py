@@ -49,7 +49,8 @@ class Recorder(Observer):
 
 def _record(t):
   return Record(t=t, test_error=0.5, num_params=1, train_flops=0.0, train_flops_forward=0.0,
-                train_macs=0.0, growth_flops=0.0, inference_flops_per_example=0.0,
+                train_macs=0.0, growth_flops=0.0, growth_macs=0.0,
+                inference_flops_per_example=0.0,
                 trained=False, wall_s=0.0)
 
 

@@ -29,7 +29,8 @@ def _tf_events(directory):
 
 def _record(t, err):
   return {"t": t, "test_error": err, "num_params": 7, "train_flops": 3e12 * (t > 0),
-          "train_macs": 1e12 * (t > 0), "wall_s": 0.5}
+          "train_macs": 1e12 * (t > 0), "growth_flops": 2e12 * (t > 0),
+          "growth_macs": 0.5e12 * (t > 0), "wall_s": 0.5}
 
 
 def test_crc32c_of_the_standard_check_string():
@@ -50,6 +51,8 @@ def test_events_read_back_by_tensorflow(tmp_path):
   assert step == 1
   assert last["stream/cer"] == pytest.approx(1.4) and last["stream/comp_paper_tflops"] == 1.0
   assert last["stream/comp_tflops"] == 3.0 and last["stream/num_params"] == 7
+  assert last["stream/comp_total_tflops"] == 5.0  # train_flops and growth_flops
+  assert last["stream/comp_paper_total_tflops"] == 1.5  # train_macs and growth_macs
   assert [e[1:] for e in tb.read_events(str(tmp_path))] == events
 
 
@@ -174,7 +177,8 @@ def test_the_config_is_text_and_hyperparameters_and_the_summary_metrics(tmp_path
   tb.Writer(str(tmp_path), [_record(0, 0.9), _record(1, 0.5)])
   assert [tags for _, _, tags in tb.read_events(str(tmp_path)) if tags][-1].keys() == {
       "stream/test_error", "stream/cer", "stream/num_params", "stream/comp_paper_tflops",
-      "stream/comp_tflops", "stream/wall_s"}
+      "stream/comp_tflops", "stream/comp_total_tflops", "stream/comp_paper_total_tflops",
+      "stream/wall_s"}
 
 
 def test_tensorboard_shows_the_hyperparameters_and_metrics(tmp_path):

@@ -120,7 +120,8 @@ def test_the_iid_language_model_stream_needs_the_fixed_wait():
 # -- triggered: the decision on a constructed stream (the evaluation stubbed) ----------------------
 def _record(t, trained, **extra):
   return Record(t=t, test_error=0.5, num_params=1, train_flops=0.0, train_flops_forward=0.0,
-                train_macs=0.0, growth_flops=0.0, inference_flops_per_example=0.0,
+                train_macs=0.0, growth_flops=0.0, growth_macs=0.0,
+                inference_flops_per_example=0.0,
                 trained=trained, wall_s=0.0, extra=extra)
 
 
