@@ -123,8 +123,10 @@ def test_an_offline_w_and_b_run_is_resumed_by_its_id(tmp_path, monkeypatch):
   w.step(_record(2, 0.25))
   w.summary({"cer": 1.65, "cer_percent": 165.0})
   assert json.loads(open(os.path.join(folder, wandb_log.STATE_FILE)).read())["id"] == run_id
+  # In the order they were written: by name, a resumption in the same second as its first run
+  # (`offline-run-<second>-<id>-1`) would sort before it (`offline-run-<second>-<id>`).
   logs = sorted(glob.glob(os.path.join(folder, wandb_log.DIR, "offline-run-*",
-                                       f"run-{run_id}.wandb")))
+                                       f"run-{run_id}.wandb")), key=os.path.getmtime)
   assert len(logs) == 2  # the first run and its resumption, one W&B run id
   first, second = (open(p, "rb").read() for p in logs)
   for key in (b"stream/test_error", b"epoch/train_loss", b"method", b"width"):
