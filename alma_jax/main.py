@@ -173,6 +173,13 @@ def main(argv):
     config.get("seed")  # a config file that failed to load raises here
   except Exception as e:  # pylint: disable=broad-except
     _fail(f"--config: {errors.flag_error(e)}", 2)
+  from alma_jax.configuration import config_resolve  # pylint: disable=g-import-not-at-top
+  try:
+    config_resolve.check_overrides(sys.argv[1:])
+  except ValueError as e:
+    if _DEBUG.value:
+      raise
+    _fail(str(e), 2)
   try:
     run.run(config, _WORKDIR.value, overwrite=_OVERWRITE.value, startup_s=timing.process_age_s())
   except run.RunInterrupted as e:
