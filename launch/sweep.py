@@ -98,6 +98,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for alma_jax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for local.py, tpu_pod.py
+from alma_jax import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import methods  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import policies  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -145,8 +146,9 @@ def load_grid_file(path: str) -> list[list[tuple[str, list[str]]]]:
   try:
     with open(path) as f:
       exec(compile(f.read(), path, "exec"), scope)  # pylint: disable=exec-used
-  except (OSError, SyntaxError) as e:
-    raise SystemExit(f"sweep: error: --grid_file={path}: {e}") from e
+  except Exception as e:  # pylint: disable=broad-except  (its code may raise anything)
+    what = errors.located(e, path) or errors.one_line(e)
+    raise SystemExit(f"sweep: error: --grid_file={path}: {what}") from e
   grid = scope.get("GRID")
   grids = [grid] if isinstance(grid, dict) else grid
   if not isinstance(grids, (list, tuple)) or not grids or not all(

@@ -98,10 +98,15 @@ def resolve(value: str, folder: str | None = None) -> str:
       one-line message lists the available names and any close ones.
   """
   path, colon, variant = value.partition(":")
-  if not path or (os.path.exists(path) and not os.path.isdir(path)):
+  if not path and not colon or (os.path.exists(path) and not os.path.isdir(path)):
     return value
   folder = configs_dir() if folder is None else folder
   names = available(folder)
+  if not path:
+    listed = ", ".join(names) if names else "none (no configs folder found)"
+    raise UnknownConfigError(f"--config={value}: no config file or name before the colon "
+                             f"(e.g. --config=mnist_sm{colon}{variant}). Available names: "
+                             f"{listed}")
   name = _as_name(path)
   if name in names:
     return os.path.join(folder, *name.split("/")) + ".py" + colon + variant

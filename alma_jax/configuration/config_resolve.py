@@ -41,7 +41,8 @@ def resolve(config_arg: str, args: Sequence[str] = ()):
     config = registry["config"].value
     config.get("seed")  # a config file that failed to load raises here
   except Exception as e:  # pylint: disable=broad-except
-    raise ConfigResolveError(f"--config={config_arg}: {override_error(config_arg, args, e)}") from e
+    what = errors.located(e, config_arg.partition(":")[0]) or override_error(config_arg, args, e)
+    raise ConfigResolveError(f"--config={config_arg}: {what}") from e
   unparsed = [a for a in rest[1:] if re.match(r"^--?(no)?config\.", a)]
   if unparsed:
     raise ConfigResolveError(f"--config={config_arg}: cannot apply {unparsed}")

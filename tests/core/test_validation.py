@@ -376,6 +376,42 @@ def test_command_line_errors_are_one_line(args, code, pattern, tmp_path):
   _check_one_line(proc, code, pattern)
 
 
+_UNCLOSED = "def get_config(arg=None):\n  return dict(\n"
+_RAISES = "def get_config(arg=None):\n  x = 1\n  raise RuntimeError('boom')\n"
+
+
+@pytest.mark.parametrize("config, text, flags, pattern", [
+    ("mycfg.py", _UNCLOSED, [], r"--config=mycfg\.py: mycfg\.py, line 2: SyntaxError: '\(' was "
+                                r"never closed"),
+    ("mycfg.py", _RAISES, ["--config.seed=1"],
+     r"--config=mycfg\.py: mycfg\.py, line 3: RuntimeError: boom"),
+    ("/etc/passwd", None, [], r"--config=/etc/passwd: /etc/passwd, line 1: SyntaxError"),
+    (":smoke", None, ["--config.seed=1"], r"--config=:smoke: no config file or name before the "
+                                          r"colon .*Available names: .*mnist_sm"),
+    ("configs/mnist_ff.py:smoke", None, ["--config.method.growth_rate=inf"],
+     r"config\.method\.growth_rate=inf must be in \[0\.0, inf\)"),
+], ids=["unclosed_parenthesis", "body_raises", "not_python", "no_file_before_colon",
+        "infinite_float"])
+def test_config_files_that_fail_to_load_are_one_line_naming_file_and_line(config, text, flags,
+                                                                          pattern, tmp_path):
+  if text is not None:
+    (tmp_path / config).write_text(text)
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  proc = subprocess.run([sys.executable, "-m", "alma_jax.main", f"--config={config}",
+                         f"--workdir={tmp_path}/wd"] + flags, cwd=tmp_path if text else ROOT,
+                        env=env, capture_output=True, text=True, timeout=120, check=False)
+  _check_one_line(proc, 2, pattern)
+
+
+def test_resolving_a_config_file_that_raises_names_its_line(tmp_path):
+  path = tmp_path / "mycfg.py"
+  path.write_text(_RAISES)
+  with pytest.raises(config_resolve.ConfigResolveError,
+                     match=rf"^--config={re.escape(str(path))}: .*mycfg\.py, line 3: "
+                           r"RuntimeError: boom$"):
+    config_resolve.resolve(str(path), ["--config.seed=1"])
+
+
 @requires_mnist
 def test_command_line_mismatch_and_divergence(finished_run, tmp_path):
   wd = _copy(finished_run[0], tmp_path)
