@@ -194,10 +194,10 @@ def clear_outputs(workdir: str) -> None:
       kept.append(d)
       continue
     _clear_output_dir(d, _SEED_FILES, _SEED_DIRS, kept)
-    if not os.listdir(d):
+    left = [os.path.join(d, n) for n in sorted(os.listdir(d))]
+    if not left:
       os.rmdir(d)
-    else:
-      kept.append(d)
+    kept.extend(p for p in left if not any(k.startswith(p + os.sep) for k in kept))
   logging.warning("--overwrite: removed the previous run's outputs from %s", workdir)
   if kept:
     logging.warning("--overwrite: kept %s, which a run does not write", ", ".join(kept))
