@@ -403,6 +403,14 @@ def test_config_files_that_fail_to_load_are_one_line_naming_file_and_line(config
   _check_one_line(proc, 2, pattern)
 
 
+def test_command_line_warm_start_contradicting_init_from_scratch_is_one_line(tmp_path):
+  proc = _main(["--config=configs/mnist_sm.py:smoke", f"--workdir={tmp_path}/wd",
+                "--config.stream.warm_start=finetune", "--config.stream.init_from_scratch=True"])
+  _check_one_line(proc, 2, r"--config\.stream\.init_from_scratch=True contradicts "
+                           r"--config\.stream\.warm_start='finetune'")
+  assert not os.path.exists(tmp_path / "wd")
+
+
 def test_resolving_a_config_file_that_raises_names_its_line(tmp_path):
   path = tmp_path / "mycfg.py"
   path.write_text(_RAISES)
