@@ -71,8 +71,9 @@ def flag_error(exc: BaseException) -> str:
 def located(exc: BaseException, path: str) -> str | None:
   """`<path>, line <n>: <what went wrong>` for an exception raised while the Python file `path`
   (a config or grid file) was compiled or run: a syntax error in it, or an exception raised
-  by its code (the last line of `path` in the traceback); None when `path` is not where it
-  arose. The exception's causes and contexts are searched too (a flag parser may wrap it)."""
+  by its code (the last line of `path` in the traceback; a `ValueError` raised deeper, by a
+  library it calls, names itself and is left out); None when `path` is not where it arose.
+  The exception's causes and contexts are searched too (a flag parser may wrap it)."""
   if not path:
     return None
   target = os.path.realpath(path)
@@ -86,11 +87,13 @@ def located(exc: BaseException, path: str) -> str | None:
     if isinstance(e, SyntaxError) and here(e.filename):
       return (f"{path}, line {e.lineno}: {type(e).__name__}: {e.msg} (a config or grid file "
               "is Python source)")
-    line = None
+    line, innermost = None, False
     for frame, lineno in traceback.walk_tb(e.__traceback__):
-      if here(frame.f_code.co_filename):
+      innermost = here(frame.f_code.co_filename)
+      if innermost:
         line = lineno
-    if line is not None:
+    # A library's own error with a message for the user (an unknown variant) speaks for itself.
+    if line is not None and (innermost or not _plain(e)):
       return f"{path}, line {line}: {one_line(e)}"
     e = e.__cause__ or e.__context__
   return None

@@ -481,3 +481,11 @@ def test_a_mistyped_data_set_name_is_refused_with_the_name_it_is_close_to():
   with pytest.raises(ValueError, match=r"config\.data\.name='mnsit' is not available offline.*"
                                         r"did you mean 'mnist'\?$"):
     validation.validate(helpers.smoke(data__name="mnsit", data__download="no"))
+
+
+def test_a_library_error_raised_for_a_config_file_keeps_its_own_message():
+  with pytest.raises(config_resolve.ConfigResolveError,
+                     match=r"^--config=configs/mnist_sm\.py:smok: .*config variant 'smok' is "
+                           r"unknown; valid: \['paper', 'smoke', 'quick'\]") as info:
+    config_resolve.resolve("configs/mnist_sm.py:smok")
+  assert "line" not in str(info.value)
