@@ -693,6 +693,6 @@ def test_a_root_that_is_a_file_is_refused(tmp_path):
 
 def test_a_grid_file_that_raises_is_one_line_naming_its_line(tmp_path):
   path = _grid_file(tmp_path, "WIDTHS = [8]\nGRID = {'model.width': WIDTHS + [undefined]}\n")
-  with pytest.raises(SystemExit, match=r"^sweep: error: --grid_file=.*grid\.py: .*grid\.py, line 2: "
-                                       r"NameError: name 'undefined' is not defined$"):
+  with pytest.raises(SystemExit, match=r"^sweep: error: --grid_file=.*grid\.py: .*grid\.py, "
+                                       r"line 2: NameError: name 'undefined' is not defined$"):
     sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", f"--grid_file={path}", "--dry_run"])

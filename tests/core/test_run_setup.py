@@ -31,7 +31,8 @@ def test_parameters_over_the_memory_are_refused_with_an_estimate():
 def test_a_billion_wide_model_is_refused_against_this_machines_memory():
   keys = jax.random.split(jax.random.key(0), 1)
   with pytest.raises(ConfigError, match=r"width=1000000000\): the parameters alone would need "
-                                        r"[\d,.]+ TiB \([\d,]+ per learner x 1 seed\(s\)\), more than "):
+                                        r"[\d,.]+ TiB \([\d,]+ per learner x 1 seed\(s\)\), "
+                                        r"more than "):
     run_setup.check_parameter_memory(_method(10**9), keys)
 
 
