@@ -8,6 +8,8 @@ stage, an unexpected exception) end it with exit code 1.
 from __future__ import annotations
 
 import ast
+import os
+import traceback
 
 
 class ConfigError(ValueError):
@@ -64,3 +66,34 @@ def flag_error(exc: BaseException) -> str:
   if any(l.startswith("Traceback") for l in lines):
     lines = lines[:1] + lines[-1:]
   return " ".join(lines)
+
+
+def located(exc: BaseException, path: str) -> str | None:
+  """`<path>, line <n>: <what went wrong>` for an exception raised while the Python file `path`
+  (a config or grid file) was compiled or run: a syntax error in it, or an exception raised
+  by its code (the last line of `path` in the traceback; a `ValueError` raised deeper, by a
+  library it calls, names itself and is left out); None when `path` is not where it arose.
+  The exception's causes and contexts are searched too (a flag parser may wrap it)."""
+  if not path:
+    return None
+  target = os.path.realpath(path)
+
+  def here(filename) -> bool:
+    return bool(filename) and os.path.realpath(filename) == target
+
+  seen, e = set(), exc
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, SyntaxError) and here(e.filename):
+      return (f"{path}, line {e.lineno}: {type(e).__name__}: {e.msg} (a config or grid file "
+              "is Python source)")
+    line, innermost = None, False
+    for frame, lineno in traceback.walk_tb(e.__traceback__):
+      innermost = here(frame.f_code.co_filename)
+      if innermost:
+        line = lineno
+    # A library's own error with a message for the user (an unknown variant) speaks for itself.
+    if line is not None and (innermost or not _plain(e)):
+      return f"{path}, line {line}: {one_line(e)}"
+    e = e.__cause__ or e.__context__
+  return None

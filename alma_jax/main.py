@@ -114,13 +114,19 @@ def _override_type_error(exc: BaseException) -> str | None:
 def _parse_flags(argv):
   try:
     return flags.FLAGS(argv)
-  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+  except Exception as e:  # pylint: disable=broad-except
     if "--debug" in argv:
       raise
+    config_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
+    where = errors.located(e, config_arg.partition(":")[0])
+    if where is not None:  # the config file does not compile or raised
+      _fail(f"--config={config_arg}: {where} (rerun with --debug for the traceback)", 2)
     if isinstance(e, flags.Error):
       _fail(f"{_override_type_error(e) or errors.flag_error(e)} (see --helpfull)", 2)
+    if not isinstance(e, (AttributeError, KeyError, TypeError, ValueError)):
+      _fail(f"--config={config_arg}: {errors.flag_error(e)} (rerun with --debug for the "
+            "traceback)", 2)
     from alma_jax.configuration import config_resolve  # pylint: disable=g-import-not-at-top
-    config_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
     _fail(f"invalid --config override: "
           f"{config_resolve.override_error(config_arg, argv, e)} (see --helpfull)", 2)
 
@@ -172,7 +178,18 @@ def main(argv):
     config = _CONFIG.value
     config.get("seed")  # a config file that failed to load raises here
   except Exception as e:  # pylint: disable=broad-except
-    _fail(f"--config: {errors.flag_error(e)}", 2)
+    if _DEBUG.value:
+      raise
+    config_arg = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--config=")), "")
+    _fail(f"--config: {errors.located(e, config_arg.partition(':')[0]) or errors.flag_error(e)}",
+          2)
+  from alma_jax.configuration import config_resolve  # pylint: disable=g-import-not-at-top
+  try:
+    config_resolve.check_overrides(sys.argv[1:])
+  except ValueError as e:
+    if _DEBUG.value:
+      raise
+    _fail(str(e), 2)
   try:
     run.run(config, _WORKDIR.value, overwrite=_OVERWRITE.value, startup_s=timing.process_age_s())
   except run.RunInterrupted as e:

@@ -88,6 +88,7 @@ A grid point that itself spans several GPUs or nodes is a job of
 from __future__ import annotations
 
 import argparse
+import ast
 import itertools
 import os
 import shlex
@@ -98,6 +99,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for alma_jax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for local.py, tpu_pod.py
+from alma_jax import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import methods  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import policies  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -146,8 +148,9 @@ def load_grid_file(path: str) -> list[list[tuple[str, list[str]]]]:
   try:
     with open(path) as f:
       exec(compile(f.read(), path, "exec"), scope)  # pylint: disable=exec-used
-  except (OSError, SyntaxError) as e:
-    raise SystemExit(f"sweep: error: --grid_file={path}: {e}") from e
+  except Exception as e:  # pylint: disable=broad-except  (its code may raise anything)
+    what = errors.located(e, path) or errors.one_line(e)
+    raise SystemExit(f"sweep: error: --grid_file={path}: {what}") from e
   grid = scope.get("GRID")
   grids = [grid] if isinstance(grid, dict) else grid
   if not isinstance(grids, (list, tuple)) or not grids or not all(
@@ -249,14 +252,43 @@ def point_args(config: str | None, point, extra: list[str]) -> tuple[str, list[s
   return config, flags
 
 
+def _resolved_value(resolved: dict, path: str):
+  node = resolved
+  for part in path.split("."):
+    if not isinstance(node, dict) or part not in node:
+      return None
+    node = node[part]
+  return node
+
+
+def canonical_point(point, resolved: dict):
+  """`point` with each number written as its field holds it in the resolved config (`1e-1`
+  -> `0.1`, `1` -> `1.0` for a float field), so one config gets one workdir name."""
+  out = []
+  for f, v in point:
+    value = _resolved_value(resolved, f) if f != CONFIG_FIELD else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      try:
+        given = ast.literal_eval(v)
+      except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        given = None
+      if isinstance(given, (int, float)) and not isinstance(given, bool) and given == value:
+        v = repr(value)
+    out.append((f, v))
+  return out
+
+
 def command(config: str | None, root: str, point, extra: list[str]) -> tuple[list[str], str, dict]:
   """(command line, workdir, resolved config) of one grid point; the point's `config`
-  field, if any, replaces the sweep's `--config`."""
-  config, flags = point_args(config, point, extra)
+  field, if any, replaces the sweep's `--config`. Its numbers are written as the resolved
+  config holds them (`canonical_point`)."""
+  config_file, flags = point_args(config, point, extra)
   try:
-    resolved = config_resolve.resolved_dict(config, flags)
+    resolved = config_resolve.resolved_dict(config_file, flags)
   except config_resolve.ConfigResolveError as e:
     raise SystemExit(f"sweep: error: {e}") from e
+  point = canonical_point(point, resolved)
+  config, flags = point_args(config, point, extra)
   workdir = find_workdir(root, workdir_name(point), config_resolve.config_hash(resolved), resolved)
   cmd = [sys.executable, "-m", "alma_jax.main", f"--config={config}", f"--workdir={workdir}"]
   return cmd + flags, workdir, resolved
@@ -331,6 +363,9 @@ def _args(argv):
                  help="copy the repository to the TPU workers and install it before the runs")
   p.add_argument("extra", nargs="*", help="extra flags passed to every run (after --)")
   args = p.parse_args(argv)
+  if os.path.exists(args.root) and not os.path.isdir(args.root):
+    raise SystemExit(f"sweep: error: --root={args.root} exists and is not a directory; give a "
+                     "directory (existing or new) to hold the points' workdirs")
   if args.parallel < 1:
     raise SystemExit(f"sweep: error: --parallel={args.parallel} must be >= 1")
   if args.tpu:
@@ -484,10 +519,24 @@ def plan(args) -> dict:
   if args.seeds_together != "no":
     grids = fold_seeds(split_configs(grids), args.seeds_together, args.config, args.extra,
                        args.seeds_together == "auto" and _accelerator(args))
-  made = {}
+  made = {}  # workdir -> (command, workdir, resolved config, (config file, flags))
+  hashes = {}  # config hash -> workdirs of that hash
+  given = {}  # workdir -> its point as the grid spelled it
   for pt in (pt for g in grids for pt in points(g)):
     cmd, workdir, resolved = command(args.config, args.root, pt, args.extra)
-    made[workdir] = (cmd, workdir, resolved, point_args(args.config, pt, args.extra))
+    digest = config_resolve.config_hash(resolved)
+    same = next((w for w in hashes.get(digest, [])
+                 if not config_resolve.same_run(made[w][2], resolved)), None)
+    if same is not None:
+      if sorted(given[same]) != sorted(pt):  # not merely the same point again
+        flags = " ".join(f"{f}={v}" for f, v in pt)
+        print(f"sweep: the point {flags} resolves to the config of {os.path.basename(same)}; "
+              "it runs once", file=sys.stderr)
+      continue
+    hashes.setdefault(digest, []).append(workdir)
+    given[workdir] = pt
+    made[workdir] = (cmd, workdir, resolved, point_args(args.config, canonical_point(pt, resolved),
+                                                        args.extra))
   return made
 
 

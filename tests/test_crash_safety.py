@@ -8,6 +8,7 @@ and the workdir's refusal of paths that are not the run's own files.
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from alma_jax.errors import ConfigError
 from alma_jax.methods.base import Learner
 from alma_jax.outputs import checkpoint as ckpt_lib
 from alma_jax.outputs import io_utils
+from alma_jax.outputs import tensorboard
 from alma_jax.outputs import workdir as workdir_lib
 from alma_jax.outputs import workdir_lock
 from tests import helpers
@@ -374,3 +376,32 @@ def test_a_signal_during_an_epoch_s_evaluation_saves_the_stage_at_the_next_epoch
   assert (meta["stage_t"], meta["position"]["epoch"], meta["position"]["next_call"]) == (2, 2, 0)
   run.run(c, wd)
   assert helpers.outputs(wd) == helpers.outputs(base)
+
+
+@pytest.mark.parametrize("name", [".lock", "log.jsonl", "architecture.jsonl"])
+def test_a_hard_link_in_the_place_of_a_written_file_is_refused_and_its_target_untouched(tmp_path,
+                                                                                        name):
+  victim = tmp_path / "victim.txt"
+  victim.write_text("precious\n")
+  wd = tmp_path / "wd"
+  wd.mkdir()
+  os.link(victim, wd / name)
+  with pytest.raises(ValueError, match=re.escape(name) + r" is a hard link"):
+    if name == ".lock":
+      with workdir_lock.hold(str(wd)):
+        pass
+    else:
+      io_utils.append_jsonl(str(wd / name), {"t": 0})
+  assert victim.read_text() == "precious\n"
+
+
+def test_a_hard_link_in_the_place_of_the_tensorboard_events_file_is_refused(tmp_path):
+  victim = tmp_path / "victim.txt"
+  victim.write_text("precious\n")
+  (tmp_path / "tb").mkdir()
+  writer = tensorboard.Writer(str(tmp_path / "tb"), [])
+  os.unlink(writer.path)
+  os.link(victim, writer.path)
+  with pytest.raises(io_utils.NotRegularFileError, match=r"is a hard link"):
+    writer._append(b"event")  # pylint: disable=protected-access
+  assert victim.read_text() == "precious\n"

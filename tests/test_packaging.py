@@ -283,3 +283,14 @@ def test_main_loads_a_config_by_name_from_any_directory(tmp_path):
   assert "no field 'no_such_field'" in last and "its fields:" in last
   assert os.path.join(CONFIGS, "mnist_sm.py:smoke") in last
   assert not workdir.exists()
+
+
+def test_a_directory_is_never_a_config_file(folder, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "mnist_sm").mkdir()  # e.g. the workdir of `--config=mnist_sm --workdir=mnist_sm`
+  assert config_files.resolve("mnist_sm:smoke", folder) == os.path.join(folder,
+                                                                        "mnist_sm.py:smoke")
+  (tmp_path / "runs").mkdir()
+  with pytest.raises(config_files.UnknownConfigError,
+                     match=r"^--config=runs:smoke: 'runs' is a directory, not a config file"):
+    config_files.resolve("runs:smoke", folder)

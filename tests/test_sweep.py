@@ -701,3 +701,35 @@ def test_every_point_is_checked_before_any_run(tmp_path, monkeypatch, capsys):
   assert sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=mesh.num_devices=64",
                      "--dry_run"]) == 2
   assert "only 8 cpu devices are visible" in capsys.readouterr().err
+
+
+def test_grid_values_of_one_config_make_one_workdir(tmp_path, capsys):
+  rc = sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--dry_run",
+                   "--grid=optimizer.kwargs.learning_rate=0.1,1e-1,0.10,0.2"])
+  assert rc == 0
+  out = capsys.readouterr()
+  lines = out.out.strip().splitlines()
+  assert len(lines) == 2, lines
+  assert sum(bool(re.search(r"--config\.optimizer\.kwargs\.learning_rate=0\.1(\s|$)", l))
+             for l in lines) == 1
+  assert "learning_rate-0.1-" in lines[0] and "learning_rate-0.2-" in lines[1]
+  assert out.err.count("resolves to the config of learning_rate-0.1-") == 2
+  # A float field given as an integer is written as the float it holds.
+  lines = _dry(tmp_path, capsys, "--grid=stream.replay=0,0.0")
+  assert len(lines) == 1 and "--config.stream.replay=0.0" in lines[0]
+
+
+def test_a_root_that_is_a_file_is_refused(tmp_path):
+  path = tmp_path / "notes.txt"
+  path.write_text("mine")
+  with pytest.raises(SystemExit, match=r"^sweep: error: --root=.*notes\.txt exists and is not a "
+                                       r"directory"):
+    sweep.main([f"--config={SMOKE}", f"--root={path}", "--grid=seed=0", "--dry_run"])
+  assert path.read_text() == "mine"
+
+
+def test_a_grid_file_that_raises_is_one_line_naming_its_line(tmp_path):
+  path = _grid_file(tmp_path, "WIDTHS = [8]\nGRID = {'model.width': WIDTHS + [undefined]}\n")
+  with pytest.raises(SystemExit, match=r"^sweep: error: --grid_file=.*grid\.py: .*grid\.py, "
+                                       r"line 2: NameError: name 'undefined' is not defined$"):
+    sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", f"--grid_file={path}", "--dry_run"])

@@ -5,8 +5,10 @@ A name stands for a file of the experiment folder: the repository's top-level
 `alma_jax/configs` from a wheel. `mnist_sm`, `mnist_sm.py` and
 `configs/mnist_sm.py` all name `<folder>/mnist_sm.py`; files in subfolders are
 named by their relative path (`bench/p3_mnist_sm`). A variant keeps following
-the colon. A path that exists always wins, so a command that names a file
-keeps its meaning wherever a name would match too.
+the colon. A path of an existing file always wins, so a command that names a
+file keeps its meaning wherever a name would match too; a directory is never a
+config file (a workdir named like its config, `--workdir=mnist_sm`, does not
+shadow the name `mnist_sm`).
 
 The entry point (`alma_jax.main.console`, also behind `python -m
 alma_jax.main`) rewrites `--config` in argv before absl parses the flags, so
@@ -96,13 +98,22 @@ def resolve(value: str, folder: str | None = None) -> str:
       one-line message lists the available names and any close ones.
   """
   path, colon, variant = value.partition(":")
-  if not path or os.path.exists(path):
+  if not path and not colon or (os.path.exists(path) and not os.path.isdir(path)):
     return value
   folder = configs_dir() if folder is None else folder
   names = available(folder)
+  if not path:
+    listed = ", ".join(names) if names else "none (no configs folder found)"
+    raise UnknownConfigError(f"--config={value}: no config file or name before the colon "
+                             f"(e.g. --config=mnist_sm{colon}{variant}). Available names: "
+                             f"{listed}")
   name = _as_name(path)
   if name in names:
     return os.path.join(folder, *name.split("/")) + ".py" + colon + variant
+  if os.path.isdir(path):
+    listed = ", ".join(names) if names else "none (no configs folder found)"
+    raise UnknownConfigError(f"--config={value}: {path!r} is a directory, not a config file, "
+                             f"and names no config. Available names: {listed}")
   close = suggestions(name, names)
   hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else "."
   listed = ", ".join(names) if names else "none (no configs folder found)"

@@ -114,7 +114,7 @@ BASE_FIELDS = (
     F.Field("train.epochs", 100, F.integer(1), "at most this many epochs per stage"),
     F.Field("train.patience", 25, F.integer(1),
             "stop a stage after this many epochs without a better validation accuracy"),
-    F.Field("train.patience_delta", 0.0, F.number(0.0, math.inf),
+    F.Field("train.patience_delta", 0.0, F.number(0.0, 1.0, open_hi=True),
             "an epoch improves when its validation accuracy (a fraction) exceeds the best by "
             "more than this (released code: 0.001)"),
     F.Field("train.keep_optimizer_state", False, F.boolean(),
@@ -149,7 +149,7 @@ BASE_FIELDS = (
             "a non-finite loss raises, or rolls the stage back to its best epoch (may change "
             "when a run resumes: it does not change the records already written)",
             resumable=True),
-    F.Field("train.progress_every_s", 10.0, F.number(0.0, math.inf),
+    F.Field("train.progress_every_s", 10.0, F.number(0.0, math.inf, allow_inf=True),
             "at most one progress line per this many seconds within a stage", resumable=True),
     # -- optimizer
     F.Field("optimizer.name", _MNIST_OR("adadelta", "sgd"), F.choice(F.owned("alma_jax.core.optim:OPTIMIZERS"), "names"),
@@ -197,7 +197,7 @@ BASE_FIELDS = (
     F.Field("checkpoint.every", 1, F.integer(1),
             "checkpoint after every this many training stages (and at t=0 and t=B)",
             resumable=True),
-    F.Field("checkpoint.every_s", 300.0, F.number(0.0),
+    F.Field("checkpoint.every_s", 300.0, F.number(0.0, allow_inf=True),
             "inside a training stage, save its progress every this many seconds (0: off); a "
             "signal (SIGTERM, SIGINT, SIGHUP) also saves it before the run stops",
             resumable=True),

@@ -41,11 +41,46 @@ def resolve(config_arg: str, args: Sequence[str] = ()):
     config = registry["config"].value
     config.get("seed")  # a config file that failed to load raises here
   except Exception as e:  # pylint: disable=broad-except
-    raise ConfigResolveError(f"--config={config_arg}: {override_error(config_arg, args, e)}") from e
+    what = errors.located(e, config_arg.partition(":")[0]) or override_error(config_arg, args, e)
+    raise ConfigResolveError(f"--config={config_arg}: {what}") from e
   unparsed = [a for a in rest[1:] if re.match(r"^--?(no)?config\.", a)]
   if unparsed:
     raise ConfigResolveError(f"--config={config_arg}: cannot apply {unparsed}")
+  check_overrides(args)
   return config
+
+
+def _overrides(args: Sequence[str]) -> dict[str, str]:
+  """{field path: value text} of the `--config.<path>=<value>` (and `--[no]config.<path>`)
+  flags among `args`, the last of each path."""
+  out = {}
+  for i, a in enumerate(args):
+    if a == "--":
+      break
+    m = re.match(r"^--?(no)?config\.([\w.]+)(?:=(.*))?$", a)
+    if m is None:
+      continue
+    no, path, value = m.groups()
+    if value is None:
+      nxt = args[i + 1] if i + 1 < len(args) else None
+      value = ("False" if no else "True") if nxt is None or nxt.startswith("-") else nxt
+    out[path] = value.strip().strip("'\"")
+  return out
+
+
+def check_overrides(args: Sequence[str]) -> None:
+  """Raises `ValueError` (one line naming the fields) for overrides among `args` that
+  contradict each other where the resolved config could not tell: an explicit
+  `--config.stream.warm_start` other than scratch with `--config.stream.init_from_scratch=True`
+  (a warm_start at its default, finetune, is read as the older spelling's scratch)."""
+  given = _overrides(args)
+  scratch, policy = given.get("stream.init_from_scratch"), given.get("stream.warm_start")
+  if policy is not None and scratch is not None and scratch.lower() in ("true", "1", "yes") \
+      and policy != "scratch":
+    raise ConfigResolveError(
+        f"--config.stream.init_from_scratch={scratch} contradicts --config.stream.warm_start="
+        f"{policy!r} (init_from_scratch=True is the older spelling of warm_start='scratch'); "
+        "give --config.stream.warm_start alone")
 
 
 def override_error(config_arg: str, args: Sequence[str], exc: BaseException) -> str:

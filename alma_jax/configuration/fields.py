@@ -62,7 +62,11 @@ def integer(lo: int | None = None, optional: bool = False, hi: int | None = None
 
 
 def number(lo: float = -math.inf, hi: float = math.inf, *, open_lo: bool = False,
-           open_hi: bool = False) -> Check:
+           open_hi: bool = False, allow_inf: bool = False) -> Check:
+  """A number in the interval from `lo` to `hi`; finite (an infinite bound is open) unless
+  the field opts in with `allow_inf` (a time interval where inf means never). NaN never is."""
+  if not allow_inf:
+    open_lo, open_hi = open_lo or lo == -math.inf, open_hi or hi == math.inf
   interval = f"{'(' if open_lo else '['}{float(lo)}, {float(hi)}{')' if open_hi else ']'}"
 
   def check(path, v):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from typing import Any, Callable
 
 import jax
@@ -33,6 +34,7 @@ from alma_jax.core import schedule
 from alma_jax.core import sharding
 from alma_jax.core import validation
 from alma_jax.core.steps import Steps
+from alma_jax.errors import ConfigError
 from alma_jax.data import stream as stream_lib
 from alma_jax.outputs import checkpoint as ckpt_lib
 from alma_jax.outputs import workdir as wd
@@ -112,7 +114,9 @@ class Setup:
     return idx if sub is None else sub[idx].astype(np.int32)
 
   def initial_learner(self):
-    """The untrained learners of t = 0, stacked and placed."""
+    """The untrained learners of t = 0, stacked and placed; refused with `ConfigError` when
+    their parameters alone would not fit in memory (`check_parameter_memory`)."""
+    check_parameter_memory(self.method, self.keys)
     return self.steps.place(population.stack([self.method.init(jax.random.fold_in(k, 0))
                                               for k in self.keys]))
 
@@ -260,3 +264,50 @@ def seed_config(config, seed: int):
     c.seed = seed
     c.num_seeds = 1
   return c
+
+
+# -- memory of the parameters ------------------------------------------------------------------
+def memory_limit() -> tuple[int | None, str]:
+  """(bytes, what they are) of the memory that holds the parameters: the local accelerators'
+  memory where JAX reports it, else this machine's physical memory (None: unknown)."""
+  devices = jax.local_devices()
+  try:
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+  except Exception:  # pylint: disable=broad-except  (a backend without memory statistics)
+    limits = [None]
+  if limits and all(limits):
+    return int(sum(limits)), f"the memory of {len(devices)} {devices[0].platform} device(s)"
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+  except (ValueError, OSError, AttributeError):
+    return None, "unknown"
+
+
+def _size(n: float) -> str:
+  """`n` bytes in the largest binary unit that keeps the number >= 1 (e.g. 2.9 TiB)."""
+  for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= scale:
+      return f"{n / scale:,.1f} {unit}"
+  return f"{int(n)} bytes"
+
+
+def check_parameter_memory(method: methods.Method, keys: jax.Array, limit: int | None = None,
+                           what: str = "") -> None:
+  """Raises `ConfigError` when the parameters (and model state) of the learners of `keys`, as
+  `method.init` would make them, need more bytes than `limit` (default: `memory_limit()`);
+  counted from their shapes (`jax.eval_shape`), before anything is allocated or compiled."""
+  if limit is None:
+    limit, what = memory_limit()
+    if limit is None:
+      return
+  shapes = jax.eval_shape(method.init, keys[0])
+  leaves = jax.tree.leaves((shapes.params, shapes.model_state))
+  count = sum(int(np.prod(l.shape, dtype=object)) for l in leaves)
+  need = len(keys) * sum(int(np.prod(l.shape, dtype=object)) * l.dtype.itemsize for l in leaves)
+  if need > limit:
+    model = method.config.model
+    raise ConfigError(
+        f"config.model (name={F.get(model, 'model.name')!r}, width={model.get('width')!r}): the "
+        f"parameters alone would need {_size(need)} ({count:,} per learner x {len(keys)} "
+        f"seed(s)), more than {what} ({_size(limit)}); training needs several times more "
+        "(gradients, optimizer state): choose a smaller model")

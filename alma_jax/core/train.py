@@ -284,6 +284,7 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
                        resume.epoch if resume else 1, timer, save, check,
                        int(getattr(checkpoints, "every_epochs", 0) or 0), t=t, labels=labels,
                        on_epoch=on_epoch, progress=progress, meter=meter)
+    _warn_unimproved(t, p, labels, delta)
     return _finish(steps, p, state, train_idx, val_idx, timer)
   for epoch in range(resume.epoch if resume else 1, int(cfg.epochs) + 1):
     ran = p.active.copy()
@@ -312,7 +313,20 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
     last_report = _tell_epoch(cfg, last_report, t, epoch, losses, acc, p, meter, progress)
     if not p.active.any():
       break
+  _warn_unimproved(t, p, labels, delta)
   return _finish(steps, p, state, train_idx, val_idx, timer)
+
+
+def _warn_unimproved(t: int, p: _Progress, labels, delta: float) -> None:
+  """Warns of the members whose stage ends on the parameters it started with: no epoch
+  improved on the starting point (their divergence, if any, has a warning of its own)."""
+  kept = (p.best_epoch == 0) & (p.epochs_run > 0) & ~p.diverged
+  if kept.any():
+    names = [str(labels[i]) for i in np.flatnonzero(kept)]
+    logging.warning("stage t=%d: no epoch improved the validation accuracy (by more than "
+                    "config.train.patience_delta=%g) for %s %s; the stage keeps the parameters "
+                    "it started with", t, delta, "member" if len(names) == 1 else "members",
+                    ", ".join(names))
 
 
 def _tell_epoch(cfg, last_report: float, t: int, epoch: int, losses, acc, p: _Progress,

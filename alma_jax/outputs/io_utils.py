@@ -265,17 +265,20 @@ class LogOrderError(RuntimeError):
 
 
 def open_regular_fd(path: str, flags: int) -> int:
-  """`os.open(path, flags)` of a regular file that is not a symbolic link; raises
-  `NotRegularFileError` otherwise (a run writes only files of its own)."""
+  """`os.open(path, flags)` of a regular file that is neither a symbolic link nor a hard link
+  (a file with another name elsewhere); raises `NotRegularFileError` otherwise (a run writes
+  only files of its own). Every file a run opens to write in place (the lock, the logs it
+  appends to) is opened through this; other files are replaced by rename (`atomic_writer`)."""
   try:
     fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)
   except OSError as e:
     if e.errno in (errno.ELOOP, errno.EISDIR):
       raise NotRegularFileError(path) from None
     raise
-  if not stat.S_ISREG(os.fstat(fd).st_mode):
+  st = os.fstat(fd)
+  if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
     os.close(fd)
-    raise NotRegularFileError(path)
+    raise NotRegularFileError(path, links=st.st_nlink if stat.S_ISREG(st.st_mode) else 0)
   return fd
 
 
@@ -285,10 +288,13 @@ def open_regular(path: str):
 
 
 class NotRegularFileError(ValueError):
-  """An output path that is a symbolic link or not a regular file."""
+  """An output path that is a symbolic link, a hard link (`links` > 1) or not a regular file."""
 
-  def __init__(self, path: str):
-    kind = "a symbolic link" if os.path.islink(path) else "not a regular file"
+  def __init__(self, path: str, links: int = 0):
+    if links > 1:
+      kind = f"a hard link (one of {links} names of the same file)"
+    else:
+      kind = "a symbolic link" if os.path.islink(path) else "not a regular file"
     super().__init__(f"{path} is {kind}; a run writes only regular files of its own: remove it "
                      "(or choose another --workdir)")
 

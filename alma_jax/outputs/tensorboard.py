@@ -295,7 +295,8 @@ class Writer:
         os.unlink(path)
 
   def _append(self, data: bytes) -> None:
-    with io_utils.output_errors(self.path), open(self.path, "ab") as f:
+    with io_utils.output_errors(self.path), open(self.path, "ab",
+                                                  opener=io_utils.open_regular_fd) as f:
       f.write(frame(data))
       f.flush()
 

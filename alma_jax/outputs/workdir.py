@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from typing import Any, Sequence
@@ -95,28 +96,111 @@ def check_entries(workdir: str) -> None:
       check(os.path.join(d, name), False)
 
 
-def _seed_output_dirs(workdir: str) -> list[str]:
-  """The `seed_<k>/` folders of the workdir that hold only what a run writes there."""
-  out = []
-  for d in output_dirs(workdir)[1:]:
-    ours = set(_SEED_FILES + _SEED_DIRS) | {os.path.basename(p) for p in tensorboard.event_files(d)}
-    if not os.path.islink(d) and set(os.listdir(d)) <= ours:
-      out.append(d)
+# A checkpoint step folder of the run: `<step>` (complete), `<step>.orbax-checkpoint-tmp-<n>`
+# (being written) or `<step>-<unix time>` (set aside in CORRUPT_DIR).
+_STEP_NAME = re.compile(r"^\d+(\.orbax-checkpoint-tmp-\d+|-\d+)?$")
+# The run's metadata in a step folder (orbax's and the `meta` item of alma_jax.outputs.checkpoint).
+_STEP_MARKERS = ("_CHECKPOINT_METADATA", "meta")
+# Links W&B leaves in its folder next to the run folders (to the latest run's files).
+_WANDB_LINKS = ("latest-run", "debug.log", "debug-internal.log")
+
+
+def _is_step_folder(path: str) -> bool:
+  """Whether `path` is a checkpoint step folder written by a run (numbered, with its metadata)."""
+  name = os.path.basename(path)
+  if _STEP_NAME.match(name) is None or os.path.islink(path) or not os.path.isdir(path):
+    return False
+  return (".orbax-checkpoint-tmp-" in name  # its metadata may not be written yet
+          or any(os.path.lexists(os.path.join(path, m)) for m in _STEP_MARKERS))
+
+
+def _wandb_run_id(directory: str) -> str | None:
+  """The id of the W&B run a run logged from `directory` (its `WANDB_FILE`), if known."""
+  try:
+    state = io_utils.read_json(os.path.join(directory, WANDB_FILE))
+  except (OSError, ValueError):
+    return None
+  run_id = state.get("id") if isinstance(state, dict) else None
+  return run_id if isinstance(run_id, str) and re.fullmatch(r"[0-9A-Za-z_-]+", run_id) else None
+
+
+def _is_wandb_folder(path: str, run_id: str | None) -> bool:
+  """Whether `path` is the folder W&B made in `wandb/` for the run `run_id`
+  (`run-<date>_<time>-<id>` or `offline-run-...`)."""
+  if run_id is None or os.path.islink(path) or not os.path.isdir(path):
+    return False
+  return re.fullmatch(r"(offline-)?run-\d{8}_\d{6}-" + re.escape(run_id),
+                      os.path.basename(path)) is not None
+
+
+def _remove(path: str) -> None:
+  if os.path.isdir(path) and not os.path.islink(path):
+    shutil.rmtree(path)
+  elif os.path.lexists(path):
+    os.unlink(path)
+
+
+def _clear_folder(path: str, ours, kept: list[str]) -> None:
+  """Removes the entries of the folder `path` for which `ours(entry path)` holds, then the
+  folder itself when nothing else is left in it; what is left goes to `kept`."""
+  if os.path.islink(path) or not os.path.isdir(path):
+    _remove(path)  # refused by `check_entries` before a run writes there
+    return
+  for name in sorted(os.listdir(path)):
+    if ours(os.path.join(path, name)):
+      _remove(os.path.join(path, name))
+  if os.path.isdir(path):
+    for name in _WANDB_LINKS:  # W&B's links to a folder just removed
+      link = os.path.join(path, name)
+      if os.path.islink(link) and not os.path.exists(link):
+        os.unlink(link)
+  left = sorted(os.listdir(path))
+  if left:
+    kept.extend(os.path.join(path, n) for n in left)
+  else:
+    os.rmdir(path)
+
+
+def _clear_output_dir(directory: str, files, dirs, kept: list[str]) -> None:
+  """Removes from `directory` (the workdir or a seed folder) the files and folders a run
+  writes there; anything else is added to `kept`."""
+  run_id = _wandb_run_id(directory)
+  for name in files:
+    _remove(os.path.join(directory, name))
+  for path in tensorboard.event_files(directory):
+    _remove(path)
+  for name in dirs:
+    path = os.path.join(directory, name)
+    if not os.path.lexists(path):
+      continue
+    if name == WANDB_DIR:
+      _clear_folder(path, lambda p: _is_wandb_folder(p, run_id), kept)
     else:
-      logging.warning("--overwrite: kept %s, which holds files a run does not write", d)
-  return out
+      _clear_folder(path, _is_step_folder, kept)
 
 
 def clear_outputs(workdir: str) -> None:
-  """Removes the outputs a run wrote in `workdir` (nothing else in it)."""
-  doomed = [os.path.join(workdir, n) for n in _FILES + _DIRS]
-  doomed += tensorboard.event_files(workdir) + _seed_output_dirs(workdir)
-  for path in doomed:
-    if os.path.isdir(path) and not os.path.islink(path):
-      shutil.rmtree(path)
-    elif os.path.lexists(path):
-      os.unlink(path)
+  """Removes the outputs a run wrote in `workdir` (nothing else in it).
+
+  Checkpoint folders lose only their numbered step folders that hold a run's
+  metadata, `wandb/` only the W&B run folders of the run whose id the workdir
+  records (`WANDB_FILE`); a folder is removed when nothing else is left in it,
+  and what is kept is named in the log.
+  """
+  kept: list[str] = []
+  _clear_output_dir(workdir, _FILES, _DIRS, kept)
+  for d in output_dirs(workdir)[1:]:
+    if os.path.islink(d):
+      kept.append(d)
+      continue
+    _clear_output_dir(d, _SEED_FILES, _SEED_DIRS, kept)
+    left = [os.path.join(d, n) for n in sorted(os.listdir(d))]
+    if not left:
+      os.rmdir(d)
+    kept.extend(p for p in left if not any(k.startswith(p + os.sep) for k in kept))
   logging.warning("--overwrite: removed the previous run's outputs from %s", workdir)
+  if kept:
+    logging.warning("--overwrite: kept %s, which a run does not write", ", ".join(kept))
 
 
 def sync_architecture_log(workdir: str, last_t: int, lines: list[dict] | None = None) -> None:

@@ -23,18 +23,36 @@ from alma_jax.policies.base import Decision, WaitPolicy, register
 ROUND_DIGITS = 9
 
 
+def _time(w0: float, ratio: float, k: int) -> float:
+  """ceil(w0 * ratio^k) (rounded first, see the module docstring); inf when it overflows."""
+  try:
+    x = w0 * ratio**k
+  except OverflowError:
+    return math.inf
+  return math.inf if math.isinf(x) else math.ceil(round(x, ROUND_DIGITS))
+
+
 def geometric_times(num_megabatches: int, w0: float, ratio: float) -> list[int]:
-  """The distinct times ceil(w0 * ratio^k) <= `num_megabatches`, k = 0, 1, ..., in order."""
+  """The distinct times ceil(w0 * ratio^k) <= `num_megabatches`, k = 0, 1, ..., in order.
+
+  The time never decreases with k, so after each time the next k that gives a later one is
+  found by doubling steps and then halving them (O(log k) times computed per time listed,
+  not one per k: a ratio close to 1 repeats each time for many k).
+  """
   if w0 < 1 or ratio <= 1:
     raise ValueError(f"geometric times need w0 >= 1 and ratio > 1, got {w0} and {ratio}")
-  times, k = [], 0
-  while True:
-    t = math.ceil(round(w0 * ratio**k, ROUND_DIGITS))
-    if t > num_megabatches:
-      return times
-    if not times or t > times[-1]:
-      times.append(t)
-    k += 1
+  times, k, t = [], 0, _time(w0, ratio, 0)
+  while t <= num_megabatches:
+    times.append(t)
+    lo, step = k, 1  # _time(lo) <= t < _time(hi)
+    while _time(w0, ratio, k + step) <= t:
+      lo, step = k + step, step * 2
+    hi = k + step
+    while hi - lo > 1:
+      mid = (lo + hi) // 2
+      lo, hi = (mid, hi) if _time(w0, ratio, mid) <= t else (lo, mid)
+    k, t = hi, _time(w0, ratio, hi)
+  return times
 
 
 @register

@@ -1,6 +1,8 @@
 """Tests of the config fields declared once (alma_jax/configuration/fields.py, config_lib.py)."""
 
+import math
 import os
+import re
 
 import ml_collections
 import pytest
@@ -107,3 +109,27 @@ def test_field_table_names_every_declared_field():
     declared += [f.path for f in task.FIELDS]
   missing = sorted({p for p in declared if f"`{p}`" not in readme})
   assert not missing, f"the field table (docs/fields.md) lacks {missing}"
+
+
+@pytest.mark.parametrize("path, value, allowed", [
+    ("train.patience_delta", 2.0, r"\[0\.0, 1\.0\)"),
+    ("train.patience_delta", 1.0, r"\[0\.0, 1\.0\)"),
+    ("optimizer.weight_decay", math.inf, r"\[0\.0, inf\)"),
+    ("stream.replay", math.nan, r"\[0\.0, 1\.0\]"),
+])
+def test_out_of_range_and_infinite_numbers_are_refused_naming_the_field(path, value, allowed):
+  c = config_lib.base_config("mnist")
+  section, name = path.rsplit(".", 1)
+  c[section][name] = value
+  with pytest.raises(ConfigError, match=rf"config\.{re.escape(path)}=.* must be in {allowed}"):
+    validation.validate(c)
+
+
+def test_infinite_numbers_are_refused_unless_the_field_opts_in():
+  assert F.number(0.0)("x", 1e300) == 1e300
+  with pytest.raises(ConfigError, match=r"config\.x=inf must be in \[0\.0, inf\)"):
+    F.number(0.0)("x", math.inf)
+  with pytest.raises(ConfigError, match=r"config\.x=-inf must be in \(-inf, inf\)"):
+    F.number()("x", -math.inf)
+  assert F.number(0.0, allow_inf=True)("x", math.inf) == math.inf
+  assert validation.value_error("checkpoint.every_s", math.inf) is None  # inf: never

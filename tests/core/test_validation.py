@@ -376,6 +376,50 @@ def test_command_line_errors_are_one_line(args, code, pattern, tmp_path):
   _check_one_line(proc, code, pattern)
 
 
+_UNCLOSED = "def get_config(arg=None):\n  return dict(\n"
+_RAISES = "def get_config(arg=None):\n  x = 1\n  raise RuntimeError('boom')\n"
+
+
+@pytest.mark.parametrize("config, text, flags, pattern", [
+    ("mycfg.py", _UNCLOSED, [], r"--config=mycfg\.py: mycfg\.py, line 2: SyntaxError: '\(' was "
+                                r"never closed"),
+    ("mycfg.py", _RAISES, ["--config.seed=1"],
+     r"--config=mycfg\.py: mycfg\.py, line 3: RuntimeError: boom"),
+    ("/etc/passwd", None, [], r"--config=/etc/passwd: /etc/passwd, line 1: SyntaxError"),
+    (":smoke", None, ["--config.seed=1"], r"--config=:smoke: no config file or name before the "
+                                          r"colon .*Available names: .*mnist_sm"),
+    ("configs/mnist_ff.py:smoke", None, ["--config.method.growth_rate=inf"],
+     r"config\.method\.growth_rate=inf must be in \[0\.0, inf\)"),
+], ids=["unclosed_parenthesis", "body_raises", "not_python", "no_file_before_colon",
+        "infinite_float"])
+def test_config_files_that_fail_to_load_are_one_line_naming_file_and_line(config, text, flags,
+                                                                          pattern, tmp_path):
+  if text is not None:
+    (tmp_path / config).write_text(text)
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  proc = subprocess.run([sys.executable, "-m", "alma_jax.main", f"--config={config}",
+                         f"--workdir={tmp_path}/wd"] + flags, cwd=tmp_path if text else ROOT,
+                        env=env, capture_output=True, text=True, timeout=120, check=False)
+  _check_one_line(proc, 2, pattern)
+
+
+def test_command_line_warm_start_contradicting_init_from_scratch_is_one_line(tmp_path):
+  proc = _main(["--config=configs/mnist_sm.py:smoke", f"--workdir={tmp_path}/wd",
+                "--config.stream.warm_start=finetune", "--config.stream.init_from_scratch=True"])
+  _check_one_line(proc, 2, r"--config\.stream\.init_from_scratch=True contradicts "
+                           r"--config\.stream\.warm_start='finetune'")
+  assert not os.path.exists(tmp_path / "wd")
+
+
+def test_resolving_a_config_file_that_raises_names_its_line(tmp_path):
+  path = tmp_path / "mycfg.py"
+  path.write_text(_RAISES)
+  with pytest.raises(config_resolve.ConfigResolveError,
+                     match=rf"^--config={re.escape(str(path))}: .*mycfg\.py, line 3: "
+                           r"RuntimeError: boom$"):
+    config_resolve.resolve(str(path), ["--config.seed=1"])
+
+
 @requires_mnist
 def test_command_line_mismatch_and_divergence(finished_run, tmp_path):
   wd = _copy(finished_run[0], tmp_path)
@@ -437,3 +481,11 @@ def test_a_mistyped_data_set_name_is_refused_with_the_name_it_is_close_to():
   with pytest.raises(ValueError, match=r"config\.data\.name='mnsit' is not available offline.*"
                                         r"did you mean 'mnist'\?$"):
     validation.validate(helpers.smoke(data__name="mnsit", data__download="no"))
+
+
+def test_a_library_error_raised_for_a_config_file_keeps_its_own_message():
+  with pytest.raises(config_resolve.ConfigResolveError,
+                     match=r"^--config=configs/mnist_sm\.py:smok: .*config variant 'smok' is "
+                           r"unknown; valid: \['paper', 'smoke', 'quick'\]") as info:
+    config_resolve.resolve("configs/mnist_sm.py:smok")
+  assert "line" not in str(info.value)

@@ -1,6 +1,8 @@
 """A whole training stage as one compiled program (`train.stage_program='whole'`): the same
 results as the stage driven epoch by epoch from the host, and no programs beyond its own."""
 
+import logging
+
 import chex
 import jax
 import numpy as np
@@ -125,3 +127,21 @@ def test_whole_stage_runs_write_the_records_of_per_epoch_runs(tmp_path):
     # train + evaluation, or the stage program + evaluation (of the test set): nothing more.
     assert summary["num_compilations"] == 2, choice
   assert outputs["whole"] == outputs["per_epoch"]
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_stage_that_keeps_its_starting_parameters_is_warned_of(whole, caplog):
+  ds = helpers.synthetic_dataset(n_train=512)
+  c = helpers.small_config(width=8, epochs=3, patience=2, patience_delta=0.0)
+  c.train.batch_size = 32
+  method, steps = helpers.make_steps(c, ds)
+  with caplog.at_level(logging.WARNING):
+    _population_stage(steps, method, whole, t=4)
+  assert "no epoch improved" not in caplog.text
+  c.train.patience_delta = 2.0  # past its bound: no accuracy improves on the start by 2
+  method, steps = helpers.make_steps(c, ds)
+  with caplog.at_level(logging.WARNING):
+    _, _, stats, _ = _population_stage(steps, method, whole, t=4)
+  assert stats.best_epoch.tolist() == [0, 0]
+  assert "stage t=4: no epoch improved the validation accuracy" in caplog.text
+  assert "members 0, 1" in caplog.text

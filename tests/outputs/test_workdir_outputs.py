@@ -369,3 +369,54 @@ def test_only_the_closed_loop_report_of_a_failed_save_is_dropped():
   other = report(RuntimeError("something else"))
   hook(other)
   assert seen == [other]
+
+
+# -- --overwrite removes only what runs wrote ---------------------------------------------------
+def _step_folder(path):
+  os.makedirs(os.path.join(path, "meta"))
+  with open(os.path.join(path, "_CHECKPOINT_METADATA"), "w") as f:
+    f.write("{}")
+
+
+def test_overwrite_keeps_a_users_files_in_the_checkpoint_and_wandb_folders(tmp_path, caplog):
+  wd = tmp_path / "wd"
+  wd.mkdir()
+  (wd / "log.jsonl").write_text('{"t": 0}\n')
+  _step_folder(str(wd / "checkpoints" / "3"))
+  (wd / "checkpoints" / "7.orbax-checkpoint-tmp-12").mkdir()
+  (wd / "checkpoints" / "my_model.pt").write_text("mine")
+  (wd / "checkpoints" / "12").mkdir()  # numbered, but no checkpoint metadata: not a run's
+  _step_folder(str(wd / "checkpoints_unreadable" / "4-1700000000"))
+  (wd / "checkpoints_stage").mkdir()
+  (wd / "checkpoints_stage" / "notes.txt").write_text("mine")
+  (wd / "wandb_run.json").write_text('{"id": "abc123", "last_t": 3, "epochs": 5}')
+  (wd / "wandb" / "run-20260101_120000-abc123" / "files").mkdir(parents=True)
+  (wd / "wandb" / "offline-run-20260102_120000-abc123").mkdir()
+  (wd / "wandb" / "run-20250101_000000-other9").mkdir()  # another project's W&B run
+  os.symlink("run-20260101_120000-abc123", wd / "wandb" / "latest-run")
+  seed = wd / "seed_1"
+  (seed / "wandb" / "run-20250101_000000-zzz").mkdir(parents=True)  # its id is not recorded
+  (seed / "log.jsonl").write_text('{"t": 0}\n')
+  with caplog.at_level(logging.WARNING):
+    workdir_lib.clear_outputs(str(wd))
+  left = sorted(os.path.relpath(os.path.join(r, n), wd) for r, ds, fs in os.walk(wd)
+                for n in ds + fs)
+  assert left == ["checkpoints", "checkpoints/12", "checkpoints/my_model.pt", "checkpoints_stage",
+                  "checkpoints_stage/notes.txt", "seed_1", "seed_1/wandb",
+                  "seed_1/wandb/run-20250101_000000-zzz", "wandb",
+                  "wandb/run-20250101_000000-other9"]
+  assert "kept" in caplog.text and "my_model.pt" in caplog.text
+
+
+def test_overwrite_removes_folders_that_held_only_a_runs_outputs(tmp_path):
+  wd = tmp_path / "wd"
+  wd.mkdir()
+  _step_folder(str(wd / "checkpoints" / "0"))
+  _step_folder(str(wd / "checkpoints_stage" / "5"))
+  (wd / "wandb_run.json").write_text('{"id": "abc123"}')
+  (wd / "wandb" / "run-20260101_120000-abc123").mkdir(parents=True)
+  for name in ("latest-run", "debug.log"):
+    os.symlink("run-20260101_120000-abc123", wd / "wandb" / name)
+  (wd / "mine.txt").write_text("mine")
+  workdir_lib.clear_outputs(str(wd))
+  assert sorted(os.listdir(wd)) == ["mine.txt"]

@@ -131,6 +131,29 @@ def test_contradicting_warm_start_fields_are_an_error(registered):
   assert validation.complete(c).stream.init_from_scratch is False
 
 
+@pytest.mark.parametrize("args", [
+    ["--config.stream.warm_start=finetune", "--config.stream.init_from_scratch=True"],
+    ["--config.stream.init_from_scratch=True", "--config.stream.warm_start", "shrink_perturb"],
+])
+def test_an_explicit_warm_start_contradicting_init_from_scratch_is_an_error(args):
+  with pytest.raises(ValueError, match=r"--config\.stream\.init_from_scratch=True contradicts "
+                                       r"--config\.stream\.warm_start="):
+    config_resolve.resolve("configs/mnist_sm.py:smoke", args)
+  with pytest.raises(ValueError, match="contradicts"):
+    config_resolve.check_overrides(args)  # what the entry point checks
+
+
+@pytest.mark.parametrize("args", [
+    ["--config.stream.init_from_scratch=True"],
+    ["--config.stream.warm_start=scratch", "--config.stream.init_from_scratch=True"],
+    ["--config.stream.warm_start=finetune", "--config.stream.init_from_scratch=False"],
+])
+def test_init_from_scratch_alone_or_agreeing_still_resolves(args):
+  config_resolve.check_overrides(args)
+  c = validation.complete(config_resolve.resolve("configs/mnist_sm.py:smoke", args))
+  assert c.stream.warm_start == ("finetune" if "False" in args[-1] else "scratch")
+
+
 def test_outputs_of_runs_before_the_policy_fields_resume_and_keep_their_hash():
   new = workdir.config_dict(validation.complete(config_lib.base_config("mnist")))
   old = workdir.config_dict(validation.complete(config_lib.base_config("mnist")))

@@ -1,5 +1,7 @@
 """Tests of the waiting policies `geometric` and `triggered` (alma_jax/policies/)."""
 
+import math
+import signal
 import types
 
 import numpy as np
@@ -16,6 +18,7 @@ from alma_jax.data import images
 from alma_jax.data import stream as stream_lib
 from alma_jax.errors import ConfigError
 from alma_jax.outputs import io_utils
+from alma_jax.policies import geometric
 from alma_jax.policies.geometric import geometric_times
 from tests import helpers
 from tests.conftest import requires_mnist, requires_text
@@ -28,6 +31,40 @@ def test_geometric_times_are_the_distinct_ceilings_of_w0_r_to_the_k():
   assert geometric_times(16, 10.0, 1.1) == [10, 11, 13, 14, 15]
   assert geometric_times(5, 1.0, 1.1) == [1, 2, 3, 4, 5]  # repeated ceilings train once
   assert geometric_times(100, 3.0, 3.0) == [3, 9, 27, 81]
+
+
+def _geometric_times_one_k_at_a_time(b, w0, r):
+  """The times as they were first computed: every k in turn."""
+  times, k = [], 0
+  while True:
+    t = math.ceil(round(w0 * r**k, geometric.ROUND_DIGITS))
+    if t > b:
+      return times
+    if not times or t > times[-1]:
+      times.append(t)
+    k += 1
+
+
+@pytest.mark.parametrize("b", [1, 7, 20, 100, 1000])
+@pytest.mark.parametrize("w0", [1.0, 1.5, 2.0, 3.0, 10.0, 7.3])
+@pytest.mark.parametrize("r", [1.001, 1.01, 1.05, 1.1, 1.21, 1.5, 2.0, 3.0, 10.0, 1000.0])
+def test_geometric_times_are_those_of_every_k_in_turn(b, w0, r):
+  assert geometric_times(b, w0, r) == _geometric_times_one_k_at_a_time(b, w0, r)
+
+
+def test_a_ratio_close_to_one_gives_its_times_at_once():
+  def too_long(*_):
+    raise TimeoutError("geometric_times took more than 10 s")
+
+  old = signal.signal(signal.SIGALRM, too_long)
+  signal.alarm(10)
+  try:
+    assert geometric_times(1000, 1.0, 1.0000000001) == list(range(1, 1001))
+    assert geometric_times(50, 2.0, 1.0 + 2**-52) == list(range(2, 51))
+    assert geometric_times(10**6, 1.0, 1e300) == [1]  # the next power overflows: past B
+  finally:
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
 
 
 def test_geometric_policy_trains_at_its_times_and_records_why():
