@@ -241,10 +241,13 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
     opt_state: stacked optimizer state to continue from (None = fresh).
     progress: called with a one-line message at most every few seconds.
     labels: the members' names in messages (their seeds).
-    check: called after every compiled train call; raising there stops the stage (a
-      signal handler's flag, `alma_jax.outputs.interrupts.Signals.check`).
+    check: called after every compiled train call, every epoch and every call of the
+      whole-stage program, each time after the stage was saved if a save was due; raising
+      there stops the stage (a signal handler's flag,
+      `alma_jax.outputs.interrupts.Signals.check`).
     on_epoch: called after every epoch with (epoch, mean training loss (S,), validation
-      accuracy (S,), which members trained in it (S,)).
+      accuracy (S,), which members trained in it (S,)); it must not raise for a signal
+      (`check` does, once the stage is saved).
     checkpoints: saves the stage between train calls when it says so, and continues the
       stage from its last save, if it has one.
     meter: told where the stage is after every train call and epoch
@@ -284,7 +287,7 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
                        resume.epoch if resume else 1, timer, save, check,
                        int(getattr(checkpoints, "every_epochs", 0) or 0), t=t, labels=labels,
                        on_epoch=on_epoch, progress=progress, meter=meter)
-    return _finish(steps, p, state, train_idx, val_idx, timer)
+    return _end(steps, p, state, train_idx, val_idx, timer, save, check)
   for epoch in range(resume.epoch if resume else 1, int(cfg.epochs) + 1):
     ran = p.active.copy()
     if save is not None:
@@ -312,6 +315,19 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
     last_report = _tell_epoch(cfg, last_report, t, epoch, losses, acc, p, meter, progress)
     if not p.active.any():
       break
+    if epoch < int(cfg.epochs):  # the last epoch: `_end` saves the stage before it stops
+      check()
+  return _end(steps, p, state, train_idx, val_idx, timer, save, check)
+
+
+def _end(steps: Steps, p: _Progress, state: TrainState, train_idx, val_idx, timer, save,
+         check: Callable[[], None]):
+  """The stage is trained: when a signal asks the run to stop, saves the finished stage and
+  stops here (its training is kept, and the stop does not wait for what follows it); else the
+  stage's results (`_finish`)."""
+  if save is not None:
+    save.stage_end(state, int(steps.method.config.train.epochs))
+  check()
   return _finish(steps, p, state, train_idx, val_idx, timer)
 
 
@@ -414,8 +430,10 @@ def _fit_whole(steps: Steps, learner: Learner, state: TrainState, p: _Progress, 
   thresholds = improvement_thresholds(m, delta)
   val, num_val = _val_batches(steps, val_idx)
   last_report = time.monotonic()
+  pace = _Pace(steps, train_idx.shape[-1])
   while first <= epochs and p.active.any():
-    end = min(first + slots, epochs + 1)
+    end = min(first + pace.epochs(slots, save), epochs + 1)
+    began = time.monotonic()
     with timer("train_s"):  # training and the validation inside it
       orders, calls, n_steps = _segment_orders(steps, structure, rngs, train_idx, first, end, slots)
       counts = np.where(p.best_acc < 0, -1, np.round(p.best_acc * m)).astype(np.int32)
@@ -430,6 +448,7 @@ def _fit_whole(steps: Steps, learner: Learner, state: TrainState, p: _Progress, 
           divergence_stops_all=policy != "rollback")
       out = jax.tree.map(np.asarray, out)
       stop = int(stop)
+    pace.ran(stop - first, time.monotonic() - began)
     if meter is not None and stop > first:  # the segment's steps, in one measurement
       meter.trained(stop - 1, n_steps, n_steps * (stop - first), last=True)
     for epoch in range(first, stop):
@@ -457,6 +476,38 @@ def _fit_whole(steps: Steps, learner: Learner, state: TrainState, p: _Progress, 
         save.segment_end(state, first - 1)
       check()
   return state
+
+
+# Seconds of training that one call of the whole-stage program may take at most: a signal waits
+# for the call in flight (a compiled program cannot be stopped), so this bounds how long a stop
+# takes. The calls are at most as long as the time left to the next timed stage save
+# (`checkpoint.every_s`), so that save is not late by more than an epoch either.
+SEGMENT_S = 10.0
+
+
+class _Pace:
+  """How many epochs the next call of the whole-stage program runs: as many as fit in
+  `SEGMENT_S` and in the time left to the next timed save, by the seconds per training example
+  of the epochs run so far in this run (`Steps.stage_pace`; the run's first call: one epoch).
+  Where the calls end changes no result: each epoch's orders are drawn on the host in the same
+  sequence, and the program's carry holds the rest."""
+
+  def __init__(self, steps: Steps, examples: int):
+    self.steps, self.examples = steps, max(1, examples)
+
+  def epochs(self, slots: int, save: "_saver | None") -> int:
+    per = self.steps.stage_pace
+    if jax.process_count() > 1:  # every process must make the same calls: no clock decides
+      return slots
+    if per is None:
+      return 1
+    left = None if save is None else save.seconds_to_save()
+    bound = SEGMENT_S if left is None else min(SEGMENT_S, left)
+    return max(1, min(slots, int(bound // (per * self.examples))))
+
+  def ran(self, epochs: int, seconds: float) -> None:
+    if epochs > 0:
+      self.steps.stage_pace = seconds / (epochs * self.examples)
 
 
 def _keep_best(p: _Progress, method, current: Learner | None, unit_acc: np.ndarray, epoch: int,
@@ -522,6 +573,18 @@ class _saver:  # pylint: disable=invalid-name  (used as a function)
   def __call__(self, state: TrainState, next_call: int, losses: list, finite, epoch_end: bool):
     if self.checkpoints.due(epoch_end, self.epoch):
       self._save(state, self.epoch, next_call, self.rng_states, losses, finite)
+
+  def seconds_to_save(self) -> float | None:
+    """Seconds to the next timed save (None: no timed saves)."""
+    left = getattr(self.checkpoints, "seconds_to_save", None)
+    return None if left is None else left()
+
+  def stage_end(self, state: TrainState, epochs: int) -> None:
+    """After the stage's last epoch, when a signal asks the run to stop: saves the finished
+    stage (continuing after epoch `epochs`, i.e. with nothing left to train), so that the stop
+    keeps its training."""
+    if getattr(self.checkpoints, "stopping", lambda: False)():
+      self._save(state, epochs + 1, 0, [rng.bit_generator.state for rng in self.rngs], [], None)
 
   def segment_end(self, state: TrainState, epoch: int) -> None:
     """After a whole-stage segment that ended with epoch `epoch` (the data-order generators
