@@ -308,15 +308,15 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
     with timer("eval_s"):
       acc, _, unit_acc = steps.evaluate_units(current, "train", val_idx)
     _keep_best(p, method, current, unit_acc, epoch, delta, int(cfg.patience))
-    if save is not None and p.active.any() and epoch < int(cfg.epochs):
-      save.between_epochs(state, epoch)  # e.g. a signal that arrived during the evaluation
+    saved = (save is not None and p.active.any() and epoch < int(cfg.epochs)
+             and save.between_epochs(state, epoch))  # e.g. a signal during the evaluation
     if on_epoch is not None:
       on_epoch(epoch, np.mean(losses, axis=1), np.asarray(acc), ran)
     last_report = _tell_epoch(cfg, last_report, t, epoch, losses, acc, p, meter, progress)
+    if saved:
+      check()  # the stage is saved: a signal that asked for the save stops it here
     if not p.active.any():
       break
-    if epoch < int(cfg.epochs):  # the last epoch: `_end` saves the stage before it stops
-      check()
   return _end(steps, p, state, train_idx, val_idx, timer, save, check)
 
 
@@ -592,11 +592,14 @@ class _saver:  # pylint: disable=invalid-name  (used as a function)
     if self.checkpoints.due(True, epoch):
       self._save(state, epoch + 1, 0, [rng.bit_generator.state for rng in self.rngs], [], None)
 
-  def between_epochs(self, state: TrainState, epoch: int) -> None:
+  def between_epochs(self, state: TrainState, epoch: int) -> bool:
     """After epoch `epoch` is evaluated and early stopping updated: saves the stage to
-    continue at the next epoch, when due (a signal that arrived during the evaluation)."""
-    if self.checkpoints.due(False, epoch):
-      self._save(state, epoch + 1, 0, [rng.bit_generator.state for rng in self.rngs], [], None)
+    continue at the next epoch, when due (a signal that arrived during the evaluation);
+    returns whether it saved."""
+    if not self.checkpoints.due(False, epoch):
+      return False
+    self._save(state, epoch + 1, 0, [rng.bit_generator.state for rng in self.rngs], [], None)
+    return True
 
   def _save(self, state, epoch, next_call, rng_states, losses, finite) -> None:
     p = self.p
