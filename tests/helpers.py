@@ -138,7 +138,7 @@ def context(t, stage=None, steps=None, train_idx=None, val_idx=None):
 
 
 # -- whole runs --------------------------------------------------------------------------------
-WALL_TIME_FIELDS = ("wall_s", "timings")
+WALL_TIME_FIELDS = ("wall_s", "timings", "provenance")  # provenance: the process and host
 
 
 def smoke(method="sm", **fields):

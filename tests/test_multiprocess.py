@@ -18,7 +18,7 @@ from tests.conftest import requires_mnist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "launch"))
 import local  # pylint: disable=g-import-not-at-top,wrong-import-position
-WALL_TIME_FIELDS = ("wall_s", "timings")
+WALL_TIME_FIELDS = ("wall_s", "timings", "provenance")
 
 
 def test_both_processes_hold_the_same_parameters_as_one_process(tmp_path):

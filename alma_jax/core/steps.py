@@ -47,6 +47,9 @@ class Steps:
     self.method, self.task, self.tx, self.mesh, self.data = p.method, p.task, p.tx, p.mesh, p.data
     self.batch_size, self.eval_batch_size = p.batch_size, p.eval_batch_size
     self.steps_per_call = p.steps_per_call
+    # Seconds per training example of an epoch of the whole-stage program, as last measured
+    # (`alma_jax.core.train`: how many epochs one of its calls may run); None: not yet.
+    self.stage_pace: float | None = None
     self.costs = accounting.PassCosts(method, p.data)
     self.passes = passes.Passes(p, self.costs)
 

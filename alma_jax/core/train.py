@@ -241,10 +241,13 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
     opt_state: stacked optimizer state to continue from (None = fresh).
     progress: called with a one-line message at most every few seconds.
     labels: the members' names in messages (their seeds).
-    check: called after every compiled train call; raising there stops the stage (a
-      signal handler's flag, `alma_jax.outputs.interrupts.Signals.check`).
+    check: called after every compiled train call, every epoch and every call of the
+      whole-stage program, each time after the stage was saved if a save was due; raising
+      there stops the stage (a signal handler's flag,
+      `alma_jax.outputs.interrupts.Signals.check`).
     on_epoch: called after every epoch with (epoch, mean training loss (S,), validation
-      accuracy (S,), which members trained in it (S,)).
+      accuracy (S,), which members trained in it (S,)); it must not raise for a signal
+      (`check` does, once the stage is saved).
     checkpoints: saves the stage between train calls when it says so, and continues the
       stage from its last save, if it has one.
     meter: told where the stage is after every train call and epoch
@@ -285,7 +288,7 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
                        int(getattr(checkpoints, "every_epochs", 0) or 0), t=t, labels=labels,
                        on_epoch=on_epoch, progress=progress, meter=meter)
     _warn_unimproved(t, p, labels, delta)
-    return _finish(steps, p, state, train_idx, val_idx, timer)
+    return _end(steps, p, state, train_idx, val_idx, timer, save, check)
   for epoch in range(resume.epoch if resume else 1, int(cfg.epochs) + 1):
     ran = p.active.copy()
     if save is not None:
@@ -306,14 +309,27 @@ def fit_stage(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np
     with timer("eval_s"):
       acc, _, unit_acc = steps.evaluate_units(current, "train", val_idx)
     _keep_best(p, method, current, unit_acc, epoch, delta, int(cfg.patience))
-    if save is not None and p.active.any() and epoch < int(cfg.epochs):
-      save.between_epochs(state, epoch)  # e.g. a signal that arrived during the evaluation
+    saved = (save is not None and p.active.any() and epoch < int(cfg.epochs)
+             and save.between_epochs(state, epoch))  # e.g. a signal during the evaluation
     if on_epoch is not None:
       on_epoch(epoch, np.mean(losses, axis=1), np.asarray(acc), ran)
     last_report = _tell_epoch(cfg, last_report, t, epoch, losses, acc, p, meter, progress)
+    if saved:
+      check()  # the stage is saved: a signal that asked for the save stops it here
     if not p.active.any():
       break
   _warn_unimproved(t, p, labels, delta)
+  return _end(steps, p, state, train_idx, val_idx, timer, save, check)
+
+
+def _end(steps: Steps, p: _Progress, state: TrainState, train_idx, val_idx, timer, save,
+         check: Callable[[], None]):
+  """The stage is trained: when a signal asks the run to stop, saves the finished stage and
+  stops here (its training is kept, and the stop does not wait for what follows it); else the
+  stage's results (`_finish`)."""
+  if save is not None:
+    save.stage_end(state, int(steps.method.config.train.epochs))
+  check()
   return _finish(steps, p, state, train_idx, val_idx, timer)
 
 
@@ -428,8 +444,10 @@ def _fit_whole(steps: Steps, learner: Learner, state: TrainState, p: _Progress, 
   thresholds = improvement_thresholds(m, delta)
   val, num_val = _val_batches(steps, val_idx)
   last_report = time.monotonic()
+  pace = _Pace(steps, train_idx.shape[-1])
   while first <= epochs and p.active.any():
-    end = min(first + slots, epochs + 1)
+    end = min(first + pace.epochs(slots, save), epochs + 1)
+    began = time.monotonic()
     with timer("train_s"):  # training and the validation inside it
       orders, calls, n_steps = _segment_orders(steps, structure, rngs, train_idx, first, end, slots)
       counts = np.where(p.best_acc < 0, -1, np.round(p.best_acc * m)).astype(np.int32)
@@ -444,6 +462,7 @@ def _fit_whole(steps: Steps, learner: Learner, state: TrainState, p: _Progress, 
           divergence_stops_all=policy != "rollback")
       out = jax.tree.map(np.asarray, out)
       stop = int(stop)
+    pace.ran(stop - first, time.monotonic() - began)
     if meter is not None and stop > first:  # the segment's steps, in one measurement
       meter.trained(stop - 1, n_steps, n_steps * (stop - first), last=True)
     for epoch in range(first, stop):
@@ -471,6 +490,38 @@ def _fit_whole(steps: Steps, learner: Learner, state: TrainState, p: _Progress, 
         save.segment_end(state, first - 1)
       check()
   return state
+
+
+# Seconds of training that one call of the whole-stage program may take at most: a signal waits
+# for the call in flight (a compiled program cannot be stopped), so this bounds how long a stop
+# takes. The calls are at most as long as the time left to the next timed stage save
+# (`checkpoint.every_s`), so that save is not late by more than an epoch either.
+SEGMENT_S = 10.0
+
+
+class _Pace:
+  """How many epochs the next call of the whole-stage program runs: as many as fit in
+  `SEGMENT_S` and in the time left to the next timed save, by the seconds per training example
+  of the epochs run so far in this run (`Steps.stage_pace`; the run's first call: one epoch).
+  Where the calls end changes no result: each epoch's orders are drawn on the host in the same
+  sequence, and the program's carry holds the rest."""
+
+  def __init__(self, steps: Steps, examples: int):
+    self.steps, self.examples = steps, max(1, examples)
+
+  def epochs(self, slots: int, save: "_saver | None") -> int:
+    per = self.steps.stage_pace
+    if jax.process_count() > 1:  # every process must make the same calls: no clock decides
+      return slots
+    if per is None:
+      return 1
+    left = None if save is None else save.seconds_to_save()
+    bound = SEGMENT_S if left is None else min(SEGMENT_S, left)
+    return max(1, min(slots, int(bound // (per * self.examples))))
+
+  def ran(self, epochs: int, seconds: float) -> None:
+    if epochs > 0:
+      self.steps.stage_pace = seconds / (epochs * self.examples)
 
 
 def _keep_best(p: _Progress, method, current: Learner | None, unit_acc: np.ndarray, epoch: int,
@@ -537,17 +588,32 @@ class _saver:  # pylint: disable=invalid-name  (used as a function)
     if self.checkpoints.due(epoch_end, self.epoch):
       self._save(state, self.epoch, next_call, self.rng_states, losses, finite)
 
+  def seconds_to_save(self) -> float | None:
+    """Seconds to the next timed save (None: no timed saves)."""
+    left = getattr(self.checkpoints, "seconds_to_save", None)
+    return None if left is None else left()
+
+  def stage_end(self, state: TrainState, epochs: int) -> None:
+    """After the stage's last epoch, when a signal asks the run to stop: saves the finished
+    stage (continuing after epoch `epochs`, i.e. with nothing left to train), so that the stop
+    keeps its training."""
+    if getattr(self.checkpoints, "stopping", lambda: False)():
+      self._save(state, epochs + 1, 0, [rng.bit_generator.state for rng in self.rngs], [], None)
+
   def segment_end(self, state: TrainState, epoch: int) -> None:
     """After a whole-stage segment that ended with epoch `epoch` (the data-order generators
     have drawn exactly its epochs): saves the stage to continue at the next epoch, when due."""
     if self.checkpoints.due(True, epoch):
       self._save(state, epoch + 1, 0, [rng.bit_generator.state for rng in self.rngs], [], None)
 
-  def between_epochs(self, state: TrainState, epoch: int) -> None:
+  def between_epochs(self, state: TrainState, epoch: int) -> bool:
     """After epoch `epoch` is evaluated and early stopping updated: saves the stage to
-    continue at the next epoch, when due (a signal that arrived during the evaluation)."""
-    if self.checkpoints.due(False, epoch):
-      self._save(state, epoch + 1, 0, [rng.bit_generator.state for rng in self.rngs], [], None)
+    continue at the next epoch, when due (a signal that arrived during the evaluation);
+    returns whether it saved."""
+    if not self.checkpoints.due(False, epoch):
+      return False
+    self._save(state, epoch + 1, 0, [rng.bit_generator.state for rng in self.rngs], [], None)
+    return True
 
   def _save(self, state, epoch, next_call, rng_states, losses, finite) -> None:
     p = self.p

@@ -68,7 +68,9 @@ class Observers:
       o.on_start(state, snapshot)
 
   def epoch(self, t: int, epoch: int, loss, val_accuracy, ran) -> None:
-    with self.timer("io_s"), self.signals.critical():
+    """An epoch of the stage at `t` ended. A signal waits for the stage's next `check`, after
+    the stage has saved itself (`alma_jax.core.train.fit_stage`)."""
+    with self.timer("io_s"), self.signals.critical(act=False):
       for o in self.observers:
         o.on_epoch(t, epoch, loss, val_accuracy, ran)
 

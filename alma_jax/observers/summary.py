@@ -51,6 +51,8 @@ def _program() -> list[str]:
   """How this process was started: `python -m alma_jax.main`, or its script's name."""
   if sys.argv[0].endswith(os.path.join("alma_jax", "main.py")):
     return ["python", "-m", "alma_jax.main"]
+  if os.path.basename(sys.argv[0]) == "__main__.py":  # python -m <package>
+    return ["python", "-m", os.path.basename(os.path.dirname(sys.argv[0]))]
   return [os.path.basename(sys.argv[0])]
 
 

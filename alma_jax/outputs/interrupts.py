@@ -89,14 +89,15 @@ class Signals:
       raise RunInterrupted(self.pending, self.last_checkpoint)
 
   @contextlib.contextmanager
-  def critical(self):
-    """A section (a write) that a signal does not interrupt; it acts after it."""
+  def critical(self, act: bool = True):
+    """A section (a write) that a signal does not interrupt; it acts after it (`act` False:
+    at the caller's next `check()`, e.g. a stage that saves itself before it stops)."""
     self._depth += 1
     try:
       yield
     finally:
       self._depth -= 1
-    if self._depth == 0 and self.pending is not None:
+    if act and self._depth == 0 and self.pending is not None:
       raise RunInterrupted(self.pending, self.last_checkpoint)
 
 

@@ -104,6 +104,12 @@ class Store:
       return False  # the processes save together: only at epochs all of them reach
     return self.stopping() or (self.every_s > 0 and time.monotonic() - self._last >= self.every_s)
 
+  def seconds_to_save(self) -> float | None:
+    """Seconds until the next timed save is due (None: none is timed)."""
+    if self.every_s <= 0 or jax.process_count() > 1:
+      return None
+    return max(0.0, self.every_s - (time.monotonic() - self._last))
+
   def save(self, arrays: dict, position: dict) -> None:
     ckpt = self._open()
     step = (ckpt.steps() or [-1])[-1] + 1

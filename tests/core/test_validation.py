@@ -299,7 +299,7 @@ def test_incompatible_checkpoint_written_by_another_config(finished_run, tmp_pat
 
 
 def strip(summary):
-  return {k: v for k, v in summary.items() if k not in ("wall_s", "timings")}
+  return {k: v for k, v in summary.items() if k not in ("wall_s", "timings", "provenance")}
 
 
 # -- divergence ------------------------------------------------------------------------------------

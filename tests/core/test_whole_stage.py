@@ -2,6 +2,8 @@
 results as the stage driven epoch by epoch from the host, and no programs beyond its own."""
 
 import logging
+import os
+import time
 
 import chex
 import jax
@@ -145,3 +147,88 @@ def test_a_stage_that_keeps_its_starting_parameters_is_warned_of(whole, caplog):
   assert stats.best_epoch.tolist() == [0, 0]
   assert "stage t=4: no epoch improved the validation accuracy" in caplog.text
   assert "members 0, 1" in caplog.text
+
+
+def _slow_stage_calls(monkeypatch, seconds_per_epoch, on_call=None):
+  """Makes every call of the whole-stage program last at least `seconds_per_epoch` per epoch it
+  runs; returns the list of (first, end) epochs of the calls."""
+  from alma_jax.core import programs  # pylint: disable=g-import-not-at-top
+  calls, real = [], programs.Programs.stage_call
+
+  def slow(self, *args, **kwargs):
+    first, end = args[8], args[9]
+    calls.append((first, end))
+    if on_call is not None:
+      on_call(first, end)
+    out = real(self, *args, **kwargs)
+    time.sleep(seconds_per_epoch * (end - first))
+    return out
+
+  monkeypatch.setattr(programs.Programs, "stage_call", slow)
+  return calls
+
+
+def _stage_saves(monkeypatch):
+  """The (stage t, position epoch) of every stage save, as they are written."""
+  from alma_jax.outputs import stage_checkpoint  # pylint: disable=g-import-not-at-top
+  saves, real = [], stage_checkpoint.Store.save
+
+  def save(self, arrays, position):
+    saves.append((self.t, int(position["epoch"])))
+    return real(self, arrays, position)
+
+  monkeypatch.setattr(stage_checkpoint.Store, "save", save)
+  return saves
+
+
+@requires_mnist
+def test_a_long_whole_stage_is_saved_every_every_s_and_its_records_do_not_change(tmp_path,
+                                                                                monkeypatch):
+  # Each epoch lasts at least 0.2 s, so a 6-epoch stage at least 1.2 s: with every_s = 0.5 the
+  # calls of the program end at least every 0.5 s of measured work, and one of the boundaries
+  # before the last epoch falls after 0.5 s of the stage, where a save is due.
+  fields = dict(train__stage_program="whole", train__epochs=6, train__patience=6)
+  reference = str(tmp_path / "reference")
+  run.run(helpers.smoke(**fields), reference)
+  calls = _slow_stage_calls(monkeypatch, 0.2)
+  saves = _stage_saves(monkeypatch)
+  wd = str(tmp_path / "wd")
+  summary = run.run(helpers.smoke(checkpoint__every_s=0.5, **fields), wd)
+  stages = {t for t, _ in saves}
+  assert stages == {1, 2, 3, 4}, saves  # every stage saved while it trained
+  assert all(epoch <= 6 for _, epoch in saves), saves  # ... with epochs still to run
+  assert len(calls) > 4  # more than one call per stage
+  assert helpers.outputs(wd)[0] == helpers.outputs(reference)[0]  # the same records
+  assert summary["num_compilations"] == 2
+
+
+@requires_mnist
+def test_a_signal_during_the_last_call_of_a_whole_stage_keeps_the_stage(tmp_path, monkeypatch):
+  # No timed saves and no stream checkpoint until the end: before, the stage trained in the
+  # program was lost with the stop; now the stop saves it, and the same command resumes after it.
+  import signal  # pylint: disable=g-import-not-at-top
+  from alma_jax.outputs import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  fields = dict(train__stage_program="whole", train__epochs=3, train__patience=3,
+                checkpoint__every=100, checkpoint__every_s=0.0)
+  reference = str(tmp_path / "reference")
+  run.run(helpers.smoke(**fields), reference)
+  starts = []
+
+  def term_in_stage_2(first, end):
+    starts.append(first == 1)
+    if sum(starts) == 2 and end == 4 and not getattr(term_in_stage_2, "sent", False):
+      term_in_stage_2.sent = True  # the second stage's call that ends it
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  _slow_stage_calls(monkeypatch, 0.0, term_in_stage_2)
+  wd = str(tmp_path / "wd")
+  with pytest.raises(run.RunInterrupted):
+    run.run(helpers.smoke(**fields), wd)
+  stage_dir = os.path.join(wd, "checkpoints_stage")
+  (step,) = [n for n in os.listdir(stage_dir) if n.isdigit()]
+  with ckpt_lib.Checkpointer(stage_dir, 1) as ckpt:
+    meta = ckpt.read_meta(int(step))
+  assert (meta["stage_t"], meta["position"]["epoch"]) == (2, 4)  # stage 2, nothing left to train
+  monkeypatch.undo()
+  run.run(helpers.smoke(**fields), wd)
+  assert helpers.outputs(wd) == helpers.outputs(reference)

@@ -313,7 +313,7 @@ def test_config_files_set_every_method_field(name):
 
 
 def _outputs(wd):
-  strip = lambda r: {k: v for k, v in r.items() if k not in ("wall_s", "timings")}  # pylint: disable=unnecessary-lambda-assignment
+  strip = lambda r: {k: v for k, v in r.items() if k not in ("wall_s", "timings", "provenance")}  # pylint: disable=unnecessary-lambda-assignment
   return ([strip(r) for r in io_utils.read_jsonl(os.path.join(wd, "log.jsonl"))],
           io_utils.read_jsonl(os.path.join(wd, "architecture.jsonl")))
 
