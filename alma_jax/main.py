@@ -56,7 +56,9 @@ except KeyboardInterrupt:
   _exit_now("interrupted by SIGINT while starting, before the run; run the same command again "
             "to start it", 130)
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "The experiment: a config name (mnist_sm) or file (configs/mnist_sm.py), "
+    "with variants after a colon (mnist_sm:quick).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, log.jsonl, summary.json.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Discard a previous run's outputs in --workdir "
                                "(by default a run there is resumed).")
@@ -75,7 +77,45 @@ _COMPILATION_CACHE = flags.DEFINE_string(
     "Persistent cache of compiled XLA programs, shared by runs (a sweep compiles each model "
     "once). Default: $ALMA_JAX_COMPILATION_CACHE_DIR, else <cache dir>/xla (the cache dir is "
     "$ALMA_JAX_CACHE_DIR or ~/.cache/alma_jax); 'none' turns it off.")
-flags.mark_flags_as_required(["config", "workdir"])
+_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Resolve and validate the config with "
+                                   "its overrides, print it as the config.json a run of it "
+                                   "writes, and exit (no --workdir needed).")
+flags.mark_flags_as_required(["config"])
+flags.register_validator("workdir", lambda v: v is not None or "--print_config" in sys.argv,
+                         message="flag --workdir must have a value (or give --print_config)")
+_OWN_FLAGS = (_CONFIG, _WORKDIR, _OVERWRITE, _PRINT_CONFIG, _DEBUG, _COMPILATION_CACHE,
+              _DISTRIBUTED, _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID)
+_HELP = ("--help", "-h", "--helpshort", "-?")
+
+
+def help_text() -> str:
+  """`--help`: what the command does, the config names with their variants, its own flags."""
+  import textwrap  # pylint: disable=g-import-not-at-top
+  from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top
+  from alma_jax.configuration import config_lib  # pylint: disable=g-import-not-at-top
+  usage = ("usage: alma-jax --config=NAME[:VARIANT[,VARIANT]] --workdir=DIR "
+           "[--config.<field>=VALUE ...]\n       (or python -m alma_jax.main with the same flags)")
+  names = config_files.available()
+  wrap = lambda text, indent="  ", more=None: textwrap.fill(  # pylint: disable=unnecessary-lambda-assignment
+      text, 96, initial_indent=indent, subsequent_indent=indent if more is None else more)
+  lines = [usage, "", __doc__.strip(), "",
+           "Configs (a name, or the path of a config file):",
+           wrap("  ".join(n for n in names if "/" not in n)),
+           wrap("timing protocols: " + "  ".join(n for n in names if "/" in n)), "",
+           "Variants (after a colon, several joined by commas):",
+           wrap("image configs (mnist_*, cifar_*): " + ", ".join(config_lib.IMAGE_VARIANTS)),
+           wrap("language-model configs (lm_*): " + ", ".join(config_lib.TEXT_VARIANTS)
+                + ", Kx (K times the training steps per stage, e.g. 2x)"),
+           wrap("timing protocols (bench/*): " + ", ".join(config_lib.PROTOCOL_VARIANTS)), "",
+           "Flags:"]
+  for holder in _OWN_FLAGS:
+    flag = flags.FLAGS[holder.name]
+    default = "" if flag.default in (None, False) else f" (default: {flag.default})"
+    lines.append(wrap(f"--{holder.name}: {flag.help}{default}", "  ", "      "))
+  lines += ["", wrap("Every config field is a flag too: --config.<field>=VALUE (docs/fields.md "
+                     "lists them; --print_config shows a config's values). --helpfull lists the "
+                     "flags of every library.", "")]
+  return "\n".join(lines)
 
 
 def _enable_compilation_cache(jax) -> str | None:
@@ -112,6 +152,9 @@ def _override_type_error(exc: BaseException) -> str | None:
 
 
 def _parse_flags(argv):
+  if any(a in _HELP for a in argv[1:]):
+    print(help_text())
+    sys.exit(0)
   try:
     return flags.FLAGS(argv)
   except Exception as e:  # pylint: disable=broad-except
@@ -155,9 +198,26 @@ def _resume_command() -> str:
   return shlex.join(["python", "-m", "alma_jax.main"] + args)
 
 
+def _print_config() -> None:
+  """`--print_config`: the resolved, validated config as JSON on stdout."""
+  import json  # pylint: disable=g-import-not-at-top
+  from alma_jax.core import validation  # pylint: disable=g-import-not-at-top
+  from alma_jax.outputs import workdir as wd  # pylint: disable=g-import-not-at-top
+  try:
+    config = validation.validate(_CONFIG.value)
+  except Exception as e:  # pylint: disable=broad-except
+    if _DEBUG.value:
+      raise
+    _fail(*errors.cli_error(e))
+  print(json.dumps(wd.config_dict(config), indent=2, sort_keys=True))
+
+
 def main(argv):
   if len(argv) > 1:
     _fail(f"unexpected arguments: {argv[1:]}", 2)
+  if _PRINT_CONFIG.value:
+    _print_config()
+    return
   import jax  # pylint: disable=g-import-not-at-top
   try:
     setting = F.get(_CONFIG.value.mesh, "mesh.distributed")

@@ -137,3 +137,47 @@ def test_every_method_config_runs_end_to_end(config, tmp_path):
   arch = [json.loads(l) for l in open(os.path.join(tmp_path, "architecture.jsonl"))]
   assert [a["t"] for a in arch] == [1, 2, 3, 4]
   assert [a["num_params"] for a in arch] == [r["num_params"] for r in records[1:]]
+
+
+def _cli(*args, cwd=None):
+  """The installed `alma-jax` command where there is one (as a user types it), else the
+  module; from `cwd` (default: a folder outside the checkout), this checkout first."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  exe = shutil.which("alma-jax", path=os.path.dirname(sys.executable))
+  cmd = [exe] if exe else [sys.executable, "-m", "alma_jax.main"]
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  return subprocess.run(cmd + list(args), cwd=cwd or os.path.dirname(ROOT), capture_output=True,
+                        text=True, timeout=300, env=env)
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_the_configs_their_variants_and_the_flags(flag):
+  proc = _cli(flag)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = proc.stdout
+  assert out.startswith("usage: alma-jax --config=NAME")
+  for text in ("mnist_sm", "cifar_gmoe", "lm_gmoe", "bench/p3_mnist_sm", "smoke, quick", "iid",
+               "--workdir", "--overwrite", "--print_config", "--config.<field>=VALUE"):
+    assert text in out, text
+  direct = subprocess.run([sys.executable, "-m", "alma_jax.main", flag], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+  assert direct.stdout == out  # the module prints the same help
+
+
+def test_print_config_resolves_validates_and_prints_without_running(tmp_path):
+  proc = _cli("--config=mnist_sm:quick", "--config.model.width=4", "--print_config",
+              cwd=str(tmp_path))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  config = json.loads(proc.stdout)
+  assert config["model"]["width"] == 4 and config["stream"]["num_megabatches"] == 500
+  assert config == config_resolve.resolved_dict("configs/mnist_sm.py:quick",
+                                                ["--config.model.width=4"])
+  assert not os.listdir(tmp_path)  # nothing written
+  bad = _cli("--config=mnist_sm:quick", "--config.model.width=-4", "--print_config")
+  assert bad.returncode == 2 and bad.stdout == ""
+  assert bad.stderr.strip().splitlines()[-1] == ("alma_jax: error: config.model.width=-4 must "
+                                                 "be >= 1")
+  missing = _cli("--config=mnist_sm:quick")
+  assert missing.returncode == 2
+  assert "--workdir must have a value (or give --print_config)" in missing.stderr
