@@ -405,6 +405,20 @@ def gating_figures(groups: Sequence[Group], out: str,
   return figures
 
 
+NO_FIGURES = ("no figures: drawing them needs matplotlib, which is not installed (pip install "
+              "'alma-jax[report]', or pip install matplotlib); the table and results.csv are "
+              "complete")
+
+
+def can_draw() -> bool:
+  """Whether matplotlib, which the figures need, can be imported."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    return False
+  return True
+
+
 def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True,
                  findings: Sequence[dict] = ()) -> dict:
   """Writes the figures, `results.csv` and `report.md` into `out`; returns {figure name: its
@@ -443,10 +457,14 @@ def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True,
              "when some are and the rest point its way, *not reproduced* when others point "
              "against it, *against* when a clear difference goes against it and none its way, "
              "*not shown* when no difference is clear.", "", findings_lib.table(found)]
+  drawing = can_draw()
+  if not drawing:
+    logging.warning(NO_FIGURES)
+    text += [f"*{NO_FIGURES}*", ""]
   for data, gs in by_data.items():
     fields = varying_fields(gs)
-    drawn = plots.dataset_figures(data, gs, fields, out)
-    if gating:
+    drawn = plots.dataset_figures(data, gs, fields, out) if drawing else {}
+    if gating and drawing:
       drawn.update(gating_figures(gs, out, fields))
     figures.update(drawn)
     text += [f"## {data}", "", table(gs)] + [f"![{name}]({name}.png)\n" for name in drawn]

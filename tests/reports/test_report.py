@@ -711,3 +711,19 @@ def test_a_copy_of_a_run_is_not_another_seed(runs, tmp_path, caplog):
   other = _write(tmp_path / "sm16_s1", _config(width=16, seed=1), _records([0.9, 0.4, 0.2, 0.2, 0.1]))
   groups = report.load_groups([sm16, str(tmp_path / "sm16_copy"), other])
   assert [len(g.runs) for g in groups] == [2]
+
+
+def test_without_matplotlib_the_report_writes_its_table_and_csv_and_says_why_no_figures(
+    runs, tmp_path, monkeypatch, caplog):
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+  assert not report.can_draw()
+  figures = report.write_report(runs, str(tmp_path / "out"), findings=[
+      {"id": "F3", "claim": "Ens beats SM", "comparisons": [
+          {"better": {"method.name": "ens"},
+           "worse": {"method.name": "sm", "model.width": 8, "stream.replay": 0.0}}]}])
+  assert figures == {}
+  assert sorted(os.listdir(tmp_path / "out")) == ["report.md", "results.csv"]
+  text = (tmp_path / "out" / "report.md").read_text()
+  assert "pip install 'alma-jax[report]'" in text and "| F3 | Ens beats SM |" in text
+  assert "| mnist | sm |" in text
+  assert "needs matplotlib" in caplog.text
