@@ -40,7 +40,13 @@ DIR = "wandb"
 
 
 class WandbUnavailableError(ValueError):
-  """The `wandb` package is not installed."""
+  """W&B cannot log: the `wandb` package is not installed, or it has no account to log to."""
+
+
+NO_ACCOUNT = ("config.log.wandb is set but W&B has no API key: run `wandb login` or set "
+              "WANDB_API_KEY to log to your account, or set WANDB_MODE=offline to log without one "
+              "(into <workdir>/wandb/; `wandb sync <that folder>/offline-run-*` uploads it later), "
+              "or set config.log.wandb=''")
 
 
 def _import_wandb():
@@ -81,9 +87,14 @@ class Writer:
     self.state = {"id": state.get("id") or new_run_id(),
                   "last_t": int(state.get("last_t", -1)), "epochs": int(state.get("epochs", 0))}
     os.makedirs(os.path.join(directory, DIR), exist_ok=True)
-    self.run = wandb.init(project=project, id=self.state["id"], resume="allow", dir=directory,
-                          name=name or os.path.basename(os.path.normpath(directory)),
-                          group=group, reinit="create_new")
+    try:
+      self.run = wandb.init(project=project, id=self.state["id"], resume="allow", dir=directory,
+                            name=name or os.path.basename(os.path.normpath(directory)),
+                            group=group, reinit="create_new")
+    except Exception as e:  # pylint: disable=broad-except
+      if "api key" in str(e).lower():  # wandb.errors.UsageError: no account configured
+        raise WandbUnavailableError(f"{NO_ACCOUNT} ({e})") from e
+      raise
     self.run.define_metric("stream/t")
     self.run.define_metric("stream/*", step_metric="stream/t")
     self.run.define_metric("epoch/index")

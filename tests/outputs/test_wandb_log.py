@@ -151,3 +151,18 @@ def test_a_run_with_log_wandb_logs_each_seed_and_resumes_its_w_and_b_runs(tmp_pa
   for seed, run_id in zip((0, 1), ids):
     state = json.loads(open(os.path.join(workdir, f"seed_{seed}", wandb_log.STATE_FILE)).read())
     assert state["id"] == run_id
+
+
+def test_without_an_account_the_error_names_offline_mode(tmp_path, monkeypatch):
+  module = types.ModuleType("wandb")
+
+  def init(**kwargs):
+    del kwargs
+    raise RuntimeError("No API key configured. Use `wandb login` to log in.")
+
+  module.init = init
+  monkeypatch.setitem(sys.modules, "wandb", module)
+  with pytest.raises(wandb_log.WandbUnavailableError,
+                     match=r"no API key: run `wandb login` or set WANDB_API_KEY .* "
+                           r"WANDB_MODE=offline .*wandb sync"):
+    wandb_log.Writer(str(tmp_path), [], project="alma", primary=True)
