@@ -35,15 +35,78 @@ def load_config(spec: str):
   return config_resolve.resolve(config_files.resolve(spec))
 
 
-def run(config, workdir: str, *, overwrite: bool = False) -> dict:
+def run(config, workdir: str, *, overwrite: bool = False, log: bool = True) -> dict:
   """Runs (or resumes) one experiment in `workdir`; returns its summary.
 
   The same as the command line's run, without its process-level speed
   settings (allocator, XLA fusion flags), which must be set before JAX starts.
-  See `alma_jax.core.run.run` for the errors it raises.
+  Progress lines go to stderr as on the command line, unless the caller's
+  logging already shows INFO messages (e.g. `logging.basicConfig(level=logging.INFO)`,
+  or absl's flags parsed) or passes `log=False`. Errors name this function's arguments
+  (`overwrite=True`, `workdir`, `config.<field>`) where the command line's
+  name its flags; see `alma_jax.core.run.run` for the errors it raises.
   """
+  import contextlib  # pylint: disable=g-import-not-at-top
   from alma_jax.core import run as run_lib  # pylint: disable=g-import-not-at-top
-  return run_lib.run(config, workdir, overwrite=overwrite)
+  with (_progress_to_stderr() if log else contextlib.nullcontext()):
+    try:
+      return run_lib.run(config, workdir, overwrite=overwrite)
+    except Exception as e:  # pylint: disable=broad-except
+      translated = _in_api_terms(e)
+      if translated is None:
+        raise
+      raise translated from e
+
+
+# The command line's words for the arguments of `run`, in the order they are replaced.
+_API_TERMS = (("pass --overwrite", "pass overwrite=True"), ("--overwrite", "overwrite=True"),
+              ("another --workdir", "another workdir"), ("--workdir", "workdir"),
+              ("--config.", "config."))
+
+
+def _in_api_terms(e: Exception) -> Exception | None:
+  """`e` again with its message in this API's terms (None: nothing to translate)."""
+  if len(e.args) != 1 or not isinstance(e.args[0], str):
+    return None
+  text = e.args[0]
+  for cli, api in _API_TERMS:
+    text = text.replace(cli, api)
+  if text == e.args[0]:
+    return None
+  try:
+    return type(e)(text)
+  except Exception:  # pylint: disable=broad-except  (an exception class with other arguments)
+    return None
+
+
+def _progress_to_stderr():
+  """A context in which the run's progress lines (absl INFO) reach stderr, when the caller's
+  logging would drop them (Python's default: WARNING and above)."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  import logging as py_logging  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  if flags.FLAGS.is_parsed() or absl_logging.get_absl_logger().isEnabledFor(py_logging.INFO):
+    return contextlib.nullcontext()  # the caller's logging shows INFO: it is theirs to format
+
+  @contextlib.contextmanager
+  def scope():
+    logger = absl_logging.get_absl_logger()
+    handler = py_logging.StreamHandler(sys.stderr)
+    handler.setFormatter(py_logging.Formatter("%(message)s"))
+    before = (logger.level, logger.propagate)
+    logger.addHandler(handler)
+    logger.setLevel(py_logging.INFO)
+    logger.propagate = False
+    try:
+      yield
+    finally:
+      logger.removeHandler(handler)
+      logger.setLevel(before[0])
+      logger.propagate = before[1]
+
+  return scope()
 
 
 def read_results(workdir: str) -> list:

@@ -181,3 +181,29 @@ def test_print_config_resolves_validates_and_prints_without_running(tmp_path):
   missing = _cli("--config=mnist_sm:quick")
   assert missing.returncode == 2
   assert "--workdir must have a value (or give --print_config)" in missing.stderr
+
+
+@requires_mnist
+def test_the_python_api_prints_progress_and_speaks_of_its_own_arguments(tmp_path):
+  # A fresh interpreter, as a notebook or script starts: Python's logging shows WARNING only.
+  script = (
+      "import sys, alma_jax\n"
+      "c = alma_jax.load_config('mnist_sm:smoke')\n"
+      "c.mesh.num_devices = 1\n"
+      "alma_jax.run(c, sys.argv[1])\n"
+      "print('--- quiet', file=sys.stderr, flush=True)\n"
+      "alma_jax.run(c, sys.argv[1], log=False)\n"
+      "c.model.width = 16\n"
+      "try:\n"
+      "  alma_jax.run(c, sys.argv[1], log=False)\n"
+      "except ValueError as e:\n"
+      "  print(type(e).__name__, e)\n")
+  proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "wd")], cwd=str(tmp_path),
+                        capture_output=True, text=True, timeout=600,
+                        env=dict(os.environ, PYTHONPATH=ROOT))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  loud, quiet = proc.stderr.split("--- quiet\n")
+  assert "t=4/4 (100%)" in loud and "done: 1 seed(s)" in loud
+  assert "t=4/4" not in quiet and "done:" not in quiet
+  assert proc.stdout.startswith("ConfigError "), proc.stdout
+  assert "pass overwrite=True to discard" in proc.stdout and "--overwrite" not in proc.stdout
