@@ -141,8 +141,8 @@ class Setup:
       return
     per_step = self.steps.seconds_per_step(learner)
     est = per_step * total
-    logging.info("estimated training time: at most %.0f s (%.1f h) for %d steps at %.4f s/step "
-                 "(growing models get slower; early stopping shortens it)", est, est / 3600,
+    logging.info("estimated training time: at most %s for %d steps at %.4f s/step (growing "
+                 "models get slower; early stopping shortens it)", meter_lib.duration(est),
                  total, per_step)
 
   def progress_plan(self) -> meter_lib.Plan:
