@@ -36,6 +36,10 @@ def _exit_now(message: str, code: int):
   os._exit(code)
 
 
+# TensorFlow (which reads the data sets) says its C++ notices at INFO, e.g. oneDNN's, twice:
+# warnings and errors only, unless the user chose a level.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
 try:  # Ctrl-C while the libraries load (seconds): one line, no traceback
   from absl import app  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
@@ -212,9 +216,36 @@ def _print_config() -> None:
   print(json.dumps(wd.config_dict(config), indent=2, sort_keys=True))
 
 
+class _PlainFormatter(logging.PythonFormatter):
+  """Log lines as the progress meter writes them: the message alone at INFO, `warning: ` or
+  `error: ` before it above (absl's prefix of level, time, thread and source line only with
+  --debug)."""
+
+  def format(self, record) -> str:
+    import logging as py_logging  # pylint: disable=g-import-not-at-top
+    text = record.getMessage()
+    if record.exc_info:
+      text += "\n" + self.formatException(record.exc_info)
+    if record.levelno >= py_logging.ERROR:
+      return f"error: {text}"
+    return f"warning: {text}" if record.levelno >= py_logging.WARNING else text
+
+
+def _plain_logging() -> None:
+  """Plain log lines (`_PlainFormatter`) and the libraries' own INFO notices left out (JAX's
+  'Unable to initialize backend' for each plugin it does not find)."""
+  import logging as py_logging  # pylint: disable=g-import-not-at-top
+  if not _DEBUG.value:
+    logging.get_absl_handler().setFormatter(_PlainFormatter())
+  for name in ("jax", "jaxlib", "tensorflow", "tensorflow_datasets", "orbax"):
+    if py_logging.getLogger(name).level == py_logging.NOTSET:
+      py_logging.getLogger(name).setLevel(py_logging.WARNING)
+
+
 def main(argv):
   if len(argv) > 1:
     _fail(f"unexpected arguments: {argv[1:]}", 2)
+  _plain_logging()
   if _PRINT_CONFIG.value:
     _print_config()
     return
