@@ -16,6 +16,7 @@ import ast
 import os
 import re
 import shlex
+import signal
 import sys
 
 
@@ -188,8 +189,15 @@ def _choose_cpu_fusion(multiprocess: bool) -> None:
     shapes = validation.KNOWN_SHAPES.get(config.data.name)
   except Exception:  # pylint: disable=broad-except
     return
-  tune.process_flags(config, None if _OVERWRITE.value else _WORKDIR.value, shapes=shapes,
-                     multiprocess=multiprocess, debug=_DEBUG.value)
+  from alma_jax.outputs import interrupts  # pylint: disable=g-import-not-at-top
+  try:
+    with interrupts.Signals():  # a measuring child is killed, and the run says how to restart
+      tune.process_flags(config, None if _OVERWRITE.value else _WORKDIR.value, shapes=shapes,
+                         multiprocess=multiprocess, debug=_DEBUG.value)
+  except interrupts.RunInterrupted as e:
+    _exit_now(f"interrupted by {signal.Signals(e.signum).name} while measuring the speed "
+              f"settings, before the run; to start it, run the same command again: "
+              f"{_resume_command()}", e.exit_code)
 
 
 def _resume_command() -> str:

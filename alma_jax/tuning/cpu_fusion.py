@@ -42,6 +42,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from typing import Any, Callable
 
 import jax  # importing JAX starts no backend: flags set afterwards still count
@@ -65,6 +66,10 @@ KEEP_ENV = "XLA_FLAGS"  # the user's XLA_FLAGS already set the fusion: left as t
 _FLAG_NAMES = tuple(f.split("=", 1)[0] for f in (FLAG, ONEDNN_FLAG))
 _ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
                         "jax_rocm7_plugin", "libtpu")
+# Seconds one measuring child may take (start-up, compiling and timing a few train steps take
+# 10-40 s on a 2-core CPU); past it the setting is left out, so the measurement never takes more
+# than this times the number of settings.
+CHILD_TIMEOUT_S = 90.0
 RESULT = "CPU_FUSION_RESULT "  # the result line of the child (alma_jax.tuning.cpu_fusion_child)
 
 # This process's decision: {"key", "value", "how"} and what the run's in-process choices take
@@ -191,10 +196,20 @@ def _measure(config, shapes, measure) -> tuple[str, str, bool]:
   impls = ([i for i in conv.IMPLS if i != "auto"] if config.model.conv_impl == "auto"
            else [config.model.conv_impl])
   times, failed = {}, []
-  for setting in SETTINGS:
+  logging.info("measuring %s once for this machine and model: %d settings (%s) x %d convolution "
+               "implementations, each in a child process of at most %.0f s (%.0f s in all at "
+               "most); the choice is kept for later runs. To skip it: --config.%s=none (or "
+               "--config.train.autotune=rules)", FIELD, len(SETTINGS), ", ".join(SETTINGS),
+               len(impls), CHILD_TIMEOUT_S, CHILD_TIMEOUT_S * len(SETTINGS), FIELD)
+  batch = config.train.batch_size
+  for i, setting in enumerate(SETTINGS):
     try:
+      started = time.monotonic()
       for impl, seconds in measure(config, shapes[0], shapes[1], setting, impls).items():
         times[(setting, impl)] = seconds
+      logging.info("  %s=%s (%d of %d): %s (%.0f s)", FIELD, setting, i + 1, len(SETTINGS),
+                   ", ".join(f"{impl} {batch / t:,.0f} img/s" for (s, impl), t in times.items()
+                             if s == setting), time.monotonic() - started)
     except Exception as e:  # pylint: disable=broad-except
       if setting == RULE:
         logging.warning("%s=%s could not be timed (%s); the rule decides: %s", FIELD, setting, e,
@@ -205,7 +220,6 @@ def _measure(config, shapes, measure) -> tuple[str, str, bool]:
   setting, impl = min(times, key=times.get)
   if config.model.conv_impl == "auto":
     _measured_with_flags["model.conv_impl"] = impl
-  batch = config.train.batch_size
   timed = ", ".join(f"{s}/{i} {batch / t:,.0f} img/s" for (s, i), t in times.items())
   timed += "".join(f", {s} failed" for s in failed)
   return setting, f"measured in child processes ({timed})", True
@@ -216,9 +230,12 @@ def measure_in_child(config, input_shape, num_classes, setting: str, impls) -> d
   env = dict(os.environ, XLA_FLAGS=flags_with(setting, os.environ.get("XLA_FLAGS", "")))
   request = {"config": json.loads(config.to_json()), "input_shape": list(input_shape),
              "num_classes": num_classes, "impls": list(impls)}
-  proc = subprocess.run([sys.executable, "-m", "alma_jax.tuning.cpu_fusion_child"],
-                        input=json.dumps(request), capture_output=True, text=True, env=env,
-                        check=False)
+  try:  # an exception here (a signal's, a timeout) kills the child before it propagates
+    proc = subprocess.run([sys.executable, "-m", "alma_jax.tuning.cpu_fusion_child"],
+                          input=json.dumps(request), capture_output=True, text=True, env=env,
+                          check=False, timeout=CHILD_TIMEOUT_S)
+  except subprocess.TimeoutExpired as e:
+    raise RuntimeError(f"the child process took more than {CHILD_TIMEOUT_S:.0f} s") from e
   lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT)]
   if proc.returncode != 0 or not lines:
     tail = " ".join(proc.stderr.strip().splitlines()[-3:])

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -180,3 +181,50 @@ def test_ctrl_c_while_starting_is_one_line_and_exit_code_130(tmp_path, module, m
   lines = proc.stderr.rstrip("\n").splitlines()
   assert lines[-1].startswith(f"alma_jax: error: {message}"), proc.stderr[-3000:]
   assert sum(l.startswith("alma_jax: error: ") for l in lines) == 1
+
+
+def _children(pid: int) -> set[int]:
+  out = set()
+  for task in os.listdir(f"/proc/{pid}/task"):
+    with open(f"/proc/{pid}/task/{task}/children") as f:
+      out.update(int(c) for c in f.read().split())
+  return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads child processes from /proc")
+def test_sigterm_while_measuring_the_speed_settings_kills_the_child_and_says_how_to_restart(
+    tmp_path):
+  # A fresh cache: the first convolution run measures XLA:CPU fusion settings in child processes
+  # before it starts. SIGTERM once the first child runs.
+  env = dict(os.environ, PYTHONPATH=ROOT, ALMA_JAX_CACHE_DIR=str(tmp_path / "cache"))
+  proc = subprocess.Popen([sys.executable, "-m", "alma_jax.main", "--config=configs/cifar_sm.py:smoke",
+                           f"--workdir={tmp_path}/wd", "--config.train.cpu_fusion=auto"],
+                          cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=_default_signals)
+  seen = []
+  for line in proc.stderr:  # until the measurement announces itself
+    seen.append(line)
+    if "measuring train.cpu_fusion once for this machine" in line:
+      break
+  assert any("To skip it: --config.train.cpu_fusion=none" in l for l in seen), "".join(seen)
+  children = set()
+  deadline = time.monotonic() + 60
+  while not children and time.monotonic() < deadline and proc.poll() is None:
+    children = _children(proc.pid)
+    time.sleep(0.05)
+  assert children, "no measuring child started"
+  proc.send_signal(signal.SIGTERM)
+  try:
+    rest = proc.stderr.read()
+    code = proc.wait(timeout=30)
+  finally:
+    proc.kill()
+  assert code == 143, rest[-3000:]
+  assert "Traceback" not in rest
+  assert rest.rstrip("\n").splitlines()[-1].startswith(
+      "alma_jax: error: interrupted by SIGTERM while measuring the speed settings, before the run;"
+      " to start it, run the same command again: python -m alma_jax.main")
+  time.sleep(0.5)
+  alive = [c for c in children if os.path.exists(f"/proc/{c}")
+           and open(f"/proc/{c}/stat").read().split(") ")[1][0] != "Z"]
+  assert not alive, f"measuring children left running: {alive}"
