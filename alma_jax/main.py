@@ -206,8 +206,16 @@ def _resume_command() -> str:
   launcher = os.environ.get("ALMA_JAX_RESUME_COMMAND")
   if launcher:
     return launcher
-  args = [a for a in sys.argv[1:] if not a.lstrip("-").startswith("overwrite")]
-  return shlex.join(["python", "-m", "alma_jax.main"] + args)
+  typed = _TYPED_ARGV or sys.argv
+  args = [a for a in typed[1:] if not a.lstrip("-").startswith("overwrite")]
+  name = os.path.basename(typed[0])  # alma-jax, or this module run by `python -m`
+  program = ["python", "-m", "alma_jax.main"] if name in ("main.py", "alma_jax.main") else [name]
+  return shlex.join(program + args)
+
+
+# The command line as the user typed it (a config's name, not the file it names), for the
+# resume hint; set by `console`.
+_TYPED_ARGV: list[str] = []
 
 
 def _print_config() -> None:
@@ -305,6 +313,7 @@ def console():
   `--config=mnist_sm:quick` names `configs/mnist_sm.py:quick` (alma_jax.configuration.config_files).
   """
   from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top
+  _TYPED_ARGV[:] = sys.argv
   sys.argv = config_files.resolve_argv_or_exit(sys.argv)
   try:
     app.run(main, flags_parser=_parse_flags)

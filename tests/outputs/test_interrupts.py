@@ -228,3 +228,21 @@ def test_sigterm_while_measuring_the_speed_settings_kills_the_child_and_says_how
   alive = [c for c in children if os.path.exists(f"/proc/{c}")
            and open(f"/proc/{c}/stat").read().split(") ")[1][0] != "Z"]
   assert not alive, f"measuring children left running: {alive}"
+
+
+@requires_mnist
+def test_the_resume_hint_repeats_the_command_as_typed(tmp_path):
+  # The installed command with a config's name: the hint names them, not the file they resolve to.
+  import shutil  # pylint: disable=g-import-not-at-top
+  exe = shutil.which("alma-jax", path=os.path.dirname(sys.executable))
+  if exe is None:
+    pytest.fail("the alma-jax command is not installed beside this Python (pip install -e .)")
+  env = dict(os.environ, PYTHONPATH=ROOT, ALMA_JAX_TEST_KILL_AT="t=2:stage",
+             ALMA_JAX_TEST_KILL_SIGNAL="SIGTERM")
+  proc = subprocess.run([exe, "--config=mnist_sm:smoke", f"--workdir={tmp_path}/wd"], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=300,
+                        preexec_fn=_default_signals)
+  assert proc.returncode == 143, proc.stderr[-3000:]
+  last = proc.stderr.rstrip("\n").splitlines()[-1]
+  assert last.endswith(f"to resume, run the same command again: alma-jax "
+                       f"--config=mnist_sm:smoke --workdir={tmp_path}/wd"), last
