@@ -206,6 +206,12 @@ def main(argv=None) -> int:
   p.add_argument("flags", nargs="*", help="the flags of alma_jax.main (after --)")
   argv = sys.argv[1:] if argv is None else argv
   a = p.parse_args(argv)
+  if a.num_processes < 1:
+    p.error(f"--num_processes={a.num_processes} must be >= 1")
+  if a.devices_per_process < 0:
+    p.error(f"--devices_per_process={a.devices_per_process} must be >= 0 (0: JAX's default)")
+  if not 0 <= a.port <= 65535:
+    p.error(f"--port={a.port} must be a port number from 0 (a free one) to 65535")
   return launch(a.flags, a.num_processes, a.devices_per_process, a.port,
                 resume_command=own_command(argv, __file__))
 

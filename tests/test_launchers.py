@@ -222,3 +222,16 @@ def test_a_signal_to_the_local_launcher_stops_its_processes(tmp_path, signum):
     launcher.kill()
     launcher.wait()
     _kill_all(children)
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--num_processes=0", "--num_processes=0 must be >= 1"),
+    ("--num_processes=-3", "--num_processes=-3 must be >= 1"),
+    ("--devices_per_process=-1", "--devices_per_process=-1 must be >= 0"),
+    ("--port=70000", "--port=70000 must be a port number"),
+])
+def test_local_launcher_refuses_counts_that_start_nothing(flag, message, capsys):
+  with pytest.raises(SystemExit) as info:
+    local.main([flag, "--", "--config=configs/mnist_sm.py:smoke", "--workdir=/nonexistent"])
+  assert info.value.code == 2
+  assert message in capsys.readouterr().err
