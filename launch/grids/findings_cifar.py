@@ -29,9 +29,10 @@ tardy learner.
 
 The grid expands to 19 points x 3 seeds = 57 runs. The sweep resumes: run the
 command again after an interruption and it skips the finished runs.
-`TIME_S` below holds the measured wall time of one run of each kind
-(REPRODUCTION.md, "CIFAR-10", says where and how it was measured) and
-`python launch/grids/findings_cifar.py` prints the grid's estimate from it.
+`TIME_S` below holds the measured wall time of every point's seed 0 on an idle
+2-core CPU, and `python launch/grids/findings_cifar.py` prints the grid's
+estimate from it: 84 minutes, over the 75 it was sized for (Ens with replay
+alone takes 4 minutes a seed).
 """
 
 _SEEDS = [0, 1, 2]
@@ -118,30 +119,38 @@ FINDINGS = [
      "comparisons": [{"better": _c(m, replay=1.0), "worse": _c(m)} for m in ("sm", "ens", "gens")]},
 ]
 
-# Wall seconds of one run of each kind on an idle 2-core CPU (REPRODUCTION.md names the host and
-# commit); the estimate below adds them up over the grid's points and seeds.
-TIME_S = {}
+# Wall seconds of one run of each point (seed 0, one after another, from the end of one run to the
+# end of the next: start-up, data, compiling and the run) on an idle 2-core AMD EPYC (family 26)
+# at commit 21a8d2a (REPRODUCTION.md, "CIFAR-10"); the estimate below is three seeds of each.
+TIME_S = {
+    'sm C=4 w=1': 30,
+    'sm C=4 w=2': 26,
+    'sm C=4 w=5': 36,
+    'sm C=4 w=10': 37,
+    'sm C=16 w=1': 52,
+    'sm C=16 w=2': 53,
+    'sm C=16 w=5': 69,
+    'sm C=16 w=10': 58,
+    'sm C=8 w=2': 42,
+    'ens C=4 w=2': 107,
+    'ens C=16 w=2': 159,
+    'umix C=4 w=2': 95,
+    'umix C=16 w=2': 125,
+    'gens C=4 w=2': 66,
+    'gmoe C=4 w=2': 221,
+    'ff C=4 w=2': 58,
+    'sm C=4 w=2 replay': 90,
+    'gens C=4 w=2 replay': 118,
+    'ens C=4 w=2 replay': 247,
+}
 
 
 def estimate() -> str:
-  """The grid's time from TIME_S, per kind and in all."""
+  """The grid's time from TIME_S: each point's seconds times its seeds, in all."""
   if not TIME_S:
     return "no measured times yet (TIME_S is empty)"
-  kinds = {}
-  for g in GRID:
-    n = 1
-    for k, v in g.items():
-      if k not in ("config",):
-        n *= len(v)
-    for config in g["config"]:
-      method = config.split("cifar_")[1].split(".py")[0]
-      for width in g.get("model.width", [None]):
-        replay = g.get("stream.replay", [0.0])[0]
-        key = f"{method} C={width}" + (" replay" if replay else "")
-        per = n // len(g.get("model.width", [None]))
-        kinds[key] = kinds.get(key, 0) + per
-  total = sum(TIME_S[k] * n for k, n in kinds.items())
-  lines = [f"{k}: {n} runs x {TIME_S[k]:.0f} s" for k, n in sorted(kinds.items())]
+  lines = [f"{label}: {len(_SEEDS)} x {s} s" for label, s in TIME_S.items()]
+  total = len(_SEEDS) * sum(TIME_S.values())
   return "\n".join(lines + [f"total: {total / 60:.0f} min with --parallel=1"])
 
 
