@@ -62,3 +62,31 @@ def test_the_readme_keeps_the_setup_commands_and_links_every_page():
     assert command in readme and command in ci
   for page in glob.glob(os.path.join(ROOT, "docs", "*.md")):
     assert f"(docs/{os.path.basename(page)}" in readme, page
+
+
+# A backticked repository path: under one of the repository's top-level folders; placeholders
+# (<name>), patterns (*, p1…p4) and URLs are not paths.
+_TOP = ("alma_jax/", "configs/", "launch/", "tests/", "docs/", "benchmarks/", ".ci/")
+_INLINE = re.compile(r"`([^`\n]+)`")
+
+
+def _repository_paths(text: str) -> set[str]:
+  text = re.sub(r"```.*?```", "", text, flags=re.S)
+  out = set()
+  for code in _INLINE.findall(text):
+    path = code.strip().split(":")[0].split("::")[0]  # config:variant, test::name
+    if (" " in path or any(c in path for c in "<>*{}$=…") or "://" in path
+        or not path.startswith(_TOP)):
+      continue
+    out.add(path.rstrip("/.,;"))
+  return out
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if not p.endswith("CHANGELOG.md")],
+                         ids=lambda p: os.path.relpath(p, ROOT))
+def test_every_backticked_repository_path_exists(page):
+  # (The changelog is history: it names files that have since moved.)
+  with open(page) as f:
+    paths = _repository_paths(f.read())
+  missing = sorted(p for p in paths if not os.path.exists(os.path.join(ROOT, p)))
+  assert not missing, f"{os.path.relpath(page, ROOT)} names paths that do not exist: {missing}"
