@@ -342,25 +342,34 @@ def dataset_figures(data: str, groups, fields: Sequence[str],
 
 # -- one run ---------------------------------------------------------------------------------------
 def run_error_png(path: str, curves: Sequence[tuple[str, Sequence[int], Sequence[float]]],
-                  title: str = "") -> None:
-  """Writes `path` (PNG): test error (%) vs mega-batch t, one line per (label, t, error)."""
+                  title: str = "", ylabel: str = "test error (%)", scale: float = 100.0):
+  """Writes `path` (PNG): test error (%) vs mega-batch t, one line per (label, t, error), or
+  another per-step measure (`ylabel`, values times `scale`: a language model's perplexity, on a
+  log axis where it spans more than `plot_style.LOG_SPAN` times); returns the figure."""
   fig, (ax,) = subplots(1, 4.0, 3.0)
+  values = []
   for label, t, err in curves:
-    ax.plot(t, 100 * np.asarray(err, float), label=label)
-  style.finish(ax, "mega-batch t", "test error (%)", title)
+    y = scale * np.asarray(err, float)
+    values.extend(y.tolist())
+    ax.plot(t, y, label=label)
+  ax.set_yscale(style.axis_scale(values))
+  style.finish(ax, "mega-batch t", ylabel, title)
   if len(curves) > 1:
     ax.legend(fontsize=style.FONT_PT)
   with io_utils.output_errors(path), io_utils.atomic_writer(path, "wb") as f:
     fig.savefig(f, format="png", dpi=90)
+  return fig
 
 
-def run_error_png_in_child(path: str, curves, title: str = "") -> str | None:
+def run_error_png_in_child(path: str, curves, title: str = "", ylabel: str = "test error (%)",
+                           scale: float = 100.0) -> str | None:
   """`run_error_png` in a child process (`python -m alma_jax.reports.plots`), so that the caller
   never imports matplotlib; returns why it failed (None: drawn)."""
   package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       [package_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-  spec = {"path": path, "curves": [list(c) for c in curves], "title": title}
+  spec = {"path": path, "curves": [list(c) for c in curves], "title": title, "ylabel": ylabel,
+          "scale": scale}
   try:
     proc = subprocess.run([sys.executable, "-m", "alma_jax.reports.plots"], input=json.dumps(spec),
                           env=env, capture_output=True, text=True, timeout=300, check=False)
@@ -375,7 +384,8 @@ def run_error_png_in_child(path: str, curves, title: str = "") -> str | None:
 def main() -> int:
   """Draws `run_error_png` of {"path", "title", "curves": [[label, t, errors], ...]} on stdin."""
   spec = json.load(sys.stdin)
-  run_error_png(spec["path"], [tuple(c) for c in spec["curves"]], spec.get("title", ""))
+  run_error_png(spec["path"], [tuple(c) for c in spec["curves"]], spec.get("title", ""),
+                spec.get("ylabel", "test error (%)"), float(spec.get("scale", 100.0)))
   return 0
 
 

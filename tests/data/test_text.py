@@ -155,10 +155,18 @@ def records(wd):
 
 @requires_bpe
 @requires_shakespeare
-def test_smoke_run_on_tiny_shakespeare_writes_b_plus_1_records_with_falling_perplexity(tmp_path):
+def test_smoke_run_on_tiny_shakespeare_writes_b_plus_1_records_with_falling_perplexity(
+    tmp_path, monkeypatch):
+  from alma_jax.reports import plots  # pylint: disable=g-import-not-at-top
+  drawn = []
+  monkeypatch.setattr(plots, "run_error_png_in_child", lambda *a: drawn.append(a))
   wd = str(tmp_path / "run")
   summary = run_lib.run(smoke(), wd)
   log = records(wd)
+  # The run's own figure draws perplexity, named by the model's preset and experts, not a width.
+  (path, curves, title, ylabel, scale), = drawn
+  assert (ylabel, scale) == ("test perplexity", 1.0) and "width" not in title
+  assert "preset=tiny" in title and curves[0][2] == [r["test_perplexity"] for r in log]
   assert [r["t"] for r in log] == [0, 1, 2, 3, 4]
   ppl = [r["test_perplexity"] for r in log]
   assert all(b < a for a, b in zip(ppl, ppl[1:])), ppl

@@ -348,9 +348,17 @@ def test_a_pattern_stands_for_the_runs_it_matches(runs, tmp_path):
 
 def test_run_error_png(tmp_path):
   path = str(tmp_path / "e.png")
-  plots.run_error_png(path, [("seed 0", [0, 1, 2], [0.9, 0.5, 0.3])], "t")
+  fig = plots.run_error_png(path, [("seed 0", [0, 1, 2], [0.9, 0.5, 0.3])], "t")
   with open(path, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  (ax,) = fig.axes
+  assert ax.get_ylabel() == "test error (%)" and ax.get_yscale() == "linear"
+  assert ax.lines[0].get_ydata().tolist() == pytest.approx([90.0, 50.0, 30.0])
+  fig = plots.run_error_png(path, [("seed 0", [0, 1, 2], [50257.0, 700.0, 420.0])],
+                            "tiny_shakespeare lm_sm preset=tiny", "test perplexity", 1.0)
+  (ax,) = fig.axes
+  assert ax.get_ylabel() == "test perplexity" and ax.get_yscale() == "log"
+  assert ax.lines[0].get_ydata().tolist() == [50257.0, 700.0, 420.0]
 
 
 # -- real runs ------------------------------------------------------------------------------------
