@@ -126,10 +126,11 @@ def _wandb_run_id(directory: str) -> str | None:
 
 def _is_wandb_folder(path: str, run_id: str | None) -> bool:
   """Whether `path` is the folder W&B made in `wandb/` for the run `run_id`
-  (`run-<date>_<time>-<id>` or `offline-run-...`)."""
+  (`run-<date>_<time>-<id>` or `offline-run-...`; a resumption within the same second as the
+  previous folder gets `-<n>` after the id)."""
   if run_id is None or os.path.islink(path) or not os.path.isdir(path):
     return False
-  return re.fullmatch(r"(offline-)?run-\d{8}_\d{6}-" + re.escape(run_id),
+  return re.fullmatch(r"(offline-)?run-\d{8}_\d{6}-" + re.escape(run_id) + r"(-\d+)?",
                       os.path.basename(path)) is not None
 
 

@@ -392,6 +392,7 @@ def test_overwrite_keeps_a_users_files_in_the_checkpoint_and_wandb_folders(tmp_p
   (wd / "wandb_run.json").write_text('{"id": "abc123", "last_t": 3, "epochs": 5}')
   (wd / "wandb" / "run-20260101_120000-abc123" / "files").mkdir(parents=True)
   (wd / "wandb" / "offline-run-20260102_120000-abc123").mkdir()
+  (wd / "wandb" / "offline-run-20260102_120000-abc123-1").mkdir()  # resumed in the same second
   (wd / "wandb" / "run-20250101_000000-other9").mkdir()  # another project's W&B run
   os.symlink("run-20260101_120000-abc123", wd / "wandb" / "latest-run")
   seed = wd / "seed_1"
