@@ -99,7 +99,8 @@ def help_text() -> str:
   from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top
   from alma_jax.configuration import config_lib  # pylint: disable=g-import-not-at-top
   usage = ("usage: alma-jax --config=NAME[:VARIANT[,VARIANT]] --workdir=DIR "
-           "[--config.<field>=VALUE ...]\n       (or python -m alma_jax.main with the same flags)")
+           "[--config.<field>=VALUE ...]\n       (or python -m alma_jax.main with the same flags)\n"
+           + "".join(f"       alma-jax {n} ...: {what}\n" for n, what in SUBCOMMANDS.items()))
   names = config_files.available()
   wrap = lambda text, indent="  ", more=None: textwrap.fill(  # pylint: disable=unnecessary-lambda-assignment
       text, 96, initial_indent=indent, subsequent_indent=indent if more is None else more)
@@ -307,11 +308,44 @@ def main(argv):
     _fail(*errors.cli_error(e))
 
 
+# `alma-jax sweep ...` and `alma-jax report ...`: the sweep launcher and the report, from any
+# folder and with the installed package alone.
+SUBCOMMANDS = {"sweep": "run a grid of configs (launch/sweep.py; --help lists its flags)",
+               "report": "the report of finished runs (alma_jax.reports.report; --helpshort)"}
+
+
+def launch_dir() -> str | None:
+  """The folder of the launchers: `alma_jax/launch` when installed from a wheel, else the
+  checkout's top-level `launch/`."""
+  package = os.path.dirname(os.path.abspath(__file__))
+  for folder in (os.path.join(package, "launch"), os.path.join(os.path.dirname(package), "launch")):
+    if os.path.isfile(os.path.join(folder, "sweep.py")):
+      return folder
+  return None
+
+
+def _subcommand(name: str, args: list[str]) -> None:
+  """Replaces this process by the subcommand `name` with `args`."""
+  if name == "report":
+    cmd = [sys.executable, "-m", "alma_jax.reports.report", *args]
+  else:
+    folder = launch_dir()
+    if folder is None:
+      _fail("alma-jax sweep: the launchers are not installed with this copy of alma_jax (no "
+            "launch/sweep.py beside the package)", 2)
+    cmd = [sys.executable, os.path.join(folder, "sweep.py"), *args]
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.execv(sys.executable, cmd)
+
+
 def console():
   """The `alma-jax` command: this module's entry point, also taking configs by name.
 
   `--config=mnist_sm:quick` names `configs/mnist_sm.py:quick` (alma_jax.configuration.config_files).
   """
+  if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS:
+    _subcommand(sys.argv[1], sys.argv[2:])
   from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top
   _TYPED_ARGV[:] = sys.argv
   sys.argv = config_files.resolve_argv_or_exit(sys.argv)

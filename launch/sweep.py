@@ -103,6 +103,7 @@ from alma_jax import errors  # pylint: disable=g-import-not-at-top,wrong-import-
 from alma_jax import methods  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import policies  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.configuration import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import workdir as wd  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -140,6 +141,24 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
 
 def _value(v) -> str:
   return v if isinstance(v, str) else repr(v)
+
+
+GRIDS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grids")
+
+
+def grid_path(value: str) -> str:
+  """`--grid_file`: a file's path, or the name of a grid shipped with alma_jax
+  (`findings`, `findings_cifar`, ... in `launch/grids/`, installed as `alma_jax/launch/grids`)."""
+  if os.path.exists(value):
+    return value
+  name = os.path.basename(value).removesuffix(".py")
+  shipped = os.path.join(GRIDS_DIR, name + ".py")
+  if os.sep not in value.rstrip(os.sep).removeprefix("launch/grids/") and os.path.isfile(shipped):
+    return shipped
+  names = sorted(n[:-3] for n in os.listdir(GRIDS_DIR) if n.endswith(".py")) if os.path.isdir(
+      GRIDS_DIR) else []
+  raise SystemExit(f"sweep: error: --grid_file={value}: no such file, nor a grid of alma_jax's "
+                   f"(names: {', '.join(names) or 'none'})")
 
 
 def load_grid_file(path: str) -> list[list[tuple[str, list[str]]]]:
@@ -248,6 +267,10 @@ def point_args(config: str | None, point, extra: list[str]) -> tuple[str, list[s
   if not config:
     raise SystemExit("sweep: error: --config is required unless every grid names its "
                      f"`{CONFIG_FIELD}` (a list of config files)")
+  try:  # a config's name (mnist_sm:quick), or a grid's configs/<file> from another folder
+    config = config_files.resolve(config)
+  except config_files.UnknownConfigError as e:
+    raise SystemExit(f"sweep: error: {e}") from e
   flags = [f"--config.{f}={v}" for f, v in point if f != CONFIG_FIELD] + extra
   return config, flags
 
@@ -331,11 +354,12 @@ def find_workdir(root: str, name: str, digest: str, resolved: dict) -> str:
 
 def _args(argv):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", help="config file, e.g. configs/mnist_sm.py:quick (a grid's "
-                 f"`{CONFIG_FIELD}` field replaces it)")
+  p.add_argument("--config", help="config file or name, e.g. configs/mnist_sm.py:quick or "
+                 f"mnist_sm:quick (a grid's `{CONFIG_FIELD}` field replaces it)")
   p.add_argument("--root", required=True, help="directory holding one workdir per grid point")
   p.add_argument("--grid", action="append", default=[], help="field=v1,v2,... (repeatable)")
-  p.add_argument("--grid_file", help="a Python file defining GRID (see above)")
+  p.add_argument("--grid_file", help="a Python file defining GRID (see above), or the name of "
+                 "a grid shipped with alma_jax (findings, findings_cifar, beyond, paper_cifar)")
   p.add_argument("--parallel", type=int, default=1, help="runs at a time on this machine")
   p.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
                  help="write the report of the sweep's workdirs when its runs are over")
@@ -363,6 +387,8 @@ def _args(argv):
                  help="copy the repository to the TPU workers and install it before the runs")
   p.add_argument("extra", nargs="*", help="extra flags passed to every run (after --)")
   args = p.parse_args(argv)
+  if args.grid_file:
+    args.grid_file = grid_path(args.grid_file)
   if os.path.exists(args.root) and not os.path.isdir(args.root):
     raise SystemExit(f"sweep: error: --root={args.root} exists and is not a directory; give a "
                      "directory (existing or new) to hold the points' workdirs")

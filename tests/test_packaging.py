@@ -106,7 +106,8 @@ def test_console_script_is_the_module_entry_point():
 
 def test_every_package_and_config_folder_is_listed_for_setuptools():
   setup = _pyproject()["tool"]["setuptools"]
-  assert setup["package-dir"] == {"alma_jax.configs": "configs"}
+  assert setup["package-dir"] == {"alma_jax.configs": "configs", "alma_jax.launch": "launch",
+                                  "alma_jax.launch.grids": "launch/grids"}
   wanted = set()
   for parent, _, files in os.walk(os.path.join(ROOT, "alma_jax")):
     if "__init__.py" in files:
@@ -116,9 +117,12 @@ def test_every_package_and_config_folder_is_listed_for_setuptools():
     if any(f.endswith(".py") for f in files):
       rel = os.path.relpath(parent, CONFIGS)
       wanted.add("alma_jax.configs" + ("" if rel == "." else "." + rel.replace(os.sep, ".")))
+  wanted |= {"alma_jax.launch", "alma_jax.launch.grids"}  # launch/ and launch/grids/
   assert set(setup["packages"]) == wanted
   assert not os.path.exists(os.path.join(ROOT, "alma_jax", "configs")), (
       "the experiment files live in the top-level configs/ only")
+  assert not os.path.exists(os.path.join(ROOT, "alma_jax", "launch")), (
+      "the launchers live in the top-level launch/ only")
 
 
 def test_project_files_exist():
@@ -131,13 +135,13 @@ def test_project_files_exist():
   assert _pyproject()["project"]["license"] == "Apache-2.0"
 
 
-def test_wheel_ships_the_configs_and_the_console_script(tmp_path):
+def test_wheel_ships_the_configs_the_launchers_and_the_console_script(tmp_path):
   src = tmp_path / "src"
   src.mkdir()
   for name in ("pyproject.toml", "README.md", "LICENSE"):
     shutil.copy(os.path.join(ROOT, name), src / name)
   ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-  for name in ("alma_jax", "configs"):
+  for name in ("alma_jax", "configs", "launch"):
     shutil.copytree(os.path.join(ROOT, name), src / name, ignore=ignore)
   out = tmp_path / "wheel"
   # Built in isolation: pip brings the setuptools that pyproject.toml asks for (a fresh
@@ -152,9 +156,14 @@ def test_wheel_ships_the_configs_and_the_console_script(tmp_path):
   wanted = {f"alma_jax/configs/{n}.py" for n in config_files.available(CONFIGS)}
   assert len(wanted) >= 16 and wanted <= names
   assert "alma_jax/configuration/config_files.py" in names and "alma_jax/methods/sm.py" in names
+  launchers = {f"alma_jax/launch/{n}.py" for n in ("sweep", "sweep_state", "local", "slurm",
+                                                    "tpu_pod")}
+  grids = {f"alma_jax/launch/grids/{n}" for n in os.listdir(os.path.join(ROOT, "launch", "grids"))
+           if n.endswith(".py")}
+  assert launchers | grids <= names, sorted((launchers | grids) - names)
   assert f"{info}/licenses/LICENSE" in names
   assert "alma-jax = alma_jax.main:console" in entry_points
-  assert not any(n.startswith(("configs/", "tests/")) for n in names)
+  assert not any(n.startswith(("configs/", "tests/", "launch/")) for n in names)
 
 
 # -- configs by name --------------------------------------------------------------------------

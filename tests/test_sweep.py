@@ -733,3 +733,36 @@ def test_a_grid_file_that_raises_is_one_line_naming_its_line(tmp_path):
   with pytest.raises(SystemExit, match=r"^sweep: error: --grid_file=.*grid\.py: .*grid\.py, "
                                        r"line 2: NameError: name 'undefined' is not defined$"):
     sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", f"--grid_file={path}", "--dry_run"])
+
+
+def _alma_jax(*args, cwd):
+  import shutil  # pylint: disable=g-import-not-at-top
+  exe = shutil.which("alma-jax", path=os.path.dirname(sys.executable))
+  if exe is None:
+    pytest.fail("the alma-jax command is not installed beside this Python (pip install -e .)")
+  return subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+def test_alma_jax_sweep_and_report_work_from_any_folder_by_name(tmp_path):
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  proc = _alma_jax("sweep", "--config=mnist_sm:smoke", f"--root={tmp_path / 's'}",
+                   "--grid=seed=0,1", "--dry_run", "--no-validate", cwd=elsewhere)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  (line,) = [l for l in proc.stdout.splitlines() if "alma_jax.main" in l]
+  assert f"--config={os.path.join(ROOT, 'configs', 'mnist_sm.py')}:smoke" in line
+  # A grid shipped with alma_jax by name; its configs/<file> entries resolve from here too.
+  proc = _alma_jax("sweep", "--grid_file=findings_cifar", f"--root={tmp_path / 'c'}", "--dry_run",
+                   "--no-validate", cwd=elsewhere)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert sum("alma_jax.main" in l for l in proc.stdout.splitlines()) == 57
+  proc = _alma_jax("sweep", "--grid_file=no_such_grid", f"--root={tmp_path / 'c'}", "--dry_run",
+                   cwd=elsewhere)
+  assert proc.returncode != 0
+  assert "no such file, nor a grid of alma_jax's (names: beyond, findings" in proc.stderr
+  # The report, of a run that is not there: its own one-line error, from the report command.
+  proc = _alma_jax("report", f"--workdirs={tmp_path / 'nothing'}", f"--out={tmp_path / 'r'}",
+                   cwd=elsewhere)
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines()[-1].startswith("report: error: --workdirs: ")
