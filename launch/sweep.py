@@ -104,6 +104,7 @@ from alma_jax import methods  # pylint: disable=g-import-not-at-top,wrong-import
 from alma_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import policies  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.core import meter  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.configuration import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import workdir as wd  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -466,11 +467,14 @@ def _launch(todo, args, total: int, signals, resume_command: str) -> tuple[int, 
     (runs that failed, points left to another process that runs them).
   """
   pending, running, failed, elsewhere = list(todo), {}, 0, 0
+  started, took = {}, []  # when each run began; how long each finished one took
   while (pending or running) and not signals.received:
     for p, (i, _, workdir, resolved, log) in list(running.items()):
       if p.poll() is None:
         continue
       del running[p]
+      took.append(time.monotonic() - started.pop(p))
+      _tell_progress(i, total, took, len(pending) + len(running), args.parallel)
       where = f"; its output: {log}" if log else ""
       # Refused: the workdir may be another process's (there, of another host too).
       state, why = (status(workdir, resolved, any_host=True) if p.returncode == REFUSED
@@ -500,12 +504,22 @@ def _launch(todo, args, total: int, signals, resume_command: str) -> tuple[int, 
         continue
       log = (os.path.join(args.root, LOGS_DIR, os.path.basename(workdir) + ".log")
              if args.parallel > 1 else None)
-      running[_start(cmd, log, resume_command)] = (i, cmd, workdir, resolved, log)
+      proc = _start(cmd, log, resume_command)
+      started[proc] = time.monotonic()
+      running[proc] = (i, cmd, workdir, resolved, log)
     if running:
       time.sleep(0.1)
   if signals.received:
     _stop(running, total, len(pending), signals)
   return failed, elsewhere
+
+
+def _tell_progress(i: int, total: int, took: list[float], left: int, parallel: int) -> None:
+  """After a run ends: how long it took and when the sweep should end, from the mean time of
+  the runs that ended so far (the points left, `parallel` at a time)."""
+  eta = sum(took) / len(took) * left / parallel
+  print(f"sweep: [{i}/{total}] ended after {meter.duration(took[-1])}; {len(took)} ended here, "
+        f"{left} to go, sweep_eta={meter.duration(eta)}", file=sys.stderr, flush=True)
 
 
 def _stop(running: dict, total: int, left: int, signals) -> None:

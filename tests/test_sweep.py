@@ -766,3 +766,15 @@ def test_alma_jax_sweep_and_report_work_from_any_folder_by_name(tmp_path):
                    cwd=elsewhere)
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines()[-1].startswith("report: error: --workdirs: ")
+
+
+def test_a_sequential_sweep_says_after_each_run_how_long_it_took_and_the_sweep_s_eta(
+    tmp_path, monkeypatch, capsys):
+  _fake_runs(monkeypatch, seconds=0.2)
+  rc = sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=seed=0,1,2",
+                   "--seeds_together=no", "--no-report"])
+  assert rc == 0
+  lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("sweep: [")]
+  assert [l.split(" ended")[0] for l in lines] == ["sweep: [1/3]", "sweep: [2/3]", "sweep: [3/3]"]
+  assert lines[0].endswith("1 ended here, 2 to go, sweep_eta=0s")
+  assert lines[-1].endswith("3 ended here, 0 to go, sweep_eta=0s")
