@@ -282,9 +282,16 @@ def replay_figure(replay: list[Series], data: str):
 
 
 def wait_figure(waits: list[Series], data: str):
+  """CER against the waiting time, with a tick at every plotted wait (and no other)."""
   fig, axes = subplots(1, legend_entries=len(waits))
   style.draw_points(axes[0], waits, "waiting time w (mega-batches)", CER,
                     f"{data}: waiting time")
+  plotted = sorted({float(x) for s in waits for x in s["x"]})
+  if plotted:
+    from matplotlib import ticker  # pylint: disable=g-import-not-at-top
+    axes[0].xaxis.set_major_locator(ticker.FixedLocator(plotted))
+    axes[0].xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    axes[0].xaxis.set_minor_locator(ticker.NullLocator())
   style.legend(fig, axes)
   return fig
 

@@ -735,3 +735,21 @@ def test_without_matplotlib_the_report_writes_its_table_and_csv_and_says_why_no_
   assert "pip install 'alma-jax[report]'" in text and "| F3 | Ens beats SM |" in text
   assert "| mnist | sm |" in text
   assert "needs matplotlib" in caplog.text
+
+
+def test_the_wait_figure_has_a_tick_at_every_plotted_wait_and_its_legend_inside(tmp_path):
+  series = [{"label": "sm width=4", "color": "#1f77b4", "marker": "o",
+             "x": [1.0, 10.0, 25.0, 50.0, 250.0, 500.0], "y": [9.0, 5.0, 5.5, 6.0, 12.0, 20.0],
+             "yerr": [0.1] * 6},
+            {"label": "sm width=64", "color": "#1f77b4", "marker": "s",
+             "x": [1.0, 10.0, 25.0, 50.0, 250.0, 500.0], "y": [3.0, 3.2, 3.5, 4.0, 9.0, 18.0],
+             "yerr": [0.1] * 6}]
+  fig = plots.wait_figure(series, "mnist")
+  renderer = _canvas(fig)
+  (ax,) = fig.axes
+  labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+  assert labels == ["1", "10", "25", "50", "250", "500"]
+  assert not ax.xaxis.get_minorticklocs().size
+  (legend,) = fig.legends
+  box, page = legend.get_window_extent(renderer), fig.bbox
+  assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
