@@ -207,11 +207,10 @@ def _resume_command() -> str:
   launcher = os.environ.get("ALMA_JAX_RESUME_COMMAND")
   if launcher:
     return launcher
+  from alma_jax.observers import summary  # pylint: disable=g-import-not-at-top
   typed = _TYPED_ARGV or sys.argv
   args = [a for a in typed[1:] if not a.lstrip("-").startswith("overwrite")]
-  name = os.path.basename(typed[0])  # alma-jax, or this module run by `python -m`
-  program = ["python", "-m", "alma_jax.main"] if name in ("main.py", "alma_jax.main") else [name]
-  return shlex.join(program + args)
+  return shlex.join(summary.program(typed[0]) + args)
 
 
 # The command line as the user typed it (a config's name, not the file it names), for the

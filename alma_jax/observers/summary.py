@@ -44,16 +44,18 @@ def provenance() -> dict[str, str]:
     pass
   return {"commit": commit, "cpu": cpu_fusion.cpu_name(), "python": platform.python_version(),
           "jax": jax.__version__, "jaxlib": getattr(jaxlib, "__version__", "unknown"),
-          "command": shlex.join(_program() + sys.argv[1:])}
+          "command": shlex.join(program(sys.argv[0]) + sys.argv[1:])}
 
 
-def _program() -> list[str]:
-  """How this process was started: `python -m alma_jax.main`, or its script's name."""
-  if sys.argv[0].endswith(os.path.join("alma_jax", "main.py")):
+def program(argv0: str) -> list[str]:
+  """How a process whose `sys.argv[0]` is `argv0` was started: `python -m alma_jax.main` (also
+  when run through `runpy` as `alma_jax.main`), `python -m <package>`, or its script's name
+  (`alma-jax`)."""
+  if argv0.endswith(os.path.join("alma_jax", "main.py")) or argv0 == "alma_jax.main":
     return ["python", "-m", "alma_jax.main"]
-  if os.path.basename(sys.argv[0]) == "__main__.py":  # python -m <package>
-    return ["python", "-m", os.path.basename(os.path.dirname(sys.argv[0]))]
-  return [os.path.basename(sys.argv[0])]
+  if os.path.basename(argv0) == "__main__.py":  # python -m <package>
+    return ["python", "-m", os.path.basename(os.path.dirname(argv0))]
+  return [os.path.basename(argv0)]
 
 
 class Summary(Observer):
