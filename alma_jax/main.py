@@ -37,9 +37,12 @@ def _exit_now(message: str, code: int):
   os._exit(code)
 
 
-# TensorFlow (which reads the data sets) says its C++ notices at INFO, e.g. oneDNN's, twice:
-# warnings and errors only, unless the user chose a level.
+# TensorFlow (which reads the data sets) says its C++ notices at INFO: warnings and errors only,
+# unless the user chose a level. Its oneDNN notice (twice, on the first run that decodes a data
+# set) ignores that level; TensorFlow only decodes images here (integers, no float arithmetic
+# that oneDNN would change), so its oneDNN operations are off unless the user chose otherwise.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 try:  # Ctrl-C while the libraries load (seconds): one line, no traceback
   from absl import app  # pylint: disable=g-import-not-at-top
@@ -232,30 +235,10 @@ def _print_config() -> None:
   print(json.dumps(wd.config_dict(config), indent=2, sort_keys=True))
 
 
-class _PlainFormatter(logging.PythonFormatter):
-  """Log lines as the progress meter writes them: the message alone at INFO, `warning: ` or
-  `error: ` before it above (absl's prefix of level, time, thread and source line only with
-  --debug)."""
-
-  def format(self, record) -> str:
-    import logging as py_logging  # pylint: disable=g-import-not-at-top
-    text = record.getMessage()
-    if record.exc_info:
-      text += "\n" + self.formatException(record.exc_info)
-    if record.levelno >= py_logging.ERROR:
-      return f"error: {text}"
-    return f"warning: {text}" if record.levelno >= py_logging.WARNING else text
-
-
 def _plain_logging() -> None:
-  """Plain log lines (`_PlainFormatter`) and the libraries' own INFO notices left out (JAX's
-  'Unable to initialize backend' for each plugin it does not find)."""
-  import logging as py_logging  # pylint: disable=g-import-not-at-top
-  if not _DEBUG.value:
-    logging.get_absl_handler().setFormatter(_PlainFormatter())
-  for name in ("jax", "jaxlib", "tensorflow", "tensorflow_datasets", "orbax"):
-    if py_logging.getLogger(name).level == py_logging.NOTSET:
-      py_logging.getLogger(name).setLevel(py_logging.WARNING)
+  """Plain log lines, the libraries' INFO notices left out (`alma_jax.outputs.log_lines`)."""
+  from alma_jax.outputs import log_lines  # pylint: disable=g-import-not-at-top
+  log_lines.plain(debug=_DEBUG.value)
 
 
 def main(argv):
@@ -273,6 +256,8 @@ def main(argv):
   start, why = multihost.wanted(setting, _DISTRIBUTED.value)
   _choose_cpu_fusion(multiprocess=start)  # before JAX starts its backend
   if start:
+    from alma_jax.outputs import interrupts  # pylint: disable=g-import-not-at-top
+    interrupts.hold_early()  # the processes stop together, at the run's first check
     logging.info("starting jax.distributed (%s)", why)
     multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   cache = _enable_compilation_cache(jax)
@@ -300,6 +285,7 @@ def main(argv):
   try:
     run.run(config, _WORKDIR.value, overwrite=_OVERWRITE.value, startup_s=timing.process_age_s())
   except run.RunInterrupted as e:
+    multihost.leave()  # every process stopped at the same check: they leave together
     _exit_now(f"{e}; to resume, run the same command again: {_resume_command()}", e.exit_code)
   except Exception as e:  # pylint: disable=broad-except
     if _DEBUG.value:

@@ -178,7 +178,9 @@ def main(argv=None) -> int:
     p.error(f"--only: unknown protocols {unknown}; valid: {list(PROTOCOLS)}" if unknown
             else f"--repeat={args.repeat} must be >= 1")
   if not os.path.exists(args.peer_script):
-    p.error(f"--peer-script={args.peer_script} does not exist (see ../shared/peer/README.md)")
+    p.error(f"--peer-script={args.peer_script} does not exist: give the harness that runs the "
+            "released code (--peer-script or PEER_SCRIPT; what it must print: "
+            "benchmarks/README.md)")
   lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
   load = os.getloadavg()
   rows, runs = [], {}

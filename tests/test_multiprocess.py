@@ -49,11 +49,15 @@ def test_both_processes_hold_the_same_parameters_as_one_process(tmp_path):
     np.testing.assert_array_equal(held[0][k], held[1][k])
 
 
-def _launch(workdir, cache, kill_at=None):
+def _launch(workdir, cache, kill_at=None, **kill):
+  """The two-process run; `kill_at` and `kill` (signal=..., process=...): the kill hook of
+  `alma_jax.outputs.interrupts` in its processes."""
   env = dict(os.environ)
-  env.pop("ALMA_JAX_TEST_KILL_AT", None)
+  for name in ("AT", "SIGNAL", "PROCESS"):
+    env.pop(f"ALMA_JAX_TEST_KILL_{name}", None)
   if kill_at:
     env["ALMA_JAX_TEST_KILL_AT"] = kill_at
+  env.update({f"ALMA_JAX_TEST_KILL_{k.upper()}": str(v) for k, v in kill.items()})
   out = io.StringIO()
   args = ["--config=configs/mnist_ens.py:smoke", f"--workdir={workdir}",
           "--config.method.num_members=2", "--config.mesh.model=2", "--config.train.epochs=1",
@@ -99,3 +103,17 @@ def test_two_process_run_writes_one_log_and_resumes_after_a_kill(tmp_path):
   assert code == 0, out[-5000:]
   assert out.count("resuming") == 2
   assert _outputs(tmp_path / "killed") == (log, summary)
+  # SIGTERM reaches process 1 alone, before its stage at t=2: both processes stop at the same
+  # check, each with its own message (process 0 is not left waiting in a collective until the
+  # launcher kills it), and the run resumes.
+  code, out = _launch(tmp_path / "stopped", cache, kill_at="t=2:stage", signal="SIGTERM",
+                      process=1)
+  assert code == 143, out[-5000:]
+  for i in (0, 1):
+    assert f"[{i}] alma_jax: error: interrupted by SIGTERM; the last checkpoint is t=1" in out, (
+        out[-5000:])
+  assert "SIGKILL" not in out and "did not stop" not in out, out[-5000:]
+  assert [r["t"] for r in io_utils.read_jsonl(tmp_path / "stopped" / "log.jsonl")] == [0, 1]
+  code, out = _launch(tmp_path / "stopped", cache)
+  assert code == 0, out[-5000:]
+  assert _outputs(tmp_path / "stopped") == (log, summary)

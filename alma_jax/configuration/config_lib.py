@@ -249,7 +249,9 @@ FIRST_VARIANTS = ("paper",)
 # a method-dependent value follows the config file's method.name); smoke: seconds (a small
 # slice of the data, a tiny model, a short stream); quick: minutes on a laptop CPU (MNIST: the
 # whole stream B=500 with w=10; CIFAR-10: the whole training set in 10 mega-batches, C=16, 3
-# epochs per stage).
+# epochs per stage). smoke decides the speed choices by rule (`train.autotune`), so that a first
+# run on a new machine takes seconds, not minutes of measuring first; quick measures them (a
+# small part of its minutes).
 IMAGE_VARIANTS = {
     "paper": {
         "model.init": "torch",
@@ -262,7 +264,8 @@ IMAGE_VARIANTS = {
     },
     "smoke": {"data.train_subset": _CIFAR_OR(800, 2000), "data.test_subset": _CIFAR_OR(500, 1000),
               "stream.num_megabatches": 4, "model.width": _CIFAR_OR(4, 8), "train.epochs": 2,
-              "train.patience": 2, "train.eval_batch_size": _CIFAR_OR(500, KEEP)},
+              "train.patience": 2, "train.eval_batch_size": _CIFAR_OR(500, KEEP),
+              "train.autotune": "rules"},
     "quick": {"stream.wait": _CIFAR_OR(KEEP, 10), "stream.num_megabatches": _CIFAR_OR(10, KEEP),
               "model.width": _CIFAR_OR(16, KEEP), "train.epochs": _CIFAR_OR(3, 20),
               "train.patience": _CIFAR_OR(3, 5)},
@@ -270,8 +273,9 @@ IMAGE_VARIANTS = {
 # Text: the presets `base` and `large` (the paper's sizes); smoke: seconds on a CPU (the tiny
 # model, L=32, 16 sequences per mega-batch, 5 steps per stage); quick: minutes on a 2-core CPU
 # (the tiny model on the whole tiny_shakespeare stream, L=64, 80 steps of 8 sequences per
-# stage); iid: Table 1's i.i.d. ablation; `Kx` (e.g. `2x`): K times the training steps per
-# stage, Table 2's "2x steps" rows. No `paper` variant: the text defaults (`tasks/text.py`:
+# stage; smoke with the speed choices by rule); iid: Table 1's i.i.d. ablation; `Kx` (e.g.
+# `2x`): K times the training steps per stage, Table 2's "2x steps" rows. No `paper` variant:
+# the text defaults (`tasks/text.py`:
 # Adam 0.9/0.98/1e-8, warm-up then linear decay to 0, 192 sequences of 512 tokens, 120,000
 # steps per mega-batch, B=4, balancing weight 0.01, capacity factor 1, k = 2, 2, 4) already
 # are the paper's (section 5, App. B.2); what it leaves to tuning (the peak learning rate in
@@ -283,7 +287,8 @@ TEXT_VARIANTS = {
     "smoke": {"model.preset": "tiny", "data.seq_len": 32, "data.train_subset": 80,
               "data.test_subset": 16, "stream.val_fraction": 0.2, "train.batch_size": 4,
               "train.eval_batch_size": 8, "train.steps_per_epoch": 5,
-              "optimizer.warmup_steps": 1, "optimizer.kwargs.learning_rate": 3e-3},
+              "optimizer.warmup_steps": 1, "optimizer.kwargs.learning_rate": 3e-3,
+              "train.autotune": "rules"},
     "quick": {"model.preset": "tiny", "data.seq_len": 64, "data.test_subset": 128,
               "stream.val_fraction": 0.02, "train.batch_size": 8, "train.eval_batch_size": 16,
               "train.steps_per_epoch": 80, "optimizer.warmup_steps": 8,

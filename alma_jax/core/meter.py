@@ -46,9 +46,11 @@ SPEED_HALF_LIFE_S = 30.0  # older measurements of the speed count half after thi
 
 
 def duration(seconds: float) -> str:
-  """A short duration: 42s, 3m05s, 2h10m, 1d04h."""
+  """A short duration: 42s, 3m05s, 2h10m, 1d04h; <1s for some time under a second (0s: none)."""
   if not math.isfinite(seconds):
     return "?"
+  if 0.0 < seconds < 0.5:
+    return "<1s"
   s = int(round(max(0.0, seconds)))
   if s < 60:
     return f"{s}s"

@@ -63,6 +63,64 @@ def is_primary() -> bool:
   return jax.process_index() == 0
 
 
+# How long a process waits for the others at a vote (`Vote`) or when it leaves a run that
+# stops: longer than any host-side pause between two checks (a checkpoint write, an evaluation).
+VOTE_TIMEOUT_S = 1800.0
+LEAVE_TIMEOUT_S = 30.0
+
+
+def _client():
+  """The coordination service's client of a multi-process run (None: a single process)."""
+  if jax.process_count() <= 1:
+    return None
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  return distributed.global_state.client
+
+
+class Vote:
+  """Agreement of the processes of a run on one value at each point where all of them ask.
+
+  Every process calls the vote at the same points of its program, in the same
+  order (the stream loop is the same program in every process), with its own
+  value or None; each call returns the value of the lowest process id that
+  gave one, the same in every process, or None. It waits for the others at a
+  barrier of the coordination service (host-side: the devices keep working on
+  the programs already dispatched), so that every process takes the same
+  decision at the same point: a signal that reached one process stops all of
+  them at the same step, none left waiting in a collective for a peer that
+  stopped. In a single process it returns the value given.
+  """
+
+  def __init__(self, timeout_s: float = VOTE_TIMEOUT_S):
+    self.timeout_ms = int(timeout_s * 1000)
+    self.count = 0
+
+  def __call__(self, mine: int | None) -> int | None:
+    client = _client()
+    if client is None:
+      return mine
+    self.count += 1
+    prefix = f"alma_jax/vote/{self.count}/"
+    if mine is not None:
+      client.key_value_set(f"{prefix}{jax.process_index():06d}", str(int(mine)))
+    client.wait_at_barrier(f"alma_jax/vote/{self.count}", self.timeout_ms)
+    given = sorted(client.key_value_dir_get(prefix))
+    return int(given[0][1]) if given else None
+
+
+def leave(timeout_s: float = LEAVE_TIMEOUT_S) -> None:
+  """Before a multi-process run's process exits early (a signal stopped the run): waits, at
+  most `timeout_s`, until every process leaves, so that process 0, which hosts the
+  coordination service, does not end it under the others (they would abort)."""
+  client = _client()
+  if client is None:
+    return
+  try:
+    client.wait_at_barrier("alma_jax/leave", int(timeout_s * 1000))
+  except Exception:  # pylint: disable=broad-except
+    pass  # a peer gone already or stuck: leave anyway
+
+
 def sync(name: str) -> None:
   """Waits until every process of a multi-process run reaches the point `name`."""
   if jax.process_count() > 1:

@@ -99,7 +99,8 @@ def run(config, workdir: str, *, overwrite: bool = False, startup_s: float | Non
     meter = meter_lib.Meter(F.get(config.log, "log.progress"),
                             every_s=F.get(config.train, "train.progress_every_s"),
                             primary=multihost.is_primary())
-    with interrupts.Signals() as signals, contextlib.closing(meter.start()):
+    vote = multihost.Vote() if jax.process_count() > 1 else None
+    with interrupts.Signals(vote) as signals, contextlib.closing(meter.start()):
       t_start, timer = time.monotonic(), timing.Breakdown()
       meter.doing("loading the data and setting the run up (with any speed choices left to "
                   "measure)")
@@ -136,6 +137,7 @@ def _walk(setup: Setup, observers: Observers, checkpoints: ckpt_obs.Checkpoints,
   state, snapshot = _open(setup, observers, checkpoints, signals, overwrite)
   try:
     with signals.deferred():  # a signal stops the loop at the next step boundary
+      signals.check()  # (a multi-process run's first chance to stop, after its set-up)
       meter.doing("starting the stream")
       _begin(setup, state, snapshot, clock)
       return stream(setup, state, observers, checkpoints, signals, clock, meter)

@@ -56,7 +56,7 @@ class Checkpoints(Observer):
         os.path.join(s.workdir, wd.STAGE_DIR), every_s=c.checkpoint.every_s,
         every_epochs=c.checkpoint.stage_every_epochs,
         identity={"config": wd.config_dict(c), "inputs": s.inputs},
-        stopping=lambda: self.signals.pending is not None,
+        stopping=self.signals.stopping,
         facts=lambda: {"compiled": sorted(self.clock.compiled())},
         quarantine_dir=os.path.join(s.workdir, wd.CORRUPT_DIR))
     self.ckpt = ckpt_lib.Checkpointer(os.path.join(s.workdir, wd.CHECKPOINT_DIR),

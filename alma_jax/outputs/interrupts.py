@@ -10,6 +10,11 @@ records the signal, since an exception raised from a handler that lands in a
 JAX callback or in JAX's dispatch would be swallowed there; the loop stops at
 the next step boundary (`Signals.check()`, after every compiled train call).
 
+In a multi-process run (`vote`: `alma_jax.core.multihost.Vote`) a process
+never stops on its own: the handler only records the signal, and every
+`check()` asks all processes whether one of them has a signal, so that they
+all stop at the same check, whichever of them the signal reached and when.
+
 Testing hook: the environment variable `ALMA_JAX_TEST_KILL_AT` (a comma
 separated list such as `t=2:checkpoint,summary`) makes the process send
 itself `ALMA_JAX_TEST_KILL_SIGNAL` (default SIGKILL) at the named points:
@@ -18,7 +23,8 @@ stage N), `t=N:log` (after the record of N is logged), `t=N:checkpoint`
 (while the checkpoint of N is being written), `t=N:saved` (once its
 asynchronous write is confirmed complete: at the next checkpoint, an
 interruption or the end of the run) and `summary` (before summary.json is
-written).
+written). In a multi-process run, `ALMA_JAX_TEST_KILL_PROCESS=i` limits it to
+process i.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import contextlib
 import os
 import signal
 import threading
+from typing import Callable
 
 # The signals that stop a run (SIGHUP where the platform has it).
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
@@ -45,10 +52,29 @@ class RunInterrupted(BaseException):
     super().__init__(f"interrupted by {signal.Signals(signum).name}; {where}")
 
 
+# Signals that arrived while `hold_early()` was in force, for the run's `Signals` to act on.
+_EARLY: list[int] = []
+
+
+def hold_early() -> None:
+  """Records SIGNALS from now on until a run's `Signals` takes over (and acts on them at its
+  first check): for a multi-process run, whose processes must stop together at a check they
+  agree on, not one of them at once while the others wait for it."""
+  if threading.current_thread() is not threading.main_thread():
+    return
+  for s in SIGNALS:
+    if s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) == signal.SIG_IGN:
+      continue
+    signal.signal(s, lambda signum, frame: _EARLY.append(signum))
+
+
 class Signals:
   """Handlers of `SIGNALS`: raise at once, or after the current `critical()` section."""
 
-  def __init__(self):
+  def __init__(self, vote: Callable[[int | None], int | None] | None = None):
+    """`vote`: the processes' agreement on a pending signal (`multihost.Vote`) in a
+    multi-process run; None: this process decides alone."""
+    self.vote = vote
     self.pending: int | None = None
     self.last_checkpoint: int | None = None
     self._depth = 0
@@ -56,6 +82,8 @@ class Signals:
     self._old = {}
 
   def __enter__(self) -> "Signals":
+    if _EARLY and self.pending is None:  # held since `hold_early()`
+      self.pending = _EARLY[0]
     if threading.current_thread() is threading.main_thread():
       for s in SIGNALS:
         if s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) == signal.SIG_IGN:
@@ -71,7 +99,7 @@ class Signals:
     del frame
     if self.pending is None:
       self.pending = signum
-    if self._depth == 0 and self._defer == 0:
+    if self._depth == 0 and self._defer == 0 and self.vote is None:
       raise RunInterrupted(self.pending, self.last_checkpoint)
 
   @contextlib.contextmanager
@@ -83,21 +111,41 @@ class Signals:
     finally:
       self._defer -= 1
 
+  def stopping(self) -> bool:
+    """Whether a signal asks the run to stop, without raising; in a multi-process run, whether
+    one reached any process (a vote: every process asks here)."""
+    if self.vote is not None:
+      agreed = self.vote(self.pending)
+      if agreed is not None and self.pending is None:
+        self.pending = agreed
+      return agreed is not None
+    return self.pending is not None
+
   def check(self) -> None:
-    """Raises `RunInterrupted` if a signal arrived (a step boundary outside writes)."""
-    if self.pending is not None and self._depth == 0:
+    """Raises `RunInterrupted` if a signal arrived (a step boundary outside writes); in a
+    multi-process run, if one arrived in any process (every process checks here)."""
+    if self._depth:
+      return
+    if self.vote is not None:  # the processes' decision, whatever arrives during the vote
+      agreed = self.vote(self.pending)
+      if agreed is None:
+        return
+      if self.pending is None:
+        self.pending = agreed
+    if self.pending is not None:
       raise RunInterrupted(self.pending, self.last_checkpoint)
 
   @contextlib.contextmanager
   def critical(self, act: bool = True):
-    """A section (a write) that a signal does not interrupt; it acts after it (`act` False:
-    at the caller's next `check()`, e.g. a stage that saves itself before it stops)."""
+    """A section (a write) that a signal does not interrupt; it acts after it (`act` False,
+    or a multi-process run: at the next `check()`, e.g. a stage that saves itself before it
+    stops)."""
     self._depth += 1
     try:
       yield
     finally:
       self._depth -= 1
-    if act and self._depth == 0 and self.pending is not None:
+    if act and self._depth == 0 and self.pending is not None and self.vote is None:
       raise RunInterrupted(self.pending, self.last_checkpoint)
 
 
@@ -105,4 +153,9 @@ def kill_point(point: str, t: int | None = None) -> None:
   """The testing hook described in the module docstring."""
   spec = os.environ.get("ALMA_JAX_TEST_KILL_AT")
   if spec and (point if t is None else f"t={t}:{point}") in spec.split(","):
+    only = os.environ.get("ALMA_JAX_TEST_KILL_PROCESS")
+    if only:
+      import jax  # pylint: disable=g-import-not-at-top
+      if jax.process_index() != int(only):
+        return
     os.kill(os.getpid(), getattr(signal, os.environ.get("ALMA_JAX_TEST_KILL_SIGNAL", "SIGKILL")))

@@ -14,9 +14,12 @@ is a dict of config fields (flattened paths) and values; it must pick out
 exactly one group of `results.csv` (the runs that differ only by their seed,
 its `group` column). A comparison may set its own `metric`, and `better` may
 be a list of selectors: with `"within": "comp_total"` (or another summary
-field) the candidate whose mean `comp_total` is largest without exceeding
-that of `worse` is compared (a fixed model against a growing one at no more
-compute); without it, the candidate with the lowest mean metric (the best of
+field) the candidates whose mean `comp_total` does not exceed that of `worse`
+are eligible, and `"pick"` says which of them is compared: `"most"` (the
+default), the one spending most (a fixed model against a growing one at no
+more compute), or `"best"`, the one with the lowest mean metric (is any
+cheaper choice at least as good?). Without `within`, the candidate with the
+lowest mean metric is compared (the best of
 the intermediate waits against an extreme one: a choice made on the same
 seeds, which favours the paper's side a little, and the table says so).
 
@@ -212,56 +215,72 @@ def _select(groups, selector: Mapping[str, Any], finding: str) -> tuple[str, lis
   return (_describe(selector), found[0][1]) if found else None
 
 
+def _finished(picked) -> list[Mapping[str, str]]:
+  """The rows of a picked group whose runs finished (the rest are left out everywhere)."""
+  return [r for r in picked[1] if str(r.get("finished")) == "True"]
+
+
 def _side(picked, metric: str, finding: str) -> Side | None:
   if picked is None:
     return None
-  label, rows = picked
   values = []
-  for r in rows:
-    if str(r.get("finished")) != "True":
-      continue
+  for r in _finished(picked):
     cell = r.get(metric, "")
     if cell in ("", None):
       raise FindingsError(f"finding {finding}: results.csv has no value of {metric!r} for "
                           f"{r.get('workdir')}")
     values.append(float(cell))
-  return Side(label, tuple(values))
+  return Side(picked[0], tuple(values))
 
 
 def _mean_of(picked, field: str) -> float:
-  vals = [float(r[field]) for r in picked[1] if str(r.get("finished")) == "True"
-          and r.get(field) not in ("", None)]
+  vals = [float(r[field]) for r in _finished(picked) if r.get(field) not in ("", None)]
   return math.fsum(vals) / len(vals) if vals else math.nan
+
+
+PICKS = ("most", "best")  # within a budget: the candidate spending most, or the best one
+
+
+def _lowest(scored):
+  """The pick whose score is lowest, of (score, pick) pairs; NaN scores never win."""
+  scored = [(s, p) for s, p in scored if not math.isnan(s)]
+  return min(scored, key=lambda sp: sp[0])[1] if scored else None
 
 
 def compare(groups, spec: Mapping[str, Any], metric: str, finding: str) -> Comparison:
   metric = spec.get("metric", metric)
-  unknown = set(spec) - {"better", "worse", "metric", "within", "note"}
+  unknown = set(spec) - {"better", "worse", "metric", "within", "pick", "note"}
   if unknown or "better" not in spec or "worse" not in spec:
     raise FindingsError(f"finding {finding}: a comparison has the keys better, worse and "
-                        f"optionally metric, within, note; got {sorted(spec)}")
+                        f"optionally metric, within, pick, note; got {sorted(spec)}")
+  within, pick = spec.get("within"), spec.get("pick", "most")
+  if pick not in PICKS or ("pick" in spec and not within):
+    raise FindingsError(f"finding {finding}: pick is one of {list(PICKS)} and needs within; "
+                        f"got pick={spec.get('pick')!r}, within={within!r}")
   worse_pick = _select(groups, spec["worse"], finding)
-  note = spec.get("note", "")
-  within = spec.get("within")
+  notes = [spec["note"]] if spec.get("note") else []
+  candidates = spec["better"] if isinstance(spec["better"], (list, tuple)) else [spec["better"]]
+  picks = [p for p in (_select(groups, c, finding) for c in candidates) if p is not None]
   if within:
-    candidates = spec["better"] if isinstance(spec["better"], (list, tuple)) else [spec["better"]]
-    picks = [p for p in (_select(groups, c, finding) for c in candidates) if p is not None]
     budget = _mean_of(worse_pick, within) if worse_pick else math.nan
-    fit = [(b, p) for p in picks for b in [_mean_of(p, within)] if b <= budget]
-    better_pick = max(fit, key=lambda bp: bp[0])[1] if fit else None
+    fit = [p for p in picks if _mean_of(p, within) <= budget]
+    if pick == "most":
+      better_pick = _lowest((-_mean_of(p, within), p) for p in fit)
+    else:
+      better_pick = _lowest((_mean_of(p, metric), p) for p in fit)
     if better_pick is not None:
-      note = (note + "; " if note else "") + (
-          f"{within} {_mean_of(better_pick, within):.3g} vs {budget:.3g}")
+      spent = f"{_mean_of(better_pick, within):.3g} vs {budget:.3g}"
+      notes.append(f"the best of {len(fit)} within {within}: {spent}" if pick == "best"
+                   else f"{within} {spent}")
     elif picks and worse_pick:
-      note = (note + "; " if note else "") + f"no candidate within {within} {budget:.3g}"
-  elif isinstance(spec["better"], (list, tuple)):  # the best of the candidates
-    picks = [p for p in (_select(groups, c, finding) for c in spec["better"]) if p is not None]
-    scored = [(m, p) for p in picks for m in [_mean_of(p, metric)] if not math.isnan(m)]
-    better_pick = min(scored, key=lambda mp: mp[0])[1] if scored else None
+      notes.append(f"no candidate within {within} {budget:.3g}")
+  elif len(candidates) > 1:  # the best of the candidates
+    better_pick = _lowest((_mean_of(p, metric), p) for p in picks)
     if len(picks) > 1 and better_pick is not None:
-      note = (note + "; " if note else "") + f"the best of {len(picks)}"
+      notes.append(f"the best of {len(picks)}")
   else:
-    better_pick = _select(groups, spec["better"], finding)
+    better_pick = picks[0] if picks else None
+  note = "; ".join(notes)
   better, worse = _side(better_pick, metric, finding), _side(worse_pick, metric, finding)
   if better is None or worse is None or not better.values or not worse.values:
     return Comparison(metric, better, worse, math.nan, MISSING, note)

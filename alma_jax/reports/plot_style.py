@@ -8,8 +8,10 @@
   it (`shade`).
 * A marker per waiting time (per width where the wait is the x axis), in the
   order of the values; replay draws it hollow, its line dashed. Series whose
-  points share an x are moved apart by a small fraction of a decade as drawn
-  (`dodge`), so that no marker hides another; the series' data stay exact.
+  points share an x are drawn a few points apart on the page (`dodge`), so
+  that no marker hides another; the shift is in display space, the same
+  however far the axis is zoomed, and the data (and the axis limits) stay
+  exact. An axis with one x value only is never dodged.
 * An axis of CER, test error or perplexity is logarithmic where its values
   span more than `LOG_SPAN` times, or more than `SQUASH_SPAN` times with most
   of them in the bottom fifth of a linear axis (`axis_scale`), linear
@@ -46,7 +48,7 @@ METHOD_COLORS = {"sm": "#1f77b4", "ens": "#ff7f0e", "umix": "#2ca02c", "gens": "
 SPARE_COLORS = ("#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 # Shades of a method's variants: the colour mixed with white (> 0) or black (< 0).
 SHADES = (0.0, 0.45, -0.35, 0.7, -0.55)
-DODGE_DECADES = 0.012
+DODGE_PT = 3.0  # the shift between two dodged series, in points on the page
 # Fields that have a look of their own (colour family, marker, fill): not variants.
 OWN_LOOK_FIELDS = ("method.name", "model.width", "stream.wait", "stream.replay")
 
@@ -208,38 +210,51 @@ def legend(fig, axes) -> None:
                ncols=legend_columns(len(seen)), frameon=False)
 
 
-def dodge(series: Sequence[Series], log: bool = True) -> list[np.ndarray]:
-  """The x of each series as drawn: the series whose points share an x with another series'
-  are spread over a few hundredths of a decade (log) or of the x range (linear)."""
+def dodge(series: Sequence[Series], log: bool = True) -> list[float]:
+  """The horizontal shift of each series as drawn, in points: the series whose points share
+  an x with another series' are spread `DODGE_PT` apart, centred on the data; none where the
+  whole axis has one x value (nothing to tell apart along it)."""
   xs = [np.asarray(s["x"], np.float64) for s in series]
   keys = [{round(math.log10(x) if log else x, 6) for x in v if not log or x > 0} for v in xs]
   shared = [i for i in range(len(xs)) if any(keys[i] & keys[j] for j in range(len(xs)) if j != i)]
-  if not shared:
-    return xs
-  span = 0.0 if log else float(np.ptp(np.concatenate(xs))) if xs else 0.0
-  out = list(xs)
+  out = [0.0] * len(xs)
+  if len(set().union(*keys)) <= 1:
+    return out
   for rank, i in enumerate(shared):
-    step = (rank - (len(shared) - 1) / 2) * DODGE_DECADES
-    out[i] = xs[i] * 10.0 ** step if log else xs[i] + step * span
+    out[i] = (rank - (len(shared) - 1) / 2) * DODGE_PT
   return out
+
+
+def _shifted(ax, artists, points: float) -> None:
+  """Draws `artists` (data coordinates) `points` to the right on the page."""
+  if not points:
+    return
+  from matplotlib import transforms  # pylint: disable=g-import-not-at-top
+  shift = ax.transData + transforms.ScaledTranslation(points / 72.0, 0.0,
+                                                      ax.figure.dpi_scale_trans)
+  for a in artists:
+    a.set_transform(shift)
 
 
 def draw_points(ax, series: Sequence[Series], xlabel: str, ylabel: str, title: str = "",
                 logx: bool = True, engineering: bool = False) -> None:
   """Markers with error bars, a line through each series' points (dashed with replay; a
   segment's hollow ends drawn hollow); log x (tidy ticks), y log where it spans > LOG_SPAN."""
-  for s, x in zip(series, dodge(series, logx)):
+  for s, points in zip(series, dodge(series, logx)):
+    x = np.asarray(s["x"], np.float64)
     filled = s.get("filled", True)
     hollow = s.get("hollow", [not filled] * len(x))
-    ax.errorbar(x, s["y"], xerr=s.get("xerr"), yerr=s.get("yerr"), color=s["color"],
-                linestyle="-" if filled else "--", linewidth=1.2, capsize=2, marker="none",
-                elinewidth=0.8, label=None)
+    bars = ax.errorbar(x, s["y"], xerr=s.get("xerr"), yerr=s.get("yerr"), color=s["color"],
+                       linestyle="-" if filled else "--", linewidth=1.2, capsize=2,
+                       marker="none", elinewidth=0.8, label=None)
+    drawn = list(bars.get_children())
     for filled_pts in (True, False):
       sel = [i for i in range(len(x)) if hollow[i] != filled_pts]
       if sel:
-        ax.plot(x[sel], np.asarray(s["y"])[sel], linestyle="none", marker=s["marker"],
-                markersize=MARKER_SIZE, color=s["color"], markeredgewidth=1.0,
-                markerfacecolor=s["color"] if filled_pts else "white")
+        drawn += ax.plot(x[sel], np.asarray(s["y"])[sel], linestyle="none", marker=s["marker"],
+                         markersize=MARKER_SIZE, color=s["color"], markeredgewidth=1.0,
+                         markerfacecolor=s["color"] if filled_pts else "white")
+    _shifted(ax, drawn, points)
     ax.plot([], [], color=s["color"], marker=s["marker"], markersize=MARKER_SIZE,
             linestyle="-" if filled else "--", markerfacecolor=s["color"] if filled else "white",
             label=s["label"])

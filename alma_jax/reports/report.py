@@ -69,6 +69,7 @@ from alma_jax import tasks
 from alma_jax.configuration import config_lib
 from alma_jax.outputs import checkpoint as ckpt_lib
 from alma_jax.outputs import io_utils
+from alma_jax.outputs import log_lines
 from alma_jax.outputs import workdir as wd
 from alma_jax.reports import findings as findings_lib
 from alma_jax.reports import gating_plot
@@ -507,6 +508,7 @@ def _fail(message: str) -> None:
 
 
 def main(argv):
+  log_lines.plain()
   workdirs = expand_workdirs(list(FLAGS.workdirs or []) +
                              [a for a in argv[1:] if not a.startswith("-")])
   if not workdirs or FLAGS.out is None:

@@ -88,7 +88,7 @@ FINDINGS = [
     {"id": "F5b", "claim": "replay gives no better trade-off: a model without replay spending "
      "no more compute does at least as well",
      "comparisons": [{"better": _FIXED_SM + [_sm(h, w) for h in (4, 64) for w in WAITS],
-                      "within": "comp_paper_total", "worse": _sm(h, 50, 1.0)}
+                      "within": "comp_paper_total", "pick": "best", "worse": _sm(h, 50, 1.0)}
                      for h in (4, 64)]},
     {"id": "F6", "claim": "language models (Ens 4@2): learning sequentially ends at a higher "
      "perplexity than learning i.i.d. on the same data with the same compute",

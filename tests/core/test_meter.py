@@ -40,8 +40,9 @@ def _meter(level="full", every_s=10.0, **kwargs):
 
 
 def test_duration_formats():
-  assert [meter_lib.duration(s) for s in (0, 42.4, 185, 7800, 100800, float("nan"))] == [
-      "0s", "42s", "3m05s", "2h10m", "1d04h", "?"]
+  assert [meter_lib.duration(s) for s in (0, 0.3, 0.6, 42.4, 185, 7800, 100800,
+                                          float("nan"))] == [
+      "0s", "<1s", "1s", "42s", "3m05s", "2h10m", "1d04h", "?"]
 
 
 def test_running_line_has_the_fields_and_an_eta_from_the_measured_speed():

@@ -70,6 +70,80 @@ def test_outside_deferred_sections_a_signal_raises_at_once_and_writes_finish_fir
     assert done == ["write finished"]
 
 
+class _Votes:
+  """A stand-in for the processes' vote (`multihost.Vote`): what this process gave at each
+  check, and what the others gave (`others`: the signal of a lower process id, or None)."""
+
+  def __init__(self, others=None):
+    self.given, self.others = [], others
+
+  def __call__(self, mine):
+    self.given.append(mine)
+    return self.others if self.others is not None else mine
+
+
+def test_with_a_vote_a_signal_only_records_and_every_check_asks_the_others():
+  votes = _Votes()
+  with interrupts.Signals(votes) as signals:
+    signals.check()
+    os.kill(os.getpid(), signal.SIGTERM)  # outside a deferred section: recorded, not raised
+    for _ in range(10 ** 5):
+      pass
+    done = []
+    with signals.critical():  # nor at the end of a write
+      done.append("write finished")
+    assert done == ["write finished"] and signals.pending == signal.SIGTERM
+    with pytest.raises(interrupts.RunInterrupted) as info:
+      signals.check()
+  assert votes.given == [None, signal.SIGTERM] and info.value.exit_code == 143
+
+
+def test_a_signal_that_reached_another_process_stops_this_one_at_the_same_check():
+  votes = _Votes(others=signal.SIGHUP)
+  with interrupts.Signals(votes) as signals:
+    with pytest.raises(interrupts.RunInterrupted) as info:
+      signals.check()
+  assert votes.given == [None] and info.value.exit_code == 129
+
+
+def test_stopping_asks_the_others_too_so_that_every_process_saves_or_none():
+  with interrupts.Signals(_Votes()) as signals:
+    assert not signals.stopping()
+  votes = _Votes(others=signal.SIGTERM)  # the signal reached another process
+  with interrupts.Signals(votes) as signals:
+    assert signals.stopping() and signals.pending == signal.SIGTERM
+    with pytest.raises(interrupts.RunInterrupted):
+      signals.check()
+  assert votes.given == [None, signal.SIGTERM]
+
+
+def test_a_signal_arriving_during_the_vote_waits_for_the_next_check():
+  def vote(mine):  # the signal comes while the processes agree on "none"
+    os.kill(os.getpid(), signal.SIGINT)
+    return mine
+
+  with interrupts.Signals(vote) as signals:
+    signals.check()  # agreed: go on
+    assert signals.pending == signal.SIGINT
+    with pytest.raises(interrupts.RunInterrupted):
+      signals.check()
+
+
+def test_signals_held_before_the_run_are_acted_on_at_its_first_check():
+  before = {s: signal.getsignal(s) for s in interrupts.SIGNALS}
+  try:
+    interrupts.hold_early()
+    os.kill(os.getpid(), signal.SIGTERM)  # e.g. while jax.distributed starts
+    with interrupts.Signals(_Votes()) as signals:
+      assert signals.pending == signal.SIGTERM
+      with pytest.raises(interrupts.RunInterrupted):
+        signals.check()
+  finally:
+    interrupts._EARLY.clear()
+    for s, h in before.items():
+      signal.signal(s, h)
+
+
 def test_sighup_stops_a_run_like_sigterm():
   hung_up = []
   before = signal.signal(signal.SIGHUP, lambda *_: hung_up.append(True))  # not this process's end
@@ -198,7 +272,8 @@ def test_sigterm_while_measuring_the_speed_settings_kills_the_child_and_says_how
   # before it starts. SIGTERM once the first child runs.
   env = dict(os.environ, PYTHONPATH=ROOT, ALMA_JAX_CACHE_DIR=str(tmp_path / "cache"))
   proc = subprocess.Popen([sys.executable, "-m", "alma_jax.main", "--config=configs/cifar_sm.py:smoke",
-                           f"--workdir={tmp_path}/wd", "--config.train.cpu_fusion=auto"],
+                           f"--workdir={tmp_path}/wd", "--config.train.cpu_fusion=auto",
+                           "--config.train.autotune=measure"],
                           cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
                           preexec_fn=_default_signals)
   seen = []

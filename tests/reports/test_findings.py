@@ -133,6 +133,33 @@ def test_within_a_budget_the_largest_candidate_that_spends_no_more_is_compared()
       got.comparisons[0].note)
 
 
+def test_pick_best_compares_the_lowest_metric_within_the_budget():
+  def _r(width, replay=0.0):
+    return dict(_sm(width), **{"stream.replay": replay})
+  rows = _rows({
+      "s4": (_r(4), [2.0, 2.1, 1.9], {"comp_total": 1.0}),   # best, and within the budget
+      "s16": (_r(16), [4.0, 4.1, 3.9], {"comp_total": 3.0}),  # spends most within it
+      "s64": (_r(64), [1.0, 1.1, 0.9], {"comp_total": 9.0}),  # best of all, over the budget
+      "replay": (_r(4, 1.0), [3.0, 3.1, 2.9], {"comp_total": 4.0})})
+  comp = {"better": [_r(4), _r(16), _r(64)], "within": "comp_total", "worse": _r(4, 1.0)}
+  spec = {"id": "F5", "claim": "", "comparisons": [dict(comp, pick="best")]}
+  (c,) = F.evaluate(rows, [spec])[0].comparisons
+  assert c.better.label == "name=sm width=4 wait=10 replay=0.0" and c.outcome == F.CLEAR_FOR
+  assert "the best of 2 within comp_total: 1 vs 4" in c.note
+  spec["comparisons"] = [comp]  # the default picks the one spending most: width 16, worse
+  (c,) = F.evaluate(rows, [spec])[0].comparisons
+  assert c.better.label == "name=sm width=16 wait=10 replay=0.0" and c.outcome == F.CLEAR_AGAINST
+
+
+@pytest.mark.parametrize("bad", [{"pick": "cheapest"}, {"pick": "best", "within": None}])
+def test_a_pick_that_is_unknown_or_has_no_budget_is_refused(bad):
+  rows = _rows({"s4": (_sm(4), [2.0, 2.1, 1.9], {"comp_total": 1.0})})
+  comp = dict({"better": [_sm(4)], "within": "comp_total", "worse": _sm(4)}, **bad)
+  comp = {k: v for k, v in comp.items() if v is not None}
+  with pytest.raises(F.FindingsError, match="pick is one of .'most', 'best'. and needs within"):
+    F.evaluate(rows, [{"id": "F5", "claim": "", "comparisons": [comp]}])
+
+
 def test_a_list_without_a_budget_compares_its_best_candidate():
   rows = _rows({"w1": (_sm(4, 1), [5.0, 5.2, 4.8]), "w10": (_sm(4, 10), [3.0, 3.2, 2.8]),
                 "w50": (_sm(4, 50), [4.0, 4.2, 3.8]), "w500": (_sm(4, 500), [9.0, 9.2, 8.8])})

@@ -338,12 +338,17 @@ def test_a_pattern_stands_for_the_runs_it_matches(runs, tmp_path):
   assert report.expand_workdirs([str(tmp_path / "*")]) == sorted(runs)
   assert report.expand_workdirs([str(tmp_path / "sm8_s?"), "a"]) == sorted(runs[:2]) + ["a"]
   assert report.expand_workdirs([str(tmp_path / "none*")]) == [str(tmp_path / "none*")]
-  proc = subprocess.run([sys.executable, "-m", "alma_jax.reports.report", f"--workdirs={tmp_path}/*",
-                         f"--out={tmp_path / 'report'}", "--nogating"], cwd=ROOT,
+  proc = subprocess.run([sys.executable, "-m", "alma_jax.reports.report",
+                         f"--workdirs={tmp_path}/*,{runs[0]}", f"--out={tmp_path / 'report'}",
+                         "--nogating"], cwd=ROOT,
                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
                         check=False)
   assert proc.returncode == 0, proc.stderr
   assert "| mnist | sm | 8 | 1 | 0 | 2 |" in (tmp_path / "report" / "report.md").read_text()
+  # Plain lines: no absl prefix, no library notices (JAX's "Unable to initialize backend").
+  assert f"warning: --workdirs: {runs[0]} is given more than once" in proc.stderr, proc.stderr
+  assert "Unable to initialize backend" not in proc.stderr, proc.stderr
+  assert not re.search(r"^[IW]\d{4} ", proc.stderr, re.M), proc.stderr
 
 
 def test_run_error_png(tmp_path):
@@ -581,15 +586,27 @@ def test_fonts_are_at_least_8_pt_and_mem_tick_labels_do_not_overlap(tmp_path):
     assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:])), [t.get_text() for t in labels]
 
 
-def test_series_that_share_an_x_are_drawn_apart(tmp_path):
+def test_series_that_share_an_x_are_drawn_apart_on_the_page_with_exact_data():
   same = [{"x": [1e6, 4e6], "y": [1.0, 2.0]}, {"x": [1e6], "y": [3.0]}, {"x": [9e6], "y": [1.0]}]
-  drawn = plot_style.dodge(same)
-  assert drawn[0][0] != drawn[1][0] and drawn[0][0] != 1e6
-  np.testing.assert_allclose(drawn[2], [9e6])  # alone: where it is
-  np.testing.assert_allclose(np.asarray(drawn[0]) / np.asarray(same[0]["x"]),
-                             [drawn[0][0] / 1e6] * 2)  # a whole series moves
-  assert abs(np.log10(drawn[0][0] / drawn[1][0])) < 0.05
-  assert same[0]["x"] == [1e6, 4e6]  # the data stay exact
+  shifts = plot_style.dodge(same)
+  assert shifts == [-plot_style.DODGE_PT / 2, plot_style.DODGE_PT / 2, 0.0]  # alone: unmoved
+  assert plot_style.dodge([{"x": [5.0], "y": [1.0]}, {"x": [5.0], "y": [2.0]}]) == [0.0, 0.0]
+  # Equal x on an axis zoomed to a few percent of a decade: exact data, a shift of points.
+  for xs in ([0.0083, 0.00855], [1e3, 1e9]):
+    series = [{"label": f"s{i}", "color": "#1f77b4", "marker": "o", "x": list(xs),
+               "y": [1.0 + i, 2.0]} for i in range(2)]
+    fig, (ax,) = plot_style.subplots(1)
+    plot_style.draw_points(ax, series, "Comp", "CER")
+    _canvas(fig)
+    centres = []
+    for line in ax.get_lines():
+      if len(line.get_xdata()) == 2 and list(line.get_marker() or "") != ["None"]:
+        assert list(line.get_xdata()) == xs  # the data, unmoved
+        centres.append(line.get_transform().transform([[xs[0], 1.0]])[0][0])
+    gaps = {round(abs(a - b) * 72.0 / fig.dpi, 6) for a in centres for b in centres if a != b}
+    assert gaps == {plot_style.DODGE_PT}, gaps
+    lo, hi = ax.get_xlim()
+    assert lo < xs[0] and hi > xs[1]
 
 
 def _lm_run(tmp_path, name, iid, seed, ppl):

@@ -114,7 +114,8 @@ def test_a_real_measurement_times_both_strategies_of_an_ensemble(tmp_path):
 
 @requires_mnist
 def test_a_run_records_its_choices_in_the_workdir_the_cache_and_the_summary(tmp_path):
-  c = helpers.smoke(train__steps_per_call=0, stream__num_megabatches=2)
+  c = helpers.smoke(train__steps_per_call=0, stream__num_megabatches=2,
+                    train__autotune="measure")  # (smoke's own choices are by rule)
   wd = str(tmp_path / "wd")
   summary = run_lib.run(c, wd)
   key = autotune.machine_key(c, MNIST, "train.steps_per_call")
