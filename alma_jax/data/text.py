@@ -13,7 +13,11 @@ the error names the files, where to get them and how to point the run at
 them. The first load writes the token arrays (uint16) and the
 byte length of every test target under the cache directory, keyed by the
 source and a digest of the tokenizer files; later loads read the cache
-without importing TensorFlow or tokenising again.
+without importing TensorFlow or tokenising again. A run whose token cache is
+there needs nothing else: offline, without the tfds copy (the newest cached
+version of the corpus is read) and without the BPE files (a cache made with
+GPT-2's BPE is keyed by the digest of GPT-2's published files, which a local
+copy of them has too).
 
 The token stream is cut into sequences of L + 1 tokens that overlap by one
 (sequence i holds tokens iL ... iL + L): the model reads the first L and
@@ -25,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import tempfile
 import time
 
@@ -219,20 +224,44 @@ def _file_key(path: str) -> str:
 
 
 # -- loading with the cache -----------------------------------------------------------------------
-def load_corpus(*, name: str, text_file: str | None, bpe_folder: str, data_dir: str | None = None,
-                cache_dir: str | None = None, use_cache: bool = True, text_feature: str = "text",
-                test_fraction: float = 0.1, download: str = "auto") -> TextCorpus:
-  """Loads (or tokenises and caches) a text corpus; see the module docstring."""
-  t0 = time.monotonic()
-  tok = tokenizer_digest(bpe_folder)
+def token_cache(*, name: str, text_file: str | None, bpe_folder: str | None,
+                data_dir: str | None = None, cache_dir: str | None = None,
+                text_feature: str = "text", test_fraction: float = 0.1) -> tuple[str, str]:
+  """(the folder of the corpus's token cache, the corpus's label). `bpe_folder` None: the BPE
+  files are not at hand, so only a cache made with GPT-2's BPE can serve. Without a prepared
+  tfds copy of `name`, the newest version of it in the cache."""
+  tok = tokenizer_digest(bpe_folder if bpe_folder else TIKTOKEN_GPT2)
+  root = os.path.join(cache_dir or images.default_cache_dir(), "text")
   if text_file:
     source = f"file_{_file_key(text_file)}_test{test_fraction!r}"
-    label = os.path.basename(text_file)
-  else:
-    versions = images.prepared_versions(name, data_dir)
-    source = f"tfds_{name}_{versions[-1] if versions else 'any'}_{text_feature}"
-    label = name
-  folder = os.path.join(cache_dir or images.default_cache_dir(), "text", f"{source}_bpe{tok}")
+    return os.path.join(root, f"{source}_bpe{tok}"), os.path.basename(text_file)
+  versions = images.prepared_versions(name, data_dir)
+  folder = os.path.join(root, f"tfds_{name}_{versions[-1] if versions else 'any'}_"
+                              f"{text_feature}_bpe{tok}")
+  if not versions and os.path.isdir(root):  # no tfds copy: the newest cached version
+    pattern = re.compile(
+        rf"tfds_{re.escape(name)}_(\d[\w.]*)_{re.escape(text_feature)}_bpe{tok}")
+    cached = sorted((m.group(1), d) for d in os.listdir(root) if (m := pattern.fullmatch(d))
+                    and os.path.isfile(os.path.join(root, d, "meta.json")))
+    if cached:
+      folder = os.path.join(root, cached[-1][1])
+  return folder, name
+
+
+def has_token_cache(**where) -> bool:
+  """Whether `token_cache(**where)` holds a cache (not checked for damage)."""
+  return os.path.isfile(os.path.join(token_cache(**where)[0], "meta.json"))
+
+
+def load_corpus(*, name: str, text_file: str | None, bpe_folder: str | None, data_dir: str | None = None,
+                cache_dir: str | None = None, use_cache: bool = True, text_feature: str = "text",
+                test_fraction: float = 0.1, download: str = "auto") -> TextCorpus:
+  """Loads (or tokenises and caches) a text corpus; see the module docstring. `bpe_folder`
+  None: the BPE files are not at hand, the token cache must serve."""
+  t0 = time.monotonic()
+  folder, label = token_cache(name=name, text_file=text_file, bpe_folder=bpe_folder,
+                              data_dir=data_dir, cache_dir=cache_dir, text_feature=text_feature,
+                              test_fraction=test_fraction)
   if use_cache and os.path.isfile(os.path.join(folder, "meta.json")):
     try:
       arrays, meta = images.read_cache(folder)
@@ -241,6 +270,10 @@ def load_corpus(*, name: str, text_file: str | None, bpe_folder: str, data_dir: 
                                                   "source": "cache"})
     except ValueError as e:
       logging.warning("token cache %s is stale or corrupt (%s); tokenising again", folder, e)
+  if bpe_folder is None:
+    raise TokenizerUnavailableError(
+        f"no usable token cache of {label!r} in {os.path.dirname(folder)}, and the GPT-2 BPE "
+        f"files to make one are not at hand; {_how_to_get_files()}")
   if text_file:
     train_text, test_text = split_text(_file_text(text_file), test_fraction)
   else:

@@ -120,6 +120,14 @@ class TextData:
     return self.num_train if split == "train" else int(self.starts.shape[0]) - self.num_train
 
 
+def _corpus(config, bpe_folder: str | None) -> dict:
+  """Where a config's corpus comes from (`alma_jax.data.text.token_cache`'s arguments)."""
+  d = config.data
+  return {"name": d.name, "text_file": d.text_file or None, "bpe_folder": bpe_folder,
+          "data_dir": d.data_dir, "cache_dir": d.cache_dir, "text_feature": d.text_feature,
+          "test_fraction": d.test_fraction}
+
+
 class TextTask(base.Task):
   """Next-token prediction on sequences of L + 1 tokens."""
 
@@ -194,15 +202,23 @@ class TextTask(base.Task):
 
   @classmethod
   def check_available(cls, config) -> None:
-    """The BPE files and the text (a file, or a tfds data set prepared or downloadable)."""
+    """The text (a file, or a tfds data set prepared or downloadable) and the BPE files, or the
+    corpus's token cache alone (offline, without either)."""
+    d = config.data
+    if d.text_file and not os.path.isfile(d.text_file):
+      raise ConfigError(f"config.data.text_file={d.text_file!r} is not a file")
     try:
-      text_data.bpe_dir(config.data.bpe_dir)
+      folder = text_data.bpe_dir(d.bpe_dir)
     except text_data.TokenizerUnavailableError as e:
-      raise ConfigError(str(e)) from e
-    if not config.data.text_file:
+      where = text_data.token_cache(**_corpus(config, None))[0]
+      if not (d.use_cache and os.path.isfile(os.path.join(where, "meta.json"))):
+        raise ConfigError(f"{e}; nor is there a token cache to run from "
+                          f"({os.path.dirname(where)})") from e
+      return  # the token cache serves
+    if d.use_cache and text_data.has_token_cache(**_corpus(config, folder)):
+      return
+    if not d.text_file:
       base.check_dataset_available(config)
-    elif not os.path.isfile(config.data.text_file):
-      raise ConfigError(f"config.data.text_file={config.data.text_file!r} is not a file")
 
   @classmethod
   def known_shape(cls, config):
@@ -212,10 +228,12 @@ class TextTask(base.Task):
   def load(self, config, seeds):
     """The corpus as sequences (a data set object for the loop) and each seed's subset (None)."""
     d = config.data
-    corpus = text_data.load_corpus(
-        name=d.name, text_file=d.text_file, bpe_folder=text_data.bpe_dir(d.bpe_dir),
-        data_dir=d.data_dir, cache_dir=d.cache_dir, use_cache=d.use_cache,
-        text_feature=d.text_feature, test_fraction=d.test_fraction, download=d.download)
+    try:
+      bpe_folder = text_data.bpe_dir(d.bpe_dir)
+    except text_data.TokenizerUnavailableError:
+      bpe_folder = None  # the token cache must serve (`check_available`)
+    corpus = text_data.load_corpus(**_corpus(config, bpe_folder), use_cache=d.use_cache,
+                                   download=d.download)
     l = self.seq_len
     n_train = text_data.num_sequences(len(corpus.train_tokens), l)
     n_test = text_data.num_sequences(len(corpus.test_tokens), l)

@@ -338,7 +338,7 @@ def test_offline_without_files_the_error_says_where_to_get_them(tmp_path, monkey
              r"config\.data\.bpe_dir \(or \$ALMA_JAX_BPE_DIR\) to it")
   with pytest.raises(text_data.TokenizerUnavailableError, match=message):
     text_data.bpe_dir(None)
-  c = smoke()
+  c = smoke(data__cache_dir=str(tmp_path / "no_token_cache"))  # (a token cache would serve)
   with pytest.raises(ConfigError, match=message):
     validation.validate(c)
   # A damaged download in the cache counts as none.
