@@ -282,6 +282,15 @@ def main(argv):
     if _DEBUG.value:
       raise
     _fail(str(e), 2)
+  if jax.process_count() == 1:  # a signal during a long compile: out at once, not after it
+    from alma_jax.outputs import interrupts  # pylint: disable=g-import-not-at-top
+
+    def stop_while_compiling(signum, last_checkpoint):
+      e = interrupts.RunInterrupted(signum, last_checkpoint)
+      _exit_now(f"{e} (during a compilation, not waited for); to resume, run the same command "
+                f"again: {_resume_command()}", e.exit_code)
+
+    interrupts.on_stop_while_compiling(stop_while_compiling)
   try:
     run.run(config, _WORKDIR.value, overwrite=_OVERWRITE.value, startup_s=timing.process_age_s())
   except run.RunInterrupted as e:

@@ -149,6 +149,10 @@ class Meter:
       self.doing(f"compiling {what} ({why})")
     self.say(f"compiling {what} ({why})")
 
+  def is_compiling(self) -> bool:
+    """Whether a program announced by `compiling` is compiling now."""
+    return self._before_compile is not None
+
   def compiled(self, what: str, seconds: float) -> None:
     """The program announced last compiled (and ran once) in `seconds`."""
     with self._lock:

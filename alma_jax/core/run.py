@@ -100,7 +100,8 @@ def run(config, workdir: str, *, overwrite: bool = False, startup_s: float | Non
                             every_s=F.get(config.train, "train.progress_every_s"),
                             primary=multihost.is_primary())
     vote = multihost.Vote() if jax.process_count() > 1 else None
-    with interrupts.Signals(vote) as signals, contextlib.closing(meter.start()):
+    with interrupts.Signals(vote, compiling=meter.is_compiling) as signals, \
+        contextlib.closing(meter.start()):
       t_start, timer = time.monotonic(), timing.Breakdown()
       meter.doing("loading the data and setting the run up (with any speed choices left to "
                   "measure)")

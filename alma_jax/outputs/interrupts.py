@@ -33,6 +33,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from typing import Callable
 
 # The signals that stop a run (SIGHUP where the platform has it).
@@ -50,6 +51,22 @@ class RunInterrupted(BaseException):
     where = (f"the last checkpoint is t={last_checkpoint}" if last_checkpoint is not None
              else "no checkpoint was written yet")
     super().__init__(f"interrupted by {signal.Signals(signum).name}; {where}")
+
+
+# Seconds a compilation may still take after a signal before the process exits without waiting
+# for it (`on_stop_while_compiling`): a compile is often over sooner, and then the run stops at
+# its next check as usual.
+COMPILE_GRACE_S = 2.0
+_ON_STOP_WHILE_COMPILING: list = []
+
+
+def on_stop_while_compiling(exit_fn) -> None:
+  """Registers `exit_fn(signum, last_checkpoint)`, which ends the process (it must not return),
+  for a signal that arrives while XLA compiles: no handler runs until a compile returns, which
+  can take minutes, so a watcher thread calls it once `COMPILE_GRACE_S` seconds pass with the
+  compile still going. For a command-line run of one process (`alma_jax.main`); a library
+  caller's process is never ended this way."""
+  _ON_STOP_WHILE_COMPILING[:] = [exit_fn]
 
 
 # Signals that arrived while `hold_early()` was in force, for the run's `Signals` to act on.
@@ -71,10 +88,13 @@ def hold_early() -> None:
 class Signals:
   """Handlers of `SIGNALS`: raise at once, or after the current `critical()` section."""
 
-  def __init__(self, vote: Callable[[int | None], int | None] | None = None):
+  def __init__(self, vote: Callable[[int | None], int | None] | None = None,
+               compiling: Callable[[], bool] | None = None):
     """`vote`: the processes' agreement on a pending signal (`multihost.Vote`) in a
-    multi-process run; None: this process decides alone."""
-    self.vote = vote
+    multi-process run; None: this process decides alone. `compiling()`: whether XLA compiles
+    now (`alma_jax.core.meter.Meter.is_compiling`), for `on_stop_while_compiling`."""
+    self.vote, self.compiling = vote, compiling
+    self._wakeup = None  # (read fd, write fd, the wakeup fd before) of the watcher
     self.pending: int | None = None
     self.last_checkpoint: int | None = None
     self._depth = 0
@@ -89,11 +109,42 @@ class Signals:
         if s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) == signal.SIG_IGN:
           continue  # nohup: the run outlives its terminal
         self._old[s] = signal.signal(s, self._handle)
+      if self.compiling is not None and self.vote is None and _ON_STOP_WHILE_COMPILING:
+        self._watch()
     return self
 
   def __exit__(self, *exc) -> None:
     for s, handler in self._old.items():
       signal.signal(s, handler)
+    if self._wakeup is not None:
+      r, w, before = self._wakeup
+      self._wakeup = None
+      signal.set_wakeup_fd(before)
+      os.close(w)  # the watcher reads the end of the pipe and returns
+
+  def _watch(self) -> None:
+    """Starts the watcher: the C-level handler writes each signal's number to a pipe at once,
+    even while the main thread is inside a compile."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    self._wakeup = (r, w, signal.set_wakeup_fd(w, warn_on_full_buffer=False))
+    exit_fn, compiling = _ON_STOP_WHILE_COMPILING[0], self.compiling
+
+    def watch():
+      try:
+        while data := os.read(r, 64):
+          signums = [b for b in data if b in SIGNALS]
+          if not signums or not compiling():
+            continue
+          deadline = time.monotonic() + COMPILE_GRACE_S
+          while compiling() and time.monotonic() < deadline:
+            time.sleep(0.05)
+          if compiling():
+            exit_fn(signums[0], self.last_checkpoint)
+      finally:
+        os.close(r)
+
+    threading.Thread(target=watch, name="alma_jax-signal-watcher", daemon=True).start()
 
   def _handle(self, signum, frame) -> None:
     del frame

@@ -321,3 +321,46 @@ def test_the_resume_hint_repeats_the_command_as_typed(tmp_path):
   last = proc.stderr.rstrip("\n").splitlines()[-1]
   assert last.endswith(f"to resume, run the same command again: alma-jax "
                        f"--config=mnist_sm:smoke --workdir={tmp_path}/wd"), last
+
+
+# A process that compiles a program that takes about half a minute to compile (3,000 chained
+# matrix products, XLA's optimisations off as in the suite), with a run's signal handling and a
+# command line's exit for a signal during a compile.
+_SLOW_COMPILE = """
+import os, sys, jax, jax.numpy as jnp
+from alma_jax.outputs import interrupts
+def f(x):
+  for i in range(3000):
+    x = jnp.sin(x @ x.T) + i
+  return x
+lowered = jax.jit(f).lower(jnp.ones((8, 8)))
+interrupts.on_stop_while_compiling(
+    lambda signum, last: (print("stopped by", signum, "last checkpoint", last, flush=True),
+                          os._exit(128 + signum)))
+compiling = [False]
+with interrupts.Signals(compiling=lambda: compiling[0]) as signals, signals.deferred():
+  compiling[0] = True
+  print("compiling", flush=True)
+  lowered.compile()
+  compiling[0] = False
+print("compiled", flush=True)
+"""
+
+
+def test_a_signal_during_a_long_compile_ends_the_process_without_waiting_for_it():
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+  proc = subprocess.Popen([sys.executable, "-c", _SLOW_COMPILE], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=_default_signals)
+  try:
+    assert proc.stdout.readline() == "compiling\n", proc.stderr.read()
+    time.sleep(0.5)  # inside XLA's compile now
+    proc.send_signal(signal.SIGTERM)
+    out = proc.stdout.read()
+    code = proc.wait(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  # Ended by the watcher while compiling: "compiled" never printed (without the watcher, the
+  # signal waits for the compile to end, and the process then exits 0 after "compiled").
+  assert code == 143 and out == "stopped by 15 last checkpoint None\n", (code, out)
