@@ -3,9 +3,14 @@
 
 import os
 
-from alma_jax.core import run as run_lib
+import pytest
+
+from alma_jax import tasks
+from alma_jax.core import run_setup
+from alma_jax.core import validation
 from alma_jax.data import images
 from alma_jax.data import text as text_data
+from alma_jax.errors import ConfigError
 from tests import helpers
 from tests.conftest import BPE_DIR, requires_mnist, requires_text
 from tests.data.test_text import smoke as text_smoke
@@ -30,34 +35,36 @@ def _no_tfds(monkeypatch):
   monkeypatch.setattr(text_data, "_tfds_text", refuse)
 
 
+def _inputs(c) -> str:
+  """A config's validation (which checks its data is available), then the fingerprint of the
+  data its run would read (`run_setup.fingerprint`: the arrays on the device)."""
+  c = validation.validate(c)
+  task = tasks.for_config(c)
+  ds, _ = task.load(c, [0])
+  return run_setup.fingerprint(task.device_data(ds))
+
+
 @requires_text
 def test_a_text_run_starts_offline_from_its_token_cache_alone(tmp_path, monkeypatch):
   c = text_smoke(data__cache_dir=str(tmp_path / "cache"), data__bpe_dir=BPE_DIR)
-  run_lib.run(c, str(tmp_path / "online"))  # tokenises and writes the token cache
-  expected = helpers.outputs(str(tmp_path / "online"))
+  online = _inputs(c)  # tokenises and writes the token cache
   empty = _offline(monkeypatch, tmp_path)
   _no_tfds(monkeypatch)
   c = text_smoke(data__cache_dir=str(tmp_path / "cache"), data__bpe_dir="", data__data_dir=empty)
-  run_lib.run(c, str(tmp_path / "offline"))
-  assert helpers.outputs(str(tmp_path / "offline")) == expected
-  # Without the cache, the error names what is missing, as before.
+  assert _inputs(c) == online
+  # Without the cache, the error names what is missing and where the cache was looked for.
   c.data.cache_dir = str(tmp_path / "other_cache")
-  try:
-    run_lib.run(c, str(tmp_path / "none"))
-  except ValueError as e:
-    assert "config.data.bpe_dir is not set" in str(e)
-  else:
-    raise AssertionError("ran without a cache, the BPE files or the data")
+  with pytest.raises(ConfigError, match=r"config\.data\.bpe_dir is not set.*; nor is there a "
+                     r"token cache to run from \(.*other_cache/text\)"):
+    validation.validate(c)
 
 
 @requires_mnist
 def test_an_image_run_starts_offline_from_its_decoded_cache_alone(tmp_path, monkeypatch):
   c = helpers.smoke(data__cache_dir=str(tmp_path / "cache"))
-  run_lib.run(c, str(tmp_path / "online"))  # decodes and writes the cache
-  expected = helpers.outputs(str(tmp_path / "online"))
+  online = _inputs(c)  # decodes and writes the cache
   empty = _offline(monkeypatch, tmp_path)
   _no_tfds(monkeypatch)
   c = helpers.smoke(data__cache_dir=str(tmp_path / "cache"), data__data_dir=empty)
-  run_lib.run(c, str(tmp_path / "offline"))
-  assert helpers.outputs(str(tmp_path / "offline")) == expected
+  assert _inputs(c) == online
   assert os.listdir(empty) == []
