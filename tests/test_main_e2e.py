@@ -222,3 +222,21 @@ def test_log_lines_are_plain_and_library_notices_left_out(tmp_path):
   assert not any("meter.py:" in l or "summary.py:" in l for l in lines)  # no absl prefix
   assert "Unable to initialize backend" not in proc.stderr
   assert "oneDNN custom operations" not in proc.stderr
+
+
+@requires_mnist
+def test_a_second_identical_run_loads_every_program_from_the_persistent_cache(tmp_path):
+  # gMoE: the growth path's eager operations and the programs of each slot size too.
+  cache = tmp_path / "xla"
+  timings = []
+  for name in ("first", "second"):
+    proc = run_main("configs/mnist_gmoe.py:smoke", tmp_path / name,
+                    f"--compilation_cache_dir={cache}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / name / "summary.json") as f:
+      timings.append(json.load(f)["timings"])
+  first, second = timings
+  assert first["compile_cache_requests"] > 0
+  assert second["xla_programs"] == first["xla_programs"]
+  assert second["compile_cache_hits"] == second["compile_cache_requests"] == (
+      first["compile_cache_requests"]), second
