@@ -255,8 +255,8 @@ def main(argv):
     setting = "auto"  # a config that fails to load is reported below
   start, why = multihost.wanted(setting, _DISTRIBUTED.value)
   _choose_cpu_fusion(multiprocess=start)  # before JAX starts its backend
+  from alma_jax.outputs import interrupts  # pylint: disable=g-import-not-at-top
   if start:
-    from alma_jax.outputs import interrupts  # pylint: disable=g-import-not-at-top
     interrupts.hold_early()  # the processes stop together, at the run's first check
     logging.info("starting jax.distributed (%s)", why)
     multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
@@ -283,7 +283,6 @@ def main(argv):
       raise
     _fail(str(e), 2)
   if jax.process_count() == 1:  # a signal during a long compile: out at once, not after it
-    from alma_jax.outputs import interrupts  # pylint: disable=g-import-not-at-top
 
     def stop_while_compiling(signum, last_checkpoint):
       e = interrupts.RunInterrupted(signum, last_checkpoint)

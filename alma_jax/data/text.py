@@ -242,27 +242,28 @@ def token_cache(*, name: str, text_file: str | None, bpe_folder: str | None,
     pattern = re.compile(
         rf"tfds_{re.escape(name)}_(\d[\w.]*)_{re.escape(text_feature)}_bpe{tok}")
     cached = sorted((m.group(1), d) for d in os.listdir(root) if (m := pattern.fullmatch(d))
-                    and os.path.isfile(os.path.join(root, d, "meta.json")))
+                    and has_cache(os.path.join(root, d)))
     if cached:
       folder = os.path.join(root, cached[-1][1])
   return folder, name
 
 
-def has_token_cache(**where) -> bool:
-  """Whether `token_cache(**where)` holds a cache (not checked for damage)."""
-  return os.path.isfile(os.path.join(token_cache(**where)[0], "meta.json"))
+def has_cache(folder: str) -> bool:
+  """Whether the cache folder `folder` holds a cache (not checked for damage)."""
+  return os.path.isfile(os.path.join(folder, "meta.json"))
 
 
-def load_corpus(*, name: str, text_file: str | None, bpe_folder: str | None, data_dir: str | None = None,
-                cache_dir: str | None = None, use_cache: bool = True, text_feature: str = "text",
-                test_fraction: float = 0.1, download: str = "auto") -> TextCorpus:
+def load_corpus(*, name: str, text_file: str | None, bpe_folder: str | None,
+                data_dir: str | None = None, cache_dir: str | None = None, use_cache: bool = True,
+                text_feature: str = "text", test_fraction: float = 0.1,
+                download: str = "auto") -> TextCorpus:
   """Loads (or tokenises and caches) a text corpus; see the module docstring. `bpe_folder`
   None: the BPE files are not at hand, the token cache must serve."""
   t0 = time.monotonic()
   folder, label = token_cache(name=name, text_file=text_file, bpe_folder=bpe_folder,
                               data_dir=data_dir, cache_dir=cache_dir, text_feature=text_feature,
                               test_fraction=test_fraction)
-  if use_cache and os.path.isfile(os.path.join(folder, "meta.json")):
+  if use_cache and has_cache(folder):
     try:
       arrays, meta = images.read_cache(folder)
       return TextCorpus(label, arrays["train"], arrays["test"], arrays["test_bytes"],

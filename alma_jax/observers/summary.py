@@ -113,16 +113,15 @@ class Summary(Observer):
     path = os.path.join(s.workdir, wd.ERROR_PNG)
     field = plots.PERPLEXITY_FIELD
     if all(field in r.extra for log in state.logs for r in log.records):  # a language model
-      curves = [(f"seed {sd}", [r.t for r in log.records], [r.extra[field] for r in log.records])
-                for sd, log in zip(s.seeds, state.logs)]
+      value = lambda r: r.extra[field]  # pylint: disable=unnecessary-lambda-assignment
       size = f"preset={c.model.get('preset', '?')} experts={c.model.get('num_experts', '?')}"
-      why = plots.run_error_png_in_child(
-          path, curves, f"{c.data.name} {c.method.name} {size} wait={c.stream.wait}",
-          "test perplexity", 1.0)
+      axis = ("test perplexity", 1.0)
     else:
-      why = plots.run_error_png_in_child(
-          path, [(f"seed {sd}", [r.t for r in log.records], [r.test_error for r in log.records])
-                 for sd, log in zip(s.seeds, state.logs)],
-          f"{c.data.name} {c.method.name} width={c.model.width} wait={c.stream.wait}")
+      value = lambda r: r.test_error  # pylint: disable=unnecessary-lambda-assignment
+      size, axis = f"width={c.model.width}", ()
+    curves = [(f"seed {sd}", [r.t for r in log.records], [value(r) for r in log.records])
+              for sd, log in zip(s.seeds, state.logs)]
+    why = plots.run_error_png_in_child(
+        path, curves, f"{c.data.name} {c.method.name} {size} wait={c.stream.wait}", *axis)
     if why is not None:
       logging.warning("could not draw %s (%s); the run's other outputs are complete", path, why)

@@ -73,15 +73,20 @@ def on_stop_while_compiling(exit_fn) -> None:
 _EARLY: list[int] = []
 
 
+def _handled() -> list[int]:
+  """The SIGNALS a run handles: all of them, but SIGHUP when it is ignored (`nohup`: the run
+  outlives its terminal)."""
+  return [s for s in SIGNALS if not (s == getattr(signal, "SIGHUP", None)
+                                     and signal.getsignal(s) == signal.SIG_IGN)]
+
+
 def hold_early() -> None:
   """Records SIGNALS from now on until a run's `Signals` takes over (and acts on them at its
   first check): for a multi-process run, whose processes must stop together at a check they
   agree on, not one of them at once while the others wait for it."""
   if threading.current_thread() is not threading.main_thread():
     return
-  for s in SIGNALS:
-    if s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) == signal.SIG_IGN:
-      continue
+  for s in _handled():
     signal.signal(s, lambda signum, frame: _EARLY.append(signum))
 
 
@@ -105,9 +110,7 @@ class Signals:
     if _EARLY and self.pending is None:  # held since `hold_early()`
       self.pending = _EARLY[0]
     if threading.current_thread() is threading.main_thread():
-      for s in SIGNALS:
-        if s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) == signal.SIG_IGN:
-          continue  # nohup: the run outlives its terminal
+      for s in _handled():
         self._old[s] = signal.signal(s, self._handle)
       if self.compiling is not None and self.vote is None and _ON_STOP_WHILE_COMPILING:
         self._watch()
@@ -165,25 +168,17 @@ class Signals:
   def stopping(self) -> bool:
     """Whether a signal asks the run to stop, without raising; in a multi-process run, whether
     one reached any process (a vote: every process asks here)."""
-    if self.vote is not None:
-      agreed = self.vote(self.pending)
-      if agreed is not None and self.pending is None:
-        self.pending = agreed
-      return agreed is not None
-    return self.pending is not None
+    if self.vote is None:
+      return self.pending is not None
+    agreed = self.vote(self.pending)  # the processes' decision, whatever arrives meanwhile
+    if agreed is not None and self.pending is None:
+      self.pending = agreed
+    return agreed is not None
 
   def check(self) -> None:
     """Raises `RunInterrupted` if a signal arrived (a step boundary outside writes); in a
     multi-process run, if one arrived in any process (every process checks here)."""
-    if self._depth:
-      return
-    if self.vote is not None:  # the processes' decision, whatever arrives during the vote
-      agreed = self.vote(self.pending)
-      if agreed is None:
-        return
-      if self.pending is None:
-        self.pending = agreed
-    if self.pending is not None:
+    if self._depth == 0 and self.stopping():
       raise RunInterrupted(self.pending, self.last_checkpoint)
 
   @contextlib.contextmanager

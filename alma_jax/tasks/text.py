@@ -208,15 +208,15 @@ class TextTask(base.Task):
     if d.text_file and not os.path.isfile(d.text_file):
       raise ConfigError(f"config.data.text_file={d.text_file!r} is not a file")
     try:
-      folder = text_data.bpe_dir(d.bpe_dir)
+      folder, missing = text_data.bpe_dir(d.bpe_dir), None
     except text_data.TokenizerUnavailableError as e:
-      where = text_data.token_cache(**_corpus(config, None))[0]
-      if not (d.use_cache and os.path.isfile(os.path.join(where, "meta.json"))):
-        raise ConfigError(f"{e}; nor is there a token cache to run from "
-                          f"({os.path.dirname(where)})") from e
+      folder, missing = None, e
+    cache = text_data.token_cache(**_corpus(config, folder))[0]
+    if d.use_cache and text_data.has_cache(cache):
       return  # the token cache serves
-    if d.use_cache and text_data.has_token_cache(**_corpus(config, folder)):
-      return
+    if missing is not None:
+      raise ConfigError(f"{missing}; nor is there a token cache to run from "
+                        f"({os.path.dirname(cache)})") from missing
     if not d.text_file:
       base.check_dataset_available(config)
 
