@@ -35,6 +35,7 @@ import numpy as np
 import optax
 from flax import struct
 
+from alma_jax.core import epoch as epoch_lib
 from alma_jax.core import precision
 from alma_jax.core import sharding
 from alma_jax.core import timing
@@ -169,6 +170,7 @@ class Programs:
     self.eval_batch_size = int(eval_batch_size)
     self.steps_per_call = int(steps_per_call)
     self._cache: dict[tuple, Program] = {}
+    self._utilities: dict[tuple, Callable] = {}  # small programs of this run that are not steps
     self.listener: CompileListener | None = None  # hears of each compilation of a step
     # One small program per shapes (not one per optimizer-state leaf); not a step.
     self._opt_init = utility(jax.vmap(tx.init), "opt_init")
@@ -372,126 +374,115 @@ class Programs:
     return self.program((name, self.method.program_structure(learner.structure), 1), build,
                         shardings)
 
-  # -- a whole stage as one program -------------------------------------------------------------
-  def stage_body(self, structure, num: int, patience: int,
-                 divergence_stops_all: bool) -> Callable:
-    """Epochs of a stacked population with validation and early stopping, as one program.
+  # -- one epoch and a whole stage (`alma_jax.core.epoch`) ----------------------------------------
+  def select_fn(self, structure) -> Callable:
+    """`Method.select_units` of a stacked population of learners of (learner, not program)
+    structure `structure`: (take (S, U), new, old) -> learner."""
+    method = self.method
+    return jax.vmap(lambda t, a, b: method.select_units(structure, t, a, b))
 
-    (state, base params, best (params, model_state), progress, data, orders Batch
-    (M, C, S, K, D, b), validation Batch (V, S, b'), keys (S,), first epoch, end epoch,
-    train calls per epoch, steps per epoch, validation batches, improvement thresholds) ->
-    (state, best,
-    progress, per-epoch outputs of the M epoch slots, the epoch after the last one run).
+  def epoch_fns(self, structure, num: int) -> epoch_lib.EpochFns:
+    """The train chunk, evaluation batch, parameter combination and unit selection of a
+    stacked population of `num` learners of structure `structure`."""
+    program = self.method.program_structure(structure)
+    return epoch_lib.EpochFns(
+        chunk=over_population(self.chunk_body(program), (0, None, 0, 0, None), num),
+        evaluate=over_population(self.eval_body(program), (0, 0, None, 0), num),
+        combine=jax.vmap(self.method.combine), select=self.select_fn(structure))
+
+  def end_epoch_call(self, rule: epoch_lib.Rule, stop, best: Learner, current: Learner, ok,
+                     scores, epoch: int, n_steps: int, thresholds: np.ndarray):
+    """`epoch.end_epoch` as a small compiled program (one per structure, population and
+    rule; a utility, not a step): the rule of an epoch driven from the host."""
+    num, structure = int(ok.shape[0]), best.structure
+    rule = rule.program_rule()
+    key = ("end_epoch", structure, num, rule)
+    if key not in self._utilities:
+      select = self.select_fn(structure)
+
+      def end(stop, best, current, ok, scores, epoch, n_steps, thresholds):
+        return epoch_lib.end_epoch(rule, select, stop, best, current, ok, scores, epoch,
+                                   n_steps, thresholds)
+
+      self._utilities[key] = utility(end, "end_epoch")
+    i32 = lambda v: np.asarray(v, np.int32)  # pylint: disable=unnecessary-lambda-assignment
+    return self._utilities[key](stop, best, current, ok, np.asarray(scores, np.float32),
+                                i32(epoch), i32(n_steps), thresholds)
+
+  def stage_body(self, structure, num: int, rule: epoch_lib.Rule) -> Callable:
+    """Epochs of a stacked population as one program: `epoch.epoch` in a `lax.while_loop`.
+
+    (state, base learner, best learner, stop state, data, orders Batch (M, C, S, K, D, b),
+    validation Batch (V, S, b'), keys (S,), first epoch, end epoch, train calls per epoch,
+    steps per epoch, validation batches, improvement thresholds) -> (state, best, stop,
+    the outputs of the M epoch slots, the epoch after the last one run).
 
     Epoch e (from the first epoch while e < end epoch and a member is active) runs the
-    same train calls as `train_call` (the same PRNG counters), then the evaluation
-    program's body over the validation batches, then the best-epoch rule of
-    `alma_jax.core.train` on exact counts: a unit improves when its number of correct
-    validation examples is at least `thresholds[best count + 1]` (best count -1: none
-    yet), a table the host computes with its own float64 comparison. `progress` holds
-    the per-member arrays of that rule (best_count (S, U), best_epoch, since_best,
-    epochs_run, steps_run, active, diverged).
+    same train calls as `train_call` (the same PRNG counters), the evaluation program's
+    body over the validation batches and `epoch.end_epoch`.
     """
-    method = self.method
-    chunk = over_population(self.chunk_body(structure), (0, None, 0, 0, None), num)
-    evaluate = over_population(self.eval_body(structure), (0, 0, None, 0), num)
-    combine = jax.vmap(method.combine)
-    select = jax.vmap(lambda t, a, b: method.select_units(structure, t, a, b))
+    fns = self.epoch_fns(structure, num)
 
-    def stage(state: TrainState, base: Learner, best: Learner, progress, data, orders: Batch,
+    def stage(state: TrainState, base: Learner, best: Learner, stop, data, orders: Batch,
               val: Batch, keys, first, end, num_calls, n_steps, num_val, thresholds):
-      m_slots, c_max = orders.idx.shape[:2]
-      k = orders.idx.shape[3]
-      units = progress["best_count"].shape[1]
-      out = {"losses": jnp.zeros((m_slots, num, c_max * k), jnp.float32),
-             "finite": jnp.zeros((m_slots, num), bool),
-             "correct": jnp.zeros((m_slots, num), jnp.float32),
-             "units": jnp.zeros((m_slots, num, units), jnp.float32)}
+      m_slots = orders.idx.shape[0]
 
-      def epoch_body(carry):
-        e, state, best, p, out = carry
-        slot = e - first
-        idx, mask = orders.idx[slot], orders.mask[slot]
-        counter0 = e.astype(jnp.uint32) * jnp.uint32(CALLS_BOUND)
+      def one(carry, slot):
+        e = carry["epoch"]
+        return epoch_lib.epoch(
+            fns, rule, carry, Batch(orders.idx[slot], orders.mask[slot]), val, data, keys,
+            base=base, num_calls=num_calls, n_steps=n_steps, num_val=num_val,
+            thresholds=thresholds, counter0=e.astype(jnp.uint32) * jnp.uint32(CALLS_BOUND))
 
-        def call(c, inner):
-          state, losses, _ = inner
-          batch = Batch(idx[c], mask[c])
-          state, loss, finite = chunk(state, data, batch, keys, counter0 + c.astype(jnp.uint32))
-          return state, jax.lax.dynamic_update_slice(losses, loss, (0, c * k)), finite
+      units, width = stop.best_score.shape[1], orders.idx.shape[1] * orders.idx.shape[3]
+      per = lambda shape, dtype: jnp.zeros((m_slots, num) + shape, dtype)  # pylint: disable=unnecessary-lambda-assignment
+      outs = {"losses": per((width,), jnp.float32), "finite": per((), bool),
+              "correct": per((), jnp.float32), "units": per((units,), jnp.float32),
+              "bad": per((), bool), "improved": per((units,), bool),
+              "stop": jax.tree.map(lambda a: jnp.zeros((m_slots,) + a.shape, a.dtype), stop)}
 
-        state, losses, finite = jax.lax.fori_loop(
-            0, num_calls, call, (state, jnp.zeros((num, c_max * k), jnp.float32),
-                                 jnp.ones((num,), bool)))
-        active = p["active"]
-        p = dict(p, steps_run=p["steps_run"] + n_steps * active,
-                 epochs_run=jnp.where(active, e, p["epochs_run"]))
-        # The losses past the epoch's steps are zeros (padding steps report 0).
-        ok = jnp.all(jnp.isfinite(losses), axis=1) & finite
-        bad = active & ~ok
-        if divergence_stops_all:  # the host raises at this epoch
-          active = jnp.where(jnp.any(bad), False, active)
-        else:
-          active = active & ~bad
-        diverged = p["diverged"] | bad
-        current = Learner(params=combine(base, state.trainable), model_state=state.model_state,
-                          structure=structure)
+      def body(loop):
+        carry, outs = loop
+        slot = carry["epoch"] - first
+        carry, out = one(carry, slot)
+        return carry, jax.tree.map(lambda a, v: a.at[slot].set(v), outs, out)
 
-        def val_batch(v, sums):
-          r = evaluate(current.params, current.model_state, data, Batch(val.idx[v], val.mask[v]))
-          return sums[0] + r[0], sums[1] + r[2]
+      def running(loop):
+        carry, _ = loop
+        return (carry["epoch"] < end) & jnp.any(carry["stop"].active)
 
-        correct, unit_correct = jax.lax.fori_loop(
-            0, num_val, val_batch, (jnp.zeros((num,), jnp.float32),
-                                    jnp.zeros((num, units), jnp.float32)))
-        counts = unit_correct.astype(jnp.int32)
-        improved = active[:, None] & (counts >= thresholds[p["best_count"] + 1])
-        best = select(improved, current, best)
-        any_improved = jnp.any(improved, axis=1)
-        since_best = jnp.where(any_improved, 0, p["since_best"] + active)
-        p = dict(p, best_count=jnp.where(improved, counts, p["best_count"]),
-                 best_epoch=jnp.where(any_improved, e, p["best_epoch"]), since_best=since_best,
-                 active=active & (since_best < patience), diverged=diverged)
-        out = {"losses": out["losses"].at[slot].set(losses), "finite": out["finite"].at[slot].set(finite),
-               "correct": out["correct"].at[slot].set(correct),
-               "units": out["units"].at[slot].set(unit_correct)}
-        return e + 1, state, best, p, out
-
-      def running(carry):
-        e, _, _, p, _ = carry
-        return (e < end) & jnp.any(p["active"])
-
-      e, state, best, progress, out = jax.lax.while_loop(
-          running, epoch_body, (first, state, best, progress, out))
-      return state, best, progress, out, e
+      carry, outs = jax.lax.while_loop(
+          running, body, ({"epoch": first, "state": state, "best": best, "stop": stop}, outs))
+      return carry["state"], carry["best"], carry["stop"], outs, carry["epoch"]
 
     return stage
 
-  def stage_call(self, structure, state: TrainState, base: Learner, best: Learner, progress,
-                 orders: Batch, val: Batch, keys, first: int, end: int, num_calls: int,
-                 n_steps: int, num_val: int, thresholds: np.ndarray, *, patience: int,
-                 divergence_stops_all: bool):
+  def stage_call(self, rule: epoch_lib.Rule, state: TrainState, base: Learner, best: Learner,
+                 stop, orders: Batch, val: Batch, keys, first: int, end: int, num_calls: int,
+                 n_steps: int, num_val: int, thresholds: np.ndarray):
     """Runs `stage_body`'s program (compiled once per structure, population, array shapes
-    and the static facts of the stage); the state is donated."""
-    num, structure = int(keys.shape[0]), self.method.program_structure(structure)
+    and rule); the state is donated."""
+    num, structure = int(keys.shape[0]), best.structure
+    program = self.method.program_structure(structure)
     base = Learner(base.params, base.model_state, structure)
-    best = Learner(best.params, best.model_state, structure)
-    key = ("stage", structure, num, orders.idx.shape, val.idx.shape, thresholds.shape, patience,
-           divergence_stops_all)
+    # The learner's own structure joins the key where it is not the program's: selecting the
+    # best units may depend on it (e.g. which ensemble members trained).
+    key = (("stage", program, num, orders.idx.shape, val.idx.shape, thresholds.shape,
+            rule.patience, rule.stop_all_on_divergence)
+           + (() if program == structure else (structure,)))
 
     def shardings():
       rep = self.layout.replicated
       state_sh = self.shardings(state)
       learner_sh = lambda l: Learner(self.shardings(l.params, name="params"),  # pylint: disable=unnecessary-lambda-assignment
                                      self.shardings(l.model_state, name="model_state"), structure)
-      ins = (state_sh, learner_sh(base), learner_sh(best), self.replicated(progress),
+      ins = (state_sh, learner_sh(base), learner_sh(best), self.replicated(stop),
              self.replicated(self.data), Batch(rep, rep), Batch(rep, rep), rep, rep, rep, rep,
              rep, rep, rep)
-      return ins, (state_sh, learner_sh(best), self.replicated(progress), rep, rep)
+      return ins, (state_sh, learner_sh(best), self.replicated(stop), rep, rep)
 
-    fn = self.program(key, lambda: self.stage_body(structure, num, patience,
-                                                   divergence_stops_all),
+    fn = self.program(key, lambda: self.stage_body(structure, num, rule.program_rule()),
                       shardings, donate=(0,))
     i32 = lambda v: np.asarray(v, np.int32)  # pylint: disable=unnecessary-lambda-assignment
-    return fn(state, base, best, progress, self.data, orders, val, keys, i32(first), i32(end),
+    return fn(state, base, best, stop, self.data, orders, val, keys, i32(first), i32(end),
               i32(num_calls), i32(n_steps), i32(num_val), thresholds)

@@ -39,6 +39,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from alma_jax import models
 from alma_jax.configuration import fields as F
 from alma_jax.core import meter as meter_lib
 from alma_jax.core import multihost
@@ -260,11 +261,14 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
   store = checkpoints.stage(t, learner.structure)
   try:
     learner, opt_state, stats = train.fit_stage(
-        steps, learner, np.stack([x.train_idx for x in contexts]),
-        np.stack([x.val_idx for x in contexts]), population.fold(skeys, 3), t=t,
-        opt_state=opt_state, progress=progress_line, labels=setup.seeds, check=signals.check,
-        on_epoch=lambda *a: observers.epoch(t, *a), checkpoints=store, meter=meter,
-        whole=train.whole_stage(setup.config, setup.task, method))
+        steps, learner, train.StageData(np.stack([x.train_idx for x in contexts]),
+                                        np.stack([x.val_idx for x in contexts]),
+                                        population.fold(skeys, 3), t), opt_state,
+        train.StageHooks(progress=progress_line, labels=setup.seeds, check=signals.check,
+                         on_epoch=lambda *a: observers.epoch(t, *a), checkpoints=store,
+                         meter=meter),
+        train.whole_stage(F.get(setup.config.train, "train.stage_program"), setup.task, method,
+                          models.spec(setup.config.model.name).conv_heavy))
   except RunInterrupted:
     checkpoints.stage_interrupted(t)
     raise

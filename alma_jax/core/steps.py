@@ -9,6 +9,7 @@ to them, so that callers hold one object.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import numpy as np
@@ -17,6 +18,7 @@ from alma_jax.core import accounting
 from alma_jax.core import passes
 from alma_jax.core import programs as programs_lib
 from alma_jax.core import timing
+from alma_jax.core.epoch import StageOptions
 from alma_jax.core.programs import (CALLS_BOUND, Batch, TrainState, all_finite, call_counter,
                                     over_population)
 from alma_jax.configuration import fields as F
@@ -39,7 +41,7 @@ class Steps:
 
   def __init__(self, method: Method, task, tx, data, mesh, *, batch_size: int,
                eval_batch_size: int, steps_per_call: int = 1, rules=None,
-               compute_dtype: str = "float32"):
+               compute_dtype: str = "float32", stage: StageOptions = StageOptions()):
     self.programs = programs_lib.Programs(
         method, task, tx, data, mesh, batch_size=batch_size, eval_batch_size=eval_batch_size,
         steps_per_call=steps_per_call, rules=rules, compute_dtype=compute_dtype)
@@ -47,6 +49,7 @@ class Steps:
     self.method, self.task, self.tx, self.mesh, self.data = p.method, p.task, p.tx, p.mesh, p.data
     self.batch_size, self.eval_batch_size = p.batch_size, p.eval_batch_size
     self.steps_per_call = p.steps_per_call
+    self.stage = stage  # what a training stage reads of the config (`alma_jax.core.train`)
     # Seconds per training example of an epoch of the whole-stage program, as last measured
     # (`alma_jax.core.train`: how many epochs one of its calls may run); None: not yet.
     self.stage_pace: float | None = None
@@ -61,7 +64,9 @@ class Steps:
                eval_batch_size=t.eval_batch_size,
                steps_per_call=F.get(t, "train.steps_per_call") or autotune.steps_per_call_rule(),
                rules=None if rules is None else dict(rules.items()),
-               compute_dtype=F.get(t, "train.compute_dtype"))
+               compute_dtype=F.get(t, "train.compute_dtype"),
+               stage=StageOptions(*(F.get(t, f"train.{f.name}")
+                                    for f in dataclasses.fields(StageOptions))))
 
   # -- the compile cache and placement (`alma_jax.core.programs`) ------------------------------------
   @property

@@ -3,7 +3,7 @@
 A paper-scale stage is hours of training; the checkpoints of the stream
 (`alma_jax.outputs.checkpoint`, between stages) would lose all of it. While a stage
 trains, `Store` saves its position between two train calls (see
-`alma_jax.core.train.StageCheckpoints`): every `config.checkpoint.every_s`
+`alma_jax.core.stage_save.StageCheckpoints`): every `config.checkpoint.every_s`
 seconds, after every `config.checkpoint.stage_every_epochs`-th epoch, and
 when a signal (SIGTERM, SIGINT, SIGHUP) asks the run to stop. In a
 multi-process run the processes save together, so only the epoch rule
@@ -66,7 +66,7 @@ class Store:
     self.restored_facts = {}
     return self
 
-  # -- the StageCheckpoints protocol of alma_jax.core.train --------------------------------------------
+  # -- the StageCheckpoints protocol of alma_jax.core.stage_save --------------------------------------------
   def load(self, template: dict):
     if not os.path.isdir(self.directory):
       return None

@@ -35,8 +35,10 @@ def test_vmapped_stage_matches_separate_stages(method_name, patience):
     learners = [helpers.float64(method.init(jax.random.key(s))) for s in (3, 4)]
     separate = [train.fit_one(steps, l, train_idx[i], val_idx[i], keys[i])
                 for i, l in enumerate(learners)]
-    best, _, stats = train.fit_stage(steps, population.stack(learners), train_idx, val_idx,
-                                     population.stack_keys(keys), t=1, labels=[3, 4])
+    best, _, stats = train.fit_stage(
+        steps, population.stack(learners),
+        train.StageData(train_idx, val_idx, population.stack_keys(keys), 1),
+        hooks=train.StageHooks(labels=[3, 4]))
   for i, (learner, _, s) in enumerate(separate):
     chex.assert_trees_all_close(population.unstack(best, i).params, learner.params,
                                 atol=1e-9, rtol=1e-9)

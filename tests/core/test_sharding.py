@@ -114,7 +114,7 @@ def test_population_axis_on_data_matches_one_device():
       c.mesh.rules = {"population": "data"}
       method, steps = helpers.make_steps(c, DATA, num_devices, model)
       learners = population.stack([helpers.random_learner(method, s) for s in (3, 4)])
-      best, _, stats = train.fit_stage(steps, learners, train_idx, val_idx, keys)
+      best, _, stats = train.fit_stage(steps, learners, train.StageData(train_idx, val_idx, keys))
       out.append((best.params, stats.best_val_accuracy, steps.init_state(best)))
   chex.assert_trees_all_close(out[0][0], out[1][0], atol=1e-9, rtol=1e-9)
   np.testing.assert_allclose(out[0][1], out[1][1])

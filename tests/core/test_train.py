@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from alma_jax import errors
+from alma_jax.core import orders
 from alma_jax.core import train
 from tests import helpers
 
@@ -77,14 +78,14 @@ def test_partial_last_batch_is_masked_not_recompiled(k):
 
 def test_padding_slots_hold_real_examples_and_are_masked():
   idx = np.arange(100, 110, dtype=np.int32)
-  orders, mask, steps = train.padded_orders(np.random.default_rng(0), idx, 2, 4, 2)
-  assert steps == 3 and orders.shape == mask.shape == (4, 2, 4)  # 3 steps padded to 2 calls of 2
+  order, mask, steps = orders.padded_orders(np.random.default_rng(0), idx, 2, 4, 2)
+  assert steps == 3 and order.shape == mask.shape == (4, 2, 4)  # 3 steps padded to 2 calls of 2
   for d in range(2):
-    flat, m = orders[:, d].ravel(), mask[:, d].ravel()
+    flat, m = order[:, d].ravel(), mask[:, d].ravel()
     assert m.sum() == 10 and m[:10].all()
     assert sorted(flat[:10]) == list(idx)  # one pass over the data
     np.testing.assert_array_equal(flat[10:], flat[:6])  # padding repeats the order
-  assert not np.array_equal(orders[:, 0], orders[:, 1])  # each order its own shuffle
+  assert not np.array_equal(order[:, 0], order[:, 1])  # each order its own shuffle
 
 
 def test_steps_per_call_gives_the_same_result():

@@ -59,8 +59,8 @@ def test_stages_transfer_nothing_implicitly_and_compile_once(guarded_calls, data
   def stage(learner, t):
     with warnings.catch_warnings():
       warnings.filterwarnings("error", message=DONATION_WARNING)
-      out, _, stats = train.fit_stage(steps, learner, train_idx, val_idx,
-                                      population.fold(keys, t), t=t)
+      out, _, stats = train.fit_stage(
+          steps, learner, train.StageData(train_idx, val_idx, population.fold(keys, t), t))
     assert stats.epochs_run.tolist() == [2]
     return steps.place(out)
 

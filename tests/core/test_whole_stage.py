@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from alma_jax import errors
+from alma_jax.core import epoch
 from alma_jax.core import population
 from alma_jax.core import run
 from alma_jax.core import train
@@ -24,10 +25,11 @@ def _population_stage(steps, method, whole, *, n_train=300, n_val=60, t=0):
   train_idx = np.stack([np.arange(i * 10, i * 10 + n_train) for i in range(2)])
   val_idx = np.stack([np.arange(400, 400 + n_val) + 20 * i for i in range(2)])
   epochs = []
-  best, opt, stats = train.fit_stage(
-      steps, learner, train_idx.astype(np.int32), val_idx.astype(np.int32),
-      population.stack_keys([jax.random.key(3), jax.random.key(4)]), t=t,
-      on_epoch=lambda *a: epochs.append(a), whole=whole)
+  data = train.StageData(train_idx.astype(np.int32), val_idx.astype(np.int32),
+                         population.stack_keys([jax.random.key(3), jax.random.key(4)]), t)
+  best, opt, stats = train.fit_stage(steps, learner, data,
+                                     hooks=train.StageHooks(on_epoch=lambda *a: epochs.append(a)),
+                                     whole=whole)
   return best, opt, stats, epochs
 
 
@@ -99,7 +101,7 @@ def test_a_whole_stage_compiles_one_program_shared_by_stages_of_other_sizes():
 
 @pytest.mark.parametrize("m,delta", [(1, 0.0), (7, 0.0), (60, 0.02), (1000, 0.001), (3, 0.5)])
 def test_improvement_thresholds_match_the_float64_comparison(m, delta):
-  table = train.improvement_thresholds(m, delta)
+  table = epoch.improvement_thresholds(m, delta)
   acc = np.arange(m + 1) / m
   for b, best in enumerate([-1.0] + acc.tolist()):
     improves = acc > best + delta
@@ -116,7 +118,7 @@ def test_whole_refuses_a_task_whose_examples_are_not_right_or_wrong():
       del logp, y
 
   with pytest.raises(errors.ConfigError, match=r"config\.train\.stage_program='whole'"):
-    train.whole_stage(c, Tokens(), None)
+    train.whole_stage(c.train.stage_program, Tokens(), None, False)
 
 
 @requires_mnist

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from alma_jax import methods
+from alma_jax.core import epoch as epoch_lib
 from alma_jax.core import population
 from alma_jax.core import train
 from alma_jax.errors import ConfigError
@@ -358,32 +359,42 @@ def _filled(learner, value):
   return learner.replace(params=jax.tree.map(lambda a: jnp.full_like(a, value), learner.params))
 
 
+def _rule_epochs(method, learner, unit_accs, m, delta, patience):
+  """Runs the stage's best-epoch rule (`epoch.end_epoch`, compiled) over epochs 1, 2, ... whose parameters are all `epoch` and whose units score
+  `unit_accs[epoch - 1]` (accuracies of m examples); returns (stop state, best learner)."""
+  rule = epoch_lib.Rule(patience, delta, m, True, True)
+  select = jax.vmap(lambda t, a, b: method.select_units(learner.structure, t, a, b))
+  stop = epoch_lib.StopState.start(1, len(unit_accs[0]))
+  best = population.stack([_filled(learner, 0.0)])
+  for e, accs in enumerate(unit_accs, start=1):
+    current = population.stack([_filled(learner, float(e))])
+    scores = np.asarray([accs]) * m
+    stop, best, _ = jax.jit(lambda *a: epoch_lib.end_epoch(rule, select, *a))(
+        stop, best, current, np.ones(1, bool), np.asarray(scores, np.float32), np.int32(e),
+        np.int32(1), rule.thresholds())
+  return jax.device_get(stop), best
+
+
 def test_each_ens_member_keeps_its_own_best_epoch():
   method = make("ens", num_members=2)
   learner = method.init(jax.random.key(0))
-  p = train._Progress(population.stack([_filled(learner, 0.0)]), np.full((1, 2), -1.0),  # pylint: disable=protected-access
-                      *[np.zeros(1, int) for _ in range(4)], np.ones(1, bool), np.zeros(1, bool))
   # Member accuracies per epoch: member 0 is best at epoch 2, member 1 at epoch 1; an
   # ensemble-level rule would keep a single epoch for both.
-  for epoch, accs in enumerate([[0.5, 0.9], [0.8, 0.6], [0.7, 0.7], [0.1, 0.1]], start=1):
-    current = population.stack([_filled(learner, float(epoch))])
-    train._keep_best(p, method, current, np.asarray([accs]), epoch, 0.0, 2)  # pylint: disable=protected-access
-  kernel = np.asarray(p.best.params["head"]["kernel"][0])
+  stop, best = _rule_epochs(method, learner, [[0.5, 0.9], [0.8, 0.6], [0.7, 0.7], [0.1, 0.1]],
+                            10, 0.0, 2)
+  kernel = np.asarray(best.params["head"]["kernel"][0])
   assert np.all(kernel[0] == 2.0) and np.all(kernel[1] == 1.0)
-  np.testing.assert_array_equal(p.best_acc, [[0.8, 0.9]])
+  np.testing.assert_array_equal(stop.best_score, [[8, 9]])
   # Patience restarts when any member improves (epoch 2), so the stage ends after epoch 4.
-  assert p.best_epoch.tolist() == [2] and p.since_best.tolist() == [2]
-  assert not p.active.any()
+  assert stop.best_epoch.tolist() == [2] and stop.since_best.tolist() == [2]
+  assert not stop.active.any()
 
 
 def test_patience_delta_requires_a_clear_improvement():
   method = make("sm")
   learner = method.init(jax.random.key(0))
-  p = train._Progress(population.stack([learner]), np.full((1, 1), -1.0),  # pylint: disable=protected-access
-                      *[np.zeros(1, int) for _ in range(4)], np.ones(1, bool), np.zeros(1, bool))
-  for epoch, acc in enumerate([0.5, 0.505, 0.52], start=1):
-    train._keep_best(p, method, population.stack([learner]), np.asarray([[acc]]), epoch, 0.01, 5)  # pylint: disable=protected-access
-  assert p.best_epoch.tolist() == [3] and p.best_acc.tolist() == [[0.52]]
+  stop, _ = _rule_epochs(method, learner, [[0.5], [0.505], [0.52]], 1000, 0.01, 5)
+  assert stop.best_epoch.tolist() == [3] and stop.best_score.tolist() == [[520]]
 
 
 def test_gens_selects_its_new_member_by_its_own_accuracy():

@@ -10,7 +10,7 @@ import pytest
 from alma_jax import methods
 from alma_jax.configuration import config_lib
 from alma_jax.core import run as run_lib
-from alma_jax.core import train
+from alma_jax.core import orders
 from alma_jax.errors import ConfigError
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir
@@ -30,15 +30,15 @@ def lm_method(name, dropout=0.0, **method_fields):
 def test_fixed_orders_give_exactly_the_steps_asked_for_from_reshuffled_data():
   rng = np.random.default_rng(0)
   idx = np.arange(10, 17)  # 7 examples
-  orders, mask, steps = train.padded_orders(rng, idx, 2, 3, 4, num_steps=5)
-  assert steps == 5 and orders.shape == (8, 2, 3)  # padded to 2 calls of 4 steps
+  order, mask, steps = orders.padded_orders(rng, idx, 2, 3, 4, num_steps=5)
+  assert steps == 5 and order.shape == (8, 2, 3)  # padded to 2 calls of 4 steps
   assert mask[:5].all() and not mask[5:].any()
   for d in range(2):
-    drawn = orders[:5, d].reshape(-1)
+    drawn = order[:5, d].reshape(-1)
     np.testing.assert_array_equal(np.sort(drawn[:7]), idx)  # a whole shuffle first
     np.testing.assert_array_equal(np.sort(drawn[7:14]), idx)
   # Without a fixed number of steps, one pass over the data (as before).
-  _, mask, steps = train.padded_orders(np.random.default_rng(0), idx, 1, 3, 1)
+  _, mask, steps = orders.padded_orders(np.random.default_rng(0), idx, 1, 3, 1)
   assert steps == 3 and mask.sum() == 7
 
 
