@@ -31,43 +31,11 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
-from alma_jax.methods.base import Learner
+from alma_jax.models import slots
+from alma_jax.state import Learner, StopState
 
 PyTree = Any
-NO_BEST = -1.0  # `StopState.best_score` of a unit with no best epoch yet
-
-
-@struct.dataclass
-class StopState:
-  """Each member's early stopping within a stage (arrays of length S; scores (S, U))."""
-
-  best_score: Any  # float32 (S, U): each selection unit's best validation score, or NO_BEST
-  best_epoch: Any  # int32: the epoch of the last improvement (0: none in this stage)
-  since_best: Any  # int32: epochs trained since then
-  epochs_run: Any  # int32: the last epoch the member trained in
-  steps_run: Any  # int32: train steps the member took in the stage
-  active: Any  # bool: the member still trains
-  diverged: Any  # bool: the member's loss or parameters became non-finite
-
-  @classmethod
-  def start(cls, num: int, units: int) -> "StopState":
-    zeros = np.zeros(num, np.int32)
-    return cls(np.full((num, units), NO_BEST, np.float32), zeros, zeros, zeros, zeros,
-               np.ones(num, bool), np.zeros(num, bool))
-
-  def to_host(self) -> "StopState":
-    return jax.tree.map(np.asarray, jax.device_get(self))
-
-  def as_lists(self) -> dict:
-    """The fields as lists (a stage save's position)."""
-    return {f.name: np.asarray(getattr(self, f.name)).tolist() for f in dataclasses.fields(self)}
-
-  @classmethod
-  def from_lists(cls, lists: dict, like: "StopState") -> "StopState":
-    return cls(**{f.name: np.asarray(lists[f.name], np.asarray(getattr(like, f.name)).dtype)
-                  .reshape(np.shape(getattr(like, f.name))) for f in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +72,6 @@ class Rule:
     return improvement_thresholds(self.num_val, self.delta)
 
 
-def bucket(n: int) -> int:
-  """`n` rounded up to a power of two: sizes that vary from stage to stage share a program."""
-  return 1 << max(0, int(n) - 1).bit_length()
-
-
 def improvement_thresholds(m: int, delta: float) -> np.ndarray:
   """For a validation set of `m` examples, the least number of correct ones that improves on a
   best of b correct (entry b + 1; entry 0: no best yet, accuracy -1): the host's
@@ -116,7 +79,8 @@ def improvement_thresholds(m: int, delta: float) -> np.ndarray:
   acc = np.arange(m + 1) / m
   best = np.concatenate([[-1.0], acc])
   table = np.searchsorted(acc, best + delta, side="right").astype(np.int32)
-  return np.pad(table, (0, bucket(m + 2) - (m + 2)), constant_values=m + 1)
+  # (rounded up to a power of two: validation sets of other sizes share a program)
+  return np.pad(table, (0, slots.next_power_of_two(m + 2) - (m + 2)), constant_values=m + 1)
 
 
 def epoch_ok(losses, finite) -> jax.Array:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from alma_jax.core.epoch import bucket
+from alma_jax.models.slots import next_power_of_two
 from alma_jax.core.programs import Batch
 
 
@@ -70,7 +70,7 @@ def draw(rngs, train_idx: np.ndarray, num_orders: int, batch: int, steps_per_cal
 def segment(rngs, train_idx: np.ndarray, num_orders: int, batch: int, steps_per_call: int,
             fixed_steps: int, epochs: int, slots: int) -> tuple[Batch, int, int]:
   """The orders of `epochs` successive epochs (`draw`, in order) as one Batch (slots, C, S, K,
-  D, b) for the whole-stage program (C: the calls of an epoch rounded up by `bucket`; later
+  D, b) for the whole-stage program (C: the calls of an epoch rounded up to a power of two; later
   slots and calls are padding that never runs); returns (Batch, calls, steps per epoch)."""
   k = steps_per_call
   idx_all = mask_all = None
@@ -79,7 +79,7 @@ def segment(rngs, train_idx: np.ndarray, num_orders: int, batch: int, steps_per_
     idx, mask, n_steps = draw(rngs, train_idx, num_orders, batch, k, fixed_steps)
     calls = idx.shape[1] // k
     if idx_all is None:
-      shape = (slots, bucket(calls), len(rngs), k) + idx.shape[2:]
+      shape = (slots, next_power_of_two(calls), len(rngs), k) + idx.shape[2:]
       idx_all, mask_all = np.zeros(shape, np.int32), np.zeros(shape, bool)
 
     def split(a):
@@ -90,9 +90,9 @@ def segment(rngs, train_idx: np.ndarray, num_orders: int, batch: int, steps_per_
 
 
 def validation(batches: list[Batch]) -> tuple[Batch, int]:
-  """The validation batches (each (S, b)) stacked (V, S, b), V rounded up by `bucket`, and how
+  """The validation batches (each (S, b)) stacked (V, S, b), V rounded up to a power of two, and how
   many of them are real."""
-  slots = bucket(len(batches))
+  slots = next_power_of_two(len(batches))
   idx_all = np.zeros((slots,) + batches[0].idx.shape, np.int32)
   mask_all = np.zeros(idx_all.shape, bool)
   for v, b in enumerate(batches):

@@ -18,7 +18,8 @@ import numpy as np
 from alma_jax.core import accounting
 from alma_jax.core import population
 from alma_jax.core.programs import Batch, Programs
-from alma_jax.methods.base import Learner
+from alma_jax.models import slots
+from alma_jax.state import Learner
 
 PyTree = Any
 
@@ -48,7 +49,7 @@ class Passes:
     `idx` is (S, n), each member's own examples, or (n,), the same examples
     for every member (gathered once per batch when S > 1).
     """
-    num = int(jax.tree.leaves(learner.params)[0].shape[0])
+    num = slots.leading_size(learner.params)
     if idx.shape[-1] == 0:
       raise ValueError(f"cannot evaluate on an empty {split} set")
     idx = self.task.global_index(self.data, split, idx)

@@ -14,14 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from alma_jax.core import programs
-from alma_jax.methods.base import Learner
+from alma_jax.models import slots
+from alma_jax.state import Learner
 
 PyTree = Any
 
 
 def size(tree: PyTree) -> int:
   """S, the leading axis shared by the leaves of a stacked tree."""
-  return int(jax.tree.leaves(tree)[0].shape[0])
+  return slots.leading_size(tree)
 
 
 # Trees of one structure -> one tree with a leading axis: one program for the whole tree (not

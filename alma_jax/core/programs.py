@@ -39,7 +39,9 @@ from alma_jax.core import epoch as epoch_lib
 from alma_jax.core import precision
 from alma_jax.core import sharding
 from alma_jax.core import timing
-from alma_jax.methods.base import Learner, Method
+from alma_jax.methods.base import Method
+from alma_jax.models import slots
+from alma_jax.state import Learner, TrainState
 
 PyTree = Any
 # A train call's PRNG counter is epoch * CALLS_BOUND + call: distinct for
@@ -52,16 +54,6 @@ TRAIN_BATCH_AXES = ("population", None, "member", "batch")
 EVAL_BATCH_AXES = ("population", "batch")
 PROGRAM_NAMES = {"train": "the train step", "eval": "the evaluation",
                  "eval_shared": "the evaluation", "stage": "the whole training stage"}
-
-
-@struct.dataclass
-class TrainState:
-  """What a train step updates: trainable params, optimizer and model state (and frozen params)."""
-
-  trainable: PyTree
-  frozen: PyTree
-  model_state: PyTree
-  opt_state: PyTree
 
 
 @struct.dataclass
@@ -346,7 +338,7 @@ class Programs:
   def eval_fn(self, learner: Learner, shared: bool, batch: Batch) -> Program:
     """Compiled evaluation of a stacked `learner`; `shared`: one index batch for every learner."""
     structure = self.method.program_structure(learner.structure)
-    num = int(jax.tree.leaves(learner.params)[0].shape[0])
+    num = slots.leading_size(learner.params)
     axes = (0, 0, None, None if shared else 0)
 
     def shardings():

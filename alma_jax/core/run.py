@@ -32,6 +32,7 @@ summaries, and all processes write and restore the checkpoints together.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Any, Sequence
 
@@ -50,7 +51,7 @@ from alma_jax.core import train
 from alma_jax.core import validation
 from alma_jax.core.metrics import Log, Record
 from alma_jax.core.run_setup import Setup
-from alma_jax.core.run_state import RunState
+from alma_jax.state import RunState
 from alma_jax.observers import architecture
 from alma_jax.observers import checkpoints as ckpt_obs
 from alma_jax.observers import events
@@ -141,7 +142,7 @@ def _walk(setup: Setup, observers: Observers, checkpoints: ckpt_obs.Checkpoints,
     with signals.deferred():  # a signal stops the loop at the next step boundary
       signals.check()  # (a multi-process run's first chance to stop, after its set-up)
       meter.doing("starting the stream")
-      _begin(setup, state, snapshot, clock)
+      state = _begin(setup, state, snapshot, clock)
       return stream(setup, state, observers, checkpoints, signals, clock, meter)
   except RunInterrupted as e:
     if observers.interrupt():  # the checkpoint being written completed first: name it
@@ -162,19 +163,20 @@ def _open(setup: Setup, observers: Observers, checkpoints: ckpt_obs.Checkpoints,
   return state, snapshot
 
 
-def _begin(setup: Setup, state: RunState, snapshot, clock: Clock) -> None:
-  """The learners the stream continues from: untrained ones, or the checkpoint's (with their
+def _begin(setup: Setup, state: RunState, snapshot, clock: Clock) -> RunState:
+  """The state the stream continues from: untrained learners, or the checkpoint's (with their
   last test errors)."""
   if snapshot is None:
-    state.learner = setup.initial_learner()
+    state = dataclasses.replace(state, learner=setup.initial_learner())
     if jax.default_backend() == "cpu":
       with clock.timer("train_s"):  # compiles the train step the first stage will use
         setup.log_estimate(state.learner)
-    return
-  state.learner = snapshot.learner
-  state.opt_state = snapshot.opt_state if setup.config.train.keep_optimizer_state else None
-  state.errors = np.asarray([log.records[-1].test_error for log in state.logs])
-  state.nll = np.asarray([log.records[-1].extra.get("test_nll", np.nan) for log in state.logs])
+    return state
+  return dataclasses.replace(
+      state, learner=snapshot.learner,
+      opt_state=snapshot.opt_state if setup.config.train.keep_optimizer_state else None,
+      errors=np.asarray([log.records[-1].test_error for log in state.logs]),
+      nll=np.asarray([log.records[-1].extra.get("test_nll", np.nan) for log in state.logs]))
 
 
 # -- Algorithm 1 -----------------------------------------------------------------------------------
@@ -197,20 +199,20 @@ def stream(setup: Setup, state: RunState, observers: Observers,
     signals.check()
     meter.at(t)
     t_step = time.monotonic()
-    state.stats, spent, decided = None, {}, []
+    state, spent, decided = dataclasses.replace(state, stats=None), {}, []
     if t > 0:
       with clock.timer("eval_s"):  # a policy may evaluate the learner on the new data
         decision = setup.wait_policy.decide(t, state, setup)
       if decision.train:
-        spent = _stage(setup, state, t, observers, checkpoints, signals, clock, meter)
+        state, spent = _stage(setup, state, t, observers, checkpoints, signals, clock, meter)
       decided = setup.wait_policy.stage_fields(decision, state)
     if state.errors is None or state.trained:  # an unchanged model is not re-evaluated
       meter.doing(f"evaluating the test set at t={t}")
       with clock.timer("eval_s"):
-        acc, state.nll = setup.steps.evaluate(state.learner, "test", setup.test_idx())
-        state.errors = 1.0 - acc
+        acc, nll = setup.steps.evaluate(state.learner, "test", setup.test_idx())
+        state = dataclasses.replace(state, errors=1.0 - acc, nll=nll)
     step = _records(setup, state, t, spent, time.monotonic() - t_step, decided)
-    state.logs = [log.append(r) for log, r in zip(state.logs, step)]
+    state = dataclasses.replace(state, logs=[log.append(r) for log, r in zip(state.logs, step)])
     meter.doing(f"writing the outputs of t={t}")
     observers.record(state, step)
     observers.step(state)
@@ -239,10 +241,10 @@ def _records(setup: Setup, state: RunState, t: int, spent: dict, wall_s: float,
 # -- a training stage ------------------------------------------------------------------------------
 def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
            checkpoints: ckpt_obs.Checkpoints, signals: interrupts.Signals,
-           clock: Clock, meter: meter_lib.Meter) -> dict[str, np.ndarray]:
-  """The stage at time step `t`: the stage policy starts it (growth included), it trains,
-  the method grows after it. Sets the state's learner, optimizer state and stage stats;
-  returns the compute spent per seed (Record fields)."""
+           clock: Clock, meter: meter_lib.Meter) -> tuple[RunState, dict[str, np.ndarray]]:
+  """The stage at time step `t`: the stage policy starts it (growth included), then it trains.
+  Returns (the state with the stage's learner, optimizer state and stats, the compute spent
+  per seed (Record fields))."""
   method, steps = setup.method, setup.steps
   contexts = setup.contexts(t, state.num_stages + 1, state.last_stage_t)
   passes_before, pass_macs_before = steps.pass_flops, steps.pass_macs
@@ -282,15 +284,13 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
   spent = {"train_flops": flops["train_step"] * stats.steps_run,
            "train_flops_forward": flops["train_step_forward"] * stats.steps_run,
            "train_macs": flops["train_macs_per_example"] * stats.examples_run}
-  meter.doing(f"growing after the stage at t={t}")
-  state.learner = steps.place(_each(method.after_stage, learner, population.fold(skeys, 4),
-                                    contexts))
-  state.opt_state, state.stats = opt_state, stats
+  state = dataclasses.replace(state, learner=steps.place(learner), opt_state=opt_state,
+                              stats=stats)
   spent["growth_flops"] = np.full(len(setup.seeds), (steps.pass_flops - passes_before)
                                   / len(setup.seeds))
   spent["growth_macs"] = np.full(len(setup.seeds), (steps.pass_macs - pass_macs_before)
                                  / len(setup.seeds))
-  return spent
+  return state, spent
 
 
 def _start_stage(setup: Setup, learner, keys, contexts, opt_state):
@@ -311,7 +311,3 @@ def _start_stage(setup: Setup, learner, keys, contexts, opt_state):
   return learner, population.stack_trees(*opts)
 
 
-def _each(fn, learner, keys, contexts):
-  """Applies `fn(learner_i, key_i, ctx_i)` to every member and restacks the population."""
-  return population.stack([fn(l, keys[i], contexts[i])
-                           for i, l in enumerate(population.members(learner))])

@@ -163,23 +163,12 @@ class Setup:
   def restore_target(self) -> Callable:
     """(structure, has_opt_state) -> the abstract stacked checkpoint state, with the shardings
     of the steps (the key replicated)."""
-    method, tx, keys, steps = self.method, self.steps.tx, self.keys, self.steps
+    steps = self.steps
 
     def build(structure, has_opt_state):
-      learner = jax.eval_shape(jax.vmap(lambda k: method.init(k, structure)), keys)
-      if learner.structure != structure:
-        raise ckpt_lib.IncompatibleCheckpointError(
-            f"method {method.name!r} rebuilds structure {learner.structure!r} from the "
-            f"checkpoint's structure {structure!r}")
-      tree = {"params": learner.params, "model_state": learner.model_state,
-              "key": jax.eval_shape(jax.vmap(jax.random.key_data), keys)}
-      if has_opt_state:
-        tree["opt_state"] = jax.eval_shape(
-            jax.vmap(lambda k: tx.init(method.partition(method.init(k, structure))[0])), keys)
-      shardings = {k: steps.replicated(v) if k == "key" else steps.shardings(v, name=k)
-                   for k, v in tree.items()}
-      return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          tree, shardings)
+      return ckpt_lib.abstract_state(
+          self.method, steps.tx, self.keys, structure, has_opt_state,
+          lambda k, v: steps.replicated(v) if k == "key" else steps.shardings(v, name=k))
 
     return build
 

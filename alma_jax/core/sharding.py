@@ -220,7 +220,3 @@ def put(tree: PyTree, shardings: PyTree | NamedSharding, *, copy: bool = False) 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
-
-def put_replicated(mesh: Mesh, tree):
-  """Places every leaf of `tree` on all devices of the mesh."""
-  return put(tree, replicated(mesh))

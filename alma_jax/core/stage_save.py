@@ -17,9 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from alma_jax.core import timing
-from alma_jax.core.epoch import StopState
-from alma_jax.core.programs import TrainState
-from alma_jax.methods.base import Learner
+from alma_jax.state import Learner, StopState, TrainState
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,8 @@ import jax
 import numpy as np
 from jax import monitoring
 
+from alma_jax.models import slots
+
 COMPILE_EVENTS = frozenset({
     "/jax/core/compile/jaxpr_trace_duration",
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -153,7 +155,7 @@ def seconds_per_step(programs: Any, learner: Any, repeats: int = 3) -> float:
 
   `programs`: the run's `alma_jax.core.programs.Programs`.
   """
-  num = int(jax.tree.leaves(learner.params)[0].shape[0])
+  num = slots.leading_size(learner.params)
   k = programs.steps_per_call
   batch = programs.timing_batch(num, programs.method.num_data_orders(learner.structure))
   keys = jax.random.split(jax.random.key(0), num)

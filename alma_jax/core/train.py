@@ -30,28 +30,15 @@ from absl import logging
 from alma_jax.core import orders as orders_lib
 from alma_jax.core import population
 from alma_jax.core import timing
-from alma_jax.core.epoch import Rule, StopState, epoch_ok
+from alma_jax.core.epoch import Rule, epoch_ok
 from alma_jax.core.meter import Meter
-from alma_jax.core.programs import Batch, TrainState, call_counter
+from alma_jax.core.programs import Batch, call_counter
 from alma_jax.core.stage_save import Progress, Resume, Saver, StageCheckpoints, restore
 from alma_jax.core.steps import Steps
 from alma_jax.errors import ConfigError, divergence_error
-from alma_jax.methods.base import Learner, Method
+from alma_jax.methods.base import Method
+from alma_jax.state import Learner, StageStats, StopState, TrainState
 from alma_jax.tasks import base as tasks_base
-
-
-@dataclasses.dataclass(frozen=True)
-class StageStats:
-  """Per-member facts of one stage (arrays of length S) and its time."""
-
-  epochs_run: np.ndarray
-  best_epoch: np.ndarray
-  best_val_accuracy: np.ndarray
-  steps_run: np.ndarray
-  diverged: np.ndarray
-  train_s: float
-  eval_s: float
-  examples_run: np.ndarray | None = None  # training examples processed (not padding)
 
 
 @dataclasses.dataclass(frozen=True)

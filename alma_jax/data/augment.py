@@ -13,10 +13,6 @@ import jax.numpy as jnp
 AUGMENTATIONS = ("none", "crop_flip")
 
 
-def normalize(x_uint8: jnp.ndarray, mean: jnp.ndarray, std: jnp.ndarray) -> jnp.ndarray:
-  return (x_uint8.astype(jnp.float32) / 255.0 - mean) / std
-
-
 def random_crop_flip(rng: jax.Array, x: jnp.ndarray, pad: int = 4) -> jnp.ndarray:
   """Per-example random crop (zero padding of `pad` pixels) and horizontal flip."""
   n, h, w, _ = x.shape

@@ -24,12 +24,6 @@ class Stream:
   def num_megabatches(self) -> int:
     return len(self.train)
 
-  def megabatch(self, t: int) -> tuple[np.ndarray, np.ndarray]:
-    """Indices of mega-batch t (1-based, as in the paper)."""
-    if not 1 <= t <= self.num_megabatches:
-      raise IndexError(f"mega-batch {t} out of range 1..{self.num_megabatches}")
-    return self.train[t - 1], self.val[t - 1]
-
 
 def make_stream(num_examples: int, num_megabatches: int, val_fraction: float, seed: int) -> Stream:
   """Partitions `num_examples` training examples into a stream.

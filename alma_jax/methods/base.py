@@ -23,31 +23,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from alma_jax import tasks
 from alma_jax.configuration import fields
 from alma_jax.errors import ConfigError
 from alma_jax.models import slots
+from alma_jax.state import Learner
 
 PyTree = Any
-
-
-@struct.dataclass
-class Learner:
-  """The learner's state: a pytree with a static structure descriptor.
-
-  Attributes:
-    params: the model parameters (for stacked members, a leading axis).
-    model_state: non-trained collections, e.g. `{"batch_stats": ...}`.
-    structure: hashable static description of the architecture (number of
-      members, gating trees, ...). Compiled steps are cached per structure, so
-      a recompilation happens only when growth changes it.
-  """
-
-  params: PyTree
-  model_state: PyTree
-  structure: Hashable = struct.field(pytree_node=False, default=())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,11 +245,6 @@ class Method:
   # -- growth -------------------------------------------------------------------
   def before_stage(self, learner: Learner, key: jax.Array, ctx: StageContext) -> Learner:
     """Called before each training stage (gEns adds members, gMoE splits experts)."""
-    del key, ctx
-    return learner
-
-  def after_stage(self, learner: Learner, key: jax.Array, ctx: StageContext) -> Learner:
-    """Called after each training stage."""
     del key, ctx
     return learner
 

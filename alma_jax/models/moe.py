@@ -213,7 +213,6 @@ def tree_from_arrays(active, path, flat: bool = False) -> Tree:
   return build(list(range(e)))
 
 
-next_power_of_two = slots.next_power_of_two
 
 
 # -- gates -------------------------------------------------------------------------------

@@ -95,8 +95,6 @@ class BackboneSpec:
       None: its width cannot grow.
     mixture: `mixture(config.model, num_classes)`, its `Mixture` for gMoE; None: it has no
       mixture-of-experts version.
-    leaf_axes: the logical axes (`alma_jax.core.sharding`) of leading dimensions of its own
-      parameter leaves, as in `Method.LEAF_AXES` (e.g. experts stacked inside a layer).
   """
 
   name: str
@@ -105,7 +103,6 @@ class BackboneSpec:
   conv_heavy: bool = False
   width_layout: Callable[[ModelConfig, int], WidthLayout] | None = None
   mixture: Callable[[ModelConfig, int], Mixture] | None = None
-  leaf_axes: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 # What each optional capability is, for the error of a method that needs it.

@@ -339,5 +339,4 @@ class SwitchTransformer(nn.Module):
     return logits, {"balance": balance, "experts": jnp.stack(experts)}
 
 
-SPEC = registry.BackboneSpec("switch", SwitchTransformer.from_config, tasks=("text",),
-                             leaf_axes=((r"\['expert_", ("expert",)),))  # stacked experts
+SPEC = registry.BackboneSpec("switch", SwitchTransformer.from_config, tasks=("text",))

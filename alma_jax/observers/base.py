@@ -9,7 +9,7 @@ import numpy as np
 
 from alma_jax.core import timing
 from alma_jax.core.metrics import Record
-from alma_jax.core.run_state import RunState
+from alma_jax.state import RunState
 from alma_jax.outputs import interrupts
 from alma_jax.outputs.checkpoint import Snapshot
 

@@ -49,7 +49,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from alma_jax.core import multihost
-from alma_jax.methods.base import Learner
+from alma_jax.state import Learner
 from alma_jax.outputs import io_utils
 
 FORMAT_VERSION = 2  # 2: the state is stacked on a population axis
@@ -229,6 +229,38 @@ def _check_shapes(restored, target, step: int) -> None:
     raise IncompatibleCheckpointError(
         f"checkpoint step {step} does not fit the learner rebuilt from its structure: "
         + "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""))
+
+
+def abstract_state(method, tx, keys, structure, has_opt_state: bool,
+                   shardings: Callable[[str, Any], Any]) -> dict:
+  """What a checkpoint of a stacked population (one PRNG key per member in `keys`) restores
+  into, for a learner of `structure`: abstract arrays (`jax.ShapeDtypeStruct`) of its params,
+  model state, keys and (`has_opt_state`) the optimizer state of `tx`, each part placed as
+  `shardings(part name, abstract part)` says."""
+  learner = jax.eval_shape(jax.vmap(lambda k: method.init(k, structure)), keys)
+  if learner.structure != structure:
+    raise IncompatibleCheckpointError(
+        f"method {method.name!r} rebuilds structure {learner.structure!r} from the "
+        f"checkpoint's structure {structure!r}")
+  tree = {"params": learner.params, "model_state": learner.model_state,
+          "key": jax.eval_shape(jax.vmap(jax.random.key_data), keys)}
+  if has_opt_state:
+    tree["opt_state"] = jax.eval_shape(
+        jax.vmap(lambda k: tx.init(method.partition(method.init(k, structure))[0])), keys)
+  return {k: jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          v, shardings(k, v)) for k, v in tree.items()}
+
+
+def set_aside(path: str, quarantine_dir: str | None, name: str, what: str) -> None:
+  """Moves a damaged save `path` into `quarantine_dir` (as `name`-<time>), or deletes it when
+  there is none; the caller is the one process that writes."""
+  if quarantine_dir:
+    os.makedirs(quarantine_dir, exist_ok=True)
+    dest = os.path.join(quarantine_dir, f"{name}-{int(time.time())}")
+    shutil.move(path, dest)
+    logging.warning("moved %s %s to %s", what, path, dest)
+  else:
+    shutil.rmtree(path, ignore_errors=True)
 
 
 class Checkpointer:
@@ -428,14 +460,8 @@ class Checkpointer:
 
   def _quarantine(self, steps: list[int], quarantine_dir: str | None) -> None:
     for step in steps if multihost.is_primary() else ():
-      path = os.path.join(self.directory, str(step))
-      if quarantine_dir:
-        os.makedirs(quarantine_dir, exist_ok=True)
-        dest = os.path.join(quarantine_dir, f"{step}-{int(time.time())}")
-        shutil.move(path, dest)
-        logging.warning("moved the unreadable checkpoint step %d to %s", step, dest)
-      else:
-        shutil.rmtree(path, ignore_errors=True)
+      set_aside(os.path.join(self.directory, str(step)), quarantine_dir, f"{step}",
+                "the unreadable checkpoint step")
     multihost.sync("alma_jax: unreadable checkpoints moved")
     self._mngr.reload()
 

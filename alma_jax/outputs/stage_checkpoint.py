@@ -22,7 +22,6 @@ fails its checksums is set aside and the stage starts from its beginning.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from typing import Callable
 
@@ -141,13 +140,7 @@ class Store:
   def _set_aside(self, step: int) -> None:
     path = os.path.join(self.directory, str(step))
     if multihost.is_primary() and os.path.isdir(path):
-      if self.quarantine_dir:
-        os.makedirs(self.quarantine_dir, exist_ok=True)
-        dest = os.path.join(self.quarantine_dir, f"stage-{step}-{int(time.time())}")
-        shutil.move(path, dest)
-        logging.warning("moved the damaged stage save %s to %s", path, dest)
-      else:
-        shutil.rmtree(path, ignore_errors=True)
+      ckpt_lib.set_aside(path, self.quarantine_dir, f"stage-{step}", "the damaged stage save")
     self._open().reload()
 
   def close(self) -> None:

@@ -106,11 +106,6 @@ def _locked_error(workdir: str, info: dict | None) -> WorkdirLockedError:
       "choose another --workdir")
 
 
-def _alive_here(info: dict) -> bool:
-  """Whether the holder described by `info` runs on this host (False: gone or another host)."""
-  return info.get("host") == socket.gethostname() and io_utils.process_alive(info["pid"])
-
-
 # -- flock ------------------------------------------------------------------------------------
 def _open_regular(path: str, flags: int) -> int:
   """`io_utils.open_regular_fd`, its refusal as `WorkdirLockedError` (the lock file is written)."""

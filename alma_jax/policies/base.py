@@ -19,8 +19,8 @@ from alma_jax.errors import ConfigError
 
 PyTree = Any
 # A learner's stage key k gives fold_in(k, i): i = 1 re-initialises (a policy), 2 grows before
-# the stage (`Method.before_stage`), 3 trains, 4 grows after it (`Method.after_stage`). A policy
-# that needs keys of its own folds in FIRST_FREE_KEY or above.
+# the stage (`Method.before_stage`), 3 trains; 4 is not used. A policy that needs keys of its own
+# folds in FIRST_FREE_KEY or above.
 REINIT_KEY, GROWTH_KEY, FIRST_FREE_KEY = 1, 2, 5
 
 
@@ -142,7 +142,7 @@ class WaitPolicy:
 
   def trains_at(self, t: int, state) -> bool:
     """Whether the learner trains at time step `t` >= 1; `state` is the run's state before
-    `t` (`alma_jax.core.run_state.RunState`: records so far, the learner, its last test errors)."""
+    `t` (`alma_jax.state.RunState`: records so far, the learner, its last test errors)."""
     raise NotImplementedError
 
   def planned_times(self, num_megabatches: int) -> list[int]:

@@ -81,14 +81,8 @@ def _restore(workdir: str, config, method):
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
   def build(structure, has_opt_state):
-    tree = {"params": None, "model_state": None,
-            "key": jax.eval_shape(jax.vmap(jax.random.key_data), keys)}
-    learner = jax.eval_shape(jax.vmap(lambda k: method.init(k, structure)), keys)
-    tree.update(params=learner.params, model_state=learner.model_state)
-    if has_opt_state:
-      tree["opt_state"] = jax.eval_shape(
-          jax.vmap(lambda k: tx.init(method.partition(method.init(k, structure))[0])), keys)
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), tree)
+    return ckpt_lib.abstract_state(method, tx, keys, structure, has_opt_state,
+                                   lambda _, v: jax.tree.map(lambda _: device, v))
 
   directory = os.path.join(workdir, wd.CHECKPOINT_DIR)
   with ckpt_lib.Checkpointer(directory, int(config.checkpoint.max_to_keep)) as ckpt:

@@ -13,7 +13,9 @@ from alma_jax import models
 from alma_jax.core import run
 from alma_jax.core import validation
 from alma_jax.errors import ConfigError
+from alma_jax.methods import base
 from alma_jax.methods import ensemble
+from alma_jax.models import switch
 from alma_jax.outputs import io_utils
 from alma_jax.tuning import autotune
 from alma_jax.tuning import cpu_fusion
@@ -54,7 +56,8 @@ def test_the_package_backbones_declare_their_capabilities():
                  "vgg": (("images",), True, True, True),
                  "resnet": (("images",), True, False, False),
                  "switch": (("text",), False, False, False)}
-  assert models.spec("switch").leaf_axes == ((r"\['expert_", ("expert",)),)
+  # A backbone's stacked leaves are its class's LEAF_AXES (the mesh's `model` axis splits them).
+  assert base.backbone_leaf_axes(switch.SwitchTransformer) == ((r"\['expert_", ("expert",)),)
 
 
 def test_the_cpu_speed_rules_read_conv_heavy():

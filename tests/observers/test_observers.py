@@ -8,7 +8,7 @@ import pytest
 from alma_jax.core import run
 from alma_jax.core import timing
 from alma_jax.core.metrics import Log, Record
-from alma_jax.core.run_state import RunState
+from alma_jax.state import RunState
 from alma_jax.observers.base import Observer, Observers
 from alma_jax.outputs import interrupts
 from alma_jax.outputs import io_utils

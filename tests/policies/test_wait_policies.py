@@ -13,7 +13,7 @@ from alma_jax.configuration import config_lib
 from alma_jax.core import run
 from alma_jax.core import validation
 from alma_jax.core.metrics import Log, Record
-from alma_jax.core.run_state import RunState
+from alma_jax.state import RunState
 from alma_jax.data import images
 from alma_jax.data import stream as stream_lib
 from alma_jax.errors import ConfigError
