@@ -31,7 +31,7 @@ def load_config(spec: str):
       fails to load.
   """
   from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top
-  from alma_jax.configuration import config_resolve  # pylint: disable=g-import-not-at-top
+  from alma_jax.stream import config_resolve  # pylint: disable=g-import-not-at-top
   return config_resolve.resolve(config_files.resolve(spec))
 
 
@@ -44,10 +44,10 @@ def run(config, workdir: str, *, overwrite: bool = False, log: bool = True) -> d
   logging already shows INFO messages (e.g. `logging.basicConfig(level=logging.INFO)`,
   or absl's flags parsed) or passes `log=False`. Errors name this function's arguments
   (`overwrite=True`, `workdir`, `config.<field>`) where the command line's
-  name its flags; see `alma_jax.core.run.run` for the errors it raises.
+  name its flags; see `alma_jax.stream.run.run` for the errors it raises.
   """
   import contextlib  # pylint: disable=g-import-not-at-top
-  from alma_jax.core import run as run_lib  # pylint: disable=g-import-not-at-top
+  from alma_jax.stream import run as run_lib  # pylint: disable=g-import-not-at-top
   with (_progress_to_stderr() if log else contextlib.nullcontext()):
     try:
       return run_lib.run(config, workdir, overwrite=overwrite)

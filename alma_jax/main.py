@@ -6,7 +6,7 @@ resumes the run in DIR; `--overwrite` starts it afresh. Errors are one line on
 stderr, exit code 2 for invalid inputs (config, data, workdir, checkpoints), 1
 for failures while running, 128 + signal number after SIGINT/SIGTERM/SIGHUP
 (130 for Ctrl-C while starting); `--debug` shows tracebacks. A multi-process
-run (`alma_jax.core.multihost`, the launchers in `launch/`) runs this same command
+run (`alma_jax.runtime.multihost`, the launchers in `launch/`) runs this same command
 in every process.
 """
 
@@ -56,7 +56,7 @@ try:  # Ctrl-C while the libraries load (seconds): one line, no traceback
 
   from alma_jax import errors  # pylint: disable=g-import-not-at-top
   from alma_jax.configuration import fields as F  # pylint: disable=g-import-not-at-top
-  from alma_jax.core import multihost  # pylint: disable=g-import-not-at-top
+  from alma_jax.runtime import multihost  # pylint: disable=g-import-not-at-top
   from alma_jax.data import images  # pylint: disable=g-import-not-at-top
 except KeyboardInterrupt:
   if __name__ != "__main__":
@@ -74,7 +74,7 @@ _DEBUG = flags.DEFINE_bool("debug", False, "Show tracebacks instead of one-line 
 _DISTRIBUTED = flags.DEFINE_bool("jax_distributed", False,
                                  "Call jax.distributed.initialize() (multi-process runs); also "
                                  "enabled by ALMA_JAX_DISTRIBUTED=1, config.mesh.distributed=yes "
-                                 "or a cluster environment (see alma_jax/core/multihost.py).")
+                                 "or a cluster environment (see alma_jax/runtime/multihost.py).")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0's "
                                    "coordinator (default: detected by JAX on SLURM, Open MPI, TPU)")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes of a multi-process run "
@@ -150,7 +150,7 @@ def _override_type_error(exc: BaseException) -> str | None:
   m = re.match(r"flag --config\.([\w.]+)=(.*?): ", str(exc))
   if m is None:
     return None
-  from alma_jax.core import validation  # pylint: disable=g-import-not-at-top
+  from alma_jax.stream import validation  # pylint: disable=g-import-not-at-top
   path, text = m.groups()
   try:
     value = ast.literal_eval(text)  # 1.5 for an integer field: a float, not a string
@@ -178,7 +178,7 @@ def _parse_flags(argv):
     if not isinstance(e, (AttributeError, KeyError, TypeError, ValueError)):
       _fail(f"--config={config_arg}: {errors.flag_error(e)} (rerun with --debug for the "
             "traceback)", 2)
-    from alma_jax.configuration import config_resolve  # pylint: disable=g-import-not-at-top
+    from alma_jax.stream import config_resolve  # pylint: disable=g-import-not-at-top
     _fail(f"invalid --config override: "
           f"{config_resolve.override_error(config_arg, argv, e)} (see --helpfull)", 2)
 
@@ -186,7 +186,7 @@ def _parse_flags(argv):
 def _choose_cpu_fusion(multiprocess: bool) -> None:
   """Sets XLA_FLAGS for `config.train.cpu_fusion` (`alma_jax.tuning.tune.process_flags`); a
   config that fails to load is reported later, by the run."""
-  from alma_jax.core import validation  # pylint: disable=g-import-not-at-top
+  from alma_jax.stream import validation  # pylint: disable=g-import-not-at-top
   from alma_jax.tuning import tune  # pylint: disable=g-import-not-at-top
   try:
     config = _CONFIG.value
@@ -224,7 +224,7 @@ _TYPED_ARGV: list[str] = []
 def _print_config() -> None:
   """`--print_config`: the resolved, validated config as JSON on stdout."""
   import json  # pylint: disable=g-import-not-at-top
-  from alma_jax.core import validation  # pylint: disable=g-import-not-at-top
+  from alma_jax.stream import validation  # pylint: disable=g-import-not-at-top
   from alma_jax.outputs import workdir as wd  # pylint: disable=g-import-not-at-top
   try:
     config = validation.validate(_CONFIG.value)
@@ -265,7 +265,7 @@ def main(argv):
                "%s; compilation cache: %s", jax.__version__, jax.default_backend(),
                jax.process_index(), jax.process_count(), jax.devices(), cpu_tuning.is_applied(),
                cache)
-  from alma_jax.core import run, timing  # pylint: disable=g-import-not-at-top
+  from alma_jax.stream import run, timing  # pylint: disable=g-import-not-at-top
   try:
     config = _CONFIG.value
     config.get("seed")  # a config file that failed to load raises here
@@ -275,7 +275,7 @@ def main(argv):
     config_arg = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--config=")), "")
     _fail(f"--config: {errors.located(e, config_arg.partition(':')[0]) or errors.flag_error(e)}",
           2)
-  from alma_jax.configuration import config_resolve  # pylint: disable=g-import-not-at-top
+  from alma_jax.stream import config_resolve  # pylint: disable=g-import-not-at-top
   try:
     config_resolve.check_overrides(sys.argv[1:])
   except ValueError as e:

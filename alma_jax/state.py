@@ -107,7 +107,7 @@ class RunState:
     stats: the stage trained at time step `t` (None: the learner did not train at `t`).
   """
 
-  logs: list  # of `alma_jax.core.metrics.Log`
+  logs: list  # of `alma_jax.engine.metrics.Log`
   learner: Learner | None = None
   opt_state: Any = None
   errors: np.ndarray | None = None

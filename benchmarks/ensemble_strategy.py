@@ -1,6 +1,6 @@
 """vmap over stacked members vs. a Python loop over them, per backbone and backend.
 
-Times the real compiled train step of Ens (`alma_jax.core.steps.Steps.train_call`
+Times the real compiled train step of Ens (`alma_jax.engine.steps.Steps.train_call`
 for a population of one learner: gather, augmentation, forward, backward and
 optimizer update on a batch of 128 per member) for N members under
 `config.method.strategy` = "vmap" and "loop", and one SM step for
@@ -39,11 +39,11 @@ import numpy as np  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax import methods  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax import models  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax.configuration import config_lib  # pylint: disable=wrong-import-position,g-import-not-at-top
-from alma_jax.core import optim  # pylint: disable=wrong-import-position,g-import-not-at-top
-from alma_jax.core import population  # pylint: disable=wrong-import-position,g-import-not-at-top
-from alma_jax.core import sharding  # pylint: disable=wrong-import-position,g-import-not-at-top
-from alma_jax.core import validation  # pylint: disable=wrong-import-position,g-import-not-at-top
-from alma_jax.core.steps import Batch, Steps  # pylint: disable=wrong-import-position,g-import-not-at-top
+from alma_jax.engine import optim  # pylint: disable=wrong-import-position,g-import-not-at-top
+from alma_jax.engine import population  # pylint: disable=wrong-import-position,g-import-not-at-top
+from alma_jax.engine import sharding  # pylint: disable=wrong-import-position,g-import-not-at-top
+from alma_jax.stream import validation  # pylint: disable=wrong-import-position,g-import-not-at-top
+from alma_jax.engine.steps import Batch, Steps  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax.methods import ensemble  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax.tasks import images as image_task  # pylint: disable=wrong-import-position,g-import-not-at-top
 

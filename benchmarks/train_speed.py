@@ -1,7 +1,7 @@
 """Training and evaluation speed of every backbone and method, per device.
 
 For each row (backbone, width, method, convolution implementation) it builds
-the real compiled train call of `alma_jax.core.steps.Steps` (a population of one
+the real compiled train call of `alma_jax.engine.steps.Steps` (a population of one
 learner, `config.train.steps_per_call` steps per call) on synthetic data and
 reports:
   * train img/s: median and min-max over repeats after a warm-up (an image is
@@ -117,8 +117,8 @@ def make_trainer(name, batch_size, jax, np, compute_dtype="float32"):
   # pylint: disable=g-import-not-at-top
   from alma_jax.configuration import config_lib
   from alma_jax import methods
-  from alma_jax.core import optim, population, sharding, timing, validation
-  from alma_jax.core.steps import Batch, Steps
+  from alma_jax.engine import optim, population, sharding, timing, validation
+  from alma_jax.engine.steps import Batch, Steps
   from alma_jax.tasks import images as image_task
   # pylint: enable=g-import-not-at-top
   backbone, width, method_name, method_kw, model_kw = ROWS[name]
@@ -177,7 +177,7 @@ def make_trainer(name, batch_size, jax, np, compute_dtype="float32"):
 def bench_row(name, args, jax, jnp, np):
   del jnp
   # pylint: disable=g-import-not-at-top
-  from alma_jax.core.train import fit_one
+  from alma_jax.engine.train import fit_one
   # pylint: enable=g-import-not-at-top
   tr = make_trainer(name, args.batch_size, jax, np, args.compute_dtype)
   if tr is None:

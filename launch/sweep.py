@@ -18,7 +18,7 @@ left to it, "running (by another process)", not failed; each point's status
 is checked again just before its run starts.
 
 Before any run starts, every point's config is checked as the run checks it
-(`alma_jax.core.validation.validate`, which loads no data; for SLURM and TPU runs
+(`alma_jax.stream.validation.validate`, which loads no data; for SLURM and TPU runs
 the mesh is left to their machines): invalid points are named with their
 one-line errors and nothing runs (exit code 2; `--no-validate` skips the
 check). `--status` (with the sweep's own flags) prints a table of the
@@ -104,8 +104,8 @@ from alma_jax import methods  # pylint: disable=g-import-not-at-top,wrong-import
 from alma_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import policies  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top,wrong-import-position
-from alma_jax.core import meter  # pylint: disable=g-import-not-at-top,wrong-import-position
-from alma_jax.configuration import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.engine import meter  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.stream import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import workdir as wd  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.reports import findings  # pylint: disable=g-import-not-at-top,wrong-import-position

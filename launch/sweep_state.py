@@ -6,7 +6,7 @@ lock), "refuse" (the workdir holds another config) or "run". A sweep keeps
 the exit of a point's failed run in `<root>/logs/<workdir name>.failed.json`
 until a run of the point succeeds, so that `--status` (`print_status`) tells
 failed points from those not run yet. `invalid_points` checks every point's
-config as the run checks it (`alma_jax.core.validation.validate`, without loading
+config as the run checks it (`alma_jax.stream.validation.validate`, without loading
 data) before a sweep starts anything.
 """
 
@@ -22,8 +22,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for alma_jax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for local.py
 from alma_jax import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
-from alma_jax.configuration import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
-from alma_jax.core import validation  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.stream import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.stream import validation  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import workdir as wd  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import workdir_lock  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -148,7 +148,7 @@ def print_status(root: str, runs) -> int:
 
 def check_point(config_arg: str, flags: list[str], remote: bool) -> str | None:
   """Why the run of a point (config file and flags, as `point_args` gives them) would refuse
-  its config (None: valid), by the run's own checks (`alma_jax.core.validation.validate`, which
+  its config (None: valid), by the run's own checks (`alma_jax.stream.validation.validate`, which
   loads no data). With `remote` the mesh is left to the machines that run it (this one's
   devices say nothing of theirs)."""
   try:

@@ -14,11 +14,11 @@ import numpy as np
 
 from alma_jax import methods
 from alma_jax.configuration import config_lib
-from alma_jax.core import population
-from alma_jax.core import sharding
-from alma_jax.core import validation
-from alma_jax.core.optim import make_optimizer
-from alma_jax.core.steps import Steps
+from alma_jax.engine import population
+from alma_jax.engine import sharding
+from alma_jax.stream import validation
+from alma_jax.engine.optim import make_optimizer
+from alma_jax.engine.steps import Steps
 from alma_jax.methods.base import StageContext
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir

@@ -16,8 +16,8 @@ import sys
 import jax
 import numpy as np
 
-from alma_jax.core import population
-from alma_jax.core import train
+from alma_jax.engine import population
+from alma_jax.engine import train
 from tests import helpers
 
 DATA = helpers.synthetic_dataset(n_train=160, n_test=64)

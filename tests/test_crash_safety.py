@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from alma_jax.configuration import config_lib
-from alma_jax.core import run
-from alma_jax.core import steps as steps_lib
+from alma_jax.stream import run
+from alma_jax.engine import steps as steps_lib
 from alma_jax.errors import ConfigError
 from alma_jax.methods.base import Learner
 from alma_jax.outputs import checkpoint as ckpt_lib

@@ -107,3 +107,64 @@ def test_run_and_read_results(tmp_path):
   # One record per time step, t = 0 (before any data) to B.
   assert [r["t"] for r in seed.records] == list(range(config.stream.num_megabatches + 1))
   assert seed.curve("test_error").shape == (config.stream.num_megabatches + 1,)
+
+
+# The package's layers, bottom first: a package (or a module named as `package.module`) may
+# import its own layer's modules and those of the layers below it, never one above. `state` and
+# `errors` are the ground floor every layer names; the engine trains one stage of a population;
+# the observers write what a run did; the stream layer builds a run and runs Algorithm 1 over the
+# engine; the reports read finished runs (their plotting library is below the observers, which
+# draw a run's figure); `main` and the package's API sit on top.
+LAYERS = (
+    ("errors", "state"),
+    ("runtime",),
+    ("configuration",),
+    ("outputs",),
+    ("data",),
+    ("models",),
+    ("tasks",),
+    ("policies",),
+    ("methods",),
+    ("engine",),
+    ("tuning",),
+    ("reports.plots", "reports.plot_style"),
+    ("observers",),
+    ("stream",),
+    ("reports",),
+    ("main", "alma_jax"),
+)
+
+
+def _layer_of(module: str) -> int:
+  parts = module.split(".")
+  for name in (".".join(parts[1:3]), parts[1] if len(parts) > 1 else parts[0]):
+    for i, names in enumerate(LAYERS):
+      if name in names:
+        return i
+  raise AssertionError(f"{module} is in no layer of LAYERS; add its package there")
+
+
+def test_packages_import_only_their_own_layer_and_the_layers_below():
+  upward, modules = [], set()
+  for root, dirs, files in os.walk(PACKAGE):
+    dirs[:] = [d for d in dirs if d not in ("configs", "__pycache__")]
+    modules |= {_module_name(os.path.join(root, f)) for f in files if f.endswith(".py")}
+  for root, dirs, files in os.walk(PACKAGE):
+    dirs[:] = [d for d in dirs if d not in ("configs", "__pycache__")]
+    for name in files:
+      if not name.endswith(".py"):
+        continue
+      path = os.path.join(root, name)
+      mod = _module_name(path)
+      top, _ = _imports(path, modules)
+      for target in top:
+        if target != "alma_jax" and _layer_of(target) > _layer_of(mod):
+          upward.append(f"{mod} imports {target}")
+  assert not upward, "imports from a higher layer:\n" + "\n".join(sorted(upward))
+
+
+def test_every_package_is_in_a_layer():
+  packages = {d for d in os.listdir(PACKAGE) if os.path.exists(os.path.join(PACKAGE, d, "__init__.py"))}
+  modules = {f[:-3] for f in os.listdir(PACKAGE) if f.endswith(".py") and f != "__init__.py"}
+  layered = {n for names in LAYERS for n in names}
+  assert packages | modules <= layered, sorted((packages | modules) - layered)

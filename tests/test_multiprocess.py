@@ -1,5 +1,5 @@
 """Two processes of one `jax.distributed` run on CPU, coordinated over 127.0.0.1
-(alma_jax/core/multihost.py, sharding.py, run.py; launch/local.py)."""
+(alma_jax/runtime/multihost.py, sharding.py, run.py; launch/local.py)."""
 
 import io
 import json

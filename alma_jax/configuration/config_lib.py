@@ -128,7 +128,7 @@ BASE_FIELDS = (
             "per_epoch (a compiled call per chunk of steps, an evaluation per epoch), whole (a "
             "stage's epochs, validation and early stopping as one compiled program; image "
             "tasks) or auto (whole on a CPU for a backbone that is not convolution-heavy and a "
-            "method that does not grow); speed only (see alma_jax/core/train.py)",
+            "method that does not grow); speed only (see alma_jax/engine/train.py)",
             resumable=True),
     F.Field("train.autotune", "measure", F.choice(F.owned("alma_jax.tuning.autotune:MODES")),
             "how fields left to be chosen (model.conv_impl='auto', method.strategy='auto', "
@@ -144,7 +144,7 @@ BASE_FIELDS = (
     F.Field("train.compute_dtype", "float32", F.choice(("float32", "bfloat16")),
             "arithmetic of the train and evaluation programs: float32, or bfloat16 (mixed "
             "precision: float32 parameters, optimizer and model state; for GPUs and TPUs, no "
-            "faster on XLA:CPU; see alma_jax/core/precision.py)"),
+            "faster on XLA:CPU; see alma_jax/engine/precision.py)"),
     F.Field("train.on_divergence", "raise", F.choice(("raise", "rollback")),
             "a non-finite loss raises, or rolls the stage back to its best epoch (may change "
             "when a run resumes: it does not change the records already written)",
@@ -152,7 +152,7 @@ BASE_FIELDS = (
     F.Field("train.progress_every_s", 10.0, F.number(0.0, math.inf, allow_inf=True),
             "at most one progress line per this many seconds within a stage", resumable=True),
     # -- optimizer
-    F.Field("optimizer.name", _MNIST_OR("adadelta", "sgd"), F.choice(F.owned("alma_jax.core.optim:OPTIMIZERS"), "names"),
+    F.Field("optimizer.name", _MNIST_OR("adadelta", "sgd"), F.choice(F.owned("alma_jax.engine.optim:OPTIMIZERS"), "names"),
             "an optax optimizer by name"),
     F.Field("optimizer.kwargs",
             _MNIST_OR({"learning_rate": 1.0},
@@ -218,6 +218,20 @@ ADDED_FIELDS = ("stream.warm_start", "stream.wait_policy", "stream.shrink", "str
 def resumable_paths() -> tuple[str, ...]:
   """Fields that may differ when a run is resumed (they do not change results)."""
   return tuple(f.path for f in BASE_FIELDS if f.resumable)
+
+
+def seed_config(config, seed: int):
+  """The config of a separate run of `seed` (what its seed directory records)."""
+  c = config.copy_and_resolve_references()
+  with c.unlocked():
+    c.seed = seed
+    c.num_seeds = 1
+  return c
+
+
+def stage_steps(config) -> int:
+  """Train steps of a stage when its epochs have a fixed length (0: they do not)."""
+  return int(config.train.epochs) * int(F.get(config.train, "train.steps_per_epoch"))
 
 
 def base_config(dataset: str, method: str = "sm") -> ml_collections.ConfigDict:

@@ -5,7 +5,7 @@ or `ByDataset` for defaults that differ between the MNIST and CIFAR-10
 settings), a check and a line of documentation. The base fields are listed in
 `alma_jax.configuration.config_lib.BASE_FIELDS`; every method declares its own
 (`Method.FIELDS`). From these tables come the defaults of `base_config`, the
-checks of `alma_jax.core.validation` and the values a method reads (`resolve`),
+checks of `alma_jax.stream.validation` and the values a method reads (`resolve`),
 so a default or a check is written in one place.
 
 Every check raises `ConfigError` with the field's path and its allowed

@@ -1,7 +1,7 @@
 """The learner state, the stage context and the interface every method implements.
 
 A method is a bundle of pure functions over a `Learner` pytree. The training
-loop (`alma_jax.core.run`, `alma_jax.core.train`, `alma_jax.core.steps`) only calls the
+loop (`alma_jax.stream.run`, `alma_jax.engine.train`, `alma_jax.engine.steps`) only calls the
 functions of `Method` below, so a new method is one file: a subclass that
 declares its config fields (`FIELDS`), overrides what it needs and registers
 itself by name (`alma_jax.methods.register`). Methods built on one Flax
@@ -84,7 +84,7 @@ class Method:
     same_growth_for_every_seed: whether the architecture grows the same way
       for every seed, so that several seeds can share one program
       (`config.num_seeds`).
-    LEAF_AXES: the logical axes (`alma_jax.core.sharding`) of the leading
+    LEAF_AXES: the logical axes (`alma_jax.engine.sharding`) of the leading
       dimensions of parameter leaves, after the population axis: pairs of a
       regular expression searched in the leaf's path (`jax.tree_util.keystr`
       in the params, the model state or the optimizer state) and the names of
@@ -150,7 +150,7 @@ class Method:
     return learner
 
   def counted(self) -> "Method":
-    """The method whose traced programs Comp counts (`alma_jax.core.accounting`): the same
+    """The method whose traced programs Comp counts (`alma_jax.engine.accounting`): the same
     learning algorithm in one canonical execution form, so that the FLOPs counted do not
     depend on how a run executes it (an ensemble's `method.strategy`). Default: itself."""
     return self

@@ -38,7 +38,7 @@ class ConvBlock(nn.Module):
 
   BatchNorm's training statistics cover the whole batch, `mask` (the real
   examples of a padded batch) is not used: the trainer fills padding slots
-  with real images (`alma_jax.core.orders.padded_orders`). Masked statistics would
+  with real images (`alma_jax.engine.orders.padded_orders`). Masked statistics would
   be exact for a partial batch, but XLA:CPU (jax 0.10.2) computes their
   jitted gradient inside `jax.vmap` (ensemble members, gMoE experts, seeds)
   wrongly.

@@ -1,6 +1,6 @@
 """The outputs of a run, as observers of its stream loop.
 
-The loop (`alma_jax.core.run`) tells its observers what happens through the
+The loop (`alma_jax.stream.run`) tells its observers what happens through the
 small interface of `base.Observer`: the run starts or resumes, an epoch
 ends, the records of a time step are made, the step is over, the stream
 ends, a signal stops it. Each output is one observer in one module:

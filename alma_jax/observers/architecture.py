@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 
-from alma_jax.core import population
-from alma_jax.core import run_setup
-from alma_jax.observers.base import Observer
+from alma_jax.engine import population
+from alma_jax.observers.base import Observer, RunContext
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir as wd
 
@@ -16,7 +15,7 @@ class ArchitectureLog(Observer):
   after it (`Method.describe`). Process 0 writes the file; every process keeps its lines,
   which the checkpoints hold too (a resumed run takes them from there)."""
 
-  def __init__(self, setup: run_setup.Setup):
+  def __init__(self, setup: RunContext):
     self.setup = setup
     self.lines: list[dict] = []
 

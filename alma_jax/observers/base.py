@@ -3,15 +3,43 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from alma_jax.core import timing
-from alma_jax.core.metrics import Record
+from alma_jax.engine import timing
+from alma_jax.engine.metrics import Record
 from alma_jax.state import RunState
 from alma_jax.outputs import interrupts
 from alma_jax.outputs.checkpoint import Snapshot
+
+
+class RunContext(Protocol):
+  """What an output reads of the run it writes (`alma_jax.stream.RunContext` is one)."""
+
+  config: Any  # the validated config
+  workdir: str
+  seeds: list[int]
+  out_dirs: list[str]  # each seed's output folder (the workdir itself for one seed)
+  primary: bool  # this process writes the outputs
+  task: Any  # `alma_jax.tasks.base.Task`
+  inputs: str  # the fingerprint of the data the run reads
+  choices: dict  # the fields decided before the run
+  keys: Any  # the seeds' root PRNG keys, stacked
+
+  @property
+  def method(self) -> Any:
+    """The run's `alma_jax.methods.base.Method`."""
+
+  @property
+  def num_t(self) -> int:
+    """B, the last time step."""
+
+  def restore_target(self) -> Callable:
+    """(structure, has_opt_state) -> the abstract state a checkpoint is restored into."""
+
+  def check_saved_config(self, extra: dict) -> None:
+    """Raises unless a checkpoint's facts name this run's config and inputs."""
 
 
 class Observer:
@@ -69,7 +97,7 @@ class Observers:
 
   def epoch(self, t: int, epoch: int, loss, val_accuracy, ran) -> None:
     """An epoch of the stage at `t` ended. A signal waits for the stage's next `check`, after
-    the stage has saved itself (`alma_jax.core.train.fit_stage`)."""
+    the stage has saved itself (`alma_jax.engine.train.fit_stage`)."""
     with self.timer("io_s"), self.signals.critical(act=False):
       for o in self.observers:
         o.on_epoch(t, epoch, loss, val_accuracy, ran)

@@ -18,11 +18,10 @@ import os
 import jax
 from absl import logging
 
-from alma_jax.core import population
-from alma_jax.core import run_setup
-from alma_jax.core.metrics import Record
+from alma_jax.engine import population
+from alma_jax.engine.metrics import Record
 from alma_jax.observers.architecture import ArchitectureLog
-from alma_jax.observers.base import Observer
+from alma_jax.observers.base import Observer, RunContext
 from alma_jax.observers.clock import Clock
 from alma_jax.outputs import checkpoint as ckpt_lib
 from alma_jax.outputs import interrupts
@@ -38,7 +37,7 @@ def due(config, t: int, stage: int, trained: bool, last: int) -> bool:
 class Checkpoints(Observer):
   """The stream checkpoints and the stage saves (every process writes them together)."""
 
-  def __init__(self, setup: run_setup.Setup, signals: interrupts.Signals, clock: Clock,
+  def __init__(self, setup: RunContext, signals: interrupts.Signals, clock: Clock,
                architecture: ArchitectureLog):
     self.setup, self.signals, self.clock, self.architecture = setup, signals, clock, architecture
     self.ckpt: ckpt_lib.Checkpointer | None = None

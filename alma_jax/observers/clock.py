@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from alma_jax.core import timing
+from alma_jax.engine import timing
 from alma_jax.observers.base import Observer
 from alma_jax.outputs import checkpoint as ckpt_lib
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 
-from alma_jax.core import run_setup
-from alma_jax.observers.base import Observer
+from alma_jax.configuration import config_lib
+from alma_jax.observers.base import Observer, RunContext
 from alma_jax.outputs import tensorboard
 from alma_jax.outputs import wandb_log  # imports the wandb package only when a writer starts
 from alma_jax.outputs import workdir as wd
@@ -17,7 +17,7 @@ class EventFiles(Observer):
   """One event file per seed folder, written by process 0; a resumed run rewrites it from
   its records (`alma_jax.outputs.tensorboard.Writer`)."""
 
-  def __init__(self, setup: run_setup.Setup):
+  def __init__(self, setup: RunContext):
     self.setup = setup
     self.writers: list = []
 
@@ -35,7 +35,7 @@ class EventFiles(Observer):
       return
     self.writers = self.make_writers(state)
     for writer, seed in zip(self.writers, s.seeds):
-      writer.config(wd.config_dict(run_setup.seed_config(s.config, seed)))
+      writer.config(wd.config_dict(config_lib.seed_config(s.config, seed)))
 
   def on_epoch(self, t, epoch, loss, val_accuracy, ran) -> None:
     del epoch  # the event files count epochs over the whole run

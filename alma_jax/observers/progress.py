@@ -1,15 +1,14 @@
 """A progress line after every training stage (the lines within a stage, the compile lines
-and the heartbeat: `alma_jax.core.meter`)."""
+and the heartbeat: `alma_jax.engine.meter`)."""
 
 from __future__ import annotations
 
 import json
 
 import numpy as np
-from alma_jax.core import population
-from alma_jax.core.meter import Meter
-from alma_jax.core import run_setup
-from alma_jax.observers.base import Observer
+from alma_jax.engine import population
+from alma_jax.engine.meter import Meter
+from alma_jax.observers.base import Observer, RunContext
 from alma_jax.observers.clock import Clock
 
 
@@ -18,7 +17,7 @@ class Progress(Observer):
   position in the stream and the run's ETA (`config.log.progress` stage or full; process 0
   only)."""
 
-  def __init__(self, setup: run_setup.Setup, clock: Clock, meter: Meter | None = None):
+  def __init__(self, setup: RunContext, clock: Clock, meter: Meter | None = None):
     self.setup, self.clock = setup, clock
     self.meter = meter or Meter("stage", primary=setup.primary)
 

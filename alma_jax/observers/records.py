@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from alma_jax.core import run_setup
-from alma_jax.observers.base import Observer
+from alma_jax.configuration import config_lib
+from alma_jax.observers.base import Observer, RunContext
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir as wd
 
@@ -14,7 +14,7 @@ class RecordLog(Observer):
   """The workdir's config.json and each seed's log.jsonl (with several seeds, each seed's
   config.json and log.jsonl go to its `seed_<seed>/` folder); process 0 writes them."""
 
-  def __init__(self, setup: run_setup.Setup):
+  def __init__(self, setup: RunContext):
     self.setup = setup
 
   def on_start(self, state, snapshot) -> None:
@@ -27,7 +27,7 @@ class RecordLog(Observer):
       os.makedirs(out, exist_ok=True)
       if out != s.workdir:
         io_utils.write_json_atomic(os.path.join(out, wd.CONFIG_FILE),
-                                   wd.config_dict(run_setup.seed_config(s.config, sd)))
+                                   wd.config_dict(config_lib.seed_config(s.config, sd)))
       io_utils.write_jsonl_atomic(os.path.join(out, wd.LOG_FILE),
                                   [r.to_dict() for r in log.records])
 

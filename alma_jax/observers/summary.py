@@ -12,9 +12,8 @@ from typing import Any
 
 from absl import logging
 
-from alma_jax.core import population
-from alma_jax.core import run_setup
-from alma_jax.observers.base import Observer
+from alma_jax.engine import population
+from alma_jax.observers.base import Observer, RunContext
 from alma_jax.observers.clock import Clock
 from alma_jax.outputs import interrupts
 from alma_jax.outputs import io_utils
@@ -63,7 +62,7 @@ class Summary(Observer):
   breakdown and the compilations; with several seeds, each seed's summary in its folder and
   their mean and standard deviation at the top. Process 0 writes it, and error.png."""
 
-  def __init__(self, setup: run_setup.Setup, signals: interrupts.Signals, clock: Clock):
+  def __init__(self, setup: RunContext, signals: interrupts.Signals, clock: Clock):
     self.setup, self.signals, self.clock = setup, signals, clock
 
   def on_start(self, state, snapshot) -> None:

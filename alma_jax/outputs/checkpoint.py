@@ -48,7 +48,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from alma_jax.core import multihost
+from alma_jax.runtime import multihost
 from alma_jax.state import Learner
 from alma_jax.outputs import io_utils
 

@@ -10,7 +10,7 @@ records the signal, since an exception raised from a handler that lands in a
 JAX callback or in JAX's dispatch would be swallowed there; the loop stops at
 the next step boundary (`Signals.check()`, after every compiled train call).
 
-In a multi-process run (`vote`: `alma_jax.core.multihost.Vote`) a process
+In a multi-process run (`vote`: `alma_jax.runtime.multihost.Vote`) a process
 never stops on its own: the handler only records the signal, and every
 `check()` asks all processes whether one of them has a signal, so that they
 all stop at the same check, whichever of them the signal reached and when.
@@ -97,7 +97,7 @@ class Signals:
                compiling: Callable[[], bool] | None = None):
     """`vote`: the processes' agreement on a pending signal (`multihost.Vote`) in a
     multi-process run; None: this process decides alone. `compiling()`: whether XLA compiles
-    now (`alma_jax.core.meter.Meter.is_compiling`), for `on_stop_while_compiling`."""
+    now (`alma_jax.engine.meter.Meter.is_compiling`), for `on_stop_while_compiling`."""
     self.vote, self.compiling = vote, compiling
     self._wakeup = None  # (read fd, write fd, the wakeup fd before) of the watcher
     self.pending: int | None = None

@@ -3,7 +3,7 @@
 A paper-scale stage is hours of training; the checkpoints of the stream
 (`alma_jax.outputs.checkpoint`, between stages) would lose all of it. While a stage
 trains, `Store` saves its position between two train calls (see
-`alma_jax.core.stage_save.StageCheckpoints`): every `config.checkpoint.every_s`
+`alma_jax.engine.stage_save.StageCheckpoints`): every `config.checkpoint.every_s`
 seconds, after every `config.checkpoint.stage_every_epochs`-th epoch, and
 when a signal (SIGTERM, SIGINT, SIGHUP) asks the run to stop. In a
 multi-process run the processes save together, so only the epoch rule
@@ -28,7 +28,7 @@ from typing import Callable
 import jax
 from absl import logging
 
-from alma_jax.core import multihost
+from alma_jax.runtime import multihost
 from alma_jax.outputs import checkpoint as ckpt_lib
 from alma_jax.outputs import interrupts
 
@@ -65,7 +65,7 @@ class Store:
     self.restored_facts = {}
     return self
 
-  # -- the StageCheckpoints protocol of alma_jax.core.stage_save --------------------------------------------
+  # -- the StageCheckpoints protocol of alma_jax.engine.stage_save --------------------------------------------
   def load(self, template: dict):
     if not os.path.isdir(self.directory):
       return None

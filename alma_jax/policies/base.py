@@ -102,7 +102,7 @@ class WaitPolicy:
   """When the learner trains: at the time steps t >= 1 where `trains_at(t, state)` holds.
 
   A stage trains on the mega-batches that arrived since the previous stage
-  (with replay, also a fraction of the earlier ones: `alma_jax.core.schedule.
+  (with replay, also a fraction of the earlier ones: `alma_jax.policies.schedule.
   stage_data`), so a policy may choose any times. The loop asks `decide`,
   which by default asks `trains_at` and records nothing; a policy that looks
   at the data (or records why it decided) overrides `decide`, and may add
@@ -130,7 +130,7 @@ class WaitPolicy:
 
   def decide(self, t: int, state, setup) -> Decision:
     """The decision at time step `t` >= 1 (`state`: the run's state before `t`; `setup`:
-    the run's `alma_jax.core.run_setup.Setup`)."""
+    the run's `alma_jax.stream.run_setup.Setup`)."""
     del setup
     return Decision(self.trains_at(t, state))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from alma_jax.core import schedule
+from alma_jax.policies import schedule
 from alma_jax.policies.base import WaitPolicy, register
 
 

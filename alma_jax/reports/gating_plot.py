@@ -20,9 +20,9 @@ import numpy as np
 
 from alma_jax import methods
 from alma_jax import tasks
-from alma_jax.core import population
-from alma_jax.core import validation
-from alma_jax.core.optim import make_optimizer
+from alma_jax.engine import population
+from alma_jax.stream import validation
+from alma_jax.engine.optim import make_optimizer
 from alma_jax.data import augment
 from alma_jax.methods import expert_growth
 from alma_jax.outputs import checkpoint as ckpt_lib

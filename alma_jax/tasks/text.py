@@ -33,8 +33,8 @@ from absl import logging
 from flax import struct
 
 from alma_jax import models
+from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields as F
-from alma_jax.core import optim
 from alma_jax.data import text as text_data
 from alma_jax.errors import ConfigError
 from alma_jax.models import switch
@@ -188,7 +188,7 @@ class TextTask(base.Task):
     if config.train.augment != "none":
       raise ConfigError(f"config.train.augment={config.train.augment!r} does not apply to "
                         "text; valid values: ['none']")
-    o, steps = config.optimizer, optim.stage_steps(config)
+    o, steps = config.optimizer, config_lib.stage_steps(config)
     if o.schedule == "warmup_linear" and o.warmup_steps >= steps:
       raise ConfigError(f"config.optimizer.warmup_steps={o.warmup_steps} must be below the steps "
                         f"of a stage ({steps}: config.train.epochs x "

@@ -22,9 +22,9 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from alma_jax import methods  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import tasks  # pylint: disable=g-import-not-at-top,wrong-import-position
-from alma_jax.core import optim  # pylint: disable=g-import-not-at-top,wrong-import-position
-from alma_jax.core import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
-from alma_jax.core.steps import Steps  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.engine import optim  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.engine import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.engine.steps import Steps  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.tasks import images as image_task  # pylint: disable=wrong-import-position
 from alma_jax.tuning import autotune  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.tuning import cpu_fusion  # pylint: disable=g-import-not-at-top,wrong-import-position

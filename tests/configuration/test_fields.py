@@ -11,7 +11,7 @@ from alma_jax import methods
 from alma_jax import tasks
 from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields as F
-from alma_jax.core import validation
+from alma_jax.stream import validation
 from alma_jax.errors import ConfigError
 from tests import helpers
 

@@ -10,7 +10,7 @@ import pytest
 
 import alma_jax
 from alma_jax.configuration import config_lib
-from alma_jax.configuration import config_resolve
+from alma_jax.stream import config_resolve
 from alma_jax.configuration import fields as F
 from alma_jax.configuration import paper
 from alma_jax.outputs import workdir

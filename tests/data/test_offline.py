@@ -6,8 +6,8 @@ import os
 import pytest
 
 from alma_jax import tasks
-from alma_jax.core import run_setup
-from alma_jax.core import validation
+from alma_jax.stream import run_setup
+from alma_jax.stream import validation
 from alma_jax.data import images
 from alma_jax.data import text as text_data
 from alma_jax.errors import ConfigError

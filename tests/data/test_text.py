@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from alma_jax.configuration import config_lib
-from alma_jax.core import optim
-from alma_jax.core import population
-from alma_jax.core import run as run_lib
-from alma_jax.core import validation
-from alma_jax.core.metrics import Log, Record
+from alma_jax.engine import optim
+from alma_jax.engine import population
+from alma_jax.stream import run as run_lib
+from alma_jax.stream import validation
+from alma_jax.engine.metrics import Log, Record
 from alma_jax.data import text as text_data
 from alma_jax.errors import ConfigError, DivergenceError
 from alma_jax.outputs import io_utils
@@ -81,7 +81,7 @@ def test_bits_per_byte_is_the_total_nll_in_bits_over_the_bytes():
 def test_schedule_warms_up_then_decays_to_zero():
   c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
   c.train.steps_per_epoch, c.optimizer.warmup_steps = 10, 4
-  lr = optim.learning_rate(c.optimizer, 1.0, optim.stage_steps(c))
+  lr = optim.learning_rate(c.optimizer, 1.0, config_lib.stage_steps(c))
   np.testing.assert_allclose([float(lr(s)) for s in (0, 2, 4, 7, 10)],
                              [0.0, 0.5, 1.0, 0.5, 0.0], atol=1e-6)
 

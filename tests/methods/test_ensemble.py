@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from alma_jax import methods
-from alma_jax.core import epoch as epoch_lib
-from alma_jax.core import population
-from alma_jax.core import train
+from alma_jax.engine import epoch as epoch_lib
+from alma_jax.engine import population
+from alma_jax.engine import train
 from alma_jax.errors import ConfigError
 from alma_jax.methods import ensemble
 from alma_jax.tasks import base as task_base

@@ -13,8 +13,8 @@ import pytest
 
 from alma_jax import methods
 from alma_jax.configuration import config_lib
-from alma_jax.core import run
-from alma_jax.core import train
+from alma_jax.stream import run
+from alma_jax.engine import train
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
 from alma_jax.methods import firefly as ff

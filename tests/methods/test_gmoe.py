@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from alma_jax import methods
-from alma_jax.core import accounting
-from alma_jax.core import population
-from alma_jax.core import train
+from alma_jax.engine import accounting
+from alma_jax.engine import population
+from alma_jax.engine import train
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
 from alma_jax.methods import gmoe

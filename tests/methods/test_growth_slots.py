@@ -4,7 +4,7 @@ slots.
 A split or an added member that fits the slots is an edit of values and
 masks (same shapes, same compiled programs); padding slots change neither
 outputs nor gradients, and Mem/Comp count active parts only. Also the compile
-counter of `alma_jax.core.timing` against the steps' own cache, over whole runs.
+counter of `alma_jax.engine.timing` against the steps' own cache, over whole runs.
 """
 
 import chex
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from alma_jax import methods
-from alma_jax.core import run as run_lib
-from alma_jax.core import timing
+from alma_jax.stream import run as run_lib
+from alma_jax.engine import timing
 from alma_jax.methods import ensemble
 from alma_jax.methods import firefly as ff
 from alma_jax.methods import gmoe

@@ -10,8 +10,8 @@ import pytest
 
 from alma_jax import methods
 from alma_jax import models
-from alma_jax.core import run
-from alma_jax.core import validation
+from alma_jax.stream import run
+from alma_jax.stream import validation
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
 from alma_jax.methods import ensemble

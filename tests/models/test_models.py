@@ -17,8 +17,8 @@ from ml_collections import config_flags
 
 from alma_jax import models
 from alma_jax.configuration import config_lib
-from alma_jax.core import optim
-from alma_jax.core import validation
+from alma_jax.engine import optim
+from alma_jax.stream import validation
 from alma_jax.errors import ConfigError
 from alma_jax.models import moe
 from tests import helpers

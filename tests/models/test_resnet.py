@@ -11,10 +11,10 @@ import pytest
 
 from alma_jax import methods
 from alma_jax import models
-from alma_jax.configuration import config_resolve
-from alma_jax.core import accounting
-from alma_jax.core import run
-from alma_jax.core import validation
+from alma_jax.stream import config_resolve
+from alma_jax.engine import accounting
+from alma_jax.stream import run
+from alma_jax.stream import validation
 from alma_jax.errors import ConfigError
 from alma_jax.models import resnet
 from alma_jax.outputs import io_utils
@@ -97,7 +97,7 @@ def hand_macs(c: int, num_classes: int = 10) -> int:
 
   A convolution with k x k kernels, Cin inputs and Cout outputs on an H x W output map
   costs k*k*Cin*Cout*H*W; the classifier Cin*classes. These are all the products
-  (`alma_jax.core.accounting` counts the multiply-adds of convolutions and matrix products
+  (`alma_jax.engine.accounting` counts the multiply-adds of convolutions and matrix products
   only). BatchNorm, ReLU, the residual additions and the global average pool are
   elementwise or reductions: they add FLOPs (1 per element), no multiply-adds.
   """
@@ -121,7 +121,7 @@ def test_the_hand_count_is_resnet18s_known_cost():
 
 
 def counts(width: int, train: bool, n: int = 3) -> accounting.Count:
-  """What `alma_jax.core.accounting` counts for a batch of n images through SM on the ResNet: its
+  """What `alma_jax.engine.accounting` counts for a batch of n images through SM on the ResNet: its
   prediction (as for `inference_flops_per_example`) or its training forward pass (as for
   `train_macs`). Traced on shapes alone: nothing is initialised or compiled."""
   c = helpers.small_config("cifar10", width=width)

@@ -5,9 +5,9 @@ import signal
 import numpy as np
 import pytest
 
-from alma_jax.core import run
-from alma_jax.core import timing
-from alma_jax.core.metrics import Log, Record
+from alma_jax.stream import run
+from alma_jax.engine import timing
+from alma_jax.engine.metrics import Log, Record
 from alma_jax.state import RunState
 from alma_jax.observers.base import Observer, Observers
 from alma_jax.outputs import interrupts

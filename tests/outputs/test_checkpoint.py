@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from alma_jax.core import sharding
+from alma_jax.engine import sharding
 from alma_jax.methods.base import Learner
 from alma_jax.outputs import checkpoint
 

@@ -190,7 +190,7 @@ def test_sighup_through_the_command_line_says_how_to_resume(tmp_path):
 # work that no exception stops (as an XLA compilation in a thread of its own) goes on.
 _STUCK_RUN = """
 import os, runpy, signal, sys, threading, time
-from alma_jax.core import run
+from alma_jax.stream import run
 from alma_jax.outputs import interrupts
 
 def stuck_run(config, workdir, **kwargs):
@@ -244,7 +244,7 @@ def test_an_interrupted_run_exits_at_once_though_native_work_goes_on(tmp_path):
 @pytest.mark.parametrize("module, message", [
     ("ml_collections", "interrupted by SIGINT while starting, before the run; run the same "
                        "command again to start it"),
-    ("alma_jax.core.run", "interrupted by SIGINT; to resume, run the same command again: python -m "
+    ("alma_jax.stream.run", "interrupted by SIGINT; to resume, run the same command again: python -m "
                      "alma_jax.main --config=configs/mnist_sm.py:smoke"),
 ], ids=["imports", "imports_of_main"])
 def test_ctrl_c_while_starting_is_one_line_and_exit_code_130(tmp_path, module, message):

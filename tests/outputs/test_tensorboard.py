@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from alma_jax.core import run
+from alma_jax.stream import run
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import tensorboard as tb
 from alma_jax.outputs import workdir as wd

@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from alma_jax.core import run
+from alma_jax.stream import run
 from alma_jax.outputs import wandb_log
 from tests import helpers
 from tests.conftest import requires_mnist

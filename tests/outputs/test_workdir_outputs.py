@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from alma_jax import errors
-from alma_jax.core import run
+from alma_jax.stream import run
 from alma_jax.data import images
 from alma_jax.outputs import checkpoint
 from alma_jax.outputs import io_utils

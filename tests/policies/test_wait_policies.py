@@ -10,9 +10,9 @@ import pytest
 from alma_jax import methods
 from alma_jax import policies
 from alma_jax.configuration import config_lib
-from alma_jax.core import run
-from alma_jax.core import validation
-from alma_jax.core.metrics import Log, Record
+from alma_jax.stream import run
+from alma_jax.stream import validation
+from alma_jax.engine.metrics import Log, Record
 from alma_jax.state import RunState
 from alma_jax.data import images
 from alma_jax.data import stream as stream_lib

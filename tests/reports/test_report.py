@@ -14,8 +14,8 @@ import pytest
 from alma_jax import methods
 from alma_jax import tasks
 from alma_jax.configuration import config_lib
-from alma_jax.core import run
-from alma_jax.core import validation
+from alma_jax.stream import run
+from alma_jax.stream import validation
 from alma_jax.data import augment
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir as wd

@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from alma_jax.core import run as run_lib
-from alma_jax.core import validation
+from alma_jax.stream import run as run_lib
+from alma_jax.stream import validation
 from alma_jax.tuning import autotune
 from tests import helpers
 from tests.conftest import requires_mnist

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from alma_jax.configuration import config_lib
-from alma_jax.core import validation
+from alma_jax.stream import validation
 from alma_jax.tuning import autotune
 from alma_jax.tuning import cpu_fusion
 

@@ -1,1 +1,0 @@
-"""alma_jax.core."""

@@ -1,0 +1,104 @@
+"""A population of learners stacked on a leading axis: one run (S = 1) or several seeds.
+
+Every learner, key and index array the loop and the stage hold carries a
+leading population axis of size S. A run with `config.num_seeds = S` trains
+the seeds `seed`, ..., `seed + S - 1` together; an ordinary run is S = 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from alma_jax.engine import programs
+from alma_jax.models import slots
+from alma_jax.state import Learner
+
+PyTree = Any
+
+
+def size(tree: PyTree) -> int:
+  """S, the leading axis shared by the leaves of a stacked tree."""
+  return slots.leading_size(tree)
+
+
+# Trees of one structure -> one tree with a leading axis: one program for the whole tree (not
+# one per leaf shape), reused while the shapes stay.
+stack_trees = programs.utility(lambda *trees: jax.tree.map(lambda *a: jnp.stack(a), *trees),
+                               "stack")
+
+
+def stack(learners: Sequence[Learner]) -> Learner:
+  """Learners of one structure -> one learner with a leading population axis."""
+  structures = {l.structure for l in learners}
+  if len(structures) != 1:
+    raise ValueError(f"the learners of a population must share one structure; got {structures}")
+  params, model_state = stack_trees(*[(l.params, l.model_state) for l in learners])
+  return Learner(params=params, model_state=model_state, structure=learners[0].structure)
+
+
+def unstack(tree: PyTree, i: int) -> PyTree:
+  """Member `i` of a stacked tree (a `Learner` stays a `Learner`)."""
+  return jax.tree.map(lambda a: a[i], tree)
+
+
+def members(learner: Learner) -> list[Learner]:
+  return [unstack(learner, i) for i in range(size(learner.params))]
+
+
+def select_units(method, take: np.ndarray, new: Learner, old: Learner) -> Learner:
+  """Per member s and selection unit u: `new` where `take[s, u]`, else `old`."""
+  take = np.asarray(take, bool)
+  if not take.any():
+    return old
+  # Taking all of `new` runs the same program (a copy of `new`), so that the first stage
+  # compiles it whichever units improve.
+  return _select_units(method, new.structure, take, new, old)
+
+
+def _select(method, structure, take, new, old):
+  return jax.vmap(lambda t, a, b: method.select_units(structure, t, a, b))(take, new, old)
+
+
+# One small program per (method, structure, shapes), not a dispatch per leaf and operation; a
+# utility in `jax.monitoring`, not a step.
+_select.__name__ = _select.__qualname__ = programs.UTILITY_PREFIX + "select_units"
+_select_units = jax.jit(_select, static_argnums=(0, 1))
+
+
+def keys(seeds: Sequence[int]) -> jax.Array:
+  """The root PRNG keys of `seeds`, stacked."""
+  return stack_keys([jax.random.key(s) for s in seeds])
+
+
+def stack_keys(key_list: Sequence[jax.Array]) -> jax.Array:
+  return jax.random.wrap_key_data(jnp.stack([jax.random.key_data(k) for k in key_list]))
+
+
+def fold(stacked_keys: jax.Array, i: int) -> jax.Array:
+  """`jax.random.fold_in(key, i)` for every key of the population."""
+  return jax.vmap(lambda k: jax.random.fold_in(k, i))(stacked_keys)
+
+
+def numpy_rng(key: jax.Array) -> np.random.Generator:
+  """A numpy generator seeded by one key's data (host-side shuffles)."""
+  return np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
+
+
+STD_CONVENTION = "sample standard deviation over the seeds (ddof=1)"
+
+
+def mean_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+  """Each numeric metric's mean over the population and its sample standard deviation
+  (`<key>_std`, ddof=1, the convention of the report's tables and figures; 0 for one
+  learner), and `std_convention` naming it."""
+  out = {}
+  for key in summaries[0]:
+    values = np.asarray([s[key] for s in summaries], np.float64)
+    out[key] = float(np.mean(values))
+    out[f"{key}_std"] = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+  out["std_convention"] = STD_CONVENTION
+  return out

@@ -1,0 +1,480 @@
+"""The compiled programs of a run and their one cache: train chunks, evaluation, passes,
+whole stages.
+
+This module holds every `jax.jit` of the training core. `Programs` holds the
+one compile cache of a run (so `Programs.num_compilations` is the number of
+step programs the run compiled); `utility` makes the few small programs that
+move data rather than learn (stacking a population, a fresh optimizer
+state), which are shared by every run and not counted as steps. Data enters
+a program as pytrees: the train state (`TrainState`), the resident data
+(`tasks.images.DeviceData`), a batch of indices (`Batch`) and PRNG keys.
+
+Every train and evaluation program runs a population of S learners stacked
+on a leading axis: S > 1 (several seeds) through `jax.vmap`, S = 1 through a
+squeeze of that axis, so an ordinary run compiles the unbatched step.
+
+Every program is `jax.jit` with explicit `in_shardings` and `out_shardings`
+on the run's mesh (`alma_jax.engine.sharding.Layout`: batches on `data`, members and
+experts on `model`, the population axis as `config.mesh.rules` says), computed
+for the shapes of the structure it is compiled for, so a structure that growth
+changes gets its own shardings. A program places its arguments with those
+shardings before each call (a no-op for arrays already placed so, such as the
+state a train call returns); the train state is donated.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import time
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from alma_jax.engine import epoch as epoch_lib
+from alma_jax.engine import precision
+from alma_jax.engine import sharding
+from alma_jax.engine import timing
+from alma_jax.methods.base import Method
+from alma_jax.models import slots
+from alma_jax.state import Learner, TrainState
+
+PyTree = Any
+# A train call's PRNG counter is epoch * CALLS_BOUND + call: distinct for
+# every call of a stage as long as an epoch has fewer calls than this.
+CALLS_BOUND = 100003
+UTILITY_PREFIX = "alma_utility_"  # names the utility programs (not steps) in `jax.monitoring`
+# The logical axes of the batches (`alma_jax.engine.sharding`): a train batch is (S, K, D, b), with
+# one data order per trained ensemble member; an evaluation batch (S, b) or shared (b,).
+TRAIN_BATCH_AXES = ("population", None, "member", "batch")
+EVAL_BATCH_AXES = ("population", "batch")
+PROGRAM_NAMES = {"train": "the train step", "eval": "the evaluation",
+                 "eval_shared": "the evaluation", "stage": "the whole training stage"}
+
+
+@struct.dataclass
+class Batch:
+  """Indices into the resident data and which of them are real examples (mask)."""
+
+  idx: jax.Array
+  mask: jax.Array
+
+
+def over_population(fn: Callable, in_axes: Sequence[int | None], num: int) -> Callable:
+  """`fn` of one learner -> `fn` of a stacked population of `num` learners.
+
+  `in_axes[i]` is 0 for arguments stacked on the population axis and None for
+  shared ones. With num > 1 this is `jax.vmap`; with num = 1 the axis is
+  squeezed and restored, so the program is the unbatched one.
+  """
+  if num > 1:
+    return jax.vmap(fn, in_axes=tuple(in_axes))
+
+  def squeezed(*args):
+    args = [a if ax is None else jax.tree.map(lambda v: v[0], a) for a, ax in zip(args, in_axes)]
+    return jax.tree.map(lambda v: v[None], fn(*args))
+
+  return squeezed
+
+
+def call_counter(epoch: int, call: int) -> np.uint32:
+  return np.uint32(epoch * CALLS_BOUND + call)
+
+
+def all_finite(tree) -> jax.Array:
+  """Whether every element of every leaf of `tree` is finite."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def _short(value, limit: int = 80) -> str:
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def utility(fn: Callable, name: str) -> Callable:
+  """`jax.jit(fn)` for a small program that moves data (not a step of the run's count)."""
+  def program(*args):
+    return fn(*args)
+
+  program.__name__ = program.__qualname__ = UTILITY_PREFIX + name
+  return jax.jit(program)
+
+
+class CompileListener(Protocol):
+  """Told about each program before and after its first call, which compiles it
+  (`alma_jax.engine.meter.Meter`)."""
+
+  def compiling(self, what: str, why: str) -> None:
+    """`what` is about to compile, for the reason `why`."""
+
+  def compiled(self, what: str, seconds: float) -> None:
+    """`what` compiled and ran once in `seconds`."""
+
+
+class Program:
+  """A jitted step with the shardings of its arguments, which it places before each call.
+
+  Its first call compiles it; a `listener` hears of it before and after.
+  """
+
+  def __init__(self, fn: Callable, in_shardings: tuple, out_shardings, donate: tuple,
+               name: str = "program", *, what: str = "", why: str = "",
+               listener: CompileListener | None = None):
+    self.in_shardings = in_shardings
+    self.what, self.why, self.listener = what or name, why, listener
+
+    def program(*args):
+      return fn(*args)
+
+    # The name marks the compilations of steps in `jax.monitoring` (`alma_jax.engine.timing`).
+    program.__name__ = program.__qualname__ = timing.STEP_PREFIX + name
+    self.jitted = jax.jit(program, in_shardings=in_shardings, out_shardings=out_shardings,
+                          donate_argnums=donate)
+
+  def __call__(self, *args):
+    if self.listener is None:
+      return self.jitted(*sharding.put(args, self.in_shardings))
+    listener, self.listener = self.listener, None  # the first call only
+    listener.compiling(self.what, self.why)
+    t0 = time.monotonic()
+    out = self.jitted(*sharding.put(args, self.in_shardings))
+    listener.compiled(self.what, time.monotonic() - t0)
+    return out
+
+
+class Programs:
+  """The compiled programs of one run, cached per (kind, program structure, population)."""
+
+  def __init__(self, method: Method, task, tx: optax.GradientTransformation, data, mesh, *,
+               batch_size: int, eval_batch_size: int, steps_per_call: int = 1, rules=None,
+               compute_dtype: str = "float32"):
+    self.method, self.task, self.tx, self.mesh = method, task, tx, mesh
+    self.compute_dtype = compute_dtype  # of the train and evaluation programs (`precision`)
+    self.layout = sharding.Layout(mesh, rules)
+    self.leaf_axes = sharding.leaf_axes_by_pattern(method.LEAF_AXES)
+    self.data = sharding.put(data, self.layout.replicated)
+    self.batch_size = int(batch_size)
+    self.eval_batch_size = int(eval_batch_size)
+    self.steps_per_call = int(steps_per_call)
+    self._cache: dict[tuple, Program] = {}
+    self._utilities: dict[tuple, Callable] = {}  # small programs of this run that are not steps
+    self.listener: CompileListener | None = None  # hears of each compilation of a step
+    # One small program per shapes (not one per optimizer-state leaf); not a step.
+    self._opt_init = utility(jax.vmap(tx.init), "opt_init")
+
+  # -- the compile cache ---------------------------------------------------------------------
+  def program(self, key: tuple, build: Callable[[], Callable],
+              shardings: Callable[[], tuple], donate=()) -> Program:
+    """The jitted `build()` for `key`, built once; the run's only `jax.jit` of a step.
+
+    `key` is (kind, program structure, population); `shardings()` gives the
+    program's (in_shardings, out_shardings), whole trees.
+    """
+    if key not in self._cache:
+      name = "".join(c if c.isalnum() else "_" for c in str(key[0]))
+      what, why = self.describe(key)
+      self._cache[key] = Program(build(), *shardings(), donate, name, what=what, why=why,
+                                 listener=self.listener)
+    return self._cache[key]
+
+  def describe(self, key: tuple) -> tuple[str, str]:
+    """(what the program of `key` is, why it is compiled now): the first program of its
+    kind, a new program structure (the method names it: e.g. a new slot count), or a new
+    population size (a stage program's key also holds its padded sizes)."""
+    kind, structure, num = key[:3]
+    what = PROGRAM_NAMES.get(kind, f"the pass {kind}")
+    if num > 1:
+      what += f" of {num} learners"
+    same_kind = [k for k in self._cache if k[0] == kind]
+    if not same_kind:
+      return what, "first use" + (f"; structure {_short(structure)}" if structure != () else "")
+    if all(k[1] != structure for k in same_kind):
+      return what, self.method.program_change(same_kind[-1][1], structure)
+    if all(k[2] != num for k in same_kind if k[1] == structure):
+      return what, f"new population of {num}"
+    return what, "new sizes"
+
+  @property
+  def cache(self) -> Mapping[tuple, Program]:
+    """The programs compiled so far, by key (read-only)."""
+    return types.MappingProxyType(self._cache)
+
+  @property
+  def compiled(self) -> tuple[tuple, ...]:
+    """The keys (kind, structure, population) of the programs compiled so far."""
+    return tuple(self._cache)
+
+  @property
+  def num_compilations(self) -> int:
+    return len(self._cache)
+
+  # -- shardings ---------------------------------------------------------------------------------
+  def shardings(self, tree, *, stacked: bool = True, name: str = ""):
+    """The shardings of a learner's params or model state, a train state or an optimizer
+    state: the population axis first (when `stacked`), then the method's `LEAF_AXES`."""
+    return self.layout.tree(tree, self.leaf_axes, ("population",) if stacked else (), name)
+
+  def place(self, tree, *, stacked: bool = True):
+    """Places a learner (or any tree of `shardings`) with its shardings."""
+    return sharding.put(tree, self.shardings(tree, stacked=stacked))
+
+  def replicated(self, tree):
+    """A replicated sharding for every leaf of `tree`."""
+    return jax.tree.map(lambda _: self.layout.replicated, tree)
+
+  def batch_shardings(self, batch: Batch, axes: Sequence[str | None]) -> Batch:
+    s = self.layout.sharding(batch.idx.shape, axes, "batch")
+    return Batch(s, s)
+
+  def put_batch(self, array: np.ndarray):
+    """Places an index or mask array: a train batch (S, K, D, b), else an evaluation batch."""
+    axes = TRAIN_BATCH_AXES if array.ndim == 4 else EVAL_BATCH_AXES[-array.ndim:]
+    return sharding.put(array, self.layout.sharding(array.shape, axes, "batch"))
+
+  # -- training ---------------------------------------------------------------------------------
+  def step_body(self, structure, method: Method | None = None) -> Callable:
+    """One train step of one learner: (state, data, idx (D, b), mask, rng) -> (state, loss).
+
+    `method`: the method whose loss it differentiates (default: the run's; the FLOP count
+    traces `Method.counted()`).
+    """
+    method, task, tx = method or self.method, self.task, self.tx
+    loss_fn = precision.loss_in(self.compute_dtype, functools.partial(method.loss, structure))
+
+    def step(state: TrainState, data, idx, mask, rng):
+      x, y = task.inputs(data, idx, rng)
+      (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+          state.trainable, state.frozen, state.model_state, x, y, mask, jax.random.fold_in(rng, 1))
+      updates, opt_state = tx.update(grads, state.opt_state, state.trainable)
+      return TrainState(optax.apply_updates(state.trainable, updates), state.frozen, model_state,
+                        opt_state), loss.astype(jnp.float32)  # reported, in any precision
+
+    return step
+
+  def chunk_body(self, structure) -> Callable:
+    """K train steps of one learner: (state, data, Batch (K, D, b), key, counter) ->
+    (state, K losses, whether the trainable params are all finite).
+
+    With K > 1 the steps run in a `lax.scan`; a step whose mask is all false
+    (padding up to a whole number of calls) leaves the state untouched.
+    """
+    step = self.step_body(structure)
+
+    def chunk(state: TrainState, data, batch: Batch, key, counter):
+      rng = jax.random.fold_in(key, counter)
+      if batch.idx.shape[0] == 1:
+        state, loss = step(state, data, batch.idx[0], batch.mask[0], rng)
+        losses = loss[None]
+      else:
+        def body(st, inp):
+          idx, mask, i = inp
+          run = lambda s: step(s, data, idx, mask, jax.random.fold_in(rng, i))
+          return jax.lax.cond(jnp.any(mask), run, lambda s: (s, jnp.float32(0.0)), st)
+
+        state, losses = jax.lax.scan(body, state, (batch.idx, batch.mask,
+                                                   jnp.arange(batch.idx.shape[0])))
+      return state, losses, all_finite(state.trainable)
+
+    return chunk
+
+  def train_call(self, structure, state: TrainState, batch: Batch, keys, counter):
+    """Runs one compiled train chunk; returns (state, losses (S, K), finite (S,)).
+
+    The state is donated: rebind it to the returned one.
+    """
+    num, structure = int(keys.shape[0]), self.method.program_structure(structure)
+
+    def shardings():
+      state_sh, rep = self.shardings(state), self.layout.replicated
+      ins = (state_sh, self.replicated(self.data), self.batch_shardings(batch, TRAIN_BATCH_AXES),
+             rep, rep)
+      return ins, (state_sh, rep, rep)
+
+    fn = self.program(("train", structure, num), lambda: over_population(
+        self.chunk_body(structure), (0, None, 0, 0, None), num), shardings, donate=(0,))
+    return fn(state, self.data, batch, keys, counter)
+
+  def init_state(self, learner: Learner, opt_state=None) -> TrainState:
+    """The train state of a stacked `learner`, placed with its shardings (copies: the train
+    step donates it)."""
+    trainable, frozen = jax.vmap(self.method.partition)(learner)
+    if opt_state is None:
+      opt_state = self._opt_init(trainable)
+    state = TrainState(trainable, frozen, learner.model_state, opt_state)
+    return sharding.put(state, self.shardings(state), copy=True)
+
+  def timing_batch(self, num: int, num_orders: int) -> Batch:
+    """A placed train batch of `num` learners, all indices 0 and all real (for timing)."""
+    idx = np.zeros((num, self.steps_per_call, num_orders, self.batch_size), np.int32)
+    return Batch(self.put_batch(idx), self.put_batch(np.ones(idx.shape, bool)))
+
+  # -- evaluation ------------------------------------------------------------------------------
+  def eval_body(self, structure) -> Callable:
+    """(params, model_state, data, Batch) of one learner -> (number correct, summed NLL,
+    number correct of each selection unit (U,), the method's `eval_aux` of the batch); an
+    example counts 1 - its error."""
+    method, task = self.method, self.task
+    evaluate_batch = precision.evaluate_in(
+        self.compute_dtype, lambda params, model_state, x, y, mask: method.evaluate_batch(
+            structure, params, model_state, x, y, mask, task))
+
+    def evaluate(params, model_state, data, batch: Batch):
+      x, y = task.inputs(data, batch.idx)
+      logp, unit_logp, aux = evaluate_batch(params, model_state, x, y, batch.mask)
+      errors, nll = task.per_example(logp, y)
+      unit_errors, _ = jax.vmap(lambda lp: task.per_example(lp, y))(unit_logp)
+      # Accuracy: 1 - error of each example (images: 0 or 1; text: the token error rate).
+      return (jnp.sum(jnp.where(batch.mask, 1.0 - errors, 0.0)),
+              jnp.sum(jnp.where(batch.mask, nll, 0.0)),
+              jnp.sum(jnp.where(batch.mask, 1.0 - unit_errors, 0.0), axis=-1), aux)
+
+    return evaluate
+
+  def eval_fn(self, learner: Learner, shared: bool, batch: Batch) -> Program:
+    """Compiled evaluation of a stacked `learner`; `shared`: one index batch for every learner."""
+    structure = self.method.program_structure(learner.structure)
+    num = slots.leading_size(learner.params)
+    axes = (0, 0, None, None if shared else 0)
+
+    def shardings():
+      ins = (self.shardings(learner.params, name="params"),
+             self.shardings(learner.model_state, name="model_state"), self.replicated(self.data),
+             self.batch_shardings(batch, EVAL_BATCH_AXES[-batch.idx.ndim:]))
+      return ins, self.layout.replicated
+
+    return self.program(("eval_shared" if shared else "eval", structure, num),
+                        lambda: over_population(self.eval_body(structure), axes, num), shardings)
+
+  # -- passes over data (scoring, fitting growth candidates) -----------------------------------
+  def pass_fn(self, kind: str, fn: Callable, learner: Learner, build: Callable, batch: Batch,
+              carry=()) -> Program:
+    """The compiled pass `kind` ("reduce" or "scan") of `fn` over batches for one (unstacked)
+    learner; `build()` gives its body; a `scan`'s carry is replicated."""
+    name = f"{kind} {getattr(fn, '__qualname__', repr(fn))}"
+
+    def shardings():
+      ins = (self.shardings(learner.params, stacked=False, name="params"),
+             self.shardings(learner.model_state, stacked=False, name="model_state"),
+             self.replicated(self.data), self.batch_shardings(batch, ("batch",)))
+      return ins + ((self.replicated(carry),) if kind == "scan" else ()), self.layout.replicated
+
+    return self.program((name, self.method.program_structure(learner.structure), 1), build,
+                        shardings)
+
+  # -- one epoch and a whole stage (`alma_jax.engine.epoch`) ----------------------------------------
+  def select_fn(self, structure) -> Callable:
+    """`Method.select_units` of a stacked population of learners of (learner, not program)
+    structure `structure`: (take (S, U), new, old) -> learner."""
+    method = self.method
+    return jax.vmap(lambda t, a, b: method.select_units(structure, t, a, b))
+
+  def epoch_fns(self, structure, num: int) -> epoch_lib.EpochFns:
+    """The train chunk, evaluation batch, parameter combination and unit selection of a
+    stacked population of `num` learners of structure `structure`."""
+    program = self.method.program_structure(structure)
+    return epoch_lib.EpochFns(
+        chunk=over_population(self.chunk_body(program), (0, None, 0, 0, None), num),
+        evaluate=over_population(self.eval_body(program), (0, 0, None, 0), num),
+        combine=jax.vmap(self.method.combine), select=self.select_fn(structure))
+
+  def end_epoch_call(self, rule: epoch_lib.Rule, stop, best: Learner, current: Learner, ok,
+                     scores, epoch: int, n_steps: int, thresholds: np.ndarray):
+    """`epoch.end_epoch` as a small compiled program (one per structure, population and
+    rule; a utility, not a step): the rule of an epoch driven from the host."""
+    num, structure = int(ok.shape[0]), best.structure
+    rule = rule.program_rule()
+    key = ("end_epoch", structure, num, rule)
+    if key not in self._utilities:
+      select = self.select_fn(structure)
+
+      def end(stop, best, current, ok, scores, epoch, n_steps, thresholds):
+        return epoch_lib.end_epoch(rule, select, stop, best, current, ok, scores, epoch,
+                                   n_steps, thresholds)
+
+      self._utilities[key] = utility(end, "end_epoch")
+    i32 = lambda v: np.asarray(v, np.int32)  # pylint: disable=unnecessary-lambda-assignment
+    return self._utilities[key](stop, best, current, ok, np.asarray(scores, np.float32),
+                                i32(epoch), i32(n_steps), thresholds)
+
+  def stage_body(self, structure, num: int, rule: epoch_lib.Rule) -> Callable:
+    """Epochs of a stacked population as one program: `epoch.epoch` in a `lax.while_loop`.
+
+    (state, base learner, best learner, stop state, data, orders Batch (M, C, S, K, D, b),
+    validation Batch (V, S, b'), keys (S,), first epoch, end epoch, train calls per epoch,
+    steps per epoch, validation batches, improvement thresholds) -> (state, best, stop,
+    the outputs of the M epoch slots, the epoch after the last one run).
+
+    Epoch e (from the first epoch while e < end epoch and a member is active) runs the
+    same train calls as `train_call` (the same PRNG counters), the evaluation program's
+    body over the validation batches and `epoch.end_epoch`.
+    """
+    fns = self.epoch_fns(structure, num)
+
+    def stage(state: TrainState, base: Learner, best: Learner, stop, data, orders: Batch,
+              val: Batch, keys, first, end, num_calls, n_steps, num_val, thresholds):
+      m_slots = orders.idx.shape[0]
+
+      def one(carry, slot):
+        e = carry["epoch"]
+        return epoch_lib.epoch(
+            fns, rule, carry, Batch(orders.idx[slot], orders.mask[slot]), val, data, keys,
+            base=base, num_calls=num_calls, n_steps=n_steps, num_val=num_val,
+            thresholds=thresholds, counter0=e.astype(jnp.uint32) * jnp.uint32(CALLS_BOUND))
+
+      units, width = stop.best_score.shape[1], orders.idx.shape[1] * orders.idx.shape[3]
+      per = lambda shape, dtype: jnp.zeros((m_slots, num) + shape, dtype)  # pylint: disable=unnecessary-lambda-assignment
+      outs = {"losses": per((width,), jnp.float32), "finite": per((), bool),
+              "correct": per((), jnp.float32), "units": per((units,), jnp.float32),
+              "bad": per((), bool), "improved": per((units,), bool),
+              "stop": jax.tree.map(lambda a: jnp.zeros((m_slots,) + a.shape, a.dtype), stop)}
+
+      def body(loop):
+        carry, outs = loop
+        slot = carry["epoch"] - first
+        carry, out = one(carry, slot)
+        return carry, jax.tree.map(lambda a, v: a.at[slot].set(v), outs, out)
+
+      def running(loop):
+        carry, _ = loop
+        return (carry["epoch"] < end) & jnp.any(carry["stop"].active)
+
+      carry, outs = jax.lax.while_loop(
+          running, body, ({"epoch": first, "state": state, "best": best, "stop": stop}, outs))
+      return carry["state"], carry["best"], carry["stop"], outs, carry["epoch"]
+
+    return stage
+
+  def stage_call(self, rule: epoch_lib.Rule, state: TrainState, base: Learner, best: Learner,
+                 stop, orders: Batch, val: Batch, keys, first: int, end: int, num_calls: int,
+                 n_steps: int, num_val: int, thresholds: np.ndarray):
+    """Runs `stage_body`'s program (compiled once per structure, population, array shapes
+    and rule); the state is donated."""
+    num, structure = int(keys.shape[0]), best.structure
+    program = self.method.program_structure(structure)
+    base = Learner(base.params, base.model_state, structure)
+    # The learner's own structure joins the key where it is not the program's: selecting the
+    # best units may depend on it (e.g. which ensemble members trained).
+    key = (("stage", program, num, orders.idx.shape, val.idx.shape, thresholds.shape,
+            rule.patience, rule.stop_all_on_divergence)
+           + (() if program == structure else (structure,)))
+
+    def shardings():
+      rep = self.layout.replicated
+      state_sh = self.shardings(state)
+      learner_sh = lambda l: Learner(self.shardings(l.params, name="params"),  # pylint: disable=unnecessary-lambda-assignment
+                                     self.shardings(l.model_state, name="model_state"), structure)
+      ins = (state_sh, learner_sh(base), learner_sh(best), self.replicated(stop),
+             self.replicated(self.data), Batch(rep, rep), Batch(rep, rep), rep, rep, rep, rep,
+             rep, rep, rep)
+      return ins, (state_sh, learner_sh(best), self.replicated(stop), rep, rep)
+
+    fn = self.program(key, lambda: self.stage_body(structure, num, rule.program_rule()),
+                      shardings, donate=(0,))
+    i32 = lambda v: np.asarray(v, np.int32)  # pylint: disable=unnecessary-lambda-assignment
+    return fn(state, base, best, stop, self.data, orders, val, keys, i32(first), i32(end),
+              i32(num_calls), i32(n_steps), i32(num_val), thresholds)

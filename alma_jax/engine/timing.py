@@ -1,0 +1,169 @@
+"""Where a run's wall time goes: start-up, data, compilation, train, eval, I/O.
+
+JAX reports the time it spends tracing, lowering and compiling through
+`jax.monitoring`; `compile_seconds()` is the running total of those events in
+this process. A `Breakdown` adds the time spent inside a `with` block to one
+part, less the compilation inside it, which goes to `compile_s`, so the parts
+never count the same second twice.
+
+The same events count compiled programs: every XLA executable the process
+builds or loads from the persistent compilation cache (`xla_programs`,
+eager operations included), those of the run's steps (`step_programs`:
+programs whose function is named `STEP_PREFIX` + kind, see
+`alma_jax.engine.programs`), and the persistent cache's requests and hits.
+`seconds_per_step` times a compiled train call.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from jax import monitoring
+
+from alma_jax.models import slots
+
+COMPILE_EVENTS = frozenset({
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+})
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+CACHE_EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": "compile_cache_requests",
+                "/jax/compilation_cache/cache_hits": "compile_cache_hits"}
+STEP_PREFIX = "alma_step_"
+PARTS = ("data_s", "compile_s", "train_s", "eval_s", "io_s")
+COUNTS = ("xla_programs", "step_programs", "compile_cache_requests", "compile_cache_hits")
+
+_lock = threading.Lock()
+_compile_total = 0.0
+_counts: collections.Counter = collections.Counter()
+
+
+def _listener(event: str, duration_secs: float, **kwargs) -> None:
+  global _compile_total
+  if event in COMPILE_EVENTS:
+    with _lock:
+      _compile_total += duration_secs
+      if event == BACKEND_COMPILE:  # one per executable built or loaded from the cache
+        _counts["xla_programs"] += 1
+        if STEP_PREFIX in str(kwargs.get("fun_name", "")):  # e.g. "jit(alma_step_train)"
+          _counts["step_programs"] += 1
+
+
+def _event_listener(event: str, **kwargs) -> None:
+  del kwargs
+  if event in CACHE_EVENTS:
+    with _lock:
+      _counts[CACHE_EVENTS[event]] += 1
+
+
+monitoring.register_event_duration_secs_listener(_listener)
+monitoring.register_event_listener(_event_listener)
+
+
+def compile_counts() -> dict[str, int]:
+  """Running totals of this process: XLA programs, step programs, persistent-cache
+  requests and hits."""
+  with _lock:
+    return {k: int(_counts[k]) for k in COUNTS}
+
+
+def compile_seconds() -> float:
+  """Seconds this process has spent tracing, lowering and compiling so far."""
+  return _compile_total
+
+
+def process_age_s() -> float | None:
+  """Seconds since this process started (Linux), else None."""
+  try:
+    with open("/proc/self/stat") as f:
+      start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as f:
+      uptime = float(f.read().split()[0])
+    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+class Breakdown:
+  """The parts of a run's wall time, in seconds.
+
+  `with breakdown("train_s"): ...` adds the block's wall time to a part, less
+  the compilation inside the block; compilation is counted process-wide
+  (inside blocks or not) from the breakdown's creation, as `compile_s`.
+  """
+
+  def __init__(self):
+    self._parts = {p: 0.0 for p in PARTS}
+    self._compile_start = compile_seconds()
+    self._counts_start = compile_counts()
+
+  @contextlib.contextmanager
+  def __call__(self, part: str):
+    if part not in self._parts or part == "compile_s":
+      raise ValueError(f"unknown timing part {part!r}; valid parts: {PARTS[:1] + PARTS[2:]}")
+    t0, c0 = time.monotonic(), compile_seconds()
+    try:
+      yield
+    finally:
+      dt, dc = time.monotonic() - t0, compile_seconds() - c0
+      self._parts[part] += max(0.0, dt - dc)
+
+  def add(self, parts: dict[str, float]) -> None:
+    """Adds seconds measured elsewhere (a stage, or a resumed run's past)."""
+    for p, v in parts.items():
+      if p in self._parts:
+        self._parts[p] += float(v)
+
+  def as_dict(self) -> dict[str, float]:
+    out = dict(self._parts)
+    out["compile_s"] += compile_seconds() - self._compile_start
+    return out
+
+  def report(self, wall_s: float, startup_s: float | None) -> dict[str, float]:
+    """The parts for a run's summary: `other_s` is what none of them covers in
+    `wall_s` (FLOP counting, growth, Python between steps); `startup_s`
+    (before the run began) is reported on its own."""
+    out = self.as_dict()
+    out["other_s"] = max(0.0, wall_s - sum(out[p] for p in PARTS))
+    if startup_s is not None:
+      out["startup_s"] = startup_s
+    out.update(self.counts())
+    return out
+
+  def counts(self) -> dict[str, float]:
+    """Programs compiled (or loaded) since the breakdown's creation, in this process, and
+    the persistent compilation cache's hit rate (`compile_cache_hit_rate`; 0 without
+    requests)."""
+    now = compile_counts()
+    out = {k: float(now[k] - self._counts_start[k]) for k in COUNTS}
+    requests = out["compile_cache_requests"]
+    out["compile_cache_hit_rate"] = out["compile_cache_hits"] / requests if requests else 0.0
+    return out
+
+
+def seconds_per_step(programs: Any, learner: Any, repeats: int = 3) -> float:
+  """Times the compiled train call of a stacked `learner` on dummy indices (it is untouched):
+  the median of `repeats` calls after the one that compiles, per step.
+
+  `programs`: the run's `alma_jax.engine.programs.Programs`.
+  """
+  num = slots.leading_size(learner.params)
+  k = programs.steps_per_call
+  batch = programs.timing_batch(num, programs.method.num_data_orders(learner.structure))
+  keys = jax.random.split(jax.random.key(0), num)
+  state, times = programs.init_state(learner), []
+  for r in range(repeats + 1):
+    t0 = time.monotonic()
+    state, losses, _ = programs.train_call(learner.structure, state, batch, keys, np.uint32(r))
+    jax.block_until_ready(losses)
+    if r:  # the first call compiles
+      times.append(time.monotonic() - t0)
+  return float(np.median(times)) / k

@@ -1,0 +1,403 @@
+"""One training stage of a population: epochs, best-validation epoch, patience, divergence.
+
+`fit_stage` trains S learners stacked on a leading axis (S = 1: an ordinary
+run; S > 1: several seeds) on their own stage data. Each member keeps its own
+data order, best epoch and early stopping: a member that stops early stops
+counting steps (its best epoch is kept) while the others go on.
+
+An epoch is written once (`alma_jax.engine.epoch`) and run in one of two ways:
+driven from the host (a compiled call per chunk of steps, the evaluation
+program over the validation batches, then the compiled rule
+`epoch.end_epoch`), or with `whole` (`train.stage_program`, see
+`whole_stage`) as one compiled program per segment of epochs
+(`Programs.stage_call`: `epoch.epoch` in a `lax.while_loop`). Either way the
+host then goes through each epoch's outputs once (`_after_epoch`: divergence
+messages, the reported best accuracies, `on_epoch`, the progress line), so
+both give the same results. A stage can be saved between two train calls and
+continued from there (`alma_jax.engine.stage_save`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+from absl import logging
+
+from alma_jax.engine import orders as orders_lib
+from alma_jax.engine import population
+from alma_jax.engine import timing
+from alma_jax.engine.epoch import Rule, epoch_ok
+from alma_jax.engine.meter import Meter
+from alma_jax.engine.programs import Batch, call_counter
+from alma_jax.engine.stage_save import Progress, Resume, Saver, StageCheckpoints, restore
+from alma_jax.engine.steps import Steps
+from alma_jax.errors import ConfigError, divergence_error
+from alma_jax.methods.base import Method
+from alma_jax.state import Learner, StageStats, StopState, TrainState
+from alma_jax.tasks import base as tasks_base
+
+
+@dataclasses.dataclass(frozen=True)
+class StageData:
+  """A stage's data: (S, n) training and (S, m) validation indices into the training split,
+  (S,) PRNG keys (data order, augmentation), and the time step (for messages)."""
+
+  train_idx: np.ndarray
+  val_idx: np.ndarray
+  keys: jax.Array
+  t: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StageHooks:
+  """What a stage tells and asks the rest of the run.
+
+  Attributes:
+    progress: called with the epoch's one-line message at most every
+      `train.progress_every_s` seconds.
+    labels: the members' names in messages (their seeds; default 0 .. S - 1).
+    check: called after every compiled train call, every epoch and every call of the
+      whole-stage program, each time after the stage was saved if a save was due; raising
+      there stops the stage (`alma_jax.outputs.interrupts.Signals.check`).
+    on_epoch: called after every epoch with (epoch, mean training loss (S,), validation
+      accuracy (S,), which members trained in it (S,)); it must not raise for a signal.
+    checkpoints: saves the stage between train calls when it says so, and continues the
+      stage from its last save, if it has one.
+    meter: told where the stage is after every train call and epoch
+      (`alma_jax.engine.meter.Meter`); the epoch's progress line goes through it.
+  """
+
+  progress: Callable[[str], None] | None = None
+  labels: Sequence[int] | None = None
+  check: Callable[[], None] = lambda: None
+  on_epoch: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None] | None = None
+  checkpoints: StageCheckpoints | None = None
+  meter: Meter | None = None
+
+
+def whole_stage(choice: str, task, method, conv_heavy: bool) -> bool:
+  """Whether `train.stage_program` = `choice` runs a stage as one program (`_fit_whole`), for
+  a backbone that is `conv_heavy` or not.
+
+  `auto`: on a CPU, for a backbone that is not convolution-heavy and a method that does not
+  grow, where a step is short and the calls from the host are a large part of a stage (an
+  MLP: about twice as fast); convolution-heavy steps leave nothing to gain, and a growing
+  model would compile the larger stage program once per structure. The program counts
+  correct validation examples exactly, so it needs a task whose examples are right or
+  wrong (not text).
+  """
+  exact = type(task).per_example is tasks_base.Task.per_example
+  if choice == "whole" and not exact:
+    raise ConfigError(f"config.train.stage_program='whole' needs a task whose examples are "
+                      f"right or wrong; for task {type(task).__name__} valid: "
+                      "['per_epoch', 'auto']")
+  if choice != "auto":
+    return choice == "whole"
+  grows = type(method).before_stage is not Method.before_stage
+  return (exact and not grows and jax.default_backend() == "cpu"
+          and not conv_heavy)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+  """What stays fixed while a stage trains."""
+
+  steps: Steps
+  learner: Learner  # the learners before the stage (the base of `Method.combine`)
+  data: StageData
+  hooks: StageHooks
+  rule: Rule
+  rngs: list
+  timer: timing.Breakdown
+  save: Saver | None
+  labels: list
+  last_line: list  # [when the last progress line was said]
+
+  def calls(self) -> dict:
+    """The arguments of `orders_lib.draw` after the generators and indices."""
+    s = self.steps
+    return {"num_orders": s.method.num_data_orders(self.learner.structure),
+            "batch": s.batch_size, "steps_per_call": s.steps_per_call,
+            "fixed_steps": s.stage.steps_per_epoch}
+
+
+def fit_stage(steps: Steps, learner: Learner, data: StageData, opt_state=None,
+              hooks: StageHooks = StageHooks(), whole: bool = False):
+  """Trains a stacked population on one stage's data; keeps each member's best epoch.
+
+  `learner` (S, ...) is not modified; `opt_state` is a stacked optimizer state to continue
+  from (None: fresh). With `whole` the epochs run as one compiled program (`_fit_whole`)
+  rather than a train call per chunk of steps and an evaluation per epoch, with the same
+  results; a stage saved in the middle of an epoch continues per call.
+
+  Returns:
+    (best learners, final optimizer state (None after a rollback), StageStats).
+  """
+  o, n, m = steps.stage, data.train_idx.shape[-1], data.val_idx.shape[-1]
+  num = int(data.keys.shape[0])
+  if n < 1 or m < 1:
+    raise ValueError(f"stage t={data.t} has {n} training and {m} validation examples; both "
+                     "must be >= 1")
+  units = steps.method.num_units(learner.structure)
+  exact = type(steps.task).per_example is tasks_base.Task.per_example
+  rule = Rule(o.patience, float(o.patience_delta), m, exact, o.on_divergence != "rollback")
+  state = steps.init_state(learner, opt_state)
+  rngs = [population.numpy_rng(data.keys[i]) for i in range(num)]
+  p = Progress(StopState.start(num, units), learner, np.full((num, units), -1.0))
+  timer, resume = timing.Breakdown(), None
+  if hooks.checkpoints is not None:
+    state, p, resume = restore(hooks.checkpoints, state, p, rngs, timer)
+  save = None if hooks.checkpoints is None else Saver(hooks.checkpoints, rngs, timer)
+  labels = list(hooks.labels) if hooks.labels is not None else list(range(num))
+  s = _Stage(steps, learner, data, hooks, rule, rngs, timer, save, labels, [time.monotonic()])
+  if hooks.meter is not None:
+    hooks.meter.stage_start(data.t, o.epochs, o.steps_per_epoch or -(-n // steps.batch_size))
+  if whole and (resume is None or resume.next_call == 0):
+    state, p = _fit_whole(s, state, p, resume.epoch if resume else 1)
+  else:
+    state, p = _fit_per_epoch(s, state, p, resume)
+  _warn_unimproved(s, p)
+  if save is not None:  # a signal asks the run to stop: the finished stage is kept
+    save.stage_end(p, state, o.epochs)
+  hooks.check()
+  return _finish(s, p, state)
+
+
+def _train_epoch(s: _Stage, state: TrainState, p: Progress, epoch: int, resume: Resume | None):
+  """The train calls of one epoch; returns (state, losses (S, steps), finite (S,), steps).
+
+  `check()` runs after every compiled call, after the stage was saved there if due. With a
+  full meter, each call is waited for once the next one is dispatched, and the meter is told
+  of it then (it may say a running line). `resume` continues an epoch saved part-way.
+  """
+  steps, meter, k = s.steps, s.hooks.meter, s.steps.steps_per_call
+  idx, mask, n_steps = orders_lib.draw(s.rngs, s.data.train_idx, **s.calls())
+  losses, finite = (list(resume.losses), resume.finite) if resume else ([], None)
+  calls = idx.shape[1] // k
+  pending = None  # (steps done in the epoch, steps) of the call in flight, for the meter
+  first = resume.next_call if resume else 0
+  for c in range(first, calls):
+    sl = slice(c * k, (c + 1) * k)
+    batch = Batch(steps.put_batch(idx[:, sl]), steps.put_batch(mask[:, sl]))
+    state, loss, finite = steps.train_call(s.learner.structure, state, batch, s.data.keys,
+                                           call_counter(epoch, c))
+    losses.append(loss)
+    if meter is not None and meter.full:
+      if pending is not None:  # the previous call: the count of steps done is exact
+        jax.block_until_ready(losses[-2])
+        meter.trained(epoch, *pending)
+      done = min((c + 1) * k, n_steps)
+      pending = (done, done - min(c * k, n_steps))
+    if s.save is not None:
+      s.save.after_call(p, state, c + 1, losses, finite, c + 1 == calls)
+    s.hooks.check()
+  losses = np.concatenate([np.asarray(l) for l in losses], axis=1)[:, :n_steps]
+  if pending is not None:
+    meter.trained(epoch, *pending, last=True)
+  elif meter is not None and calls > first:  # the epoch's steps, done (the losses are here)
+    meter.trained(epoch, n_steps, n_steps - min(first * k, n_steps), last=True)
+  return state, losses, np.asarray(finite), n_steps
+
+
+def _fit_per_epoch(s: _Stage, state: TrainState, p: Progress, resume: Resume | None):
+  """The epochs driven from the host; returns (final train state, progress)."""
+  steps, structure, epochs = s.steps, s.learner.structure, s.steps.stage.epochs
+  thresholds, m = s.rule.thresholds(), s.data.val_idx.shape[-1]
+  for epoch in range(resume.epoch if resume else 1, epochs + 1):
+    ran = p.stop.active.copy()
+    if s.save is not None:
+      s.save.epoch_start(epoch)
+    with s.timer("train_s"):
+      state, losses, finite, n_steps = _train_epoch(s, state, p, epoch, resume)
+      resume = None
+    current = Learner(params=jax.vmap(steps.method.combine)(s.learner, state.trainable),
+                      model_state=state.model_state, structure=structure)
+    with s.timer("eval_s"):
+      acc, _, unit_acc = steps.evaluate_units(current, "train", s.data.val_idx)
+    stop, best, facts = steps.programs.end_epoch_call(
+        s.rule, p.stop, p.best, current, epoch_ok(losses, finite), unit_acc * m, epoch, n_steps,
+        thresholds)
+    out = dict(jax.device_get(facts), losses=losses, stop=stop.to_host())
+    p, go_on = _after_epoch(s, p, Progress(out["stop"], best, p.best_acc), epoch, out, ran,
+                            np.asarray(acc), unit_acc, state)
+    if not go_on:
+      break
+  return state, p
+
+
+def _fit_whole(s: _Stage, state: TrainState, p: Progress, first: int):
+  """The epochs from `first` on as one compiled program per segment (`_Pace` says how many
+  epochs a call runs; at most `every_epochs` of them when the stage is saved after every so
+  many); between segments the stage is saved when due and `check()` runs. Returns (final
+  train state, progress)."""
+  steps, epochs, m = s.steps, s.steps.stage.epochs, s.data.val_idx.shape[-1]
+  every = s.save.every_epochs if s.save is not None else 0
+  slots = min(every, epochs) if every > 0 else epochs
+  thresholds = s.rule.thresholds()
+  idx = steps.task.global_index(steps.data, "train", s.data.val_idx)
+  val, num_val = orders_lib.validation(list(steps.passes.eval_batches(idx)))
+  pace = _Pace(steps, s.data.train_idx.shape[-1])
+  while first <= epochs and p.stop.active.any():
+    end = min(first + pace.epochs(slots, s.save), epochs + 1)
+    began = time.monotonic()
+    with s.timer("train_s"):  # training and the validation inside it
+      orders, calls, n_steps = orders_lib.segment(s.rngs, s.data.train_idx, **s.calls(),
+                                                  epochs=end - first, slots=slots)
+      state, best, _, outs, stop_at = steps.programs.stage_call(
+          s.rule, state, s.learner, p.best, p.stop, orders, val, s.data.keys, first, end, calls,
+          n_steps, num_val, thresholds)
+      outs, stop_at = jax.device_get(outs), int(stop_at)
+    pace.ran(stop_at - first, time.monotonic() - began)
+    if s.hooks.meter is not None and stop_at > first:  # the segment's steps, in one measurement
+      s.hooks.meter.trained(stop_at - 1, n_steps, n_steps * (stop_at - first), last=True)
+    best = Learner(params=best.params, model_state=best.model_state, structure=p.best.structure)
+    for epoch in range(first, stop_at):
+      out = jax.tree.map(lambda a, j=epoch - first: np.asarray(a[j]), outs)
+      out["losses"] = out["losses"][:, :n_steps]
+      ran = p.stop.active.copy()
+      p, go_on = _after_epoch(s, p, Progress(out["stop"], best, p.best_acc), epoch, out, ran,
+                              out["correct"].astype(np.float64) / m,
+                              out["units"].astype(np.float64) / m, None)
+      if not go_on:
+        break
+    first = stop_at
+    if first <= epochs and p.stop.active.any():  # a segment ended with the stage going on
+      if s.save is not None:
+        s.save.between_epochs(p, state, first - 1, segment=True)
+      s.hooks.check()
+  return state, p
+
+
+def _after_epoch(s: _Stage, before: Progress, after: Progress, epoch: int, out: dict,
+                 ran: np.ndarray, acc: np.ndarray, unit_acc: np.ndarray,
+                 state: TrainState | None):
+  """The host's part of an epoch, the same for both paths: divergence (raise, or a warning
+  and the stage ends when no member is left), the best accuracies as reported, a save when
+  one is due between epochs (driven per epoch, `state` given: e.g. a signal during the
+  evaluation), `on_epoch` and the progress line. Returns (progress, whether the stage goes
+  on)."""
+  bad = out["bad"]
+  if bad.any():
+    where = "" if len(s.labels) == 1 else f" (seeds {[s.labels[i] for i in np.flatnonzero(bad)]})"
+    if not s.rule.stop_all_on_divergence:
+      if len(s.labels) == 1:
+        logging.warning("stage t=%d epoch %d: non-finite loss or parameters; rolling back to "
+                        "the best epoch (%d) and ending the stage", s.data.t, epoch,
+                        int(before.stop.best_epoch[0]))
+      else:
+        logging.warning("stage t=%d epoch %d: non-finite loss or parameters%s; they roll back "
+                        "to their best epoch and end the stage", s.data.t, epoch, where)
+    if s.rule.stop_all_on_divergence:
+      raise divergence_error(s.data.t, epoch, where)
+    if not (ran & ~bad).any():
+      return after, False
+  p = dataclasses.replace(after, best_acc=np.where(out["improved"], unit_acc, before.best_acc))
+  saved = (s.save is not None and state is not None and p.stop.active.any()
+           and epoch < s.steps.stage.epochs and s.save.between_epochs(p, state, epoch))
+  if s.hooks.on_epoch is not None:
+    s.hooks.on_epoch(epoch, np.mean(out["losses"], axis=1), acc, ran)
+  _tell_epoch(s, epoch, out["losses"], acc, p)
+  if saved:
+    s.hooks.check()  # the stage is saved: a signal that asked for the save stops it here
+  return p, bool(p.stop.active.any())
+
+
+def _warn_unimproved(s: _Stage, p: Progress) -> None:
+  """Warns of the members whose stage ends on the parameters it started with: no epoch
+  improved on the starting point (their divergence, if any, has a warning of its own)."""
+  stop = p.stop
+  kept = (stop.best_epoch == 0) & (stop.epochs_run > 0) & ~stop.diverged
+  if kept.any():
+    names = [str(s.labels[i]) for i in np.flatnonzero(kept)]
+    logging.warning("stage t=%d: no epoch improved the validation accuracy (by more than "
+                    "config.train.patience_delta=%g) for %s %s; the stage keeps the parameters "
+                    "it started with", s.data.t, s.rule.delta,
+                    "member" if len(names) == 1 else "members", ", ".join(names))
+
+
+def _tell_epoch(s: _Stage, epoch: int, losses, acc, p: Progress) -> None:
+  """Tells the meter an epoch ended, with the epoch's progress line when one is due (at most
+  every `train.progress_every_s`)."""
+  line, o = None, s.steps.stage
+  if time.monotonic() - s.last_line[0] >= o.progress_every_s:
+    s.last_line[0] = time.monotonic()
+    if len(acc) == 1:
+      line = (f"  t={s.data.t} epoch {epoch}/{o.epochs} loss={np.mean(losses):.4f} "
+              f"val_acc={acc[0]:.4f} best={np.max(p.best_acc[0]):.4f}@{p.stop.best_epoch[0]}")
+    else:
+      line = (f"  t={s.data.t} epoch {epoch}/{o.epochs} loss={np.mean(losses):.4f} "
+              f"val_acc={np.mean(acc):.4f} (mean of {len(acc)} seeds, "
+              f"{int(p.stop.active.sum())} training)")
+  if s.hooks.meter is not None:
+    s.hooks.meter.epoch_end(line)
+  if s.hooks.progress is not None and line is not None:
+    s.hooks.progress(line)
+
+
+def _finish(s: _Stage, p: Progress, state: TrainState):
+  """(best learners, final optimizer state (None after a rollback), StageStats) of a stage."""
+  stop, steps = p.stop, s.steps
+  best_acc = p.best_acc[:, 0]
+  if steps.method.units_are_parts:  # the selected members together
+    with s.timer("eval_s"):
+      best_acc, _ = steps.evaluate(p.best, "train", s.data.val_idx)
+  spent = s.timer.as_dict()
+  ints = lambda a: np.asarray(a, np.int64)  # pylint: disable=unnecessary-lambda-assignment
+  if steps.stage.steps_per_epoch:  # fixed steps: full batches
+    examples = ints(stop.steps_run) * steps.batch_size
+  else:  # passes over each member's stage data
+    examples = s.data.train_idx.shape[-1] * ints(stop.epochs_run)
+  stats = StageStats(ints(stop.epochs_run), ints(stop.best_epoch), np.maximum(best_acc, 0.0),
+                     ints(stop.steps_run), np.asarray(stop.diverged, bool), spent["train_s"],
+                     spent["eval_s"], examples)
+  return p.best, (None if stop.diverged.any() else state.opt_state), stats
+
+
+# Seconds of training that one call of the whole-stage program may take at most: a signal waits
+# for the call in flight (a compiled program cannot be stopped), so this bounds how long a stop
+# takes. The calls are at most as long as the time left to the next timed stage save
+# (`checkpoint.every_s`), so that save is not late by more than an epoch either.
+SEGMENT_S = 10.0
+
+
+class _Pace:
+  """How many epochs the next call of the whole-stage program runs: as many as fit in
+  `SEGMENT_S` and in the time left to the next timed save, by the seconds per training example
+  of the epochs run so far in this run (`Steps.stage_pace`; the run's first call: one epoch).
+  Where the calls end changes no result: each epoch's orders are drawn on the host in the same
+  sequence, and the program's carry holds the rest."""
+
+  def __init__(self, steps: Steps, examples: int):
+    self.steps, self.examples = steps, max(1, examples)
+
+  def epochs(self, slots: int, save: Saver | None) -> int:
+    per = self.steps.stage_pace
+    if jax.process_count() > 1:  # every process must make the same calls: no clock decides
+      return slots
+    if per is None:
+      return 1
+    left = None if save is None else save.seconds_to_save()
+    bound = SEGMENT_S if left is None else min(SEGMENT_S, left)
+    return max(1, min(slots, int(bound // (per * self.examples))))
+
+  def ran(self, epochs: int, seconds: float) -> None:
+    if epochs > 0:
+      self.steps.stage_pace = seconds / (epochs * self.examples)
+
+
+def fit_one(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np.ndarray,
+            key: jax.Array, *, t: int = 0, **kwargs):
+  """`fit_stage` for a single (unstacked) learner (`kwargs`: `opt_state`, `whole` and the
+  fields of `StageHooks`); returns (best, opt_state, StageStats)."""
+  opt_state, whole = kwargs.pop("opt_state", None), kwargs.pop("whole", False)
+  data = StageData(np.asarray(train_idx)[None], np.asarray(val_idx)[None],
+                   population.stack_keys([key]), t)
+  best, opt_state, stats = fit_stage(steps, population.stack([learner]), data, opt_state,
+                                     StageHooks(**kwargs), whole)
+  if opt_state is not None:
+    opt_state = population.unstack(opt_state, 0)
+  return population.unstack(best, 0), opt_state, stats

@@ -1,0 +1,1 @@
+"""alma_jax.stream."""

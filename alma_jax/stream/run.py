@@ -1,0 +1,313 @@
+"""The stream loop (Algorithm 1): wait, replay, grow, train, evaluate, log.
+
+A run is a population of S learners walking one stream loop: S = 1 is an
+ordinary run; `config.num_seeds = S > 1` trains the seeds `seed`, ...,
+`seed + S - 1` of one config together, stacked on a leading axis, each with
+what a separate run of that seed would have (stream partition, training
+subset, initialisation, data order, early stopping).
+
+`run` sets the run up (`alma_jax.stream.run_setup`: data, streams, method, compiled
+steps, policies), restores its last checkpoint, and walks `stream`, which is
+Algorithm 1 over an explicit `RunState`: at every time step the waiting
+policy says whether the learner trains; a stage starts as the stage policy
+says (`alma_jax.policies`, growth included), trains (`alma_jax.engine.train`) and
+grows after it; the learner is evaluated unless unchanged; the step's records
+go to the observers (`alma_jax.observers`), which write the outputs:
+`config.json`, `log.jsonl` (one record per time step), `architecture.jsonl`,
+`checkpoints/` (orbax, see `config.checkpoint`), TensorBoard event files
+(`config.log.tensorboard`) and, at the end, `summary.json` and `error.png`;
+with S > 1 each seed's `config.json`, `log.jsonl` and `summary.json` go to
+`seed_<seed>/` and the top-level `summary.json` holds each metric's mean and
+sample standard deviation (ddof=1) over the seeds. Running the same command again resumes
+from the last complete checkpoint; every random choice is seeded by (seed,
+t), so a resumed run writes the same records and summary as an uninterrupted
+one (wall-clock times aside). Signals and the kill-point test hook:
+`alma_jax.outputs.interrupts`.
+
+In a multi-process run (`alma_jax.runtime.multihost`) every process walks the same
+loop on a global mesh; process 0 alone writes config.json, the logs and the
+summaries, and all processes write and restore the checkpoints together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from absl import logging
+
+from alma_jax import models
+from alma_jax.configuration import fields as F
+from alma_jax.engine import meter as meter_lib
+from alma_jax.runtime import multihost
+from alma_jax.engine import population
+from alma_jax.stream import run_setup
+from alma_jax.engine import timing
+from alma_jax.engine import train
+from alma_jax.stream import validation
+from alma_jax.engine.metrics import Log, Record
+from alma_jax.stream.run_setup import Setup
+from alma_jax.state import RunState
+from alma_jax.observers import architecture
+from alma_jax.observers import checkpoints as ckpt_obs
+from alma_jax.observers import events
+from alma_jax.observers import progress
+from alma_jax.observers import records
+from alma_jax.observers import summary
+from alma_jax.observers.base import Observer, Observers
+from alma_jax.observers.clock import Clock
+from alma_jax.outputs import interrupts
+from alma_jax.outputs import workdir as wd
+from alma_jax.outputs import workdir_lock
+from alma_jax.outputs.interrupts import RunInterrupted, kill_point
+
+__all__ = ["run", "RunInterrupted", "RunState", "stream"]
+
+
+def run(config, workdir: str, *, overwrite: bool = False, startup_s: float | None = None,
+        observers: Sequence[Observer] = ()) -> dict[str, Any]:
+  """Runs (or resumes) one ALMA stream; writes config.json, log.jsonl, summary.json.
+
+  Args:
+    config: the experiment config.
+    workdir: output directory; a run found there is resumed when its config
+      is the same (a different config is an error unless `overwrite`).
+    overwrite: discard the outputs of a previous run in `workdir` first.
+    startup_s: seconds the process spent before this call (interpreter and
+      imports), reported in the summary's timing breakdown.
+    observers: more observers of the loop (`alma_jax.observers.base.Observer`), told
+      after the run's own outputs.
+
+  Returns:
+    The summary (with S > 1: the mean and standard deviation over the seeds).
+
+  Raises:
+    ValueError: invalid config, data, workdir or checkpoints (nothing is
+      written then), or another run holds `workdir`.
+    DivergenceError: non-finite training loss (the checkpoints stay intact).
+    RunInterrupted: SIGINT or SIGTERM.
+  """
+  config = validation.validate(config)
+  wd.check_writable(workdir)
+  with workdir_lock.hold(workdir, primary=multihost.is_primary()):
+    if not overwrite:
+      wd.check_resume(workdir, config)
+    wd.check_outputs(workdir, config, overwrite)
+    multihost.sync("alma_jax: workdir checked")  # before process 0 writes to it
+    meter = meter_lib.Meter(F.get(config.log, "log.progress"),
+                            every_s=F.get(config.train, "train.progress_every_s"),
+                            primary=multihost.is_primary())
+    vote = multihost.Vote() if jax.process_count() > 1 else None
+    with interrupts.Signals(vote, compiling=meter.is_compiling) as signals, \
+        contextlib.closing(meter.start()):
+      t_start, timer = time.monotonic(), timing.Breakdown()
+      meter.doing("loading the data and setting the run up (with any speed choices left to "
+                  "measure)")
+      with timer("data_s"):
+        setup = run_setup.build(config, workdir)
+      setup.steps.programs.listener = meter
+      meter.plan = setup.progress_plan()
+      clock = Clock(setup.steps, timer, t_start, startup_s)
+      told, checkpoints = _outputs(setup, signals, clock, meter, observers)
+      try:
+        return _walk(setup, told, checkpoints, signals, clock, meter, overwrite)
+      finally:
+        told.close()
+
+
+def _outputs(setup: Setup, signals: interrupts.Signals, clock: Clock, meter: meter_lib.Meter,
+             extra: Sequence[Observer]) -> tuple[Observers, ckpt_obs.Checkpoints]:
+  """The run's observers, in the order they are told (the checkpoints among them): a step's
+  checkpoint starts before its progress line, and the last one is complete before the
+  summary is written."""
+  arch = architecture.ArchitectureLog(setup)
+  checkpoints = ckpt_obs.Checkpoints(setup, signals, clock, arch)
+  told = [clock, records.RecordLog(setup), events.EventFiles(setup), events.WandbRuns(setup),
+          arch, checkpoints,
+          progress.Progress(setup, clock, meter), summary.Summary(setup, signals, clock), *extra]
+  return Observers(told, signals, clock.timer), checkpoints
+
+
+def _walk(setup: Setup, observers: Observers, checkpoints: ckpt_obs.Checkpoints,
+          signals: interrupts.Signals, clock: Clock, meter: meter_lib.Meter,
+          overwrite: bool) -> dict[str, Any]:
+  """Restores the run, then walks its stream; returns the summary."""
+  meter.doing("restoring the last checkpoint")
+  state, snapshot = _open(setup, observers, checkpoints, signals, overwrite)
+  try:
+    with signals.deferred():  # a signal stops the loop at the next step boundary
+      signals.check()  # (a multi-process run's first chance to stop, after its set-up)
+      meter.doing("starting the stream")
+      state = _begin(setup, state, snapshot, clock)
+      return stream(setup, state, observers, checkpoints, signals, clock, meter)
+  except RunInterrupted as e:
+    if observers.interrupt():  # the checkpoint being written completed first: name it
+      raise RunInterrupted(e.signum, signals.last_checkpoint) from None
+    raise
+
+
+def _open(setup: Setup, observers: Observers, checkpoints: ckpt_obs.Checkpoints,
+          signals: interrupts.Signals, overwrite: bool):
+  """Restores (or starts) the run and makes its outputs match; returns (state, snapshot)."""
+  with signals.critical():
+    if overwrite and setup.primary:
+      wd.clear_outputs(setup.workdir)
+    multihost.sync("alma_jax: outputs cleared")
+    snapshot, recs = checkpoints.restore()
+    state = RunState(logs=[Log.from_records(r) for r in recs])
+    observers.start(state, snapshot)
+  return state, snapshot
+
+
+def _begin(setup: Setup, state: RunState, snapshot, clock: Clock) -> RunState:
+  """The state the stream continues from: untrained learners, or the checkpoint's (with their
+  last test errors)."""
+  if snapshot is None:
+    state = dataclasses.replace(state, learner=setup.initial_learner())
+    if jax.default_backend() == "cpu":
+      with clock.timer("train_s"):  # compiles the train step the first stage will use
+        setup.log_estimate(state.learner)
+    return state
+  return dataclasses.replace(
+      state, learner=snapshot.learner,
+      opt_state=snapshot.opt_state if setup.config.train.keep_optimizer_state else None,
+      errors=np.asarray([log.records[-1].test_error for log in state.logs]),
+      nll=np.asarray([log.records[-1].extra.get("test_nll", np.nan) for log in state.logs]))
+
+
+# -- Algorithm 1 -----------------------------------------------------------------------------------
+def stream(setup: Setup, state: RunState, observers: Observers,
+           checkpoints: ckpt_obs.Checkpoints, signals: interrupts.Signals,
+           clock: Clock, meter: meter_lib.Meter | None = None) -> dict[str, Any]:
+  """Algorithm 1 from the time step after `state.t` to B; returns the summary.
+
+  At every time step t the mega-batch t arrives. When the waiting policy says
+  so (`WaitPolicy.decide`, which may evaluate the learner on the new data and
+  adds its record fields), the learner trains on what arrived since its last
+  stage (with replay, a fraction of the earlier data too): the stage policy
+  starts the stage, the method grows before and after it. The learner is then
+  evaluated on the test set (an unchanged one is not re-evaluated), and the
+  observers get the step's records (one per seed) and the end of the step;
+  `meter` says the progress.
+  """
+  meter = meter or meter_lib.Meter("off")
+  for t in range(state.t + 1, setup.num_t + 1):
+    signals.check()
+    meter.at(t)
+    t_step = time.monotonic()
+    state, spent, decided = dataclasses.replace(state, stats=None), {}, []
+    if t > 0:
+      with clock.timer("eval_s"):  # a policy may evaluate the learner on the new data
+        decision = setup.wait_policy.decide(t, state, setup)
+      if decision.train:
+        state, spent = _stage(setup, state, t, observers, checkpoints, signals, clock, meter)
+      decided = setup.wait_policy.stage_fields(decision, state)
+    if state.errors is None or state.trained:  # an unchanged model is not re-evaluated
+      meter.doing(f"evaluating the test set at t={t}")
+      with clock.timer("eval_s"):
+        acc, nll = setup.steps.evaluate(state.learner, "test", setup.test_idx())
+        state = dataclasses.replace(state, errors=1.0 - acc, nll=nll)
+    step = _records(setup, state, t, spent, time.monotonic() - t_step, decided)
+    state = dataclasses.replace(state, logs=[log.append(r) for log, r in zip(state.logs, step)])
+    meter.doing(f"writing the outputs of t={t}")
+    observers.record(state, step)
+    observers.step(state)
+  meter.doing("writing the summary")
+  return observers.end(state)
+
+
+def _records(setup: Setup, state: RunState, t: int, spent: dict, wall_s: float,
+             decided: list[dict]) -> list[Record]:
+  """Each seed's record of time step `t`: test error, Mem, the compute `spent` on it, and the
+  waiting policy's fields (`decided`: one dict per seed, or none)."""
+  first = population.unstack(state.learner, 0)
+  flops = setup.flops(first)
+  num_params = setup.method.num_params(first)
+  fields = ("train_flops", "train_flops_forward", "train_macs", "growth_flops", "growth_macs")
+  extra = getattr(setup.task, "record_metrics", None)  # fields of the task's own
+  return [Record(t=t, test_error=float(state.errors[i]), num_params=num_params,
+                 **{f: float(spent[f][i]) if f in spent else 0.0 for f in fields},
+                 inference_flops_per_example=flops["inference_per_example"],
+                 trained=state.trained, wall_s=wall_s,
+                 extra={**({} if extra is None else extra(float(state.nll[i]), flops)),
+                        **(decided[i] if decided else {})})
+          for i in range(len(setup.seeds))]
+
+
+# -- a training stage ------------------------------------------------------------------------------
+def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
+           checkpoints: ckpt_obs.Checkpoints, signals: interrupts.Signals,
+           clock: Clock, meter: meter_lib.Meter) -> tuple[RunState, dict[str, np.ndarray]]:
+  """The stage at time step `t`: the stage policy starts it (growth included), then it trains.
+  Returns (the state with the stage's learner, optimizer state and stats, the compute spent
+  per seed (Record fields))."""
+  method, steps = setup.method, setup.steps
+  contexts = setup.contexts(t, state.num_stages + 1, state.last_stage_t)
+  passes_before, pass_macs_before = steps.pass_flops, steps.pass_macs
+  skeys = population.fold(setup.keys, t)
+  meter.doing(f"starting the stage at t={t} ({setup.stage_policy.name}, growth before it)")
+  learner, opt_state = _start_stage(setup, state.learner, skeys, contexts, state.opt_state)
+  if not setup.config.train.keep_optimizer_state:
+    opt_state = None
+  kill_point("stage", t)
+  signals.check()
+
+  def progress_line(msg):  # the meter says the line
+    del msg
+    kill_point("epoch", t)
+
+  store = checkpoints.stage(t, learner.structure)
+  try:
+    learner, opt_state, stats = train.fit_stage(
+        steps, learner, train.StageData(np.stack([x.train_idx for x in contexts]),
+                                        np.stack([x.val_idx for x in contexts]),
+                                        population.fold(skeys, 3), t), opt_state,
+        train.StageHooks(progress=progress_line, labels=setup.seeds, check=signals.check,
+                         on_epoch=lambda *a: observers.epoch(t, *a), checkpoints=store,
+                         meter=meter),
+        train.whole_stage(F.get(setup.config.train, "train.stage_program"), setup.task, method,
+                          models.spec(setup.config.model.name).conv_heavy))
+  except RunInterrupted:
+    checkpoints.stage_interrupted(t)
+    raise
+  checkpoints.stage_done()
+  meter.stage_end(float(np.max(stats.epochs_run)))
+  if stats.diverged.any():
+    logging.warning("stage t=%d diverged; continuing with its best epoch (%s)", t,
+                    ", ".join(str(e) for e in stats.best_epoch))
+  clock.timer.add({"train_s": stats.train_s, "eval_s": stats.eval_s})
+  flops = setup.flops(population.unstack(learner, 0))  # of the structure that trained
+  spent = {"train_flops": flops["train_step"] * stats.steps_run,
+           "train_flops_forward": flops["train_step_forward"] * stats.steps_run,
+           "train_macs": flops["train_macs_per_example"] * stats.examples_run}
+  state = dataclasses.replace(state, learner=steps.place(learner), opt_state=opt_state,
+                              stats=stats)
+  spent["growth_flops"] = np.full(len(setup.seeds), (steps.pass_flops - passes_before)
+                                  / len(setup.seeds))
+  spent["growth_macs"] = np.full(len(setup.seeds), (steps.pass_macs - pass_macs_before)
+                                 / len(setup.seeds))
+  return state, spent
+
+
+def _start_stage(setup: Setup, learner, keys, contexts, opt_state):
+  """The stage policy's `start_stage` for every learner of the population (its one hook):
+  (learner, optimizer state), stacked."""
+  members = population.members(learner)
+  opts = ([None] * len(members) if opt_state is None
+          else [population.unstack(opt_state, i) for i in range(len(members))])
+  started = [setup.stage_policy.start_stage(setup.method, l, keys[i], contexts[i], opts[i])
+             for i, l in enumerate(members)]
+  learner = population.stack([s[0] for s in started])
+  opts = [s[1] for s in started]
+  if all(o is None for o in opts):
+    return learner, None
+  if any(o is None for o in opts):
+    raise ValueError(f"stage policy {setup.stage_policy.name!r} kept the optimizer state of "
+                     "some learners of the population and not of others")
+  return learner, population.stack_trees(*opts)
+
+

@@ -1,0 +1,155 @@
+"""Checks of a run's inputs before any training, with one-line error messages.
+
+`validate(config)` checks every declared field (`alma_jax.configuration.config_lib.
+BASE_FIELDS`, the method's fields and the task's), the rules that tie fields
+together (the task's among them: `alma_jax.tasks.check`), and builds the
+optimizer and (where the task knows the input shape without loading the data)
+the method, so their own checks run too; it also makes sure the task's data
+can be had. `validate_data` checks what depends on the loaded data.
+Every message names the offending field and its allowed values, e.g.
+`config.stream.wait=3 does not divide config.stream.num_megabatches=10; allowed values: [1, 2, 5, 10]`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from absl import logging
+
+from alma_jax import methods
+from alma_jax import policies
+from alma_jax import tasks
+from alma_jax.configuration import config_lib
+from alma_jax.configuration import fields
+from alma_jax.engine import optim
+from alma_jax.engine import sharding
+from alma_jax.errors import ConfigError
+
+# Input shape and number of classes of common image data sets (`ImageTask.known_shape`).
+KNOWN_SHAPES = tasks.images.KNOWN_SHAPES
+
+
+# Checks of the optimizer arguments that every optimizer of `alma_jax.engine.optim` takes (a config
+# file may also give a schedule: a callable).
+OPTIMIZER_KWARG_CHECKS = {
+    "learning_rate": fields.number(0.0, math.inf, open_lo=True, open_hi=True),
+}
+
+
+def _check_rules(config) -> None:
+  """The checks that tie several fields together."""
+  dataset = fields.lookup(config, "data.name", "")
+  policies.check_wait(config,
+                      lambda p: config_lib.BASE_FIELDS_BY_PATH[p].default_for(dataset))
+  b, w = config.stream.num_megabatches, config.stream.wait
+  if b % w:
+    divisors = [d for d in range(1, b + 1) if b % d == 0]
+    raise ConfigError(f"config.stream.wait={w} does not divide config.stream.num_megabatches={b}; "
+                      f"allowed values: {divisors}")
+  n = fields.lookup(config, "num_seeds", 1)
+  if config.seed + n - 1 > config_lib.MAX_SEED:
+    raise ConfigError(f"config.seed={config.seed} with config.num_seeds={n} reaches seed "
+                      f"{config.seed + n - 1}; seeds must be in [0, {config_lib.MAX_SEED}]")
+  if n > 1 and not methods.get(config.method.name).same_growth_for_every_seed:
+    valid = [m for m in methods.names() if methods.get(m).same_growth_for_every_seed]
+    raise ConfigError(
+        f"config.num_seeds={n} needs a method whose growth is the same for every seed; "
+        f"config.method.name={config.method.name!r} is not one; valid names: {valid} "
+        "(or config.num_seeds=1)")
+  kwargs = config.optimizer.kwargs
+  for name, check in OPTIMIZER_KWARG_CHECKS.items():
+    if name in kwargs and not callable(kwargs[name]):
+      check(f"optimizer.kwargs.{name}", kwargs[name])
+  try:
+    optim.from_config(config)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"config.optimizer: {e}") from e
+  visible = jax.device_count()
+  if config.mesh.num_devices > visible:
+    raise ConfigError(f"config.mesh.num_devices={config.mesh.num_devices} but only {visible} "
+                      f"{jax.default_backend()} devices are visible; use 0 for all of them")
+  sharding.mesh_shape(config.mesh.num_devices, config.mesh.data, config.mesh.model, visible)
+  sharding.check_rules(dict(config.mesh.rules.items()))
+
+
+def value_error(path: str, value) -> str | None:
+  """What the check of field `path` says of `value` (its allowed values), for a value that
+  cannot even be set (a command-line override of the wrong type).
+
+  `path` is a base or text field, an optimizer argument of `OPTIMIZER_KWARG_CHECKS` or a
+  method field; None when the value passes, the path is not declared, or the methods that
+  declare it check it differently.
+  """
+  declared = (config_lib.BASE_FIELDS + tasks.text.FIELDS
+              + tuple(f for m in methods.names() for f in methods.get(m).FIELDS))
+  checks = [f.check for f in declared if f.path == path]
+  prefix = "optimizer.kwargs."
+  if path.startswith(prefix) and path[len(prefix):] in OPTIMIZER_KWARG_CHECKS:
+    checks.append(OPTIMIZER_KWARG_CHECKS[path[len(prefix):]])
+  messages = set()
+  for check in checks:
+    try:
+      check(path, value)
+    except ConfigError as e:
+      messages.add(str(e))
+    else:
+      return None
+  return messages.pop() if len(messages) == 1 else None
+
+
+def validate(config):
+  """Checks the config's fields; raises `ConfigError` naming the first bad one.
+
+  Returns the config completed with the defaults of the fields it lacks.
+  """
+  fields.check_all(config, config_lib.BASE_FIELDS)
+  config = complete(config)
+  task = tasks.task_class(config)
+  fields.check_all(config, methods.fields_for(config))
+  fields.check_all(config, task.FIELDS)
+  _check_rules(config)
+  tasks.check(config)
+  shape = task.known_shape(config)
+  if shape is not None:
+    methods.make(config, *shape)
+  task.check_available(config)
+  return config
+
+
+def validate_data(config, num_train: int, stream) -> None:
+  """Checks the fields that depend on the loaded data and its stream."""
+  smallest = min(len(t) for t in stream.train)
+  smallest_val = min(len(v) for v in stream.val)
+  where = (f"{num_train} training examples in config.stream.num_megabatches="
+           f"{stream.num_megabatches} mega-batches with config.stream.val_fraction="
+           f"{config.stream.val_fraction}")
+  if smallest < 1 or smallest_val < 1:
+    raise ConfigError(f"config.stream.num_megabatches={stream.num_megabatches} leaves a mega-batch "
+                      f"with {smallest} training and {smallest_val} validation examples ({where}); "
+                      "use fewer mega-batches or more data (config.data.train_subset)")
+  b = config.train.batch_size
+  if b > smallest * config.stream.wait:
+    # Not an error: the paper's own MNIST setting (B=500, w=1) has 108 training
+    # examples per mega-batch for a batch of 128. Each epoch is then one
+    # partial (masked) step, and the FLOP count is that of a full batch.
+    logging.warning("config.train.batch_size=%d is larger than the training data of a stage "
+                    "without replay (%d examples: %s, config.stream.wait=%d); each epoch of "
+                    "such a stage is a single partial batch", b, smallest * config.stream.wait,
+                    where, config.stream.wait)
+
+
+def complete(config):
+  """A copy of `config` with every declared field that it lacks set to its default (and
+  `stream.init_from_scratch` made to agree with `stream.warm_start`)."""
+  c = config.copy_and_resolve_references()
+  with c.unlocked():
+    dataset = fields.lookup(c, "data.name", "")
+    fields.fill(c, config_lib.BASE_FIELDS, dataset, overwrite=False)
+    fields.value(c, config_lib.BASE_FIELDS_BY_PATH["method.name"])  # a known name
+    task = tasks.task_class(c)
+    fields.fill(c, methods.fields_for(c), dataset, overwrite=False)
+    fields.fill(c, task.FIELDS, dataset, overwrite=False)
+    task.complete(c)
+    policies.resolve_warm_start(c)
+  return c

@@ -1,0 +1,188 @@
+"""Tests of FLOP and multiply-add counting (alma_jax/engine/accounting.py, Steps.flops, comp_paper)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from alma_jax.engine import accounting
+from alma_jax.stream import run as run_lib
+from alma_jax.engine.programs import Batch
+from alma_jax.methods.base import Learner
+from tests import helpers
+from tests.conftest import requires_mnist
+from tests.test_main_e2e import run_main
+
+
+def test_products_elementwise_scans_and_conditionals():
+  a, b = jnp.ones((3, 5)), jnp.ones((5, 7))
+  c = accounting.count(lambda a, b: a @ b, a, b)
+  assert (c.flops, c.macs) == (2 * 3 * 5 * 7, 3 * 5 * 7)
+  assert accounting.count(lambda a: jnp.exp(a) + 1.0, a).flops == 2 * 15
+  assert accounting.count(lambda a: jnp.sum(a), a).flops == 15
+  assert accounting.count(lambda a: a.astype(jnp.int32).reshape(15), a).flops == 0  # no arithmetic
+
+  def scanned(a, b):
+    return jax.lax.scan(lambda carry, _: (carry, a @ b), 0.0, None, length=4)[1]
+
+  assert accounting.count(scanned, a, b).macs == 4 * 3 * 5 * 7
+  branches = lambda p, a, b: jax.lax.cond(p, lambda: (a @ b).sum(), lambda: a.sum())
+  assert accounting.count(branches, True, a, b).macs == 3 * 5 * 7  # the costlier branch
+  x, k = jnp.ones((2, 8, 8, 3)), jnp.ones((3, 3, 3, 4))
+  conv = lambda x, k: jax.lax.conv_general_dilated(x, k, (1, 1), "SAME",
+                                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  assert accounting.count(conv, x, k).macs == 2 * 8 * 8 * 4 * (3 * 3 * 3)
+
+
+def _flops(dataset, width, **fields):
+  c = helpers.small_config(dataset, width=width)
+  for k, v in fields.items():
+    c.model[k] = v
+  shape = (28, 28, 1) if dataset == "mnist" else (32, 32, 3)
+  method, steps = helpers.make_steps(c, helpers.synthetic_dataset(n_train=64, n_test=8,
+                                                                  shape=shape))
+  return steps.flops(helpers.init(method))
+
+
+def test_mlp_inference_is_two_flops_per_multiply_add():
+  h = 64
+  macs = 784 * h + h * h + h * 10
+  flops = _flops("mnist", h)
+  assert flops["train_macs_per_example"] == macs
+  # Besides the products: 2h + 10 bias adds and 2h ReLUs per example, 0.5% of the total.
+  assert flops["inference_per_example"] == pytest.approx(2 * macs, rel=0.01)
+
+
+@pytest.mark.parametrize("width,impl", [(4, "xla"), (8, "chunked_dw")])
+def test_vgg_multiply_adds_match_the_analytic_count(width, impl):
+  # 16 3x3 convolutions on 32x32 inputs halved after each block (2, 2, 4, 4, 4 layers):
+  # 9 * C^2 * (2*1024 + 2*256 + 4*64 + 4*16 + 4*4 - 1024) + 9*3*C*1024 (the first one)
+  # = 16848 C^2 + 27648 C, and 10 C for the classifier.
+  flops = _flops("cifar10", width, conv_impl=impl)
+  assert flops["train_macs_per_example"] == 16848 * width ** 2 + 27658 * width
+
+
+def test_counts_do_not_depend_on_the_convolution_implementation():
+  # chunked_dw's custom gradient computes the first layer's input gradient (the images need
+  # none) and adds up chunks: the count is that of XLA's convolutions whichever runs.
+  assert _flops("cifar10", 8, conv_impl="chunked_dw") == _flops("cifar10", 8, conv_impl="xla")
+
+
+def test_counts_do_not_use_the_backends_cost_analysis(monkeypatch):
+  expected = _flops("mnist", 16)
+  # A backend without cost analysis (some GPU builds return none).
+  monkeypatch.setattr(jax.stages.Lowered, "cost_analysis", lambda self: None)
+  monkeypatch.setattr(jax.stages.Compiled, "cost_analysis", lambda self: None)
+  assert _flops("mnist", 16) == expected
+  assert expected["train_step"] > 0
+
+
+def _read(path):
+  with open(path) as f:
+    return [json.loads(l) for l in f] if path.endswith(".jsonl") else json.load(f)
+
+
+@requires_mnist
+def test_comp_paper_is_forward_multiply_adds_times_examples(tmp_path):
+  # P3 smoke: 1000 training images in B=10 mega-batches of 100 (10 validation, 90 training
+  # each), one epoch per stage: 900 examples through the 784-64-64-10 MLP.
+  proc = run_main("configs/bench/p3_mnist_sm.py:smoke", tmp_path)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  summary = _read(str(tmp_path / "summary.json"))
+  records = _read(str(tmp_path / "log.jsonl"))
+  macs = 784 * 64 + 64 * 64 + 64 * 10
+  assert summary["comp_paper"] == macs * 900 * 1
+  assert [r["train_macs"] for r in records] == [0.0] + [macs * 90.0] * 10
+  assert summary["comp_growth"] == 0.0 and summary["cer_percent"] == pytest.approx(
+      100 * summary["cer"])
+  # The full train-step count also covers backward passes, updates and padded slots.
+  assert summary["comp"] > 3 * 2 * summary["comp_paper"]
+
+
+@requires_mnist
+def test_gmoe_mem_equals_sm_until_its_first_growth(tmp_path):
+  logs = {}
+  for name in ("sm", "gmoe"):
+    proc = run_main(f"configs/mnist_{name}.py:smoke", tmp_path / name)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    logs[name] = _read(str(tmp_path / name / "log.jsonl"))
+  params = {n: [r["num_params"] for r in log] for n, log in logs.items()}
+  # One expert per layer is the SM network; the first split comes before stage 2 (t=2).
+  assert params["gmoe"][:2] == params["sm"][:2]
+  assert all(g > s for g, s in zip(params["gmoe"][2:], params["sm"][2:]))
+  growth = [r["growth_flops"] for r in logs["gmoe"]]
+  assert growth[:2] == [0.0, 0.0] and all(g > 0 for g in growth[2:])
+  assert all(r["growth_flops"] == 0.0 and r["growth_macs"] == 0.0 for r in logs["sm"])
+  # The scoring passes' multiply-adds: at least one per two FLOPs counted besides them.
+  macs = [r["growth_macs"] for r in logs["gmoe"]]
+  assert macs[:2] == [0.0, 0.0] and all(0 < 2 * m < g for m, g in zip(macs[2:], growth[2:]))
+  assert np.all(np.diff(params["gmoe"][1:]) > 0)  # one split per layer before each later stage
+
+
+class _WholeLearner:
+  """The two methods' hooks that `PassCosts` calls, for a learner without padding slots."""
+
+  def active_view(self, learner):
+    return learner
+
+  def program_structure(self, structure):
+    return structure
+
+
+def test_growth_passes_count_only_the_real_examples_of_a_padded_batch():
+  data = jnp.ones((20, 5))
+  learner = Learner(params=jnp.ones((5, 7)), model_state={}, structure=())
+  build = lambda structure: lambda params, model_state, data, batch: (data[batch.idx] @ params)
+  costs = accounting.PassCosts(_WholeLearner(), data)
+  full = Batch(np.arange(8, dtype=np.int32), np.ones((8,), bool))
+  padded = Batch(np.arange(8, dtype=np.int32), np.arange(8) < 3)
+  costs.add("reduce", build, learner, build, full)
+  per_example = 2 * 5 * 7  # one row of the product: 5 x 7 multiply-adds, 2 FLOPs each
+  assert costs.total == 8 * per_example and costs.total_macs == 8 * per_example / 2
+  costs.add("reduce", build, learner, build, padded)
+  assert costs.total == (8 + 3) * per_example  # exact: small integers in float64
+  assert costs.total_macs == (8 + 3) * 5 * 7
+
+
+# -- Comp counts the learning algorithm, not how it was executed ----------------------------------
+def _comps(wd):
+  with open(wd / "summary.json") as f:
+    s = json.load(f)
+  return {k: s[k] for k in ("comp", "comp_forward", "comp_paper", "comp_total")}
+
+
+@requires_mnist
+def test_ensemble_comp_is_the_same_for_every_strategy_and_device_count(tmp_path):
+  # Counts are sums of integers (FLOPs of traced programs times steps and examples) well below
+  # 2**53, so every strategy and mesh must give exactly the same numbers, not close ones.
+  # loop on 1 and 8 devices: the mesh; loop and vmap on 8: the strategy.
+  comps = {}
+  for strategy, devices in (("loop", 1), ("loop", 8), ("vmap", 8)):
+    c = helpers.smoke("ens", method__strategy=strategy)
+    c.mesh.num_devices = devices
+    wd = tmp_path / f"{strategy}_{devices}"
+    run_lib.run(c, str(wd))
+    comps[(strategy, devices)] = _comps(wd)
+  first = comps[("loop", 1)]
+  assert first["comp"] > 0
+  assert all(c == first for c in comps.values()), comps
+
+
+@pytest.mark.parametrize("name", ["umix", "gens"])
+def test_step_counts_do_not_depend_on_the_strategy(name):
+  ds = helpers.synthetic_dataset(n_train=64, n_test=8)
+  counts = []
+  for strategy in ("loop", "vmap"):
+    c = helpers.small_config("mnist", method=name, width=8)
+    for field, value in ({"num_members": 3} if name == "umix"
+                         else {"initial_members": 2, "grow_by": 2}).items():
+      c.method[field] = value
+    c.method.strategy = strategy
+    method, steps = helpers.make_steps(c, ds)
+    learner = helpers.init(method)
+    if name == "gens":  # 2 frozen members and 2 trained ones, in slots
+      learner = method.before_stage(learner, jax.random.key(1), helpers.context(2, stage=2))
+    counts.append(steps.flops(learner))
+  assert counts[0] == counts[1]

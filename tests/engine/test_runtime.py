@@ -1,0 +1,72 @@
+"""Tests of the process-level tuning and the timing breakdown."""
+
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from alma_jax.engine import timing
+from tests import helpers
+
+ROOT = helpers.ROOT
+
+
+def _apply_in_subprocess(env_value):
+  env = dict(os.environ)
+  env.pop("ALMA_JAX_MALLOC_TUNING", None)
+  if env_value is not None:
+    env["ALMA_JAX_MALLOC_TUNING"] = env_value
+  code = "from alma_jax.tuning import cpu_tuning; print(cpu_tuning.apply(), cpu_tuning.is_applied())"
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                        text=True, check=True)
+  return proc.stdout.split()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc tuning is Linux-only")
+def test_allocator_tuning_applies_and_can_be_turned_off():
+  assert _apply_in_subprocess(None) == ["True", "True"]
+  assert _apply_in_subprocess("0") == ["False", "False"]
+
+
+def test_breakdown_moves_compilation_out_of_the_timed_part():
+  bd = timing.Breakdown()
+
+  @jax.jit
+  def f(x):
+    for _ in range(20):
+      x = jnp.sin(x) @ x
+    return x
+
+  with bd("train_s"):
+    f(jnp.ones((8, 8))).block_until_ready()  # compiles
+  first = bd.as_dict()
+  assert first["compile_s"] > 0
+  with bd("train_s"):
+    time.sleep(0.05)
+    f(jnp.ones((8, 8))).block_until_ready()  # cached: no compilation
+  second = bd.as_dict()
+  assert second["compile_s"] == pytest.approx(first["compile_s"])
+  assert second["train_s"] - first["train_s"] >= 0.05
+  assert second["eval_s"] == 0 and second["io_s"] == 0
+
+
+def test_breakdown_rejects_unknown_parts_and_adds_stage_times():
+  bd = timing.Breakdown()
+  with pytest.raises(ValueError, match="unknown timing part 'gpu_s'"):
+    with bd("gpu_s"):
+      pass
+  bd.add({"train_s": 1.5, "eval_s": 0.5, "not_a_part": 9.0})
+  d = bd.as_dict()
+  assert d["train_s"] == 1.5 and d["eval_s"] == 0.5 and "not_a_part" not in d
+
+
+def test_process_age_is_positive_and_grows():
+  a = timing.process_age_s()
+  if a is None:
+    pytest.skip("no /proc on this system")
+  time.sleep(0.02)
+  assert 0 < a <= timing.process_age_s()
