@@ -265,7 +265,8 @@ def main(argv):
                "%s; compilation cache: %s", jax.__version__, jax.default_backend(),
                jax.process_index(), jax.process_count(), jax.devices(), cpu_tuning.is_applied(),
                cache)
-  from alma_jax.stream import run, timing  # pylint: disable=g-import-not-at-top
+  from alma_jax.engine import timing  # pylint: disable=g-import-not-at-top
+  from alma_jax.stream import run  # pylint: disable=g-import-not-at-top
   try:
     config = _CONFIG.value
     config.get("seed")  # a config file that failed to load raises here

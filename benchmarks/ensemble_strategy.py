@@ -42,9 +42,9 @@ from alma_jax.configuration import config_lib  # pylint: disable=wrong-import-po
 from alma_jax.engine import optim  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax.engine import population  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax.engine import sharding  # pylint: disable=wrong-import-position,g-import-not-at-top
-from alma_jax.stream import validation  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax.engine.steps import Batch, Steps  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax.methods import ensemble  # pylint: disable=wrong-import-position,g-import-not-at-top
+from alma_jax.stream import validation  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax.tasks import images as image_task  # pylint: disable=wrong-import-position,g-import-not-at-top
 
 DATASETS = {"mlp": ("mnist", (28, 28, 1)), "vgg": ("cifar10", (32, 32, 3))}

@@ -117,7 +117,8 @@ def make_trainer(name, batch_size, jax, np, compute_dtype="float32"):
   # pylint: disable=g-import-not-at-top
   from alma_jax.configuration import config_lib
   from alma_jax import methods
-  from alma_jax.engine import optim, population, sharding, timing, validation
+  from alma_jax.engine import optim, population, sharding, timing
+  from alma_jax.stream import validation
   from alma_jax.engine.steps import Batch, Steps
   from alma_jax.tasks import images as image_task
   # pylint: enable=g-import-not-at-top

@@ -22,11 +22,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for alma_jax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for local.py
 from alma_jax import errors  # pylint: disable=g-import-not-at-top,wrong-import-position
-from alma_jax.stream import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
-from alma_jax.stream import validation  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import workdir as wd  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import workdir_lock  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.stream import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.stream import validation  # pylint: disable=g-import-not-at-top,wrong-import-position
 import local  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # Where the outputs of runs in parallel and the exit of each failed run go, under the root.

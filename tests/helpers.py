@@ -16,12 +16,12 @@ from alma_jax import methods
 from alma_jax.configuration import config_lib
 from alma_jax.engine import population
 from alma_jax.engine import sharding
-from alma_jax.stream import validation
 from alma_jax.engine.optim import make_optimizer
 from alma_jax.engine.steps import Steps
 from alma_jax.methods.base import StageContext
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir
+from alma_jax.stream import validation
 from alma_jax.tasks import images as image_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 from alma_jax.configuration import config_lib
-from alma_jax.stream import run
 from alma_jax.engine import steps as steps_lib
 from alma_jax.errors import ConfigError
 from alma_jax.methods.base import Learner
@@ -29,6 +28,7 @@ from alma_jax.outputs import io_utils
 from alma_jax.outputs import tensorboard
 from alma_jax.outputs import workdir as workdir_lib
 from alma_jax.outputs import workdir_lock
+from alma_jax.stream import run
 from tests import helpers
 from tests.conftest import requires_mnist, requires_text
 

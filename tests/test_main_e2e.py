@@ -8,9 +8,9 @@ from unittest import mock
 
 import pytest
 
+from alma_jax.engine.metrics import RECORD_KEYS
 from alma_jax.stream import config_resolve
 from alma_jax.stream import validation
-from alma_jax.engine.metrics import RECORD_KEYS
 from alma_jax.tuning import autotune
 from alma_jax.tuning import cpu_fusion
 from tests.conftest import requires_cifar10, requires_mnist

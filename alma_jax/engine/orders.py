@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from alma_jax.models.slots import next_power_of_two
 from alma_jax.engine.programs import Batch
+from alma_jax.models.slots import next_power_of_two
 
 
 def padded_orders(rng: np.random.Generator, idx: np.ndarray, num_orders: int, batch: int,

@@ -9,9 +9,9 @@ import numpy as np
 
 from alma_jax.engine import timing
 from alma_jax.engine.metrics import Record
-from alma_jax.state import RunState
 from alma_jax.outputs import interrupts
 from alma_jax.outputs.checkpoint import Snapshot
+from alma_jax.state import RunState
 
 
 class RunContext(Protocol):

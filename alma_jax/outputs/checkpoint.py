@@ -48,9 +48,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from alma_jax.outputs import io_utils
 from alma_jax.runtime import multihost
 from alma_jax.state import Learner
-from alma_jax.outputs import io_utils
 
 FORMAT_VERSION = 2  # 2: the state is stacked on a population axis
 

@@ -28,9 +28,9 @@ from typing import Callable
 import jax
 from absl import logging
 
-from alma_jax.runtime import multihost
 from alma_jax.outputs import checkpoint as ckpt_lib
 from alma_jax.outputs import interrupts
+from alma_jax.runtime import multihost
 
 
 def _abstract(tree):

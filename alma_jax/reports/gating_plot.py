@@ -20,16 +20,16 @@ import numpy as np
 
 from alma_jax import methods
 from alma_jax import tasks
-from alma_jax.engine import population
-from alma_jax.stream import validation
-from alma_jax.engine.optim import make_optimizer
 from alma_jax.data import augment
+from alma_jax.engine import population
+from alma_jax.engine.optim import make_optimizer
 from alma_jax.methods import expert_growth
 from alma_jax.outputs import checkpoint as ckpt_lib
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir as wd
 from alma_jax.reports import plot_style
 from alma_jax.reports import plots
+from alma_jax.stream import validation
 
 MAX_POINTS = 2000
 

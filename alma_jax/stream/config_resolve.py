@@ -22,8 +22,8 @@ from ml_collections import config_flags
 
 from alma_jax import errors
 from alma_jax.configuration import config_lib
-from alma_jax.stream import validation
 from alma_jax.outputs import workdir
+from alma_jax.stream import validation
 
 
 class ConfigResolveError(ValueError):

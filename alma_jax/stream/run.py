@@ -43,15 +43,10 @@ from absl import logging
 from alma_jax import models
 from alma_jax.configuration import fields as F
 from alma_jax.engine import meter as meter_lib
-from alma_jax.runtime import multihost
 from alma_jax.engine import population
-from alma_jax.stream import run_setup
 from alma_jax.engine import timing
 from alma_jax.engine import train
-from alma_jax.stream import validation
 from alma_jax.engine.metrics import Log, Record
-from alma_jax.stream.run_setup import Setup
-from alma_jax.state import RunState
 from alma_jax.observers import architecture
 from alma_jax.observers import checkpoints as ckpt_obs
 from alma_jax.observers import events
@@ -64,6 +59,11 @@ from alma_jax.outputs import interrupts
 from alma_jax.outputs import workdir as wd
 from alma_jax.outputs import workdir_lock
 from alma_jax.outputs.interrupts import RunInterrupted, kill_point
+from alma_jax.runtime import multihost
+from alma_jax.state import RunState
+from alma_jax.stream import run_setup
+from alma_jax.stream import validation
+from alma_jax.stream.run_setup import Setup
 
 __all__ = ["run", "RunInterrupted", "RunState", "stream"]
 

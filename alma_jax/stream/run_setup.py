@@ -27,18 +27,18 @@ from alma_jax import policies
 from alma_jax import tasks
 from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields as F
+from alma_jax.data import stream as stream_lib
 from alma_jax.engine import meter as meter_lib
-from alma_jax.runtime import multihost
 from alma_jax.engine import optim
 from alma_jax.engine import population
-from alma_jax.policies import schedule
 from alma_jax.engine import sharding
-from alma_jax.stream import validation
 from alma_jax.engine.steps import Steps
 from alma_jax.errors import ConfigError
-from alma_jax.data import stream as stream_lib
 from alma_jax.outputs import checkpoint as ckpt_lib
 from alma_jax.outputs import workdir as wd
+from alma_jax.policies import schedule
+from alma_jax.runtime import multihost
+from alma_jax.stream import validation
 from alma_jax.tuning import tune
 
 VGG_SEEDS_WARNING = ("config.num_seeds=%d with config.model.name=%r on CPU: vmapped convolutions "

@@ -40,8 +40,8 @@ import jax
 from absl import logging
 
 from alma_jax import models
-from alma_jax.engine import population
 from alma_jax.data import images
+from alma_jax.engine import population
 from alma_jax.methods import ensemble
 from alma_jax.models import conv
 from alma_jax.outputs import io_utils

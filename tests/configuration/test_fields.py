@@ -11,8 +11,8 @@ from alma_jax import methods
 from alma_jax import tasks
 from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields as F
-from alma_jax.stream import validation
 from alma_jax.errors import ConfigError
+from alma_jax.stream import validation
 from tests import helpers
 
 ROOT = helpers.ROOT

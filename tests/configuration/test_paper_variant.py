@@ -10,10 +10,10 @@ import pytest
 
 import alma_jax
 from alma_jax.configuration import config_lib
-from alma_jax.stream import config_resolve
 from alma_jax.configuration import fields as F
 from alma_jax.configuration import paper
 from alma_jax.outputs import workdir
+from alma_jax.stream import config_resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 IMAGE_CONFIGS = sorted(os.path.relpath(p, ROOT) for pattern in ("mnist_*.py", "cifar_*.py")

@@ -6,11 +6,11 @@ import os
 import pytest
 
 from alma_jax import tasks
-from alma_jax.stream import run_setup
-from alma_jax.stream import validation
 from alma_jax.data import images
 from alma_jax.data import text as text_data
 from alma_jax.errors import ConfigError
+from alma_jax.stream import run_setup
+from alma_jax.stream import validation
 from tests import helpers
 from tests.conftest import BPE_DIR, requires_mnist, requires_text
 from tests.data.test_text import smoke as text_smoke

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from alma_jax.configuration import config_lib
+from alma_jax.data import text as text_data
 from alma_jax.engine import optim
 from alma_jax.engine import population
-from alma_jax.stream import run as run_lib
-from alma_jax.stream import validation
 from alma_jax.engine.metrics import Log, Record
-from alma_jax.data import text as text_data
 from alma_jax.errors import ConfigError, DivergenceError
 from alma_jax.outputs import io_utils
+from alma_jax.stream import run as run_lib
+from alma_jax.stream import validation
 from alma_jax.tasks import text as text_task
 from tests.conftest import BPE_DIR, requires_bpe, requires_shakespeare
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from alma_jax.engine import accounting
-from alma_jax.stream import run as run_lib
 from alma_jax.engine.programs import Batch
 from alma_jax.methods.base import Learner
+from alma_jax.stream import run as run_lib
 from tests import helpers
 from tests.conftest import requires_mnist
 from tests.test_main_e2e import run_main

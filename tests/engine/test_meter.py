@@ -10,12 +10,12 @@ import pytest
 from alma_jax.configuration import config_lib
 from alma_jax.engine import meter as meter_lib
 from alma_jax.engine import programs
-from alma_jax.stream import run
-from alma_jax.stream import validation
 from alma_jax.errors import ConfigError
 from alma_jax.methods import ensemble
 from alma_jax.methods import gmoe
 from alma_jax.outputs import io_utils
+from alma_jax.stream import run
+from alma_jax.stream import validation
 from tests import helpers
 from tests.conftest import requires_mnist
 

@@ -10,9 +10,9 @@ import pytest
 
 from alma_jax.engine import population
 from alma_jax.engine import train
-from alma_jax.stream import validation
 from alma_jax.errors import ConfigError
 from alma_jax.reports import plot_style
+from alma_jax.stream import validation
 from tests import helpers
 from tests.conftest import requires_mnist
 from tests.test_main_e2e import check_outputs, run_main

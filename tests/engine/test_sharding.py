@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from alma_jax.runtime import multihost
 from alma_jax.engine import population
 from alma_jax.engine import sharding
 from alma_jax.engine import train
 from alma_jax.errors import ConfigError
 from alma_jax.methods import ensemble
 from alma_jax.methods import gmoe
+from alma_jax.runtime import multihost
 from tests import helpers
 
 DATA = helpers.synthetic_dataset(n_train=160, n_test=64)

@@ -13,8 +13,8 @@ import pytest
 from alma_jax import errors
 from alma_jax.engine import epoch
 from alma_jax.engine import population
-from alma_jax.stream import run
 from alma_jax.engine import train
+from alma_jax.stream import run
 from tests import helpers
 from tests.conftest import requires_mnist
 

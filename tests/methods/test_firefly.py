@@ -13,7 +13,6 @@ import pytest
 
 from alma_jax import methods
 from alma_jax.configuration import config_lib
-from alma_jax.stream import run
 from alma_jax.engine import train
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
@@ -21,6 +20,7 @@ from alma_jax.methods import firefly as ff
 from alma_jax.models import mlp as mlp_lib
 from alma_jax.models import vgg as vgg_lib
 from alma_jax.outputs import io_utils
+from alma_jax.stream import run
 from alma_jax.tasks import base as task_base
 from tests import helpers
 from tests.conftest import requires_mnist

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from alma_jax import methods
-from alma_jax.stream import run as run_lib
 from alma_jax.engine import timing
 from alma_jax.methods import ensemble
 from alma_jax.methods import firefly as ff
@@ -22,6 +21,7 @@ from alma_jax.methods import gmoe
 from alma_jax.models import moe
 from alma_jax.models import slots as slots_lib
 from alma_jax.outputs import io_utils
+from alma_jax.stream import run as run_lib
 from tests import helpers
 from tests.methods.test_gmoe import SPLIT_ATOL, batch, loss_and_predictions, make_method, randomize_gates
 
@@ -46,7 +46,7 @@ def test_tree_arrays_round_trip_and_slots():
   assert moe.tree_from_arrays(arrays["active"], arrays["path"]) == tree
   assert moe.tree_from_arrays(*moe.tree_arrays(0, 1).values()) == 0
   assert moe.tree_from_arrays(*moe.tree_arrays(("flat", 3), 4).values(), flat=True) == ("flat", 3)
-  assert [moe.next_power_of_two(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+  assert [slots_lib.next_power_of_two(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
   with pytest.raises(ValueError, match="2 slots cannot hold the 3 experts"):
     moe.tree_arrays(moe.balanced_tree(3), 2)
 

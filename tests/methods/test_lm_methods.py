@@ -9,11 +9,11 @@ import pytest
 
 from alma_jax import methods
 from alma_jax.configuration import config_lib
-from alma_jax.stream import run as run_lib
 from alma_jax.engine import orders
 from alma_jax.errors import ConfigError
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir
+from alma_jax.stream import run as run_lib
 from tests.data.test_text import requires_bpe, requires_shakespeare, smoke
 
 V = 50257

@@ -10,13 +10,13 @@ import pytest
 
 from alma_jax import methods
 from alma_jax import models
-from alma_jax.stream import run
-from alma_jax.stream import validation
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
 from alma_jax.methods import ensemble
 from alma_jax.models import switch
 from alma_jax.outputs import io_utils
+from alma_jax.stream import run
+from alma_jax.stream import validation
 from alma_jax.tuning import autotune
 from alma_jax.tuning import cpu_fusion
 from tests import helpers

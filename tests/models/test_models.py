@@ -18,9 +18,9 @@ from ml_collections import config_flags
 from alma_jax import models
 from alma_jax.configuration import config_lib
 from alma_jax.engine import optim
-from alma_jax.stream import validation
 from alma_jax.errors import ConfigError
 from alma_jax.models import moe
+from alma_jax.stream import validation
 from tests import helpers
 
 ROOT = helpers.ROOT

@@ -11,13 +11,13 @@ import pytest
 
 from alma_jax import methods
 from alma_jax import models
-from alma_jax.stream import config_resolve
 from alma_jax.engine import accounting
-from alma_jax.stream import run
-from alma_jax.stream import validation
 from alma_jax.errors import ConfigError
 from alma_jax.models import resnet
 from alma_jax.outputs import io_utils
+from alma_jax.stream import config_resolve
+from alma_jax.stream import run
+from alma_jax.stream import validation
 from tests import helpers
 from tests.conftest import requires_cifar10
 

@@ -5,13 +5,13 @@ import signal
 import numpy as np
 import pytest
 
-from alma_jax.stream import run
 from alma_jax.engine import timing
 from alma_jax.engine.metrics import Log, Record
-from alma_jax.state import RunState
 from alma_jax.observers.base import Observer, Observers
 from alma_jax.outputs import interrupts
 from alma_jax.outputs import io_utils
+from alma_jax.state import RunState
+from alma_jax.stream import run
 from tests import helpers
 from tests.conftest import requires_mnist
 

@@ -190,8 +190,8 @@ def test_sighup_through_the_command_line_says_how_to_resume(tmp_path):
 # work that no exception stops (as an XLA compilation in a thread of its own) goes on.
 _STUCK_RUN = """
 import os, runpy, signal, sys, threading, time
-from alma_jax.stream import run
 from alma_jax.outputs import interrupts
+from alma_jax.stream import run
 
 def stuck_run(config, workdir, **kwargs):
   threading.Thread(target=time.sleep, args=(600,)).start()

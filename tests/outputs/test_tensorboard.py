@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from alma_jax.stream import run
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import tensorboard as tb
 from alma_jax.outputs import workdir as wd
+from alma_jax.stream import run
 from tests import helpers
 from tests.conftest import requires_mnist
 

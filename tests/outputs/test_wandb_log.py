@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-from alma_jax.stream import run
 from alma_jax.outputs import wandb_log
+from alma_jax.stream import run
 from tests import helpers
 from tests.conftest import requires_mnist
 

@@ -17,11 +17,11 @@ import orbax.checkpoint as ocp
 import pytest
 
 from alma_jax import errors
-from alma_jax.stream import run
 from alma_jax.data import images
 from alma_jax.outputs import checkpoint
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir as workdir_lib
+from alma_jax.stream import run
 from tests import helpers
 from tests.conftest import requires_mnist
 

@@ -7,16 +7,16 @@ import pytest
 from alma_jax import methods
 from alma_jax import policies
 from alma_jax.configuration import config_lib
-from alma_jax.stream import config_resolve
 from alma_jax.configuration import fields
-from alma_jax.stream import run
-from alma_jax.policies import schedule
-from alma_jax.stream import validation
 from alma_jax.errors import ConfigError
 from alma_jax.methods import ensemble
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir
 from alma_jax.policies import base as policy_base
+from alma_jax.policies import schedule
+from alma_jax.stream import config_resolve
+from alma_jax.stream import run
+from alma_jax.stream import validation
 from tests import helpers
 from tests.conftest import requires_mnist
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from alma_jax.policies import schedule
 from alma_jax.data.stream import make_stream
+from alma_jax.policies import schedule
 
 
 @pytest.mark.parametrize("b,w,expected", [

@@ -10,16 +10,16 @@ import pytest
 from alma_jax import methods
 from alma_jax import policies
 from alma_jax.configuration import config_lib
-from alma_jax.stream import run
-from alma_jax.stream import validation
-from alma_jax.engine.metrics import Log, Record
-from alma_jax.state import RunState
 from alma_jax.data import images
 from alma_jax.data import stream as stream_lib
+from alma_jax.engine.metrics import Log, Record
 from alma_jax.errors import ConfigError
 from alma_jax.outputs import io_utils
 from alma_jax.policies import geometric
 from alma_jax.policies.geometric import geometric_times
+from alma_jax.state import RunState
+from alma_jax.stream import run
+from alma_jax.stream import validation
 from tests import helpers
 from tests.conftest import requires_mnist, requires_text
 

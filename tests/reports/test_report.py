@@ -14,8 +14,6 @@ import pytest
 from alma_jax import methods
 from alma_jax import tasks
 from alma_jax.configuration import config_lib
-from alma_jax.stream import run
-from alma_jax.stream import validation
 from alma_jax.data import augment
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir as wd
@@ -23,6 +21,8 @@ from alma_jax.reports import gating_plot
 from alma_jax.reports import plot_style
 from alma_jax.reports import plots
 from alma_jax.reports import report
+from alma_jax.stream import run
+from alma_jax.stream import validation
 from tests import helpers
 from tests.conftest import requires_mnist
 

@@ -13,10 +13,10 @@ import sys
 import pytest
 
 from alma_jax.configuration import config_lib
-from alma_jax.stream import run
 from alma_jax.observers import checkpoints
 from alma_jax.outputs import checkpoint
 from alma_jax.outputs import io_utils
+from alma_jax.stream import run
 from tests import helpers
 from tests.conftest import requires_mnist
 

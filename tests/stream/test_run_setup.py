@@ -5,10 +5,10 @@ import jax
 import pytest
 
 from alma_jax import methods
+from alma_jax.errors import ConfigError
 from alma_jax.stream import run
 from alma_jax.stream import run_setup
 from alma_jax.stream import validation
-from alma_jax.errors import ConfigError
 from tests import helpers
 from tests.conftest import requires_mnist
 

@@ -12,13 +12,13 @@ import pytest
 from alma_jax import errors
 from alma_jax import methods
 from alma_jax.configuration import config_lib
-from alma_jax.stream import config_resolve
-from alma_jax.stream import run
-from alma_jax.stream import validation
 from alma_jax.data import text as text_data
 from alma_jax.errors import ConfigError, DivergenceError
 from alma_jax.outputs import checkpoint
 from alma_jax.outputs import io_utils
+from alma_jax.stream import config_resolve
+from alma_jax.stream import run
+from alma_jax.stream import validation
 from tests import helpers
 from tests.conftest import requires_mnist
 

@@ -17,13 +17,13 @@ from alma_jax import methods
 from alma_jax import tasks
 from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields as F
-from alma_jax.stream import run as run_lib
-from alma_jax.stream import validation
 from alma_jax.errors import ConfigError
 from alma_jax.methods import ensemble
 from alma_jax.methods import gmoe
 from alma_jax.methods import sm
 from alma_jax.outputs import io_utils
+from alma_jax.stream import run as run_lib
+from alma_jax.stream import validation
 from alma_jax.tasks import base as task_base
 from tests import helpers
 
