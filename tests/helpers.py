@@ -23,6 +23,7 @@ from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir
 from alma_jax.stream import validation
 from alma_jax.tasks import images as image_task
+from alma_jax.tuning import autotune
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
@@ -75,8 +76,14 @@ def cached_method(name, dataset, width=4, **fields):
 
 def make_steps(config, ds, num_devices=1, model=1):
   """(method, Steps) of `config` on data set `ds` (a `synthetic_dataset`), on a mesh of
-  num_devices // model (data) x model devices; `config.mesh.rules` applies."""
+  num_devices // model (data) x model devices; `config.mesh.rules` applies. Fields left to be
+  chosen are decided by rule, except a stage driven from the host (`fit_stage(whole=True)`
+  runs the whole-stage program)."""
   config = validation.complete(config)
+  rules = {t.path: t.rule(config) for t in autotune.pending(config)}
+  if "train.stage_program" in rules:
+    rules["train.stage_program"] = "per_epoch"
+  config = autotune.with_choices(config, rules)
   mesh = sharding.make_mesh(num_devices, model=model)
   method = methods.make(config, ds.train_x.shape[1:], ds.num_classes)
   steps = Steps.from_config(config, method, image_task.ImageTask.from_config(config),

@@ -48,6 +48,7 @@ class StageOptions:
   on_divergence: str = "raise"  # or "rollback"
   steps_per_epoch: int = 0  # 0: an epoch is a pass over the stage's data
   progress_every_s: float = 10.0
+  stage_program: str = "per_epoch"  # or "whole": the epochs as one compiled program
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,7 +76,9 @@ class Steps:
                rules=None if rules is None else dict(rules.items()),
                compute_dtype=F.get(t, "train.compute_dtype"),
                stage=StageOptions(*(F.get(t, f"train.{f.name}")
-                                    for f in dataclasses.fields(StageOptions))))
+                                    for f in dataclasses.fields(StageOptions)
+                                    if f.name != "stage_program"),
+                                  stage_program=_chosen(t, "train.stage_program")))
 
   # -- the compile cache and placement (`alma_jax.engine.programs`) ------------------------------------
   @property

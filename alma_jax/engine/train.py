@@ -9,7 +9,7 @@ An epoch is written once (`alma_jax.engine.epoch`) and run in one of two ways:
 driven from the host (a compiled call per chunk of steps, the evaluation
 program over the validation batches, then the compiled rule
 `epoch.end_epoch`), or with `whole` (`train.stage_program`, see
-`whole_stage`) as one compiled program per segment of epochs
+`alma_jax.tuning.autotune.stage_program_rule`) as one compiled program per segment of epochs
 (`Programs.stage_call`: `epoch.epoch` in a `lax.while_loop`). Either way the
 host then goes through each epoch's outputs once (`_after_epoch`: divergence
 messages, the reported best accuracies, `on_epoch`, the progress line), so
@@ -35,8 +35,7 @@ from alma_jax.engine.meter import Meter
 from alma_jax.engine.programs import Batch, call_counter
 from alma_jax.engine.stage_save import Progress, Resume, Saver, StageCheckpoints, restore
 from alma_jax.engine.steps import Steps
-from alma_jax.errors import ConfigError, divergence_error
-from alma_jax.methods.base import Method
+from alma_jax.errors import divergence_error
 from alma_jax.state import Learner, StageStats, StopState, TrainState
 from alma_jax.tasks import base as tasks_base
 
@@ -79,29 +78,6 @@ class StageHooks:
   meter: Meter | None = None
 
 
-def whole_stage(choice: str, task, method, conv_heavy: bool) -> bool:
-  """Whether `train.stage_program` = `choice` runs a stage as one program (`_fit_whole`), for
-  a backbone that is `conv_heavy` or not.
-
-  `auto`: on a CPU, for a backbone that is not convolution-heavy and a method that does not
-  grow, where a step is short and the calls from the host are a large part of a stage (an
-  MLP: about twice as fast); convolution-heavy steps leave nothing to gain, and a growing
-  model would compile the larger stage program once per structure. The program counts
-  correct validation examples exactly, so it needs a task whose examples are right or
-  wrong (not text).
-  """
-  exact = type(task).per_example is tasks_base.Task.per_example
-  if choice == "whole" and not exact:
-    raise ConfigError(f"config.train.stage_program='whole' needs a task whose examples are "
-                      f"right or wrong; for task {type(task).__name__} valid: "
-                      "['per_epoch', 'auto']")
-  if choice != "auto":
-    return choice == "whole"
-  grows = type(method).before_stage is not Method.before_stage
-  return (exact and not grows and jax.default_backend() == "cpu"
-          and not conv_heavy)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Stage:
   """What stays fixed while a stage trains."""
@@ -126,18 +102,20 @@ class _Stage:
 
 
 def fit_stage(steps: Steps, learner: Learner, data: StageData, opt_state=None,
-              hooks: StageHooks = StageHooks(), whole: bool = False):
+              hooks: StageHooks = StageHooks(), whole: bool | None = None):
   """Trains a stacked population on one stage's data; keeps each member's best epoch.
 
   `learner` (S, ...) is not modified; `opt_state` is a stacked optimizer state to continue
-  from (None: fresh). With `whole` the epochs run as one compiled program (`_fit_whole`)
-  rather than a train call per chunk of steps and an evaluation per epoch, with the same
-  results; a stage saved in the middle of an epoch continues per call.
+  from (None: fresh). With `whole` (None: `train.stage_program` is "whole") the epochs run
+  as one compiled program (`_fit_whole`) rather than a train call per chunk of steps and an
+  evaluation per epoch, with the same results; a stage saved in the middle of an epoch
+  continues per call.
 
   Returns:
     (best learners, final optimizer state (None after a rollback), StageStats).
   """
   o, n, m = steps.stage, data.train_idx.shape[-1], data.val_idx.shape[-1]
+  whole = o.stage_program == "whole" if whole is None else whole
   num = int(data.keys.shape[0])
   if n < 1 or m < 1:
     raise ValueError(f"stage t={data.t} has {n} training and {m} validation examples; both "

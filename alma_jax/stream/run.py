@@ -40,7 +40,6 @@ import jax
 import numpy as np
 from absl import logging
 
-from alma_jax import models
 from alma_jax.configuration import fields as F
 from alma_jax.engine import meter as meter_lib
 from alma_jax.engine import population
@@ -268,9 +267,7 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
                                         population.fold(skeys, 3), t), opt_state,
         train.StageHooks(progress=progress_line, labels=setup.seeds, check=signals.check,
                          on_epoch=lambda *a: observers.epoch(t, *a), checkpoints=store,
-                         meter=meter),
-        train.whole_stage(F.get(setup.config.train, "train.stage_program"), setup.task, method,
-                          models.spec(setup.config.model.name).conv_heavy))
+                         meter=meter))
   except RunInterrupted:
     checkpoints.stage_interrupted(t)
     raise

@@ -42,6 +42,11 @@ def _check_rules(config) -> None:
   dataset = fields.lookup(config, "data.name", "")
   policies.check_wait(config,
                       lambda p: config_lib.BASE_FIELDS_BY_PATH[p].default_for(dataset))
+  if (fields.lookup(config, "train.stage_program", "auto") == "whole"
+      and tasks.task_class(config).per_example is not tasks.Task.per_example):
+    raise ConfigError(f"config.train.stage_program='whole' needs a task whose examples are "
+                      f"right or wrong; for task {tasks.task_class(config).name!r} valid: "
+                      "['per_epoch', 'auto']")
   b, w = config.stream.num_megabatches, config.stream.wait
   if b % w:
     divisors = [d for d in range(1, b + 1) if b % d == 0]

@@ -39,7 +39,9 @@ from typing import Any, Callable
 import jax
 from absl import logging
 
+from alma_jax import methods
 from alma_jax import models
+from alma_jax import tasks
 from alma_jax.data import images
 from alma_jax.engine import population
 from alma_jax.methods import ensemble
@@ -64,6 +66,7 @@ class Tunable:
   candidates: Callable[[Any], tuple]
   rule: Callable[[Any], Any]
   applies: Callable[[Any], bool] = lambda config: True
+  measured: bool = True  # False: its rule always decides (nothing to time in a train step)
 
 
 def _get(config, path: str):
@@ -77,6 +80,20 @@ def _conv_rule(config):
 
 def _strategy_rule(config):
   return ensemble.choose_strategy("auto", config.model.name)
+
+
+def stage_program_rule(config) -> str:
+  """`train.stage_program` when left to be chosen: the whole stage as one program on a CPU,
+  for a backbone that is not convolution-heavy and a method that does not grow, where a step
+  is short and the calls from the host are a large part of a stage (an MLP: about twice as
+  fast); convolution-heavy steps leave nothing to gain, and a growing model would compile the
+  larger stage program once per structure. The program counts correct validation examples
+  exactly, so it needs a task whose examples are right or wrong (not text)."""
+  exact = tasks.task_class(config).per_example is tasks.Task.per_example
+  grows = methods.get(config.method.name).before_stage is not methods.Method.before_stage
+  whole = (exact and not grows and jax.default_backend() == "cpu"
+           and not models.spec(config.model.name).conv_heavy)
+  return "whole" if whole else "per_epoch"
 
 
 def steps_per_call_rule(config=None) -> int:
@@ -94,6 +111,8 @@ TUNABLES = (
                 c.method.get("num_members", 1), c.method.get("initial_members", 1)) > 1),
     Tunable("train.steps_per_call", AUTO_STEPS_PER_CALL, lambda c: STEPS_PER_CALL_CANDIDATES,
             steps_per_call_rule),
+    Tunable("train.stage_program", "auto", lambda c: ("per_epoch", "whole"), stage_program_rule,
+            measured=False),
 )
 
 
@@ -206,7 +225,7 @@ def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
     elif path in given:
       value, how = given[path]
       remember(cache_file, key, value)
-    elif mode == "rules":
+    elif mode == "rules" or not tunable.measured:
       value, how = tunable.rule(config), "by rule"
     elif key in machine:
       value, how = machine[key], f"measured earlier on this machine ({cache_file})"

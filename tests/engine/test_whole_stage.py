@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 
 from alma_jax import errors
+from alma_jax.configuration import config_lib
 from alma_jax.engine import epoch
 from alma_jax.engine import population
 from alma_jax.engine import train
 from alma_jax.stream import run
+from alma_jax.stream import validation
+from alma_jax.tuning import autotune
 from tests import helpers
 from tests.conftest import requires_mnist
 
@@ -110,15 +113,25 @@ def test_improvement_thresholds_match_the_float64_comparison(m, delta):
 
 
 def test_whole_refuses_a_task_whose_examples_are_not_right_or_wrong():
-  c = helpers.small_config()
+  c = config_lib.base_config("tiny_shakespeare", "lm_sm")
   c.train.stage_program = "whole"
+  with pytest.raises(errors.ConfigError, match=r"config\.train\.stage_program='whole' needs a "
+                     r"task whose examples are right or wrong; for task 'text'"):
+    validation._check_rules(validation.complete(c))  # pylint: disable=protected-access
 
-  class Tokens:  # a task with its own per-example error (e.g. a token error rate)
-    def per_example(self, logp, y):
-      del logp, y
 
-  with pytest.raises(errors.ConfigError, match=r"config\.train\.stage_program='whole'"):
-    train.whole_stage(c.train.stage_program, Tokens(), None, False)
+@pytest.mark.parametrize("name,model,expected", [
+    ("sm", "mlp", "whole"),  # an MLP on a CPU: a stage as one program
+    ("gmoe", "mlp", "per_epoch"),  # a growing method
+    ("sm", "vgg", "per_epoch"),  # a convolution-heavy backbone
+    ("lm_sm", "switch", "per_epoch"),  # text: examples are not right or wrong
+])
+def test_the_stage_program_rule(name, model, expected):
+  dataset = "tiny_shakespeare" if model == "switch" else "mnist"
+  c = validation.complete(config_lib.base_config(dataset, name))
+  c.model.name = model
+  assert autotune.stage_program_rule(c) == expected
+  assert "train.stage_program" in [t.path for t in autotune.pending(c)]
 
 
 @requires_mnist

@@ -16,6 +16,22 @@ from tests.conftest import requires_mnist
 MNIST = validation.KNOWN_SHAPES["mnist"][0]
 
 
+def _small(*args, **kwargs):
+  """A small config whose stage program is given (these tests are about the timed fields)."""
+  c = helpers.small_config(*args, **kwargs)
+  c.train.stage_program = "per_epoch"
+  return c
+
+
+def test_the_stage_program_is_decided_by_its_rule_without_timing_anything(tmp_path):
+  build, measure, calls = _fake({})
+  cache = str(tmp_path / "machine.json")
+  c = helpers.small_config()  # an MLP and SM: the whole stage as one program on a CPU
+  got = autotune.choose(c, MNIST, build, mode="measure", cache_file=cache, measure=measure)
+  assert got == {"train.stage_program": autotune.stage_program_rule(c)} and not calls
+  assert not os.path.exists(cache)  # a rule's answer is not a measurement
+
+
 def _fake(seconds: dict):
   """(build, measure, calls): Steps stand-ins whose 'time' is `seconds[value]` of the
   tunable field; `calls` records the measured configs."""
@@ -34,7 +50,7 @@ def _fake(seconds: dict):
 
 
 def test_the_fastest_candidate_is_chosen_remembered_and_reused(tmp_path, caplog):
-  c = helpers.small_config(steps_per_call=0)
+  c = _small(steps_per_call=0)
   build, measure, calls = _fake({(1, "auto", None): 2.0, (8, "auto", None): 1.0})
   cache, mine = str(tmp_path / "machine.json"), str(tmp_path / "wd" / autotune.FILE)
   with caplog.at_level(logging.INFO):
@@ -62,7 +78,7 @@ def test_the_fastest_candidate_is_chosen_remembered_and_reused(tmp_path, caplog)
 def test_rules_explicit_values_and_fields_that_do_not_apply_are_not_measured(tmp_path):
   build, measure, calls = _fake({})
   cache = str(tmp_path / "machine.json")
-  vgg = helpers.small_config("cifar10", method="ens", width=4, steps_per_call=0)
+  vgg = _small("cifar10", method="ens", width=4, steps_per_call=0)
   vgg.method.num_members = 2
   ruled = autotune.choose(vgg, (32, 32, 3), build, mode="rules", cache_file=cache,
                           measure=measure)
@@ -72,14 +88,14 @@ def test_rules_explicit_values_and_fields_that_do_not_apply_are_not_measured(tmp
   assert not calls and not os.path.exists(cache)
   vgg.model.conv_impl, vgg.method.strategy, vgg.train.steps_per_call = "xla", "loop", 2
   assert autotune.pending(vgg) == []
-  mlp = helpers.small_config(method="gens")  # an MLP, one member at the start
+  mlp = _small(method="gens")  # an MLP, one member at the start
   assert autotune.pending(mlp) == []
   mlp.method.initial_members = 2
   assert [t.path for t in autotune.pending(mlp)] == ["method.strategy"]
 
 
 def test_a_candidate_that_fails_leaves_the_choice_to_the_rule(tmp_path, caplog):
-  c = helpers.small_config(steps_per_call=0)
+  c = _small(steps_per_call=0)
 
   def build(cfg):
     if cfg.train.steps_per_call == 8:
@@ -96,7 +112,7 @@ def test_a_candidate_that_fails_leaves_the_choice_to_the_rule(tmp_path, caplog):
 
 
 def test_a_real_measurement_times_both_strategies_of_an_ensemble(tmp_path):
-  c = helpers.small_config(method="ens", width=4, batch_size=16)
+  c = _small(method="ens", width=4, batch_size=16)
   c.method.num_members = 2
   ds = helpers.synthetic_dataset(n_train=64, n_test=16)
   timed = []
@@ -115,7 +131,7 @@ def test_a_real_measurement_times_both_strategies_of_an_ensemble(tmp_path):
 @requires_mnist
 def test_a_run_records_its_choices_in_the_workdir_the_cache_and_the_summary(tmp_path):
   c = helpers.smoke(train__steps_per_call=0, stream__num_megabatches=2,
-                    train__autotune="measure")  # (smoke's own choices are by rule)
+                    train__autotune="measure", train__stage_program="per_epoch")  # (smoke's own choices are by rule)
   wd = str(tmp_path / "wd")
   summary = run_lib.run(c, wd)
   key = autotune.machine_key(c, MNIST, "train.steps_per_call")
@@ -128,6 +144,7 @@ def test_a_run_records_its_choices_in_the_workdir_the_cache_and_the_summary(tmp_
 def test_the_measurement_of_a_language_model_is_logged_in_tokens_per_second(tmp_path, caplog):
   from alma_jax.configuration import config_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
+  c.train.stage_program = "per_epoch"
   c.train.steps_per_call, c.mesh.num_devices = 0, 1
   per_call = {1: 2.0, 8: 1.0}
   with caplog.at_level(logging.INFO):
