@@ -1,4 +1,5 @@
-"""The data orders of a stage's epochs and its validation batches, as index arrays.
+"""The data orders of a stage's epochs and its validation batches, as index arrays; how many
+epochs a call of the whole-stage program runs (`Pace`).
 
 The host draws each member's order of an epoch from the member's own numpy
 generator (`draw`), in the same sequence whether the epoch then runs call by
@@ -10,6 +11,7 @@ recompiled).
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from alma_jax.engine.programs import Batch
@@ -98,3 +100,35 @@ def validation(batches: list[Batch]) -> tuple[Batch, int]:
   for v, b in enumerate(batches):
     idx_all[v], mask_all[v] = b.idx, b.mask
   return Batch(idx_all, mask_all), len(batches)
+
+
+# Seconds of training that one call of the whole-stage program may take at most: a signal waits
+# for the call in flight (a compiled program cannot be stopped), so this bounds how long a stop
+# takes. The calls are at most as long as the time left to the next timed stage save
+# (`checkpoint.every_s`), so that save is not late by more than an epoch either.
+SEGMENT_S = 10.0
+
+
+class Pace:
+  """How many epochs the next call of the whole-stage program runs: as many as fit in
+  `SEGMENT_S` and in the time left to the next timed save, by the seconds per training example
+  of the epochs run so far in this run (`Steps.stage_pace`; the run's first call: one epoch).
+  Where the calls end changes no result: each epoch's orders are drawn on the host in the same
+  sequence, and the program's carry holds the rest."""
+
+  def __init__(self, steps, examples: int):
+    self.steps, self.examples = steps, max(1, examples)
+
+  def epochs(self, slots: int, save) -> int:
+    per = self.steps.stage_pace
+    if jax.process_count() > 1:  # every process must make the same calls: no clock decides
+      return slots
+    if per is None:
+      return 1
+    left = None if save is None else save.seconds_to_save()
+    bound = SEGMENT_S if left is None else min(SEGMENT_S, left)
+    return max(1, min(slots, int(bound // (per * self.examples))))
+
+  def ran(self, epochs: int, seconds: float) -> None:
+    if epochs > 0:
+      self.steps.stage_pace = seconds / (epochs * self.examples)

@@ -208,7 +208,7 @@ def _fit_per_epoch(s: _Stage, state: TrainState, p: Progress, resume: Resume | N
 
 
 def _fit_whole(s: _Stage, state: TrainState, p: Progress, first: int):
-  """The epochs from `first` on as one compiled program per segment (`_Pace` says how many
+  """The epochs from `first` on as one compiled program per segment (`orders.Pace` says how many
   epochs a call runs; at most `every_epochs` of them when the stage is saved after every so
   many); between segments the stage is saved when due and `check()` runs. Returns (final
   train state, progress)."""
@@ -218,7 +218,7 @@ def _fit_whole(s: _Stage, state: TrainState, p: Progress, first: int):
   thresholds = s.rule.thresholds()
   idx = steps.task.global_index(steps.data, "train", s.data.val_idx)
   val, num_val = orders_lib.validation(list(steps.passes.eval_batches(idx)))
-  pace = _Pace(steps, s.data.train_idx.shape[-1])
+  pace = orders_lib.Pace(steps, s.data.train_idx.shape[-1])
   while first <= epochs and p.stop.active.any():
     end = min(first + pace.epochs(slots, s.save), epochs + 1)
     began = time.monotonic()
@@ -333,38 +333,6 @@ def _finish(s: _Stage, p: Progress, state: TrainState):
                      ints(stop.steps_run), np.asarray(stop.diverged, bool), spent["train_s"],
                      spent["eval_s"], examples)
   return p.best, (None if stop.diverged.any() else state.opt_state), stats
-
-
-# Seconds of training that one call of the whole-stage program may take at most: a signal waits
-# for the call in flight (a compiled program cannot be stopped), so this bounds how long a stop
-# takes. The calls are at most as long as the time left to the next timed stage save
-# (`checkpoint.every_s`), so that save is not late by more than an epoch either.
-SEGMENT_S = 10.0
-
-
-class _Pace:
-  """How many epochs the next call of the whole-stage program runs: as many as fit in
-  `SEGMENT_S` and in the time left to the next timed save, by the seconds per training example
-  of the epochs run so far in this run (`Steps.stage_pace`; the run's first call: one epoch).
-  Where the calls end changes no result: each epoch's orders are drawn on the host in the same
-  sequence, and the program's carry holds the rest."""
-
-  def __init__(self, steps: Steps, examples: int):
-    self.steps, self.examples = steps, max(1, examples)
-
-  def epochs(self, slots: int, save: Saver | None) -> int:
-    per = self.steps.stage_pace
-    if jax.process_count() > 1:  # every process must make the same calls: no clock decides
-      return slots
-    if per is None:
-      return 1
-    left = None if save is None else save.seconds_to_save()
-    bound = SEGMENT_S if left is None else min(SEGMENT_S, left)
-    return max(1, min(slots, int(bound // (per * self.examples))))
-
-  def ran(self, epochs: int, seconds: float) -> None:
-    if epochs > 0:
-      self.steps.stage_pace = seconds / (epochs * self.examples)
 
 
 def fit_one(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np.ndarray,
