@@ -111,13 +111,12 @@ def test_records_beyond_a_missing_checkpoint_are_recomputed_by_the_same_command(
 @requires_mnist
 def test_sigterm_inside_a_stage_saves_it_and_the_stage_continues_there(tmp_path):
   base = str(tmp_path / "uninterrupted")
-  assert _run(_command(base, "configs/mnist_sm.py:smoke"))[0] == 0
+  per_epoch = ["--config.train.stage_program=per_epoch"]  # the host makes the train calls
+  assert _run(_command(base, "configs/mnist_sm.py:smoke", per_epoch))[0] == 0
   wd = str(tmp_path / "wd")
-  # Saves only when a signal asks: one save, made by SIGTERM, in the middle of stage 3 (whose
-  # train calls the host makes one by one).
+  # Saves only when a signal asks: one save, made by SIGTERM, in the middle of stage 3.
   cmd = _command(wd, "configs/mnist_sm.py:smoke", ["--config.checkpoint.stage_every_epochs=0",
-                                                  "--config.checkpoint.every_s=0",
-                                                  "--config.train.stage_program=per_epoch"])
+                                                  "--config.checkpoint.every_s=0", *per_epoch])
   code, err = _run(cmd, kill_at="t=3:epoch", sig="SIGTERM")
   assert code == 143, err[-3000:]
   assert "stage t=3 was saved at epoch 2, call 1" in err

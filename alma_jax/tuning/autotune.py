@@ -235,7 +235,7 @@ def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
         remember(cache_file, key, value)
     logging.info("%s: %r %s", path, value, how)
     choices[path] = value
-    if workdir_file and jax.process_count() == 1:
+    if workdir_file and jax.process_count() == 1 and tunable.measured:  # a rule decides again
       remember(workdir_file, key, value)
   return choices
 
