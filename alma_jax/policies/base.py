@@ -8,7 +8,7 @@ A new policy is one file in this package: a subclass of `StagePolicy` (or
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +98,23 @@ class Decision:
   macs: np.ndarray | None = None
 
 
+class Probe(Protocol):
+  """What a waiting policy may ask of the run (`alma_jax.stream.run_setup.Setup.probe`)."""
+
+  num_seeds: int
+
+  def sizes(self, t: int) -> list[int]:
+    """The training examples of mega-batches 1 ... `t` (of the first seed's stream)."""
+
+  def val_error(self, learner, t: int) -> tuple[float, int]:
+    """(the first seed's error on the validation examples of mega-batch `t`, how many there
+    are); (nan, 0) when there are none (nothing is evaluated then)."""
+
+  def flops(self, learner) -> dict[str, float]:
+    """`alma_jax.engine.steps.Steps.flops` of the first seed's learner in the stacked
+    `learner`."""
+
+
 class WaitPolicy:
   """When the learner trains: at the time steps t >= 1 where `trains_at(t, state)` holds.
 
@@ -128,10 +145,10 @@ class WaitPolicy:
     """Raises `ConfigError` for values of the policy's fields that do not fit together."""
     del config
 
-  def decide(self, t: int, state, setup) -> Decision:
-    """The decision at time step `t` >= 1 (`state`: the run's state before `t`; `setup`:
-    the run's `alma_jax.stream.run_setup.Setup`)."""
-    del setup
+  def decide(self, t: int, state, probe: "Probe") -> Decision:
+    """The decision at time step `t` >= 1 (`state`: the run's state before `t`; `probe`:
+    what a policy may ask of the run's data and learner)."""
+    del probe
     return Decision(self.trains_at(t, state))
 
   def stage_fields(self, decision: Decision, state) -> list[dict]:

@@ -82,10 +82,10 @@ class GeometricWait(WaitPolicy):
   def planned_times(self, num_megabatches: int) -> list[int]:
     return [t for t in self.times if t <= num_megabatches]
 
-  def decide(self, t: int, state, setup) -> Decision:
+  def decide(self, t: int, state, probe) -> Decision:
     train = self.trains_at(t, state)
     nxt = next((x for x in self.times if x > t), None)
     reason = (f"scheduled: stage {self.times.index(t) + 1} of {len(self.times)}" if train else
               f"waiting for t={nxt}" if nxt is not None else "no stage left before B")
     fields = {"wait_decision": "trained" if train else "waited", "wait_reason": reason}
-    return Decision(train, reason, tuple(dict(fields) for _ in setup.seeds))
+    return Decision(train, reason, tuple(dict(fields) for _ in range(probe.num_seeds)))

@@ -75,14 +75,14 @@ class TriggeredWait(WaitPolicy):
         last = t
     return times
 
-  def decide(self, t: int, state, setup) -> Decision:
+  def decide(self, t: int, state, probe) -> Decision:
     s = self.config.stream
     last = state.last_stage_t
     gap = t - last
-    sizes = [len(x) for x in setup.streams[0].train[:t]]
+    sizes = probe.sizes(t)
     unseen, seen = sum(sizes[last:]), sum(sizes)
     fields = {"wait_gap": gap, "unseen_fraction": unseen / seen if seen else 1.0}
-    zero = np.zeros(len(setup.seeds))
+    zero = np.zeros(probe.num_seeds)
     flops, macs = zero, zero
     if gap < s.trigger_min_wait:
       train, reason = False, f"minimum wait ({gap} < {s.trigger_min_wait})"
@@ -92,22 +92,21 @@ class TriggeredWait(WaitPolicy):
       train = True
       reason = f"unseen fraction {fields['unseen_fraction']:.4f} >= {s.trigger_fraction}"
     else:
-      idx = setup.megabatch_val_idx(0, t)
-      if not len(idx):
+      err, n = probe.val_error(state.learner, t)
+      if not n:
         train, reason = False, "no validation data in the new mega-batch"
       else:
-        acc, _ = setup.steps.evaluate(state.learner, "train", idx)
-        err = float(1.0 - acc[0])
         ref = _reference(state)
-        cost = setup.seed_flops(state.learner)
-        flops = np.full(len(setup.seeds), cost["inference_per_example"] * len(idx))
-        macs = np.full(len(setup.seeds), cost["inference_macs_per_example"] * len(idx))
+        cost = probe.flops(state.learner)
+        flops = np.full(probe.num_seeds, cost["inference_per_example"] * n)
+        macs = np.full(probe.num_seeds, cost["inference_macs_per_example"] * n)
         fields.update(trigger_error=err, trigger_reference=ref)
         train = err > ref + s.trigger_margin
         reason = (f"new data's error {err:.4f} {'>' if train else '<='} {ref:.4f} + margin "
                   f"{s.trigger_margin}")
     fields.update(wait_decision="trained" if train else "waited", wait_reason=reason)
-    return Decision(train, reason, tuple(dict(fields) for _ in setup.seeds), flops, macs)
+    return Decision(train, reason, tuple(dict(fields) for _ in range(probe.num_seeds)), flops,
+                    macs)
 
   def stage_fields(self, decision: Decision, state) -> list[dict]:
     out = [dict(f, trigger_flops=float(decision.flops[i]), trigger_macs=float(decision.macs[i]))

@@ -201,7 +201,7 @@ def stream(setup: Setup, state: RunState, observers: Observers,
     state, spent, decided = dataclasses.replace(state, stats=None), {}, []
     if t > 0:
       with clock.timer("eval_s"):  # a policy may evaluate the learner on the new data
-        decision = setup.wait_policy.decide(t, state, setup)
+        decision = setup.wait_policy.decide(t, state, setup.probe)
       if decision.train:
         state, spent = _stage(setup, state, t, observers, checkpoints, signals, clock, meter)
       decided = setup.wait_policy.stage_fields(decision, state)

@@ -106,6 +106,11 @@ class Setup:
           scan=self.steps.scan, eval_aux=self.steps.eval_aux))
     return out
 
+  @property
+  def probe(self) -> "_Probe":
+    """What a waiting policy may ask of the run (`alma_jax.policies.base.Probe`)."""
+    return _Probe(self)
+
   def megabatch_val_idx(self, i: int, t: int) -> np.ndarray:
     """Seed `i`'s validation examples of mega-batch `t` (indices into the training split)."""
     return self._to_train_split(i, np.asarray(self.streams[i].val[t - 1], np.int32))
@@ -227,6 +232,26 @@ def build(config, workdir: str) -> Setup:
                primary=multihost.is_primary(), task=task, subsets=subsets, streams=streams,
                inputs=inputs, choices=choices, steps=steps, keys=population.keys(seeds),
                stage_policy=policies.make_stage(c), wait_policy=policies.make_wait(c))
+
+
+class _Probe:
+  """`alma_jax.policies.base.Probe` of a run's set-up."""
+
+  def __init__(self, setup: Setup):
+    self._setup, self.num_seeds = setup, len(setup.seeds)
+
+  def sizes(self, t: int) -> list[int]:
+    return [len(x) for x in self._setup.streams[0].train[:t]]
+
+  def val_error(self, learner, t: int) -> tuple[float, int]:
+    idx = self._setup.megabatch_val_idx(0, t)
+    if not len(idx):
+      return float("nan"), 0
+    acc, _ = self._setup.steps.evaluate(learner, "train", idx)
+    return float(1.0 - acc[0]), len(idx)
+
+  def flops(self, learner) -> dict[str, float]:
+    return self._setup.seed_flops(learner)
 
 
 def _stage_sizes(stream, times: list[int], replay: float) -> list[int]:

@@ -19,6 +19,7 @@ from alma_jax.policies import geometric
 from alma_jax.policies.geometric import geometric_times
 from alma_jax.state import RunState
 from alma_jax.stream import run
+from alma_jax.stream import run_setup
 from alma_jax.stream import validation
 from tests import helpers
 from tests.conftest import requires_mnist, requires_text
@@ -74,13 +75,13 @@ def test_geometric_policy_trains_at_its_times_and_records_why():
   wait = policies.make_wait(validation.validate(c))
   assert wait.planned_times(20) == [2, 3, 6, 12]  # ceil(1.5, 3, 6, 12); 24 > 20
   assert [t for t in range(1, 21) if wait.trains_at(t, None)] == [2, 3, 6, 12]
-  setup = types.SimpleNamespace(seeds=[0])
-  d = wait.decide(6, None, setup)
+  probe = types.SimpleNamespace(num_seeds=1)
+  d = wait.decide(6, None, probe)
   assert d.train and d.fields == ({"wait_decision": "trained",
                                    "wait_reason": "scheduled: stage 3 of 4"},)
-  d = wait.decide(7, None, setup)
+  d = wait.decide(7, None, probe)
   assert not d.train and d.fields[0]["wait_reason"] == "waiting for t=12"
-  assert wait.decide(13, None, setup).fields[0]["wait_reason"] == "no stage left before B"
+  assert wait.decide(13, None, probe).fields[0]["wait_reason"] == "no stage left before B"
 
 
 BAD_FIELDS = [
@@ -189,10 +190,11 @@ def _decide(t, stages, accuracy, num_megabatches=8, **fields):
       megabatch_val_idx=lambda i, t: stream.val[t - 1],
       seed_flops=lambda learners: {"inference_per_example": 100.0,
                                    "inference_macs_per_example": 40.0})
+  probe = run_setup.Setup.probe.fget(setup)  # the run's probe, over this stand-in set-up
   records = [_record(s, s in stages, **({"stage_val_error": 0.25} if s in stages else {}))
              for s in range(t)]
   state = RunState(logs=[Log.from_records(records)], learner=np.zeros((1, 1)))
-  return wait.decide(t, state, setup), steps.calls, stream
+  return wait.decide(t, state, probe), steps.calls, stream
 
 
 def test_the_trigger_fires_when_the_new_data_s_error_exceeds_the_last_stage_s_by_the_margin():
