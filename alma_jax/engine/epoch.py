@@ -25,7 +25,7 @@ float32, `score > best + delta * m`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import chex
 import jax
@@ -34,9 +34,6 @@ import numpy as np
 
 from alma_jax.models import slots
 from alma_jax.state import Learner, StopState
-
-PyTree = Any
-
 
 @dataclasses.dataclass(frozen=True)
 class StageOptions:

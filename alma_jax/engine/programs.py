@@ -456,7 +456,6 @@ class Programs:
     and rule); the state is donated."""
     num, structure = int(keys.shape[0]), best.structure
     program = self.method.program_structure(structure)
-    base = Learner(base.params, base.model_state, structure)
     # The learner's own structure joins the key where it is not the program's: selecting the
     # best units may depend on it (e.g. which ensemble members trained).
     key = (("stage", program, num, orders.idx.shape, val.idx.shape, thresholds.shape,

@@ -37,7 +37,6 @@ from alma_jax.engine.stage_save import Progress, Resume, Saver, StageCheckpoints
 from alma_jax.engine.steps import Steps
 from alma_jax.errors import divergence_error
 from alma_jax.state import Learner, StageStats, StopState, TrainState
-from alma_jax.tasks import base as tasks_base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +120,11 @@ def fit_stage(steps: Steps, learner: Learner, data: StageData, opt_state=None,
     raise ValueError(f"stage t={data.t} has {n} training and {m} validation examples; both "
                      "must be >= 1")
   units = steps.method.num_units(learner.structure)
-  exact = type(steps.task).per_example is tasks_base.Task.per_example
-  rule = Rule(o.patience, float(o.patience_delta), m, exact, o.on_divergence != "rollback")
+  rule = Rule(o.patience, float(o.patience_delta), m, type(steps.task).right_or_wrong(),
+              o.on_divergence != "rollback")
+  if whole and not rule.exact:  # the program decides on exact counts (`epoch.Rule`)
+    raise ValueError(f"a whole-stage program needs a task whose examples are right or wrong; "
+                     f"task {type(steps.task).__name__} trains per epoch")
   state = steps.init_state(learner, opt_state)
   rngs = [population.numpy_rng(data.keys[i]) for i in range(num)]
   p = Progress(StopState.start(num, units), learner, np.full((num, units), -1.0))
@@ -232,7 +234,6 @@ def _fit_whole(s: _Stage, state: TrainState, p: Progress, first: int):
     pace.ran(stop_at - first, time.monotonic() - began)
     if s.hooks.meter is not None and stop_at > first:  # the segment's steps, in one measurement
       s.hooks.meter.trained(stop_at - 1, n_steps, n_steps * (stop_at - first), last=True)
-    best = Learner(params=best.params, model_state=best.model_state, structure=p.best.structure)
     for epoch in range(first, stop_at):
       out = jax.tree.map(lambda a, j=epoch - first: np.asarray(a[j]), outs)
       out["losses"] = out["losses"][:, :n_steps]
@@ -261,16 +262,15 @@ def _after_epoch(s: _Stage, before: Progress, after: Progress, epoch: int, out: 
   bad = out["bad"]
   if bad.any():
     where = "" if len(s.labels) == 1 else f" (seeds {[s.labels[i] for i in np.flatnonzero(bad)]})"
-    if not s.rule.stop_all_on_divergence:
-      if len(s.labels) == 1:
-        logging.warning("stage t=%d epoch %d: non-finite loss or parameters; rolling back to "
-                        "the best epoch (%d) and ending the stage", s.data.t, epoch,
-                        int(before.stop.best_epoch[0]))
-      else:
-        logging.warning("stage t=%d epoch %d: non-finite loss or parameters%s; they roll back "
-                        "to their best epoch and end the stage", s.data.t, epoch, where)
     if s.rule.stop_all_on_divergence:
       raise divergence_error(s.data.t, epoch, where)
+    if len(s.labels) == 1:
+      logging.warning("stage t=%d epoch %d: non-finite loss or parameters; rolling back to the "
+                      "best epoch (%d) and ending the stage", s.data.t, epoch,
+                      int(before.stop.best_epoch[0]))
+    else:
+      logging.warning("stage t=%d epoch %d: non-finite loss or parameters%s; they roll back to "
+                      "their best epoch and end the stage", s.data.t, epoch, where)
     if not (ran & ~bad).any():
       return after, False
   p = dataclasses.replace(after, best_acc=np.where(out["improved"], unit_acc, before.best_acc))

@@ -10,9 +10,9 @@ subset, initialisation, data order, early stopping).
 steps, policies), restores its last checkpoint, and walks `stream`, which is
 Algorithm 1 over an explicit `RunState`: at every time step the waiting
 policy says whether the learner trains; a stage starts as the stage policy
-says (`alma_jax.policies`, growth included), trains (`alma_jax.engine.train`) and
-grows after it; the learner is evaluated unless unchanged; the step's records
-go to the observers (`alma_jax.observers`), which write the outputs:
+says (`alma_jax.policies`, growth included) and trains (`alma_jax.engine.train`);
+the learner is evaluated unless unchanged; the step's records go to the observers
+(`alma_jax.observers`), which write the outputs:
 `config.json`, `log.jsonl` (one record per time step), `architecture.jsonl`,
 `checkpoints/` (orbax, see `config.checkpoint`), TensorBoard event files
 (`config.log.tensorboard`) and, at the end, `summary.json` and `error.png`;
@@ -188,7 +188,7 @@ def stream(setup: Setup, state: RunState, observers: Observers,
   so (`WaitPolicy.decide`, which may evaluate the learner on the new data and
   adds its record fields), the learner trains on what arrived since its last
   stage (with replay, a fraction of the earlier data too): the stage policy
-  starts the stage, the method grows before and after it. The learner is then
+  starts the stage (the method grows before it). The learner is then
   evaluated on the test set (an unchanged one is not re-evaluated), and the
   observers get the step's records (one per seed) and the end of the step;
   `meter` says the progress.

@@ -43,7 +43,7 @@ def _check_rules(config) -> None:
   policies.check_wait(config,
                       lambda p: config_lib.BASE_FIELDS_BY_PATH[p].default_for(dataset))
   if (fields.lookup(config, "train.stage_program", "auto") == "whole"
-      and tasks.task_class(config).per_example is not tasks.Task.per_example):
+      and not tasks.task_class(config).right_or_wrong()):
     raise ConfigError(f"config.train.stage_program='whole' needs a task whose examples are "
                       f"right or wrong; for task {tasks.task_class(config).name!r} valid: "
                       "['per_epoch', 'auto']")

@@ -237,6 +237,12 @@ class Task:
     and fits that weigh every example alike)."""
     return masked_cross_entropy(logits, y, mask, summed=True)
 
+  @classmethod
+  def right_or_wrong(cls) -> bool:
+    """Whether each example is right or wrong (the default `per_example`), so that a
+    validation score is an exact count of correct examples (`alma_jax.engine.epoch.Rule`)."""
+    return cls.per_example is Task.per_example
+
   def per_example(self, logp, y):
     """(error 0/1, negative log-likelihood) of every example."""
     return errors(logp, y), nll(logp, y)

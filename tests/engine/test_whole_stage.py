@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from alma_jax import errors
+from alma_jax import tasks
 from alma_jax.configuration import config_lib
 from alma_jax.engine import epoch
 from alma_jax.engine import population
@@ -118,6 +119,21 @@ def test_whole_refuses_a_task_whose_examples_are_not_right_or_wrong():
   with pytest.raises(errors.ConfigError, match=r"config\.train\.stage_program='whole' needs a "
                      r"task whose examples are right or wrong; for task 'text'"):
     validation._check_rules(validation.complete(c))  # pylint: disable=protected-access
+
+
+def test_a_stage_runs_as_one_program_only_for_a_task_whose_examples_are_right_or_wrong():
+  assert tasks.ImageTask.right_or_wrong() and not tasks.TextTask.right_or_wrong()
+  ds = helpers.synthetic_dataset(n_train=512)
+  method, steps = helpers.make_steps(helpers.small_config(width=8, epochs=2), ds)
+
+  class Graded(type(steps.task)):  # a task with its own per-example error
+    def per_example(self, logp, y):
+      return super().per_example(logp, y)
+
+  steps.task.__class__ = Graded
+  with pytest.raises(ValueError, match="whole-stage program needs a task whose examples are "
+                     "right or wrong; task Graded trains per epoch"):
+    _population_stage(steps, method, True)
 
 
 @pytest.mark.parametrize("name,model,expected", [
