@@ -108,7 +108,7 @@ def test_without_wandb_the_error_says_how_to_install_it(tmp_path, monkeypatch):
 
 
 def test_an_offline_w_and_b_run_is_resumed_by_its_id(tmp_path, monkeypatch):
-  import wandb  # pylint: disable=g-import-not-at-top,unused-import
+  import wandb  # pylint: disable=g-import-not-at-top
   monkeypatch.setenv("WANDB_MODE", "offline")
   monkeypatch.setenv("WANDB_SILENT", "true")
   folder = str(tmp_path / "seed_0")
@@ -123,6 +123,9 @@ def test_an_offline_w_and_b_run_is_resumed_by_its_id(tmp_path, monkeypatch):
   w.step(_record(2, 0.25))
   w.summary({"cer": 1.65, "cer_percent": 165.0})
   assert json.loads(open(os.path.join(folder, wandb_log.STATE_FILE)).read())["id"] == run_id
+  # W&B's service process writes the run files after `finish` returns: stopping it waits until
+  # they are written.
+  wandb.teardown()
   # In the order they were written: by name, a resumption in the same second as its first run
   # (`offline-run-<second>-<id>-1`) would sort before it (`offline-run-<second>-<id>`).
   logs = sorted(glob.glob(os.path.join(folder, wandb_log.DIR, "offline-run-*",
