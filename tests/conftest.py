@@ -23,6 +23,10 @@ os.environ.setdefault("ALMA_JAX_CACHE_DIR", tempfile.mkdtemp(prefix="alma_jax_te
 
 import pytest  # pylint: disable=g-import-not-at-top
 
+from tests import kill_points  # pylint: disable=g-import-not-at-top
+
+kill_points.install()  # in-process runs may be killed at a point (set by the environment)
+
 
 def data_available(name: str) -> bool:
   d = os.environ.get("TFDS_DATA_DIR", "")

@@ -24,6 +24,7 @@ from alma_jax.outputs import workdir
 from alma_jax.stream import validation
 from alma_jax.tasks import images as image_task
 from alma_jax.tuning import autotune
+from tests import kill_points
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
@@ -190,8 +191,8 @@ def tree_digest(path):
 
 def kill_env(kill_at=None, sig="SIGKILL") -> dict:
   """The environment of a subprocess run of this checkout that sends itself `sig` at the kill
-  point `kill_at` (`alma_jax.outputs.interrupts`; None: not killed)."""
-  env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  point `kill_at` (`tests/kill_points.py`; None: not killed)."""
+  env = kill_points.env()
   env.pop("ALMA_JAX_TEST_KILL_AT", None)
   if kill_at:
     env.update(ALMA_JAX_TEST_KILL_AT=kill_at, ALMA_JAX_TEST_KILL_SIGNAL=sig)

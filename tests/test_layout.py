@@ -81,8 +81,8 @@ def test_package_imports_form_a_dag_without_function_local_imports():
 
 def test_tests_mirror_the_package():
   test_root = os.path.join(helpers.ROOT, "tests")
-  folders = {d for d in os.listdir(test_root)
-             if os.path.isdir(os.path.join(test_root, d)) and d != "__pycache__"}
+  folders = {d for d in os.listdir(test_root)  # test packages (kill_hook is a path entry)
+             if os.path.exists(os.path.join(test_root, d, "__init__.py"))}
   packages = {d for d in os.listdir(PACKAGE) if os.path.exists(os.path.join(PACKAGE, d, "__init__.py"))}
   assert folders <= packages, sorted(folders - packages)
   for folder in folders:
@@ -168,3 +168,16 @@ def test_every_package_is_in_a_layer():
   modules = {f[:-3] for f in os.listdir(PACKAGE) if f.endswith(".py") and f != "__init__.py"}
   layered = {n for names in LAYERS for n in names}
   assert packages | modules <= layered, sorted((packages | modules) - layered)
+
+
+def test_the_package_holds_no_test_hooks():
+  """Tests install their kill points around the package's functions (`tests/kill_points.py`);
+  the package itself reads no test-only setting."""
+  found = []
+  for root, _, files in os.walk(PACKAGE):
+    for name in files:
+      if name.endswith(".py"):
+        with open(os.path.join(root, name), encoding="utf-8") as f:
+          if "ALMA_JAX_TEST_" in f.read():
+            found.append(os.path.relpath(os.path.join(root, name), helpers.ROOT))
+  assert not found, found

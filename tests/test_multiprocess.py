@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from alma_jax.outputs import io_utils
+from tests import kill_points
 from tests import multiprocess_worker
 from tests.conftest import requires_mnist
 
@@ -52,7 +53,7 @@ def test_both_processes_hold_the_same_parameters_as_one_process(tmp_path):
 def _launch(workdir, cache, kill_at=None, **kill):
   """The two-process run; `kill_at` and `kill` (signal=..., process=...): the kill hook of
   `alma_jax.outputs.interrupts` in its processes."""
-  env = dict(os.environ)
+  env = kill_points.env()
   for name in ("AT", "SIGNAL", "PROCESS"):
     env.pop(f"ALMA_JAX_TEST_KILL_{name}", None)
   if kill_at:

@@ -55,8 +55,6 @@ class StageHooks:
   """What a stage tells and asks the rest of the run.
 
   Attributes:
-    progress: called with the epoch's one-line message at most every
-      `train.progress_every_s` seconds.
     labels: the members' names in messages (their seeds; default 0 .. S - 1).
     check: called after every compiled train call, every epoch and every call of the
       whole-stage program, each time after the stage was saved if a save was due; raising
@@ -69,7 +67,6 @@ class StageHooks:
       (`alma_jax.engine.meter.Meter`); the epoch's progress line goes through it.
   """
 
-  progress: Callable[[str], None] | None = None
   labels: Sequence[int] | None = None
   check: Callable[[], None] = lambda: None
   on_epoch: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None] | None = None
@@ -312,8 +309,6 @@ def _tell_epoch(s: _Stage, epoch: int, losses, acc, p: Progress) -> None:
               f"{int(p.stop.active.sum())} training)")
   if s.hooks.meter is not None:
     s.hooks.meter.epoch_end(line)
-  if s.hooks.progress is not None and line is not None:
-    s.hooks.progress(line)
 
 
 def _finish(s: _Stage, p: Progress, state: TrainState):

@@ -83,8 +83,7 @@ class Observers:
   The writes of one record (`record`) or one epoch (`epoch`) form one
   critical section, timed as I/O: a signal acts after all of them, so the
   record's outputs are complete or, after a crash, rewritten from the
-  checkpoints. The `log` kill point (`alma_jax.outputs.interrupts`) closes a record's
-  section.
+  checkpoints.
   """
 
   def __init__(self, observers: Sequence[Observer], signals: interrupts.Signals,
@@ -106,7 +105,6 @@ class Observers:
     with self.timer("io_s"), self.signals.critical():
       for o in self.observers:
         o.on_record(state, records)
-      interrupts.kill_point("log", state.t)
 
   def step(self, state: RunState) -> None:
     for o in self.observers:

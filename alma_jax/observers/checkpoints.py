@@ -110,7 +110,6 @@ class Checkpoints(Observer):
       self.ckpt.start_save(t, state.learner, kept,
                            jax.random.key_data(population.fold(s.keys, t)), records, extra)
       self._pending = t
-      interrupts.kill_point("checkpoint", t)
       if self.signals.pending is not None:  # stopping: finish this checkpoint first
         self.finish(critical=False)
 
@@ -126,7 +125,6 @@ class Checkpoints(Observer):
       self.signals.last_checkpoint = t
       if self.stage_store is not None:
         self.stage_store.discard_through(t)
-      interrupts.kill_point("saved", t)
 
   def on_end(self, state) -> None:
     self.finish()  # the last checkpoint is complete before the summary exists

@@ -87,7 +87,6 @@ class Summary(Observer):
       top = dict(population.mean_summary(per_seed), seeds=s.seeds, num_seeds=len(s.seeds),
                  per_seed=per_seed, wall_s=wall_s, **extra)
       top.pop("wall_s_std")
-    interrupts.kill_point("summary")
     self.signals.check()
     with self.signals.critical():
       if s.primary:

@@ -1,4 +1,4 @@
-"""SIGINT/SIGTERM/SIGHUP handling of a run and the test hook that kills it at named points.
+"""SIGINT/SIGTERM/SIGHUP handling of a run.
 
 SIGINT, SIGTERM and SIGHUP (a closed terminal or SSH session; a run started
 with `nohup` keeps ignoring it) stop a run at the next safe point: a stage in
@@ -14,17 +14,6 @@ In a multi-process run (`vote`: `alma_jax.runtime.multihost.Vote`) a process
 never stops on its own: the handler only records the signal, and every
 `check()` asks all processes whether one of them has a signal, so that they
 all stop at the same check, whichever of them the signal reached and when.
-
-Testing hook: the environment variable `ALMA_JAX_TEST_KILL_AT` (a comma
-separated list such as `t=2:checkpoint,summary`) makes the process send
-itself `ALMA_JAX_TEST_KILL_SIGNAL` (default SIGKILL) at the named points:
-`t=N:stage` (before training stage N), `t=N:epoch` (at a progress message of
-stage N), `t=N:log` (after the record of N is logged), `t=N:checkpoint`
-(while the checkpoint of N is being written), `t=N:saved` (once its
-asynchronous write is confirmed complete: at the next checkpoint, an
-interruption or the end of the run) and `summary` (before summary.json is
-written). In a multi-process run, `ALMA_JAX_TEST_KILL_PROCESS=i` limits it to
-process i.
 """
 
 from __future__ import annotations
@@ -193,15 +182,3 @@ class Signals:
       self._depth -= 1
     if act and self._depth == 0 and self.pending is not None and self.vote is None:
       raise RunInterrupted(self.pending, self.last_checkpoint)
-
-
-def kill_point(point: str, t: int | None = None) -> None:
-  """The testing hook described in the module docstring."""
-  spec = os.environ.get("ALMA_JAX_TEST_KILL_AT")
-  if spec and (point if t is None else f"t={t}:{point}") in spec.split(","):
-    only = os.environ.get("ALMA_JAX_TEST_KILL_PROCESS")
-    if only:
-      import jax  # pylint: disable=g-import-not-at-top
-      if jax.process_index() != int(only):
-        return
-    os.kill(os.getpid(), getattr(signal, os.environ.get("ALMA_JAX_TEST_KILL_SIGNAL", "SIGKILL")))

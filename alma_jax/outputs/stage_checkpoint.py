@@ -121,7 +121,6 @@ class Store:
     self.saved = (self.t, int(position["epoch"]), int(position["next_call"]))
     logging.info("saved stage t=%d at epoch %d, call %d (%s)", self.t, position["epoch"],
                  position["next_call"], self.directory)
-    interrupts.kill_point("stage_saved", self.t)
 
   # -- clean-up ------------------------------------------------------------------------------------
   def discard_through(self, t: int) -> None:

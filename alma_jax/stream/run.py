@@ -57,7 +57,7 @@ from alma_jax.observers.clock import Clock
 from alma_jax.outputs import interrupts
 from alma_jax.outputs import workdir as wd
 from alma_jax.outputs import workdir_lock
-from alma_jax.outputs.interrupts import RunInterrupted, kill_point
+from alma_jax.outputs.interrupts import RunInterrupted
 from alma_jax.runtime import multihost
 from alma_jax.state import RunState
 from alma_jax.stream import run_setup
@@ -252,12 +252,7 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
   learner, opt_state = _start_stage(setup, state.learner, skeys, contexts, state.opt_state)
   if not setup.config.train.keep_optimizer_state:
     opt_state = None
-  kill_point("stage", t)
   signals.check()
-
-  def progress_line(msg):  # the meter says the line
-    del msg
-    kill_point("epoch", t)
 
   store = checkpoints.stage(t, learner.structure)
   try:
@@ -265,7 +260,7 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
         steps, learner, train.StageData(np.stack([x.train_idx for x in contexts]),
                                         np.stack([x.val_idx for x in contexts]),
                                         population.fold(skeys, 3), t), opt_state,
-        train.StageHooks(progress=progress_line, labels=setup.seeds, check=signals.check,
+        train.StageHooks(labels=setup.seeds, check=signals.check,
                          on_epoch=lambda *a: observers.epoch(t, *a), checkpoints=store,
                          meter=meter))
   except RunInterrupted:

@@ -14,6 +14,7 @@ from alma_jax.errors import ConfigError
 from alma_jax.reports import plot_style
 from alma_jax.stream import validation
 from tests import helpers
+from tests import kill_points
 from tests.conftest import requires_mnist
 from tests.test_main_e2e import check_outputs, run_main
 
@@ -121,7 +122,7 @@ def test_two_seeds_end_to_end_match_separate_runs_and_resume(tmp_path):
 
   # Killed after the checkpoint of t=2, the run resumes to the same logs.
   killed = tmp_path / "killed"
-  env = dict(os.environ, ALMA_JAX_TEST_KILL_AT="t=2:saved")
+  env = kill_points.env(dict(os.environ, ALMA_JAX_TEST_KILL_AT="t=2:saved"))
   proc = run_main(cfg, killed, "--config.num_seeds=2", "--config.seed=5", env=env)
   assert proc.returncode != 0
   assert not (killed / "summary.json").exists()

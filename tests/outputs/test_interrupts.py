@@ -13,6 +13,7 @@ import pytest
 from alma_jax.outputs import interrupts
 from tests.conftest import requires_mnist
 from tests import helpers
+from tests import kill_points
 
 ROOT = helpers.ROOT
 
@@ -29,7 +30,7 @@ def _default_signals():
 def _main(workdir, *args, env=None, timeout=300):
   """`python -m alma_jax.main` in a subprocess (this checkout first on the path), with the
   default disposition of the signals the tests send (`_default_signals`)."""
-  env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+  env = kill_points.env(dict(os.environ, **(env or {})))
   return subprocess.run([sys.executable, "-m", "alma_jax.main", f"--workdir={workdir}", *args],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
                         check=False, preexec_fn=_default_signals)
@@ -222,7 +223,7 @@ runpy.run_module("alma_jax.main", run_name="__main__")
 
 
 def _script(code, *args, env=None, timeout=60):
-  env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+  env = kill_points.env(dict(os.environ, **(env or {})))
   try:
     return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout, check=False,
@@ -312,8 +313,8 @@ def test_the_resume_hint_repeats_the_command_as_typed(tmp_path):
   exe = shutil.which("alma-jax", path=os.path.dirname(sys.executable))
   if exe is None:
     pytest.fail("the alma-jax command is not installed beside this Python (pip install -e .)")
-  env = dict(os.environ, PYTHONPATH=ROOT, ALMA_JAX_TEST_KILL_AT="t=2:stage",
-             ALMA_JAX_TEST_KILL_SIGNAL="SIGTERM")
+  env = kill_points.env(dict(os.environ, ALMA_JAX_TEST_KILL_AT="t=2:stage",
+                             ALMA_JAX_TEST_KILL_SIGNAL="SIGTERM"))
   proc = subprocess.run([exe, "--config=mnist_sm:smoke", f"--workdir={tmp_path}/wd"], cwd=ROOT,
                         env=env, capture_output=True, text=True, timeout=300,
                         preexec_fn=_default_signals)

@@ -15,6 +15,7 @@ from alma_jax.outputs import tensorboard as tb
 from alma_jax.outputs import workdir as wd
 from alma_jax.stream import run
 from tests import helpers
+from tests import kill_points
 from tests.conftest import requires_mnist
 
 ROOT = helpers.ROOT
@@ -111,7 +112,7 @@ def test_a_killed_run_resumes_without_duplicate_events(tmp_path):
   args = [sys.executable, "-m", "alma_jax.main", f"--workdir={workdir}",
           "--config=configs/mnist_sm.py:smoke", "--config.mesh.num_devices=1",
           "--config.train.progress_every_s=0"]
-  env = dict(os.environ, PYTHONPATH=ROOT, ALMA_JAX_TEST_KILL_AT="t=3:epoch")
+  env = kill_points.env(dict(os.environ, ALMA_JAX_TEST_KILL_AT="t=3:epoch"))
   proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                         check=False)
   assert proc.returncode == -9, proc.stderr[-2000:]

@@ -1,6 +1,6 @@
 """Killed or interrupted runs resume to the same outputs (alma_jax/stream/run.py, observers/, io_utils.py).
 
-The subprocess runs use the testing hook of `alma_jax/stream/run.py`: the environment
+The runs are killed at the points of `tests/kill_points.py`: the environment
 variable ALMA_JAX_TEST_KILL_AT names the point at which the process sends
 itself ALMA_JAX_TEST_KILL_SIGNAL (SIGKILL by default).
 """
@@ -18,6 +18,7 @@ from alma_jax.outputs import checkpoint
 from alma_jax.outputs import io_utils
 from alma_jax.stream import run
 from tests import helpers
+from tests import kill_points
 from tests.conftest import requires_mnist
 
 ROOT = helpers.ROOT
@@ -31,7 +32,7 @@ ARGS = ["--config=configs/mnist_sm.py:smoke", "--config.mesh.num_devices=1",
 
 
 def _main(wd, kill_at=None, sig="SIGKILL", extra=()):
-  env = dict(os.environ, PYTHONPATH=ROOT)
+  env = kill_points.env()
   env.pop("ALMA_JAX_TEST_KILL_AT", None)
   if kill_at:
     env.update(ALMA_JAX_TEST_KILL_AT=kill_at, ALMA_JAX_TEST_KILL_SIGNAL=sig)
