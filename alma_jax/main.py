@@ -101,6 +101,7 @@ def help_text() -> str:
   import textwrap  # pylint: disable=g-import-not-at-top
   from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top
   from alma_jax.configuration import config_lib  # pylint: disable=g-import-not-at-top
+  from alma_jax.configuration import plugins  # pylint: disable=g-import-not-at-top
   usage = ("usage: alma-jax --config=NAME[:VARIANT[,VARIANT]] --workdir=DIR "
            "[--config.<field>=VALUE ...]\n       (or python -m alma_jax.main with the same flags)\n"
            + "".join(f"       alma-jax {n} ...: {what}\n" for n, what in SUBCOMMANDS.items()))
@@ -112,8 +113,8 @@ def help_text() -> str:
            wrap("  ".join(n for n in names if "/" not in n)),
            wrap("timing protocols: " + "  ".join(n for n in names if "/" in n)), "",
            "Variants (after a colon, several joined by commas):",
-           wrap("image configs (mnist_*, cifar_*): " + ", ".join(config_lib.IMAGE_VARIANTS)),
-           wrap("language-model configs (lm_*): " + ", ".join(config_lib.TEXT_VARIANTS)
+           wrap("image configs (mnist_*, cifar_*): " + ", ".join(plugins.tasks.IMAGE_VARIANTS)),
+           wrap("language-model configs (lm_*): " + ", ".join(plugins.tasks.TEXT_VARIANTS)
                 + ", Kx (K times the training steps per stage, e.g. 2x)"),
            wrap("timing protocols (bench/*): " + ", ".join(config_lib.PROTOCOL_VARIANTS)), "",
            "Flags:"]

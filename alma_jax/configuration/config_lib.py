@@ -1,29 +1,28 @@
 """The config's fields and the helpers of the experiment files in `configs/`.
 
 `BASE_FIELDS` declares every field a run reads (path, default, check, doc);
-methods and tasks declare their own (`Method.fields`, `Task.FIELDS`). A config file calls
+methods and tasks declare their own (`alma_jax.configuration.plugins`). A config file calls
 `base_config(dataset, method)` for the paper's defaults of the base fields
 and the method's fields, overrides what its experiment changes, and passes
 its argument string to `apply_variant`, the one parser of variants: named sets
-of field values (`IMAGE_VARIANTS`, `TEXT_VARIANTS`, `PROTOCOL_VARIANTS`), e.g.
+of field values (each task's `VARIANTS`, and `PROTOCOL_VARIANTS`), e.g.
 `smoke` (seconds, for tests), `quick` (minutes on a laptop CPU) and `paper` (the
 paper's values, or the released code's where the paper is silent, of the fields
 whose defaults are neither; `alma_jax/configuration/paper.py` sources them).
 
-This module imports nothing heavy (no JAX): a config file that imports it
-loads as data. `base_config` imports the task and method modules, whose
-fields it fills in.
+This module imports nothing heavy (no JAX), nor does `base_config`: the fields
+of tasks and methods come from their declarations, so a config file's
+`get_config()` builds its config without loading any model code.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
-import re
 
 import ml_collections
 
 from alma_jax.configuration import fields as F
+from alma_jax.configuration import plugins
 from alma_jax.errors import ConfigError
 
 DISTRIBUTED = ("auto", "yes", "no")
@@ -72,30 +71,10 @@ BASE_FIELDS = (
     F.Field("stream.init_from_scratch", None, F.Check(_optional_boolean, bool),
             "the older spelling of stream.warm_start: True selects scratch (None: follows "
             "stream.warm_start; a contradiction is an error)"),
-    F.Field("stream.shrink", 1.0, F.number(0.0, 1.0),
-            "shrink_perturb: the factor lambda of what was learnt (1 with perturb 0: finetune)"),
-    F.Field("stream.perturb", 0.0, F.number(0.0, 10.0),
-            "shrink_perturb: the factor sigma of a fresh initialisation added to it"),
     F.Field("stream.wait_policy", "fixed", F.choice(F.owned("alma_jax.policies:wait_names"), "names"),
             "when the learner trains (`alma_jax/policies/`): fixed (every stream.wait "
             "mega-batches), geometric (at ceil(w0 * r^k)) or triggered (when the new data's "
             "error or the unseen share calls for it; one seed per run)"),
-    F.Field("stream.geometric_w0", 1.0, F.number(1.0, math.inf, open_hi=True),
-            "geometric: the first training time w0 (the k-th is ceil(w0 * r^k))"),
-    F.Field("stream.geometric_ratio", 2.0, F.number(1.0, math.inf, open_lo=True, open_hi=True),
-            "geometric: the ratio r > 1 of successive training times"),
-    F.Field("stream.trigger_margin", 0.02, F.number(0.0, 1.0),
-            "triggered: train when the new mega-batch's validation error exceeds the last "
-            "stage's validation error by more than this (delta)"),
-    F.Field("stream.trigger_fraction", 0.5, F.number(0.0, 1.0, open_lo=True),
-            "triggered: train when the unseen training examples reach this fraction (rho) of "
-            "all seen"),
-    F.Field("stream.trigger_min_wait", 1, F.integer(1),
-            "triggered: never train fewer than this many mega-batches after the last stage"),
-    F.Field("stream.trigger_max_wait", 0, F.integer(0),
-            "triggered: always train this many mega-batches after the last stage (0: no "
-            "maximum)"),
-    # -- model
     F.Field("model.name", _MNIST_OR("mlp", "vgg"), F.choice(F.owned("alma_jax.models:BACKBONES"), "names"),
             "backbone"),
     F.Field("model.width", 64, F.integer(1),
@@ -207,6 +186,14 @@ BASE_FIELDS = (
 )
 
 BASE_FIELDS_BY_PATH = {f.path: f for f in BASE_FIELDS}
+
+
+def base_fields() -> tuple[F.Field, ...]:
+  """The fields every config has: `BASE_FIELDS` and those of every policy (each policy
+  declares its own, `alma_jax.configuration.plugins.policies`)."""
+  return BASE_FIELDS + plugins.policy_fields()
+
+
 F.declare(BASE_FIELDS)
 # Fields declared after runs were written: a resolved config that lacks one (a workdir's
 # config.json) ran as its default does, so absent and default are the same run.
@@ -237,86 +224,28 @@ def stage_steps(config) -> int:
 def base_config(dataset: str, method: str = "sm") -> ml_collections.ConfigDict:
   """The paper's settings (Appendix B) for `dataset` (MNIST: MLP; others: VGG) and `method`,
   with the fields and settings of the task of `dataset` (`alma_jax.tasks`)."""
-  c = F.fill(ml_collections.ConfigDict(), BASE_FIELDS, dataset)
+  c = F.fill(ml_collections.ConfigDict(), base_fields(), dataset)
   c.data.name = dataset
   c.method.name = method
-  # The task and the method declare fields of their own: their modules are imported here, when a
-  # config is built, never when a config file is loaded.
-  tasks = importlib.import_module("alma_jax.tasks")
-  methods = importlib.import_module("alma_jax.methods")
-  task = tasks.task_class(c)  # e.g. text: the language-model setting (section 5, App. B.2)
+  # The task and the method declare fields of their own (`alma_jax.configuration.plugins`).
+  task = plugins.task(c)  # e.g. text: the language-model setting (section 5, App. B.2)
   F.fill(c, task.FIELDS, dataset)
   task.defaults(c)
-  return F.fill(c, methods.fields_for(c), dataset)
+  return F.fill(c, plugins.method_fields(c), dataset)
 
 
 # -- variants: named sets of field values, chosen after the colon of --config -----------------
-KEEP = object()  # a variant's value that leaves the field as it is for this data set
-_CIFAR_OR = lambda cifar, other: F.ByDataset({"cifar10": cifar}, other)  # pylint: disable=invalid-name
+KEEP = F.KEEP  # a variant's value that leaves the field as it is for this data set
 # Variants applied before the others, wherever they are named: `paper` sets what the paper
 # fixes, and a variant named with it (quick, smoke) keeps every field it sets (its reductions of
 # the stream, the width, the epochs and the patience), so "quick,paper" == "paper,quick".
 FIRST_VARIANTS = ("paper",)
 
-# Image data (MNIST-like and CIFAR-10). paper: the fields whose defaults are neither the paper's
-# nor the released code's, set to those (values and sources: alma_jax/configuration/paper.py;
-# a method-dependent value follows the config file's method.name); smoke: seconds (a small
-# slice of the data, a tiny model, a short stream); quick: minutes on a laptop CPU (MNIST: the
-# whole stream B=500 with w=10; CIFAR-10: the whole training set in 10 mega-batches, C=16, 3
-# epochs per stage). smoke decides the speed choices by rule (`train.autotune`), so that a first
-# run on a new machine takes seconds, not minutes of measuring first; quick measures them (a
-# small part of its minutes).
-IMAGE_VARIANTS = {
-    "paper": {
-        "model.init": "torch",
-        "train.patience": F.ByMethod({"ens": 100, "umix": 100}, 25),
-        "train.patience_delta": F.ByMethod({"ens": 0.0, "umix": 0.0}, 0.001),
-        "optimizer.kwargs.nesterov": _MNIST_OR(KEEP, F.ByMethod({"gmoe": True, "ff": True},
-                                                                False)),
-        "method.grow_every": F.ByMethod({"gmoe": 1, "ff": 1}, KEEP),
-        "method.epsilon": F.ByMethod({"ff": 1.0}, KEEP),
-    },
-    "smoke": {"data.train_subset": _CIFAR_OR(800, 2000), "data.test_subset": _CIFAR_OR(500, 1000),
-              "stream.num_megabatches": 4, "model.width": _CIFAR_OR(4, 8), "train.epochs": 2,
-              "train.patience": 2, "train.eval_batch_size": _CIFAR_OR(500, KEEP),
-              "train.autotune": "rules"},
-    "quick": {"stream.wait": _CIFAR_OR(KEEP, 10), "stream.num_megabatches": _CIFAR_OR(10, KEEP),
-              "model.width": _CIFAR_OR(16, KEEP), "train.epochs": _CIFAR_OR(3, 20),
-              "train.patience": _CIFAR_OR(3, 5)},
-}
-# Text: the presets `base` and `large` (the paper's sizes); smoke: seconds on a CPU (the tiny
-# model, L=32, 16 sequences per mega-batch, 5 steps per stage); quick: minutes on a 2-core CPU
-# (the tiny model on the whole tiny_shakespeare stream, L=64, 80 steps of 8 sequences per
-# stage; smoke with the speed choices by rule); iid: Table 1's i.i.d. ablation; `Kx` (e.g.
-# `2x`): K times the training steps per stage, Table 2's "2x steps" rows. No `paper` variant:
-# the text defaults (`tasks/text.py`:
-# Adam 0.9/0.98/1e-8, warm-up then linear decay to 0, 192 sequences of 512 tokens, 120,000
-# steps per mega-batch, B=4, balancing weight 0.01, capacity factor 1, k = 2, 2, 4) already
-# are the paper's (section 5, App. B.2); what it leaves to tuning (the peak learning rate in
-# [2e-4, 5e-3], the warm-up in [500, 4000] steps, dropout) has no one value to set, and the
-# released code has no language models.
-TEXT_VARIANTS = {
-    "base": {"model.preset": "base"},
-    "large": {"model.preset": "large"},
-    "smoke": {"model.preset": "tiny", "data.seq_len": 32, "data.train_subset": 80,
-              "data.test_subset": 16, "stream.val_fraction": 0.2, "train.batch_size": 4,
-              "train.eval_batch_size": 8, "train.steps_per_epoch": 5,
-              "optimizer.warmup_steps": 1, "optimizer.kwargs.learning_rate": 3e-3,
-              "train.autotune": "rules"},
-    "quick": {"model.preset": "tiny", "data.seq_len": 64, "data.test_subset": 128,
-              "stream.val_fraction": 0.02, "train.batch_size": 8, "train.eval_batch_size": 16,
-              "train.steps_per_epoch": 80, "optimizer.warmup_steps": 8,
-              "optimizer.kwargs.learning_rate": 2e-3},
-    "iid": {"stream.iid": True},
-}
 # A timing protocol (`protocol`): smoke is a tiny slice of the data, for tests of its files.
 PROTOCOL_VARIANTS = {
     "smoke": {"data.train_subset": 1000, "data.test_subset": 500, "train.epochs": 1,
               "train.patience": 1},
 }
-# The variants of each task (`alma_jax.tasks`); a task without an entry has the image ones.
-TASK_VARIANTS = {"images": IMAGE_VARIANTS, "text": TEXT_VARIANTS}
-_SCALE_STEPS = re.compile(r"[1-9][0-9]*x")  # `Kx`: K times train.steps_per_epoch (text only)
 
 
 def _set(c: ml_collections.ConfigDict, path: str, value) -> None:
@@ -352,23 +281,23 @@ def apply_variant(c: ml_collections.ConfigDict, arg: str | None,
     c: a config from `base_config`.
     arg: the variants; "" or None: none (the defaults).
     table: variant name -> {field path: value}; by default the variants of `c`'s task
-      (`TASK_VARIANTS`). A value may be a `ByDataset` (by `c.data.name`), a `ByMethod` (by
-      `c.method.name`) and `KEEP`.
+      (`VARIANTS` of its declaration, `alma_jax.configuration.plugins.tasks`). A value may
+      be a `ByDataset` (by `c.data.name`), a `ByMethod` (by `c.method.name`) and `KEEP`.
 
   Raises:
     ValueError: an unknown variant, naming the valid ones.
   """
+  scaled = None
   if table is None:
-    task = importlib.import_module("alma_jax.tasks").task_class(c).name
-    table = TASK_VARIANTS.get(task, IMAGE_VARIANTS)
-  scalable = table is TEXT_VARIANTS
+    task = plugins.task(c)
+    table, scaled = task.VARIANTS or plugins.tasks.IMAGE_VARIANTS, task.SCALED_STEPS
   parts = variant_names(arg)
   steps_factor = 1
   for p in parts:
-    if scalable and _SCALE_STEPS.fullmatch(p):
+    if scaled is not None and scaled.fullmatch(p):
       steps_factor *= int(p[:-1])
     elif p not in table:
-      valid = list(table) + (["'Kx' with K a positive integer such as '2x'"] if scalable else [])
+      valid = list(table) + (["'Kx' with K a positive integer such as '2x'"] if scaled else [])
       raise ValueError(f"config variant {p!r} is unknown; valid: {valid} (comma-separated)")
   parts = sorted(parts, key=lambda p: p not in FIRST_VARIANTS)  # stable: the rest keep order
   for p in parts:

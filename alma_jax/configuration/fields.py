@@ -32,6 +32,8 @@ from ml_collections import config_dict
 from alma_jax.errors import ConfigError
 
 _MISSING = object()
+# A variant's value that leaves the field as it is for this data set (`config_lib.apply_variant`).
+KEEP = object()
 
 
 # -- checks: (path, value) -> value, or ConfigError --------------------------------------------
@@ -217,7 +219,7 @@ class Field:
 # -- the declared fields, by path -------------------------------------------------------------
 _DECLARED: dict[str, Field] = {}
 # The modules whose import declares the base fields and the tasks' fields.
-_TABLES = ("alma_jax.configuration.config_lib", "alma_jax.tasks")
+_TABLES = ("alma_jax.configuration.config_lib", "alma_jax.configuration.plugins")
 
 
 def declare(table: Iterable[Field]) -> None:

@@ -5,8 +5,8 @@ For each data set (MNIST, CIFAR-10), method (SM, Ens, UMix, gEns, gMoE, FF) and 
 released code (github.com/facebookresearch/alma; `NOT_RELEASED` where it has none) and where
 each is stated. The value a run of the paper's setting uses (`Setting.value`, `expected`) is the
 paper's, or the released code's where the paper is silent: the rule the defaults follow
-(README, "Fidelity to the paper"). The `paper` variant (`config_lib.IMAGE_VARIANTS`) sets the
-fields whose defaults are not that value; tests/configuration/test_paper_variant.py checks every
+(README, "Fidelity to the paper"). The `paper` variant (`IMAGE_VARIANTS` of
+`alma_jax.configuration.plugins.tasks`) sets the fields whose defaults are not that value; tests/configuration/test_paper_variant.py checks every
 image config file resolved with `:paper` against this table, so the table and the variant are
 written apart and must agree.
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from alma_jax import tasks
 from alma_jax.configuration import fields
+from alma_jax.configuration.plugins import methods as declared
 from alma_jax.errors import ConfigError
 from alma_jax.models import slots
 from alma_jax.state import Learner
@@ -69,7 +70,7 @@ class StageContext:
 count_params = slots.count_params
 
 
-class Method:
+class Method(declared.Declaration):
   """The interface of a method; subclasses implement `init` and `outputs` or `logits` (or
   `loss` and `predict`).
 
@@ -77,10 +78,11 @@ class Method:
   new values, never mutating their inputs.
 
   Class attributes:
-    name: the registry name (`config.method.name`).
-    FIELDS: the method's own config fields (`alma_jax.configuration.fields.Field`, paths
-      under "method."); their checked values are `self.opts.<field name>`.
-      A method whose fields depend on the backbone overrides `fields`.
+    name, FIELDS: the registry name (`config.method.name`) and the method's own config
+      fields (paths under "method."), from its declaration
+      (`alma_jax.configuration.plugins.methods`); their checked values are
+      `self.opts.<field name>`. A method whose fields depend on the backbone overrides
+      `fields` there.
     same_growth_for_every_seed: whether the architecture grows the same way
       for every seed, so that several seeds can share one program
       (`config.num_seeds`).
@@ -92,8 +94,6 @@ class Method:
       replicated. E.g. `(("", ("member",)),)`: every leaf has a member axis.
   """
 
-  name = ""
-  FIELDS: tuple[fields.Field, ...] = ()
   same_growth_for_every_seed = True
   LEAF_AXES: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
@@ -103,12 +103,6 @@ class Method:
     self.num_classes = num_classes
     self.opts = fields.resolve(config, self.fields(config))
     self.task = tasks.for_config(config)  # its loss is the training loss
-
-  @classmethod
-  def fields(cls, config) -> tuple[fields.Field, ...]:
-    """The method's config fields for `config` (by default `FIELDS`)."""
-    del config
-    return cls.FIELDS
 
   def refuse_kept_optimizer_state(self, why: str, when: str = "") -> None:
     """A clear error when `train.keep_optimizer_state` is set for a method whose stages

@@ -55,19 +55,15 @@ import numpy as np
 
 from alma_jax import models
 from alma_jax.configuration import fields as F
+from alma_jax.configuration.plugins import methods as declared
 from alma_jax.methods import base
 from alma_jax.methods.registry import register
 from alma_jax.models import slots as slots_lib
 
 PyTree = Any
-MEMBER_INITS = ("copy", "fresh")
-SLOTS = ("pow2", "exact")  # of `alma_jax.models.slots.POLICIES`
+MEMBER_INITS = declared.MEMBER_INITS
 SLOTS_KEY = "slots"  # model_state[SLOTS_KEY]["active"]: which member slots hold members
 VMAP_CHUNK = 32
-STRATEGY = F.Field("method.strategy", "auto", F.choice(("auto", "loop", "vmap")),
-                   "how members run in a compiled step: vmap, loop, or auto (chosen: see "
-                   "train.autotune; the rule: loop for convolution-heavy backbones on CPU, vmap "
-                   "elsewhere)")
 
 
 def choose_strategy(strategy: str, model_name: str, backend: str | None = None) -> str:
@@ -232,12 +228,8 @@ def add_member(state: base.Learner, key: jax.Array, *, init: str = "fresh", k: i
 
 # -- the methods --------------------------------------------------------------------------------------
 @register
-class Ensemble(base.SingleBackbone, base.Method):
+class Ensemble(declared.Ens, base.SingleBackbone, base.Method):
   """Ens: N independently trained members; the mean of their probabilities."""
-
-  name = "ens"
-  FIELDS = (F.Field("method.num_members", 5, F.integer(1), "N (paper: 5; released code: 3)"),
-            STRATEGY)
 
   @property
   def LEAF_AXES(self):  # pylint: disable=invalid-name
@@ -410,14 +402,8 @@ class Ensemble(base.SingleBackbone, base.Method):
 
 
 @register
-class UniformMixture(Ensemble):
+class UniformMixture(declared.UMix, Ensemble):
   """UMix: one model whose logits are the mean (or sum) of the members' logits."""
-
-  name = "umix"
-  FIELDS = Ensemble.FIELDS + (
-      F.Field("method.combine", "mean", F.choice(("mean", "sum")),
-              "the members' logits are averaged (the paper) or summed (the released code; "
-              "with SGD a sum gives every member N times the gradient)"),)
 
   def num_data_orders(self, structure) -> int:
     del structure
@@ -442,7 +428,7 @@ class UniformMixture(Ensemble):
 
 
 @register
-class GrowingEnsemble(Ensemble):
+class GrowingEnsemble(declared.GEns, Ensemble):
   """gEns: adds `grow_by` members before every stage but the first; trains only those.
 
   The first stage trains the `initial_members` members (paper section 4.2:
@@ -453,23 +439,6 @@ class GrowingEnsemble(Ensemble):
   config.stream.init_from_scratch=True new members are always fresh; old
   members are never retrained, so `reinit` keeps them.
   """
-
-  name = "gens"
-  FIELDS = (F.Field("method.initial_members", 1, F.integer(1),
-                    "members at the start, all trained at the first stage"),
-            F.Field("method.grow_by", 1, F.integer(1),
-                    "k, members added (and trained) before every later stage (paper: 1)"),
-            F.Field("method.new_member", "copy", F.choice(MEMBER_INITS),
-                    "copy (of the last member, which then keeps learning: the released code; "
-                    "the paper's section 6.1 remark on replay fits it) or fresh (a new random "
-                    "network; the paper's section 4.2 does not say which)"),
-            F.Field("method.combine", "probs", F.choice(("probs", "logits")),
-                    "predict the mean of the members' probabilities (the paper) or the softmax "
-                    "of their mean logits (the released code)"),
-            F.Field("method.slots", "pow2", F.choice(SLOTS),
-                    "member slots: pow2 (the next power of two: one compiled structure per "
-                    "power of two of the members) or exact (one per growth)"),
-            STRATEGY)
 
   def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
     super().__init__(config, input_shape, num_classes)

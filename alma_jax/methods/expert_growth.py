@@ -24,40 +24,20 @@ import jax
 import numpy as np
 
 from alma_jax import models
-from alma_jax.configuration import fields as F
+from alma_jax.configuration.plugins import backbones as declared_backbones
 from alma_jax.methods import base
 from alma_jax.tasks import base as task_base
 
-FIELDS = (
-    F.Field("method.initial_experts", 4, F.integer(1), "experts per block at the start"),
-    F.Field("method.grow_by", 2, F.integer(1),
-            "k, experts copied per block at a growth (paper: 2 to 4)"),
-    F.Field("method.grow_schedule", "2,2,4", F.integer_list(1),
-            "k of the first growths, comma-separated; later growths copy `grow_by` "
-            "(paper Table 2: '2,2,4', 4 -> 6 -> 8 -> 12 experts; '': `grow_by` always)"),
-    F.Field("method.grow_every", 1, F.integer(1), "grow before every this many-th stage"),
-    F.Field("method.max_experts", 0, F.integer(0),
-            "never grow beyond this many experts per block (0: no limit)"),
-    F.Field("method.router_noise", 0.0, F.number(0.0, math.inf),
-            "standard deviation of a perturbation of the copies' router columns (0: the "
-            "copy keeps every token's routing and gate)"),
-)
-
-
 def has_own_experts(model_config) -> bool:
   """Whether the backbone of `config.model` declares expert layers of its own."""
-  try:
-    cls = models.get_backbone(model_config.name)
-  except ValueError:
-    return False
-  return callable(getattr(cls, "copy_experts", None))
+  return declared_backbones.own_experts(model_config.name)
 
 
 class OwnExperts:
   """The structure, forward pass and growth of gMoE on a backbone with its own experts.
 
   `method` is the `GrowingMoE` it serves: its config, task, options
-  (`FIELDS` above), input shape and number of classes.
+  (`EXPERT_GROWTH_FIELDS` of its declaration), input shape and number of classes.
   """
 
   def __init__(self, method: base.Method):

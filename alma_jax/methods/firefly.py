@@ -63,7 +63,7 @@ import numpy as np
 import optax
 
 from alma_jax import models
-from alma_jax.configuration import fields as F
+from alma_jax.configuration.plugins import methods as declared
 from alma_jax.methods import base
 from alma_jax.methods.registry import register
 from alma_jax.models import slots as slots_lib
@@ -71,7 +71,6 @@ from alma_jax.models import slots as slots_lib
 PyTree = Any
 Path = tuple[str, ...]
 Layout = models.WidthLayout  # where the growable layers' weights live
-SLOTS = ("pow2", "exact")  # of `alma_jax.models.slots.POLICIES`
 SLOTS_KEY = "slots"  # model_state[SLOTS_KEY]["active"]: one channel mask per growable layer
 
 
@@ -334,41 +333,10 @@ def select(scores: Sequence[dict], n_grow: int) -> tuple[tuple[np.ndarray, ...],
 
 # -- the method ------------------------------------------------------------------------------------
 @register
-class Firefly(base.Method):
+class Firefly(declared.FF, base.Method):
   """One backbone whose layers grow wider before every `grow_every`-th later stage."""
 
-  name = "ff"
   same_growth_for_every_seed = False  # candidates are fitted and scored on each seed's data
-  FIELDS = (
-      F.Field("method.growth_rate", 0.25, F.number(0.0),
-              "neurons added per growth as a fraction of the initial total width (paper B.1: "
-              "0.25; released CIFAR config: 0.6)"),
-      F.Field("method.grow_every", 1, F.integer(1),
-              "grow before every this many-th stage, never before the first"),
-      F.Field("method.num_new", 70, F.integer(0),
-              "K, new-neuron candidates per layer (released code: 70)"),
-      F.Field("method.epsilon", 0.01, F.number(0.0),
-              "split halves get w +- epsilon v, new neurons outgoing weights epsilon b; 0 keeps "
-              "the function exactly (released code: unscaled +-v)"),
-      F.Field("method.split_init", 0.1, F.number(0.0),
-              "split directions start as U(-s, s) (released code: 0.1)"),
-      F.Field("method.new_in_init", 0.1, F.number(0.0),
-              "new neurons' incoming weights start as N(0, s^2) (released code: 0.1)"),
-      F.Field("method.new_out_init", 0.01, F.number(0.0),
-              "new neurons' outgoing weights start as U(-s, s) (released code: 0.01)"),
-      F.Field("method.split_penalty", 1e-2, F.number(0.0),
-              "fit penalty on |v|^2 (released code: 1e-2)"),
-      F.Field("method.new_penalty", 1e-4, F.number(0.0),
-              "fit penalty on the new neurons' |a|^2 (released code: 1e-4)"),
-      F.Field("method.fit_lr", 1e-3, F.number(0.0, open_lo=True),
-              "RMSprop learning rate of the candidate fit (released code: 1e-3)"),
-      F.Field("method.fit_examples", 0, F.integer(0),
-              "fit and score on at most this many of the stage's examples (0: all)"),
-      F.Field("method.slots", "pow2", F.choice(SLOTS),
-              "channel slots of the growable layers: pow2 (each the next power of two of the "
-              "widest layer's width: one compiled structure per power of two) or exact (one "
-              "per growth)"),
-  )
 
   def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
     super().__init__(config, input_shape, num_classes)

@@ -14,7 +14,7 @@ stage's validation data by `split_by`: "loss" (the largest cumulative loss
 of the examples routed through it, weighted by the routing weight; the
 paper) or "usage" (the largest cumulative routing weight; the released
 code). By default it grows about 10 times over the stream.
-The config fields are declared in `GrowingMoE.FIELDS`.
+The config fields are declared in `alma_jax.configuration.plugins.methods.GMoE`.
 
 Compute: soft gating and hard gating in training run every expert. Hard
 gating at test time runs only the chosen expert of each example for the MLP
@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from alma_jax import policies
-from alma_jax.configuration import fields as F
+from alma_jax.configuration.plugins import methods as declared
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
 from alma_jax.methods import expert_growth
@@ -55,9 +55,8 @@ from alma_jax.methods.registry import register
 from alma_jax.models import moe
 from alma_jax.models import slots as slots_lib
 
-GATINGS = ("soft", "hard")
-SPLIT_BY = ("loss", "usage")
-SLOTS = slots_lib.POLICIES
+SPLIT_BY = declared.SPLIT_BY
+SLOTS = declared.SLOT_POLICIES
 
 
 def gating_tree(learner: base.Learner, layer: int) -> dict:
@@ -223,44 +222,12 @@ def active_view(learner: base.Learner) -> base.Learner:
 
 # -- the method ------------------------------------------------------------------------------------
 @register
-class GrowingMoE(base.Method):
+class GrowingMoE(declared.GMoE, base.Method):
   """Tree-gated mixture of experts that splits its losing expert after each stage."""
 
-  name = "gmoe"
   same_growth_for_every_seed = False  # splits follow each seed's data
   # The stacked experts of a mixture layer and their BatchNorm statistics.
   LEAF_AXES = ((r"\['experts'\]", ("expert",)), (r"\['batch_stats'\]\['mix\d+'\]", ("expert",)))
-  FIELDS = (
-      F.Field("method.gating", "soft", F.choice(GATINGS),
-              "soft (weighted sum over all experts) or hard (one expert per example: sampled "
-              "with a straight-through gradient in training, greedy at test time)"),
-      F.Field("method.tree", True, F.boolean(),
-              "binary gating tree (function-preserving splits); False: one flat softmax gate"),
-      F.Field("method.grow", True, F.boolean(),
-              "False: a fixed MoE with initial_experts experts per layer"),
-      F.Field("method.initial_experts", 1, F.integer(1),
-              "experts per layer at the start (paper: 1; released code: 2)"),
-      F.Field("method.grow_every", 0, F.integer(0),
-              "grow before every this many-th stage; 0: about 10 growths over the stream "
-              "(every max(1, stages // 10) stages, of the stages the waiting policy plans; "
-              "the released runs reach 6-11 experts); the paper and the released config: 1"),
-      F.Field("method.split_by", "loss", F.choice(SPLIT_BY),
-              "the expert to split: largest routed validation loss (paper) or usage "
-              "(released code)"),
-      F.Field("method.gate_pool", 4, F.integer(1),
-              "side of the average pool of a VGG block's gate input"),
-      F.Field("method.max_experts", 0, F.integer(0),
-              "stop splitting a layer at this many experts (0: no limit)"),
-      F.Field("method.slots", "pow2", F.choice(SLOTS),
-              "expert slots a layer is allocated in: pow2 (the next power of two: one "
-              "compiled structure per power of two), max (max_experts slots from the start: "
-              "one structure) or exact (no padding: one structure per split)"),
-  )
-
-  @classmethod
-  def fields(cls, config) -> tuple[F.Field, ...]:
-    """`FIELDS`, or those of `expert_growth` on a backbone with experts of its own."""
-    return expert_growth.FIELDS if expert_growth.has_own_experts(config.model) else cls.FIELDS
 
   def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
     super().__init__(config, input_shape, num_classes)

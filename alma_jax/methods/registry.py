@@ -7,8 +7,8 @@ the method it stands for.
 
 from __future__ import annotations
 
-from alma_jax import tasks
 from alma_jax.configuration import fields
+from alma_jax.configuration import plugins
 from alma_jax.errors import ConfigError
 
 _REGISTRY: dict[str, type] = {}
@@ -18,18 +18,19 @@ def register(cls: type) -> type:
   """Class decorator: makes a method available under `cls.name`."""
   if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
     raise ValueError(f"method name {cls.name!r} registered twice")
+  plugins.declare_method(cls)
   _REGISTRY[cls.name] = cls
   return cls
 
 
 def names() -> list[str]:
   """The valid `config.method.name` values: the methods and the tasks' aliases of them."""
-  return sorted(set(_REGISTRY) | set(tasks.method_aliases()))
+  return sorted(set(_REGISTRY) | set(plugins.method_aliases()))
 
 
 def get(name: str) -> type:
   """The method class registered under `name` (or under the method an alias stands for)."""
-  alias = tasks.method_aliases().get(name)
+  alias = plugins.method_aliases().get(name)
   if alias is not None:
     name = alias[0]
   if name not in _REGISTRY:
@@ -38,8 +39,8 @@ def get(name: str) -> type:
 
 
 def fields_for(config) -> tuple[fields.Field, ...]:
-  """The config fields of `config`'s method (`Method.fields`)."""
-  return get(config.method.name).fields(config)
+  """The config fields of `config`'s method (its declaration's `fields`)."""
+  return plugins.method_fields(config)
 
 
 def make(config, input_shape, num_classes):

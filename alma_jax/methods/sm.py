@@ -10,15 +10,14 @@ from typing import Hashable
 
 import jax
 
+from alma_jax.configuration.plugins import methods as declared
 from alma_jax.methods import base
 from alma_jax.methods.registry import register
 
 
 @register
-class SingleModel(base.SingleBackbone, base.Method):
+class SingleModel(declared.SM, base.SingleBackbone, base.Method):
   """One backbone trained by the configured optimizer on every stage."""
-
-  name = "sm"
 
   def init(self, key: jax.Array, structure: Hashable | None = None) -> base.Learner:
     del structure

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import flax.linen as nn
 
+from alma_jax.configuration.plugins import backbones as declared_backbones
 from alma_jax.errors import ConfigError
 
 Path = tuple[str, ...]
@@ -118,6 +119,9 @@ def register(backbone: BackboneSpec) -> BackboneSpec:
   """Makes `backbone` available as `config.model.name=backbone.name`; returns it."""
   if backbone.name in BACKBONES and BACKBONES[backbone.name] is not backbone:
     raise ValueError(f"backbone name {backbone.name!r} registered twice")
+  cls = getattr(backbone.build, "__self__", backbone.build)
+  declared_backbones.declare(backbone.name, declared_backbones.Backbone(
+      tuple(backbone.tasks), own_experts=callable(getattr(cls, "copy_experts", None))))
   BACKBONES[backbone.name] = backbone
   return backbone
 

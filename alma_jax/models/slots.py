@@ -31,8 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from alma_jax.configuration.plugins import methods as declared_methods
+
 PyTree = Any
-POLICIES = ("pow2", "max", "exact")
+POLICIES = declared_methods.SLOT_POLICIES
 
 
 def next_power_of_two(n: int) -> int:

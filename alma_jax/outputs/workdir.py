@@ -20,6 +20,7 @@ from typing import Any, Sequence
 from absl import logging
 
 from alma_jax.configuration import config_lib
+from alma_jax.configuration import fields as F
 from alma_jax.errors import ConfigError
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import tensorboard
@@ -252,7 +253,7 @@ def added_field_at_default(path: str, value: Any, config: dict) -> bool:
   if path not in config_lib.ADDED_FIELDS:
     return False
   dataset = config.get("data", {}).get("name", "")
-  return value == config_lib.BASE_FIELDS_BY_PATH[path].default_for(dataset)
+  return value == F.declared(path).default_for(dataset)
 
 
 def config_diff(old: dict, new: dict, ignore: Sequence[str] | None = None) -> list[str]:

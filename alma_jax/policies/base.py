@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from alma_jax.configuration import fields as F
+from alma_jax.configuration import plugins
+from alma_jax.configuration.plugins import policies as declared
 from alma_jax.errors import ConfigError
 
 PyTree = Any
@@ -24,7 +26,7 @@ PyTree = Any
 REINIT_KEY, GROWTH_KEY, FIRST_FREE_KEY = 1, 2, 5
 
 
-class StagePolicy:
+class StagePolicy(declared.Declaration):
   """How a learner starts a training stage; its one hook in the loop is `start_stage`.
 
   The loop calls `start_stage` at every stage, for every learner of the
@@ -36,10 +38,9 @@ class StagePolicy:
   `fresh_trained_units` re-initialises what a stage trains and nothing else.
 
   Class attributes:
-    name: the registry name (`config.stream.warm_start`).
+    name, FIELDS: the registry name (`config.stream.warm_start`) and the config fields the
+      policy reads, from its declaration (`alma_jax.configuration.plugins.policies`).
   """
-
-  name = ""
 
   def __init__(self, config):
     self.config = config
@@ -115,7 +116,7 @@ class Probe(Protocol):
     `learner`."""
 
 
-class WaitPolicy:
+class WaitPolicy(declared.Declaration):
   """When the learner trains: at the time steps t >= 1 where `trains_at(t, state)` holds.
 
   A stage trains on the mega-batches that arrived since the previous stage
@@ -126,15 +127,13 @@ class WaitPolicy:
   record fields after the stage (`stage_fields`).
 
   Class attributes:
-    name: the registry name (`config.stream.wait_policy`).
-    fields: the config fields (dotted paths below `config`) that the policy reads; every
+    name, FIELDS: the registry name (`config.stream.wait_policy`) and the config fields the
+      policy reads, from its declaration (`alma_jax.configuration.plugins.policies`); every
       other policy's fields must stay at their defaults.
     same_times_for_every_seed: whether every seed of a population trains at the same times
       (False: the seeds are separate runs, `config.num_seeds` = 1).
   """
 
-  name = ""
-  fields: tuple[str, ...] = ()
   same_times_for_every_seed = True
 
   def __init__(self, config):
@@ -182,6 +181,7 @@ def register(cls: type) -> type:
     raise ValueError(f"policy {cls.__name__} has no name")
   if _REGISTRY[kind].get(cls.name, cls) is not cls:
     raise ValueError(f"policy name {cls.name!r} registered twice")
+  plugins.declare_policy(cls, stage=kind is StagePolicy)
   _REGISTRY[kind][cls.name] = cls
   return cls
 
@@ -238,11 +238,12 @@ def check_wait(config, default: Callable[[str], Any]) -> None:
     if s.wait != 1:
       raise ConfigError(f"config.stream.wait={s.wait} is read only by config.stream."
                         f"wait_policy='fixed', not {name!r}; leave it at 1")
-  others = sorted({f for c in _REGISTRY[WaitPolicy].values() for f in c.fields} - set(cls.fields))
+  others = sorted({f for c in _REGISTRY[WaitPolicy].values() for f in c.paths()}
+                  - set(cls.paths()))
   for path in others:
     value = config.get(path.split(".")[0]).get(path.split(".")[1], default(path))
     if value != default(path):
-      users = [c.name for c in _REGISTRY[WaitPolicy].values() if path in c.fields]
+      users = [c.name for c in _REGISTRY[WaitPolicy].values() if path in c.paths()]
       raise ConfigError(f"config.{path}={value!r} is read only by config.stream.wait_policy="
                         f"{users[0] if len(users) == 1 else users}, not {name!r}; set it, or "
                         f"leave the field at {default(path)!r}")

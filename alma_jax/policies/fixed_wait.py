@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+from alma_jax.configuration.plugins import policies as declared
 from alma_jax.policies import schedule
 from alma_jax.policies.base import WaitPolicy, register
 
 
 @register
-class FixedWait(WaitPolicy):
+class FixedWait(declared.FixedWait, WaitPolicy):
   """fixed (the paper's setting): the learner waits w = `config.stream.wait` mega-batches
   between updates, training at t = w, 2w, ..., B."""
 
-  name = "fixed"
 
   def trains_at(self, t: int, state) -> bool:
     del state

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 
+from alma_jax.configuration.plugins import policies as declared
 from alma_jax.errors import ConfigError
 from alma_jax.policies.base import Decision, WaitPolicy, register
 
@@ -56,11 +57,9 @@ def geometric_times(num_megabatches: int, w0: float, ratio: float) -> list[int]:
 
 
 @register
-class GeometricWait(WaitPolicy):
+class GeometricWait(declared.Geometric, WaitPolicy):
   """geometric: trains at t_k = ceil(w0 * r^k) (see the module docstring)."""
 
-  name = "geometric"
-  fields = ("stream.geometric_w0", "stream.geometric_ratio")
 
   @classmethod
   def check(cls, config) -> None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import jax
 
+from alma_jax.configuration.plugins import policies as declared
 from alma_jax.policies.base import REINIT_KEY, StagePolicy, register
 
 
 @register
-class Scratch(StagePolicy):
+class Scratch(declared.Scratch, StagePolicy):
   """scratch: every stage trains freshly initialised parameters, with a fresh optimizer state.
 
   The method grows first, on the learner as the previous stage left it (so
@@ -30,7 +31,6 @@ class Scratch(StagePolicy):
   values, and the frozen members stay untouched.
   """
 
-  name = "scratch"
 
   def start_stage(self, method, learner, key: jax.Array, ctx, opt_state):
     del opt_state  # a fresh optimizer state

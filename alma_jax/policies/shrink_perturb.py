@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from alma_jax.configuration.plugins import policies as declared
 from alma_jax.policies.base import REINIT_KEY, StagePolicy, register
 
 
@@ -33,10 +34,9 @@ def mix(learnt, fresh, lam: float, sigma: float):
 
 
 @register
-class ShrinkPerturb(StagePolicy):
+class ShrinkPerturb(declared.ShrinkPerturb, StagePolicy):
   """shrink_perturb: x <- stream.shrink * x + stream.perturb * x_fresh before each stage."""
 
-  name = "shrink_perturb"
 
   def start_stage(self, method, learner, key: jax.Array, ctx, opt_state):
     s = self.config.stream

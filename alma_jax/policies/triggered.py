@@ -36,17 +36,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from alma_jax.configuration.plugins import policies as declared
 from alma_jax.errors import ConfigError
 from alma_jax.policies.base import Decision, WaitPolicy, register
 
 
 @register
-class TriggeredWait(WaitPolicy):
+class TriggeredWait(declared.Triggered, WaitPolicy):
   """triggered: trains when the new data's error or the unseen share calls for it."""
 
-  name = "triggered"
-  fields = ("stream.trigger_margin", "stream.trigger_fraction", "stream.trigger_min_wait",
-            "stream.trigger_max_wait")
   same_times_for_every_seed = False
 
   @classmethod

@@ -1,7 +1,7 @@
 """Checks of a run's inputs before any training, with one-line error messages.
 
 `validate(config)` checks every declared field (`alma_jax.configuration.config_lib.
-BASE_FIELDS`, the method's fields and the task's), the rules that tie fields
+base_fields`, the method's fields and the task's), the rules that tie fields
 together (the task's among them: `alma_jax.tasks.check`), and builds the
 optimizer and (where the task knows the input shape without loading the data)
 the method, so their own checks run too; it also makes sure the task's data
@@ -22,6 +22,7 @@ from alma_jax import policies
 from alma_jax import tasks
 from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields
+from alma_jax.configuration import plugins
 from alma_jax.engine import optim
 from alma_jax.engine import sharding
 from alma_jax.errors import ConfigError
@@ -40,8 +41,7 @@ OPTIMIZER_KWARG_CHECKS = {
 def _check_rules(config) -> None:
   """The checks that tie several fields together."""
   dataset = fields.lookup(config, "data.name", "")
-  policies.check_wait(config,
-                      lambda p: config_lib.BASE_FIELDS_BY_PATH[p].default_for(dataset))
+  policies.check_wait(config, lambda p: fields.declared(p).default_for(dataset))
   if (fields.lookup(config, "train.stage_program", "auto") == "whole"
       and not tasks.task_class(config).right_or_wrong()):
     raise ConfigError(f"config.train.stage_program='whole' needs a task whose examples are "
@@ -86,8 +86,9 @@ def value_error(path: str, value) -> str | None:
   method field; None when the value passes, the path is not declared, or the methods that
   declare it check it differently.
   """
-  declared = (config_lib.BASE_FIELDS + tasks.text.FIELDS
-              + tuple(f for m in methods.names() for f in methods.get(m).FIELDS))
+  declared = (config_lib.base_fields()
+              + tuple(f for t in plugins.TASKS.values() for f in t.FIELDS)
+              + tuple(f for m in plugins.METHODS.values() for f in m.FIELDS))
   checks = [f.check for f in declared if f.path == path]
   prefix = "optimizer.kwargs."
   if path.startswith(prefix) and path[len(prefix):] in OPTIMIZER_KWARG_CHECKS:
@@ -108,7 +109,7 @@ def validate(config):
 
   Returns the config completed with the defaults of the fields it lacks.
   """
-  fields.check_all(config, config_lib.BASE_FIELDS)
+  fields.check_all(config, config_lib.base_fields())
   config = complete(config)
   task = tasks.task_class(config)
   fields.check_all(config, methods.fields_for(config))
@@ -150,7 +151,7 @@ def complete(config):
   c = config.copy_and_resolve_references()
   with c.unlocked():
     dataset = fields.lookup(c, "data.name", "")
-    fields.fill(c, config_lib.BASE_FIELDS, dataset, overwrite=False)
+    fields.fill(c, config_lib.base_fields(), dataset, overwrite=False)
     fields.value(c, config_lib.BASE_FIELDS_BY_PATH["method.name"])  # a known name
     task = tasks.task_class(c)
     fields.fill(c, methods.fields_for(c), dataset, overwrite=False)

@@ -7,16 +7,14 @@ summaries and log lines. The loop, the stage, the compiled steps and the
 methods see nothing else of the data, so a new kind of data is a new task
 (one file, `register`ed), not a change of the loop or of a method.
 
-The task of a config follows its data: the first registered task that claims
-it (`Task.claims`: `data.name` in its `DATASETS`, or a `data.text_file` for
-text); else the task that a method alias stands for (`Task.METHOD_ALIASES`,
-e.g. `lm_sm`); else the one task its backbone serves (`BackboneSpec.tasks`); else
-images.
+The task of a config follows its data, its method alias or its backbone
+(`alma_jax.configuration.plugins.task`, which reads the tasks' declarations
+without importing them).
 """
 
 from __future__ import annotations
 
-from alma_jax.configuration import fields
+from alma_jax.configuration import plugins
 from alma_jax.errors import ConfigError
 from alma_jax.tasks import base
 from alma_jax.tasks import images
@@ -25,7 +23,7 @@ from alma_jax.tasks.base import Task
 from alma_jax.tasks.images import ImageTask
 from alma_jax.tasks.text import TextTask
 
-DEFAULT = "images"
+DEFAULT = plugins.DEFAULT_TASK
 TASKS: dict[str, type] = {}
 
 
@@ -33,8 +31,8 @@ def register(cls: type) -> type:
   """Makes task class `cls` available under `cls.name` (a class decorator)."""
   if cls.name in TASKS and TASKS[cls.name] is not cls:
     raise ValueError(f"task name {cls.name!r} registered twice")
+  plugins.declare_task(cls)
   TASKS[cls.name] = cls
-  fields.declare(cls.FIELDS)
   return cls
 
 
@@ -42,23 +40,12 @@ register(ImageTask)
 register(TextTask)
 
 
-def method_aliases() -> dict[str, tuple[str, str]]:
-  """{method alias: (the method's name, the task's name)} over the registered tasks."""
-  return {alias: (method, cls.name) for cls in TASKS.values()
-          for alias, method in cls.METHOD_ALIASES.items()}
+method_aliases = plugins.method_aliases
 
 
 def task_class(config) -> type:
   """The task class of `config` (see the module docstring)."""
-  for cls in TASKS.values():
-    if cls.claims(config):
-      return cls
-  alias = method_aliases().get(fields.lookup(config, "method.name", ""))
-  if alias is not None:
-    return TASKS[alias[1]]
-  model = fields.lookup(config, "model.name", "")
-  serving = [cls for cls in TASKS.values() if model in base.backbones(cls)]
-  return serving[0] if len(serving) == 1 else TASKS[DEFAULT]
+  return TASKS[plugins.task(config).name]
 
 
 def for_config(config) -> Task:

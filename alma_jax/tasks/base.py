@@ -12,8 +12,9 @@ task (`Method.task`) for the loss, so one method class serves every task.
 
 `Task` is a classification task with defaults for all of this; a new kind of
 data subclasses it in one file and registers it (`alma_jax.tasks.register`).
-The task of a run follows its data (`DATASETS`, `claims`), else its backbone
-(`backbones`: those whose `BackboneSpec.tasks` names the task).
+What a config needs of a task (its fields, variants, and which configs are
+its) is its declaration (`alma_jax.configuration.plugins.tasks`), the base
+class of `Task` and of each built-in task's class.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from flax import struct
 
 from alma_jax import models
 from alma_jax.configuration import fields
+from alma_jax.configuration import plugins
+from alma_jax.configuration.plugins import tasks as declared
 from alma_jax.data import images
 from alma_jax.errors import ConfigError
 
@@ -122,29 +125,20 @@ class ArrayData:
     return self.num_train if split == "train" else int(self.y.shape[0]) - self.num_train
 
 
-class Task:
+class Task(declared.Declaration):
   """Classification of examples by their most probable class; the base of every task.
 
   Class attributes:
-    name: the registry name (`alma_jax.tasks.TASKS`).
-    FIELDS: config fields the task adds to the base fields (`alma_jax.configuration.fields.Field`).
-    DATASETS: `config.data.name` values that are this task's data.
-    BACKBONES: `config.model.name` values that serve this task besides the backbones
-      whose spec names it (`BackboneSpec.tasks`); for a backbone registered without it.
+    name, FIELDS, DATASETS, BACKBONES, METHOD_ALIASES, VARIANTS and the class methods
+      `claims`, `defaults` and `complete`: what a config needs of the task, from its
+      declaration (`alma_jax.configuration.plugins.tasks.Declaration`).
     SUMMARY_STATS: the summary fields of its own that the report's table shows:
       (summary field, column title, format).
-    METHOD_ALIASES: method names that stand for a method on this task:
-      {alias: `config.method.name` of the method}.
     input_dtype: the dtype of the model inputs (what a backbone is initialised
       with).
   """
 
-  name = ""
-  FIELDS: tuple[fields.Field, ...] = ()
-  DATASETS: tuple[str, ...] = ()
-  BACKBONES: tuple[str, ...] = ()
   SUMMARY_STATS: tuple[tuple[str, str, str], ...] = ()
-  METHOD_ALIASES: dict[str, str] = {}
   input_dtype = np.float32
 
   @classmethod
@@ -153,21 +147,6 @@ class Task:
     return cls()
 
   # -- config -------------------------------------------------------------------------------
-  @classmethod
-  def claims(cls, config) -> bool:
-    """Whether the data of `config` is this task's."""
-    return fields.lookup(config, "data.name", "") in cls.DATASETS
-
-  @classmethod
-  def defaults(cls, c) -> None:
-    """Sets the base fields of a new config to this task's settings (in place)."""
-    del c
-
-  @classmethod
-  def complete(cls, c) -> None:
-    """Derives fields of a completed config from others (in place; idempotent)."""
-    del c
-
   @classmethod
   def check(cls, config) -> None:
     """The checks of the task's fields that tie several fields together."""
@@ -271,15 +250,9 @@ class Task:
     return ""
 
 
-def backbones(cls: type) -> list[str]:
-  """The backbones that serve task class `cls`: those whose `BackboneSpec.tasks` names it
-  (`alma_jax.models`), and those the class lists itself (`BACKBONES`)."""
-  return sorted(set(models.names(lambda s: cls.name in s.tasks)) | set(cls.BACKBONES))
-
-
 def check_backbone(cls: type, config) -> None:
   """That `config.model.name` is one of the backbones of task class `cls`."""
   name = config.model.name
-  if name not in backbones(cls):
+  if name not in plugins.backbones_of(cls):
     raise ConfigError(f"config.model.name={name!r} cannot model {cls.name}; valid values: "
-                      f"{backbones(cls)}")
+                      f"{plugins.backbones_of(cls)}")

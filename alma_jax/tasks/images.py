@@ -17,13 +17,12 @@ from flax import struct
 
 from alma_jax.data import augment
 from alma_jax.data import images
+from alma_jax.configuration.plugins import tasks as declared
 from alma_jax.tasks import base
 
 # Input shape and number of classes of common data sets, so that a method can be constructed
 # (and check its fields) before the data is loaded.
-KNOWN_SHAPES = {"mnist": ((28, 28, 1), 10), "fashion_mnist": ((28, 28, 1), 10),
-                "kmnist": ((28, 28, 1), 10), "cifar10": ((32, 32, 3), 10),
-                "cifar100": ((32, 32, 3), 100)}
+KNOWN_SHAPES = declared.KNOWN_SHAPES
 
 
 @struct.dataclass
@@ -87,11 +86,8 @@ def load_data(config, seeds: list[int]):
   return (dataclasses.replace(ds, **changes) if changes else ds), subsets
 
 
-class ImageTask(base.Task):
+class ImageTask(declared.Images, base.Task):
   """Classification of images by argmax, trained with optional crop+flip augmentation."""
-
-  name = "images"
-  DATASETS = tuple(KNOWN_SHAPES)
 
   def __init__(self, augmentation: str = "none"):
     if augmentation not in augment.AUGMENTATIONS:

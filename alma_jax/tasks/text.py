@@ -10,14 +10,13 @@ mean token NLL (perplexity = exp(NLL), capped at `MAX_PERPLEXITY`). The training
 is the mean token cross-entropy plus `config.model.balance_weight` times the
 backbone's load-balancing loss (`aux["balance"]`, summed over its blocks).
 
-`FIELDS` are the config fields of the text setting (data, the Switch
-Transformer, fixed-step stages, the learning-rate schedule, the i.i.d.
-ablation); `TextTask.defaults` sets the base fields that differ from the image
-settings (paper section 5 and Appendix B.2). The text is the task of a run
-whose data is text (`data.text_file`, or `data.name` in `TextTask.DATASETS`),
-whose backbone is the Switch Transformer, or whose method is one of the names
-`lm_sm`, `lm_ens`, `lm_gens` and `lm_gmoe` (`TextTask.METHOD_ALIASES`: SM,
-Ens, gEns and gMoE on text, the names of the language-model configs).
+The config fields of the text setting (data, the Switch Transformer,
+fixed-step stages, the learning-rate schedule, the i.i.d. ablation), the base
+fields it sets (paper section 5 and Appendix B.2), its variants and which
+configs are text (`data.text_file`, `data.name` in its data sets, the Switch
+Transformer as backbone, or one of the method names `lm_sm`, `lm_ens`,
+`lm_gens` and `lm_gmoe`: SM, Ens, gEns and gMoE on text) are declared in
+`alma_jax.configuration.plugins.tasks.Text`, the base of `TextTask`.
 """
 
 from __future__ import annotations
@@ -35,12 +34,11 @@ from flax import struct
 from alma_jax import models
 from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields as F
+from alma_jax.configuration.plugins import tasks as declared
 from alma_jax.data import text as text_data
 from alma_jax.errors import ConfigError
-from alma_jax.models import switch
 from alma_jax.tasks import base
 
-SCHEDULES = ("constant", "warmup_linear")
 # A record's perplexity is at most this: exp of a huge (finite) NLL overflows a float, and a capped
 # value stays finite in JSON and in the summary's sums and standard deviations.
 MAX_PERPLEXITY = 1e30
@@ -48,63 +46,6 @@ MAX_PERPLEXITY = 1e30
 # Base fields of image backbones that the Switch Transformer does not read, with their defaults
 # (`alma_jax.configuration.config_lib.BASE_FIELDS`): a text config that sets another value is refused.
 IMAGE_MODEL_FIELDS = {"model.width": 64, "model.init": "lecun", "model.conv_impl": "auto"}
-
-FIELDS = (
-    F.Field("data.text_file", None, F.optional_path(),
-            "a UTF-8 text file to model instead of the tfds data set data.name (its last "
-            "data.test_fraction is the test text)"),
-    F.Field("data.bpe_dir", None, F.optional_path(),
-            "folder of GPT-2's encoder.json and vocab.bpe (None: $ALMA_JAX_BPE_DIR)"),
-    F.Field("data.text_feature", "text", F.text("a feature name"),
-            "the text feature of the tfds data set"),
-    F.Field("data.test_fraction", 0.1, F.number(0.0, 1.0, open_lo=True, open_hi=True),
-            "the test share of a data.text_file"),
-    F.Field("data.seq_len", 512, F.integer(2), "L, tokens per sequence (paper: 512)"),
-    F.Field("model.preset", "base", F.choice(tuple(switch.PRESETS)),
-            "Switch Transformer size: base (6 layers, d=512, d_ff=2048, a mixture in every other "
-            "block: 39M shared + 6.3M per expert), large (12, d=768, d_ff=3072: 96M + 28M) or "
-            "tiny (CPU)"),
-    F.Field("model.num_layers", 0, F.integer(0), "blocks (0: the preset's)"),
-    F.Field("model.dim", 0, F.integer(0), "model dimension d (0: the preset's)"),
-    F.Field("model.num_heads", 0, F.integer(0), "attention heads (0: the preset's)"),
-    F.Field("model.ffn_dim", 0, F.integer(0),
-            "hidden units of an expert and of a dense feed-forward layer (0: the preset's)"),
-    F.Field("model.moe_every", 0, F.integer(0),
-            "a mixture of experts in every this many-th block, dense feed-forward layers in the "
-            "others (0: the preset's: 2 for base and large, as in Switch Transformers; 1 for "
-            "tiny)"),
-    F.Field("model.dropout", 0.0, F.number(0.0, 1.0, open_hi=True),
-            "dropout rate in training, on the embeddings and the output of every attention and "
-            "feed-forward layer (the paper tunes it on the validation set)"),
-    F.Field("model.num_experts", 4, F.integer(1), "E, experts per block (paper: 4, 8, 12)"),
-    F.Field("model.capacity_factor", 1.0, F.number(0.0, math.inf, open_lo=True),
-            "expert capacity in training, in multiples of tokens / E (paper: 1.0)"),
-    F.Field("model.eval_capacity_factor", 2.0, F.number(0.0, math.inf),
-            "expert capacity at evaluation (0: no limit)"),
-    F.Field("model.balance_weight", 0.01, F.number(0.0, math.inf),
-            "weight of the load-balancing loss (paper: 0.01)"),
-    F.Field("train.steps_per_epoch", 0, F.integer(0),
-            "> 0: an epoch is exactly this many steps over reshuffled stage data (the paper's "
-            "fixed steps per mega-batch); 0: one pass over the stage data"),
-    F.Field("optimizer.schedule", "constant", F.choice(SCHEDULES),
-            "learning rate: constant, or warmup_linear (linear warm-up over "
-            "optimizer.warmup_steps, then linear decay to 0 at the end of the stage)"),
-    F.Field("optimizer.warmup_steps", 0, F.integer(0), "warm-up steps of warmup_linear"),
-    F.Field("stream.iid", False, F.boolean(),
-            "train once, at t=B, on the union of all B mega-batches with B times the steps "
-            "(Table 1's i.i.d. counterpart of a run with wait 1)"),
-)
-
-
-def expand_iid(c) -> None:
-  """`stream.iid` with wait 1 -> wait B and B times the steps per epoch (in place; a no-op
-  once expanded, so applying it twice is the same as once)."""
-  s = c.stream
-  if F.get(s, "stream.iid") is True and s.wait == 1 and s.num_megabatches > 1:
-    b = s.num_megabatches
-    s.wait = b
-    if F.get(c.train, "train.steps_per_epoch"):
-      c.train.steps_per_epoch = int(c.train.steps_per_epoch) * b
 
 
 @struct.dataclass
@@ -128,15 +69,11 @@ def _corpus(config, bpe_folder: str | None) -> dict:
           "test_fraction": d.test_fraction}
 
 
-class TextTask(base.Task):
+class TextTask(declared.Text, base.Task):
   """Next-token prediction on sequences of L + 1 tokens."""
 
-  name = "text"
-  FIELDS = FIELDS
-  DATASETS = ("tiny_shakespeare",)
   SUMMARY_STATS = (("final_perplexity", "final perplexity", "{:.2f}"),
                    ("mean_perplexity", "mean perplexity", "{:.2f}"))
-  METHOD_ALIASES = {"lm_sm": "sm", "lm_ens": "ens", "lm_gens": "gens", "lm_gmoe": "gmoe"}
   input_dtype = np.int32
 
   def __init__(self, seq_len: int, balance_weight: float = 0.01):
@@ -151,31 +88,6 @@ class TextTask(base.Task):
     return cls(config.data.seq_len, F.get(config.model, "model.balance_weight"))
 
   # -- config -------------------------------------------------------------------------------
-  @classmethod
-  def claims(cls, config) -> bool:
-    return bool(F.lookup(config, "data.text_file", None)) or super().claims(config)
-
-  @classmethod
-  def defaults(cls, c) -> None:
-    """Sets the base fields of a text config to the paper's language-model settings."""
-    c.model.name = "switch"
-    c.optimizer.name = "adam"
-    c.optimizer.kwargs = {"learning_rate": 5e-4, "b1": 0.9, "b2": 0.98, "eps": 1e-8}
-    c.optimizer.weight_decay = 0.0
-    c.optimizer.schedule = "warmup_linear"
-    c.optimizer.warmup_steps = 4000
-    c.stream.num_megabatches = 4
-    c.stream.wait = 1
-    c.stream.val_fraction = 0.01
-    c.train.batch_size = 192
-    c.train.eval_batch_size = 16
-    c.train.epochs = 1
-    c.train.patience = 1
-    c.train.steps_per_epoch = 120000
-    c.train.augment = "none"
-
-  complete = staticmethod(expand_iid)
-
   @classmethod
   def check(cls, config) -> None:
     """The checks of a text config that tie fields together."""

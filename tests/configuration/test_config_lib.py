@@ -10,8 +10,14 @@ import sys
 import ml_collections
 import pytest
 
+from alma_jax import methods
+from alma_jax import models
+from alma_jax import policies
+from alma_jax import tasks
 from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields as F
+from alma_jax.configuration import plugins
+from alma_jax.configuration.plugins import backbones as declared_backbones
 from alma_jax.errors import ConfigError
 from tests import helpers
 
@@ -30,6 +36,53 @@ def test_every_config_file_loads_without_jax():
   proc = subprocess.run([sys.executable, "-c", _LOAD_ALL], cwd=helpers.ROOT, capture_output=True,
                         text=True, check=True, env=dict(os.environ, PYTHONPATH=helpers.ROOT))
   assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+_BUILD_ALL = """
+import glob, json, runpy, sys
+built = 0
+for path in sorted(glob.glob("configs/**/*.py", recursive=True)):
+  get_config = runpy.run_path(path)["get_config"]
+  variants = ["", "smoke", "quick"] + (["paper"] if "/lm_" not in path else ["base", "iid", "2x"])
+  for variant in (variants if "bench/" not in path else ["", "smoke"]):
+    get_config(variant)
+    built += 1
+print(json.dumps([built, sorted(m for m in sys.modules if m.split(".")[0] in (
+    "jax", "jaxlib", "flax", "optax", "tensorflow"))]))
+"""
+
+
+def test_every_config_file_builds_its_configs_without_jax():
+  """get_config() of every config file and variant takes the tasks' and methods' fields from
+  their declarations, importing no model code."""
+  proc = subprocess.run([sys.executable, "-c", _BUILD_ALL], cwd=helpers.ROOT, capture_output=True,
+                        text=True, check=True, env=dict(os.environ, PYTHONPATH=helpers.ROOT))
+  built, heavy = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert built > 60 and heavy == []
+
+
+def test_the_registries_and_the_declarations_agree():
+  """Every registered task, method and backbone is declared, by its own class or a base of it,
+  with the same facts; and every declaration is registered."""
+  assert set(plugins.TASKS) == set(tasks.TASKS)
+  for name, cls in tasks.TASKS.items():
+    assert plugins.TASKS[name] is cls
+  assert set(plugins.METHODS) == set(methods.registry._REGISTRY)  # pylint: disable=protected-access
+  for name in plugins.METHODS:
+    assert issubclass(methods.get(name), plugins.METHODS[name])
+  registered = policies.base._REGISTRY  # pylint: disable=protected-access
+  for table, kind in ((plugins.STAGE_POLICIES, policies.StagePolicy),
+                      (plugins.WAIT_POLICIES, policies.WaitPolicy)):
+    assert set(table) == set(registered[kind])
+    for name, cls in registered[kind].items():
+      assert issubclass(cls, table[name])
+  assert set(declared_backbones.BACKBONES) == set(models.BACKBONES)
+  for name, spec in models.BACKBONES.items():
+    cls = models.get_backbone(name)
+    assert declared_backbones.BACKBONES[name] == declared_backbones.Backbone(
+        spec.tasks, own_experts=callable(getattr(cls, "copy_experts", None)))
+  with pytest.raises(ValueError, match="backbone 'mlp' is declared as"):
+    declared_backbones.declare("mlp", declared_backbones.Backbone(("text",)))
 
 
 def test_the_schema_module_imports_nothing_heavy():

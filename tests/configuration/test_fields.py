@@ -101,7 +101,7 @@ def test_resumable_fields_are_those_declared_resumable():
 def test_field_table_names_every_declared_field():
   with open(os.path.join(ROOT, "docs", "fields.md")) as f:
     readme = f.read()
-  declared = [f.path for f in config_lib.BASE_FIELDS]
+  declared = [f.path for f in config_lib.base_fields()]
   for name in methods.names():
     for dataset in ("mnist", "tiny_shakespeare"):  # some fields depend on the backbone
       declared += [f.path for f in methods.fields_for(config_lib.base_config(dataset, name))]

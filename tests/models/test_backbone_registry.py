@@ -10,6 +10,7 @@ import pytest
 
 from alma_jax import methods
 from alma_jax import models
+from alma_jax.configuration.plugins import backbones as declared_backbones
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
 from alma_jax.methods import ensemble
@@ -45,7 +46,7 @@ TINY = models.BackboneSpec("tiny", lambda mc, n: TinyNet(int(mc.width), n))
 def fixture_tiny():
   models.register(TINY)
   yield TINY
-  del models.BACKBONES[TINY.name]
+  del models.BACKBONES[TINY.name], declared_backbones.BACKBONES[TINY.name]
 
 
 # -- the package's backbones ---------------------------------------------------------------------

@@ -17,6 +17,7 @@ from alma_jax import methods
 from alma_jax import tasks
 from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields as F
+from alma_jax.configuration import plugins
 from alma_jax.errors import ConfigError
 from alma_jax.methods import ensemble
 from alma_jax.methods import gmoe
@@ -213,7 +214,7 @@ class BlobsTask(task_base.Task):
 def blobs():
   tasks.register(BlobsTask)
   yield BlobsTask
-  del tasks.TASKS[BlobsTask.name]
+  del tasks.TASKS[BlobsTask.name], plugins.TASKS[BlobsTask.name]
 
 
 def test_a_task_from_a_test_file_runs_sm_through_the_loop(blobs, tmp_path):

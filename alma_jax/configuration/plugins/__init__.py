@@ -1,0 +1,125 @@
+"""The plug-ins by name, and what a config needs of them, without importing them.
+
+A config is built (`config_lib.base_config`) and its variants applied before any
+model, method or task code is loaded, so that `get_config()` of a config file
+imports no JAX. What that takes of each plug-in is declared in this package,
+which imports nothing heavy:
+
+- `tasks`: each task's declaration (name, data sets, method aliases, config
+  fields, the base fields it sets, its variants), the base class of the task's
+  class in `alma_jax.tasks`;
+- `methods`: each method's declaration (name, config fields), the base class of
+  the method's class in `alma_jax.methods`;
+- `policies`: each stage and waiting policy's declaration (name, config
+  fields), the base class of the policy's class in `alma_jax.policies`;
+- `backbones`: the tasks each backbone serves, and whether it has experts.
+
+A plug-in registered at run time (`alma_jax.tasks.register`,
+`alma_jax.methods.register`, `alma_jax.policies.register`,
+`alma_jax.models.register`) is added here by its registry: a task, method or
+policy class is its own declaration.
+"""
+
+from __future__ import annotations
+
+from alma_jax.configuration import fields as F
+from alma_jax.configuration.plugins import backbones
+from alma_jax.configuration.plugins import methods
+from alma_jax.configuration.plugins import policies
+from alma_jax.configuration.plugins import tasks
+from alma_jax.errors import ConfigError
+
+DEFAULT_TASK = "images"
+TASKS: dict[str, type] = {}
+METHODS: dict[str, type] = {c.name: c for c in methods.DECLARED}
+# Stage policies (`config.stream.warm_start`) and waiting policies (`config.stream.wait_policy`).
+STAGE_POLICIES: dict[str, type] = {}
+WAIT_POLICIES: dict[str, type] = {}
+
+
+def declare_task(cls: type) -> None:
+  """Adds task declaration `cls` (a class with the attributes of `tasks.Declaration`)."""
+  known = TASKS.get(cls.name)
+  if known is not None and not issubclass(cls, known):
+    raise ValueError(f"task name {cls.name!r} declared twice")
+  TASKS[cls.name] = cls
+  F.declare(cls.FIELDS)
+
+
+def declare_method(cls: type) -> None:
+  """Adds method declaration `cls` (a class with the attributes of `methods.Declaration`)."""
+  known = METHODS.get(cls.name)
+  if known is not None and not issubclass(cls, known):
+    raise ValueError(f"method name {cls.name!r} declared twice")
+  METHODS[cls.name] = cls
+
+
+def declare_policy(cls: type, stage: bool) -> None:
+  """Adds the declaration `cls` of a stage policy (`stage`) or a waiting policy."""
+  table = STAGE_POLICIES if stage else WAIT_POLICIES
+  known = table.get(cls.name)
+  if known is not None and not issubclass(cls, known):
+    raise ValueError(f"policy name {cls.name!r} declared twice")
+  table[cls.name] = cls
+  F.declare(cls.FIELDS)
+
+
+for _cls in tasks.DECLARED:
+  declare_task(_cls)
+for _cls in policies.STAGE:
+  declare_policy(_cls, stage=True)
+for _cls in policies.WAIT:
+  declare_policy(_cls, stage=False)
+
+
+def policy_fields() -> tuple[F.Field, ...]:
+  """The config fields of every declared policy (every config has them all)."""
+  return tuple(f for table in (STAGE_POLICIES, WAIT_POLICIES) for cls in table.values()
+               for f in cls.FIELDS)
+
+
+def method_aliases() -> dict[str, tuple[str, str]]:
+  """{method alias: (the method's name, the task's name)} over the declared tasks."""
+  return {alias: (method, cls.name) for cls in TASKS.values()
+          for alias, method in cls.METHOD_ALIASES.items()}
+
+
+def method_names() -> list[str]:
+  """The valid `config.method.name` values: the methods and the tasks' aliases of them."""
+  return sorted(set(METHODS) | set(method_aliases()))
+
+
+def method(name: str) -> type:
+  """The declaration of method `name` (or of the method an alias stands for)."""
+  alias = method_aliases().get(name)
+  name = alias[0] if alias is not None else name
+  if name not in METHODS:
+    raise ConfigError(f"config.method.name={name!r} is unknown; valid names: {method_names()}")
+  return METHODS[name]
+
+
+def method_fields(config) -> tuple[F.Field, ...]:
+  """The config fields of `config`'s method."""
+  return method(config.method.name).fields(config)
+
+
+def backbones_of(task: type) -> list[str]:
+  """The backbones that serve task `task`: those whose declaration names it, and those the
+  task lists itself (`BACKBONES`)."""
+  named = {n for n, b in backbones.BACKBONES.items() if task.name in b.tasks}
+  return sorted(named | set(task.BACKBONES))
+
+
+def task(config) -> type:
+  """The task declaration of `config`: the first declared task that claims its data; else
+  the task that its method alias stands for (e.g. `lm_sm`); else the one task its backbone
+  serves; else images."""
+  for cls in TASKS.values():
+    if cls.claims(config):
+      return cls
+  alias = method_aliases().get(F.lookup(config, "method.name", ""))
+  if alias is not None:
+    return TASKS[alias[1]]
+  model = F.lookup(config, "model.name", "")
+  serving = [cls for cls in TASKS.values() if model in backbones_of(cls)]
+  return serving[0] if len(serving) == 1 else TASKS[DEFAULT_TASK]
