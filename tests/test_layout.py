@@ -3,7 +3,9 @@ package, and the Python API of `alma_jax/__init__.py`."""
 
 import ast
 import os
+import sys
 
+import ml_collections
 import pytest
 
 import alma_jax
@@ -98,10 +100,41 @@ def test_load_config_takes_a_name_or_a_path_with_a_variant():
     alma_jax.load_config("mnsit_sm")
 
 
+# Below the run's set-up, code reads the run's frozen options (`configuration/options.py`).
+_BELOW_SET_UP = ("alma_jax.engine", "alma_jax.methods", "alma_jax.tasks", "alma_jax.policies",
+                 "alma_jax.models", "alma_jax.observers", "alma_jax.outputs", "alma_jax.data",
+                 "alma_jax.state", "alma_jax.runtime")
+
+
+def _config_dict_readers(monkeypatch) -> set:
+  """Patches ConfigDict's reads to note each module below the set-up that reads one (through
+  `fields.get` and the like too: the nearest caller outside `alma_jax.configuration`)."""
+  readers = set()
+
+  def spy(read):
+    def wrapped(self, *args, **kwargs):
+      frame = sys._getframe(1)  # pylint: disable=protected-access
+      while frame is not None and frame.f_globals.get("__name__", "").startswith(
+          ("alma_jax.configuration", "ml_collections")):
+        frame = frame.f_back
+      caller = frame.f_globals.get("__name__", "") if frame is not None else ""
+      if caller.startswith(_BELOW_SET_UP):
+        readers.add(f"{caller}:{frame.f_code.co_name}")
+      return read(self, *args, **kwargs)
+    return wrapped
+
+  for name in ("__getattr__", "__getitem__", "get", "__contains__"):
+    monkeypatch.setattr(ml_collections.ConfigDict, name,
+                        spy(getattr(ml_collections.ConfigDict, name)))
+  return readers
+
+
 @requires_mnist
-def test_run_and_read_results(tmp_path):
-  config = alma_jax.load_config("mnist_sm:smoke")
+def test_run_and_read_results(tmp_path, monkeypatch):
+  config = alma_jax.load_config("mnist_gmoe:smoke")
+  readers = _config_dict_readers(monkeypatch)
   summary = alma_jax.run(config, str(tmp_path))
+  assert not readers, sorted(readers)  # nothing below the set-up reads the ConfigDict
   (seed,) = alma_jax.read_results(str(tmp_path))
   assert seed.summary == summary
   # One record per time step, t = 0 (before any data) to B.

@@ -17,6 +17,7 @@ of tasks and methods come from their declarations, so a config file's
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import ml_collections
@@ -208,7 +209,9 @@ def resumable_paths() -> tuple[str, ...]:
 
 
 def seed_config(config, seed: int):
-  """The config of a separate run of `seed` (what its seed directory records)."""
+  """The config (or options) of a separate run of `seed` (what its seed directory records)."""
+  if not isinstance(config, ml_collections.ConfigDict):  # options (frozen dataclasses)
+    return dataclasses.replace(config, seed=seed, num_seeds=1)
   c = config.copy_and_resolve_references()
   with c.unlocked():
     c.seed = seed

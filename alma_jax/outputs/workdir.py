@@ -230,7 +230,10 @@ def sync_architecture_log(workdir: str, last_t: int, lines: list[dict] | None = 
 
 # -- config compatibility ---------------------------------------------------------------------
 def config_dict(config) -> dict:
-  return json.loads(config.to_json())
+  """A config or the run's options as plain JSON values (what config.json holds)."""
+  if hasattr(config, "to_json"):  # a ConfigDict
+    return json.loads(config.to_json())
+  return json.loads(json.dumps(config.to_dict()))
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -20,11 +20,11 @@ import importlib
 import pkgutil
 
 from alma_jax.policies.base import (Decision, StagePolicy, WaitPolicy, check_wait, make_stage,
-                                    make_wait, register, resolve_warm_start, stage_names,
+                                    make_wait, register, stage_names,
                                     wait_class, wait_names)
 
 for _info in pkgutil.iter_modules(__path__):
   importlib.import_module(f"{__name__}.{_info.name}")
 
 __all__ = ["Decision", "StagePolicy", "WaitPolicy", "check_wait", "make_stage", "make_wait",
-           "register", "resolve_warm_start", "stage_names", "wait_class", "wait_names"]
+           "register", "stage_names", "wait_class", "wait_names"]

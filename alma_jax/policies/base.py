@@ -253,32 +253,3 @@ def check_wait(config, default: Callable[[str], Any]) -> None:
                       f"from its own data and model, so the seeds cannot train together; set "
                       f"config.num_seeds=1 (one run per seed), not {n}")
   cls.check(config)
-
-
-# -- the older field stream.init_from_scratch ------------------------------------------------------
-def resolve_warm_start(config) -> None:
-  """Makes `stream.init_from_scratch` (the older name of `warm_start="scratch"`) and
-  `stream.warm_start` agree, in place; raises `ConfigError` when they contradict each other.
-
-  init_from_scratch unset (None) follows warm_start; True selects "scratch" (a
-  warm_start left at "finetune" cannot be told from its default, so it is read
-  as the older spelling); False (or True) with another warm_start is a
-  contradiction unless warm_start agrees.
-  """
-  s = config.stream
-  legacy, policy = F.get(s, "stream.init_from_scratch"), F.get(s, "stream.warm_start")
-  if legacy is None:
-    s.init_from_scratch = policy == "scratch"
-  elif legacy and policy == "finetune":
-    s.warm_start = "scratch"
-  elif bool(legacy) != (policy == "scratch"):
-    raise ConfigError(
-        f"config.stream.init_from_scratch={legacy} contradicts config.stream.warm_start="
-        f"{policy!r} (init_from_scratch=True is the older spelling of warm_start='scratch'); "
-        f"set config.stream.warm_start alone; allowed values: {stage_names()}")
-  shrink, perturb = F.get(s, "stream.shrink"), F.get(s, "stream.perturb")
-  if s.warm_start != "shrink_perturb" and (shrink, perturb) != (1.0, 0.0):
-    raise ConfigError(
-        f"config.stream.shrink={shrink} and config.stream.perturb={perturb} are used only by "
-        f"config.stream.warm_start='shrink_perturb', not {s.warm_start!r}; set it, or leave "
-        "them at 1.0 and 0.0")

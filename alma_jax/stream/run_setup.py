@@ -27,6 +27,7 @@ from alma_jax import policies
 from alma_jax import tasks
 from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields as F
+from alma_jax.configuration import options
 from alma_jax.data import stream as stream_lib
 from alma_jax.engine import meter as meter_lib
 from alma_jax.engine import optim
@@ -197,8 +198,10 @@ class Setup:
 
 
 def build(config, workdir: str) -> Setup:
-  """The `Setup` of a validated `config` writing to `workdir`."""
-  c, s = config, config.stream
+  """The `Setup` of a validated `config` writing to `workdir`. The config is read here, by
+  the tuning of the speed choices, and as frozen `options` by everything the set-up builds."""
+  c = options.of(config)
+  s = c.stream
   seeds = [int(c.seed) + i for i in range(int(c.num_seeds))]
   out_dirs = [workdir] if len(seeds) == 1 else [wd.seed_dir(workdir, sd) for sd in seeds]
   mesh = sharding.mesh_from_config(c)
@@ -216,12 +219,13 @@ def build(config, workdir: str) -> Setup:
   def build_steps(cfg) -> Steps:  # the compiled steps of the method `cfg` makes
     key = tune.signature(cfg)
     if key not in built:
-      built[key] = Steps.from_config(cfg, methods.make(cfg, shape, ds.num_classes), task,
-                                     optim.from_config(cfg), data, mesh)
+      o = options.of(cfg)
+      built[key] = Steps.from_config(o, methods.make(o, shape, ds.num_classes), task,
+                                     optim.from_config(o), data, mesh)
     return built[key]
 
-  choices = tune.run_choices(c, shape, build_steps, workdir)
-  steps = build_steps(tune.with_choices(c, choices))
+  choices = tune.run_choices(config, shape, build_steps, workdir)
+  steps = build_steps(tune.with_choices(config, choices))
   logging.info("data %s: %d train / %d test examples, B=%d mega-batches of ~%d, wait=%d, "
                "replay=%.2f, seeds %s; mesh %s", c.data.name, n_train, len(ds.test_y),
                s.num_megabatches, len(streams[0].train[0]) + len(streams[0].val[0]), s.wait,

@@ -22,6 +22,7 @@ from alma_jax import policies
 from alma_jax import tasks
 from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields
+from alma_jax.configuration import options
 from alma_jax.configuration import plugins
 from alma_jax.engine import optim
 from alma_jax.engine import sharding
@@ -111,15 +112,16 @@ def validate(config):
   """
   fields.check_all(config, config_lib.base_fields())
   config = complete(config)
-  task = tasks.task_class(config)
-  fields.check_all(config, methods.fields_for(config))
-  fields.check_all(config, task.FIELDS)
-  _check_rules(config)
-  tasks.check(config)
-  shape = task.known_shape(config)
+  fields.check_all(config, plugins.method_fields(config))
+  fields.check_all(config, plugins.task(config).FIELDS)
+  o = options.of(config)  # what the checks below (and everything a run builds) read
+  task = tasks.task_class(o)
+  _check_rules(o)
+  tasks.check(o)
+  shape = task.known_shape(o)
   if shape is not None:
-    methods.make(config, *shape)
-  task.check_available(config)
+    methods.make(o, *shape)
+  task.check_available(o)
   return config
 
 
@@ -153,9 +155,9 @@ def complete(config):
     dataset = fields.lookup(c, "data.name", "")
     fields.fill(c, config_lib.base_fields(), dataset, overwrite=False)
     fields.value(c, config_lib.BASE_FIELDS_BY_PATH["method.name"])  # a known name
-    task = tasks.task_class(c)
-    fields.fill(c, methods.fields_for(c), dataset, overwrite=False)
+    task = plugins.task(c)
+    fields.fill(c, plugins.method_fields(c), dataset, overwrite=False)
     fields.fill(c, task.FIELDS, dataset, overwrite=False)
     task.complete(c)
-    policies.resolve_warm_start(c)
+    plugins.resolve_warm_start(c)
   return c

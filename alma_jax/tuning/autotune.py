@@ -42,6 +42,7 @@ from absl import logging
 from alma_jax import methods
 from alma_jax import models
 from alma_jax import tasks
+from alma_jax.configuration import options
 from alma_jax.data import images
 from alma_jax.engine import population
 from alma_jax.methods import ensemble
@@ -89,7 +90,7 @@ def stage_program_rule(config) -> str:
   fast); convolution-heavy steps leave nothing to gain, and a growing model would compile the
   larger stage program once per structure. The program counts correct validation examples
   exactly, so it needs a task whose examples are right or wrong (not text)."""
-  exact = tasks.task_class(config).right_or_wrong()
+  exact = tasks.task_class(options.of(config)).right_or_wrong()
   grows = methods.get(config.method.name).before_stage is not methods.Method.before_stage
   whole = (exact and not grows and jax.default_backend() == "cpu"
            and not models.spec(config.model.name).conv_heavy)
