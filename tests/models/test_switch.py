@@ -142,7 +142,7 @@ def _ffn_and_copy(router_bias, kernel_scale=1.0):
   """A 4-expert layer at the default capacity factors, its params (router kernel scaled by
   `kernel_scale`), and the params after copying experts 0 and 2 (`copy_experts`), on 64
   tokens."""
-  fields = {f.path: f.default for f in text_task.FIELDS}
+  fields = {f.path: f.default for f in text_task.TextTask.FIELDS}
   ffn = switch.SwitchFFN(num_experts=4, ffn_dim=24)
   assert (ffn.capacity_factor, ffn.eval_capacity_factor) == (
       fields["model.capacity_factor"], fields["model.eval_capacity_factor"])
