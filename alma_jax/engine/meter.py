@@ -37,6 +37,7 @@ import threading
 import time
 from typing import Callable
 
+import numpy as np
 from absl import logging
 
 LEVELS = ("off", "stage", "full")
@@ -80,6 +81,17 @@ class Plan:
   examples_per_step: int
   unit: str = "examples"
   unit_per_example: int = 1
+
+
+def epoch_line(t: int, epoch: int, epochs: int, losses, acc, best_acc, stop) -> str:
+  """A stage's line for an epoch of S members (`acc` (S,), `best_acc` (S, units) as reported,
+  `stop` the `StopState`): one member's numbers, or the seeds' mean and how many train."""
+  head = f"  t={t} epoch {epoch}/{epochs} loss={np.mean(losses):.4f}"
+  if len(acc) == 1:
+    return (f"{head} val_acc={acc[0]:.4f} best={np.max(best_acc[0]):.4f}@"
+            f"{stop.best_epoch[0]}")
+  return (f"{head} val_acc={np.mean(acc):.4f} (mean of {len(acc)} seeds, "
+          f"{int(stop.active.sum())} training)")
 
 
 class Meter:

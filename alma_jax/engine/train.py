@@ -31,7 +31,7 @@ from alma_jax.engine import orders as orders_lib
 from alma_jax.engine import population
 from alma_jax.engine import timing
 from alma_jax.engine.epoch import Rule, epoch_ok
-from alma_jax.engine.meter import Meter
+from alma_jax.engine.meter import Meter, epoch_line
 from alma_jax.engine.programs import Batch, call_counter
 from alma_jax.engine.stage_save import Progress, Resume, Saver, StageCheckpoints, restore
 from alma_jax.engine.steps import Steps
@@ -300,13 +300,7 @@ def _tell_epoch(s: _Stage, epoch: int, losses, acc, p: Progress) -> None:
   line, o = None, s.steps.stage
   if time.monotonic() - s.last_line[0] >= o.progress_every_s:
     s.last_line[0] = time.monotonic()
-    if len(acc) == 1:
-      line = (f"  t={s.data.t} epoch {epoch}/{o.epochs} loss={np.mean(losses):.4f} "
-              f"val_acc={acc[0]:.4f} best={np.max(p.best_acc[0]):.4f}@{p.stop.best_epoch[0]}")
-    else:
-      line = (f"  t={s.data.t} epoch {epoch}/{o.epochs} loss={np.mean(losses):.4f} "
-              f"val_acc={np.mean(acc):.4f} (mean of {len(acc)} seeds, "
-              f"{int(p.stop.active.sum())} training)")
+    line = epoch_line(s.data.t, epoch, o.epochs, losses, acc, p.best_acc, p.stop)
   if s.hooks.meter is not None:
     s.hooks.meter.epoch_end(line)
 
@@ -329,16 +323,3 @@ def _finish(s: _Stage, p: Progress, state: TrainState):
                      spent["eval_s"], examples)
   return p.best, (None if stop.diverged.any() else state.opt_state), stats
 
-
-def fit_one(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np.ndarray,
-            key: jax.Array, *, t: int = 0, **kwargs):
-  """`fit_stage` for a single (unstacked) learner (`kwargs`: `opt_state`, `whole` and the
-  fields of `StageHooks`); returns (best, opt_state, StageStats)."""
-  opt_state, whole = kwargs.pop("opt_state", None), kwargs.pop("whole", False)
-  data = StageData(np.asarray(train_idx)[None], np.asarray(val_idx)[None],
-                   population.stack_keys([key]), t)
-  best, opt_state, stats = fit_stage(steps, population.stack([learner]), data, opt_state,
-                                     StageHooks(**kwargs), whole)
-  if opt_state is not None:
-    opt_state = population.unstack(opt_state, 0)
-  return population.unstack(best, 0), opt_state, stats
