@@ -37,31 +37,31 @@ STAGE_POLICIES: dict[str, type] = {}
 WAIT_POLICIES: dict[str, type] = {}
 
 
+def _declare(table: dict[str, type], cls: type, what: str) -> None:
+  """Adds declaration `cls` to `table`; a class may replace its own declaration (its base),
+  never another's. The fields of tasks and policies are known by path (`fields.declared`);
+  methods' are not, since two methods may give one path different defaults."""
+  known = table.get(cls.name)
+  if known is not None and not issubclass(cls, known):
+    raise ValueError(f"{what} name {cls.name!r} declared twice")
+  table[cls.name] = cls
+  if table is not METHODS:
+    F.declare(cls.FIELDS)
+
+
 def declare_task(cls: type) -> None:
   """Adds task declaration `cls` (a class with the attributes of `tasks.Declaration`)."""
-  known = TASKS.get(cls.name)
-  if known is not None and not issubclass(cls, known):
-    raise ValueError(f"task name {cls.name!r} declared twice")
-  TASKS[cls.name] = cls
-  F.declare(cls.FIELDS)
+  _declare(TASKS, cls, "task")
 
 
 def declare_method(cls: type) -> None:
   """Adds method declaration `cls` (a class with the attributes of `methods.Declaration`)."""
-  known = METHODS.get(cls.name)
-  if known is not None and not issubclass(cls, known):
-    raise ValueError(f"method name {cls.name!r} declared twice")
-  METHODS[cls.name] = cls
+  _declare(METHODS, cls, "method")
 
 
 def declare_policy(cls: type, stage: bool) -> None:
   """Adds the declaration `cls` of a stage policy (`stage`) or a waiting policy."""
-  table = STAGE_POLICIES if stage else WAIT_POLICIES
-  known = table.get(cls.name)
-  if known is not None and not issubclass(cls, known):
-    raise ValueError(f"policy name {cls.name!r} declared twice")
-  table[cls.name] = cls
-  F.declare(cls.FIELDS)
+  _declare(STAGE_POLICIES if stage else WAIT_POLICIES, cls, "policy")
 
 
 for _cls in tasks.DECLARED:
