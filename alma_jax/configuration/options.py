@@ -76,7 +76,9 @@ def _section_class(name: str, fields: tuple[tuple[str, Any], ...]) -> type:
 
 
 def _frozen(value):
-  if isinstance(value, (ml_collections.ConfigDict, dict)):
+  if isinstance(value, ml_collections.ConfigDict):
+    return types.MappingProxyType({k: _frozen(v) for k, v in _items(value)})
+  if isinstance(value, dict):
     return types.MappingProxyType({k: _frozen(v) for k, v in value.items()})
   if isinstance(value, list):
     return tuple(_frozen(v) for v in value)
@@ -89,9 +91,15 @@ def _declared_kinds(config) -> dict[str, type]:
   return {f.path: f.check.kind for f in declared}
 
 
+def _items(node) -> list:
+  """A ConfigDict's (key, value) pairs in the order they were set, as its JSON holds them
+  (its `items()` sorts them)."""
+  return [(key, node[key]) for key in node._fields]  # pylint: disable=protected-access
+
+
 def _build(name: str, prefix: str, node, kinds: dict[str, type]) -> Section:
   fields, values = [], {}
-  for key, value in node.items():
+  for key, value in _items(node):
     path = prefix + key
     if isinstance(value, ml_collections.ConfigDict) and kinds.get(path) is not dict:
       value = _build(key.title() + "Options", path + ".", value, kinds)
