@@ -16,7 +16,6 @@ from alma_jax import methods
 from alma_jax.configuration import config_lib
 from alma_jax.engine import population
 from alma_jax.engine import sharding
-from alma_jax.engine import train
 from alma_jax.engine.optim import make_optimizer
 from alma_jax.engine.steps import Steps
 from alma_jax.methods.base import StageContext
@@ -91,20 +90,6 @@ def make_steps(config, ds, num_devices=1, model=1):
   steps = Steps.from_config(config, method, image_task.ImageTask.from_config(config),
                             make_optimizer(config.optimizer), image_task.device_data(ds), mesh)
   return method, steps
-
-
-def fit_one(steps: Steps, learner, train_idx: np.ndarray, val_idx: np.ndarray,
-            key: jax.Array, *, t: int = 0, **kwargs):
-  """`train.fit_stage` for a single (unstacked) learner (`kwargs`: `opt_state`, `whole` and the
-  fields of `train.StageHooks`); returns (best, opt_state, StageStats)."""
-  opt_state, whole = kwargs.pop("opt_state", None), kwargs.pop("whole", False)
-  data = train.StageData(np.asarray(train_idx)[None], np.asarray(val_idx)[None],
-                   population.stack_keys([key]), t)
-  best, opt_state, stats = train.fit_stage(steps, population.stack([learner]), data, opt_state,
-                                     train.StageHooks(**kwargs), whole)
-  if opt_state is not None:
-    opt_state = population.unstack(opt_state, 0)
-  return population.unstack(best, 0), opt_state, stats
 
 
 def init(method, seed=0):

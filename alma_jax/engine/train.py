@@ -323,3 +323,16 @@ def _finish(s: _Stage, p: Progress, state: TrainState):
                      spent["eval_s"], examples)
   return p.best, (None if stop.diverged.any() else state.opt_state), stats
 
+
+def fit_one(steps: Steps, learner: Learner, train_idx: np.ndarray, val_idx: np.ndarray,
+            key: jax.Array, *, t: int = 0, **kwargs):
+  """`fit_stage` for a single (unstacked) learner (`kwargs`: `opt_state`, `whole` and the
+  fields of `StageHooks`); returns (best, opt_state, StageStats)."""
+  opt_state, whole = kwargs.pop("opt_state", None), kwargs.pop("whole", False)
+  data = StageData(np.asarray(train_idx)[None], np.asarray(val_idx)[None],
+                   population.stack_keys([key]), t)
+  best, opt_state, stats = fit_stage(steps, population.stack([learner]), data, opt_state,
+                                     StageHooks(**kwargs), whole)
+  if opt_state is not None:
+    opt_state = population.unstack(opt_state, 0)
+  return population.unstack(best, 0), opt_state, stats

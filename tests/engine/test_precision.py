@@ -86,7 +86,7 @@ def test_bfloat16_trains_with_float32_parameters_and_state(dataset, method, back
   products = _products(_train_program_text(steps, learner))
   assert products and all("bf16" in l for l in products), products[:3]
   losses = []
-  best, opt_state, stats = helpers.fit_one(
+  best, opt_state, stats = train.fit_one(
       steps, learner, np.arange(400, dtype=np.int32), np.arange(400, 512, dtype=np.int32),
       jax.random.key(1), on_epoch=lambda epoch, loss, acc, ran: losses.append(float(loss[0])))
   assert stats.epochs_run.tolist() == [3]

@@ -54,7 +54,7 @@ def _stage(name: str, num_devices: int, model: int):
   learner = helpers.random_learner(method)
   if name == "gens":
     learner = ensemble.add_member(learner, jax.random.key(5), init="copy")
-  best, _, stats = helpers.fit_one(steps, learner, TRAIN_IDX, VAL_IDX, jax.random.key(1))
+  best, _, stats = train.fit_one(steps, learner, TRAIN_IDX, VAL_IDX, jax.random.key(1))
   assert len(traces) == 1  # 2 epochs of 4 steps: one trace of the train step
   acc, nll = steps.evaluate(population.stack([best]), "test", TEST_IDX)
   facts = (stats.epochs_run, stats.best_epoch, stats.best_val_accuracy, acc, nll)

@@ -42,7 +42,7 @@ def test_fit_stage_learns_and_keeps_the_best_epoch():
   method, steps = helpers.make_steps(c, ds)
   learner = helpers.init(method)
   err0 = helpers.test_error(steps, learner)
-  best, _, stats = helpers.fit_one(steps, learner, np.arange(900, dtype=np.int32),
+  best, _, stats = train.fit_one(steps, learner, np.arange(900, dtype=np.int32),
                                      np.arange(900, 1024, dtype=np.int32), jax.random.key(1))
   assert stats.epochs_run.tolist() == [6] and 1 <= stats.best_epoch[0] <= 6
   assert stats.steps_run.tolist() == [6 * 8]  # ceil(900 / 128) = 8 steps per epoch
@@ -58,7 +58,7 @@ def test_early_stopping_with_patience():
   c = helpers.small_config(width=8, epochs=50, patience=1)
   c.optimizer.kwargs = {"learning_rate": 0.0}  # nothing changes: no epoch improves on the first
   method, steps = helpers.make_steps(c, ds)
-  _, _, stats = helpers.fit_one(steps, helpers.init(method), np.arange(400, dtype=np.int32),
+  _, _, stats = train.fit_one(steps, helpers.init(method), np.arange(400, dtype=np.int32),
                                   np.arange(400, 512, dtype=np.int32), jax.random.key(0))
   assert stats.epochs_run.tolist() == [2] and stats.best_epoch.tolist() == [1]
 
@@ -70,7 +70,7 @@ def test_partial_last_batch_is_masked_not_recompiled(k):
   method, steps = helpers.make_steps(c, ds)
   learner = helpers.init(method)
   for n in (300, 200, 457):  # different stage sizes, same compiled step
-    learner, _, _ = helpers.fit_one(steps, learner, np.arange(n, dtype=np.int32),
+    learner, _, _ = train.fit_one(steps, learner, np.arange(n, dtype=np.int32),
                                       np.arange(500, 600, dtype=np.int32), jax.random.key(n))
   assert steps.num_compilations == 2  # one train and one eval function (validation and test)
   chex.assert_tree_all_finite(learner.params)
@@ -95,7 +95,7 @@ def test_steps_per_call_gives_the_same_result():
     for k in (1, 4):
       c = helpers.small_config(width=8, steps_per_call=k)
       method, steps = helpers.make_steps(c, ds)
-      best, _, stats = helpers.fit_one(steps, helpers.float64(helpers.init(method)),
+      best, _, stats = train.fit_one(steps, helpers.float64(helpers.init(method)),
                                      np.arange(500, dtype=np.int32),
                                      np.arange(500, 600, dtype=np.int32), jax.random.key(3))
       assert jax.tree.leaves(best.params)[0].dtype == jnp.float64
@@ -111,7 +111,7 @@ def test_sharded_step_matches_single_device():
     for n_dev in (1, 8):
       c = helpers.small_config(width=8)
       method, steps = helpers.make_steps(c, ds, num_devices=n_dev)
-      best, _, _ = helpers.fit_one(steps, helpers.float64(helpers.init(method)),
+      best, _, _ = train.fit_one(steps, helpers.float64(helpers.init(method)),
                                  np.arange(400, dtype=np.int32),
                                  np.arange(400, 512, dtype=np.int32), jax.random.key(0))
       out.append(best.params)
@@ -124,7 +124,7 @@ def test_vgg_crop_flip_stage_runs_with_batchnorm():
   c = helpers.small_config("cifar10", width=4)
   method, steps = helpers.make_steps(c, ds)
   learner = helpers.init(method)
-  best, _, stats = helpers.fit_one(steps, learner, np.arange(250, dtype=np.int32),
+  best, _, stats = train.fit_one(steps, learner, np.arange(250, dtype=np.int32),
                                      np.arange(250, 300, dtype=np.int32), jax.random.key(0))
   assert stats.steps_run.tolist() == [2 * 2]
   stats_before = learner.model_state["batch_stats"]
@@ -139,7 +139,7 @@ def test_divergence_raises_with_stage_and_epoch():
   c.optimizer.kwargs = {"learning_rate": float("nan")}
   method, steps = helpers.make_steps(c, ds)
   with pytest.raises(errors.DivergenceError, match="stage t=7 epoch 1"):
-    helpers.fit_one(steps, helpers.init(method), np.arange(250, dtype=np.int32),
+    train.fit_one(steps, helpers.init(method), np.arange(250, dtype=np.int32),
                       np.arange(250, 300, dtype=np.int32), jax.random.key(0), t=7)
 
 
