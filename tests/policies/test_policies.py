@@ -8,6 +8,7 @@ from alma_jax import methods
 from alma_jax import policies
 from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields
+from alma_jax.configuration import plugins
 from alma_jax.errors import ConfigError
 from alma_jax.methods import ensemble
 from alma_jax.outputs import io_utils
@@ -47,8 +48,9 @@ def registered():
     return policies.register(cls)
 
   yield add
-  for cls in added:
-    for registry in policy_base._REGISTRY.values():  # pylint: disable=protected-access
+  for cls in added:  # from the registry and from the declarations it added them to
+    for registry in (*policy_base._REGISTRY.values(),  # pylint: disable=protected-access
+                     plugins.STAGE_POLICIES, plugins.WAIT_POLICIES):
       if registry.get(cls.name) is cls:
         del registry[cls.name]
 
