@@ -6,9 +6,9 @@ released code (github.com/facebookresearch/alma; `NOT_RELEASED` where it has non
 each is stated. The value a run of the paper's setting uses (`Setting.value`, `expected`) is the
 paper's, or the released code's where the paper is silent: the rule the defaults follow
 (README, "Fidelity to the paper"). The `paper` variant (`IMAGE_VARIANTS` of
-`alma_jax.configuration.plugins.tasks`) sets the fields whose defaults are not that value; tests/configuration/test_paper_variant.py checks every
-image config file resolved with `:paper` against this table, so the table and the variant are
-written apart and must agree.
+`alma_jax.configuration.plugins.tasks`) sets the fields whose defaults are not that value;
+tests/configuration/test_paper_variant.py checks every image config file resolved with `:paper`
+against this table, so the table and the variant are written apart and must agree.
 
 Sources: the paper (the published version, /work/shared/paper/alma_paper.md) by section or
 appendix and paragraph (that text carries no page numbers); the released code by file path

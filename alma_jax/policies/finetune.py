@@ -11,4 +11,3 @@ class Finetune(declared.Finetune, StagePolicy):
   """finetune (the default, the paper's setting): the learner starts each stage as the
   previous stage left it, grown by its method; the optimizer state is kept across stages
   when `train.keep_optimizer_state` asks for it, else each stage starts a fresh one."""
-

@@ -12,7 +12,6 @@ class FixedWait(declared.FixedWait, WaitPolicy):
   """fixed (the paper's setting): the learner waits w = `config.stream.wait` mega-batches
   between updates, training at t = w, 2w, ..., B."""
 
-
   def trains_at(self, t: int, state) -> bool:
     del state
     return schedule.is_training_time(t, self.config.stream.wait)

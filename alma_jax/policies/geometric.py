@@ -60,7 +60,6 @@ def geometric_times(num_megabatches: int, w0: float, ratio: float) -> list[int]:
 class GeometricWait(declared.Geometric, WaitPolicy):
   """geometric: trains at t_k = ceil(w0 * r^k) (see the module docstring)."""
 
-
   @classmethod
   def check(cls, config) -> None:
     s = config.stream

@@ -24,13 +24,12 @@ class Scratch(declared.Scratch, StagePolicy):
   members are frozen. Their growth draws the new members afresh, whatever
   `method.new_member` says (it reads
   `config.stream.init_from_scratch`, which the config keeps equal to
-  `warm_start == "scratch"`: `alma_jax.configuration.plugins.resolve_warm_start`), and their `reinit`
-  keeps every member (re-drawing the frozen ones would discard what they
+  `warm_start == "scratch"`: `alma_jax.configuration.plugins.resolve_warm_start`), and
+  their `reinit` keeps every member (re-drawing the frozen ones would discard what they
   learnt; the new ones are fresh already). So every gEns stage
   trains members that start from an initialisation, never from trained
   values, and the frozen members stay untouched.
   """
-
 
   def start_stage(self, method, learner, key: jax.Array, ctx, opt_state):
     del opt_state  # a fresh optimizer state

@@ -37,7 +37,6 @@ def mix(learnt, fresh, lam: float, sigma: float):
 class ShrinkPerturb(declared.ShrinkPerturb, StagePolicy):
   """shrink_perturb: x <- stream.shrink * x + stream.perturb * x_fresh before each stage."""
 
-
   def start_stage(self, method, learner, key: jax.Array, ctx, opt_state):
     s = self.config.stream
     lam, sigma = float(s.shrink), float(s.perturb)

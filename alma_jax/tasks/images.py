@@ -15,9 +15,9 @@ import jax
 import numpy as np
 from flax import struct
 
+from alma_jax.configuration.plugins import tasks as declared
 from alma_jax.data import augment
 from alma_jax.data import images
-from alma_jax.configuration.plugins import tasks as declared
 from alma_jax.tasks import base
 
 # Input shape and number of classes of common data sets, so that a method can be constructed
