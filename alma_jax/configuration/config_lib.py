@@ -121,6 +121,11 @@ BASE_FIELDS = (
             "on a CPU: chosen by measurement with train.autotune=measure, see "
             "alma_jax/tuning/cpu_fusion.py; none otherwise); speed only, so it may change on resume "
             "(float round-off then differs from there on)", resumable=True),
+    F.Field("train.gpu_autotune", "auto", F.choice(F.owned("alma_jax.tuning.gpu_autotune:CHOICES")),
+            "XLA's GPU autotuning level (--xla_gpu_autotune_level: 0 off, 4 XLA's default) of "
+            "the run's process on an accelerator: 0-4, or auto (0 for a run of fewer than 8,000 "
+            "planned train steps, 4 otherwise; see alma_jax/tuning/gpu_autotune.py); an "
+            "XLA_FLAGS that sets it wins; speed only", resumable=True),
     F.Field("train.compute_dtype", "float32", F.choice(("float32", "bfloat16")),
             "arithmetic of the train and evaluation programs: float32, or bfloat16 (mixed "
             "precision: float32 parameters, optimizer and model state; for GPUs and TPUs, no "
@@ -201,6 +206,9 @@ F.declare(BASE_FIELDS)
 ADDED_FIELDS = ("stream.warm_start", "stream.wait_policy", "stream.shrink", "stream.perturb",
                 "stream.geometric_w0", "stream.geometric_ratio", "stream.trigger_margin",
                 "stream.trigger_fraction", "stream.trigger_min_wait", "stream.trigger_max_wait")
+# Fields declared after runs were written whose default is not how those runs ran: a config
+# that lacks one ran with the value given here.
+ADDED_WITH_OLD_VALUE = {"model.scan_layers": False}  # the Switch Transformer's blocks unrolled
 
 
 def resumable_paths() -> tuple[str, ...]:

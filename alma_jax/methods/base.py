@@ -277,6 +277,14 @@ def apply_module(module: nn.Module, params, model_state, x, *, train: bool, mask
           model_state)
 
 
+def init_variables(module: nn.Module, key: jax.Array, *args, **kwargs) -> dict:
+  """A backbone's initial variables: its class's `init_variables(module, key, ...)` where it has
+  one (a backbone whose parameter layout differs from how it initialises, e.g. the Switch
+  Transformer's layers stacked for a scan), else `module.init(key, ...)`."""
+  own = getattr(type(module), "init_variables", None)
+  return own(module, key, *args, **kwargs) if own else module.init(key, *args, **kwargs)
+
+
 def backbone_leaf_axes(backbone) -> tuple[tuple[str, tuple[str, ...]], ...]:
   """The logical axes of the stacked leaves of a backbone (a module or its class: the class's
   `LEAF_AXES`, e.g. the Switch Transformer's experts), in the form of `Method.LEAF_AXES`;
@@ -306,7 +314,7 @@ class SingleBackbone:
       # transformation (vmap, eval_shape), where a jnp array would be a
       # tracer leaking into the cache.
       dummy = np.zeros((1,) + self.input_shape, self.task.input_dtype)
-      self._init_fn = jax.jit(lambda k: self.backbone.init(k, dummy, train=False))
+      self._init_fn = jax.jit(lambda k: init_variables(self.backbone, k, dummy, train=False))
     variables = self._init_fn(key)
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}

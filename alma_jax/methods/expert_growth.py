@@ -72,7 +72,7 @@ class OwnExperts:
     if n not in self._inits:  # one compiled program per number of experts
       net = self.net(n)
       dummy = np.zeros((1,) + self.method.input_shape, self.method.task.input_dtype)
-      self._inits[n] = jax.jit(lambda k: net.init(k, dummy, train=False))
+      self._inits[n] = jax.jit(lambda k: base.init_variables(net, k, dummy, train=False))
     variables = self._inits[n](key)
     return base.Learner(params=variables["params"],
                         model_state={k: v for k, v in variables.items() if k != "params"},

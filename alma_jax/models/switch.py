@@ -35,6 +35,18 @@ fraction of the (unmasked) tokens whose top-1 expert is e and P_e their mean
 router probability of e: 1 for uniform routing, E when every token goes to
 one expert with probability 1. The model returns the sum over layers.
 
+With `scan_layers` (the default) the blocks are one compiled loop: the
+repeated group of `moe_every` blocks (the dense ones, then the one with a
+mixture) is a `flax.linen.scan` over `num_layers // moe_every` groups, its
+parameters stacked on a leading axis under `params["layers"]["block<j>"]`,
+and blocks beyond the last whole group follow unrolled (`block<i>`). XLA then
+compiles one group instead of every block. The unrolled form
+(`scan_layers=False`, `params["block<i>"]`) is the same function:
+`init_variables` initialises both the same way (the scanned form stacks the
+unrolled form's initial values), so they differ only in the order of float
+operations, and in the dropout masks (each layer's key is drawn differently).
+`stack_layers` and `unstack_layers` convert parameters between the forms.
+
 The model declares its expert layers to gMoE (`alma_jax.methods.gmoe`), which
 grows them instead of adding gated mixtures of its own: `copy_experts` (a
 copy of chosen experts of every block, which keeps every token's routing and
@@ -186,16 +198,109 @@ class Block(nn.Module):
     return x + drop(y), balance, experts
 
 
+class Group(nn.Module):
+  """`size` consecutive blocks, dense ones then one with a mixture: what the scanned model
+  repeats. Scanned: (x, mask) -> (x, (balance loss, experts (b, L)))."""
+
+  size: int
+  num_heads: int
+  num_experts: int
+  ffn_dim: int
+  capacity_factor: float
+  eval_capacity_factor: float
+  dropout: float = 0.0
+  train: bool = False
+
+  @nn.compact
+  def __call__(self, x, mask):
+    for j in range(self.size):
+      x, balance, experts = Block(self.num_heads, self.num_experts, self.ffn_dim,
+                                  self.capacity_factor, self.eval_capacity_factor,
+                                  moe=j == self.size - 1, dropout=self.dropout,
+                                  name=f"block{j}")(x, mask, self.train)
+    return x, (balance, experts)
+
+
+# -- the two layouts ------------------------------------------------------------------------------
+LAYERS = "layers"  # the scanned groups' stacked parameters
+
+
+def _block_index(name: str) -> int | None:
+  return int(name[5:]) if name.startswith("block") and name[5:].isdigit() else None
+
+
+def stack_layers(params: dict[str, Any], moe_every: int) -> dict[str, Any]:
+  """The scanned layout of unrolled `params` (blocks `block<i>`): the blocks of the
+  `num_layers // moe_every` whole groups stacked under `params["layers"]["block<j>"]`
+  (j < moe_every), the blocks after them unchanged."""
+  num_layers = 1 + max(i for i in map(_block_index, params) if i is not None)
+  groups = num_layers // moe_every
+  stacked = {f"block{j}": jax.tree.map(lambda *xs: jnp.stack(xs),
+                                       *[params[f"block{k * moe_every + j}"]
+                                         for k in range(groups)])
+             for j in range(moe_every)}
+  rest = {k: v for k, v in params.items()
+          if _block_index(k) is None or _block_index(k) >= groups * moe_every}
+  return {**rest, LAYERS: stacked}
+
+
+def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
+  """The unrolled layout of scanned `params` (the inverse of `stack_layers`)."""
+  stacked = params[LAYERS]
+  size = len(stacked)
+  groups = jax.tree.leaves(stacked)[0].shape[0]
+  out = {k: v for k, v in params.items() if k != LAYERS}
+  for j in range(size):
+    for k in range(groups):
+      out[f"block{k * size + j}"] = jax.tree.map(lambda x, k=k: x[k], stacked[f"block{j}"])
+  return out
+
+
+def init_variables(model: "SwitchTransformer", key: jax.Array, *args, **kwargs) -> dict:
+  """`model.init`, with the scanned form's parameters stacked from the unrolled form's initial
+  values, so both forms start from the same weights."""
+  if not model.scan_layers:
+    return model.init(key, *args, **kwargs)
+  variables = model.clone(scan_layers=False).init(key, *args, **kwargs)
+  return {**variables, "params": stack_layers(variables["params"], model.moe_every)}
+
+
 # -- growth of the experts ------------------------------------------------------------------------
 def blocks(params) -> list[str]:
-  """The names of the blocks with experts (a mixture) in a model's params, in order."""
-  return sorted((k for k in params if k.startswith("block") and "moe" in params[k]),
-                key=lambda k: int(k[5:]))
+  """The names of the blocks with experts (a mixture) in unrolled params, in order."""
+  return sorted((k for k in params if _block_index(k) is not None and "moe" in params[k]),
+                key=_block_index)
+
+
+def _mixtures(params) -> tuple[dict[str, jax.Array], bool]:
+  """(the mixture parameters, stacked on a leading block axis; whether `params` is scanned)."""
+  if LAYERS in params:
+    return params[LAYERS][f"block{len(params[LAYERS]) - 1}"]["moe"], True
+  per_block = [params[name]["moe"] for name in blocks(params)]
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *per_block), False
 
 
 def experts_per_block(params) -> int:
-  """The experts per block of a model's params."""
+  """The experts per block of a model's params (either layout)."""
+  if LAYERS in params:
+    return int(_mixtures(params)[0]["router_bias"].shape[-1])
   return int(params[blocks(params)[0]]["moe"]["router_bias"].shape[0])
+
+
+def _copy_one(moe: dict[str, jax.Array], idx: jax.Array, key: jax.Array,
+              noise: float) -> dict[str, jax.Array]:
+  """One block's mixture with the experts `idx` appended (see `copy_experts`)."""
+  moe = dict(moe)
+  for leaf in [k for k in moe if k.startswith("expert_")]:
+    moe[leaf] = jnp.concatenate([moe[leaf], moe[leaf][idx]], axis=0)
+  kernel = moe["router_kernel"]
+  cols = kernel[:, idx]
+  if noise:
+    cols = cols + noise * jax.random.normal(key, cols.shape, cols.dtype)
+  moe["router_kernel"] = jnp.concatenate([kernel, cols], axis=1)
+  bias = moe["router_bias"].at[idx].add(-math.log(2.0))
+  moe["router_bias"] = jnp.concatenate([bias, bias[idx]])
+  return moe
 
 
 def copy_experts(params: dict[str, Any], experts: Sequence[int] | Sequence[Sequence[int]],
@@ -203,7 +308,7 @@ def copy_experts(params: dict[str, Any], experts: Sequence[int] | Sequence[Seque
   """Appends a copy of `experts` (their weights and router columns) to every block.
 
   Args:
-    params: a model's params (not modified).
+    params: a model's params, in either layout (not modified).
     experts: the experts to copy: one list for every block, or a list per
       block (the same length for all); distinct indices.
     key: PRNG key of the perturbation.
@@ -211,7 +316,8 @@ def copy_experts(params: dict[str, Any], experts: Sequence[int] | Sequence[Seque
       router columns (0: none).
 
   Returns:
-    The params of a model with `num_experts + k` experts per block: the
+    The params of a model with `num_experts + k` experts per block, in the
+    layout of `params` (the same values in either): the
     copies are appended on the expert axis. The router bias of every copied
     expert and of its copy is lowered by log 2, so the router probabilities
     of all other experts are unchanged and the pair's sum is the original's;
@@ -230,29 +336,26 @@ def copy_experts(params: dict[str, Any], experts: Sequence[int] | Sequence[Seque
     becomes its own probability, half the pair's, so the output of the
     pair's tokens halves.
   """
-  names, num = blocks(params), experts_per_block(params)
-  per_block = [list(experts)] * len(names) if all(
+  mixtures, scanned = _mixtures(params)
+  num_blocks, num = mixtures["router_bias"].shape
+  per_block = [list(experts)] * num_blocks if all(
       isinstance(e, (int, np.integer)) for e in experts) else [list(e) for e in experts]
-  if len(per_block) != len(names) or len({len(e) for e in per_block}) != 1:
+  if len(per_block) != num_blocks or len({len(e) for e in per_block}) != 1:
     raise ValueError(f"copy_experts: expected one list of experts, or one per block "
-                     f"({len(names)}) of the same length; got {experts!r}")
+                     f"({num_blocks}) of the same length; got {experts!r}")
   for e in per_block:
     if len(set(e)) != len(e) or not all(0 <= int(i) < num for i in e):
       raise ValueError(f"copy_experts: experts {e} must be distinct indices in [0, {num})")
+  keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(num_blocks))
+  grown = jax.vmap(lambda m, i, k: _copy_one(m, i, k, noise))(
+      mixtures, jnp.asarray(per_block, jnp.int32), keys)
   params = dict(params)
-  for b, (name, idx) in enumerate(zip(names, per_block)):
-    idx = jnp.asarray(idx, jnp.int32)
-    moe = dict(params[name]["moe"])
-    for leaf in [k for k in moe if k.startswith("expert_")]:
-      moe[leaf] = jnp.concatenate([moe[leaf], moe[leaf][idx]], axis=0)
-    kernel = moe["router_kernel"]
-    cols = kernel[:, idx]
-    if noise:
-      cols = cols + noise * jax.random.normal(jax.random.fold_in(key, b), cols.shape, cols.dtype)
-    moe["router_kernel"] = jnp.concatenate([kernel, cols], axis=1)
-    bias = moe["router_bias"].at[idx].add(-math.log(2.0))
-    moe["router_bias"] = jnp.concatenate([bias, bias[idx]])
-    params[name] = {**params[name], "moe": moe}
+  if scanned:
+    last = f"block{len(params[LAYERS]) - 1}"
+    params[LAYERS] = {**params[LAYERS], last: {**params[LAYERS][last], "moe": grown}}
+    return params
+  for b, name in enumerate(blocks(params)):
+    params[name] = {**params[name], "moe": jax.tree.map(lambda x, b=b: x[b], grown)}
   return params
 
 
@@ -278,9 +381,11 @@ class SwitchTransformer(nn.Module):
   """
 
   # The expert layers, for gMoE and the shardings (see the module docstring).
-  LEAF_AXES = ((r"\['expert_", ("expert",)),)  # the stacked experts of every block
+  LEAF_AXES = ((r"\['layers'\].*\['expert_", (None, "expert")),  # groups, then experts
+               (r"\['expert_", ("expert",)))  # the stacked experts of every block
   copy_experts = staticmethod(copy_experts)
   expert_losses = staticmethod(expert_losses)
+  init_variables = staticmethod(init_variables)
 
   vocab_size: int
   max_len: int
@@ -293,6 +398,7 @@ class SwitchTransformer(nn.Module):
   eval_capacity_factor: float = 2.0
   moe_every: int = 1
   dropout: float = 0.0
+  scan_layers: bool = True
 
   @classmethod
   def from_config(cls, model_config, num_classes: int, max_len: int = 1024,
@@ -317,7 +423,8 @@ class SwitchTransformer(nn.Module):
                num_experts=int(num_experts or F.get(model_config, "model.num_experts")),
                capacity_factor=float(F.get(model_config, "model.capacity_factor")),
                eval_capacity_factor=float(F.get(model_config, "model.eval_capacity_factor")),
-               dropout=float(F.get(model_config, "model.dropout")), **sizes)
+               dropout=float(F.get(model_config, "model.dropout")),
+               scan_layers=bool(F.get(model_config, "model.scan_layers")), **sizes)
 
   @nn.compact
   def __call__(self, tokens, train: bool = False, mask=None):
@@ -328,11 +435,19 @@ class SwitchTransformer(nn.Module):
                      name="embed")
     pos = self.param("pos_embed", nn.initializers.normal(INIT_STD), (self.max_len, self.dim))
     x = nn.Dropout(self.dropout, deterministic=not train)(embed(tokens) + pos[:l])
-    balance, experts = jnp.float32(0.0), []
-    for i in range(self.num_layers):
-      x, bl, ex = Block(self.num_heads, self.num_experts, self.ffn_dim, self.capacity_factor,
-                        self.eval_capacity_factor, moe=(i + 1) % self.moe_every == 0,
-                        dropout=self.dropout, name=f"block{i}")(x, tmask, train)
+    balance, experts, first = jnp.float32(0.0), [], 0
+    kw = dict(num_heads=self.num_heads, num_experts=self.num_experts, ffn_dim=self.ffn_dim,
+              capacity_factor=self.capacity_factor,
+              eval_capacity_factor=self.eval_capacity_factor, dropout=self.dropout)
+    groups = self.num_layers // self.moe_every
+    if self.scan_layers and groups:
+      scanned = nn.scan(Group, variable_axes={"params": 0},
+                        split_rngs={"params": True, "dropout": True}, in_axes=nn.broadcast,
+                        length=groups)
+      x, (bl, ex) = scanned(size=self.moe_every, train=train, name=LAYERS, **kw)(x, tmask)
+      balance, experts, first = jnp.sum(bl), list(ex), groups * self.moe_every
+    for i in range(first, self.num_layers):
+      x, bl, ex = Block(**kw, moe=(i + 1) % self.moe_every == 0, name=f"block{i}")(x, tmask, train)
       balance, experts = balance + bl, experts + ([] if ex is None else [ex])
     x = nn.LayerNorm(name="ln_final")(x)
     logits = embed.attend(x)

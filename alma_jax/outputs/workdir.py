@@ -261,7 +261,8 @@ def added_field_at_default(path: str, value: Any, config: dict) -> bool:
 
 def config_diff(old: dict, new: dict, ignore: Sequence[str] | None = None) -> list[str]:
   """'config.path: old → new' for every differing field (dotted paths) but the resumable ones
-  (and fields added since `old` was written, at their defaults)."""
+  (and fields added since `old` was written, at their defaults; a field that `old` lacks and
+  that older runs ran with another value, `config_lib.ADDED_WITH_OLD_VALUE`, has that value)."""
   ignore = config_lib.resumable_paths() if ignore is None else ignore
   a, b = flatten(old), flatten(new)
   absent = "<absent>"
@@ -271,7 +272,7 @@ def config_diff(old: dict, new: dict, ignore: Sequence[str] | None = None) -> li
       continue
     if k not in a and added_field_at_default(k, b[k], new):
       continue
-    va, vb = a.get(k, absent), b.get(k, absent)
+    va, vb = a.get(k, config_lib.ADDED_WITH_OLD_VALUE.get(k, absent)), b.get(k, absent)
     if va != vb and not (_is_nan(va) and _is_nan(vb)):
       diffs.append(f"config.{k}: {va!r} → {vb!r}")
   return diffs

@@ -5,7 +5,8 @@ order of float summation). Three kinds, applied at three moments:
 
   `cpu_tuning.apply()`    glibc's allocator, first thing in the process, before JAX loads
                           (`alma_jax.main` does it);
-  `process_flags(...)`    the XLA:CPU fusion flags, before JAX starts its backend;
+  `process_flags(...)`    the XLA:CPU fusion flags and XLA:GPU's autotuning level, before JAX
+                          starts its backend;
   `run_choices(...)`      the fields left to be chosen (`model.conv_impl='auto'`,
                           `method.strategy='auto'`, `train.steps_per_call=0`), measured once
                           per machine and remembered (`autotune.py`), with the fusion decision
@@ -22,6 +23,7 @@ from absl import logging
 
 from alma_jax.tuning import autotune
 from alma_jax.tuning import cpu_fusion
+from alma_jax.tuning import gpu_autotune
 
 signature = autotune.signature
 with_choices = autotune.with_choices
@@ -48,6 +50,20 @@ def process_flags(config, workdir: str | None, *, shapes, multiprocess: bool,
   cpu_fusion.apply(value)
   logging.info("%s: %r %s; XLA_FLAGS=%r", cpu_fusion.FIELD, value, how,
                os.environ.get("XLA_FLAGS", ""))
+  _gpu_level.clear()
+  try:
+    level, how = gpu_autotune.choose(config, cpu_fusion.accelerator_expected())
+  except Exception as e:  # pylint: disable=broad-except  (a speed choice never stops a run)
+    if debug:
+      raise
+    level, how = None, f"not set ({type(e).__name__}: {e})"
+  if level is not None:
+    gpu_autotune.apply(level)
+    _gpu_level.append(level)
+    logging.info("%s: %r %s", gpu_autotune.FIELD, level, how)
+
+
+_gpu_level: list[str] = []  # the autotuning level this process set (`process_flags`)
 
 
 def run_choices(config, input_shape, build_steps: Callable[[Any], Any],
@@ -68,4 +84,6 @@ def run_choices(config, input_shape, build_steps: Callable[[Any], Any],
     if jax.process_count() == 1:
       autotune.remember(mine, *fusion)
     choices[cpu_fusion.FIELD] = fusion[1]
+  if _gpu_level:
+    choices[gpu_autotune.FIELD] = _gpu_level[0]
   return choices

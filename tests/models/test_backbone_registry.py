@@ -58,7 +58,8 @@ def test_the_package_backbones_declare_their_capabilities():
                  "resnet": (("images",), True, False, False),
                  "switch": (("text",), False, False, False)}
   # A backbone's stacked leaves are its class's LEAF_AXES (the mesh's `model` axis splits them).
-  assert base.backbone_leaf_axes(switch.SwitchTransformer) == ((r"\['expert_", ("expert",)),)
+  assert base.backbone_leaf_axes(switch.SwitchTransformer) == (
+      (r"\['layers'\].*\['expert_", (None, "expert")), (r"\['expert_", ("expert",)))
 
 
 def test_the_cpu_speed_rules_read_conv_heavy():

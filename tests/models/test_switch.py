@@ -1,6 +1,7 @@
 """Tests of the Switch Transformer (alma_jax/models/switch.py) and of copying its experts
 (gMoE on its own expert layers: alma_jax/methods/expert_growth.py)."""
 
+import json
 import math
 
 import chex
@@ -12,7 +13,12 @@ import pytest
 
 from alma_jax import methods
 from alma_jax.configuration import config_lib
+from alma_jax.engine import sharding
+from alma_jax.errors import ConfigError
+from alma_jax.methods import base
 from alma_jax.methods import gmoe
+from alma_jax.outputs import workdir
+from alma_jax.stream import validation
 from alma_jax.models import switch
 from alma_jax.tasks import base as task_base
 from alma_jax.tasks import text as text_task
@@ -109,9 +115,10 @@ def test_capacity_limit():
   assert switch.capacity(10, 4, 8.0) == 10
 
 
-def gmoe_method(noise=0.0):
+def gmoe_method(noise=0.0, scan_layers=True):
   c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_gmoe"), "smoke")
   c.model.eval_capacity_factor = 0.0
+  c.model.scan_layers = scan_layers
   c.model.dim, c.model.ffn_dim = 32, 48
   c.method.router_noise = noise
   method = methods.make(c, (16,), V)
@@ -119,17 +126,25 @@ def gmoe_method(noise=0.0):
   return method
 
 
-def test_copy_experts_leaves_the_outputs_unchanged_without_perturbation_or_capacity_limit():
-  method = gmoe_method()
+def unrolled(params):
+  return switch.unstack_layers(params) if switch.LAYERS in params else params
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_copy_experts_leaves_the_outputs_unchanged_without_perturbation_or_capacity_limit(
+    scan_layers):
+  method = gmoe_method(scan_layers=scan_layers)
   learner = method.init(jax.random.key(7))
+  assert (switch.LAYERS in learner.params) == scan_layers
   tokens = jax.random.randint(jax.random.key(8), (3, 16), 0, V)
   before = method.predict(learner.structure, learner.params, {}, tokens)
   grown = method.own.copy(learner, [[1, 3], [0, 2]], jax.random.key(9))
   assert grown.structure == (6,)
-  moe0 = grown.params["block0"]["moe"]
+  moe0 = unrolled(grown.params)["block0"]["moe"]
   chex.assert_shape(moe0["expert_wi"], (6, 32, 48))
   chex.assert_shape(moe0["router_kernel"], (32, 6))
-  np.testing.assert_array_equal(moe0["expert_wo"][4], learner.params["block0"]["moe"]["expert_wo"][1])
+  np.testing.assert_array_equal(moe0["expert_wo"][4],
+                                unrolled(learner.params)["block0"]["moe"]["expert_wo"][1])
   after = method.predict(grown.structure, grown.params, {}, tokens)
   chex.assert_trees_all_close(before, after, atol=1e-5, rtol=0)
   # The input is not modified, and the number of parameters grows by 2 experts x 2 blocks.
@@ -290,11 +305,91 @@ def test_dropout_is_off_in_evaluation_and_draws_its_key_in_training():
     model.apply({"params": params}, tokens, train=True)
 
 
-def test_a_mixture_in_every_other_block_and_dense_layers_between():
-  model = tiny(num_experts=4, moe_every=2)
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_a_mixture_in_every_other_block_and_dense_layers_between(scan_layers):
+  model = tiny(num_experts=4, moe_every=2, scan_layers=scan_layers)
   tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, V)
   params = model.init(jax.random.key(4), tokens)["params"]
-  assert "moe" not in params["block0"] and "ffn_wi" in params["block0"]
-  assert "moe" in params["block1"] and switch.blocks(params) == ["block1"]
+  assert (switch.LAYERS in params) == scan_layers
+  blocks = unrolled(params)
+  assert "moe" not in blocks["block0"] and "ffn_wi" in blocks["block0"]
+  assert "moe" in blocks["block1"] and switch.blocks(blocks) == ["block1"]
   _, aux = model.apply({"params": params}, tokens)
   chex.assert_shape(aux["experts"], (1, 2, 16))  # one mixture layer
+
+
+# -- the scanned layers -----------------------------------------------------------------------------
+def _max_abs(tree):
+  return max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("num_layers, moe_every", [(2, 1), (5, 2)])
+def test_the_scanned_and_the_unrolled_forms_are_the_same_function(num_layers, moe_every):
+  """Same initial weights, the same logits, routing, balance loss and gradients up to float32
+  round-off; blocks beyond the last whole group (5 = 2 x 2 + 1) stay unrolled."""
+  loose = dict(num_layers=num_layers, moe_every=moe_every, eval_capacity_factor=2.0)
+  model = switch.SwitchTransformer(vocab_size=97, max_len=16, dim=32, num_heads=2, ffn_dim=48,
+                                   num_experts=4, scan_layers=False, **loose)
+  scanned = model.clone(scan_layers=True)
+  tokens = jax.random.randint(jax.random.key(1), (3, 16), 0, 97)
+  p = base.init_variables(model, jax.random.key(0), tokens)["params"]
+  q = base.init_variables(scanned, jax.random.key(0), tokens)["params"]
+  groups = num_layers // moe_every
+  assert set(q) - set(p) == {switch.LAYERS}
+  assert {k for k in p if k.startswith("block")} - set(q) == {
+      f"block{i}" for i in range(groups * moe_every)}
+  chex.assert_trees_all_equal(q, switch.stack_layers(p, moe_every))
+  chex.assert_trees_all_equal(switch.unstack_layers(q), p)
+  assert q[switch.LAYERS][f"block{moe_every - 1}"]["moe"]["expert_wi"].shape == (groups, 4, 32, 48)
+
+  def loss(module, params):
+    logits, aux = module.apply({"params": params}, tokens[:, :-1])
+    nll = task_base.masked_cross_entropy(logits, tokens[:, 1:], jnp.ones(3, bool))
+    return nll + 0.01 * aux["balance"], (logits, aux)
+
+  (lp, (logits_p, aux_p)), gp = jax.value_and_grad(loss, argnums=1, has_aux=True)(model, p)
+  (lq, (logits_q, aux_q)), gq = jax.value_and_grad(loss, argnums=1, has_aux=True)(scanned, q)
+  np.testing.assert_array_equal(aux_p["experts"], aux_q["experts"])  # routing: no near ties here
+  # Float32 round-off of reordered sums: a few ulps (2^-23) of the largest magnitude involved,
+  # times the longest reduction (d_ff = 48 products) -- 64 ulps of each quantity's scale.
+  ulps = 64 * 2.0 ** -23
+  chex.assert_trees_all_close(logits_q, logits_p, atol=ulps * _max_abs(logits_p), rtol=0)
+  assert abs(float(aux_q["balance"] - aux_p["balance"])) <= ulps * float(aux_p["balance"])
+  assert abs(float(lq - lp)) <= ulps * float(lp)
+  chex.assert_trees_all_close(switch.unstack_layers(gq), gp, atol=ulps * _max_abs(gp), rtol=0)
+
+
+def test_copy_experts_writes_the_same_weights_in_both_layouts():
+  model = tiny(moe_every=1, scan_layers=False)
+  tokens = jnp.zeros((1, 16), jnp.int32)
+  p = model.init(jax.random.key(4), tokens)["params"]
+  q = switch.stack_layers(p, 1)
+  chosen = [[1, 3], [0, 2]]
+  grown_p = switch.copy_experts(p, chosen, jax.random.key(5), noise=0.1)
+  grown_q = switch.copy_experts(q, chosen, jax.random.key(5), noise=0.1)
+  assert switch.experts_per_block(grown_q) == switch.experts_per_block(grown_p) == 6
+  chex.assert_trees_all_equal(switch.unstack_layers(grown_q), grown_p)
+  with pytest.raises(ValueError, match=r"one per block \(2\)"):
+    switch.copy_experts(q, [[1], [2], [3]], jax.random.key(5))
+
+
+def test_the_stacked_experts_keep_their_logical_axis_in_both_layouts():
+  axes = sharding.leaf_axes_by_pattern(switch.SwitchTransformer.LEAF_AXES)
+  assert axes(".trainable['layers']['block1']['moe']['expert_wi']") == (None, "expert")
+  assert axes(".trainable['block1']['moe']['expert_wi']") == ("expert",)
+  assert axes(".trainable['layers']['block1']['moe']['router_kernel']") == ()
+
+
+def test_a_run_of_the_other_layout_is_not_resumed_and_the_error_names_the_field(tmp_path):
+  """A run written before the scanned layout (no `model.scan_layers` in its config.json) ran
+  unrolled: resuming it with the default (scanned) is refused, naming the field to set."""
+  c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
+  c = validation.validate(c)
+  old = workdir.config_dict(c)
+  del old["model"]["scan_layers"]
+  (tmp_path / workdir.CONFIG_FILE).write_text(json.dumps(old))
+  (tmp_path / workdir.LOG_FILE).write_text('{"t": 0}\n')
+  with pytest.raises(ConfigError, match=r"config\.model\.scan_layers: False → True; rerun"):
+    workdir.check_resume(str(tmp_path), c)
+  c.model.scan_layers = False
+  workdir.check_resume(str(tmp_path), validation.validate(c))  # the old layout resumes

@@ -116,6 +116,10 @@ TEXT_FIELDS = (
             "a mixture of experts in every this many-th block, dense feed-forward layers in the "
             "others (0: the preset's: 2 for base and large, as in Switch Transformers; 1 for "
             "tiny)"),
+    F.Field("model.scan_layers", True, F.boolean(),
+            "compile the blocks as one loop over the repeated group of model.moe_every blocks "
+            "(parameters stacked per group); False: every block compiled on its own (the same "
+            "function up to float round-off; checkpoints of one form do not resume the other)"),
     F.Field("model.dropout", 0.0, F.number(0.0, 1.0, open_hi=True),
             "dropout rate in training, on the embeddings and the output of every attention and "
             "feed-forward layer (the paper tunes it on the validation set)"),

@@ -1,0 +1,214 @@
+"""Where compilation goes in whole runs: seconds per program kind, XLA programs, cache hits.
+
+Runs each named run twice as separate processes sharing one fresh persistent
+compilation cache: "cold" (an empty cache) and then "warm" (the cache the cold
+run wrote). Every process is `alma_jax.main` with listeners added (this file's
+`--child` mode), which count per program kind (the run's steps by name:
+train, eval, ...; "other" for eager operations and small utilities) the
+seconds spent tracing, lowering and compiling or loading, and the XLA
+programs built or loaded, and note which programs the persistent cache
+missed and why it did not store them. A warm run should load every program
+from the cache: its misses are listed by name.
+
+  python benchmarks/compile_budget.py                          # p3, p4, lm_base, lm_base_unrolled
+  python benchmarks/compile_budget.py --runs=p1,p3,p4 --out=/tmp/compile.json
+  python benchmarks/compile_budget.py --runs=lm_base,lm_base_unrolled --warm=false
+  python benchmarks/compile_budget.py --runs=p4 -- --config.method.slots=exact
+
+Named runs (`RUNS`): the timing protocols p1-p4 (configs/bench), and the
+Switch Transformer presets with the smoke stream (lm_base, lm_large; with
+`_unrolled` for the unrolled form): the preset's model and sequence length
+(L = 512), 2 sequences per step, 8 steps per call, two stages -- the preset's
+programs, with little training. Anything after `--` is passed to every run.
+It runs unchanged on a GPU (benchmarks/README.md says how).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEP_PREFIX = "alma_step_"  # alma_jax.engine.timing.STEP_PREFIX (not imported: no JAX here)
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+BACKEND_COMPILE = COMPILE_EVENTS[-1]
+_LM = ("configs/lm_sm.py:smoke,{preset} --config.data.seq_len=512 --config.train.batch_size=2 "
+       "--config.train.steps_per_epoch=8 --config.train.steps_per_call=8 "
+       "--config.stream.num_megabatches=2")
+RUNS = {
+    "p1": "configs/bench/p1_cifar_sm.py",
+    "p2": "configs/bench/p2_cifar_ens.py",
+    "p3": "configs/bench/p3_mnist_sm.py",
+    "p4": "configs/bench/p4_mnist_gmoe.py",
+    "lm_base": _LM.format(preset="base"),
+    "lm_base_unrolled": _LM.format(preset="base") + " --config.model.scan_layers=False",
+    "lm_large": _LM.format(preset="large"),
+    "lm_large_unrolled": _LM.format(preset="large") + " --config.model.scan_layers=False",
+}
+DEFAULT_RUNS = "p3,p4,lm_base,lm_base_unrolled"
+
+
+def kind_of(fun_name: str) -> str:
+  """The program kind of a compile event's function name ("jit(alma_step_train)" -> train)."""
+  name = str(fun_name)
+  if STEP_PREFIX not in name:
+    return "other"
+  kind = name.split(STEP_PREFIX, 1)[1]
+  return kind.split(")", 1)[0].split("(", 1)[0].strip("_") or "other"
+
+
+# -- the child: alma_jax.main with listeners ------------------------------------------------------
+def child(out_path: str, argv: list[str]) -> None:
+  """Runs `alma_jax.main` with `argv`, writing what compilation cost to `out_path` at exit."""
+  import atexit  # pylint: disable=g-import-not-at-top
+  import logging  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  from alma_jax import main as alma_main  # first: it tunes the allocator before JAX loads
+  from jax import monitoring  # pylint: disable=g-import-not-at-top
+
+  t0 = time.monotonic()
+  seconds, programs = collections.Counter(), collections.Counter()
+  cache = {"hits": [], "misses": [], "not_written": []}
+
+  slow = []  # (seconds since start, function, phase, duration) of every phase over 0.5 s
+
+  def on_duration(event: str, duration: float, **kwargs) -> None:
+    if event in COMPILE_EVENTS:
+      kind = kind_of(kwargs.get("fun_name", ""))
+      seconds[kind] += duration
+      if duration > 0.5:
+        slow.append((round(time.monotonic() - t0, 1), str(kwargs.get("fun_name", kind)),
+                     event.rsplit("/", 1)[1], round(duration, 2)))
+      if event == BACKEND_COMPILE:
+        programs[kind] += 1
+      if duration > 0.5 or event == BACKEND_COMPILE:
+        write()  # what a run cut short had compiled so far stays readable
+
+  monitoring.register_event_duration_secs_listener(on_duration)
+  patterns = (("hits", re.compile(r"Persistent compilation cache hit for '([^']*)'")),
+              ("misses", re.compile(r"PERSISTENT COMPILATION CACHE MISS for '([^']*)'")),
+              ("not_written", re.compile(r"Not writing persistent cache entry for '([^']*)' "
+                                         r"because (.*)")))
+
+  class Notes(logging.Handler):
+    def emit(self, record):
+      text = record.getMessage()
+      for key, pattern in patterns:
+        m = pattern.search(text)
+        if m:
+          cache[key].append(m.group(1) if key != "not_written" else f"{m.group(1)}: "
+                            f"{m.group(2)}")
+
+  compiler_log = logging.getLogger("jax._src.compiler")
+  compiler_log.setLevel(logging.DEBUG)
+  compiler_log.propagate = False  # its debug lines stay out of the run's output
+  compiler_log.addHandler(Notes())
+
+  def write():
+    with open(out_path + ".tmp", "w") as f:
+      json.dump({"wall_s": time.monotonic() - t0, "seconds": dict(seconds),
+                 "programs": dict(programs), "slow_phases": slow, **cache}, f)
+    os.replace(out_path + ".tmp", out_path)
+
+  atexit.register(write)
+  sys.argv = ["alma_jax.main", *argv]
+  alma_main.console()
+
+
+# -- the parent -----------------------------------------------------------------------------------
+def run_one(spec: str, extra: list[str], cache_dir: str) -> dict:
+  """One process of run `spec` (a config and its overrides) with the cache `cache_dir`."""
+  parts = shlex.split(spec) + list(extra)
+  with tempfile.TemporaryDirectory() as workdir:
+    out = os.path.join(workdir, "compile.json")
+    cmd = [sys.executable, os.path.abspath(__file__), f"--child={out}", "--",
+           f"--config={parts[0]}", f"--workdir={os.path.join(workdir, 'run')}",
+           f"--compilation_cache_dir={cache_dir}", *parts[1:]]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.monotonic() - t0
+    if proc.returncode:
+      raise SystemExit(f"compile_budget: {spec} failed (exit {proc.returncode}):\n"
+                       f"{proc.stderr[-3000:]}")
+    with open(out) as f:
+      result = json.load(f)
+    with open(os.path.join(workdir, "run", "summary.json")) as f:
+      summary = json.load(f)
+  result["process_s"] = wall
+  result["compile_s"] = sum(result["seconds"].values())
+  result["xla_programs"] = sum(result["programs"].values())
+  result["num_compilations"] = summary.get("num_compilations")
+  result["final_error"] = summary.get("final_error")
+  result["timings"] = summary.get("timings", {})
+  return result
+
+
+def _kinds(r: dict, top: int = 4) -> str:
+  order = sorted(r["seconds"], key=lambda k: -r["seconds"][k])[:top]
+  return ", ".join(f"{k} {r['seconds'][k]:.1f} s / {r['programs'].get(k, 0)}" for k in order)
+
+
+def table(results: dict) -> str:
+  lines = ["| run | cache | process s | compile s | XLA programs | cache hits / requests | "
+           "compile s / programs by kind | warm misses |",
+           "|---|---|---|---|---|---|---|---|"]
+  for name, by_cache in results.items():
+    for which, r in by_cache.items():
+      asked = len(r["hits"]) + len(r["misses"])
+      misses = sorted(collections.Counter(r["misses"]).items())
+      missed = ("; ".join(f"{m} x{n}" if n > 1 else m for m, n in misses[:6])
+                + (f" (+{len(misses) - 6} more)" if len(misses) > 6 else "")
+                if which == "warm" else "")
+      lines.append(f"| {name} | {which} | {r['process_s']:.1f} | {r['compile_s']:.1f} | "
+                   f"{r['xla_programs']} | {len(r['hits'])} / {asked} | {_kinds(r)} | "
+                   f"{missed or ('none' if which == 'warm' else '')} |")
+  return "\n".join(lines)
+
+
+def main() -> None:
+  if len(sys.argv) > 1 and sys.argv[1].startswith("--child="):
+    rest = sys.argv[2:]
+    child(sys.argv[1].split("=", 1)[1], rest[1:] if rest[:1] == ["--"] else rest)
+    return
+  argv, extra = sys.argv[1:], []
+  if "--" in argv:
+    argv, extra = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--runs", default=DEFAULT_RUNS,
+                  help=f"comma-separated names of {sorted(RUNS)}")
+  ap.add_argument("--warm", default="true", choices=("true", "false"),
+                  help="run each a second time on the cache the first one wrote")
+  ap.add_argument("--out", default=None, help="also write the results as JSON here")
+  args = ap.parse_args(argv)
+  names = [n for n in args.runs.split(",") if n]
+  unknown = [n for n in names if n not in RUNS]
+  if unknown:
+    raise SystemExit(f"compile_budget: error: unknown runs {unknown}; valid: {sorted(RUNS)}")
+  results = {}
+  for name in names:
+    with tempfile.TemporaryDirectory() as cache_dir:
+      results[name] = {"cold": run_one(RUNS[name], extra, cache_dir)}
+      print(f"{name} cold: {results[name]['cold']['process_s']:.1f} s", file=sys.stderr,
+            flush=True)
+      if args.warm == "true":
+        results[name]["warm"] = run_one(RUNS[name], extra, cache_dir)
+        print(f"{name} warm: {results[name]['warm']['process_s']:.1f} s", file=sys.stderr,
+              flush=True)
+  print(table(results))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump({"runs": {n: RUNS[n] for n in names}, "extra": extra, "results": results}, f,
+                indent=1)
+
+
+if __name__ == "__main__":
+  main()
