@@ -76,7 +76,8 @@ def child(out_path: str, argv: list[str]) -> None:
   from jax import monitoring  # pylint: disable=g-import-not-at-top
 
   t0 = time.monotonic()
-  seconds, programs = collections.Counter(), collections.Counter()
+  seconds, programs, names = (collections.Counter(), collections.Counter(),
+                             collections.Counter())
   cache = {"hits": [], "misses": [], "not_written": []}
 
   slow = []  # (seconds since start, function, phase, duration) of every phase over 0.5 s
@@ -90,6 +91,7 @@ def child(out_path: str, argv: list[str]) -> None:
                      event.rsplit("/", 1)[1], round(duration, 2)))
       if event == BACKEND_COMPILE:
         programs[kind] += 1
+        names[str(kwargs.get("fun_name", ""))] += 1
       if duration > 0.5 or event == BACKEND_COMPILE:
         write()  # what a run cut short had compiled so far stays readable
 
@@ -116,7 +118,8 @@ def child(out_path: str, argv: list[str]) -> None:
   def write():
     with open(out_path + ".tmp", "w") as f:
       json.dump({"wall_s": time.monotonic() - t0, "seconds": dict(seconds),
-                 "programs": dict(programs), "slow_phases": slow, **cache}, f)
+                 "programs": dict(programs), "names": dict(names.most_common()),
+                 "slow_phases": slow, **cache}, f)
     os.replace(out_path + ".tmp", out_path)
 
   atexit.register(write)

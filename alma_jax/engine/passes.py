@@ -86,7 +86,7 @@ class Passes:
       compiled = compiled or self.programs.eval_fn(stacked, False, b)
       out = compiled(stacked.params, stacked.model_state, self.data, b)[3]
       self.costs.add("reduce", fn, learner, build, Batch(b.idx[0], b.mask[0]))
-      out = jax.tree.map(lambda a: np.asarray(a[0], np.float64), out)
+      out = jax.tree.map(lambda a: np.asarray(a, np.float64)[0], out)  # indexed on the host
       total = out if total is None else jax.tree.map(np.add, total, out)
     return total
 

@@ -40,8 +40,19 @@ def stack(learners: Sequence[Learner]) -> Learner:
   return Learner(params=params, model_state=model_state, structure=learners[0].structure)
 
 
+# One program per tree of shapes takes a member of every leaf (not one per leaf shape).
+_member = programs.utility(lambda tree, i: jax.tree.map(lambda a: a[i], tree), "unstack")
+
+
 def unstack(tree: PyTree, i: int) -> PyTree:
   """Member `i` of a stacked tree (a `Learner` stays a `Learner`)."""
+  if isinstance(tree, Learner):
+    params, model_state = unstack((tree.params, tree.model_state), i)
+    return Learner(params=params, model_state=model_state, structure=tree.structure)
+  leaves = jax.tree.leaves(tree)
+  if leaves and all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
+                    for a in leaves):
+    return _member(tree, np.int32(i))
   return jax.tree.map(lambda a: a[i], tree)
 
 

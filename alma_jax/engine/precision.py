@@ -57,7 +57,9 @@ def _interceptor(dtype) -> Callable:
     if context.method_name != "__call__":
       return next_fun(*args, **kwargs)
     out = next_fun(*cast(args, dtype), **cast(kwargs, dtype))
-    outermost = not isinstance(context.module.parent, nn.Module)
+    # The root's scope has the empty path (a module inside a lifted transformation, e.g. the
+    # body of `nn.scan`, has a scope but no Module parent: it is not the outermost).
+    outermost = not context.module.scope.path
     return _to_float32(out) if outermost else cast(out, dtype)
   return intercept
 

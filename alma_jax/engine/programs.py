@@ -165,7 +165,12 @@ class Programs:
     self._utilities: dict[tuple, Callable] = {}  # small programs of this run that are not steps
     self.listener: CompileListener | None = None  # hears of each compilation of a step
     # One small program per shapes (not one per optimizer-state leaf); not a step.
-    self._opt_init = utility(jax.vmap(tx.init), "opt_init")
+    # A fresh train state in one program: copies of the learner's arrays (the train step
+    # donates them) and the optimizer's initial state.
+    self._fresh_state = utility(
+        lambda trainable, frozen, model_state: TrainState(
+            *sharding.copies((trainable, frozen, model_state)), jax.vmap(tx.init)(trainable)),
+        "opt_init")
 
   # -- the compile cache ---------------------------------------------------------------------
   def program(self, key: tuple, build: Callable[[], Callable],
@@ -304,7 +309,8 @@ class Programs:
     step donates it)."""
     trainable, frozen = jax.vmap(self.method.partition)(learner)
     if opt_state is None:
-      opt_state = self._opt_init(trainable)
+      state = self._fresh_state(trainable, frozen, learner.model_state)
+      return sharding.put(state, self.shardings(state))
     state = TrainState(trainable, frozen, learner.model_state, opt_state)
     return sharding.put(state, self.shardings(state), copy=True)
 
@@ -388,9 +394,13 @@ class Programs:
     rule; a utility, not a step): the rule of an epoch driven from the host."""
     num, structure = int(ok.shape[0]), best.structure
     rule = rule.program_rule()
-    key = ("end_epoch", structure, num, rule)
+    # The learners enter with the structure their selection reads (the program's when it
+    # reads none), so that growth inside the same slots compiles nothing new.
+    seen = self.method.selection_structure(structure)
+    seen = self.method.program_structure(structure) if seen is None else seen
+    key = ("end_epoch", seen, num, rule)
     if key not in self._utilities:
-      select = self.select_fn(structure)
+      select = self.select_fn(seen)
 
       def end(stop, best, current, ok, scores, epoch, n_steps, thresholds):
         return epoch_lib.end_epoch(rule, select, stop, best, current, ok, scores, epoch,
@@ -398,8 +408,10 @@ class Programs:
 
       self._utilities[key] = utility(end, "end_epoch")
     i32 = lambda v: np.asarray(v, np.int32)  # pylint: disable=unnecessary-lambda-assignment
-    return self._utilities[key](stop, best, current, ok, np.asarray(scores, np.float32),
-                                i32(epoch), i32(n_steps), thresholds)
+    stop, best, facts = self._utilities[key](
+        stop, best.replace(structure=seen), current.replace(structure=seen), ok,
+        np.asarray(scores, np.float32), i32(epoch), i32(n_steps), thresholds)
+    return stop, best.replace(structure=structure), facts
 
   def stage_body(self, structure, num: int, rule: epoch_lib.Rule) -> Callable:
     """Epochs of a stacked population as one program: `epoch.epoch` in a `lax.while_loop`.

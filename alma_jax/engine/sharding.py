@@ -182,16 +182,13 @@ def leaf_axes_by_pattern(rules: Sequence[tuple[str, Sequence[str]]]) -> Callable
 
 
 # -- placement ------------------------------------------------------------------------------------
-def _put_one(x, s: NamedSharding, copy: bool):
-  if not copy and getattr(x, "sharding", None) == s and x.committed:
+def _put_one(x, s: NamedSharding):
+  if getattr(x, "sharding", None) == s and x.committed:
     return x  # the common case (e.g. the state a train call returned), kept fast
   if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    data = _put_one(jax.random.key_data(x), s, copy)
+    data = _put_one(jax.random.key_data(x), s)
     return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-  y = _place(x, s)
-  if copy:  # `jax.device_put` may share the buffer of a one-device source with one shard
-    y = jax.device_put(jnp.copy(y), s)  # (the copy's sharding may be an equivalent spec)
-  return y
+  return _place(x, s)
 
 
 def _place(x, s: NamedSharding):
@@ -206,15 +203,37 @@ def _place(x, s: NamedSharding):
   return jax.make_array_from_callback(host.shape, s, lambda index: np.asarray(host[index]))
 
 
+def _copy_leaf(x):
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return jax.random.wrap_key_data(jnp.copy(jax.random.key_data(x)),
+                                    impl=jax.random.key_impl(x))
+  return jnp.copy(x)
+
+
+def copies(tree: PyTree) -> PyTree:
+  """Fresh buffers holding the values of every leaf of `tree` (PRNG keys included)."""
+  return jax.tree.map(_copy_leaf, tree)
+
+
+_copies = jax.jit(copies)  # one program copies a whole tree (not one per leaf shape)
+
+
 def put(tree: PyTree, shardings: PyTree | NamedSharding, *, copy: bool = False) -> PyTree:
   """Places every leaf of `tree` with its sharding (a tree of them, or one for all leaves).
 
-  Leaves already placed so are returned as they are (unless `copy`); host
-  values must be the same on every process of a multi-process run.
+  Leaves already placed so are returned as they are (unless `copy`: then
+  every leaf is a fresh buffer, e.g. for a state a program will donate);
+  host values must be the same on every process of a multi-process run.
   """
   if isinstance(shardings, jax.sharding.Sharding):
-    return jax.tree.map(lambda x: _put_one(x, shardings, copy), tree)
-  return jax.tree.map(lambda x, s: _put_one(x, s, copy), tree, shardings)
+    placed = jax.tree.map(lambda x: _put_one(x, shardings), tree)
+  else:
+    placed = jax.tree.map(lambda x, s: _put_one(x, s), tree, shardings)
+  if not copy:
+    return placed
+  # `jax.device_put` may share the buffer of a one-device source with one shard, so the
+  # copies come from a program; placing them again only fixes an equivalent spec.
+  return put(_copies(placed), shardings)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

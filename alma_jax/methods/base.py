@@ -218,6 +218,12 @@ class Method(declared.Declaration):
     logp = self.predict(structure, params, model_state, x)
     return logp, logp[None]
 
+  def selection_structure(self, structure) -> Hashable | None:
+    """What of `structure` `select_units` reads: None when it reads nothing (the default);
+    programs that select units are compiled once per distinct value."""
+    del structure
+    return None
+
   def select_units(self, structure, take, new: Learner, old: Learner) -> Learner:
     """`new` for the units where `take` (U,) is true, `old` for the others."""
     del structure

@@ -383,6 +383,9 @@ class Ensemble(declared.Ens, base.SingleBackbone, base.Method):
     trained = jax.lax.dynamic_slice_in_dim(logits, start, k)
     return self.combine_members(logits, n, active), jax.nn.log_softmax(trained)
 
+  def selection_structure(self, structure):
+    return structure  # which members trained
+
   def select_units(self, structure, take, new: base.Learner, old: base.Learner) -> base.Learner:
     n, k = structure
     c = num_members(new.params)

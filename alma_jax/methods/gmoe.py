@@ -40,7 +40,8 @@ Transformer of the text task) is grown instead by copying its losing experts
 
 from __future__ import annotations
 
-from typing import Hashable
+import functools
+from typing import Any, Hashable
 
 import jax
 import jax.numpy as jnp
@@ -103,10 +104,11 @@ def losing_expert(scores) -> int:
   return int(np.argmax(scores))
 
 
-def _resize_gates(lp: dict, tree, feat_dim: int, slots: int) -> dict:
-  """Gate params of layer params `lp` for `slots` expert slots (new gate slots are zeros)."""
+def _resize_gates(lp: dict, flat: bool, feat_dim: int, slots: int) -> dict:
+  """Gate params of layer params `lp` (flat gating or a tree) for `slots` expert slots (new
+  gate slots are zeros)."""
   out = {k: v for k, v in lp.items() if k not in ("gate", "gates")}
-  if moe.is_flat(tree):
+  if flat:
     g = lp["gate"]
     pad = max(slots - g["bias"].shape[0], 0)
     out["gate"] = {"kernel": jnp.pad(g["kernel"], ((0, 0), (0, pad)))[:, :slots],
@@ -128,7 +130,7 @@ def resize_layer(state: base.Learner, layer: int, slots: int) -> base.Learner:
     raise ValueError(f"layer {layer} has {moe.num_experts(tree)} experts; {slots} slots cannot "
                      "hold them")
   name = moe.layer_name(layer)
-  lp = _resize_gates(state.params[name], tree, feat_dim, slots)
+  lp = _resize_gates(state.params[name], moe.is_flat(tree), feat_dim, slots)
   lp["experts"] = slots_lib.resize(lp["experts"], slots)
   model_state = dict(state.model_state)
   stats = model_state.get("batch_stats", {})
@@ -143,17 +145,36 @@ def num_slots(learner: base.Learner, layer: int) -> int:
   return int(learner.model_state["routing"][moe.layer_name(layer)]["active"].shape[0])
 
 
-def _grown_gates(lp: dict, tree, feat_dim: int, key: jax.Array, scheme: str) -> dict:
-  """The gate parameters of layer params `lp` after a split of `tree` (a free slot exists)."""
-  if moe.is_flat(tree):
-    g, e = lp["gate"], moe.num_experts(tree)
+def _slot(a, i):
+  return jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
+
+
+def _set(a, value, i):
+  return jax.lax.dynamic_update_index_in_dim(a, value.astype(a.dtype), i, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("flat", "feat_dim", "scheme", "slots"))
+def _split_in_slots(lp: dict, stats, e, leaf, gate, key, *, flat: bool, feat_dim: int,
+                    scheme: str, slots: int) -> tuple[dict, Any]:
+  """Layer params `lp` and BatchNorm statistics `stats` (or None) of a split (see
+  `split_expert`): held in `slots` slots, expert `leaf` copied into slot `e`, a new gate at
+  `gate` (tree gating) or a new gate column `e` (flat). Slot indices are arguments, so
+  every split within the same slots runs one program."""
+  lp = _resize_gates(lp, flat, feat_dim, slots)
+  lp["experts"] = jax.tree.map(lambda a: _set(a, _slot(a, leaf), e),
+                               slots_lib.resize(lp["experts"], slots))
+  if stats is not None:
+    stats = jax.tree.map(lambda a: _set(a, _slot(a, leaf), e), slots_lib.resize(stats, slots))
+  if flat:
+    g = lp["gate"]
     column, bias = moe.init_gate(key, feat_dim, 1, scheme)
-    return {"gate": {"kernel": slots_lib.set_slot(g["kernel"].T, column[:, 0], e).T,
-                     "bias": slots_lib.set_slot(g["bias"], bias[0], e)}}
-  kernel, bias = moe.init_gate(key, feat_dim, 2, scheme)
-  g, i = lp["gates"], moe.num_gates(tree)
-  return {"gates": {"kernel": slots_lib.set_slot(g["kernel"], kernel, i),
-                    "bias": slots_lib.set_slot(g["bias"], bias, i)}}
+    lp["gate"] = {"kernel": _set(g["kernel"].T, column[:, 0], e).T,
+                  "bias": _set(g["bias"], bias[0], e)}
+  else:
+    kernel, bias = moe.init_gate(key, feat_dim, 2, scheme)
+    g = lp["gates"]
+    lp["gates"] = {"kernel": _set(g["kernel"], kernel, gate), "bias": _set(g["bias"], bias, gate)}
+  return lp, stats
 
 
 def split_expert(state: base.Learner, layer: int, leaf: int, key: jax.Array,
@@ -174,7 +195,7 @@ def split_expert(state: base.Learner, layer: int, leaf: int, key: jax.Array,
 
   A split inside the layer's slots edits values and routing arrays only (the
   shapes, hence the compiled programs, stay); a full layer first grows to
-  `slots` slots.
+  `slots` slots. The edit is one compiled program per layer shapes and slots.
 
   Args:
     state: the learner (not modified).
@@ -197,17 +218,17 @@ def split_expert(state: base.Learner, layer: int, leaf: int, key: jax.Array,
   if slots is None:
     current = num_slots(state, layer)
     slots = current if e < current else slots_lib.next_power_of_two(e + 1)
-  state = resize_layer(state, layer, max(int(slots), e + 1))
+  slots = max(int(slots), e + 1)
   name = moe.layer_name(layer)
-  lp = dict(state.params[name])
-  lp["experts"] = slots_lib.copy_slot(lp["experts"], e, leaf)
-  lp.update(_grown_gates(lp, tree, feat_dim, key, scheme))
+  stats = state.model_state.get("batch_stats", {}).get(name)
+  lp, stats = _split_in_slots(dict(state.params[name]), stats, np.int32(e), np.int32(leaf),
+                              np.int32(moe.num_gates(tree)), key, flat=moe.is_flat(tree),
+                              feat_dim=int(feat_dim), scheme=scheme, slots=slots)
   model_state = dict(state.model_state)
-  stats = model_state.get("batch_stats", {})
-  if name in stats:
-    model_state["batch_stats"] = {**stats, name: slots_lib.copy_slot(stats[name], e, leaf)}
-  model_state["routing"] = {**model_state["routing"], name: jax.tree.map(
-      jnp.asarray, moe.tree_arrays(new_tree, num_slots(state, layer)))}
+  if stats is not None:
+    model_state["batch_stats"] = {**model_state["batch_stats"], name: stats}
+  model_state["routing"] = {**model_state["routing"],
+                            name: jax.device_put(moe.tree_arrays(new_tree, slots))}
   new_structure = structure[:layer] + ((feat_dim, new_tree),) + structure[layer + 1:]
   return base.Learner(params={**state.params, name: lp}, model_state=model_state,
                       structure=new_structure)

@@ -213,12 +213,13 @@ class Group(nn.Module):
 
   @nn.compact
   def __call__(self, x, mask):
+    carry = x.dtype
     for j in range(self.size):
       x, balance, experts = Block(self.num_heads, self.num_experts, self.ffn_dim,
                                   self.capacity_factor, self.eval_capacity_factor,
                                   moe=j == self.size - 1, dropout=self.dropout,
                                   name=f"block{j}")(x, mask, self.train)
-    return x, (balance, experts)
+    return x.astype(carry), (balance, experts)  # the loop's carry keeps its type
 
 
 # -- the two layouts ------------------------------------------------------------------------------

@@ -51,6 +51,21 @@ def test_tree_arrays_round_trip_and_slots():
     moe.tree_arrays(moe.balanced_tree(3), 2)
 
 
+def test_splits_within_the_same_slots_run_one_compiled_program():
+  """The split's slot indices and gate are arguments of one program per layer shapes and
+  slots: the first split inside the slots compiles it (no eager operations), later ones
+  reuse it."""
+  method = make_method(width=7, initial_experts=5)  # shapes of this test alone
+  learner = randomize_gates(method.init(jax.random.key(0)), jax.random.key(1))
+  assert gmoe.num_slots(learner, 0) == 8
+  counts = [timing.compile_counts()["xla_programs"]]
+  for leaf, key in ((1, 2), (0, 3), (4, 4)):  # 6, 7 and 8 experts in 8 slots
+    learner = gmoe.split_expert(learner, 0, leaf, jax.random.key(key))
+    counts.append(timing.compile_counts()["xla_programs"])
+  assert gmoe.experts_per_layer(learner.structure)[0] == 8 and gmoe.num_slots(learner, 0) == 8
+  assert np.diff(counts).tolist() == [1, 0, 0], counts
+
+
 @pytest.mark.parametrize("gating", ["soft", "hard"])
 def test_split_inside_the_slots_keeps_shapes_and_function(gating):
   method = make_method(initial_experts=3, gating=gating)
