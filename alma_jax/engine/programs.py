@@ -165,12 +165,17 @@ class Programs:
     self._utilities: dict[tuple, Callable] = {}  # small programs of this run that are not steps
     self.listener: CompileListener | None = None  # hears of each compilation of a step
     # One small program per shapes (not one per optimizer-state leaf); not a step.
-    # A fresh train state in one program: copies of the learner's arrays (the train step
-    # donates them) and the optimizer's initial state.
-    self._fresh_state = utility(
-        lambda trainable, frozen, model_state: TrainState(
-            *sharding.copies((trainable, frozen, model_state)), jax.vmap(tx.init)(trainable)),
-        "opt_init")
+    def start(learner: Learner, opt_state) -> TrainState:
+      trainable, frozen = jax.vmap(method.partition)(learner)
+      opt_state = (jax.vmap(tx.init)(trainable) if opt_state is None
+                   else sharding.copies(opt_state))
+      return TrainState(*sharding.copies((trainable, frozen, learner.model_state)), opt_state)
+
+    # A stage's train state in one program per structure: the learner split into trained and
+    # frozen parts, copies of its arrays (the train step donates them) and the optimizer's
+    # state (initial, or a copy of the one kept). `combine` is the inverse of the split.
+    self._start_state = utility(start, "start_state")
+    self._combine = utility(jax.vmap(method.combine), "combine")
 
   # -- the compile cache ---------------------------------------------------------------------
   def program(self, key: tuple, build: Callable[[], Callable],
@@ -307,12 +312,12 @@ class Programs:
   def init_state(self, learner: Learner, opt_state=None) -> TrainState:
     """The train state of a stacked `learner`, placed with its shardings (copies: the train
     step donates it)."""
-    trainable, frozen = jax.vmap(self.method.partition)(learner)
-    if opt_state is None:
-      state = self._fresh_state(trainable, frozen, learner.model_state)
-      return sharding.put(state, self.shardings(state))
-    state = TrainState(trainable, frozen, learner.model_state, opt_state)
-    return sharding.put(state, self.shardings(state), copy=True)
+    state = self._start_state(learner, opt_state)
+    return sharding.put(state, self.shardings(state))
+
+  def combine(self, learner: Learner, trainable) -> PyTree:
+    """`Method.combine` of every member of a stacked `learner` (one program per structure)."""
+    return self._combine(learner, trainable)
 
   def timing_batch(self, num: int, num_orders: int) -> Batch:
     """A placed train batch of `num` learners, all indices 0 and all real (for timing)."""

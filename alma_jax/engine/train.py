@@ -191,7 +191,7 @@ def _fit_per_epoch(s: _Stage, state: TrainState, p: Progress, resume: Resume | N
     with s.timer("train_s"):
       state, losses, finite, n_steps = _train_epoch(s, state, p, epoch, resume)
       resume = None
-    current = Learner(params=jax.vmap(steps.method.combine)(s.learner, state.trainable),
+    current = Learner(params=steps.programs.combine(s.learner, state.trainable),
                       model_state=state.model_state, structure=structure)
     with s.timer("eval_s"):
       acc, _, unit_acc = steps.evaluate_units(current, "train", s.data.val_idx)

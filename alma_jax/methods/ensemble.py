@@ -46,6 +46,7 @@ evaluation but are masked out of the prediction, and are never trained.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from typing import Any, Callable, Hashable
 
@@ -136,7 +137,9 @@ def _per_member(active, logits):
 
 
 def _with_slots(model_state: PyTree, active) -> PyTree:
-  return {**backbone_state(model_state), SLOTS_KEY: {"active": jnp.asarray(active)}}
+  if not isinstance(active, jax.Array):  # a host mask: a transfer, not a program
+    active = jax.device_put(np.asarray(active))
+  return {**backbone_state(model_state), SLOTS_KEY: {"active": active}}
 
 
 # -- growth: add_member ---------------------------------------------------------------------------
@@ -144,13 +147,19 @@ def _new_members(state: base.Learner, key: jax.Array, init: str, k: int,
                  init_fn: Callable | None) -> tuple[PyTree, PyTree]:
   """k new members, stacked: fresh ones from `init_fn`, or copies of the last member."""
   if init == "copy":
-    n = state.structure[0]
-    last = lambda t: jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), take_members(t, n - 1, 1))
-    return last(state.params), last(backbone_state(state.model_state))
+    return _copies_of_member((state.params, backbone_state(state.model_state)),
+                             np.int32(state.structure[0] - 1), k=k)
   if init_fn is None:
     raise ValueError("add_member(init='fresh') needs init_fn: key -> (params, model_state) of one member")
   members = [init_fn(jax.random.fold_in(key, j)) for j in range(k)]
   return stack_members([m[0] for m in members]), stack_members([m[1] for m in members])
+
+
+@functools.partial(jax.jit, static_argnames="k")
+def _copies_of_member(tree: PyTree, i, *, k: int) -> PyTree:
+  """`k` copies of member `i` of every stacked leaf of `tree` (one program per shapes)."""
+  return jax.tree.map(
+      lambda a: jnp.repeat(jax.lax.dynamic_slice_in_dim(a, i, 1), k, axis=0), tree)
 
 
 def _check_new(old: PyTree, new: PyTree, what: str) -> None:
@@ -219,11 +228,20 @@ def add_member(state: base.Learner, key: jax.Array, *, init: str = "fresh", k: i
   slots = max(int(slots), n + k)
   _check_new(state.params, params, "params")
   _check_new(backbone_state(state.model_state), model_state, "model_state")
-  put = lambda old, new: slots_lib.put(slots_lib.resize(old, slots), new, n)
-  return base.Learner(params=put(state.params, params),
-                      model_state=_with_slots(put(backbone_state(state.model_state), model_state),
-                                              slots_lib.mask(n + k, slots)),
+  params, model_state = _put_in_slots((state.params, backbone_state(state.model_state)),
+                                      (params, model_state), np.int32(n), slots=slots)
+  return base.Learner(params=params,
+                      model_state=_with_slots(model_state, slots_lib.mask(n + k, slots)),
                       structure=(n + k, k))
+
+
+@functools.partial(jax.jit, static_argnames="slots")
+def _put_in_slots(old: PyTree, new: PyTree, n, *, slots: int) -> PyTree:
+  """`old` held in `slots` slots with the stacked `new` written from slot `n` on: one program
+  per shapes and slots, whichever members are added."""
+  return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), n,
+                                                                       0),
+                      slots_lib.resize(old, slots), new)
 
 
 # -- the methods --------------------------------------------------------------------------------------
