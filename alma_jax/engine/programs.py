@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import types
 import time
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -312,12 +312,22 @@ class Programs:
   def init_state(self, learner: Learner, opt_state=None) -> TrainState:
     """The train state of a stacked `learner`, placed with its shardings (copies: the train
     step donates it)."""
-    state = self._start_state(learner, opt_state)
+    state = self._start_state(learner.replace(structure=self.seen_structure(learner.structure)),
+                              opt_state)
     return sharding.put(state, self.shardings(state))
 
   def combine(self, learner: Learner, trainable) -> PyTree:
-    """`Method.combine` of every member of a stacked `learner` (one program per structure)."""
-    return self._combine(learner, trainable)
+    """`Method.combine` of every member of a stacked `learner` (one program per
+    `seen_structure`)."""
+    return self._combine(learner.replace(structure=self.seen_structure(learner.structure)),
+                         trainable)
+
+  def seen_structure(self, structure) -> Hashable:
+    """The structure the small programs of partition, combine and selection are given (their
+    learners enter with it): what the method's functions read of it, else the program
+    structure, so that growth inside the same slots compiles none of them again."""
+    seen = self.method.structure_read(structure)
+    return self.method.program_structure(structure) if seen is None else seen
 
   def timing_batch(self, num: int, num_orders: int) -> Batch:
     """A placed train batch of `num` learners, all indices 0 and all real (for timing)."""
@@ -399,10 +409,7 @@ class Programs:
     rule; a utility, not a step): the rule of an epoch driven from the host."""
     num, structure = int(ok.shape[0]), best.structure
     rule = rule.program_rule()
-    # The learners enter with the structure their selection reads (the program's when it
-    # reads none), so that growth inside the same slots compiles nothing new.
-    seen = self.method.selection_structure(structure)
-    seen = self.method.program_structure(structure) if seen is None else seen
+    seen = self.seen_structure(structure)
     key = ("end_epoch", seen, num, rule)
     if key not in self._utilities:
       select = self.select_fn(seen)

@@ -218,9 +218,10 @@ class Method(declared.Declaration):
     logp = self.predict(structure, params, model_state, x)
     return logp, logp[None]
 
-  def selection_structure(self, structure) -> Hashable | None:
-    """What of `structure` `select_units` reads: None when it reads nothing (the default);
-    programs that select units are compiled once per distinct value."""
+  def structure_read(self, structure) -> Hashable | None:
+    """What of `structure` `partition`, `combine` and `select_units` read: None when they
+    read nothing (the defaults); the small programs built of them (a stage's start, the
+    epoch's rule) are compiled once per distinct value, else once per program structure."""
     del structure
     return None
 

@@ -401,8 +401,8 @@ class Ensemble(declared.Ens, base.SingleBackbone, base.Method):
     trained = jax.lax.dynamic_slice_in_dim(logits, start, k)
     return self.combine_members(logits, n, active), jax.nn.log_softmax(trained)
 
-  def selection_structure(self, structure):
-    return structure  # which members trained
+  def structure_read(self, structure):
+    return structure  # how many members there are and which of them train
 
   def select_units(self, structure, take, new: base.Learner, old: base.Learner) -> base.Learner:
     n, k = structure
