@@ -347,8 +347,9 @@ def test_the_scanned_and_the_unrolled_forms_are_the_same_function(num_layers, mo
     nll = task_base.masked_cross_entropy(logits, tokens[:, 1:], jnp.ones(3, bool))
     return nll + 0.01 * aux["balance"], (logits, aux)
 
-  (lp, (logits_p, aux_p)), gp = jax.value_and_grad(loss, argnums=1, has_aux=True)(model, p)
-  (lq, (logits_q, aux_q)), gq = jax.value_and_grad(loss, argnums=1, has_aux=True)(scanned, q)
+  grad = jax.jit(jax.value_and_grad(loss, argnums=1, has_aux=True), static_argnums=0)
+  (lp, (logits_p, aux_p)), gp = grad(model, p)
+  (lq, (logits_q, aux_q)), gq = grad(scanned, q)
   np.testing.assert_array_equal(aux_p["experts"], aux_q["experts"])  # routing: no near ties here
   # Float32 round-off of reordered sums: a few ulps (2^-23) of the largest magnitude involved,
   # times the longest reduction (d_ff = 48 products) -- 64 ulps of each quantity's scale.
