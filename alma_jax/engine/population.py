@@ -50,8 +50,7 @@ def unstack(tree: PyTree, i: int) -> PyTree:
     params, model_state = unstack((tree.params, tree.model_state), i)
     return Learner(params=params, model_state=model_state, structure=tree.structure)
   leaves = jax.tree.leaves(tree)
-  if leaves and all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
-                    for a in leaves):
+  if leaves and all(isinstance(a, jax.Array) for a in leaves) and not slots.is_traced(tree):
     return _member(tree, np.int32(i))
   return jax.tree.map(lambda a: a[i], tree)
 

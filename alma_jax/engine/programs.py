@@ -164,7 +164,6 @@ class Programs:
     self._cache: dict[tuple, Program] = {}
     self._utilities: dict[tuple, Callable] = {}  # small programs of this run that are not steps
     self.listener: CompileListener | None = None  # hears of each compilation of a step
-    # One small program per shapes (not one per optimizer-state leaf); not a step.
     def start(learner: Learner, opt_state) -> TrainState:
       trainable, frozen = jax.vmap(method.partition)(learner)
       opt_state = (jax.vmap(tx.init)(trainable) if opt_state is None
