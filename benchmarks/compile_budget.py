@@ -36,11 +36,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEP_PREFIX = "alma_step_"  # alma_jax.engine.timing.STEP_PREFIX (not imported: no JAX here)
-COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
-                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                  "/jax/core/compile/backend_compile_duration")
-BACKEND_COMPILE = COMPILE_EVENTS[-1]
 _LM = ("configs/lm_sm.py:smoke,{preset} --config.data.seq_len=512 --config.train.batch_size=2 "
        "--config.train.steps_per_epoch=8 --config.train.steps_per_call=8 "
        "--config.stream.num_megabatches=2")
@@ -57,12 +52,12 @@ RUNS = {
 DEFAULT_RUNS = "p3,p4,lm_base,lm_base_unrolled"
 
 
-def kind_of(fun_name: str) -> str:
+def kind_of(fun_name: str, step_prefix: str) -> str:
   """The program kind of a compile event's function name ("jit(alma_step_train)" -> train)."""
   name = str(fun_name)
-  if STEP_PREFIX not in name:
+  if step_prefix not in name:
     return "other"
-  kind = name.split(STEP_PREFIX, 1)[1]
+  kind = name.split(step_prefix, 1)[1]
   return kind.split(")", 1)[0].split("(", 1)[0].strip("_") or "other"
 
 
@@ -73,6 +68,7 @@ def child(out_path: str, argv: list[str]) -> None:
   import logging  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
   from alma_jax import main as alma_main  # first: it tunes the allocator before JAX loads
+  from alma_jax.engine import timing  # pylint: disable=g-import-not-at-top
   from jax import monitoring  # pylint: disable=g-import-not-at-top
 
   t0 = time.monotonic()
@@ -83,16 +79,16 @@ def child(out_path: str, argv: list[str]) -> None:
   slow = []  # (seconds since start, function, phase, duration) of every phase over 0.5 s
 
   def on_duration(event: str, duration: float, **kwargs) -> None:
-    if event in COMPILE_EVENTS:
-      kind = kind_of(kwargs.get("fun_name", ""))
+    if event in timing.COMPILE_EVENTS:
+      kind = kind_of(kwargs.get("fun_name", ""), timing.STEP_PREFIX)
       seconds[kind] += duration
       if duration > 0.5:
         slow.append((round(time.monotonic() - t0, 1), str(kwargs.get("fun_name", kind)),
                      event.rsplit("/", 1)[1], round(duration, 2)))
-      if event == BACKEND_COMPILE:
+      if event == timing.BACKEND_COMPILE:
         programs[kind] += 1
         names[str(kwargs.get("fun_name", ""))] += 1
-      if duration > 0.5 or event == BACKEND_COMPILE:
+      if duration > 0.5 or event == timing.BACKEND_COMPILE:
         write()  # what a run cut short had compiled so far stays readable
 
   monitoring.register_event_duration_secs_listener(on_duration)

@@ -158,8 +158,7 @@ def _new_members(state: base.Learner, key: jax.Array, init: str, k: int,
 @functools.partial(jax.jit, static_argnames="k")
 def _copies_of_member(tree: PyTree, i, *, k: int) -> PyTree:
   """`k` copies of member `i` of every stacked leaf of `tree` (one program per shapes)."""
-  return jax.tree.map(
-      lambda a: jnp.repeat(jax.lax.dynamic_slice_in_dim(a, i, 1), k, axis=0), tree)
+  return jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), take_members(tree, i, 1))
 
 
 def _check_new(old: PyTree, new: PyTree, what: str) -> None:
@@ -239,9 +238,7 @@ def add_member(state: base.Learner, key: jax.Array, *, init: str = "fresh", k: i
 def _put_in_slots(old: PyTree, new: PyTree, n, *, slots: int) -> PyTree:
   """`old` held in `slots` slots with the stacked `new` written from slot `n` on: one program
   per shapes and slots, whichever members are added."""
-  return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), n,
-                                                                       0),
-                      slots_lib.resize(old, slots), new)
+  return slots_lib.put(slots_lib.resize(old, slots), new, n)
 
 
 # -- the methods --------------------------------------------------------------------------------------

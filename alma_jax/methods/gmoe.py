@@ -145,14 +145,6 @@ def num_slots(learner: base.Learner, layer: int) -> int:
   return int(learner.model_state["routing"][moe.layer_name(layer)]["active"].shape[0])
 
 
-def _slot(a, i):
-  return jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
-
-
-def _set(a, value, i):
-  return jax.lax.dynamic_update_index_in_dim(a, value.astype(a.dtype), i, 0)
-
-
 @functools.partial(jax.jit, static_argnames=("flat", "feat_dim", "scheme", "slots"))
 def _split_in_slots(lp: dict, stats, e, leaf, gate, key, *, flat: bool, feat_dim: int,
                     scheme: str, slots: int) -> tuple[dict, Any]:
@@ -161,19 +153,19 @@ def _split_in_slots(lp: dict, stats, e, leaf, gate, key, *, flat: bool, feat_dim
   `gate` (tree gating) or a new gate column `e` (flat). Slot indices are arguments, so
   every split within the same slots runs one program."""
   lp = _resize_gates(lp, flat, feat_dim, slots)
-  lp["experts"] = jax.tree.map(lambda a: _set(a, _slot(a, leaf), e),
-                               slots_lib.resize(lp["experts"], slots))
+  lp["experts"] = slots_lib.copy_slot(slots_lib.resize(lp["experts"], slots), e, leaf)
   if stats is not None:
-    stats = jax.tree.map(lambda a: _set(a, _slot(a, leaf), e), slots_lib.resize(stats, slots))
+    stats = slots_lib.copy_slot(slots_lib.resize(stats, slots), e, leaf)
   if flat:
     g = lp["gate"]
     column, bias = moe.init_gate(key, feat_dim, 1, scheme)
-    lp["gate"] = {"kernel": _set(g["kernel"].T, column[:, 0], e).T,
-                  "bias": _set(g["bias"], bias[0], e)}
+    lp["gate"] = {"kernel": slots_lib.set_slot(g["kernel"].T, column[:, 0], e).T,
+                  "bias": slots_lib.set_slot(g["bias"], bias[0], e)}
   else:
     kernel, bias = moe.init_gate(key, feat_dim, 2, scheme)
     g = lp["gates"]
-    lp["gates"] = {"kernel": _set(g["kernel"], kernel, gate), "bias": _set(g["bias"], bias, gate)}
+    lp["gates"] = {"kernel": slots_lib.set_slot(g["kernel"], kernel, gate),
+                   "bias": slots_lib.set_slot(g["bias"], bias, gate)}
   return lp, stats
 
 

@@ -117,9 +117,15 @@ def _copy(tree: PyTree, dst, src) -> PyTree:
   return jax.tree.map(one, tree)
 
 
-def copy_slot(tree: PyTree, dst: int, src: int) -> PyTree:
+def _slot_index(i):
+  """A slot index as a program argument: an int as int32, an array (or a tracer, inside a
+  transformation) as it is."""
+  return i if isinstance(i, jax.Array) else np.int32(i)
+
+
+def copy_slot(tree: PyTree, dst, src) -> PyTree:
   """Every stacked leaf of `tree` with slot `dst` set to a copy of slot `src`."""
-  return _copy(tree, np.int32(dst), np.int32(src))
+  return _copy(tree, _slot_index(dst), _slot_index(src))
 
 
 @jax.jit
@@ -127,9 +133,9 @@ def _set(a, value, i):
   return jax.lax.dynamic_update_index_in_dim(a, value.astype(a.dtype)[None], i, 0)
 
 
-def set_slot(a, value, i: int):
+def set_slot(a, value, i):
   """Array `a` with slot `i` of its leading axis set to `value`."""
-  return _set(a, value, np.int32(i))
+  return _set(a, value, _slot_index(i))
 
 
 @jax.jit

@@ -68,6 +68,7 @@ import numpy as np
 
 from alma_jax.configuration import fields as F
 from alma_jax.models import registry
+from alma_jax.models import slots
 
 PRESETS = {
     # name: (layers, model dimension, heads, feed-forward dimension, a mixture every k-th block).
@@ -236,9 +237,8 @@ def stack_layers(params: dict[str, Any], moe_every: int) -> dict[str, Any]:
   (j < moe_every), the blocks after them unchanged."""
   num_layers = 1 + max(i for i in map(_block_index, params) if i is not None)
   groups = num_layers // moe_every
-  stacked = {f"block{j}": jax.tree.map(lambda *xs: jnp.stack(xs),
-                                       *[params[f"block{k * moe_every + j}"]
-                                         for k in range(groups)])
+  stacked = {f"block{j}": slots.stack([params[f"block{k * moe_every + j}"]
+                                       for k in range(groups)])
              for j in range(moe_every)}
   rest = {k: v for k, v in params.items()
           if _block_index(k) is None or _block_index(k) >= groups * moe_every}
@@ -253,7 +253,7 @@ def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
   out = {k: v for k, v in params.items() if k != LAYERS}
   for j in range(size):
     for k in range(groups):
-      out[f"block{k * size + j}"] = jax.tree.map(lambda x, k=k: x[k], stacked[f"block{j}"])
+      out[f"block{k * size + j}"] = slots.index(stacked[f"block{j}"], k)
   return out
 
 
@@ -277,8 +277,7 @@ def _mixtures(params) -> tuple[dict[str, jax.Array], bool]:
   """(the mixture parameters, stacked on a leading block axis; whether `params` is scanned)."""
   if LAYERS in params:
     return params[LAYERS][f"block{len(params[LAYERS]) - 1}"]["moe"], True
-  per_block = [params[name]["moe"] for name in blocks(params)]
-  return jax.tree.map(lambda *xs: jnp.stack(xs), *per_block), False
+  return slots.stack([params[name]["moe"] for name in blocks(params)]), False
 
 
 def experts_per_block(params) -> int:
@@ -356,7 +355,7 @@ def copy_experts(params: dict[str, Any], experts: Sequence[int] | Sequence[Seque
     params[LAYERS] = {**params[LAYERS], last: {**params[LAYERS][last], "moe": grown}}
     return params
   for b, name in enumerate(blocks(params)):
-    params[name] = {**params[name], "moe": jax.tree.map(lambda x, b=b: x[b], grown)}
+    params[name] = {**params[name], "moe": slots.index(grown, b)}
   return params
 
 
