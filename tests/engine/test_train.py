@@ -43,7 +43,7 @@ def test_fit_stage_learns_and_keeps_the_best_epoch():
   learner = helpers.init(method)
   err0 = helpers.test_error(steps, learner)
   best, _, stats = train.fit_one(steps, learner, np.arange(900, dtype=np.int32),
-                                     np.arange(900, 1024, dtype=np.int32), jax.random.key(1))
+                                 np.arange(900, 1024, dtype=np.int32), jax.random.key(1))
   assert stats.epochs_run.tolist() == [6] and 1 <= stats.best_epoch[0] <= 6
   assert stats.steps_run.tolist() == [6 * 8]  # ceil(900 / 128) = 8 steps per epoch
   acc = helpers.evaluate(steps, best, np.arange(900, 1024, dtype=np.int32))
@@ -59,7 +59,7 @@ def test_early_stopping_with_patience():
   c.optimizer.kwargs = {"learning_rate": 0.0}  # nothing changes: no epoch improves on the first
   method, steps = helpers.make_steps(c, ds)
   _, _, stats = train.fit_one(steps, helpers.init(method), np.arange(400, dtype=np.int32),
-                                  np.arange(400, 512, dtype=np.int32), jax.random.key(0))
+                              np.arange(400, 512, dtype=np.int32), jax.random.key(0))
   assert stats.epochs_run.tolist() == [2] and stats.best_epoch.tolist() == [1]
 
 
@@ -71,7 +71,7 @@ def test_partial_last_batch_is_masked_not_recompiled(k):
   learner = helpers.init(method)
   for n in (300, 200, 457):  # different stage sizes, same compiled step
     learner, _, _ = train.fit_one(steps, learner, np.arange(n, dtype=np.int32),
-                                      np.arange(500, 600, dtype=np.int32), jax.random.key(n))
+                                  np.arange(500, 600, dtype=np.int32), jax.random.key(n))
   assert steps.num_compilations == 2  # one train and one eval function (validation and test)
   chex.assert_tree_all_finite(learner.params)
 
@@ -125,7 +125,7 @@ def test_vgg_crop_flip_stage_runs_with_batchnorm():
   method, steps = helpers.make_steps(c, ds)
   learner = helpers.init(method)
   best, _, stats = train.fit_one(steps, learner, np.arange(250, dtype=np.int32),
-                                     np.arange(250, 300, dtype=np.int32), jax.random.key(0))
+                                 np.arange(250, 300, dtype=np.int32), jax.random.key(0))
   assert stats.steps_run.tolist() == [2 * 2]
   stats_before = learner.model_state["batch_stats"]
   stats_after = best.model_state["batch_stats"]
@@ -140,7 +140,7 @@ def test_divergence_raises_with_stage_and_epoch():
   method, steps = helpers.make_steps(c, ds)
   with pytest.raises(errors.DivergenceError, match="stage t=7 epoch 1"):
     train.fit_one(steps, helpers.init(method), np.arange(250, dtype=np.int32),
-                      np.arange(250, 300, dtype=np.int32), jax.random.key(0), t=7)
+                  np.arange(250, 300, dtype=np.int32), jax.random.key(0), t=7)
 
 
 def test_random_crop_flip_shapes_and_content():
