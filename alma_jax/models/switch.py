@@ -58,6 +58,7 @@ experts' axis, for sharding).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Sequence
 
@@ -280,11 +281,16 @@ def _mixtures(params) -> tuple[dict[str, jax.Array], bool]:
   return slots.stack([params[name]["moe"] for name in blocks(params)]), False
 
 
+def _mixture_shape(params) -> tuple[int, int]:
+  """(mixture blocks, experts per block) of a model's params (either layout)."""
+  if LAYERS in params:
+    return tuple(int(n) for n in _mixtures(params)[0]["router_bias"].shape)
+  return len(blocks(params)), int(params[blocks(params)[0]]["moe"]["router_bias"].shape[0])
+
+
 def experts_per_block(params) -> int:
   """The experts per block of a model's params (either layout)."""
-  if LAYERS in params:
-    return int(_mixtures(params)[0]["router_bias"].shape[-1])
-  return int(params[blocks(params)[0]]["moe"]["router_bias"].shape[0])
+  return _mixture_shape(params)[1]
 
 
 def _copy_one(moe: dict[str, jax.Array], idx: jax.Array, key: jax.Array,
@@ -336,8 +342,7 @@ def copy_experts(params: dict[str, Any], experts: Sequence[int] | Sequence[Seque
     becomes its own probability, half the pair's, so the output of the
     pair's tokens halves.
   """
-  mixtures, scanned = _mixtures(params)
-  num_blocks, num = mixtures["router_bias"].shape
+  num_blocks, num = _mixture_shape(params)
   per_block = [list(experts)] * num_blocks if all(
       isinstance(e, (int, np.integer)) for e in experts) else [list(e) for e in experts]
   if len(per_block) != num_blocks or len({len(e) for e in per_block}) != 1:
@@ -346,17 +351,30 @@ def copy_experts(params: dict[str, Any], experts: Sequence[int] | Sequence[Seque
   for e in per_block:
     if len(set(e)) != len(e) or not all(0 <= int(i) < num for i in e):
       raise ValueError(f"copy_experts: experts {e} must be distinct indices in [0, {num})")
-  keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(num_blocks))
-  grown = jax.vmap(lambda m, i, k: _copy_one(m, i, k, noise))(
-      mixtures, jnp.asarray(per_block, jnp.int32), keys)
-  params = dict(params)
-  if scanned:
+  idx, params = np.asarray(per_block, np.int32), dict(params)
+  if LAYERS in params:
     last = f"block{len(params[LAYERS]) - 1}"
+    grown = _copied(params[LAYERS][last]["moe"], idx, key, float(noise))
     params[LAYERS] = {**params[LAYERS], last: {**params[LAYERS][last], "moe": grown}}
     return params
-  for b, name in enumerate(blocks(params)):
-    params[name] = {**params[name], "moe": slots.index(grown, b)}
+  names = blocks(params)
+  for name, moe in zip(names, _copied([params[n]["moe"] for n in names], idx, key,
+                                      float(noise))):
+    params[name] = {**params[name], "moe": moe}
   return params
+
+
+@functools.partial(jax.jit, static_argnames=("noise",))
+def _copied(mixtures, per_block: jax.Array, key: jax.Array, noise: float):
+  """`copy_experts` of the mixture parameters alone, on checked indices: stacked on a leading
+  block axis (the scanned layout) or a list of the blocks' (unrolled); one compiled program
+  per layout, size and count."""
+  stacked = slots.stack(mixtures) if isinstance(mixtures, list) else mixtures
+  keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(per_block.shape[0]))
+  grown = jax.vmap(lambda m, i, k: _copy_one(m, i, k, noise))(stacked, per_block, keys)
+  if isinstance(mixtures, list):
+    return [slots.index(grown, b) for b in range(len(mixtures))]
+  return grown
 
 
 def expert_losses(experts: jax.Array, nll: jax.Array, mask: jax.Array,

@@ -14,6 +14,7 @@ import pytest
 from alma_jax import methods
 from alma_jax.configuration import config_lib
 from alma_jax.engine import sharding
+from alma_jax.engine import timing
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
 from alma_jax.methods import gmoe
@@ -115,11 +116,11 @@ def test_capacity_limit():
   assert switch.capacity(10, 4, 8.0) == 10
 
 
-def gmoe_method(noise=0.0, scan_layers=True):
+def gmoe_method(noise=0.0, scan_layers=True, ffn_dim=48):
   c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_gmoe"), "smoke")
   c.model.eval_capacity_factor = 0.0
   c.model.scan_layers = scan_layers
-  c.model.dim, c.model.ffn_dim = 32, 48
+  c.model.dim, c.model.ffn_dim = 32, ffn_dim
   c.method.router_noise = noise
   method = methods.make(c, (16,), V)
   assert isinstance(method, gmoe.GrowingMoE) and method.own is not None
@@ -243,6 +244,21 @@ def test_copy_experts_with_a_perturbation_changes_the_routing():
   grown = method.own.copy(learner, [0, 1], jax.random.key(9), noise=0.5)
   after = method.predict(grown.structure, grown.params, {}, tokens)
   assert float(jnp.max(jnp.abs(before - after))) > 1e-4
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_copies_of_other_experts_of_the_same_model_run_one_compiled_program(scan_layers):
+  """The experts to copy and the key are arguments: the first copy compiles one program (no
+  eager operations), copies of other experts or with another key reuse it."""
+  method = gmoe_method(scan_layers=scan_layers, ffn_dim=40)  # shapes of this test alone
+  learner = method.init(jax.random.key(0))
+  keys = [jax.random.key(k) for k in range(3)]
+  counts = [timing.compile_counts()["xla_programs"]]
+  for experts, key in zip(([[1, 3], [0, 2]], [[0, 1], [2, 3]], [3, 2]), keys):
+    grown = method.own.copy(learner, experts, key)
+    counts.append(timing.compile_counts()["xla_programs"])
+  assert grown.structure == (6,)
+  assert np.diff(counts).tolist() == [1, 0, 0], counts
 
 
 def test_copy_experts_rejects_bad_indices():
