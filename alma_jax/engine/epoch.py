@@ -31,7 +31,9 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
+from alma_jax.errors import divergence_error
 from alma_jax.models import slots
 from alma_jax.state import Learner, StopState
 
@@ -79,6 +81,36 @@ def improvement_thresholds(m: int, delta: float) -> np.ndarray:
   table = np.searchsorted(acc, best + delta, side="right").astype(np.int32)
   # (rounded up to a power of two: validation sets of other sizes share a program)
   return np.pad(table, (0, slots.next_power_of_two(m + 2) - (m + 2)), constant_values=m + 1)
+
+
+def diverged(rule: Rule, t: int, epoch: int, labels, bad: np.ndarray, ran: np.ndarray,
+             best_epoch: np.ndarray) -> bool:
+  """The host's part of a divergence in `epoch` (`bad` (S,): the members whose loss or
+  parameters are not finite): raises `DivergenceError` when the rule stops the run; else
+  warns (they roll back to their best epoch and end the stage) and returns whether no member
+  that `ran` is left."""
+  where = "" if len(labels) == 1 else f" (seeds {[labels[i] for i in np.flatnonzero(bad)]})"
+  if rule.stop_all_on_divergence:
+    raise divergence_error(t, epoch, where)
+  if len(labels) == 1:
+    logging.warning("stage t=%d epoch %d: non-finite loss or parameters; rolling back to the "
+                    "best epoch (%d) and ending the stage", t, epoch, int(best_epoch[0]))
+  else:
+    logging.warning("stage t=%d epoch %d: non-finite loss or parameters%s; they roll back to "
+                    "their best epoch and end the stage", t, epoch, where)
+  return not (ran & ~bad).any()
+
+
+def warn_unimproved(rule: Rule, t: int, labels, stop: StopState) -> None:
+  """Warns of the members whose stage ends on the parameters it started with: no epoch
+  improved on the starting point (their divergence, if any, has a warning of its own)."""
+  kept = (stop.best_epoch == 0) & (stop.epochs_run > 0) & ~stop.diverged
+  if kept.any():
+    names = [str(labels[i]) for i in np.flatnonzero(kept)]
+    logging.warning("stage t=%d: no epoch improved the validation accuracy (by more than "
+                    "config.train.patience_delta=%g) for %s %s; the stage keeps the parameters "
+                    "it started with", t, rule.delta, "member" if len(names) == 1 else "members",
+                    ", ".join(names))
 
 
 def epoch_ok(losses, finite) -> jax.Array:

@@ -128,6 +128,7 @@ class Meter:
     self._step_mark: tuple[float, float, float] | None = None  # (time, compile_s, stage s)
     self._outside: list[float] = []  # seconds each time step spent outside its stage
     self._stage_began = 0.0
+    self._epoch_line_at = now()  # the last epoch line, or the stage's start
     self._last_stage_t = -1
 
   # -- what is said ----------------------------------------------------------------------------
@@ -195,6 +196,7 @@ class Meter:
                      "epoch": 1, "step": 0}
       self._mark = (self.now(), self.compile_s, self._steps)
       self._stage_began = self._mark[0] - self.compile_s
+      self._epoch_line_at = self._mark[0]
       self.doing(f"training the stage at t={t}")
 
   def trained(self, epoch: int, step: int, steps: int, last: bool = False) -> None:
@@ -218,11 +220,15 @@ class Meter:
       self._last_running = self.now()
       self.say(self.running())
 
-  def epoch_end(self, line: str | None) -> None:
+  def epoch_end(self, line: Callable[[], str]) -> None:
     """An epoch ended and was evaluated: measures the time since its last train call, and
-    says `line` (the stage's epoch line, None: none due) with the running fields."""
+    says the stage's epoch line (`line()`) with the running fields when one is due (at most
+    every `every_s` seconds since the stage's start or its last epoch line)."""
     with self._lock:
       now = self.now()
+      line = line() if now - self._epoch_line_at >= self.every_s else None
+      if line is not None:
+        self._epoch_line_at = now
       if self._epoch_done_at is not None:
         t0, c0 = self._epoch_done_at
         extra = max(0.0, now - t0 - (self.compile_s - c0))

@@ -25,17 +25,15 @@ from typing import Callable, Sequence
 
 import jax
 import numpy as np
-from absl import logging
 
 from alma_jax.engine import orders as orders_lib
 from alma_jax.engine import population
 from alma_jax.engine import timing
-from alma_jax.engine.epoch import Rule, epoch_ok
+from alma_jax.engine.epoch import Rule, diverged, epoch_ok, warn_unimproved
 from alma_jax.engine.meter import Meter, epoch_line
 from alma_jax.engine.programs import Batch, call_counter
 from alma_jax.engine.stage_save import Progress, Resume, Saver, StageCheckpoints, restore
 from alma_jax.engine.steps import Steps
-from alma_jax.errors import divergence_error
 from alma_jax.state import Learner, StageStats, StopState, TrainState
 
 
@@ -87,7 +85,6 @@ class _Stage:
   timer: timing.Breakdown
   save: Saver | None
   labels: list
-  last_line: list  # [when the last progress line was said]
 
   def calls(self) -> dict:
     """The arguments of `orders_lib.draw` after the generators and indices."""
@@ -130,14 +127,14 @@ def fit_stage(steps: Steps, learner: Learner, data: StageData, opt_state=None,
     state, p, resume = restore(hooks.checkpoints, state, p, rngs, timer)
   save = None if hooks.checkpoints is None else Saver(hooks.checkpoints, rngs, timer)
   labels = list(hooks.labels) if hooks.labels is not None else list(range(num))
-  s = _Stage(steps, learner, data, hooks, rule, rngs, timer, save, labels, [time.monotonic()])
+  s = _Stage(steps, learner, data, hooks, rule, rngs, timer, save, labels)
   if hooks.meter is not None:
     hooks.meter.stage_start(data.t, o.epochs, o.steps_per_epoch or -(-n // steps.batch_size))
   if whole and (resume is None or resume.next_call == 0):
     state, p = _fit_whole(s, state, p, resume.epoch if resume else 1)
   else:
     state, p = _fit_per_epoch(s, state, p, resume)
-  _warn_unimproved(s, p)
+  warn_unimproved(s.rule, data.t, labels, p.stop)
   if save is not None:  # a signal asks the run to stop: the finished stage is kept
     save.stage_end(p, state, o.epochs)
   hooks.check()
@@ -256,53 +253,20 @@ def _after_epoch(s: _Stage, before: Progress, after: Progress, epoch: int, out: 
   one is due between epochs (driven per epoch, `state` given: e.g. a signal during the
   evaluation), `on_epoch` and the progress line. Returns (progress, whether the stage goes
   on)."""
-  bad = out["bad"]
-  if bad.any():
-    where = "" if len(s.labels) == 1 else f" (seeds {[s.labels[i] for i in np.flatnonzero(bad)]})"
-    if s.rule.stop_all_on_divergence:
-      raise divergence_error(s.data.t, epoch, where)
-    if len(s.labels) == 1:
-      logging.warning("stage t=%d epoch %d: non-finite loss or parameters; rolling back to the "
-                      "best epoch (%d) and ending the stage", s.data.t, epoch,
-                      int(before.stop.best_epoch[0]))
-    else:
-      logging.warning("stage t=%d epoch %d: non-finite loss or parameters%s; they roll back to "
-                      "their best epoch and end the stage", s.data.t, epoch, where)
-    if not (ran & ~bad).any():
-      return after, False
+  if out["bad"].any() and diverged(s.rule, s.data.t, epoch, s.labels, out["bad"], ran,
+                                   before.stop.best_epoch):
+    return after, False
   p = dataclasses.replace(after, best_acc=np.where(out["improved"], unit_acc, before.best_acc))
   saved = (s.save is not None and state is not None and p.stop.active.any()
            and epoch < s.steps.stage.epochs and s.save.between_epochs(p, state, epoch))
   if s.hooks.on_epoch is not None:
     s.hooks.on_epoch(epoch, np.mean(out["losses"], axis=1), acc, ran)
-  _tell_epoch(s, epoch, out["losses"], acc, p)
+  if s.hooks.meter is not None:
+    s.hooks.meter.epoch_end(lambda: epoch_line(s.data.t, epoch, s.steps.stage.epochs,
+                                               out["losses"], acc, p.best_acc, p.stop))
   if saved:
     s.hooks.check()  # the stage is saved: a signal that asked for the save stops it here
   return p, bool(p.stop.active.any())
-
-
-def _warn_unimproved(s: _Stage, p: Progress) -> None:
-  """Warns of the members whose stage ends on the parameters it started with: no epoch
-  improved on the starting point (their divergence, if any, has a warning of its own)."""
-  stop = p.stop
-  kept = (stop.best_epoch == 0) & (stop.epochs_run > 0) & ~stop.diverged
-  if kept.any():
-    names = [str(s.labels[i]) for i in np.flatnonzero(kept)]
-    logging.warning("stage t=%d: no epoch improved the validation accuracy (by more than "
-                    "config.train.patience_delta=%g) for %s %s; the stage keeps the parameters "
-                    "it started with", s.data.t, s.rule.delta,
-                    "member" if len(names) == 1 else "members", ", ".join(names))
-
-
-def _tell_epoch(s: _Stage, epoch: int, losses, acc, p: Progress) -> None:
-  """Tells the meter an epoch ended, with the epoch's progress line when one is due (at most
-  every `train.progress_every_s`)."""
-  line, o = None, s.steps.stage
-  if time.monotonic() - s.last_line[0] >= o.progress_every_s:
-    s.last_line[0] = time.monotonic()
-    line = epoch_line(s.data.t, epoch, o.epochs, losses, acc, p.best_acc, p.stop)
-  if s.hooks.meter is not None:
-    s.hooks.meter.epoch_end(line)
 
 
 def _finish(s: _Stage, p: Progress, state: TrainState):

@@ -89,7 +89,7 @@ def test_finished_stages_set_the_expected_epochs_of_the_next():
   clock.advance(10.0)
   m.trained(1, 10, 10, last=True)
   clock.advance(3.0)  # the epoch's validation
-  m.epoch_end("  t=1 epoch 1/2 loss=1.0")
+  m.epoch_end(lambda: "  t=1 epoch 1/2 loss=1.0")
   # Left: epoch 2 (10 steps at 1 s/step, 3 s of validation), then the stage at t=2 (2 epochs).
   assert lines[-1] == "  t=1 epoch 1/2 loss=1.0 32 examples/s stage_eta=13s run_eta=39s"
   m.stage_end(1)  # early stopping after 1 of 2 epochs: the next stage is expected to run 1
@@ -103,7 +103,7 @@ def test_nothing_is_left_of_a_stage_after_its_last_epoch():
   m.stage_start(1, 1, 10)
   clock.advance(10.0)
   m.trained(1, 10, 10, last=True)
-  m.epoch_end("  t=1 epoch 1/1")
+  m.epoch_end(lambda: "  t=1 epoch 1/1")
   assert m.stage_left() == (0.0, 0.0)
   # The stage at t=2: 2 epochs of 10 steps at 1 s/step, their validations 0 s.
   assert lines[-1] == "  t=1 epoch 1/1 32 examples/s stage_eta=0s run_eta=20s"
