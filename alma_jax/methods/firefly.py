@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -348,6 +348,7 @@ class Firefly(declared.FF, base.Method):
                                 momentum=0.1)
     self._modules: dict[tuple[int, ...], Any] = {}
     self._init_fns: dict[tuple[int, ...], Any] = {}
+    self._growth_fns: dict[tuple, Any] = {}  # growth's compiled steps, by their static inputs
 
   # -- construction ---------------------------------------------------------------------------
   def initial_structure(self) -> tuple[int, ...]:
@@ -496,15 +497,22 @@ class Firefly(declared.FF, base.Method):
     k_init, k_order = jax.random.split(key)
     widths = tuple(learner.structure)
     slots = layer_widths(self.layout, learner.params)
-    # Drawn on the active channels (the draws of a learner without slots), then put in slots.
-    active, _ = resize_channels(self.layout, learner.params, learner.model_state, widths)
-    cands = init_candidates(k_init, self.layout, active, widths, o.num_new,
-                            (o.split_init, o.new_in_init, o.new_out_init))
-    cands = resize_candidates(cands, widths, slots)
+
+    def draw(params, model_state, key):
+      # Drawn on the active channels (the draws of a learner without slots), put in slots.
+      active, _ = resize_channels(self.layout, params, model_state, widths)
+      cands = init_candidates(key, self.layout, active, widths, o.num_new,
+                              (o.split_init, o.new_in_init, o.new_out_init))
+      cands = resize_candidates(cands, widths, slots)
+      return cands, self.fit_tx.init(cands)
+
+    fitting = self._compiled(("draw", widths, slots), draw)(learner.params, learner.model_state,
+                                                            k_init)
     idx = self.fit_indices(ctx.train_idx, k_order)
-    cands, _ = ctx.scan(self.fit_batch, (cands, self.fit_tx.init(cands)), learner, idx)
+    cands, _ = ctx.scan(self.fit_batch, fitting, learner, idx)
     _, sums = ctx.scan(self.score_batch, (cands, self.zero_scales(slots)), learner, idx)
-    sums, cands = resize_candidates((sums, cands), slots, widths)
+    sums, cands = self._compiled(("unpad", slots, widths),
+                                 lambda tree: resize_candidates(tree, slots, widths))((sums, cands))
     scores = jax.tree.map(lambda a: np.asarray(a, np.float64) / len(idx), sums)
     split, new = select(scores, self.n_grow)
     return GrowthPlan(split, new, tuple(cands), o.epsilon)
@@ -513,10 +521,25 @@ class Firefly(declared.FF, base.Method):
     if not self.should_grow(ctx):
       return learner
     plan = self.plan_growth(learner, key, ctx)
-    if active_masks(learner.model_state) is None:
-      return grow_width(learner, plan, self.layout)
     grown = tuple(c + a for c, a in zip(learner.structure, plan.added()))
-    return grow_width(learner, plan, self.layout, self.slots(grown))
+    slots = None if active_masks(learner.model_state) is None else self.slots(grown)
+    split, new = (tuple(tuple(int(i) for i in a) for a in x) for x in (plan.split, plan.new))
+
+    def grow(params, model_state, candidates):  # the plan's indices are constants
+      out = grow_width(base.Learner(params, model_state, learner.structure),
+                       GrowthPlan(split, new, candidates, plan.epsilon), self.layout, slots)
+      return out.params, out.model_state
+
+    fn = self._compiled(("grow", learner.structure, split, new, plan.epsilon, slots), grow)
+    params, model_state = fn(learner.params, learner.model_state, plan.candidates)
+    return base.Learner(params=params, model_state=model_state, structure=grown)
+
+  def _compiled(self, key: tuple, fn: Callable) -> Callable:
+    """`jax.jit(fn)`, kept under `key` (the static inputs `fn` closes over): growth runs as
+    a few compiled programs, not as an operation at a time."""
+    if key not in self._growth_fns:
+      self._growth_fns[key] = jax.jit(fn)
+    return self._growth_fns[key]
 
   # -- accounting -------------------------------------------------------------------------------
   def describe(self, learner: base.Learner) -> dict:
