@@ -1,6 +1,7 @@
 """Test setup: 8 CPU devices (to exercise sharding), shared data, a private cache."""
 
 import os
+import shutil
 import tempfile
 
 # The suite's time goes to compiling small programs on a CPU, where XLA's optimisation passes
@@ -19,7 +20,25 @@ if "TFDS_DATA_DIR" not in os.environ and os.path.isdir(_SHARED):
 _BPE = os.path.join(os.path.dirname(_ROOT), "shared", "gpt2_bpe")
 if "ALMA_JAX_BPE_DIR" not in os.environ and os.path.isdir(_BPE):
   os.environ["ALMA_JAX_BPE_DIR"] = _BPE
-os.environ.setdefault("ALMA_JAX_CACHE_DIR", tempfile.mkdtemp(prefix="alma_jax_test_cache_"))
+
+
+def _session_cache_dir(run: str | None) -> str:
+  """The test session's cache folder (decoded data, tuning choices, compiled programs): one
+  for all of a parallel session's workers (named after its run), so that what one of them
+  compiled the others load."""
+  if not run:
+    return tempfile.mkdtemp(prefix="alma_jax_test_cache_")
+  path = os.path.join(tempfile.gettempdir(), f"alma_jax_test_cache_{run}")
+  os.makedirs(path, exist_ok=True)
+  return path
+
+
+_OWN_CACHE = "ALMA_JAX_CACHE_DIR" not in os.environ  # removed at the end of the session
+if _OWN_CACHE:
+  os.environ["ALMA_JAX_CACHE_DIR"] = _session_cache_dir(os.environ.get("PYTEST_XDIST_TESTRUNUID"))
+# In-process runs use the persistent compilation cache as `alma_jax.main` does for a process.
+jax.config.update("jax_compilation_cache_dir", os.path.join(os.environ["ALMA_JAX_CACHE_DIR"], "xla"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 import pytest  # pylint: disable=g-import-not-at-top
 
@@ -52,3 +71,21 @@ requires_shakespeare = requires(data_available("tiny_shakespeare"),
                                 "tiny_shakespeare not under $TFDS_DATA_DIR")
 requires_text = requires(data_available("tiny_shakespeare") and os.path.isdir(BPE_DIR),
                          "tiny_shakespeare or the GPT-2 BPE files not found")
+
+
+_REMOVE_AT_END = [os.environ["ALMA_JAX_CACHE_DIR"]] if _OWN_CACHE else []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+  """(pytest-xdist, in the controlling process) The workers' shared cache goes at the end."""
+  if _OWN_CACHE:
+    path = _session_cache_dir(node.workerinput["testrunuid"])
+    if path not in _REMOVE_AT_END:
+      _REMOVE_AT_END.append(path)
+
+
+def pytest_unconfigure(config):
+  if not hasattr(config, "workerinput"):  # the controlling (or only) process
+    for path in _REMOVE_AT_END:
+      shutil.rmtree(path, ignore_errors=True)
