@@ -24,11 +24,12 @@ from alma_jax.models import switch
 from alma_jax.tasks import base as task_base
 from alma_jax.tasks import text as text_task
 
-V = 50257
+V = 50257  # GPT-2's vocabulary
+SMALL_V = 512  # where the vocabulary's size plays no part: smaller programs
 
 
-def tiny(num_experts=4, eval_capacity_factor=0.0, max_len=16, **kw):
-  return switch.SwitchTransformer(vocab_size=V, max_len=max_len, num_layers=2, dim=32,
+def tiny(num_experts=4, eval_capacity_factor=0.0, max_len=16, vocab=SMALL_V, **kw):
+  return switch.SwitchTransformer(vocab_size=vocab, max_len=max_len, num_layers=2, dim=32,
                                   num_heads=2, ffn_dim=48, num_experts=num_experts,
                                   eval_capacity_factor=eval_capacity_factor, **kw)
 
@@ -86,11 +87,13 @@ def test_balance_loss_is_num_experts_for_one_hot_routing():
 
 
 def test_causal_mask_a_future_token_does_not_change_earlier_logits():
+  # One sequence: a binding capacity fills the experts in token order, so a later token cannot
+  # take an earlier one's place (across sequences of a batch it can: they share the capacity).
   model = tiny(eval_capacity_factor=1.0)
-  tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, V)
+  tokens = jax.random.randint(jax.random.key(3), (1, 16), 0, SMALL_V)
   params = model.init(jax.random.key(4), tokens)["params"]
   j = 9
-  changed = tokens.at[:, j].set((tokens[:, j] + 123) % V)
+  changed = tokens.at[:, j].set((tokens[:, j] + 123) % SMALL_V)
   a, _ = model.apply({"params": params}, tokens)
   b, _ = model.apply({"params": params}, changed)
   chex.assert_trees_all_close(a[:, :j], b[:, :j], atol=1e-6, rtol=0)
@@ -101,7 +104,7 @@ def test_untrained_perplexity_is_near_the_vocabulary_size():
   # Logits are h . e_v with LayerNorm'd h (unit variance per dimension) and N(0, 0.02^2)
   # embeddings: i.i.d. N(0, s^2), s^2 = 0.02^2 * d. The expected NLL of a random target is
   # then about log V + s^2 / 2 (= log V + 0.0064 for d = 32); 0.05 leaves room for sampling.
-  model = tiny()
+  model = tiny(vocab=V)
   tokens = jax.random.randint(jax.random.key(5), (4, 16), 0, V)
   params = model.init(jax.random.key(6), tokens)["params"]
   logits, _ = model.apply({"params": params}, tokens[:, :-1])
@@ -122,7 +125,7 @@ def gmoe_method(noise=0.0, scan_layers=True, ffn_dim=48):
   c.model.scan_layers = scan_layers
   c.model.dim, c.model.ffn_dim = 32, ffn_dim
   c.method.router_noise = noise
-  method = methods.make(c, (16,), V)
+  method = methods.make(c, (16,), SMALL_V)
   assert isinstance(method, gmoe.GrowingMoE) and method.own is not None
   return method
 
@@ -137,7 +140,7 @@ def test_copy_experts_leaves_the_outputs_unchanged_without_perturbation_or_capac
   method = gmoe_method(scan_layers=scan_layers)
   learner = method.init(jax.random.key(7))
   assert (switch.LAYERS in learner.params) == scan_layers
-  tokens = jax.random.randint(jax.random.key(8), (3, 16), 0, V)
+  tokens = jax.random.randint(jax.random.key(8), (3, 16), 0, SMALL_V)
   before = method.predict(learner.structure, learner.params, {}, tokens)
   grown = method.own.copy(learner, [[1, 3], [0, 2]], jax.random.key(9))
   assert grown.structure == (6,)
@@ -239,7 +242,7 @@ def test_one_adam_step_after_a_copy_ends_the_tie_whatever_its_learning_rate():
 def test_copy_experts_with_a_perturbation_changes_the_routing():
   method = gmoe_method()
   learner = method.init(jax.random.key(7))
-  tokens = jax.random.randint(jax.random.key(8), (3, 16), 0, V)
+  tokens = jax.random.randint(jax.random.key(8), (3, 16), 0, SMALL_V)
   before = method.predict(learner.structure, learner.params, {}, tokens)
   grown = method.own.copy(learner, [0, 1], jax.random.key(9), noise=0.5)
   after = method.predict(grown.structure, grown.params, {}, tokens)
@@ -310,7 +313,7 @@ def test_the_presets_have_the_paper_s_parameter_counts_within_3_percent(preset):
 
 def test_dropout_is_off_in_evaluation_and_draws_its_key_in_training():
   model = tiny(dropout=0.5)
-  tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, V)
+  tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, SMALL_V)
   params = model.init(jax.random.key(4), tokens)["params"]
   plain = tiny().apply({"params": params}, tokens)[0]
   np.testing.assert_array_equal(model.apply({"params": params}, tokens)[0], plain)
@@ -324,7 +327,7 @@ def test_dropout_is_off_in_evaluation_and_draws_its_key_in_training():
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
 def test_a_mixture_in_every_other_block_and_dense_layers_between(scan_layers):
   model = tiny(num_experts=4, moe_every=2, scan_layers=scan_layers)
-  tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, V)
+  tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, SMALL_V)
   params = model.init(jax.random.key(4), tokens)["params"]
   assert (switch.LAYERS in params) == scan_layers
   blocks = unrolled(params)
