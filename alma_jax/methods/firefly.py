@@ -347,8 +347,7 @@ class Firefly(declared.FF, base.Method):
     self.fit_tx = optax.rmsprop(self.opts.fit_lr, decay=0.9, eps=1e-8, eps_in_sqrt=False,
                                 momentum=0.1)
     self._modules: dict[tuple[int, ...], Any] = {}
-    self._init_fns: dict[tuple[int, ...], Any] = {}
-    self._growth_fns: dict[tuple, Any] = {}  # growth's compiled steps, by their static inputs
+    self._programs: dict[tuple, Any] = {}  # compiled init and growth, by their static inputs
 
   # -- construction ---------------------------------------------------------------------------
   def initial_structure(self) -> tuple[int, ...]:
@@ -395,11 +394,10 @@ class Firefly(declared.FF, base.Method):
         isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in widths):
       raise ValueError(f"structure {structure!r} does not fit ff with config.model.name="
                        f"{self.config.model.name!r}: expected {self.num_layers} widths >= 1")
-    if widths not in self._init_fns:
-      dummy = np.zeros((1,) + self.input_shape, np.float32)  # numpy: safe inside transforms
-      module = self.module(widths)
-      self._init_fns[widths] = jax.jit(lambda k: module.init(k, dummy, train=False))
-    variables = self._init_fns[widths](key)
+    dummy = np.zeros((1,) + self.input_shape, np.float32)  # numpy: safe inside transforms
+    module = self.module(widths)
+    variables = self._compiled(("init", widths),
+                               lambda k: module.init(k, dummy, train=False))(key)
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
     if self.opts.slots != "exact":  # the active channels are those of an exact learner
@@ -535,11 +533,11 @@ class Firefly(declared.FF, base.Method):
     return base.Learner(params=params, model_state=model_state, structure=grown)
 
   def _compiled(self, key: tuple, fn: Callable) -> Callable:
-    """`jax.jit(fn)`, kept under `key` (the static inputs `fn` closes over): growth runs as
-    a few compiled programs, not as an operation at a time."""
-    if key not in self._growth_fns:
-      self._growth_fns[key] = jax.jit(fn)
-    return self._growth_fns[key]
+    """`jax.jit(fn)`, kept under `key` (the static inputs `fn` closes over): initialisation
+    and growth run as a few compiled programs, not as an operation at a time."""
+    if key not in self._programs:
+      self._programs[key] = jax.jit(fn)
+    return self._programs[key]
 
   # -- accounting -------------------------------------------------------------------------------
   def describe(self, learner: base.Learner) -> dict:
