@@ -14,6 +14,8 @@ Options:
   --config.method.grow_schedule= --config.method.grow_by=2   k = 2 at every growth
   --config.method.max_experts=12          stop growing there
   --config.method.router_noise=1e-3       perturb the copies' router columns
+  --config.method.slots=exact             no padding expert slots (one compiled step per
+                                          growth instead of one per power of two)
 """
 
 from alma_jax.configuration import config_lib

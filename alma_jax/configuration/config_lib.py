@@ -208,7 +208,10 @@ ADDED_FIELDS = ("stream.warm_start", "stream.wait_policy", "stream.shrink", "str
                 "stream.trigger_fraction", "stream.trigger_min_wait", "stream.trigger_max_wait")
 # Fields declared after runs were written whose default is not how those runs ran: a config
 # that lacks one ran with the value given here.
-ADDED_WITH_OLD_VALUE = {"model.scan_layers": False}  # the Switch Transformer's blocks unrolled
+ADDED_WITH_OLD_VALUE = {
+    "model.scan_layers": False,  # the Switch Transformer's blocks unrolled
+    "method.slots": "exact",  # the Switch Transformer's experts without padding slots
+}
 
 
 def resumable_paths() -> tuple[str, ...]:

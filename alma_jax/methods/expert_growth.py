@@ -13,6 +13,14 @@ them (the cross-entropy of the tokens whose top-1 expert they are), k from
 `router_noise` 0 a copy keeps every token's routing and gate, which
 preserves the function only while no expert capacity binds, and only until
 the first optimizer step (see `alma_jax.models.switch.copy_experts`).
+
+Slots (`method.slots`): every block's experts live in C >= E slots (the next
+power of two by default), the active count E in the model state
+(`routing/active_experts`), and the compiled programs are keyed by
+`program_structure`, `(C, lo)`: C slots whose dispatch buffer has room for
+the capacity of `lo` experts, the fewest the slots hold. Growth inside the
+slots then compiles no step again. `active_view` cuts the padding slots off
+(structure `(E, E)`, exact slots), for Mem and the FLOP counts.
 """
 
 from __future__ import annotations
@@ -21,11 +29,13 @@ import math
 from typing import Hashable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from alma_jax import models
 from alma_jax.configuration.plugins import backbones as declared_backbones
 from alma_jax.methods import base
+from alma_jax.models import slots as slots_lib
 from alma_jax.tasks import base as task_base
 
 def has_own_experts(model_config) -> bool:
@@ -44,7 +54,7 @@ class OwnExperts:
     self.method = method
     self.opts = method.opts
     self.backbone_class = models.get_backbone(method.config.model.name)
-    self._nets: dict[int, object] = {}
+    self._nets: dict[tuple[int, int], object] = {}
     self._inits: dict[int, object] = {}
 
   @property
@@ -52,13 +62,52 @@ class OwnExperts:
     """The backbone's stacked experts (`Method.LEAF_AXES`)."""
     return base.backbone_leaf_axes(self.backbone_class)
 
-  def net(self, num_experts: int):
-    """The backbone with `num_experts` experts per block."""
-    if num_experts not in self._nets:
+  def net(self, num_slots: int, lowest: int | None = None):
+    """The backbone with `num_slots` experts (slots) per block, its dispatch buffer sized for
+    `lowest` active experts (None: all)."""
+    key = (num_slots, lowest or num_slots)
+    if key not in self._nets:
       m = self.method
-      self._nets[num_experts] = m.task.backbone(m.config.model, m.num_classes, m.input_shape,
-                                                num_experts=num_experts)
-    return self._nets[num_experts]
+      self._nets[key] = m.task.backbone(m.config.model, m.num_classes, m.input_shape,
+                                        num_experts=num_slots, min_experts=key[1])
+    return self._nets[key]
+
+  # -- slots --------------------------------------------------------------------------------------
+  @property
+  def in_slots(self) -> bool:
+    """Whether the experts live in slots (`method.slots` other than exact)."""
+    return self.opts.slots != "exact"
+
+  def slots(self, experts: int) -> int:
+    """The slots of a block with `experts` experts (`method.slots`)."""
+    return slots_lib.capacity(experts, self.opts.slots, self.opts.max_experts)
+
+  def program_structure(self, structure) -> tuple[int, ...]:
+    """`(slots, fewest experts they hold)` in slots; `structure` itself (exact, or a view's)."""
+    if not self.in_slots or len(structure) != 1:
+      return structure
+    num = self.slots(structure[0])
+    lowest = min(n for n in range(min(self.opts.initial_experts, structure[0]), num + 1)
+                 if self.slots(n) == num)
+    return (num, lowest)
+
+  def has_slots(self, learner: base.Learner) -> bool:
+    """Whether `learner`'s experts are in slots (its model state holds the active count)."""
+    return self.backbone_class.ROUTING in learner.model_state
+
+  def routing(self, n: int) -> dict:
+    """The model state of `n` active experts in slots."""
+    cls = self.backbone_class
+    return {cls.ROUTING: {cls.ACTIVE: jnp.asarray(n, jnp.int32)}}
+
+  def active_view(self, learner: base.Learner) -> base.Learner:
+    """The learner without padding slots (structure `(E, E)`)."""
+    if not self.has_slots(learner):
+      return learner
+    n = learner.structure[0]
+    state = {k: v for k, v in learner.model_state.items() if k != self.backbone_class.ROUTING}
+    return base.Learner(params=self.backbone_class.resize_experts(learner.params, n),
+                        model_state=state, structure=(n, n))
 
   def init(self, key: jax.Array, structure: Hashable | None) -> base.Learner:
     if structure is None or structure == ():
@@ -72,17 +121,24 @@ class OwnExperts:
     if n not in self._inits:  # one compiled program per number of experts
       net = self.net(n)
       dummy = np.zeros((1,) + self.method.input_shape, self.method.task.input_dtype)
-      self._inits[n] = jax.jit(lambda k: base.init_variables(net, k, dummy, train=False))
-    variables = self._inits[n](key)
-    return base.Learner(params=variables["params"],
-                        model_state={k: v for k, v in variables.items() if k != "params"},
-                        structure=structure)
+
+      def init(k):  # the exact model's initial values, in slots
+        variables = base.init_variables(net, k, dummy, train=False)
+        params = variables.pop("params")
+        if self.in_slots:
+          params = self.backbone_class.resize_experts(params, self.slots(n))
+          variables.update(self.routing(n))
+        return params, variables
+
+      self._inits[n] = jax.jit(init)
+    params, model_state = self._inits[n](key)
+    return base.Learner(params=params, model_state=model_state, structure=structure)
 
   def outputs(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
-    """(logits, aux, new model_state) of the backbone with `structure[0]` experts (`rng`: the
-    dropout key in training)."""
-    return base.apply_module(self.net(structure[0]), params, model_state, x, train=train,
-                             mask=mask, rng=rng)
+    """(logits, aux, new model_state) of the backbone in the program structure `structure`
+    (`rng`: the dropout key in training)."""
+    return base.apply_module(self.net(structure[0], structure[-1]), params, model_state, x,
+                             train=train, mask=mask, rng=rng)
 
   # -- growth -------------------------------------------------------------------------------------
   def score_batch(self, structure, params, model_state, x, y, mask, task):
@@ -104,21 +160,28 @@ class OwnExperts:
 
   def before_stage(self, learner: base.Learner, key: jax.Array, ctx) -> base.Learner:
     """Copies, in every block, the `k` experts with the largest routed validation loss."""
-    k = self.growth(ctx.stage, learner.structure[0])
+    n = learner.structure[0]
+    k = self.growth(ctx.stage, n)
     if not k:
       return learner
     scores = np.asarray(ctx.reduce(self.score_batch, learner, np.asarray(ctx.val_idx, np.int32)))
-    top = [list(np.argsort(-s, kind="stable")[:k]) for s in scores]
+    top = [list(np.argsort(-s[:n], kind="stable")[:k]) for s in scores]  # active experts
     return self.copy(learner, top, key, self.opts.router_noise)
 
   def copy(self, learner: base.Learner, experts: Sequence[int] | Sequence[Sequence[int]],
            key: jax.Array, noise: float = 0.0) -> base.Learner:
     """The learner with `experts` of every block copied (one list for all blocks, or one per
     block: the backbone's `copy_experts`); `learner` is not modified."""
-    params = self.backbone_class.copy_experts(learner.params, experts, key, noise)
+    n = learner.structure[0]
     k = len(experts) if all(isinstance(e, (int, np.integer)) for e in experts) else len(experts[0])
-    return base.Learner(params=params, model_state=learner.model_state,
-                        structure=(learner.structure[0] + k,))
+    if not self.has_slots(learner):
+      params = self.backbone_class.copy_experts(learner.params, experts, key, noise)
+      return base.Learner(params=params, model_state=learner.model_state, structure=(n + k,))
+    params = self.backbone_class.copy_experts(learner.params, experts, key, noise, active=n,
+                                              num_slots=self.slots(n + k))
+    return base.Learner(params=params, model_state={**learner.model_state, **self.routing(n + k)},
+                        structure=(n + k,))
 
   def describe(self, learner: base.Learner) -> dict:
-    return {"num_params": base.count_params(learner.params), "experts": learner.structure[0]}
+    return {"num_params": self.method.num_params(learner), "experts": learner.structure[0]}
+

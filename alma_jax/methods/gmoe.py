@@ -249,6 +249,9 @@ class GrowingMoE(declared.GMoE, base.Method):
       raise ConfigError(
           f"config.method.max_experts={o.max_experts} is below config.method.initial_experts="
           f"{o.initial_experts}; use 0 (no limit) or at least {o.initial_experts}")
+    if o.slots == "max" and not o.max_experts:
+      raise ConfigError("config.method.slots='max' needs config.method.max_experts > 0; "
+                        f"allowed values of config.method.slots: {list(SLOTS)}")
     # The backbone's own expert layers, grown by copying experts (None: gated mixtures).
     self.own = (expert_growth.OwnExperts(self) if expert_growth.has_own_experts(config.model)
                 else None)
@@ -256,9 +259,6 @@ class GrowingMoE(declared.GMoE, base.Method):
       self.refuse_kept_optimizer_state("a growth changes the parameter shapes")
       self.LEAF_AXES = self.own.leaf_axes  # pylint: disable=invalid-name
       return
-    if o.slots == "max" and not o.max_experts:
-      raise ConfigError("config.method.slots='max' needs config.method.max_experts > 0; "
-                        f"allowed values of config.method.slots: {list(SLOTS)}")
     if o.grow:
       self.refuse_kept_optimizer_state("a split changes the parameter shapes",
                                        " with config.method.grow=True")
@@ -306,7 +306,7 @@ class GrowingMoE(declared.GMoE, base.Method):
     """Each layer's gate features and slots: ("slots", C) or, flat, ("flat", C); the
     tree itself is in the routing arrays."""
     if self.own is not None:
-      return structure
+      return self.own.program_structure(structure)
     out = []
     for f, tree in structure:
       if moe.is_flat(tree):
@@ -326,7 +326,7 @@ class GrowingMoE(declared.GMoE, base.Method):
   def active_view(self, learner: base.Learner) -> base.Learner:
     """The learner without padding slots, as shapes (`jax.ShapeDtypeStruct` leaves)."""
     if self.own is not None:
-      return learner
+      return jax.eval_shape(self.own.active_view, learner)
     return jax.eval_shape(active_view, learner)
 
   # -- training and inference -------------------------------------------------------------------

@@ -30,6 +30,15 @@ The tokens are dispatched to a (E, capacity, d) buffer by a scatter and
 gathered back, so the arithmetic counted for a step is that of E x capacity
 expert slots, not of a dense dispatch tensor.
 
+Expert slots: a model may hold its E experts in C >= E slots (gMoE's
+`method.slots`), so that growth inside the slots keeps every array's shape
+and compiled program. The active count is the variable
+`routing/active_experts` (absent: all E are active); the router's logits of
+the padding slots are -inf, so no token goes there and their probabilities
+are 0; capacities and the balance loss use the active count; the dispatch
+buffer has room for the capacity of `min_experts`, the fewest experts the
+slots are to hold (so every active count fits).
+
 The load-balancing loss of a layer is `E * sum_e f_e * P_e`, f_e the
 fraction of the (unmasked) tokens whose top-1 expert is e and P_e their mean
 router probability of e: 1 for uniform routing, E when every token goes to
@@ -101,8 +110,9 @@ class Routing:
   gate: jax.Array  # (T,) the scale of the expert's output
 
 
-def route(logits: jax.Array, mask: jax.Array, cap: int) -> Routing:
-  """Top-1 routing of router `logits` (T, E) for the tokens where `mask` (T,) is true."""
+def route(logits: jax.Array, mask: jax.Array, cap: int | jax.Array) -> Routing:
+  """Top-1 routing of router `logits` (T, E) for the tokens where `mask` (T,) is true (`cap`
+  may be traced: the tokens each expert keeps)."""
   logits = logits.astype(jnp.float32)
   probs = jax.nn.softmax(logits, axis=-1)
   # An expert's mass: its probability times the number of experts whose logit equals its own
@@ -117,13 +127,15 @@ def route(logits: jax.Array, mask: jax.Array, cap: int) -> Routing:
   return Routing(probs, expert, position, kept, gate)
 
 
-def balance_loss(r: Routing, mask: jax.Array) -> jax.Array:
-  """E * sum_e f_e P_e over the tokens where `mask` is true (see the module docstring)."""
-  num_experts = r.probs.shape[-1]
+def balance_loss(r: Routing, mask: jax.Array, active: jax.Array | None = None) -> jax.Array:
+  """E * sum_e f_e P_e over the tokens where `mask` is true (see the module docstring); E is
+  `active`, the active experts, when they sit in slots (padding slots have f = P = 0)."""
+  num_slots = r.probs.shape[-1]
   m = mask.astype(jnp.float32)
   count = jnp.maximum(jnp.sum(m), 1.0)
-  f = jnp.sum(jax.nn.one_hot(r.expert, num_experts) * m[:, None], axis=0) / count
+  f = jnp.sum(jax.nn.one_hot(r.expert, num_slots) * m[:, None], axis=0) / count
   p = jnp.sum(r.probs * m[:, None], axis=0) / count
+  num_experts = num_slots if active is None else active.astype(jnp.float32)
   return num_experts * jnp.sum(f * p)
 
 
@@ -142,15 +154,19 @@ def combine(out: jax.Array, r: Routing) -> jax.Array:
 
 
 class SwitchFFN(nn.Module):
-  """A top-1 mixture of E two-layer ReLU experts with a capacity; returns (y, balance, experts)."""
+  """A top-1 mixture of E two-layer ReLU experts with a capacity; returns (y, balance, experts).
+
+  `active` (traced, or None: all): the active experts when the E are slots; `min_experts` (0:
+  E) the fewest active experts the dispatch buffer must have room for."""
 
   num_experts: int
   ffn_dim: int
   capacity_factor: float = 1.0
   eval_capacity_factor: float = 2.0
+  min_experts: int = 0
 
   @nn.compact
-  def __call__(self, x, mask, train: bool = False):
+  def __call__(self, x, mask, train: bool = False, active=None):
     b, l, d = x.shape
     e, f = self.num_experts, self.ffn_dim
     init = nn.initializers.normal(INIT_STD)
@@ -161,13 +177,20 @@ class SwitchFFN(nn.Module):
     wo = self.param("expert_wo", init, (e, f, d))
     bo = self.param("expert_bo", nn.initializers.zeros, (e, d))
     tokens, tmask = x.reshape(b * l, d), mask.reshape(b * l)
-    cap = capacity(b * l, e, self.capacity_factor if train else self.eval_capacity_factor)
-    r = route(tokens.astype(jnp.float32) @ router_kernel + router_bias, tmask, cap)
+    factor = self.capacity_factor if train else self.eval_capacity_factor
+    cap = capacity(b * l, self.min_experts or e, factor)  # the buffer's room per expert
+    logits = tokens.astype(jnp.float32) @ router_kernel + router_bias
+    kept = cap
+    if active is not None:  # experts in slots: the padding ones take no token
+      logits = jnp.where(jnp.arange(e) < active, logits, -jnp.inf)
+      kept = jnp.asarray([capacity(b * l, max(n, 1), factor) for n in range(e + 1)],
+                         jnp.int32)[active]
+    r = route(logits, tmask, kept)
     buf = dispatch(tokens, r, e, cap)
     h = nn.relu(jnp.einsum("ecd,edf->ecf", buf, wi) + bi[:, None, :])
     out = jnp.einsum("ecf,efd->ecd", h, wo) + bo[:, None, :]
     y = combine(out, r).reshape(b, l, d)
-    return y, balance_loss(r, tmask), r.expert.reshape(b, l)
+    return y, balance_loss(r, tmask, active), r.expert.reshape(b, l)
 
 
 class Block(nn.Module):
@@ -181,9 +204,10 @@ class Block(nn.Module):
   eval_capacity_factor: float
   moe: bool = True
   dropout: float = 0.0
+  min_experts: int = 0
 
   @nn.compact
-  def __call__(self, x, mask, train: bool = False):
+  def __call__(self, x, mask, train: bool = False, active=None):
     causal = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
     init = nn.initializers.normal(INIT_STD)
     drop = nn.Dropout(self.dropout, deterministic=not train)
@@ -196,13 +220,14 @@ class Block(nn.Module):
       y = nn.Dense(x.shape[-1], kernel_init=init, name="ffn_wo")(nn.relu(y))
       return x + drop(y), jnp.float32(0.0), None
     y, balance, experts = SwitchFFN(self.num_experts, self.ffn_dim, self.capacity_factor,
-                                    self.eval_capacity_factor, name="moe")(h, mask, train)
+                                    self.eval_capacity_factor, self.min_experts,
+                                    name="moe")(h, mask, train, active)
     return x + drop(y), balance, experts
 
 
 class Group(nn.Module):
   """`size` consecutive blocks, dense ones then one with a mixture: what the scanned model
-  repeats. Scanned: (x, mask) -> (x, (balance loss, experts (b, L)))."""
+  repeats. Scanned: (x, mask, active experts) -> (x, (balance loss, experts (b, L)))."""
 
   size: int
   num_heads: int
@@ -211,21 +236,24 @@ class Group(nn.Module):
   capacity_factor: float
   eval_capacity_factor: float
   dropout: float = 0.0
+  min_experts: int = 0
   train: bool = False
 
   @nn.compact
-  def __call__(self, x, mask):
+  def __call__(self, x, mask, active):
     carry = x.dtype
     for j in range(self.size):
       x, balance, experts = Block(self.num_heads, self.num_experts, self.ffn_dim,
                                   self.capacity_factor, self.eval_capacity_factor,
                                   moe=j == self.size - 1, dropout=self.dropout,
-                                  name=f"block{j}")(x, mask, self.train)
+                                  min_experts=self.min_experts,
+                                  name=f"block{j}")(x, mask, self.train, active)
     return x.astype(carry), (balance, experts)  # the loop's carry keeps its type
 
 
 # -- the two layouts ------------------------------------------------------------------------------
 LAYERS = "layers"  # the scanned groups' stacked parameters
+ROUTING, ACTIVE = "routing", "active_experts"  # the active experts of a model in slots
 
 
 def _block_index(name: str) -> int | None:
@@ -293,38 +321,77 @@ def experts_per_block(params) -> int:
   return _mixture_shape(params)[1]
 
 
-def _copy_one(moe: dict[str, jax.Array], idx: jax.Array, key: jax.Array,
-              noise: float) -> dict[str, jax.Array]:
-  """One block's mixture with the experts `idx` appended (see `copy_experts`)."""
-  moe = dict(moe)
+def _resized(x: jax.Array, n: int, axis: int) -> jax.Array:
+  """`x` with `n` entries on `axis`: cut, or padded with zeros."""
+  if n <= x.shape[axis]:
+    return jax.lax.slice_in_dim(x, 0, n, axis=axis)
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, n - x.shape[axis])
+  return jnp.pad(x, pad)
+
+
+def _resize_mixture(moe: dict[str, jax.Array], n: int, lead: int) -> dict[str, jax.Array]:
+  """A mixture's parameters with `n` expert slots (`lead`: the axes before the experts')."""
+  return {k: _resized(v, n, lead if k.startswith("expert_") else v.ndim - 1)
+          for k, v in moe.items()}
+
+
+def _with_mixtures(params: dict[str, Any], fn) -> dict[str, Any]:
+  """`params` (either layout) with every block's mixture `m` replaced by `fn(m, lead)`, `lead`
+  the axes before its experts' (1 for the scanned groups' stacked mixture)."""
+  params = dict(params)
+  if LAYERS in params:
+    last = f"block{len(params[LAYERS]) - 1}"
+    moe = fn(params[LAYERS][last]["moe"], 1)
+    params[LAYERS] = {**params[LAYERS], last: {**params[LAYERS][last], "moe": moe}}
+  for name in blocks(params):
+    params[name] = {**params[name], "moe": fn(params[name]["moe"], 0)}
+  return params
+
+
+def resize_experts(params: dict[str, Any], n: int) -> dict[str, Any]:
+  """The params (either layout) with `n` expert slots per block: padding slots (zero weights
+  and router columns) added, or the slots beyond the first `n` cut off."""
+  return _with_mixtures(params, lambda moe, lead: _resize_mixture(moe, n, lead))
+
+
+def _copy_one(moe: dict[str, jax.Array], idx: jax.Array, start: jax.Array, key: jax.Array,
+              noise: float, num_slots: int) -> dict[str, jax.Array]:
+  """One block's mixture in `num_slots` slots with the experts `idx` copied to the slots from
+  `start` on (see `copy_experts`)."""
+  moe = _resize_mixture(moe, num_slots, 0)
+  dest = start + jnp.arange(idx.shape[0])
   for leaf in [k for k in moe if k.startswith("expert_")]:
-    moe[leaf] = jnp.concatenate([moe[leaf], moe[leaf][idx]], axis=0)
+    moe[leaf] = moe[leaf].at[dest].set(moe[leaf][idx])
   kernel = moe["router_kernel"]
   cols = kernel[:, idx]
   if noise:
     cols = cols + noise * jax.random.normal(key, cols.shape, cols.dtype)
-  moe["router_kernel"] = jnp.concatenate([kernel, cols], axis=1)
+  moe["router_kernel"] = kernel.at[:, dest].set(cols)
   bias = moe["router_bias"].at[idx].add(-math.log(2.0))
-  moe["router_bias"] = jnp.concatenate([bias, bias[idx]])
+  moe["router_bias"] = bias.at[dest].set(bias[idx])
   return moe
 
 
 def copy_experts(params: dict[str, Any], experts: Sequence[int] | Sequence[Sequence[int]],
-                 key: jax.Array, noise: float = 0.0) -> dict[str, Any]:
-  """Appends a copy of `experts` (their weights and router columns) to every block.
+                 key: jax.Array, noise: float = 0.0, active: int | None = None,
+                 num_slots: int | None = None) -> dict[str, Any]:
+  """Adds a copy of `experts` (their weights and router columns) to every block.
 
   Args:
     params: a model's params, in either layout (not modified).
     experts: the experts to copy: one list for every block, or a list per
-      block (the same length for all); distinct indices.
+      block (the same length for all); distinct active indices.
     key: PRNG key of the perturbation.
     noise: standard deviation of a Gaussian perturbation of the copies'
       router columns (0: none).
+    active: the active experts of a model in slots (None: every slot).
+    num_slots: the slots after the copy (None: exactly the experts).
 
   Returns:
-    The params of a model with `num_experts + k` experts per block, in the
-    layout of `params` (the same values in either): the
-    copies are appended on the expert axis. The router bias of every copied
+    The params of a model with `active + k` experts per block, in the
+    layout of `params` (the same values in either), in `num_slots` slots: the
+    copies go to the slots after the active experts. The router bias of every copied
     expert and of its copy is lowered by log 2, so the router probabilities
     of all other experts are unchanged and the pair's sum is the original's;
     with `noise` 0 the pair's logits tie, so the router treats them as one
@@ -343,35 +410,44 @@ def copy_experts(params: dict[str, Any], experts: Sequence[int] | Sequence[Seque
     pair's tokens halves.
   """
   num_blocks, num = _mixture_shape(params)
+  active = num if active is None else int(active)
   per_block = [list(experts)] * num_blocks if all(
       isinstance(e, (int, np.integer)) for e in experts) else [list(e) for e in experts]
   if len(per_block) != num_blocks or len({len(e) for e in per_block}) != 1:
     raise ValueError(f"copy_experts: expected one list of experts, or one per block "
                      f"({num_blocks}) of the same length; got {experts!r}")
   for e in per_block:
-    if len(set(e)) != len(e) or not all(0 <= int(i) < num for i in e):
-      raise ValueError(f"copy_experts: experts {e} must be distinct indices in [0, {num})")
+    if len(set(e)) != len(e) or not all(0 <= int(i) < active for i in e):
+      raise ValueError(f"copy_experts: experts {e} must be distinct indices in [0, {active})")
+  grown = active + len(per_block[0])
+  num_slots = grown if num_slots is None else int(num_slots)
+  if not active <= num or num_slots < max(grown, num):
+    raise ValueError(f"copy_experts: {active} active experts in {num} slots, copying "
+                     f"{len(per_block[0])}, do not fit {num_slots} slots")
   idx, params = np.asarray(per_block, np.int32), dict(params)
   if LAYERS in params:
     last = f"block{len(params[LAYERS]) - 1}"
-    grown = _copied(params[LAYERS][last]["moe"], idx, key, float(noise))
-    params[LAYERS] = {**params[LAYERS], last: {**params[LAYERS][last], "moe": grown}}
+    moe = _copied(params[LAYERS][last]["moe"], idx, np.int32(active), key, float(noise),
+                  num_slots)
+    params[LAYERS] = {**params[LAYERS], last: {**params[LAYERS][last], "moe": moe}}
     return params
   names = blocks(params)
-  for name, moe in zip(names, _copied([params[n]["moe"] for n in names], idx, key,
-                                      float(noise))):
+  for name, moe in zip(names, _copied([params[n]["moe"] for n in names], idx,
+                                      np.int32(active), key, float(noise), num_slots)):
     params[name] = {**params[name], "moe": moe}
   return params
 
 
-@functools.partial(jax.jit, static_argnames=("noise",))
-def _copied(mixtures, per_block: jax.Array, key: jax.Array, noise: float):
+@functools.partial(jax.jit, static_argnames=("noise", "num_slots"))
+def _copied(mixtures, per_block: jax.Array, start: jax.Array, key: jax.Array, noise: float,
+            num_slots: int):
   """`copy_experts` of the mixture parameters alone, on checked indices: stacked on a leading
   block axis (the scanned layout) or a list of the blocks' (unrolled); one compiled program
-  per layout, size and count."""
+  per layout, size, count and slots (the active experts `start` are an argument)."""
   stacked = slots.stack(mixtures) if isinstance(mixtures, list) else mixtures
   keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(per_block.shape[0]))
-  grown = jax.vmap(lambda m, i, k: _copy_one(m, i, k, noise))(stacked, per_block, keys)
+  grown = jax.vmap(lambda m, i, k: _copy_one(m, i, start, k, noise, num_slots))(
+      stacked, per_block, keys)
   if isinstance(mixtures, list):
     return [slots.index(grown, b) for b in range(len(mixtures))]
   return grown
@@ -404,6 +480,8 @@ class SwitchTransformer(nn.Module):
   copy_experts = staticmethod(copy_experts)
   expert_losses = staticmethod(expert_losses)
   init_variables = staticmethod(init_variables)
+  resize_experts = staticmethod(resize_experts)
+  ROUTING, ACTIVE = ROUTING, ACTIVE
 
   vocab_size: int
   max_len: int
@@ -417,11 +495,13 @@ class SwitchTransformer(nn.Module):
   moe_every: int = 1
   dropout: float = 0.0
   scan_layers: bool = True
+  min_experts: int = 0  # experts in slots: the fewest active ones (0: num_experts)
 
   @classmethod
   def from_config(cls, model_config, num_classes: int, max_len: int = 1024,
-                  num_experts: int | None = None) -> "SwitchTransformer":
-    """The model of `config.model` (a preset, then its non-zero size fields)."""
+                  num_experts: int | None = None, min_experts: int = 0) -> "SwitchTransformer":
+    """The model of `config.model` (a preset, then its non-zero size fields); `num_experts`
+    and `min_experts`: slots (see the module docstring)."""
     preset = F.get(model_config, "model.preset")
     if preset not in PRESETS:
       raise ValueError(f"config.model.preset={preset!r} is unknown; valid values: "
@@ -442,7 +522,8 @@ class SwitchTransformer(nn.Module):
                capacity_factor=float(F.get(model_config, "model.capacity_factor")),
                eval_capacity_factor=float(F.get(model_config, "model.eval_capacity_factor")),
                dropout=float(F.get(model_config, "model.dropout")),
-               scan_layers=bool(F.get(model_config, "model.scan_layers")), **sizes)
+               scan_layers=bool(F.get(model_config, "model.scan_layers")),
+               min_experts=int(min_experts), **sizes)
 
   @nn.compact
   def __call__(self, tokens, train: bool = False, mask=None):
@@ -454,18 +535,23 @@ class SwitchTransformer(nn.Module):
     pos = self.param("pos_embed", nn.initializers.normal(INIT_STD), (self.max_len, self.dim))
     x = nn.Dropout(self.dropout, deterministic=not train)(embed(tokens) + pos[:l])
     balance, experts, first = jnp.float32(0.0), [], 0
+    active = (self.get_variable(ROUTING, ACTIVE) if self.has_variable(ROUTING, ACTIVE)
+              else None)
     kw = dict(num_heads=self.num_heads, num_experts=self.num_experts, ffn_dim=self.ffn_dim,
               capacity_factor=self.capacity_factor,
-              eval_capacity_factor=self.eval_capacity_factor, dropout=self.dropout)
+              eval_capacity_factor=self.eval_capacity_factor, dropout=self.dropout,
+              min_experts=self.min_experts)
     groups = self.num_layers // self.moe_every
     if self.scan_layers and groups:
       scanned = nn.scan(Group, variable_axes={"params": 0},
-                        split_rngs={"params": True, "dropout": True}, in_axes=nn.broadcast,
-                        length=groups)
-      x, (bl, ex) = scanned(size=self.moe_every, train=train, name=LAYERS, **kw)(x, tmask)
+                        split_rngs={"params": True, "dropout": True},
+                        in_axes=(nn.broadcast, nn.broadcast), length=groups)
+      x, (bl, ex) = scanned(size=self.moe_every, train=train, name=LAYERS, **kw)(x, tmask,
+                                                                                 active)
       balance, experts, first = jnp.sum(bl), list(ex), groups * self.moe_every
     for i in range(first, self.num_layers):
-      x, bl, ex = Block(**kw, moe=(i + 1) % self.moe_every == 0, name=f"block{i}")(x, tmask, train)
+      x, bl, ex = Block(**kw, moe=(i + 1) % self.moe_every == 0, name=f"block{i}")(
+          x, tmask, train, active)
       balance, experts = balance + bl, experts + ([] if ex is None else [ex])
     x = nn.LayerNorm(name="ln_final")(x)
     logits = embed.attend(x)

@@ -10,6 +10,7 @@ import pytest
 from alma_jax import methods
 from alma_jax.configuration import config_lib
 from alma_jax.engine import orders
+from alma_jax.engine import timing
 from alma_jax.errors import ConfigError
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir
@@ -107,8 +108,13 @@ def perplexities(wd):
 @requires_shakespeare
 def test_lm_gmoe_run_copies_experts_before_every_later_stage(tmp_path):
   wd = str(tmp_path / "gmoe")
-  run_lib.run(smoke("lm_gmoe"), wd)
+  before = timing.compile_counts()["step_programs"]
+  summary = run_lib.run(smoke("lm_gmoe"), wd)
+  compiled = timing.compile_counts()["step_programs"] - before
   assert [a["experts"] for a in architecture(wd)] == [4, 6, 8, 12]
+  # The experts live in slots of a power of two (4, 8, 8, 16): train and evaluation once per
+  # slot count, the scoring pass once per slot count grown from (4, 8); 11 with exact slots.
+  assert compiled == summary["num_compilations"] == 2 * 3 + 2, (compiled, summary)
   log = io_utils.read_jsonl(os.path.join(wd, "log.jsonl"))
   assert [r["growth_flops"] > 0 for r in log] == [False, False, True, True, True]
   ppl = perplexities(wd)

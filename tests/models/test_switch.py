@@ -119,12 +119,13 @@ def test_capacity_limit():
   assert switch.capacity(10, 4, 8.0) == 10
 
 
-def gmoe_method(noise=0.0, scan_layers=True, ffn_dim=48):
+def gmoe_method(noise=0.0, scan_layers=True, ffn_dim=48, slots="exact"):
   c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_gmoe"), "smoke")
   c.model.eval_capacity_factor = 0.0
   c.model.scan_layers = scan_layers
   c.model.dim, c.model.ffn_dim = 32, ffn_dim
   c.method.router_noise = noise
+  c.method.slots = slots
   method = methods.make(c, (16,), SMALL_V)
   assert isinstance(method, gmoe.GrowingMoE) and method.own is not None
   return method
@@ -134,22 +135,30 @@ def unrolled(params):
   return switch.unstack_layers(params) if switch.LAYERS in params else params
 
 
+def predict(method, learner, tokens):
+  """The learner's predictions, through the program of its structure (slots or not)."""
+  return method.predict(method.program_structure(learner.structure), learner.params,
+                        learner.model_state, tokens)
+
+
+@pytest.mark.parametrize("slots, held", [("exact", 6), ("pow2", 8)])
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
 def test_copy_experts_leaves_the_outputs_unchanged_without_perturbation_or_capacity_limit(
-    scan_layers):
-  method = gmoe_method(scan_layers=scan_layers)
+    scan_layers, slots, held):
+  method = gmoe_method(scan_layers=scan_layers, slots=slots)
   learner = method.init(jax.random.key(7))
   assert (switch.LAYERS in learner.params) == scan_layers
   tokens = jax.random.randint(jax.random.key(8), (3, 16), 0, SMALL_V)
-  before = method.predict(learner.structure, learner.params, {}, tokens)
+  before = predict(method, learner, tokens)
   grown = method.own.copy(learner, [[1, 3], [0, 2]], jax.random.key(9))
   assert grown.structure == (6,)
   moe0 = unrolled(grown.params)["block0"]["moe"]
-  chex.assert_shape(moe0["expert_wi"], (6, 32, 48))
-  chex.assert_shape(moe0["router_kernel"], (32, 6))
+  chex.assert_shape(moe0["expert_wi"], (held, 32, 48))
+  chex.assert_shape(moe0["router_kernel"], (32, held))
   np.testing.assert_array_equal(moe0["expert_wo"][4],
                                 unrolled(learner.params)["block0"]["moe"]["expert_wo"][1])
-  after = method.predict(grown.structure, grown.params, {}, tokens)
+  np.testing.assert_array_equal(moe0["expert_wi"][6:], 0.0)  # padding slots, if any
+  after = predict(method, grown, tokens)
   chex.assert_trees_all_close(before, after, atol=1e-5, rtol=0)
   # The input is not modified, and the number of parameters grows by 2 experts x 2 blocks.
   assert learner.structure == (4,)
@@ -237,6 +246,47 @@ def test_one_adam_step_after_a_copy_ends_the_tie_whatever_its_learning_rate():
   # members' logits now differ by about 1e-7 x the input, and a few tokens may move to another
   # expert): the output of the pair's tokens about halves, a change of order 1, not of 1e-7.
   assert 0.4 < ratio < 0.6, ratio
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_experts_in_slots_compute_the_exact_layer_under_a_binding_capacity(train):
+  """6 experts in 8 slots (a buffer sized for 5, as pow2's slots of 5 to 8 experts) against
+  the 6-expert layer: the same routing, outputs, balance loss and gradients; the padding
+  slots, filled with other weights, take no token and get no gradient. The arithmetic is the
+  same but for sums over 8 slots instead of 6 (the softmax's and the balance loss's), whose
+  added terms are exact zeros: float32 round-off of a few ulps."""
+  ffn6 = switch.SwitchFFN(num_experts=6, ffn_dim=24)
+  ffn8 = switch.SwitchFFN(num_experts=8, ffn_dim=24, min_experts=5)
+  x = jax.random.normal(jax.random.key(0), (1, 64, 16))
+  mask = jnp.ones((1, 64), bool)
+  p6 = ffn6.init(jax.random.key(1), x, mask, True)["params"]
+  p6 = {**p6, "router_bias": jnp.asarray([0.0, 1.5, 0.0, 0.0, 0.0, 0.0])}  # expert 1 overflows
+  others = ffn8.init(jax.random.key(2), x, mask, True)["params"]
+  p8 = switch.resize_experts({"block0": {"moe": p6}}, 8)["block0"]["moe"]
+  p8 = {k: v.at[6:].set(others[k][6:]) if k.startswith("expert_") else v
+        for k, v in p8.items()}  # padding slots that would change the output if used
+  p8["router_kernel"] = p8["router_kernel"].at[:, 6:].set(others["router_kernel"][:, 6:])
+  target = jax.random.normal(jax.random.key(3), x.shape)
+
+  def run(ffn, params, *active):
+    def loss(p):
+      y, balance, experts = ffn.apply({"params": p}, x, mask, train, *active)
+      return jnp.sum(y * target) + balance, (y, balance, experts)
+    return jax.grad(loss, has_aux=True)(params)
+
+  g6, (y6, b6, e6) = run(ffn6, p6)
+  g8, (y8, b8, e8) = run(ffn8, p8, jnp.int32(6))
+  np.testing.assert_array_equal(e8, e6)
+  cap = switch.capacity(64, 6, 1.0 if train else 2.0)
+  dropped = np.abs(np.asarray(y6[0])).sum(-1) == 0
+  assert dropped.sum() == int(np.sum(np.asarray(e6) == 1)) - cap > 0  # the capacity binds
+  np.testing.assert_allclose(y8, y6, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(b8, b6, rtol=1e-6)
+  for k in p6:
+    cut = g8[k][..., :6] if k.startswith("router") else g8[k][:6]
+    np.testing.assert_allclose(cut, g6[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    pad = g8[k][..., 6:] if k.startswith("router") else g8[k][6:]
+    np.testing.assert_array_equal(pad, 0.0, err_msg=k)
 
 
 def test_copy_experts_with_a_perturbation_changes_the_routing():
@@ -400,16 +450,21 @@ def test_the_stacked_experts_keep_their_logical_axis_in_both_layouts():
   assert axes(".trainable['layers']['block1']['moe']['router_kernel']") == ()
 
 
-def test_a_run_of_the_other_layout_is_not_resumed_and_the_error_names_the_field(tmp_path):
+@pytest.mark.parametrize("method, section, field, old_value", [
+    ("lm_sm", "model", "scan_layers", False), ("lm_gmoe", "method", "slots", "exact")])
+def test_a_run_of_the_other_layout_is_not_resumed_and_the_error_names_the_field(
+    tmp_path, method, section, field, old_value):
   """A run written before the scanned layout (no `model.scan_layers` in its config.json) ran
-  unrolled: resuming it with the default (scanned) is refused, naming the field to set."""
-  c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
+  unrolled, and one before the experts' slots (no `method.slots`) without padding: resuming
+  it with the default is refused, naming the field to set."""
+  c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", method), "smoke")
   c = validation.validate(c)
   old = workdir.config_dict(c)
-  del old["model"]["scan_layers"]
+  del old[section][field]
   (tmp_path / workdir.CONFIG_FILE).write_text(json.dumps(old))
   (tmp_path / workdir.LOG_FILE).write_text('{"t": 0}\n')
-  with pytest.raises(ConfigError, match=r"config\.model\.scan_layers: False → True; rerun"):
+  with pytest.raises(ConfigError, match=rf"config\.{section}\.{field}: {old_value!r} → "
+                     rf"{c[section][field]!r}; rerun"):
     workdir.check_resume(str(tmp_path), c)
-  c.model.scan_layers = False
+  c[section][field] = old_value
   workdir.check_resume(str(tmp_path), validation.validate(c))  # the old layout resumes

@@ -351,9 +351,6 @@ def test_every_method_runs_with_the_triggered_policy(method, tmp_path):
   if method.startswith("lm_"):
     c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", method), "smoke")
     c.mesh.num_devices = 1
-    # A smaller Switch Transformer and fewer steps than :smoke: the policy, not the model, is
-    # under test.
-    c.model.dim, c.model.ffn_dim, c.train.steps_per_epoch = 32, 48, 2
     if "num_members" in c.method:
       c.method.num_members = 2
   else:

@@ -90,6 +90,10 @@ EXPERT_GROWTH_FIELDS = (
     F.Field("method.router_noise", 0.0, F.number(0.0, math.inf),
             "standard deviation of a perturbation of the copies' router columns (0: the "
             "copy keeps every token's routing and gate)"),
+    F.Field("method.slots", "pow2", F.choice(SLOT_POLICIES),
+            "expert slots of every block: pow2 (the next power of two: one compiled "
+            "structure per power of two), max (max_experts slots from the start: one "
+            "structure) or exact (no padding: one structure per growth)"),
 )
 
 
