@@ -137,8 +137,8 @@ def unrolled(params):
 
 def predict(method, learner, tokens):
   """The learner's predictions, through the program of its structure (slots or not)."""
-  return method.predict(method.program_structure(learner.structure), learner.params,
-                        learner.model_state, tokens)
+  return jax.jit(method.predict, static_argnums=0)(
+      method.program_structure(learner.structure), learner.params, learner.model_state, tokens)
 
 
 @pytest.mark.parametrize("slots, held", [("exact", 6), ("pow2", 8)])
@@ -272,7 +272,7 @@ def test_experts_in_slots_compute_the_exact_layer_under_a_binding_capacity(train
     def loss(p):
       y, balance, experts = ffn.apply({"params": p}, x, mask, train, *active)
       return jnp.sum(y * target) + balance, (y, balance, experts)
-    return jax.grad(loss, has_aux=True)(params)
+    return jax.jit(jax.grad(loss, has_aux=True))(params)
 
   g6, (y6, b6, e6) = run(ffn6, p6)
   g8, (y8, b8, e8) = run(ffn8, p8, jnp.int32(6))
@@ -293,9 +293,9 @@ def test_copy_experts_with_a_perturbation_changes_the_routing():
   method = gmoe_method()
   learner = method.init(jax.random.key(7))
   tokens = jax.random.randint(jax.random.key(8), (3, 16), 0, SMALL_V)
-  before = method.predict(learner.structure, learner.params, {}, tokens)
+  before = predict(method, learner, tokens)
   grown = method.own.copy(learner, [0, 1], jax.random.key(9), noise=0.5)
-  after = method.predict(grown.structure, grown.params, {}, tokens)
+  after = predict(method, grown, tokens)
   assert float(jnp.max(jnp.abs(before - after))) > 1e-4
 
 
