@@ -89,3 +89,13 @@ def pytest_unconfigure(config):
   if not hasattr(config, "workerinput"):  # the controlling (or only) process
     for path in _REMOVE_AT_END:
       shutil.rmtree(path, ignore_errors=True)
+
+
+# The files whose tests run whole runs in child processes, the longest of the suite: started
+# first, so that the workers do not end on one of them while the other has nothing left.
+_LONGEST_FIRST = ("test_crash_safety.py", "test_multiprocess.py", "test_main_e2e.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  items.sort(key=lambda item: os.path.basename(str(item.path)) not in _LONGEST_FIRST)
