@@ -56,8 +56,8 @@ try:  # Ctrl-C while the libraries load (seconds): one line, no traceback
 
   from alma_jax import errors  # pylint: disable=g-import-not-at-top
   from alma_jax.configuration import fields as F  # pylint: disable=g-import-not-at-top
+  from alma_jax.runtime import caches  # pylint: disable=g-import-not-at-top
   from alma_jax.runtime import multihost  # pylint: disable=g-import-not-at-top
-  from alma_jax.data import images  # pylint: disable=g-import-not-at-top
 except KeyboardInterrupt:
   if __name__ != "__main__":
     raise
@@ -126,18 +126,6 @@ def help_text() -> str:
                      "lists them; --print_config shows a config's values). --helpfull lists the "
                      "flags of every library.", "")]
   return "\n".join(lines)
-
-
-def _enable_compilation_cache(jax) -> str | None:
-  path = _COMPILATION_CACHE.value or os.environ.get("ALMA_JAX_COMPILATION_CACHE_DIR")
-  if not path:
-    path = os.path.join(images.default_cache_dir(), "xla")
-  if path.lower() == "none":
-    return None
-  jax.config.update("jax_compilation_cache_dir", path)
-  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # the user's setting wins
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  return path
 
 
 def _fail(message: str, code: int):
@@ -261,7 +249,7 @@ def main(argv):
     interrupts.hold_early()  # the processes stop together, at the run's first check
     logging.info("starting jax.distributed (%s)", why)
     multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  cache = _enable_compilation_cache(jax)
+  cache = caches.enable_compilation_cache(_COMPILATION_CACHE.value)
   logging.info("JAX %s, backend %s, process %d of %d, devices: %s; allocator tuned for XLA:CPU: "
                "%s; compilation cache: %s", jax.__version__, jax.default_backend(),
                jax.process_index(), jax.process_count(), jax.devices(), cpu_tuning.is_applied(),

@@ -37,8 +37,9 @@ _OWN_CACHE = "ALMA_JAX_CACHE_DIR" not in os.environ  # removed at the end of the
 if _OWN_CACHE:
   os.environ["ALMA_JAX_CACHE_DIR"] = _session_cache_dir(os.environ.get("PYTEST_XDIST_TESTRUNUID"))
 # In-process runs use the persistent compilation cache as `alma_jax.main` does for a process.
-jax.config.update("jax_compilation_cache_dir", os.path.join(os.environ["ALMA_JAX_CACHE_DIR"], "xla"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+from alma_jax.runtime import caches  # pylint: disable=g-import-not-at-top
+
+caches.enable_compilation_cache()
 
 import pytest  # pylint: disable=g-import-not-at-top
 
@@ -90,12 +91,3 @@ def pytest_unconfigure(config):
     for path in _REMOVE_AT_END:
       shutil.rmtree(path, ignore_errors=True)
 
-
-# The files whose tests run whole runs in child processes, the longest of the suite: started
-# first, so that the workers do not end on one of them while the other has nothing left.
-_LONGEST_FIRST = ("test_crash_safety.py", "test_multiprocess.py", "test_main_e2e.py")
-
-
-def pytest_collection_modifyitems(config, items):
-  del config
-  items.sort(key=lambda item: os.path.basename(str(item.path)) not in _LONGEST_FIRST)

@@ -20,6 +20,7 @@ import numpy as np
 from absl import logging
 
 from alma_jax.outputs import io_utils
+from alma_jax.runtime.caches import default_cache_dir
 
 CACHE_FORMAT = 2
 SPLITS = ("train", "test")
@@ -40,13 +41,6 @@ class ImageDataset:
   mean: np.ndarray  # float32 (C,), per-channel mean of train_x / 255
   std: np.ndarray  # float32 (C,)
   timings: dict = dataclasses.field(default_factory=dict, compare=False)
-
-
-def default_cache_dir() -> str:
-  if os.environ.get("ALMA_JAX_CACHE_DIR"):
-    return os.environ["ALMA_JAX_CACHE_DIR"]
-  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(base, "alma_jax")
 
 
 DOWNLOAD_CHOICES = ("auto", "yes", "no")

@@ -91,11 +91,12 @@ def test_causal_mask_a_future_token_does_not_change_earlier_logits():
   # take an earlier one's place (across sequences of a batch it can: they share the capacity).
   model = tiny(eval_capacity_factor=1.0)
   tokens = jax.random.randint(jax.random.key(3), (1, 16), 0, SMALL_V)
-  params = model.init(jax.random.key(4), tokens)["params"]
+  params = jax.jit(model.init)(jax.random.key(4), tokens)["params"]
   j = 9
   changed = tokens.at[:, j].set((tokens[:, j] + 123) % SMALL_V)
-  a, _ = model.apply({"params": params}, tokens)
-  b, _ = model.apply({"params": params}, changed)
+  apply = jax.jit(model.apply)
+  a, _ = apply({"params": params}, tokens)
+  b, _ = apply({"params": params}, changed)
   chex.assert_trees_all_close(a[:, :j], b[:, :j], atol=1e-6, rtol=0)
   assert float(jnp.max(jnp.abs(a[:, j:] - b[:, j:]))) > 1e-3
 
@@ -106,8 +107,8 @@ def test_untrained_perplexity_is_near_the_vocabulary_size():
   # then about log V + s^2 / 2 (= log V + 0.0064 for d = 32); 0.05 leaves room for sampling.
   model = tiny(vocab=V)
   tokens = jax.random.randint(jax.random.key(5), (4, 16), 0, V)
-  params = model.init(jax.random.key(6), tokens)["params"]
-  logits, _ = model.apply({"params": params}, tokens[:, :-1])
+  params = jax.jit(model.init)(jax.random.key(6), tokens)["params"]
+  logits, _ = jax.jit(model.apply)({"params": params}, tokens[:, :-1])
   nll = float(task_base.masked_cross_entropy(logits, tokens[:, 1:], jnp.ones(4, bool)))
   assert abs(nll - math.log(V)) < 0.05, (nll, math.log(V))
 
@@ -364,7 +365,7 @@ def test_the_presets_have_the_paper_s_parameter_counts_within_3_percent(preset):
 def test_dropout_is_off_in_evaluation_and_draws_its_key_in_training():
   model = tiny(dropout=0.5)
   tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, SMALL_V)
-  params = model.init(jax.random.key(4), tokens)["params"]
+  params = jax.jit(model.init)(jax.random.key(4), tokens)["params"]
   plain = tiny().apply({"params": params}, tokens)[0]
   np.testing.assert_array_equal(model.apply({"params": params}, tokens)[0], plain)
   one = model.apply({"params": params}, tokens, train=True, rngs={"dropout": jax.random.key(1)})
@@ -378,7 +379,7 @@ def test_dropout_is_off_in_evaluation_and_draws_its_key_in_training():
 def test_a_mixture_in_every_other_block_and_dense_layers_between(scan_layers):
   model = tiny(num_experts=4, moe_every=2, scan_layers=scan_layers)
   tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, SMALL_V)
-  params = model.init(jax.random.key(4), tokens)["params"]
+  params = jax.jit(model.init)(jax.random.key(4), tokens)["params"]
   assert (switch.LAYERS in params) == scan_layers
   blocks = unrolled(params)
   assert "moe" not in blocks["block0"] and "ffn_wi" in blocks["block0"]
@@ -432,7 +433,7 @@ def test_the_scanned_and_the_unrolled_forms_are_the_same_function(num_layers, mo
 def test_copy_experts_writes_the_same_weights_in_both_layouts():
   model = tiny(moe_every=1, scan_layers=False)
   tokens = jnp.zeros((1, 16), jnp.int32)
-  p = model.init(jax.random.key(4), tokens)["params"]
+  p = jax.jit(model.init)(jax.random.key(4), tokens)["params"]
   q = switch.stack_layers(p, 1)
   chosen = [[1, 3], [0, 2]]
   grown_p = switch.copy_experts(p, chosen, jax.random.key(5), noise=0.1)
