@@ -57,7 +57,7 @@ def _run(cmd, kill_at=None, sig="SIGKILL", kill_after_s=None):
   return proc.returncode, err
 
 
-# -- SIGKILL at named and random instants, 16 times, across SM, gMoE, FF and a language model ----
+# -- SIGKILL at named and random instants, 12 times, across SM, gMoE, FF and a language model ----
 KILL_CONFIGS = [
     pytest.param("configs/mnist_sm.py:smoke", marks=requires_mnist),
     pytest.param("configs/mnist_gmoe.py:smoke", marks=requires_mnist),
@@ -77,10 +77,10 @@ def test_random_kills_resume_to_the_records_of_an_uninterrupted_run(config, tmp_
   wd = str(tmp_path / "killed")
   cmd = _command(wd, config)
   # Named instants first (the first checkpoint still being written; a stage part-way,
-  # after one of its saves), then two random ones over the run's length.
+  # after one of its saves), then one at a random instant from 30% of the run's length on.
   rng = random.Random(config)
-  kills = [("t=0:checkpoint", None), ("t=2:stage_saved", None)]
-  kills += [(None, rng.uniform(0.3, 1.0) * wall) for _ in range(2)]
+  kills = [("t=0:checkpoint", None), ("t=2:stage_saved", None),
+           (None, rng.uniform(0.3, 1.0) * wall)]
   for kill_at, after_s in kills:
     code, err = _run(cmd, kill_at=kill_at, kill_after_s=after_s)
     assert code in (0, -signal.SIGKILL), (kill_at, after_s, err[-3000:])
