@@ -174,14 +174,11 @@ class OwnExperts:
     block: the backbone's `copy_experts`); `learner` is not modified."""
     n = learner.structure[0]
     k = len(experts) if all(isinstance(e, (int, np.integer)) for e in experts) else len(experts[0])
-    if not self.has_slots(learner):
-      params = self.backbone_class.copy_experts(learner.params, experts, key, noise)
-      return base.Learner(params=params, model_state=learner.model_state, structure=(n + k,))
+    slotted = self.has_slots(learner)
     params = self.backbone_class.copy_experts(learner.params, experts, key, noise, active=n,
-                                              num_slots=self.slots(n + k))
-    return base.Learner(params=params, model_state={**learner.model_state, **self.routing(n + k)},
-                        structure=(n + k,))
+                                              num_slots=self.slots(n + k) if slotted else None)
+    state = {**learner.model_state, **self.routing(n + k)} if slotted else learner.model_state
+    return base.Learner(params=params, model_state=state, structure=(n + k,))
 
   def describe(self, learner: base.Learner) -> dict:
     return {"num_params": self.method.num_params(learner), "experts": learner.structure[0]}
-

@@ -37,7 +37,7 @@ and compiled program. The active count is the variable
 the padding slots are -inf, so no token goes there and their probabilities
 are 0; capacities and the balance loss use the active count; the dispatch
 buffer has room for the capacity of `min_experts`, the fewest experts the
-slots are to hold (so every active count fits).
+slots are to hold (fewer active experts than that keep what the buffer holds).
 
 The load-balancing loss of a layer is `E * sum_e f_e * P_e`, f_e the
 fraction of the (unmasked) tokens whose top-1 expert is e and P_e their mean
@@ -183,8 +183,8 @@ class SwitchFFN(nn.Module):
     kept = cap
     if active is not None:  # experts in slots: the padding ones take no token
       logits = jnp.where(jnp.arange(e) < active, logits, -jnp.inf)
-      kept = jnp.asarray([capacity(b * l, max(n, 1), factor) for n in range(e + 1)],
-                         jnp.int32)[active]
+      kept = jnp.asarray([min(cap, capacity(b * l, max(n, 1), factor)) for n in range(e + 1)],
+                         jnp.int32)[active]  # within the buffer, for fewer than min_experts
     r = route(logits, tmask, kept)
     buf = dispatch(tokens, r, e, cap)
     h = nn.relu(jnp.einsum("ecd,edf->ecf", buf, wi) + bi[:, None, :])
