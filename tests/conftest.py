@@ -90,4 +90,3 @@ def pytest_unconfigure(config):
   if not hasattr(config, "workerinput"):  # the controlling (or only) process
     for path in _REMOVE_AT_END:
       shutil.rmtree(path, ignore_errors=True)
-

@@ -302,18 +302,32 @@ def blocks(params) -> list[str]:
                 key=_block_index)
 
 
-def _mixtures(params) -> tuple[dict[str, jax.Array], bool]:
-  """(the mixture parameters, stacked on a leading block axis; whether `params` is scanned)."""
+def _stored_mixtures(params) -> dict[str, jax.Array] | list[dict[str, jax.Array]]:
+  """The mixture parameters as `params` holds them: stacked on a leading group axis (the
+  scanned layout), or a list of the blocks' (unrolled)."""
   if LAYERS in params:
-    return params[LAYERS][f"block{len(params[LAYERS]) - 1}"]["moe"], True
-  return slots.stack([params[name]["moe"] for name in blocks(params)]), False
+    return params[LAYERS][f"block{len(params[LAYERS]) - 1}"]["moe"]
+  return [params[name]["moe"] for name in blocks(params)]
+
+
+def _with_stored_mixtures(params: dict[str, Any], mixtures) -> dict[str, Any]:
+  """`params` with its mixtures replaced by `mixtures`, held as `_stored_mixtures` gives them."""
+  params = dict(params)
+  if LAYERS in params:
+    last = f"block{len(params[LAYERS]) - 1}"
+    params[LAYERS] = {**params[LAYERS], last: {**params[LAYERS][last], "moe": mixtures}}
+    return params
+  for name, moe in zip(blocks(params), mixtures):
+    params[name] = {**params[name], "moe": moe}
+  return params
 
 
 def _mixture_shape(params) -> tuple[int, int]:
   """(mixture blocks, experts per block) of a model's params (either layout)."""
-  if LAYERS in params:
-    return tuple(int(n) for n in _mixtures(params)[0]["router_bias"].shape)
-  return len(blocks(params)), int(params[blocks(params)[0]]["moe"]["router_bias"].shape[0])
+  mixtures = _stored_mixtures(params)
+  if isinstance(mixtures, list):
+    return len(mixtures), int(mixtures[0]["router_bias"].shape[0])
+  return tuple(int(n) for n in mixtures["router_bias"].shape)
 
 
 def experts_per_block(params) -> int:
@@ -336,23 +350,13 @@ def _resize_mixture(moe: dict[str, jax.Array], n: int, lead: int) -> dict[str, j
           for k, v in moe.items()}
 
 
-def _with_mixtures(params: dict[str, Any], fn) -> dict[str, Any]:
-  """`params` (either layout) with every block's mixture `m` replaced by `fn(m, lead)`, `lead`
-  the axes before its experts' (1 for the scanned groups' stacked mixture)."""
-  params = dict(params)
-  if LAYERS in params:
-    last = f"block{len(params[LAYERS]) - 1}"
-    moe = fn(params[LAYERS][last]["moe"], 1)
-    params[LAYERS] = {**params[LAYERS], last: {**params[LAYERS][last], "moe": moe}}
-  for name in blocks(params):
-    params[name] = {**params[name], "moe": fn(params[name]["moe"], 0)}
-  return params
-
-
 def resize_experts(params: dict[str, Any], n: int) -> dict[str, Any]:
   """The params (either layout) with `n` expert slots per block: padding slots (zero weights
   and router columns) added, or the slots beyond the first `n` cut off."""
-  return _with_mixtures(params, lambda moe, lead: _resize_mixture(moe, n, lead))
+  mixtures = _stored_mixtures(params)
+  if isinstance(mixtures, list):
+    return _with_stored_mixtures(params, [_resize_mixture(m, n, 0) for m in mixtures])
+  return _with_stored_mixtures(params, _resize_mixture(mixtures, n, 1))
 
 
 def _copy_one(moe: dict[str, jax.Array], idx: jax.Array, start: jax.Array, key: jax.Array,
@@ -424,18 +428,9 @@ def copy_experts(params: dict[str, Any], experts: Sequence[int] | Sequence[Seque
   if not active <= num or num_slots < max(grown, num):
     raise ValueError(f"copy_experts: {active} active experts in {num} slots, copying "
                      f"{len(per_block[0])}, do not fit {num_slots} slots")
-  idx, params = np.asarray(per_block, np.int32), dict(params)
-  if LAYERS in params:
-    last = f"block{len(params[LAYERS]) - 1}"
-    moe = _copied(params[LAYERS][last]["moe"], idx, np.int32(active), key, float(noise),
-                  num_slots)
-    params[LAYERS] = {**params[LAYERS], last: {**params[LAYERS][last], "moe": moe}}
-    return params
-  names = blocks(params)
-  for name, moe in zip(names, _copied([params[n]["moe"] for n in names], idx,
-                                      np.int32(active), key, float(noise), num_slots)):
-    params[name] = {**params[name], "moe": moe}
-  return params
+  grown = _copied(_stored_mixtures(params), np.asarray(per_block, np.int32), np.int32(active),
+                  key, float(noise), num_slots)
+  return _with_stored_mixtures(params, grown)
 
 
 @functools.partial(jax.jit, static_argnames=("noise", "num_slots"))
