@@ -31,6 +31,7 @@ from alma_jax.outputs import workdir_lock
 from alma_jax.stream import run
 from tests import helpers
 from tests.conftest import requires_mnist, requires_text
+from tests.data.test_text import SMALL_VOCAB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,18 +65,22 @@ KILL_CONFIGS = [
     pytest.param("configs/mnist_ff.py:smoke", marks=requires_mnist),
     pytest.param("configs/lm_gmoe.py:smoke", marks=requires_text),
 ]
+# The language model on a small vocabulary (tests/data/test_text.py says why), over three
+# mega-batches: two growths of its experts, into more slots and then within them.
+KILL_FLAGS = {"configs/lm_gmoe.py:smoke": (f"--config.data.vocab_size={SMALL_VOCAB}",
+                                           "--config.stream.num_megabatches=3")}
 
 
 @pytest.mark.parametrize("config", KILL_CONFIGS)
 def test_random_kills_resume_to_the_records_of_an_uninterrupted_run(config, tmp_path):
-  base = str(tmp_path / "uninterrupted")
+  base, flags = str(tmp_path / "uninterrupted"), KILL_FLAGS.get(config, ())
   start = time.monotonic()
-  code, err = _run(_command(base, config))
+  code, err = _run(_command(base, config, flags))
   wall = time.monotonic() - start
   assert code == 0, err[-3000:]
   expected = helpers.outputs(base)
   wd = str(tmp_path / "killed")
-  cmd = _command(wd, config)
+  cmd = _command(wd, config, flags)
   # Named instants first (the first checkpoint still being written; a stage part-way,
   # after one of its saves), then one at a random instant from 30% of the run's length on.
   rng = random.Random(config)

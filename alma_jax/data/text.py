@@ -292,6 +292,19 @@ def load_corpus(*, name: str, text_file: str | None, bpe_folder: str | None,
                     {"load_s": time.monotonic() - t0, "source": "tokenised"})
 
 
+def frequent_tokens(tokens: np.ndarray, vocab_size: int, size: int) -> np.ndarray:
+  """The table (int32, `vocab_size` entries) that maps a token to one of `size` tokens: the
+  `size - 1` tokens most frequent in `tokens` to 0, 1, ... by falling count (a tie: the
+  smaller id first), every other token to `size - 1`."""
+  if not 2 <= size <= vocab_size:
+    raise ValueError(f"a vocabulary of {size} tokens cannot be cut from one of {vocab_size}")
+  counts = np.bincount(np.asarray(tokens, np.int64), minlength=vocab_size)
+  kept = np.argsort(-counts, kind="stable")[:size - 1]
+  table = np.full(vocab_size, size - 1, np.int32)
+  table[kept] = np.arange(size - 1, dtype=np.int32)
+  return table
+
+
 def num_sequences(num_tokens: int, seq_len: int) -> int:
   """How many sequences of L + 1 tokens (overlapping by one) `num_tokens` tokens give."""
   return max(0, (num_tokens - 1) // seq_len)

@@ -134,7 +134,7 @@ class TextTask(declared.Text, base.Task):
 
   @classmethod
   def known_shape(cls, config):
-    return (config.data.seq_len,), text_data.VOCAB_SIZE
+    return (config.data.seq_len,), config.data.vocab_size or text_data.VOCAB_SIZE
 
   # -- data ---------------------------------------------------------------------------------
   def load(self, config, seeds):
@@ -159,13 +159,18 @@ class TextTask(declared.Text, base.Task):
                         f"{len(corpus.test_tokens)} tokens); use a shorter config.data.seq_len")
     train_tokens = np.asarray(corpus.train_tokens[:n_train * l + 1], np.int32)
     test_tokens = np.asarray(corpus.test_tokens[:n_test * l + 1], np.int32)
+    num_classes = corpus.vocab_size
+    if d.vocab_size:  # the most frequent tokens of the whole training text, the rest as one
+      table = text_data.frequent_tokens(corpus.train_tokens, corpus.vocab_size, d.vocab_size)
+      train_tokens, test_tokens = table[train_tokens], table[test_tokens]
+      num_classes = d.vocab_size
     self.test_target_tokens = n_test * l
     self.test_target_bytes = int(np.sum(corpus.test_bytes[1:n_test * l + 1]))
     starts = np.concatenate([np.arange(n_train) * l,
                              len(train_tokens) + np.arange(n_test) * l]).astype(np.int32)
     ds = types.SimpleNamespace(
         name=corpus.name, tokens=np.concatenate([train_tokens, test_tokens]), starts=starts,
-        num_train=n_train, num_classes=corpus.vocab_size,
+        num_train=n_train, num_classes=num_classes,
         # Shapes only (no memory): the loop reads the number of examples and the input shape.
         train_x=np.broadcast_to(np.zeros((), np.int32), (n_train, l)),
         train_y=np.broadcast_to(np.zeros((), np.int32), (n_train,)),

@@ -4,12 +4,14 @@ language-model configs and whole runs of them."""
 import json
 import math
 import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from alma_jax.configuration import config_lib
+from alma_jax.configuration.plugins import tasks as tasks_plugin
 from alma_jax.data import text as text_data
 from alma_jax.engine import optim
 from alma_jax.engine import population
@@ -136,10 +138,17 @@ def test_the_refused_image_model_fields_are_refused_only_away_from_their_default
 
 
 # -- whole runs ---------------------------------------------------------------------------------
-def smoke(method="lm_sm", **fields):
+# The vocabulary of the test runs (`config.data.vocab_size`): evaluating and training over
+# GPT-2's 50,257 tokens is most of a smoke run's time once its programs are compiled. One run
+# below keeps the whole vocabulary.
+SMALL_VOCAB = 512
+
+
+def smoke(method="lm_sm", vocab_size=SMALL_VOCAB, **fields):
   c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", method), "smoke")
   c.mesh.num_devices = 1
   c.checkpoint.enabled = False
+  c.data.vocab_size = vocab_size
   for path, value in fields.items():
     *parents, leaf = path.split("__")
     node = c
@@ -161,7 +170,7 @@ def test_smoke_run_on_tiny_shakespeare_writes_b_plus_1_records_with_falling_perp
   drawn = []
   monkeypatch.setattr(plots, "run_error_png_in_child", lambda *a: drawn.append(a))
   wd = str(tmp_path / "run")
-  summary = run_lib.run(smoke(), wd)
+  summary = run_lib.run(smoke(vocab_size=0), wd)
   log = records(wd)
   # The run's own figure draws perplexity, named by the model's preset and experts, not a width.
   (path, curves, title, ylabel, scale), = drawn
@@ -179,6 +188,28 @@ def test_smoke_run_on_tiny_shakespeare_writes_b_plus_1_records_with_falling_perp
   assert log[1]["train_macs"] == pytest.approx(log[1]["forward_macs_per_token"] * 5 * 4 * 32)
   with open(os.path.join(wd, "summary.json")) as f:
     assert json.load(f)["num_stages"] == 4
+
+
+def test_a_cut_vocabulary_keeps_the_most_frequent_tokens_and_merges_the_rest():
+  tokens = np.array([7, 3, 3, 9, 7, 3, 1, 9, 5], np.uint16)  # 3: 3 times; 7, 9: twice; 1, 5: once
+  table = text_data.frequent_tokens(tokens, 12, 4)
+  assert table.shape == (12,) and table.dtype == np.int32
+  # By falling count, a tie to the smaller id; every other token (seen or not) is the last one.
+  assert table[[3, 7, 9]].tolist() == [0, 1, 2]
+  assert set(np.delete(table, [3, 7, 9]).tolist()) == {3}
+  whole = text_data.frequent_tokens(tokens, 12, 12)  # unseen tokens in the order of their ids
+  assert whole[[3, 7, 9, 1, 5, 0, 11]].tolist() == [0, 1, 2, 3, 4, 5, 11]
+  with pytest.raises(ValueError, match="a vocabulary of 13 tokens cannot be cut from one of 12"):
+    text_data.frequent_tokens(tokens, 12, 13)
+
+
+@pytest.mark.parametrize("value", [1, -1, 50258])
+def test_a_vocabulary_size_outside_its_range_is_refused(value):
+  assert tasks_plugin.GPT2_VOCAB_SIZE == text_data.VOCAB_SIZE
+  with pytest.raises(ConfigError, match=re.escape(
+      f"config.data.vocab_size={value} must be 0 (GPT-2's whole vocabulary) or an integer in "
+      "[2, 50257]")):
+    validation.validate(smoke(vocab_size=value))
 
 
 @requires_bpe

@@ -115,8 +115,8 @@ def test_bfloat16_switch_transformer_loss_and_gradients():
   loss32 = precision.loss_in("float32", lambda *a: method.loss(learner.structure, *a))
   loss16 = precision.loss_in("bfloat16", lambda *a: method.loss(learner.structure, *a))
   args = (learner.params, {}, learner.model_state, x, y, mask, jax.random.key(2))
-  (v32, _), g32 = jax.value_and_grad(loss32, has_aux=True)(*args)
-  (v16, _), g16 = jax.value_and_grad(loss16, has_aux=True)(*args)
+  (v32, _), g32 = jax.jit(jax.value_and_grad(loss32, has_aux=True))(*args)
+  (v16, _), g16 = jax.jit(jax.value_and_grad(loss16, has_aux=True))(*args)
   # An untrained model's cross-entropy is near ln(vocab) = 10.8; bfloat16 keeps 8 bits of
   # mantissa (relative rounding 2^-8 = 0.4% per operation), so the two losses agree to ~1%.
   assert v16.dtype == jnp.float32 and float(v16) == pytest.approx(float(v32), rel=0.02)

@@ -94,9 +94,10 @@ def test_equal_widths_build_the_sm_backbone():
     x = inputs(shape, dtype=jnp.float32)
     sm_logits = jax.jit(lambda p, s, x: sm.logits((), p, s, x, train=True))  # pylint: disable=cell-var-from-loop
     chex.assert_trees_all_equal(sm_logits(a.params, a.model_state, x), logits(fire, b, x, True))
-  p = mlp_lib.MLP(widths=(5, 7)).init(jax.random.key(0), jnp.zeros((1, 4)))["params"]
+  shapes = lambda module, x: jax.eval_shape(module.init, jax.random.key(0), x)  # pylint: disable=unnecessary-lambda-assignment
+  p = shapes(mlp_lib.MLP(widths=(5, 7)), jnp.zeros((1, 4)))["params"]
   assert p["dense0"]["kernel"].shape == (4, 5) and p["dense1"]["kernel"].shape == (5, 7)
-  p = vgg_lib.VGG(widths=tuple(range(1, 17))).init(jax.random.key(0), jnp.zeros((1,) + CIFAR))
+  p = shapes(vgg_lib.VGG(widths=tuple(range(1, 17))), jnp.zeros((1,) + CIFAR))
   assert [p["params"][f"block{b}"][f"conv{i}"]["kernel"].shape[-1] for b, n in
           enumerate(vgg_lib.BLOCKS) for i in range(n)] == list(range(1, 17))
 

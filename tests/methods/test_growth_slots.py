@@ -240,8 +240,8 @@ def test_ff_channel_slots_compute_the_exact_network(dataset, shape):
               jax.tree.map(lambda a: a[..., 6:], state["batch_stats"]),
               jax.tree.map(lambda a: a[..., 6:], learner.model_state["batch_stats"]))
     # Padding channels get no gradient, whatever their values.
-    grads = jax.grad(lambda p: jnp.sum(pow2.logits(noisy.structure, p, noisy.model_state, x,
-                                                   train=True)[0] ** 2))(noisy.params)
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(pow2.logits(
+        noisy.structure, p, noisy.model_state, x, train=True)[0] ** 2)))(noisy.params)
     for l, path in enumerate(pow2.layout.kernels):
       g = ff._get(grads, path)  # pylint: disable=protected-access
       assert float(jnp.abs(g[..., 6:]).max()) == 0.0 and float(jnp.abs(g[..., :6]).max()) > 0

@@ -15,7 +15,7 @@ from alma_jax.errors import ConfigError
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir
 from alma_jax.stream import run as run_lib
-from tests.data.test_text import requires_bpe, requires_shakespeare, smoke
+from tests.data.test_text import SMALL_VOCAB, requires_bpe, requires_shakespeare, smoke
 
 V = 512  # a small vocabulary: its size plays no part in these tests
 
@@ -134,3 +134,5 @@ def test_lm_gens_run_adds_one_model_per_stage(tmp_path):
   assert arch[-1]["num_params"] == members[-1] * arch[0]["num_params"] // members[0]
   ppl = perplexities(wd)
   assert len(ppl) == 5 and ppl[-1] < ppl[0]
+  # The untrained model is near uniform over the cut vocabulary's tokens.
+  assert 0.8 * SMALL_VOCAB < ppl[0] < 1.25 * SMALL_VOCAB

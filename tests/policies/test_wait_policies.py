@@ -23,6 +23,7 @@ from alma_jax.stream import run_setup
 from alma_jax.stream import validation
 from tests import helpers
 from tests.conftest import requires_mnist, requires_text
+from tests.data.test_text import smoke as text_smoke
 
 
 # -- geometric -------------------------------------------------------------------------------------
@@ -349,8 +350,7 @@ LM_METHODS = [pytest.param(m, marks=requires_text) for m in ("lm_sm", "lm_ens", 
 @pytest.mark.parametrize("method", IMAGE_METHODS + LM_METHODS)
 def test_every_method_runs_with_the_triggered_policy(method, tmp_path):
   if method.startswith("lm_"):
-    c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", method), "smoke")
-    c.mesh.num_devices = 1
+    c = text_smoke(method, checkpoint__enabled=True)  # (a small vocabulary)
     if "num_members" in c.method:
       c.method.num_members = 2
   else:

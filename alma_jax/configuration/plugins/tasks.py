@@ -16,6 +16,7 @@ import math
 import re
 
 from alma_jax.configuration import fields as F
+from alma_jax.errors import ConfigError
 
 _MNIST_OR = lambda mnist, other: F.ByDataset({"mnist": mnist}, other)  # pylint: disable=invalid-name
 _CIFAR_OR = lambda cifar, other: F.ByDataset({"cifar10": cifar}, other)  # pylint: disable=invalid-name
@@ -92,6 +93,18 @@ class Images(Declaration):
 
 SCHEDULES = ("constant", "warmup_linear")
 
+GPT2_VOCAB_SIZE = 50257  # GPT-2's BPE tokens (`alma_jax.data.text.VOCAB_SIZE`)
+
+
+def _vocab_size(path: str, v):
+  """0 (the whole vocabulary) or a vocabulary of 2 to 50,257 tokens."""
+  if isinstance(v, bool) or not isinstance(v, int) or not (
+      v == 0 or 2 <= v <= GPT2_VOCAB_SIZE):
+    raise ConfigError(f"config.{path}={v!r} must be 0 (GPT-2's whole vocabulary) or an integer "
+                      f"in [2, {GPT2_VOCAB_SIZE}]")
+  return v
+
+
 TEXT_FIELDS = (
     F.Field("data.text_file", None, F.optional_path(),
             "a UTF-8 text file to model instead of the tfds data set data.name (its last "
@@ -103,6 +116,12 @@ TEXT_FIELDS = (
     F.Field("data.test_fraction", 0.1, F.number(0.0, 1.0, open_lo=True, open_hi=True),
             "the test share of a data.text_file"),
     F.Field("data.seq_len", 512, F.integer(2), "L, tokens per sequence (paper: 512)"),
+    F.Field("data.vocab_size", 0, F.Check(_vocab_size, int),
+            "V, the tokens the model tells apart: 0 keeps GPT-2's whole vocabulary (50,257; "
+            "the paper's); V in [2, 50,257] keeps the V - 1 tokens most frequent in the training "
+            "text and makes every other token one shared token V - 1 (quick runs and tests: the "
+            "embedding, the output layer and every evaluation scale with V; perplexity and "
+            "bits per byte are then those of the coarser tokens)"),
     F.Field("model.preset", "base", F.choice(F.owned("alma_jax.models.switch:PRESETS")),
             "Switch Transformer size: base (6 layers, d=512, d_ff=2048, a mixture in every other "
             "block: 39M shared + 6.3M per expert), large (12, d=768, d_ff=3072: 96M + 28M) or "
