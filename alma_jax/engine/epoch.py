@@ -114,8 +114,10 @@ def warn_unimproved(rule: Rule, t: int, labels, stop: StopState) -> None:
 
 
 def epoch_ok(losses, finite) -> jax.Array:
-  """Per member: every loss of the epoch (S, steps) and the trained parameters are finite."""
-  return jnp.all(jnp.isfinite(losses), axis=1) & finite
+  """Per member: every loss of the epoch (S, steps) and the trained parameters are finite (in
+  numpy for host arrays: no program of its own)."""
+  xp = np if isinstance(losses, np.ndarray) else jnp
+  return xp.all(xp.isfinite(losses), axis=1) & finite
 
 
 def end_epoch(rule: Rule, select: Callable, stop: StopState, best: Learner, current: Learner,

@@ -80,7 +80,7 @@ class Passes:
     fn = self.method.eval_aux
     build = self._pass_body(fn)  # what the FLOPs are counted of
     idx = self.task.global_index(self.data, "train", np.asarray(idx, np.int32))
-    stacked = self.programs.place(population.stack([learner]))
+    stacked = population.stack([learner], self.programs.place)
     total, compiled = None, None
     for b in self.eval_batches(idx[None]):
       compiled = compiled or self.programs.eval_fn(stacked, False, b)

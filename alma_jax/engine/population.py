@@ -7,7 +7,7 @@ the seeds `seed`, ..., `seed + S - 1` together; an ordinary run is S = 1.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,13 +31,21 @@ stack_trees = programs.utility(lambda *trees: jax.tree.map(lambda *a: jnp.stack(
                                "stack")
 
 
-def stack(learners: Sequence[Learner]) -> Learner:
-  """Learners of one structure -> one learner with a leading population axis."""
+def stack(learners: Sequence[Learner], place: Callable | None = None) -> Learner:
+  """Learners of one structure -> one learner with a leading population axis.
+
+  `place` (`Programs.place`): each learner is placed with its unstacked shardings first, and
+  the population with its own after, so that learners from anywhere (a growth's program, an
+  unstacked population) share one stack program per structure.
+  """
   structures = {l.structure for l in learners}
   if len(structures) != 1:
     raise ValueError(f"the learners of a population must share one structure; got {structures}")
+  if place is not None:
+    learners = [place(l, stacked=False) for l in learners]
   params, model_state = stack_trees(*[(l.params, l.model_state) for l in learners])
-  return Learner(params=params, model_state=model_state, structure=learners[0].structure)
+  stacked = Learner(params=params, model_state=model_state, structure=learners[0].structure)
+  return stacked if place is None else place(stacked)
 
 
 # One program per tree of shapes takes a member of every leaf (not one per leaf shape).

@@ -145,13 +145,11 @@ def num_slots(learner: base.Learner, layer: int) -> int:
   return int(learner.model_state["routing"][moe.layer_name(layer)]["active"].shape[0])
 
 
-@functools.partial(jax.jit, static_argnames=("flat", "feat_dim", "scheme", "slots"))
-def _split_in_slots(lp: dict, stats, e, leaf, gate, key, *, flat: bool, feat_dim: int,
-                    scheme: str, slots: int) -> tuple[dict, Any]:
+def _split_layer(lp: dict, stats, e, leaf, gate, key, *, flat: bool, feat_dim: int, scheme: str,
+                 slots: int) -> tuple[dict, Any]:
   """Layer params `lp` and BatchNorm statistics `stats` (or None) of a split (see
   `split_expert`): held in `slots` slots, expert `leaf` copied into slot `e`, a new gate at
-  `gate` (tree gating) or a new gate column `e` (flat). Slot indices are arguments, so
-  every split within the same slots runs one program."""
+  `gate` (tree gating) or a new gate column `e` (flat)."""
   lp = _resize_gates(lp, flat, feat_dim, slots)
   lp["experts"] = slots_lib.copy_slot(slots_lib.resize(lp["experts"], slots), e, leaf)
   if stats is not None:
@@ -167,6 +165,61 @@ def _split_in_slots(lp: dict, stats, e, leaf, gate, key, *, flat: bool, feat_dim
     lp["gates"] = {"kernel": slots_lib.set_slot(g["kernel"], kernel, gate),
                    "bias": slots_lib.set_slot(g["bias"], bias, gate)}
   return lp, stats
+
+
+@functools.partial(jax.jit, static_argnames=("flat", "feat_dims", "scheme", "slots"))
+def _split_in_slots(lps: tuple, stats: tuple, e, leaf, gate, keys, *, flat: tuple[bool, ...],
+                    feat_dims: tuple[int, ...], scheme: str,
+                    slots: tuple[int, ...]) -> tuple[tuple, tuple]:
+  """`_split_layer` of several layers (the i-th of each argument) as one program. Slot
+  indices are arguments, so every growth between the same slots runs one program."""
+  out = [_split_layer(lps[i], stats[i], e[i], leaf[i], gate[i], keys[i], flat=flat[i],
+                      feat_dim=feat_dims[i], scheme=scheme, slots=slots[i])
+         for i in range(len(lps))]
+  return tuple(o[0] for o in out), tuple(o[1] for o in out)
+
+
+def split_experts(state: base.Learner, leaves: dict[int, int], keys: dict[int, jax.Array],
+                  scheme: str = "lecun", slots: dict[int, int] | None = None) -> base.Learner:
+  """`split_expert` of several mixture layers at once (`leaves`: layer -> the expert it
+  splits; `keys`: layer -> the key of its new gate; `slots`: layer -> its slots after the
+  split, None as in `split_expert`), as one compiled program per layer shapes and slots."""
+  structure, layers = list(state.structure), sorted(leaves)
+  args, sizes = [], []
+  for layer in layers:
+    if not 0 <= layer < len(structure):
+      raise ValueError(f"layer {layer} is not a mixture layer; the learner has "
+                       f"{len(structure)}")
+    feat_dim, tree = structure[layer]
+    new_tree = moe.split_leaf(tree, leaves[layer])  # checks that the expert is a leaf
+    e = moe.num_experts(tree)
+    size = (slots or {}).get(layer)
+    if size is None:
+      current = num_slots(state, layer)
+      size = current if e < current else slots_lib.next_power_of_two(e + 1)
+    sizes.append(max(int(size), e + 1))
+    name = moe.layer_name(layer)
+    args.append((dict(state.params[name]), state.model_state.get("batch_stats", {}).get(name),
+                 np.int32(e), np.int32(leaves[layer]), np.int32(moe.num_gates(tree)),
+                 keys[layer], int(feat_dim), moe.is_flat(tree)))
+    structure[layer] = (feat_dim, new_tree)
+  if not layers:
+    return state
+  lps, stats, e, leaf, gate, key, feat_dims, flat = (tuple(a) for a in zip(*args))
+  lps, stats = _split_in_slots(lps, stats, e, leaf, gate, key, flat=flat,
+                               feat_dims=feat_dims, scheme=scheme, slots=tuple(sizes))
+  params, model_state = dict(state.params), dict(state.model_state)
+  routing, batch_stats = dict(model_state["routing"]), dict(model_state.get("batch_stats", {}))
+  for i, layer in enumerate(layers):
+    name = moe.layer_name(layer)
+    params[name] = lps[i]
+    if stats[i] is not None:
+      batch_stats[name] = stats[i]
+    routing[name] = jax.device_put(moe.tree_arrays(structure[layer][1], sizes[i]))
+  model_state["routing"] = routing
+  if batch_stats:
+    model_state["batch_stats"] = batch_stats
+  return base.Learner(params=params, model_state=model_state, structure=tuple(structure))
 
 
 def split_expert(state: base.Learner, layer: int, leaf: int, key: jax.Array,
@@ -187,7 +240,8 @@ def split_expert(state: base.Learner, layer: int, leaf: int, key: jax.Array,
 
   A split inside the layer's slots edits values and routing arrays only (the
   shapes, hence the compiled programs, stay); a full layer first grows to
-  `slots` slots. The edit is one compiled program per layer shapes and slots.
+  `slots` slots. The edit is one compiled program per layer shapes and slots
+  (`split_experts` splits several layers in one).
 
   Args:
     state: the learner (not modified).
@@ -201,29 +255,7 @@ def split_expert(state: base.Learner, layer: int, leaf: int, key: jax.Array,
   Returns:
     A new learner with one more expert (and one more gate) in `layer`.
   """
-  structure = state.structure
-  if not 0 <= layer < len(structure):
-    raise ValueError(f"layer {layer} is not a mixture layer; the learner has {len(structure)}")
-  feat_dim, tree = structure[layer]
-  new_tree = moe.split_leaf(tree, leaf)  # checks that `leaf` is a leaf
-  e = moe.num_experts(tree)
-  if slots is None:
-    current = num_slots(state, layer)
-    slots = current if e < current else slots_lib.next_power_of_two(e + 1)
-  slots = max(int(slots), e + 1)
-  name = moe.layer_name(layer)
-  stats = state.model_state.get("batch_stats", {}).get(name)
-  lp, stats = _split_in_slots(dict(state.params[name]), stats, np.int32(e), np.int32(leaf),
-                              np.int32(moe.num_gates(tree)), key, flat=moe.is_flat(tree),
-                              feat_dim=int(feat_dim), scheme=scheme, slots=slots)
-  model_state = dict(state.model_state)
-  if stats is not None:
-    model_state["batch_stats"] = {**model_state["batch_stats"], name: stats}
-  model_state["routing"] = {**model_state["routing"],
-                            name: jax.device_put(moe.tree_arrays(new_tree, slots))}
-  new_structure = structure[:layer] + ((feat_dim, new_tree),) + structure[layer + 1:]
-  return base.Learner(params={**state.params, name: lp}, model_state=model_state,
-                      structure=new_structure)
+  return split_experts(state, {layer: leaf}, {layer: key}, scheme, {layer: slots})
 
 
 def active_view(learner: base.Learner) -> base.Learner:
@@ -397,14 +429,14 @@ class GrowingMoE(declared.GMoE, base.Method):
 
   def grow_learner(self, learner: base.Learner, scores, key: jax.Array) -> base.Learner:
     """Splits the losing expert (arg-max of `scores[l]`) of every layer below `max_experts`."""
+    leaves, keys, slots = {}, {}, {}
     for layer, layer_scores in enumerate(scores):
       e = moe.num_experts(learner.structure[layer][1])
       if self.opts.max_experts and e >= self.opts.max_experts:
         continue
-      leaf = losing_expert(np.asarray(layer_scores)[:e])
-      learner = split_expert(learner, layer, leaf, jax.random.fold_in(key, layer),
-                             self.net.init_scheme, self.slots(e + 1))
-    return learner
+      leaves[layer] = losing_expert(np.asarray(layer_scores)[:e])
+      keys[layer], slots[layer] = jax.random.fold_in(key, layer), self.slots(e + 1)
+    return split_experts(learner, leaves, keys, self.net.init_scheme, slots)
 
   def before_stage(self, learner: base.Learner, key: jax.Array, ctx) -> base.Learner:
     """Splits the losing experts, scored on the new stage's validation data, before it trains."""

@@ -54,8 +54,8 @@ class StagePolicy(declared.Declaration):
       key: this learner's key of the stage (see `REINIT_KEY`).
       ctx: the stage's context (`alma_jax.methods.StageContext`).
       opt_state: this learner's optimizer state after the previous stage, or None
-        (the stage then starts a fresh one; `train.keep_optimizer_state=False` also
-        discards what this returns).
+        (the stage then starts a fresh one); always None with
+        `train.keep_optimizer_state=False`, which also discards what this returns.
 
     The default grows (`grow`) and keeps everything else.
     """

@@ -249,7 +249,9 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
   passes_before, pass_macs_before = steps.pass_flops, steps.pass_macs
   skeys = population.fold(setup.keys, t)
   meter.doing(f"starting the stage at t={t} ({setup.stage_policy.name}, growth before it)")
-  learner, opt_state = _start_stage(setup, state.learner, skeys, contexts, state.opt_state)
+  # The policy sees the optimizer state only when the stage may keep it.
+  kept = state.opt_state if setup.config.train.keep_optimizer_state else None
+  learner, opt_state = _start_stage(setup, state.learner, skeys, contexts, kept)
   if not setup.config.train.keep_optimizer_state:
     opt_state = None
   signals.check()
@@ -293,7 +295,7 @@ def _start_stage(setup: Setup, learner, keys, contexts, opt_state):
           else [population.unstack(opt_state, i) for i in range(len(members))])
   started = [setup.stage_policy.start_stage(setup.method, l, keys[i], contexts[i], opts[i])
              for i, l in enumerate(members)]
-  learner = population.stack([s[0] for s in started])
+  learner = population.stack([s[0] for s in started], setup.steps.place)
   opts = [s[1] for s in started]
   if all(o is None for o in opts):
     return learner, None

@@ -124,8 +124,8 @@ class Setup:
     """The untrained learners of t = 0, stacked and placed; refused with `ConfigError` when
     their parameters alone would not fit in memory (`check_parameter_memory`)."""
     check_parameter_memory(self.method, self.keys)
-    return self.steps.place(population.stack([self.method.init(jax.random.fold_in(k, 0))
-                                              for k in self.keys]))
+    return population.stack([self.method.init(jax.random.fold_in(k, 0)) for k in self.keys],
+                            self.steps.place)
 
   def flops(self, learner) -> dict[str, float]:
     """`Steps.flops` of one (unstacked) learner, counted once per structure."""

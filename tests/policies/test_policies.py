@@ -272,7 +272,7 @@ def test_the_fixed_wait_trains_at_the_schedules_times():
 # -- the hooks in the loop -------------------------------------------------------------------------
 @requires_mnist
 def test_every_learner_of_every_stage_starts_through_the_one_hook(registered, tmp_path):
-  calls = []
+  calls, kept = [], []
 
   @registered
   class Recording(policies.StagePolicy):
@@ -280,6 +280,7 @@ def test_every_learner_of_every_stage_starts_through_the_one_hook(registered, tm
 
     def start_stage(self, method, learner, key, ctx, opt_state):
       calls.append((method.name, ctx.t, ctx.stage, learner.structure, len(ctx.train_idx)))
+      kept.append(opt_state)
       return super().start_stage(method, learner, key, ctx, opt_state)
 
   c = helpers.smoke("gens", stream__warm_start="test_recording", num_seeds=2)
@@ -287,6 +288,8 @@ def test_every_learner_of_every_stage_starts_through_the_one_hook(registered, tm
   assert [x[:4] for x in calls] == [("gens", t, t, (max(t - 1, 1), 1)) for t in (1, 2, 3, 4)
                                      for _ in range(2)]
   assert all(n > 0 for *_, n in calls)
+  # The run keeps no optimizer state (train.keep_optimizer_state=False): none is handed over.
+  assert not c.train.keep_optimizer_state and kept == [None] * len(calls)
   arch = io_utils.read_jsonl(str(tmp_path / "wd" / workdir.ARCH_FILE))
   assert [a["members"] for a in arch] == [1, 2, 3, 4]  # growth ran inside the hook
 
