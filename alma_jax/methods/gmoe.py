@@ -185,6 +185,8 @@ def split_experts(state: base.Learner, leaves: dict[int, int], keys: dict[int, j
   splits; `keys`: layer -> the key of its new gate; `slots`: layer -> its slots after the
   split, None as in `split_expert`), as one compiled program per layer shapes and slots."""
   structure, layers = list(state.structure), sorted(leaves)
+  if not layers:
+    return state
   args, sizes = [], []
   for layer in layers:
     if not 0 <= layer < len(structure):
@@ -203,8 +205,6 @@ def split_experts(state: base.Learner, leaves: dict[int, int], keys: dict[int, j
                  np.int32(e), np.int32(leaves[layer]), np.int32(moe.num_gates(tree)),
                  keys[layer], int(feat_dim), moe.is_flat(tree)))
     structure[layer] = (feat_dim, new_tree)
-  if not layers:
-    return state
   lps, stats, e, leaf, gate, key, feat_dims, flat = (tuple(a) for a in zip(*args))
   lps, stats = _split_in_slots(lps, stats, e, leaf, gate, key, flat=flat,
                                feat_dims=feat_dims, scheme=scheme, slots=tuple(sizes))
