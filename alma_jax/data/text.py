@@ -36,11 +36,12 @@ import time
 import numpy as np
 from absl import logging
 
+from alma_jax.configuration.plugins import tasks as declared_tasks
 from alma_jax.data import images
 
 BPE_FILES = ("encoder.json", "vocab.bpe")
 BPE_DIR_ENV = "ALMA_JAX_BPE_DIR"
-VOCAB_SIZE = 50257
+VOCAB_SIZE = declared_tasks.GPT2_VOCAB_SIZE  # its config field checks values against it
 # tfds text data sets offered for a mistyped name (with those prepared here).
 KNOWN_NAMES = ("tiny_shakespeare", "lm1b")
 

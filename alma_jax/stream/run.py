@@ -250,9 +250,10 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
   skeys = population.fold(setup.keys, t)
   meter.doing(f"starting the stage at t={t} ({setup.stage_policy.name}, growth before it)")
   # The policy sees the optimizer state only when the stage may keep it.
-  kept = state.opt_state if setup.config.train.keep_optimizer_state else None
-  learner, opt_state = _start_stage(setup, state.learner, skeys, contexts, kept)
-  if not setup.config.train.keep_optimizer_state:
+  keep = setup.config.train.keep_optimizer_state
+  learner, opt_state = _start_stage(setup, state.learner, skeys, contexts,
+                                    state.opt_state if keep else None)
+  if not keep:
     opt_state = None
   signals.check()
 

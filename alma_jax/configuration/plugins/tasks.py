@@ -93,7 +93,7 @@ class Images(Declaration):
 
 SCHEDULES = ("constant", "warmup_linear")
 
-GPT2_VOCAB_SIZE = 50257  # GPT-2's BPE tokens (`alma_jax.data.text.VOCAB_SIZE`)
+GPT2_VOCAB_SIZE = 50257  # GPT-2's BPE tokens (`alma_jax.data.text.VOCAB_SIZE` is this)
 
 
 def _vocab_size(path: str, v):
