@@ -27,8 +27,11 @@ def size(tree: PyTree) -> int:
 
 # Trees of one structure -> one tree with a leading axis: one program for the whole tree (not
 # one per leaf shape), reused while the shapes stay.
-stack_trees = programs.utility(lambda *trees: jax.tree.map(lambda *a: jnp.stack(a), *trees),
-                               "stack")
+def _stack_leaves(*trees: PyTree) -> PyTree:
+  return jax.tree.map(lambda *a: jnp.stack(a), *trees)
+
+
+stack_trees = programs.utility(_stack_leaves, "stack")
 
 
 def stack(learners: Sequence[Learner], place: Callable | None = None) -> Learner:
@@ -88,22 +91,64 @@ _select_units = jax.jit(_select, static_argnums=(0, 1))
 
 
 def keys(seeds: Sequence[int]) -> jax.Array:
-  """The root PRNG keys of `seeds`, stacked."""
-  return stack_keys([jax.random.key(s) for s in seeds])
+  """The root PRNG keys of `seeds`, stacked (one small program, not one per operation)."""
+  return _keys(tuple(int(s) for s in seeds))
+
+
+def _seed_keys(seeds: tuple[int, ...]) -> jax.Array:
+  return jax.random.wrap_key_data(jnp.stack([jax.random.key_data(jax.random.key(s))
+                                             for s in seeds]))
+
+
+_seed_keys.__name__ = _seed_keys.__qualname__ = programs.UTILITY_PREFIX + "keys"
+_keys = jax.jit(_seed_keys, static_argnums=0)
 
 
 def stack_keys(key_list: Sequence[jax.Array]) -> jax.Array:
-  return jax.random.wrap_key_data(jnp.stack([jax.random.key_data(k) for k in key_list]))
+  """Keys (of one implementation) stacked on the host: no program of their own."""
+  data = np.stack([np.asarray(jax.random.key_data(k)) for k in key_list])
+  return jax.random.wrap_key_data(data, impl=jax.random.key_impl(key_list[0]))
+
+
+def member_keys(stacked_keys: jax.Array) -> list[jax.Array]:
+  """The keys of a stacked population, one per member, made from their data on the host (an
+  index into the device array would be a program of its own)."""
+  data = np.asarray(jax.random.key_data(stacked_keys))
+  impl = jax.random.key_impl(stacked_keys)
+  return [jax.random.wrap_key_data(d, impl=impl) for d in data]
 
 
 def fold(stacked_keys: jax.Array, i: int) -> jax.Array:
-  """`jax.random.fold_in(key, i)` for every key of the population."""
-  return jax.vmap(lambda k: jax.random.fold_in(k, i))(stacked_keys)
+  """`jax.random.fold_in(key, i)` for every key of the population: each member's by the one
+  program of a single key's fold (which the policies' and methods' folds share; `i` as a 0-d
+  array, which needs no conversion program), the keys restacked on the host."""
+  data = np.asarray(i, np.uint32)
+  return stack_keys([jax.random.fold_in(k, data) for k in member_keys(stacked_keys)])
 
 
-def numpy_rng(key: jax.Array) -> np.random.Generator:
-  """A numpy generator seeded by one key's data (host-side shuffles)."""
-  return np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
+def initial(method, stacked_keys: jax.Array, place: Callable | None = None) -> Learner:
+  """The untrained learner of every key (`method.init(fold_in(key, 0))`), stacked by one
+  program (`place`: as in `stack`)."""
+  learner = _initial(method, stacked_keys)
+  return learner if place is None else place(learner)
+
+
+def _init_members(method, stacked_keys: jax.Array) -> Learner:
+  learners = [method.init(jax.random.fold_in(stacked_keys[i], 0))
+              for i in range(stacked_keys.shape[0])]
+  params, model_state = _stack_leaves(*[(l.params, l.model_state) for l in learners])
+  return Learner(params=params, model_state=model_state, structure=learners[0].structure)
+
+
+_init_members.__name__ = _init_members.__qualname__ = programs.UTILITY_PREFIX + "init"
+_initial = jax.jit(_init_members, static_argnums=0)
+
+
+def numpy_rngs(stacked_keys: jax.Array) -> list[np.random.Generator]:
+  """A numpy generator per key of a stacked population, seeded by the key's data (host-side
+  shuffles)."""
+  return [np.random.default_rng(d.ravel().tolist())
+          for d in np.asarray(jax.random.key_data(stacked_keys))]
 
 
 STD_CONVENTION = "sample standard deviation over the seeds (ddof=1)"

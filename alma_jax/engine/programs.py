@@ -317,7 +317,11 @@ class Programs:
 
   def combine(self, learner: Learner, trainable) -> PyTree:
     """`Method.combine` of every member of a stacked `learner` (one program per
-    `seen_structure`)."""
+    `seen_structure`); `trainable` itself where the method trains all of its parameters (no
+    program: the train step donates the state, but nothing keeps the combined parameters
+    past the next train call)."""
+    if type(self.method).combine is Method.combine:
+      return trainable
     return self._combine(learner.replace(structure=self.seen_structure(learner.structure)),
                          trainable)
 

@@ -120,7 +120,7 @@ def fit_stage(steps: Steps, learner: Learner, data: StageData, opt_state=None,
     raise ValueError(f"a whole-stage program needs a task whose examples are right or wrong; "
                      f"task {type(steps.task).__name__} trains per epoch")
   state = steps.init_state(learner, opt_state)
-  rngs = [population.numpy_rng(data.keys[i]) for i in range(num)]
+  rngs = population.numpy_rngs(data.keys)
   p = Progress(StopState.start(num, units), learner, np.full((num, units), -1.0))
   timer, resume = timing.Breakdown(), None
   if hooks.checkpoints is not None:

@@ -435,7 +435,8 @@ class GrowingMoE(declared.GMoE, base.Method):
       if self.opts.max_experts and e >= self.opts.max_experts:
         continue
       leaves[layer] = losing_expert(np.asarray(layer_scores)[:e])
-      keys[layer], slots[layer] = jax.random.fold_in(key, layer), self.slots(e + 1)
+      keys[layer] = jax.random.fold_in(key, np.asarray(layer, np.uint32))
+      slots[layer] = self.slots(e + 1)
     return split_experts(learner, leaves, keys, self.net.init_scheme, slots)
 
   def before_stage(self, learner: base.Learner, key: jax.Array, ctx) -> base.Learner:

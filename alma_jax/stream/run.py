@@ -294,8 +294,9 @@ def _start_stage(setup: Setup, learner, keys, contexts, opt_state):
   members = population.members(learner)
   opts = ([None] * len(members) if opt_state is None
           else [population.unstack(opt_state, i) for i in range(len(members))])
-  started = [setup.stage_policy.start_stage(setup.method, l, keys[i], contexts[i], opts[i])
-             for i, l in enumerate(members)]
+  member_keys = population.member_keys(keys)
+  started = [setup.stage_policy.start_stage(setup.method, l, member_keys[i], contexts[i],
+                                            opts[i]) for i, l in enumerate(members)]
   learner = population.stack([s[0] for s in started], setup.steps.place)
   opts = [s[1] for s in started]
   if all(o is None for o in opts):

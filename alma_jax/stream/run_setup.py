@@ -124,8 +124,7 @@ class Setup:
     """The untrained learners of t = 0, stacked and placed; refused with `ConfigError` when
     their parameters alone would not fit in memory (`check_parameter_memory`)."""
     check_parameter_memory(self.method, self.keys)
-    return population.stack([self.method.init(jax.random.fold_in(k, 0)) for k in self.keys],
-                            self.steps.place)
+    return population.initial(self.method, self.keys, self.steps.place)
 
   def flops(self, learner) -> dict[str, float]:
     """`Steps.flops` of one (unstacked) learner, counted once per structure."""
@@ -310,7 +309,7 @@ def check_parameter_memory(method: methods.Method, keys: jax.Array, limit: int |
     limit, what = memory_limit()
     if limit is None:
       return
-  shapes = jax.eval_shape(method.init, keys[0])
+  shapes = jax.eval_shape(lambda k: method.init(k[0]), keys)
   leaves = jax.tree.leaves((shapes.params, shapes.model_state))
   count = sum(int(np.prod(l.shape, dtype=object)) for l in leaves)
   need = len(keys) * sum(int(np.prod(l.shape, dtype=object)) * l.dtype.itemsize for l in leaves)

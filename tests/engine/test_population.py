@@ -135,3 +135,64 @@ def test_two_seeds_end_to_end_match_separate_runs_and_resume(tmp_path):
     for g, w in zip(got, want):
       g.pop("wall_s"), w.pop("wall_s")
     assert got == want
+
+
+# -- keys and initial learners as few programs ----------------------------------------------------
+SEEDS = (0, 1, 7, 2**31 - 1, 2**31, 2**32 - 1)
+
+
+def _compiled(fn):
+  """(fn(), the XLA programs built or loaded while it ran)."""
+  names = []
+
+  def listen(event, duration, **kwargs):
+    del duration
+    if event == "/jax/core/compile/backend_compile_duration":
+      names.append(str(kwargs.get("fun_name")))
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    return fn(), names
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_keys_and_their_folds_are_those_of_one_key_at_a_time():
+  keys = population.keys(SEEDS)
+  expected = np.stack([jax.random.key_data(jax.random.key(s)) for s in SEEDS])
+  np.testing.assert_array_equal(jax.random.key_data(keys), expected)
+  for i in (0, 3, 2**32 - 1):
+    folded = jax.vmap(lambda k, i=i: jax.random.fold_in(k, i))(keys)
+    np.testing.assert_array_equal(jax.random.key_data(population.fold(keys, i)),
+                                  jax.random.key_data(folded))
+  members = population.member_keys(keys)
+  assert len(members) == len(SEEDS)
+  for j, k in enumerate(members):
+    np.testing.assert_array_equal(jax.random.key_data(k), expected[j])
+  rngs = population.numpy_rngs(keys)
+  for j, rng in enumerate(rngs):
+    assert rng.integers(1 << 30) == np.random.default_rng(expected[j].tolist()).integers(1 << 30)
+
+
+def test_member_keys_and_folds_build_no_program_of_their_own():
+  keys = population.keys((3, 4))
+  jax.clear_caches()  # what earlier tests compiled in this process
+  # The one program that the policies and methods also use: a single key's fold.
+  jax.random.fold_in(jax.random.key(0), np.asarray(1, np.uint32))
+  _, names = _compiled(lambda: (population.member_keys(keys), population.fold(keys, 5),
+                                population.stack_keys(population.member_keys(keys))))
+  assert names == [], names
+
+
+@pytest.mark.parametrize("method_name", ["sm", "gmoe", "ens", "ff"])
+def test_initial_learners_are_each_keys_init_in_one_program(method_name):
+  ds = helpers.synthetic_dataset(n_train=64, n_test=16)
+  method, _ = helpers.make_steps(helpers.small_config(method=method_name, width=6), ds)
+  keys = population.keys((5, 6))
+  learner, names = _compiled(lambda: population.initial(method, keys))
+  assert len(names) <= 1, names  # none when this test ran before in the process
+  one_by_one = population.stack([method.init(jax.random.fold_in(k, 0))
+                                 for k in population.member_keys(keys)])
+  assert learner.structure == one_by_one.structure
+  chex.assert_trees_all_equal((learner.params, learner.model_state),
+                              (one_by_one.params, one_by_one.model_state))
