@@ -8,18 +8,21 @@ train, eval, ...; "other" for eager operations and small utilities) the
 seconds spent tracing, lowering and compiling or loading, and the XLA
 programs built or loaded, and note which programs the persistent cache
 missed and why it did not store them. A warm run should load every program
-from the cache: its misses are listed by name.
+from the cache: its misses are listed by name. The traces that only count
+FLOPs (the run's Comp accounting) build no program: their seconds are a
+column of their own, not compilation.
 
   python benchmarks/compile_budget.py                          # p3, p4, lm_base, lm_base_unrolled
   python benchmarks/compile_budget.py --runs=p1,p3,p4 --out=/tmp/compile.json
   python benchmarks/compile_budget.py --runs=lm_base,lm_base_unrolled --warm=false
   python benchmarks/compile_budget.py --runs=p4 -- --config.method.slots=exact
 
-Named runs (`RUNS`): the timing protocols p1-p4 (configs/bench), and the
+Named runs (`RUNS`): the timing protocols p1-p4 (configs/bench), the
 Switch Transformer presets with the smoke stream (lm_base, lm_large; with
 `_unrolled` for the unrolled form): the preset's model and sequence length
 (L = 512), 2 sequences per step, 8 steps per call, two stages -- the preset's
-programs, with little training. Anything after `--` is passed to every run.
+programs, with little training; and ff_quick (`configs/mnist_ff.py:quick`
+over 50 mega-batches with a stage every 5: nine growths). Anything after `--` is passed to every run.
 It runs unchanged on a GPU (benchmarks/README.md says how).
 """
 
@@ -48,8 +51,13 @@ RUNS = {
     "lm_base_unrolled": _LM.format(preset="base") + " --config.model.scan_layers=False",
     "lm_large": _LM.format(preset="large"),
     "lm_large_unrolled": _LM.format(preset="large") + " --config.model.scan_layers=False",
+    # Firefly's growth: MNIST, 50 mega-batches, a stage every 5 (9 growths).
+    "ff_quick": ("configs/mnist_ff.py:quick --config.stream.num_megabatches=50 "
+                 "--config.stream.wait=5"),
 }
 DEFAULT_RUNS = "p3,p4,lm_base,lm_base_unrolled"
+# Traces that count FLOPs (`timing.counting`): no program, not compilation; reported apart.
+ACCOUNTING = "flop_counting"
 
 
 def kind_of(fun_name: str, step_prefix: str) -> str:
@@ -80,7 +88,8 @@ def child(out_path: str, argv: list[str]) -> None:
 
   def on_duration(event: str, duration: float, **kwargs) -> None:
     if event in timing.COMPILE_EVENTS:
-      kind = kind_of(kwargs.get("fun_name", ""), timing.STEP_PREFIX)
+      kind = (ACCOUNTING if timing.counting_now()
+              else kind_of(kwargs.get("fun_name", ""), timing.STEP_PREFIX))
       seconds[kind] += duration
       if duration > 0.5:
         slow.append((round(time.monotonic() - t0, 1), str(kwargs.get("fun_name", kind)),
@@ -143,6 +152,7 @@ def run_one(spec: str, extra: list[str], cache_dir: str) -> dict:
     with open(os.path.join(workdir, "run", "summary.json")) as f:
       summary = json.load(f)
   result["process_s"] = wall
+  result["counting_s"] = result["seconds"].pop(ACCOUNTING, 0.0)
   result["compile_s"] = sum(result["seconds"].values())
   result["xla_programs"] = sum(result["programs"].values())
   result["num_compilations"] = summary.get("num_compilations")
@@ -157,9 +167,9 @@ def _kinds(r: dict, top: int = 4) -> str:
 
 
 def table(results: dict) -> str:
-  lines = ["| run | cache | process s | compile s | XLA programs | cache hits / requests | "
-           "compile s / programs by kind | warm misses |",
-           "|---|---|---|---|---|---|---|---|"]
+  lines = ["| run | cache | process s | compile s (share) | FLOP-counting traces s | "
+           "XLA programs | cache hits / requests | compile s / programs by kind | warm misses |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for name, by_cache in results.items():
     for which, r in by_cache.items():
       asked = len(r["hits"]) + len(r["misses"])
@@ -167,8 +177,10 @@ def table(results: dict) -> str:
       missed = ("; ".join(f"{m} x{n}" if n > 1 else m for m, n in misses[:6])
                 + (f" (+{len(misses) - 6} more)" if len(misses) > 6 else "")
                 if which == "warm" else "")
-      lines.append(f"| {name} | {which} | {r['process_s']:.1f} | {r['compile_s']:.1f} | "
-                   f"{r['xla_programs']} | {len(r['hits'])} / {asked} | {_kinds(r)} | "
+      share = r["compile_s"] / r["process_s"] if r["process_s"] > 0 else 0.0
+      lines.append(f"| {name} | {which} | {r['process_s']:.1f} | {r['compile_s']:.1f} "
+                   f"({share:.0%}) | {r.get('counting_s', 0.0):.1f} | {r['xla_programs']} | "
+                   f"{len(r['hits'])} / {asked} | {_kinds(r)} | "
                    f"{missed or ('none' if which == 'warm' else '')} |")
   return "\n".join(lines)
 

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from alma_jax.engine import timing
 from alma_jax.engine.programs import Batch, Programs, TrainState
 from alma_jax.methods.base import Learner
 
@@ -130,8 +131,10 @@ def _count_jaxpr(jaxpr) -> Count:
 
 
 def count(fn: Callable, *args) -> Count:
-  """FLOPs and MACs of `fn(*args)`; `args` may be arrays or `jax.ShapeDtypeStruct`s."""
-  return _count_jaxpr(jax.make_jaxpr(fn)(*args).jaxpr)
+  """FLOPs and MACs of `fn(*args)`; `args` may be arrays or `jax.ShapeDtypeStruct`s. Its
+  trace is not compilation (`timing.counting`)."""
+  with timing.counting():
+    return _count_jaxpr(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
 # -- the costs of a run's programs ---------------------------------------------------------------
@@ -151,8 +154,13 @@ def step_flops(programs: Programs, learner: Learner) -> dict[str, float]:
   ensemble's members in one vmap whatever `method.strategy` runs, XLA's
   convolutions whatever `model.conv_impl` runs), and they are traced
   unsharded: the counts do not depend on the execution strategy or on the
-  mesh.
+  mesh. Its traces are not compilation (`timing.counting`).
   """
+  with timing.counting():
+    return _step_flops(programs, learner)
+
+
+def _step_flops(programs: Programs, learner: Learner) -> dict[str, float]:
   method = programs.method.counted()
   learner = method.active_view(learner)  # may be shapes alone
   structure = method.program_structure(learner.structure)
@@ -204,10 +212,12 @@ class PassCosts:
     """Adds one batch of the pass `kind` of `fn`; `build(structure)` is the pass's body."""
     key = (kind, fn, learner.structure)
     if key not in self._per_batch:
-      view = self.method.active_view(learner)
-      args = (view.params, view.model_state, self.data, batch) + ((carry,) if kind == "scan"
-                                                                   else ())
-      self._per_batch[key] = count(build(self.method.program_structure(view.structure)), *args)
+      with timing.counting():
+        view = self.method.active_view(learner)
+        args = (view.params, view.model_state, self.data, batch) + ((carry,) if kind == "scan"
+                                                                     else ())
+        self._per_batch[key] = count(build(self.method.program_structure(view.structure)),
+                                     *args)
     mask = np.asarray(batch.mask)
     real = float(np.count_nonzero(mask)) / mask.size
     self.total += self._per_batch[key].flops * real

@@ -6,6 +6,10 @@ this process. A `Breakdown` adds the time spent inside a `with` block to one
 part, less the compilation inside it, which goes to `compile_s`, so the parts
 never count the same second twice.
 
+Tracing to count a computation's operations (the FLOPs of
+`alma_jax.engine.accounting`, inside `counting()`) builds no program: its
+seconds are not compilation (they stay in `other_s`).
+
 The same events count compiled programs: every XLA executable the process
 builds or loads from the persistent compilation cache (`xla_programs`,
 eager operations included), those of the run's steps (`step_programs`:
@@ -44,11 +48,28 @@ COUNTS = ("xla_programs", "step_programs", "compile_cache_requests", "compile_ca
 _lock = threading.Lock()
 _compile_total = 0.0
 _counts: collections.Counter = collections.Counter()
+_thread = threading.local()
+
+
+@contextlib.contextmanager
+def counting():
+  """A block whose traces count operations (FLOP accounting) rather than build programs."""
+  before = counting_now()
+  _thread.counting = True
+  try:
+    yield
+  finally:
+    _thread.counting = before
+
+
+def counting_now() -> bool:
+  """Whether this thread is inside `counting()`."""
+  return getattr(_thread, "counting", False)
 
 
 def _listener(event: str, duration_secs: float, **kwargs) -> None:
   global _compile_total
-  if event in COMPILE_EVENTS:
+  if event in COMPILE_EVENTS and not counting_now():
     with _lock:
       _compile_total += duration_secs
       if event == BACKEND_COMPILE:  # one per executable built or loaded from the cache

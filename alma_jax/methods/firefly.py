@@ -43,10 +43,12 @@ first C_l active
 exactly 0 (the backbone multiplies them by their mask), so they receive no gradient; their
 BatchNorm statistics are kept as they are in training; padding values are zeros. The
 compiled programs are keyed by the slots (`program_structure`), so growths inside one power
-of two of the widest layer reuse them; the candidate network holds 2 S + K channels, its candidates on inactive
-channels masked too and never selected. Candidates are drawn, and growth is computed, on the
-active channels, then written into the slots, so a run gives the records of "exact" (no
-slots: one structure per growth) up to float summation order. Mem and every FLOP count are
+of two of the widest layer reuse them; the candidate network holds 2 S + K channels, its
+candidates on inactive channels masked too and never selected. The candidates' draw and the
+growth are programs of the slots too (`draw_in_slots`, `grow_in_slots`: the widths and the
+plan are arrays), with the values of drawing and growing on the active channels and writing
+the result into the slots, so a run gives the records of "exact" (no slots: one structure per
+growth) up to float summation order. Mem and every FLOP count are
 taken on `active_view` (the active channels alone, no masks): they do not depend on the
 slots.
 """
@@ -295,13 +297,9 @@ def grow_width(state: base.Learner, plan: GrowthPlan, layout: Layout,
     params, model_state = in_slots(layout, grown.params, grown.model_state, grown.structure,
                                    slots)
     return base.Learner(params=params, model_state=model_state, structure=grown.structure)
-  if not (len(plan.split) == len(plan.new) == len(plan.candidates) == len(widths)):
+  if len(plan.candidates) != len(widths):
     raise ValueError(f"a growth plan needs one entry per layer ({len(widths)})")
-  split = tuple(np.asarray(s, np.int64).reshape(-1) for s in plan.split)
-  new = tuple(np.asarray(n, np.int64).reshape(-1) for n in plan.new)
-  for l, (s, c) in enumerate(zip(split, widths)):
-    if len(np.unique(s)) != len(s) or (len(s) and not 0 <= s.min() <= s.max() < c):
-      raise ValueError(f"layer {l}: split neurons {s.tolist()} must be distinct, in [0, {c})")
+  split, new = check_plan(widths, plan.split, plan.new)
   eps = [plan.epsilon] * len(widths)
   params, model_state = grown_trees(layout, state.params, state.model_state, widths, split,
                                     new, plan.candidates, eps, eps)
@@ -329,6 +327,141 @@ def select(scores: Sequence[dict], n_grow: int) -> tuple[tuple[np.ndarray, ...],
     new.append(np.flatnonzero(take[start + c:start + c + k]))
     start += c + k
   return tuple(split), tuple(new)
+
+
+# -- the draw and the growth as programs of the slots ---------------------------------------------
+# A draw of a shape is the prefix of a flat draw of any larger size with the same key (JAX's
+# partitionable threefry, its default: element k always takes counter k), and flat draws compile
+# several times faster on a CPU than shaped ones. So the candidates of the active channels, and
+# the growth of a plan, are computed by programs that take the widths and the plan as arrays:
+# one program per slot structure, with the values of `init_candidates` and `grow_width`.
+def _flat_take(flat, lead: tuple[int, ...], rows: int, rows_exact, col_src, col_valid,
+               cols_exact):
+  """(lead..., rows, len(col_src)): element (s, i, d) is flat[(s rows_exact + i) cols_exact +
+  col_src[d]] where i < rows_exact and col_valid[d], else 0; i.e. the draw of shape (lead...,
+  rows_exact, cols_exact) with its rows and columns moved into slots."""
+  s = jnp.arange(int(np.prod(lead, dtype=np.int64)), dtype=jnp.int32)[:, None, None]
+  i = jnp.arange(rows, dtype=jnp.int32)[None, :, None]
+  idx = (s * rows_exact + i) * cols_exact + col_src[None, None, :]
+  valid = (i < rows_exact) & col_valid[None, None, :]
+  out = jnp.where(valid, flat[jnp.where(valid, idx, 0)], jnp.zeros((), flat.dtype))
+  return out.reshape(tuple(lead) + (rows, col_src.shape[0]))
+
+
+def draw_in_slots(key: jax.Array, layout: Layout, params: PyTree, widths, num_new: int,
+                  scales: tuple[float, float, float]) -> list[dict]:
+  """`init_candidates` of the active channels `widths` ((L,) integers, may be traced) of a
+  learner in channel slots, moved into its slots as `resize_candidates` does: the same values
+  (zero padding), from a program that depends on the slots alone."""
+  sv, sa, sb = scales
+  num, k = len(widths), num_new
+  out = []
+  for l in range(num):
+    kv, ka, kb = jax.random.split(jax.random.fold_in(key, l), 3)
+    w, nxt = _get(params, layout.kernels[l]), _get(params, layout.next_kernel(l))
+    lead, p_in, p_l = tuple(w.shape[:-2]), int(w.shape[-2]), int(w.shape[-1])
+    rows, c = (widths[l - 1] if l > 0 else p_in), widths[l]
+    grows = 1 if l + 1 < num else 0
+    p_next = int(nxt.shape[-1])
+    o = widths[l + 1] if grows else p_next  # the next layer's active outputs
+    size = lambda *d: int(np.prod(d, dtype=np.int64))  # pylint: disable=unnecessary-lambda-assignment
+    v = jax.random.uniform(kv, (size(*lead, p_in, p_l),), w.dtype, -sv, sv)
+    a = sa * jax.random.normal(ka, (size(*lead, p_in, k),), w.dtype)
+    lead_b = tuple(nxt.shape[:-2])
+    b = jax.random.uniform(kb, (size(*lead_b, k, p_next + grows * k),), w.dtype, -sb, sb)
+    cols, kcols = jnp.arange(p_l), jnp.arange(k)
+    d = jnp.arange(p_next + grows * k)  # b's slots: [the next layer's slots | K new]
+    out.append({
+        "v": _flat_take(v, lead, p_in, rows, cols, cols < c, c),
+        "a": _flat_take(a, lead, p_in, rows, kcols, kcols >= 0, k),
+        "b": _flat_take(b, lead_b, k, k, jnp.where(d < p_next, d, o + d - p_next),
+                        (d < o) | (d >= p_next), o + grows * k)})
+  return out
+
+
+KEEP, SPLIT, NEW, EMPTY = 0, 1, 2, 3  # where a grown channel comes from (`growth_indices`)
+
+
+def check_plan(widths: Sequence[int], split, new) -> tuple[tuple[np.ndarray, ...], ...]:
+  """(split, new) as flat integer arrays, refused unless one entry per layer with distinct
+  split neurons of the layer."""
+  if not len(split) == len(new) == len(widths):
+    raise ValueError(f"a growth plan needs one entry per layer ({len(widths)})")
+  split = tuple(np.asarray(s, np.int64).reshape(-1) for s in split)
+  new = tuple(np.asarray(n, np.int64).reshape(-1) for n in new)
+  for l, (s, c) in enumerate(zip(split, widths)):
+    if len(np.unique(s)) != len(s) or (len(s) and not 0 <= s.min() <= s.max() < c):
+      raise ValueError(f"layer {l}: split neurons {s.tolist()} must be distinct, in [0, {c})")
+  return split, new
+
+
+def growth_indices(widths: Sequence[int], split, new, old_slots: Sequence[int],
+                   new_slots: Sequence[int]) -> list[dict[str, np.ndarray]]:
+  """Per layer, where each of its `new_slots` channels after the growth comes from: "kind"
+  (KEEP: old channel "src", SPLIT: the other half of split neuron "src", NEW: new-neuron
+  candidate "src", EMPTY: a free slot), "chosen" (1 on split neurons, over the new slots) and
+  "half" (0.5 on split neurons, over the old slots: their outgoing rows)."""
+  out = []
+  for c, s, n, p_old, p in zip(widths, split, new, old_slots, new_slots):
+    grown = c + len(s) + len(n)
+    if grown > p:
+      raise ValueError(f"{grown} channels do not fit in {p} slots")
+    kind, src = np.full(p, EMPTY, np.int32), np.zeros(p, np.int32)
+    kind[:c], src[:c] = KEEP, np.arange(c)
+    kind[c:c + len(s)], src[c:c + len(s)] = SPLIT, s
+    kind[c + len(s):grown], src[c + len(s):grown] = NEW, n
+    chosen, half = np.zeros(p, np.float32), np.ones(p_old, np.float32)
+    chosen[s], half[s] = 1.0, 0.5
+    out.append({"kind": kind, "src": src, "chosen": chosen, "half": half})
+  return out
+
+
+def grow_in_slots(layout: Layout, params: PyTree, model_state: PyTree, indices: list[dict],
+                  candidates: Sequence[dict], eps) -> tuple[PyTree, PyTree]:
+  """(params, model_state) of `grow_width` for a learner whose candidates (`draw_in_slots`)
+  are in its slots, the plan given as `growth_indices` arrays (may be traced): the same values
+  (padding zeros), one program per old and new slots. The slot masks, if any, become the
+  grown channels."""
+  num = len(indices)
+  pick = lambda g: jnp.where(g["kind"] < NEW, g["src"], 0)  # pylint: disable=unnecessary-lambda-assignment
+  edits, stat_edits = {}, {}
+  for l in range(num + 1):
+    path = layout.kernels[l] if l < num else layout.head
+    w = _get(params, path)
+    if l < num:  # the layer's outputs (as `_grow_columns`)
+      g, cand = indices[l], candidates[l]
+      wg, vg = jnp.take(w, pick(g), axis=-1), jnp.take(cand["v"], pick(g), axis=-1)
+      added = jnp.take(cand["a"], jnp.where(g["kind"] == NEW, g["src"], 0), axis=-1)
+      w = jnp.where(g["kind"] == KEEP, wg + vg * (g["chosen"] * eps),
+                    jnp.where(g["kind"] == SPLIT, wg - vg * eps,
+                              jnp.where(g["kind"] == NEW, added, jnp.zeros((), w.dtype))))
+    if l > 0:  # the previous layer's outputs, this kernel's inputs (as `_grow_rows`)
+      g, b = indices[l - 1], candidates[l - 1]["b"]
+      rows = jnp.take(w * g["half"][:, None], pick(g), axis=-2)
+      b = jnp.take(b, jnp.where(g["kind"] == NEW, g["src"], 0), axis=-2) * eps
+      if l < num:  # b's columns: the grown outputs, [old slots | K new] in b
+        c = indices[l]
+        old = b.shape[-1] - candidates[l]["a"].shape[-1]
+        cols = jnp.where(c["kind"] == NEW, old + c["src"], c["src"])
+        b = jnp.where(c["kind"] < EMPTY, jnp.take(b, cols, axis=-1), jnp.zeros((), b.dtype))
+      kind = g["kind"][:, None]
+      w = jnp.where(kind < NEW, rows, jnp.where(kind == NEW, b, jnp.zeros((), w.dtype)))
+    edits[path] = w
+
+  def vector(x, g, fill):  # as `_grow_vector`
+    return jnp.where(g["kind"] < NEW, jnp.take(x, pick(g), axis=-1),
+                     jnp.where(g["kind"] == NEW, jnp.asarray(fill, x.dtype),
+                               jnp.zeros((), x.dtype)))
+
+  for l in range(num):
+    for p, fill in layout.vectors[l]:
+      edits[p] = vector(_get(params, p), indices[l], fill)
+    for p, fill in layout.stats[l]:
+      stat_edits[p] = vector(_get(model_state, p), indices[l], fill)
+  state = _replace({k: v for k, v in model_state.items() if k != SLOTS_KEY}, stat_edits)
+  if active_masks(model_state) is not None:
+    state[SLOTS_KEY] = {"active": [g["kind"] < EMPTY for g in indices]}
+  return _replace(params, edits), state
 
 
 # -- the method ------------------------------------------------------------------------------------
@@ -446,8 +579,11 @@ class Firefly(declared.FF, base.Method):
     module = self.module(tuple(2 * c + k for c in widths))
     return module.apply({"params": p, **s}, x, train=False, active=active)
 
-  def zero_scales(self, structure, dtype=jnp.float32) -> list[dict]:
-    return [{"split": jnp.zeros((c,), dtype), "new": jnp.zeros((self.opts.num_new,), dtype)}
+  def zero_scales(self, structure, dtype=jnp.float32, host: bool = False) -> list[dict]:
+    """Zero scales of every candidate; `host`: numpy arrays (a pass's initial carry, which
+    then builds no program of its own)."""
+    xp = np if host else jnp
+    return [{"split": xp.zeros((c,), dtype), "new": xp.zeros((self.opts.num_new,), dtype)}
             for c in structure]
 
   def _carry_at(self, carry, params):
@@ -490,28 +626,27 @@ class Firefly(declared.FF, base.Method):
     return idx[:self.opts.fit_examples] if self.opts.fit_examples else idx
 
   def plan_growth(self, learner: base.Learner, key: jax.Array, ctx) -> GrowthPlan:
-    """Candidates fitted and scored on the stage's data (two `ctx.scan` passes), selected."""
+    """Candidates fitted and scored on the stage's data (two `ctx.scan` passes), selected; the
+    plan's candidates are in the learner's slots (`draw_in_slots`)."""
     o = self.opts
     k_init, k_order = jax.random.split(key)
     widths = tuple(learner.structure)
     slots = layer_widths(self.layout, learner.params)
 
-    def draw(params, model_state, key):
-      # Drawn on the active channels (the draws of a learner without slots), put in slots.
-      active, _ = resize_channels(self.layout, params, model_state, widths)
-      cands = init_candidates(key, self.layout, active, widths, o.num_new,
-                              (o.split_init, o.new_in_init, o.new_out_init))
-      cands = resize_candidates(cands, widths, slots)
+    def draw(params, key, widths):
+      cands = draw_in_slots(key, self.layout, params, widths, o.num_new,
+                            (o.split_init, o.new_in_init, o.new_out_init))
       return cands, self.fit_tx.init(cands)
 
-    fitting = self._compiled(("draw", widths, slots), draw)(learner.params, learner.model_state,
-                                                            k_init)
+    fitting = self._compiled(("draw", slots), draw)(learner.params, k_init,
+                                                     np.asarray(widths, np.int32))
     idx = self.fit_indices(ctx.train_idx, k_order)
     cands, _ = ctx.scan(self.fit_batch, fitting, learner, idx)
-    _, sums = ctx.scan(self.score_batch, (cands, self.zero_scales(slots)), learner, idx)
-    sums, cands = self._compiled(("unpad", slots, widths),
-                                 lambda tree: resize_candidates(tree, slots, widths))((sums, cands))
-    scores = jax.tree.map(lambda a: np.asarray(a, np.float64) / len(idx), sums)
+    _, sums = ctx.scan(self.score_batch, (cands, self.zero_scales(slots, host=True)),
+                       learner, idx)
+    scores = [{"split": np.asarray(s["split"], np.float64)[..., :c] / len(idx),
+               "new": np.asarray(s["new"], np.float64) / len(idx)}
+              for s, c in zip(sums, widths)]  # the active channels' scores
     split, new = select(scores, self.n_grow)
     return GrowthPlan(split, new, tuple(cands), o.epsilon)
 
@@ -519,17 +654,19 @@ class Firefly(declared.FF, base.Method):
     if not self.should_grow(ctx):
       return learner
     plan = self.plan_growth(learner, key, ctx)
-    grown = tuple(c + a for c, a in zip(learner.structure, plan.added()))
-    slots = None if active_masks(learner.model_state) is None else self.slots(grown)
-    split, new = (tuple(tuple(int(i) for i in a) for a in x) for x in (plan.split, plan.new))
+    widths = tuple(learner.structure)
+    split, new = check_plan(widths, plan.split, plan.new)
+    grown = tuple(c + a for c, a in zip(widths, plan.added()))
+    old_slots = layer_widths(self.layout, learner.params)
+    new_slots = grown if active_masks(learner.model_state) is None else self.slots(grown)
+    indices = growth_indices(widths, split, new, old_slots, new_slots)
 
-    def grow(params, model_state, candidates):  # the plan's indices are constants
-      out = grow_width(base.Learner(params, model_state, learner.structure),
-                       GrowthPlan(split, new, candidates, plan.epsilon), self.layout, slots)
-      return out.params, out.model_state
+    def grow(params, model_state, candidates, indices, eps):
+      return grow_in_slots(self.layout, params, model_state, indices, candidates, eps)
 
-    fn = self._compiled(("grow", learner.structure, split, new, plan.epsilon, slots), grow)
-    params, model_state = fn(learner.params, learner.model_state, plan.candidates)
+    fn = self._compiled(("grow", old_slots, new_slots), grow)
+    params, model_state = fn(learner.params, learner.model_state, plan.candidates, indices,
+                             np.asarray(plan.epsilon, np.float32))
     return base.Learner(params=params, model_state=model_state, structure=grown)
 
   def _compiled(self, key: tuple, fn: Callable) -> Callable:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from alma_jax.engine import accounting
+from alma_jax.engine import timing
 from alma_jax.engine.programs import Batch
 from alma_jax.methods.base import Learner
 from alma_jax.stream import run as run_lib
@@ -44,6 +45,22 @@ def _flops(dataset, width, **fields):
   method, steps = helpers.make_steps(c, helpers.synthetic_dataset(n_train=64, n_test=8,
                                                                   shape=shape))
   return steps.flops(helpers.init(method))
+
+
+def test_counting_traces_are_not_compilation():
+  # A function never traced before in this process: its trace emits the compile events.
+  scale = float(np.random.default_rng().integers(2, 1 << 20))
+  fn = lambda x: jnp.tanh(x @ x.T) * scale  # pylint: disable=unnecessary-lambda-assignment
+  x = jax.ShapeDtypeStruct((16, 8), jnp.float32)
+  before = timing.compile_seconds()
+  assert accounting.count(fn, x).flops > 0
+  assert timing.compile_seconds() == before
+  with timing.counting():
+    assert timing.counting_now()
+    jax.make_jaxpr(lambda x: fn(x) + 1.0)(x)
+  assert not timing.counting_now() and timing.compile_seconds() == before
+  jax.make_jaxpr(lambda x: fn(x) + 2.0)(x)  # outside: a trace is compilation time
+  assert timing.compile_seconds() > before
 
 
 def test_mlp_inference_is_two_flops_per_multiply_add():
