@@ -278,7 +278,7 @@ def test_ff_growth_inside_the_slots_keeps_shapes_programs_and_function():
 
 
 @pytest.mark.parametrize("dataset,mode,growths", [("mnist", "pow2", 3), ("mnist", "exact", 2),
-                                                   ("cifar10", "pow2", 2)])
+                                                   ("cifar10", "pow2", 1)])
 def test_ff_draw_and_growth_in_slots_are_the_exact_computation(dataset, mode, growths):
   # The programs of the slots (widths and plan as arrays) give bitwise the values of drawing
   # on the active channels and growing them (`init_candidates`, `grow_width`, compiled as the
@@ -318,6 +318,7 @@ def test_ff_draw_and_growth_in_slots_are_the_exact_computation(dataset, mode, gr
     chex.assert_trees_all_equal(out, reference)
     learner = learner.replace(params=out[0], model_state=out[1], structure=grown)
   # pow2: 6 -> 10 channels (past 8 slots, into 16), then within 16 slots; exact: new shapes.
+  # (The VGG case, 4-d kernels, grows once.)
   assert moves == ([False, True, False][:growths] if mode == "pow2" else [False] * growths)
 
 
