@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import alma_jax
 from alma_jax import methods
 from alma_jax.configuration import config_lib
 from alma_jax.engine import population
@@ -21,6 +22,7 @@ from alma_jax.engine.steps import Steps
 from alma_jax.methods.base import StageContext
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir
+from alma_jax.stream import run as run_lib
 from alma_jax.stream import validation
 from alma_jax.tasks import images as image_task
 from alma_jax.tuning import autotune
@@ -153,6 +155,19 @@ def smoke(method="sm", **fields):
   """The MNIST smoke config of `method` on one device, with `fields` (paths joined by "__")
   overridden."""
   c = config_lib.apply_variant(config_lib.base_config("mnist", method), "smoke")
+  return _override(c, fields)
+
+
+def run_config(name: str, workdir_path, **fields) -> None:
+  """What `python -m alma_jax.main --config=<name> --config.mesh.num_devices=1` runs (with
+  `fields` overridden, as in `smoke`), in this process; `name` as `alma_jax.load_config`
+  takes it, or a path under the checkout starting with "configs/"."""
+  if name.startswith("configs/"):
+    name = os.path.join(ROOT, name)
+  run_lib.run(_override(alma_jax.load_config(name), fields), str(workdir_path))
+
+
+def _override(c, fields):
   c.mesh.num_devices = 1
   for path, value in fields.items():
     *parents, leaf = path.split("__")

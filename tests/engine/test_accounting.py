@@ -14,7 +14,6 @@ from alma_jax.methods.base import Learner
 from alma_jax.stream import run as run_lib
 from tests import helpers
 from tests.conftest import requires_mnist
-from tests.test_main_e2e import run_main
 
 
 def test_products_elementwise_scans_and_conditionals():
@@ -105,8 +104,7 @@ def _read(path):
 def test_comp_paper_is_forward_multiply_adds_times_examples(tmp_path):
   # P3 smoke: 1000 training images in B=10 mega-batches of 100 (10 validation, 90 training
   # each), one epoch per stage: 900 examples through the 784-64-64-10 MLP.
-  proc = run_main("configs/bench/p3_mnist_sm.py:smoke", tmp_path)
-  assert proc.returncode == 0, proc.stderr[-2000:]
+  helpers.run_config("configs/bench/p3_mnist_sm.py:smoke", tmp_path)
   summary = _read(str(tmp_path / "summary.json"))
   records = _read(str(tmp_path / "log.jsonl"))
   macs = 784 * 64 + 64 * 64 + 64 * 10
@@ -122,8 +120,7 @@ def test_comp_paper_is_forward_multiply_adds_times_examples(tmp_path):
 def test_gmoe_mem_equals_sm_until_its_first_growth(tmp_path):
   logs = {}
   for name in ("sm", "gmoe"):
-    proc = run_main(f"configs/mnist_{name}.py:smoke", tmp_path / name)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    helpers.run_config(f"mnist_{name}:smoke", tmp_path / name)
     logs[name] = _read(str(tmp_path / name / "log.jsonl"))
   params = {n: [r["num_params"] for r in log] for n, log in logs.items()}
   # One expert per layer is the SM network; the first split comes before stage 2 (t=2).

@@ -110,8 +110,7 @@ def test_two_seeds_end_to_end_match_separate_runs_and_resume(tmp_path):
   # The second seed is what a separate run with that seed gives.
   for seed in (6,):
     sep = tmp_path / f"sep{seed}"
-    proc = run_main(cfg, sep, f"--config.seed={seed}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    helpers.run_config(cfg, sep, seed=seed)
     records = _read(str(both / f"seed_{seed}" / "log.jsonl"))
     expected = _read(str(sep / "log.jsonl"))
     for r, e in zip(records, expected):
