@@ -20,11 +20,19 @@ from alma_jax.configuration.plugins import policies as declared
 from alma_jax.errors import ConfigError
 
 PyTree = Any
+
+
+def _fold_data(i: int) -> np.ndarray:
+  data = np.asarray(i, np.uint32)
+  data.setflags(write=False)
+  return data
+
+
 # A learner's stage key k gives fold_in(k, i): i = 1 re-initialises (a policy), 2 grows before
 # the stage (`Method.before_stage`), 3 trains; 4 is not used. A policy that needs keys of its own
-# folds in FIRST_FREE_KEY or above. As 0-d uint32 arrays, a fold compiles no conversion of its
-# own (a Python or numpy scalar would).
-REINIT_KEY, GROWTH_KEY, FIRST_FREE_KEY = (np.asarray(i, np.uint32) for i in (1, 2, 5))
+# folds in FIRST_FREE_KEY or above. As 0-d uint32 arrays (read-only), a fold compiles no
+# conversion of its own (a Python or numpy scalar would).
+REINIT_KEY, GROWTH_KEY, FIRST_FREE_KEY = (_fold_data(i) for i in (1, 2, 5))
 
 
 class StagePolicy(declared.Declaration):
