@@ -27,11 +27,8 @@ def size(tree: PyTree) -> int:
 
 # Trees of one structure -> one tree with a leading axis: one program for the whole tree (not
 # one per leaf shape), reused while the shapes stay.
-def _stack_leaves(*trees: PyTree) -> PyTree:
-  return jax.tree.map(lambda *a: jnp.stack(a), *trees)
-
-
-stack_trees = programs.utility(_stack_leaves, "stack")
+stack_trees = programs.utility(lambda *trees: jax.tree.map(lambda *a: jnp.stack(a), *trees),
+                               "stack")
 
 
 def stack(learners: Sequence[Learner], place: Callable | None = None) -> Learner:
@@ -134,10 +131,8 @@ def initial(method, stacked_keys: jax.Array, place: Callable | None = None) -> L
 
 
 def _init_members(method, stacked_keys: jax.Array) -> Learner:
-  learners = [method.init(jax.random.fold_in(stacked_keys[i], 0))
-              for i in range(stacked_keys.shape[0])]
-  params, model_state = _stack_leaves(*[(l.params, l.model_state) for l in learners])
-  return Learner(params=params, model_state=model_state, structure=learners[0].structure)
+  return stack([method.init(jax.random.fold_in(stacked_keys[i], 0))
+                for i in range(stacked_keys.shape[0])])  # inside this program
 
 
 _init_members.__name__ = _init_members.__qualname__ = programs.UTILITY_PREFIX + "init"
