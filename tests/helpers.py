@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import hashlib
 import json
 import os
+import sys
 import types
 
 import jax
@@ -212,3 +215,25 @@ def kill_env(kill_at=None, sig="SIGKILL") -> dict:
   if kill_at:
     env.update(ALMA_JAX_TEST_KILL_AT=kill_at, ALMA_JAX_TEST_KILL_SIGNAL=sig)
   return env
+
+
+@contextlib.contextmanager
+def unraisable_reports():
+  """The exceptions that Python reports as ignored (`sys.unraisablehook`) during the block.
+
+  What earlier tests left to the garbage collector is collected, unrecorded, first;
+  the block's own garbage is collected before it ends.
+  """
+  reports, previous = [], sys.unraisablehook
+  sys.unraisablehook = lambda unraisable: None
+  try:
+    gc.collect()
+    sys.unraisablehook = reports.append
+    yield reports
+    gc.collect()
+  finally:
+    sys.unraisablehook = previous
+
+
+def describe_reports(reports) -> list[str]:
+  return [f"{type(r.exc_value).__name__}: {str(r.exc_value)[:200]}" for r in reports]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import gc
 import hashlib
 import json
 import logging as py_logging
@@ -80,20 +81,22 @@ class _HoldOrbaxErrors:
 
 
 class _QuietClosedLoops:
-  """sys.unraisablehook that drops one harmless report of a failed save.
+  """sys.unraisablehook that drops the harmless reports of a failed save or restore.
 
   When one part of an orbax save fails, the event loop of its thread closes
   while tensorstore still calls back into it, and Python reports
-  "RuntimeError: Event loop is closed" with a traceback on stderr.
-  Everything else goes to the previous hook.
+  "RuntimeError: Event loop is closed" with a traceback on stderr. When a
+  restore fails on one array, the reads of the other arrays are abandoned:
+  closing their coroutines, whenever the garbage collector gets to them,
+  reports "Encountered error while reading array index". Everything else
+  goes to the previous hook.
   """
 
   def __init__(self):
     self.previous = sys.unraisablehook
 
   def __call__(self, unraisable):
-    if not (isinstance(unraisable.exc_value, RuntimeError)
-            and str(unraisable.exc_value) == "Event loop is closed"):
+    if not (_closed_loop(unraisable) or _abandoned_read(unraisable)):
       self.previous(unraisable)
 
   def install(self) -> None:
@@ -102,6 +105,28 @@ class _QuietClosedLoops:
   def uninstall(self) -> None:
     if sys.unraisablehook is self:
       sys.unraisablehook = self.previous
+
+
+def _closed_loop(unraisable) -> bool:
+  return (isinstance(unraisable.exc_value, RuntimeError)
+          and str(unraisable.exc_value) == "Event loop is closed")
+
+
+def _abandoned_read(unraisable) -> bool:
+  code = getattr(unraisable.object, "cr_code", None)  # a coroutine of orbax's reads
+  return (code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+          and isinstance(unraisable.exc_value, Exception)
+          and isinstance(unraisable.exc_value.__cause__, GeneratorExit))
+
+
+def _finalise_abandoned_reads() -> None:
+  """Closes, now and quietly, the reads that a failed restore left to the garbage collector."""
+  quiet = _QuietClosedLoops()
+  quiet.install()
+  try:
+    gc.collect()
+  finally:
+    quiet.uninstall()
 
 
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")  # how tensorstore reports errno
@@ -179,6 +204,16 @@ def tree_digests(tree) -> dict[str, str]:
   return out
 
 
+def _shape_text(leaf) -> str:
+  return f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}"
+
+
+def tree_shapes(tree) -> dict[str, str]:
+  """{path: "dtype[shape]"} of every array of `tree` (global shapes)."""
+  return {jax.tree_util.keystr(path): _shape_text(leaf)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def _meta_digest(meta: dict) -> str:
   body = {k: v for k, v in meta.items() if k != "checksum"}
   return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
@@ -216,18 +251,14 @@ def _state_tree(learner: Learner, opt_state, key_data) -> dict:
   return state
 
 
-def _check_shapes(restored, target, step: int) -> None:
-  bad = []
-
-  def check(path, r, t):
-    if tuple(r.shape) != tuple(t.shape) or r.dtype != t.dtype:
-      bad.append(f"{jax.tree_util.keystr(path)}: {r.dtype}{list(r.shape)} != "
-                 f"{t.dtype}{list(t.shape)}")
-
-  jax.tree_util.tree_map_with_path(check, restored, target)
+def _check_shapes(saved: dict[str, str], target, step: int, what: str) -> None:
+  """Raises `IncompatibleCheckpointError` when an array of `saved` ({path: "dtype[shape]"},
+  `tree_shapes`) differs from the same path's array of `target`."""
+  expected = tree_shapes(target)
+  bad = [f"{p}: {saved[p]} != {t}" for p, t in expected.items() if p in saved and saved[p] != t]
   if bad:
     raise IncompatibleCheckpointError(
-        f"checkpoint step {step} does not fit the learner rebuilt from its structure: "
+        f"checkpoint step {step} does not fit {what}: "
         + "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""))
 
 
@@ -296,7 +327,7 @@ class Checkpointer:
   def start_save_tree(self, step: int, state: dict, meta: dict) -> None:
     """Starts writing `state` (a tree of arrays) and `meta` (JSON) as checkpoint `step`, with
     the checksums that `restore_tree` and `read_meta` verify; `wait` finishes it."""
-    meta = dict(meta, checksums=tree_digests(state))
+    meta = dict(meta, checksums=tree_digests(state), shapes=tree_shapes(state))
     meta["checksum"] = _meta_digest(meta)
     self._check_writable(int(step), state, meta)
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
@@ -415,16 +446,24 @@ class Checkpointer:
   def restore_tree(self, step: int, target, meta: dict, what: str = "the target"):
     """The arrays of checkpoint `step` restored into `target` (abstract arrays with their
     shardings), checked against the shapes of `target` and the checksums in `meta`."""
+    if "shapes" in meta:  # before any read starts (saves of older versions have no shapes)
+      _check_shapes(meta["shapes"], target, step, what)
+    failure = None
     try:
       state = self._mngr.restore(
           step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
-    except ValueError as e:
-      if "not compatible with the stored shape" in str(e):  # orbax's words for a shape mismatch
+    except Exception as e:  # pylint: disable=broad-except  (raised again below, as text)
+      failure = (type(e).__name__, " ".join(str(e).split()))
+    if failure is not None:
+      # Outside the handler, orbax's traceback, which holds the reads of the other arrays,
+      # is gone: they are closed here rather than whenever the garbage collector runs.
+      _finalise_abandoned_reads()
+      kind, text = failure
+      if "not compatible with the stored shape" in text:  # orbax's words for a mismatch
         raise IncompatibleCheckpointError(
-            f"checkpoint step {step} does not fit {what}: "
-            f"{' '.join(str(e).split()[:12])}") from e
-      raise
-    _check_shapes(state, target, step)
+            f"checkpoint step {step} does not fit {what}: {' '.join(text.split()[:12])}")
+      raise CheckpointError(f"checkpoint step {step} cannot be read: {kind}: {text[:2000]}")
+    _check_shapes(tree_shapes(state), target, step, what)
     _verify_arrays(state, meta.get("checksums"), step)
     return state
 
