@@ -52,6 +52,14 @@ UTILITY_PREFIX = "alma_utility_"  # names the utility programs (not steps) in `j
 # one data order per trained ensemble member; an evaluation batch (S, b) or shared (b,).
 TRAIN_BATCH_AXES = ("population", None, "member", "batch")
 EVAL_BATCH_AXES = ("population", "batch")
+# `train.eval_fusion`: XLA:CPU options of the evaluation programs, on top of the process's
+# flags (`train.cpu_fusion`), which the train step keeps. On a CPU, XLA's default fusion
+# (jax 0.10.2) hands an MLP's gathered dots to YNNPACK, which makes its evaluation several
+# times slower than XLA's own loops; what wins depends on the model and the machine.
+EVAL_FUSIONS = {"same": None,  # the process's flags
+                "no_ynn": {"xla_cpu_experimental_ynn_fusion_type": ""},  # no YNNPACK fusions
+                "onednn": {"xla_cpu_use_onednn": True}}  # oneDNN's convolutions and dots
+EVAL_FUSION_CHOICES = ("auto",) + tuple(EVAL_FUSIONS)  # auto: `alma_jax.tuning.autotune`
 PROGRAM_NAMES = {"train": "the train step", "eval": "the evaluation",
                  "eval_shared": "the evaluation", "stage": "the whole training stage"}
 
@@ -124,7 +132,7 @@ class Program:
 
   def __init__(self, fn: Callable, in_shardings: tuple, out_shardings, donate: tuple,
                name: str = "program", *, what: str = "", why: str = "",
-               listener: CompileListener | None = None):
+               listener: CompileListener | None = None, options: dict | None = None):
     self.in_shardings = in_shardings
     self.what, self.why, self.listener = what or name, why, listener
 
@@ -134,7 +142,7 @@ class Program:
     # The name marks the compilations of steps in `jax.monitoring` (`alma_jax.engine.timing`).
     program.__name__ = program.__qualname__ = timing.STEP_PREFIX + name
     self.jitted = jax.jit(program, in_shardings=in_shardings, out_shardings=out_shardings,
-                          donate_argnums=donate)
+                          donate_argnums=donate, compiler_options=options)
 
   def __call__(self, *args):
     if self.listener is None:
@@ -152,7 +160,7 @@ class Programs:
 
   def __init__(self, method: Method, task, tx: optax.GradientTransformation, data, mesh, *,
                batch_size: int, eval_batch_size: int, steps_per_call: int = 1, rules=None,
-               compute_dtype: str = "float32"):
+               compute_dtype: str = "float32", eval_fusion: str = "same"):
     self.method, self.task, self.tx, self.mesh = method, task, tx, mesh
     self.compute_dtype = compute_dtype  # of the train and evaluation programs (`precision`)
     self.layout = sharding.Layout(mesh, rules)
@@ -160,6 +168,11 @@ class Programs:
     self.data = sharding.put(data, self.layout.replicated)
     self.batch_size = int(batch_size)
     self.eval_batch_size = int(eval_batch_size)
+    if eval_fusion not in EVAL_FUSIONS:
+      raise ValueError(f"train.eval_fusion={eval_fusion!r} is not one of {list(EVAL_FUSIONS)}")
+    # XLA's CPU options mean nothing to another backend's compiler.
+    self.eval_options = EVAL_FUSIONS[eval_fusion] if mesh.devices.flat[0].platform == "cpu" \
+        else None
     self.steps_per_call = int(steps_per_call)
     self._cache: dict[tuple, Program] = {}
     self._utilities: dict[tuple, Callable] = {}  # small programs of this run that are not steps
@@ -178,17 +191,17 @@ class Programs:
 
   # -- the compile cache ---------------------------------------------------------------------
   def program(self, key: tuple, build: Callable[[], Callable],
-              shardings: Callable[[], tuple], donate=()) -> Program:
+              shardings: Callable[[], tuple], donate=(), options: dict | None = None) -> Program:
     """The jitted `build()` for `key`, built once; the run's only `jax.jit` of a step.
 
     `key` is (kind, program structure, population); `shardings()` gives the
-    program's (in_shardings, out_shardings), whole trees.
+    program's (in_shardings, out_shardings), whole trees; `options`: XLA compiler options.
     """
     if key not in self._cache:
       name = "".join(c if c.isalnum() else "_" for c in str(key[0]))
       what, why = self.describe(key)
       self._cache[key] = Program(build(), *shardings(), donate, name, what=what, why=why,
-                                 listener=self.listener)
+                                 listener=self.listener, options=options)
     return self._cache[key]
 
   def describe(self, key: tuple) -> tuple[str, str]:
@@ -337,6 +350,11 @@ class Programs:
     idx = np.zeros((num, self.steps_per_call, num_orders, self.batch_size), np.int32)
     return Batch(self.put_batch(idx), self.put_batch(np.ones(idx.shape, bool)))
 
+  def timing_eval_batch(self, num: int) -> Batch:
+    """An evaluation batch of `num` learners, all indices 0 and all real (for timing)."""
+    idx = np.zeros((num, self.eval_batch_size), np.int32)
+    return Batch(idx, np.ones(idx.shape, bool))
+
   # -- evaluation ------------------------------------------------------------------------------
   def eval_body(self, structure) -> Callable:
     """(params, model_state, data, Batch) of one learner -> (number correct, summed NLL,
@@ -372,7 +390,8 @@ class Programs:
       return ins, self.layout.replicated
 
     return self.program(("eval_shared" if shared else "eval", structure, num),
-                        lambda: over_population(self.eval_body(structure), axes, num), shardings)
+                        lambda: over_population(self.eval_body(structure), axes, num), shardings,
+                        options=self.eval_options)
 
   # -- passes over data (scoring, fitting growth candidates) -----------------------------------
   def pass_fn(self, kind: str, fn: Callable, learner: Learner, build: Callable, batch: Batch,

@@ -170,6 +170,20 @@ class Breakdown:
     return out
 
 
+def seconds_per_eval_example(programs: Any, learner: Any, repeats: int = 3) -> float:
+  """Times the compiled evaluation of a stacked `learner` on a batch of dummy indices: the
+  median of `repeats` calls after the one that compiles, per example."""
+  num, b = slots.leading_size(learner.params), programs.eval_batch_size
+  batch = programs.timing_eval_batch(num)
+  fn, times = programs.eval_fn(learner, False, batch), []
+  for r in range(repeats + 1):
+    t0 = time.monotonic()
+    jax.block_until_ready(fn(learner.params, learner.model_state, programs.data, batch))
+    if r:  # the first call compiles
+      times.append(time.monotonic() - t0)
+  return float(np.median(times)) / b
+
+
 def seconds_per_step(programs: Any, learner: Any, repeats: int = 3) -> float:
   """Times the compiled train call of a stacked `learner` on dummy indices (it is untouched):
   the median of `repeats` calls after the one that compiles, per step.

@@ -3,8 +3,10 @@
 Some choices change the speed of a train step, not its arithmetic (beyond
 float round-off), and which one wins depends on the machine: the convolution
 gradient (`model.conv_impl`: XLA's kernels or a weight gradient summed over
-batch chunks), how ensemble members run (`method.strategy`: vmap or a loop)
-and how many train steps one compiled call runs (`train.steps_per_call`).
+batch chunks), how ensemble members run (`method.strategy`: vmap or a loop),
+how many train steps one compiled call runs (`train.steps_per_call`), and
+XLA:CPU's options for the evaluation programs (`train.eval_fusion`: timed on
+the evaluation, not the train step).
 Crossovers measured on one CPU do not transfer to another, so when such a
 field is left to be chosen ("auto", or 0 steps per call) and
 `config.train.autotune="measure"`, the run builds the train call of every
@@ -45,6 +47,7 @@ from alma_jax import tasks
 from alma_jax.configuration import options
 from alma_jax.data import images
 from alma_jax.engine import population
+from alma_jax.engine import programs
 from alma_jax.methods import ensemble
 from alma_jax.models import conv
 from alma_jax.outputs import io_utils
@@ -56,11 +59,17 @@ ACCELERATOR_STEPS_PER_CALL = 8
 STEPS_PER_CALL_CANDIDATES = (1, 8)
 AUTO_STEPS_PER_CALL = 0  # the value of train.steps_per_call that asks for a choice
 TIMED_STEPS = 3  # timed calls per candidate, after the one that compiles
+EVAL_FUSION = "train.eval_fusion"
+EVAL_FUSION_RULE = "same"  # the train step's XLA options
 
 
 @dataclasses.dataclass(frozen=True)
 class Tunable:
-  """A config field whose value may be chosen: when it applies, its candidates and its rule."""
+  """A config field whose value may be chosen: when it applies, its candidates and its rule.
+
+  `timed`: what a candidate's speed is measured on, "train" (a train step) or "eval" (the
+  evaluation program); a single candidate is the rule's answer, not measured.
+  """
 
   path: str
   auto: Any
@@ -68,6 +77,7 @@ class Tunable:
   rule: Callable[[Any], Any]
   applies: Callable[[Any], bool] = lambda config: True
   measured: bool = True  # False: its rule always decides (nothing to time in a train step)
+  timed: str = "train"
 
 
 def _get(config, path: str):
@@ -97,6 +107,12 @@ def stage_program_rule(config) -> str:
   return "whole" if whole else "per_epoch"
 
 
+def eval_fusion_candidates(config) -> tuple[str, ...]:
+  """`train.eval_fusion`'s candidates: XLA:CPU's options, on a CPU only."""
+  del config
+  return tuple(programs.EVAL_FUSIONS) if jax.default_backend() == "cpu" else (EVAL_FUSION_RULE,)
+
+
 def steps_per_call_rule(config=None) -> int:
   """Steps per compiled call when they are left to be chosen and not measured."""
   del config
@@ -114,6 +130,8 @@ TUNABLES = (
             steps_per_call_rule),
     Tunable("train.stage_program", "auto", lambda c: ("per_epoch", "whole"), stage_program_rule,
             measured=False),
+    Tunable(EVAL_FUSION, "auto", eval_fusion_candidates, lambda c: EVAL_FUSION_RULE,
+            timed="eval"),
 )
 
 
@@ -143,6 +161,7 @@ def step_facts(config, input_shape, path: str) -> dict[str, Any]:
       "field": path, "input": list(input_shape), "model": config.model.name,
       "width": config.model.width, "method": config.method.name,
       "batch": config.train.batch_size,
+      **({"eval_batch": config.train.eval_batch_size} if path == EVAL_FUSION else {}),
       "method_fields": {k: v for k, v in sorted(config.method.items())
                         if isinstance(v, (int, float, str, bool)) and k != "strategy"},
       "mesh": [config.mesh.get("num_devices"), config.mesh.get("model")],
@@ -192,9 +211,16 @@ def time_train_step(steps, seed: int = 0) -> float:
   return steps.seconds_per_step(learner, repeats=TIMED_STEPS)
 
 
+def time_evaluation(steps, seed: int = 0) -> float:
+  """Seconds per example of `steps`' evaluation of its method, freshly initialised."""
+  learner = population.stack([steps.method.init(jax.random.key(seed))])
+  return steps.seconds_per_eval_example(learner, repeats=TIMED_STEPS)
+
+
 def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
            workdir_file: str | None = None, cache_file: str | None = None,
            measure: Callable[[Any], float] = time_train_step,
+           measure_eval: Callable[[Any], float] = time_evaluation,
            given: dict[str, tuple[Any, str]] | None = None) -> dict[str, Any]:
   """Chooses a value for every field `config` leaves to be chosen.
 
@@ -206,6 +232,7 @@ def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
     workdir_file: the run's own record of its choices (read first, then written).
     cache_file: this machine's record (default `default_cache_file()`).
     measure: Steps -> seconds per train step.
+    measure_eval: Steps -> seconds per example of the evaluation.
     given: {field path: (value, how)} measured already (e.g. with the process's XLA flags,
       `cpu_fusion.measured_with_flags()`): used and remembered in place of a measurement.
 
@@ -231,7 +258,8 @@ def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
     elif key in machine:
       value, how = machine[key], f"measured earlier on this machine ({cache_file})"
     else:
-      value, how, measured = _measure(config, tunable, build, measure, choices)
+      timer = measure_eval if tunable.timed == "eval" else measure
+      value, how, measured = _measure(config, tunable, build, timer, choices)
       if measured:  # a rule's answer is not remembered as a measurement
         remember(cache_file, key, value)
     logging.info("%s: %r %s", path, value, how)
@@ -246,11 +274,15 @@ def _measure(config, tunable: Tunable, build, measure, chosen: dict) -> tuple[An
   fails."""
   times = {}
   others = {t.path: t.rule(config) for t in pending(config)}  # the rules, until chosen
-  for candidate in tunable.candidates(config):
+  candidates = tunable.candidates(config)
+  if len(candidates) == 1:
+    return candidates[0], "by rule (the only candidate here)", False
+  per_call = 1 if tunable.timed == "eval" else _get(config, "train.batch_size")
+  for candidate in candidates:
     variant = with_choices(config, {**others, **chosen, tunable.path: candidate})
     try:
       steps = build(variant)
-      times[candidate] = measure(steps) / _get(variant, "train.batch_size")
+      times[candidate] = measure(steps) / per_call
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("%s=%r could not be timed (%s: %s); the rule decides", tunable.path,
                       candidate, type(e).__name__, e)

@@ -8,7 +8,8 @@ order of float summation). Three kinds, applied at three moments:
   `process_flags(...)`    the XLA:CPU fusion flags and XLA:GPU's autotuning level, before JAX
                           starts its backend;
   `run_choices(...)`      the fields left to be chosen (`model.conv_impl='auto'`,
-                          `method.strategy='auto'`, `train.steps_per_call=0`), measured once
+                          `method.strategy='auto'`, `train.steps_per_call=0`,
+                          `train.eval_fusion='auto'`), measured once
                           per machine and remembered (`autotune.py`), with the fusion decision
                           recorded beside them.
 """

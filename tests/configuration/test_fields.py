@@ -95,7 +95,8 @@ def test_resumable_fields_are_those_declared_resumable():
       "checkpoint.max_to_keep", "checkpoint.every", "checkpoint.every_s",
       "checkpoint.stage_every_epochs", "mesh.distributed", "log.tensorboard", "log.wandb",
       "log.progress",
-          "train.autotune", "train.cpu_fusion", "train.stage_program", "train.gpu_autotune"}
+          "train.autotune", "train.cpu_fusion", "train.stage_program", "train.gpu_autotune",
+          "train.eval_fusion"}
 
 
 def test_field_table_names_every_declared_field():

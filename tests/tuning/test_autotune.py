@@ -5,8 +5,11 @@ import logging
 import os
 import types
 
+import numpy as np
+
 import pytest
 
+from alma_jax.engine import population
 from alma_jax.stream import run as run_lib
 from alma_jax.stream import validation
 from alma_jax.tuning import autotune
@@ -17,9 +20,11 @@ MNIST = validation.KNOWN_SHAPES["mnist"][0]
 
 
 def _small(*args, **kwargs):
-  """A small config whose stage program is given (these tests are about the timed fields)."""
+  """A small config whose stage program and evaluation options are given (these tests are
+  about the fields timed on the train step)."""
   c = helpers.small_config(*args, **kwargs)
   c.train.stage_program = "per_epoch"
+  c.train.eval_fusion = "same"
   return c
 
 
@@ -27,6 +32,7 @@ def test_the_stage_program_is_decided_by_its_rule_without_timing_anything(tmp_pa
   build, measure, calls = _fake({})
   cache = str(tmp_path / "machine.json")
   c = helpers.small_config()  # an MLP and SM: the whole stage as one program on a CPU
+  c.train.eval_fusion = "same"
   got = autotune.choose(c, MNIST, build, mode="measure", cache_file=cache, measure=measure)
   assert got == {"train.stage_program": autotune.stage_program_rule(c)} and not calls
   assert not os.path.exists(cache)  # a rule's answer is not a measurement
@@ -135,16 +141,20 @@ def test_a_run_records_its_choices_in_the_workdir_the_cache_and_the_summary(tmp_
   wd = str(tmp_path / "wd")
   summary = run_lib.run(c, wd)
   key = autotune.machine_key(c, MNIST, "train.steps_per_call")
+  eval_key = autotune.machine_key(c, MNIST, autotune.EVAL_FUSION)
   chosen = summary["choices"]["train.steps_per_call"]
+  eval_chosen = summary["choices"][autotune.EVAL_FUSION]
   assert chosen in autotune.STEPS_PER_CALL_CANDIDATES
-  assert autotune.read(os.path.join(wd, autotune.FILE)) == {key: chosen}
+  assert eval_chosen in autotune.programs.EVAL_FUSIONS
+  assert autotune.read(os.path.join(wd, autotune.FILE)) == {key: chosen, eval_key: eval_chosen}
   assert autotune.read(autotune.default_cache_file())[key] == chosen
+  assert autotune.read(autotune.default_cache_file())[eval_key] == eval_chosen
 
 
 def test_the_measurement_of_a_language_model_is_logged_in_tokens_per_second(tmp_path, caplog):
   from alma_jax.configuration import config_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
-  c.train.stage_program = "per_epoch"
+  c.train.stage_program, c.train.eval_fusion = "per_epoch", "same"
   c.train.steps_per_call, c.mesh.num_devices = 0, 1
   per_call = {1: 2.0, 8: 1.0}
   with caplog.at_level(logging.INFO):
@@ -156,3 +166,62 @@ def test_the_measurement_of_a_language_model_is_logged_in_tokens_per_second(tmp_
   assert (f"train.steps_per_call: 8 measured (1 {b * l / 2.0:,.0f} tokens/s, "
           f"8 {b * l / 1.0:,.0f} tokens/s)") in caplog.text
   assert "img/s" not in caplog.text
+
+
+def test_the_evaluation_options_are_timed_on_the_evaluation_and_remembered(tmp_path, caplog):
+  c = helpers.small_config(stage_program="per_epoch")
+  assert [t.path for t in autotune.pending(c)] == [autotune.EVAL_FUSION]
+  per_example = {"same": 4e-6, "no_ynn": 1e-6, "onednn": 2e-6}
+  timed = []
+
+  def measure_eval(steps):
+    timed.append(steps.config.train.eval_fusion)
+    return per_example[timed[-1]]
+
+  build, measure, calls = _fake({})
+  cache = str(tmp_path / "machine.json")
+  with caplog.at_level(logging.INFO):
+    got = autotune.choose(c, MNIST, build, mode="measure", cache_file=cache, measure=measure,
+                          measure_eval=measure_eval)
+  assert got == {autotune.EVAL_FUSION: "no_ynn"} and not calls  # no train step timed
+  assert sorted(timed) == sorted(autotune.programs.EVAL_FUSIONS)
+  assert ("train.eval_fusion: 'no_ynn' measured ('same' 250,000 img/s, 'no_ynn' "
+          "1,000,000 img/s, 'onednn' 500,000 img/s)") in caplog.text
+  # The evaluation batch is part of what the choice depends on; the train batch too.
+  key = autotune.machine_key(c, MNIST, autotune.EVAL_FUSION)
+  assert json.load(open(cache)) == {key: "no_ynn"}
+  assert json.loads(key)["eval_batch"] == c.train.eval_batch_size
+  c.train.eval_batch_size //= 2
+  assert autotune.machine_key(c, MNIST, autotune.EVAL_FUSION) != key
+  # The rule: the train step's options, nothing timed.
+  timed.clear()
+  ruled = autotune.choose(c, MNIST, build, mode="rules", cache_file=cache, measure=measure,
+                          measure_eval=measure_eval)
+  assert ruled == {autotune.EVAL_FUSION: "same"} and not timed
+
+
+def test_each_evaluation_option_compiles_with_its_options_and_evaluates_the_same(tmp_path):
+  """The options reach XLA (without YNNPACK fusions the compiled MLP evaluation has none,
+  with XLA's defaults of the pinned jax it has), the timing runs, and the results agree: the
+  same predictions, and the mean NLL to float32 round-off in another order: each example's
+  goes through dots of length at most d = 784 and the mean sums n of them, so each of the
+  two computations is within (d + n) * 2^-24 of the exact one, relative to the magnitudes."""
+  ds = helpers.synthetic_dataset(n_train=64, n_test=300)
+  results, texts = {}, {}
+  for value in autotune.programs.EVAL_FUSIONS:
+    c = helpers.small_config(width=16, eval_batch_size=128, eval_fusion=value)
+    method, steps = helpers.make_steps(c, ds)
+    learner = population.stack([helpers.init(method)])
+    acc, nll = steps.evaluate(learner, "test", np.arange(300))
+    results[value] = (acc, nll)
+    batch = steps.programs.timing_eval_batch(1)
+    program = steps.programs.eval_fn(learner, False, batch)
+    texts[value] = program.jitted.lower(learner.params, learner.model_state, steps.programs.data,
+                                        batch).compile().as_text()
+    assert autotune.time_evaluation(steps) > 0
+  assert "ynn_fusion" in texts["same"] and "ynn_fusion" not in texts["no_ynn"]
+  d, n, u = 784, 300, 2.0**-24
+  for value, (acc, nll) in results.items():
+    np.testing.assert_array_equal(acc, results["same"][0], err_msg=value)
+    np.testing.assert_allclose(nll, results["same"][1], rtol=2 * (d + n) * u, atol=0,
+                               err_msg=value)
