@@ -99,6 +99,7 @@ def test_cifar_sm_smoke_end_to_end_with_waiting(tmp_path):
   # sets them before JAX starts and records the choice in its workdir and summary.
   config, flags = "configs/cifar_sm.py:smoke", ["--config.stream.wait=2",
                                                 "--config.model.conv_impl=xla",
+                                                "--config.train.step_fusion=same",
                                                 "--config.train.eval_fusion=same",
                                                 "--config.train.autotune=measure"]
   c = config_resolve.resolve(config, flags + ["--config.mesh.num_devices=1"])

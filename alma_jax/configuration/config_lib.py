@@ -121,13 +121,20 @@ BASE_FIELDS = (
             "on a CPU: chosen by measurement with train.autotune=measure, see "
             "alma_jax/tuning/cpu_fusion.py; none otherwise); speed only, so it may change on resume "
             "(float round-off then differs from there on)", resumable=True),
+    F.Field("train.step_fusion", "auto",
+            F.choice(F.owned("alma_jax.engine.programs:FUSION_CHOICES")),
+            "XLA:CPU options of the programs that train, on top of train.cpu_fusion's flags: "
+            "same (none), no_ynn (no YNNPACK fusions), onednn (oneDNN's convolutions and dots), "
+            "or auto (on a CPU with train.autotune=measure, for a backbone that is not "
+            "convolution-heavy: the fastest train step on this machine, see "
+            "alma_jax/tuning/autotune.py; same otherwise); speed only (float round-off)",
+            resumable=True),
     F.Field("train.eval_fusion", "auto",
-            F.choice(F.owned("alma_jax.engine.programs:EVAL_FUSION_CHOICES")),
-            "XLA:CPU options of the evaluation programs on top of train.cpu_fusion's: same "
-            "(none), no_ynn (no YNNPACK fusions), onednn (oneDNN's convolutions and dots), or "
-            "auto (on a CPU with train.autotune=measure: the fastest evaluation on this machine, "
-            "see alma_jax/tuning/autotune.py; same otherwise); speed only (float round-off of "
-            "the evaluation)", resumable=True),
+            F.choice(F.owned("alma_jax.engine.programs:FUSION_CHOICES")),
+            "XLA:CPU options of the evaluation programs (and of the passes that only evaluate), "
+            "on top of train.cpu_fusion's flags: same, no_ynn, onednn as train.step_fusion, or "
+            "auto (on a CPU with train.autotune=measure: the fastest evaluation on this machine; "
+            "same otherwise); speed only (float round-off of the evaluation)", resumable=True),
     F.Field("train.gpu_autotune", "auto", F.choice(F.owned("alma_jax.tuning.gpu_autotune:CHOICES")),
             "XLA's GPU autotuning level (--xla_gpu_autotune_level: 0 off, 4 XLA's default) of "
             "the run's process on an accelerator: 0-4, or auto (0 for a run of fewer than 8,000 "

@@ -52,14 +52,16 @@ UTILITY_PREFIX = "alma_utility_"  # names the utility programs (not steps) in `j
 # one data order per trained ensemble member; an evaluation batch (S, b) or shared (b,).
 TRAIN_BATCH_AXES = ("population", None, "member", "batch")
 EVAL_BATCH_AXES = ("population", "batch")
-# `train.eval_fusion`: XLA:CPU options of the evaluation programs, on top of the process's
-# flags (`train.cpu_fusion`), which the train step keeps. On a CPU, XLA's default fusion
+# `train.step_fusion` and `train.eval_fusion`: XLA:CPU options of the programs that train
+# (train step, whole stage, scan passes) and of those that only evaluate (evaluation, reduce
+# passes), on top of the process's flags (`train.cpu_fusion`). On a CPU, XLA's default fusion
 # (jax 0.10.2) hands an MLP's gathered dots to YNNPACK, which makes its evaluation several
 # times slower than XLA's own loops; what wins depends on the model and the machine.
-EVAL_FUSIONS = {"same": None,  # the process's flags
-                "no_ynn": {"xla_cpu_experimental_ynn_fusion_type": ""},  # no YNNPACK fusions
-                "onednn": {"xla_cpu_use_onednn": True}}  # oneDNN's convolutions and dots
-EVAL_FUSION_CHOICES = ("auto",) + tuple(EVAL_FUSIONS)  # auto: `alma_jax.tuning.autotune`
+FUSIONS = {"same": None,  # the process's flags
+           "no_ynn": {"xla_cpu_experimental_ynn_fusion_type": ""},  # no YNNPACK fusions
+           "onednn": {"xla_cpu_use_onednn": True}}  # oneDNN's convolutions and dots
+FUSION_CHOICES = ("auto",) + tuple(FUSIONS)  # auto: `alma_jax.tuning.autotune`
+_EVALUATING = ("eval", "eval_shared", "reduce")  # program kinds that take the eval options
 PROGRAM_NAMES = {"train": "the train step", "eval": "the evaluation",
                  "eval_shared": "the evaluation", "stage": "the whole training stage"}
 
@@ -160,7 +162,8 @@ class Programs:
 
   def __init__(self, method: Method, task, tx: optax.GradientTransformation, data, mesh, *,
                batch_size: int, eval_batch_size: int, steps_per_call: int = 1, rules=None,
-               compute_dtype: str = "float32", eval_fusion: str = "same"):
+               compute_dtype: str = "float32", step_fusion: str = "same",
+               eval_fusion: str = "same"):
     self.method, self.task, self.tx, self.mesh = method, task, tx, mesh
     self.compute_dtype = compute_dtype  # of the train and evaluation programs (`precision`)
     self.layout = sharding.Layout(mesh, rules)
@@ -168,11 +171,13 @@ class Programs:
     self.data = sharding.put(data, self.layout.replicated)
     self.batch_size = int(batch_size)
     self.eval_batch_size = int(eval_batch_size)
-    if eval_fusion not in EVAL_FUSIONS:
-      raise ValueError(f"train.eval_fusion={eval_fusion!r} is not one of {list(EVAL_FUSIONS)}")
+    for name, value in (("step_fusion", step_fusion), ("eval_fusion", eval_fusion)):
+      if value not in FUSIONS:
+        raise ValueError(f"train.{name}={value!r} is not one of {list(FUSIONS)}")
     # XLA's CPU options mean nothing to another backend's compiler.
-    self.eval_options = EVAL_FUSIONS[eval_fusion] if mesh.devices.flat[0].platform == "cpu" \
-        else None
+    on_cpu = mesh.devices.flat[0].platform == "cpu"
+    self.step_options = FUSIONS[step_fusion] if on_cpu else None
+    self.eval_options = FUSIONS[eval_fusion] if on_cpu else None
     self.steps_per_call = int(steps_per_call)
     self._cache: dict[tuple, Program] = {}
     self._utilities: dict[tuple, Callable] = {}  # small programs of this run that are not steps
@@ -191,17 +196,20 @@ class Programs:
 
   # -- the compile cache ---------------------------------------------------------------------
   def program(self, key: tuple, build: Callable[[], Callable],
-              shardings: Callable[[], tuple], donate=(), options: dict | None = None) -> Program:
+              shardings: Callable[[], tuple], donate=()) -> Program:
     """The jitted `build()` for `key`, built once; the run's only `jax.jit` of a step.
 
     `key` is (kind, program structure, population); `shardings()` gives the
-    program's (in_shardings, out_shardings), whole trees; `options`: XLA compiler options.
+    program's (in_shardings, out_shardings), whole trees. A kind that only evaluates is
+    compiled with the evaluation's XLA options, any other with the train step's.
     """
     if key not in self._cache:
       name = "".join(c if c.isalnum() else "_" for c in str(key[0]))
       what, why = self.describe(key)
+      evaluating = str(key[0]).split(" ")[0] in _EVALUATING
       self._cache[key] = Program(build(), *shardings(), donate, name, what=what, why=why,
-                                 listener=self.listener, options=options)
+                                 listener=self.listener,
+                                 options=self.eval_options if evaluating else self.step_options)
     return self._cache[key]
 
   def describe(self, key: tuple) -> tuple[str, str]:
@@ -390,8 +398,7 @@ class Programs:
       return ins, self.layout.replicated
 
     return self.program(("eval_shared" if shared else "eval", structure, num),
-                        lambda: over_population(self.eval_body(structure), axes, num), shardings,
-                        options=self.eval_options)
+                        lambda: over_population(self.eval_body(structure), axes, num), shardings)
 
   # -- passes over data (scoring, fitting growth candidates) -----------------------------------
   def pass_fn(self, kind: str, fn: Callable, learner: Learner, build: Callable, batch: Batch,

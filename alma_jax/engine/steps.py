@@ -52,11 +52,11 @@ class Steps:
   def __init__(self, method: Method, task, tx, data, mesh, *, batch_size: int,
                eval_batch_size: int, steps_per_call: int = 1, rules=None,
                compute_dtype: str = "float32", stage: StageOptions = StageOptions(),
-               eval_fusion: str = "same"):
+               step_fusion: str = "same", eval_fusion: str = "same"):
     self.programs = programs_lib.Programs(
         method, task, tx, data, mesh, batch_size=batch_size, eval_batch_size=eval_batch_size,
         steps_per_call=steps_per_call, rules=rules, compute_dtype=compute_dtype,
-        eval_fusion=eval_fusion)
+        step_fusion=step_fusion, eval_fusion=eval_fusion)
     p = self.programs
     self.method, self.task, self.tx, self.mesh, self.data = p.method, p.task, p.tx, p.mesh, p.data
     self.batch_size, self.eval_batch_size = p.batch_size, p.eval_batch_size
@@ -81,6 +81,7 @@ class Steps:
                                     for f in dataclasses.fields(StageOptions)
                                     if f.name != "stage_program"),
                                   stage_program=_chosen(t, "train.stage_program")),
+               step_fusion=_chosen(t, "train.step_fusion"),
                eval_fusion=_chosen(t, "train.eval_fusion"))
 
   # -- the compile cache and placement (`alma_jax.engine.programs`) ------------------------------------

@@ -82,7 +82,8 @@ SEED_FIELDS = ("seed", "num_seeds")
 # apart, but labels and table columns leave them out (a config that evaluates in smaller batches
 # to bound its memory would otherwise carry "eval_batch_size=..." on every other line).
 UNLABELLED_FIELDS = ("train.eval_batch_size", "train.steps_per_call", "model.conv_impl",
-                     "method.strategy", "train.autotune", "train.cpu_fusion", "train.eval_fusion")
+                     "method.strategy", "train.autotune", "train.cpu_fusion",
+                     "train.step_fusion", "train.eval_fusion")
 
 
 class ReportError(ValueError):

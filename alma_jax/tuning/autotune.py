@@ -5,8 +5,9 @@ float round-off), and which one wins depends on the machine: the convolution
 gradient (`model.conv_impl`: XLA's kernels or a weight gradient summed over
 batch chunks), how ensemble members run (`method.strategy`: vmap or a loop),
 how many train steps one compiled call runs (`train.steps_per_call`), and
-XLA:CPU's options for the evaluation programs (`train.eval_fusion`: timed on
-the evaluation, not the train step).
+XLA:CPU's options for the programs that train (`train.step_fusion`) and for
+those that evaluate (`train.eval_fusion`: timed on the evaluation, not the
+train step).
 Crossovers measured on one CPU do not transfer to another, so when such a
 field is left to be chosen ("auto", or 0 steps per call) and
 `config.train.autotune="measure"`, the run builds the train call of every
@@ -59,8 +60,8 @@ ACCELERATOR_STEPS_PER_CALL = 8
 STEPS_PER_CALL_CANDIDATES = (1, 8)
 AUTO_STEPS_PER_CALL = 0  # the value of train.steps_per_call that asks for a choice
 TIMED_STEPS = 3  # timed calls per candidate, after the one that compiles
-EVAL_FUSION = "train.eval_fusion"
-EVAL_FUSION_RULE = "same"  # the train step's XLA options
+STEP_FUSION, EVAL_FUSION = "train.step_fusion", "train.eval_fusion"
+FUSION_RULE = "same"  # the process's XLA flags, nothing on top
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +111,16 @@ def stage_program_rule(config) -> str:
 def eval_fusion_candidates(config) -> tuple[str, ...]:
   """`train.eval_fusion`'s candidates: XLA:CPU's options, on a CPU only."""
   del config
-  return tuple(programs.EVAL_FUSIONS) if jax.default_backend() == "cpu" else (EVAL_FUSION_RULE,)
+  return tuple(programs.FUSIONS) if jax.default_backend() == "cpu" else (FUSION_RULE,)
+
+
+def step_fusion_candidates(config) -> tuple[str, ...]:
+  """`train.step_fusion`'s candidates: XLA:CPU's options, on a CPU for a backbone that is not
+  convolution-heavy (a convolution-heavy one's flags are measured for the whole process,
+  `train.cpu_fusion`)."""
+  if models.spec(config.model.name).conv_heavy:
+    return (FUSION_RULE,)
+  return eval_fusion_candidates(config)
 
 
 def steps_per_call_rule(config=None) -> int:
@@ -130,8 +140,8 @@ TUNABLES = (
             steps_per_call_rule),
     Tunable("train.stage_program", "auto", lambda c: ("per_epoch", "whole"), stage_program_rule,
             measured=False),
-    Tunable(EVAL_FUSION, "auto", eval_fusion_candidates, lambda c: EVAL_FUSION_RULE,
-            timed="eval"),
+    Tunable(STEP_FUSION, "auto", step_fusion_candidates, lambda c: FUSION_RULE),
+    Tunable(EVAL_FUSION, "auto", eval_fusion_candidates, lambda c: FUSION_RULE, timed="eval"),
 )
 
 

@@ -24,7 +24,7 @@ def _small(*args, **kwargs):
   about the fields timed on the train step)."""
   c = helpers.small_config(*args, **kwargs)
   c.train.stage_program = "per_epoch"
-  c.train.eval_fusion = "same"
+  c.train.step_fusion = c.train.eval_fusion = "same"
   return c
 
 
@@ -32,7 +32,7 @@ def test_the_stage_program_is_decided_by_its_rule_without_timing_anything(tmp_pa
   build, measure, calls = _fake({})
   cache = str(tmp_path / "machine.json")
   c = helpers.small_config()  # an MLP and SM: the whole stage as one program on a CPU
-  c.train.eval_fusion = "same"
+  c.train.step_fusion = c.train.eval_fusion = "same"
   got = autotune.choose(c, MNIST, build, mode="measure", cache_file=cache, measure=measure)
   assert got == {"train.stage_program": autotune.stage_program_rule(c)} and not calls
   assert not os.path.exists(cache)  # a rule's answer is not a measurement
@@ -140,21 +140,21 @@ def test_a_run_records_its_choices_in_the_workdir_the_cache_and_the_summary(tmp_
                     train__autotune="measure", train__stage_program="per_epoch")  # (smoke's own choices are by rule)
   wd = str(tmp_path / "wd")
   summary = run_lib.run(c, wd)
-  key = autotune.machine_key(c, MNIST, "train.steps_per_call")
-  eval_key = autotune.machine_key(c, MNIST, autotune.EVAL_FUSION)
-  chosen = summary["choices"]["train.steps_per_call"]
-  eval_chosen = summary["choices"][autotune.EVAL_FUSION]
-  assert chosen in autotune.STEPS_PER_CALL_CANDIDATES
-  assert eval_chosen in autotune.programs.EVAL_FUSIONS
-  assert autotune.read(os.path.join(wd, autotune.FILE)) == {key: chosen, eval_key: eval_chosen}
-  assert autotune.read(autotune.default_cache_file())[key] == chosen
-  assert autotune.read(autotune.default_cache_file())[eval_key] == eval_chosen
+  chosen = {autotune.machine_key(c, MNIST, path): summary["choices"][path]
+            for path in ("train.steps_per_call", autotune.STEP_FUSION, autotune.EVAL_FUSION)}
+  assert summary["choices"]["train.steps_per_call"] in autotune.STEPS_PER_CALL_CANDIDATES
+  assert summary["choices"][autotune.STEP_FUSION] in autotune.programs.FUSIONS
+  assert summary["choices"][autotune.EVAL_FUSION] in autotune.programs.FUSIONS
+  assert autotune.read(os.path.join(wd, autotune.FILE)) == chosen
+  machine = autotune.read(autotune.default_cache_file())
+  assert {k: machine[k] for k in chosen} == chosen
 
 
 def test_the_measurement_of_a_language_model_is_logged_in_tokens_per_second(tmp_path, caplog):
   from alma_jax.configuration import config_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
-  c.train.stage_program, c.train.eval_fusion = "per_epoch", "same"
+  c.train.stage_program = "per_epoch"
+  c.train.step_fusion = c.train.eval_fusion = "same"
   c.train.steps_per_call, c.mesh.num_devices = 0, 1
   per_call = {1: 2.0, 8: 1.0}
   with caplog.at_level(logging.INFO):
@@ -169,7 +169,7 @@ def test_the_measurement_of_a_language_model_is_logged_in_tokens_per_second(tmp_
 
 
 def test_the_evaluation_options_are_timed_on_the_evaluation_and_remembered(tmp_path, caplog):
-  c = helpers.small_config(stage_program="per_epoch")
+  c = helpers.small_config(stage_program="per_epoch", step_fusion="same")
   assert [t.path for t in autotune.pending(c)] == [autotune.EVAL_FUSION]
   per_example = {"same": 4e-6, "no_ynn": 1e-6, "onednn": 2e-6}
   timed = []
@@ -184,7 +184,7 @@ def test_the_evaluation_options_are_timed_on_the_evaluation_and_remembered(tmp_p
     got = autotune.choose(c, MNIST, build, mode="measure", cache_file=cache, measure=measure,
                           measure_eval=measure_eval)
   assert got == {autotune.EVAL_FUSION: "no_ynn"} and not calls  # no train step timed
-  assert sorted(timed) == sorted(autotune.programs.EVAL_FUSIONS)
+  assert sorted(timed) == sorted(autotune.programs.FUSIONS)
   assert ("train.eval_fusion: 'no_ynn' measured ('same' 250,000 img/s, 'no_ynn' "
           "1,000,000 img/s, 'onednn' 500,000 img/s)") in caplog.text
   # The evaluation batch is part of what the choice depends on; the train batch too.
@@ -200,7 +200,29 @@ def test_the_evaluation_options_are_timed_on_the_evaluation_and_remembered(tmp_p
   assert ruled == {autotune.EVAL_FUSION: "same"} and not timed
 
 
-def test_each_evaluation_option_compiles_with_its_options_and_evaluates_the_same(tmp_path):
+def test_the_train_step_options_are_timed_on_the_train_step_of_an_mlp_only(tmp_path):
+  timed = []
+
+  def measure(steps):
+    timed.append(steps.config.train.step_fusion)
+    return {"same": 2.0, "no_ynn": 1.0, "onednn": 3.0}[timed[-1]]
+
+  build, cache = (lambda cfg: types.SimpleNamespace(config=cfg)), str(tmp_path / "machine.json")
+  mlp = helpers.small_config(stage_program="per_epoch", eval_fusion="same")
+  got = autotune.choose(mlp, MNIST, build, mode="measure", cache_file=cache, measure=measure,
+                        measure_eval=None)
+  assert got == {autotune.STEP_FUSION: "no_ynn"}
+  assert sorted(timed) == sorted(autotune.programs.FUSIONS)
+  # A convolution-heavy backbone's flags are the process's (train.cpu_fusion): not timed here.
+  timed.clear()
+  vgg = helpers.small_config("cifar10", width=4, stage_program="per_epoch", eval_fusion="same")
+  vgg.model.conv_impl = "xla"
+  got = autotune.choose(vgg, (32, 32, 3), build, mode="measure", cache_file=cache,
+                        measure=measure, measure_eval=None)
+  assert got == {autotune.STEP_FUSION: "same"} and not timed
+
+
+def test_each_evaluation_option_compiles_with_its_options_and_evaluates_the_same():
   """The options reach XLA (without YNNPACK fusions the compiled MLP evaluation has none,
   with XLA's defaults of the pinned jax it has), the timing runs, and the results agree: the
   same predictions, and the mean NLL to float32 round-off in another order: each example's
@@ -208,7 +230,7 @@ def test_each_evaluation_option_compiles_with_its_options_and_evaluates_the_same
   two computations is within (d + n) * 2^-24 of the exact one, relative to the magnitudes."""
   ds = helpers.synthetic_dataset(n_train=64, n_test=300)
   results, texts = {}, {}
-  for value in autotune.programs.EVAL_FUSIONS:
+  for value in autotune.programs.FUSIONS:
     c = helpers.small_config(width=16, eval_batch_size=128, eval_fusion=value)
     method, steps = helpers.make_steps(c, ds)
     learner = population.stack([helpers.init(method)])
@@ -225,3 +247,28 @@ def test_each_evaluation_option_compiles_with_its_options_and_evaluates_the_same
     np.testing.assert_array_equal(acc, results["same"][0], err_msg=value)
     np.testing.assert_allclose(nll, results["same"][1], rtol=2 * (d + n) * u, atol=0,
                                err_msg=value)
+
+
+@pytest.mark.parametrize("kind, evaluates", [("train", False), ("stage", False),
+                                             ("scan fit", False), ("eval", True),
+                                             ("eval_shared", True), ("reduce score", True)])
+def test_each_program_kind_gets_the_options_of_what_it_does(kind, evaluates):
+  """Programs that only evaluate take train.eval_fusion's options, the others
+  train.step_fusion's: here no YNNPACK fusion for one and XLA's defaults (with YNNPACK
+  fusions, in the pinned jax) for the other."""
+  ds = helpers.synthetic_dataset(n_train=64, n_test=16)
+  c = helpers.small_config(step_fusion="same", eval_fusion="no_ynn")
+  if not evaluates:
+    c.train.step_fusion, c.train.eval_fusion = "no_ynn", "same"
+  programs = helpers.make_steps(c, ds)[1].programs
+  x, w = np.ones((256, 784), np.float32), np.ones((784, 64), np.float32)
+  idx = np.arange(256, dtype=np.int32) % 7
+  rep = programs.layout.replicated
+  program = programs.program((kind, (), 1), lambda: lambda x, w, i: (x[i] @ w).sum(-1),
+                             lambda: ((rep, rep, rep), rep))
+  text = program.jitted.lower(x, w, idx).compile().as_text()
+  assert "ynn_fusion" not in text
+  c.train.step_fusion = c.train.eval_fusion = "same"
+  same = helpers.make_steps(c, ds)[1].programs.program(
+      (kind, (), 1), lambda: lambda x, w, i: (x[i] @ w).sum(-1), lambda: ((rep, rep, rep), rep))
+  assert "ynn_fusion" in same.jitted.lower(x, w, idx).compile().as_text()

@@ -24,7 +24,7 @@ def _vgg(**fields):
   c = config_lib.base_config("cifar10", "sm")
   c.model.width = 4
   c.train.stage_program = "per_epoch"  # (the measured fields are what these tests are about)
-  c.train.eval_fusion = "same"
+  c.train.step_fusion = c.train.eval_fusion = "same"
   for k, v in fields.items():
     section, name = k.split("__")
     c[section][name] = v
