@@ -63,6 +63,7 @@ from alma_jax.state import RunState
 from alma_jax.stream import run_setup
 from alma_jax.stream import validation
 from alma_jax.stream.run_setup import Setup
+from alma_jax.tuning import tune
 
 __all__ = ["run", "RunInterrupted", "RunState", "stream"]
 
@@ -157,6 +158,8 @@ def _open(setup: Setup, observers: Observers, checkpoints: ckpt_obs.Checkpoints,
       wd.clear_outputs(setup.workdir)
     multihost.sync("alma_jax: outputs cleared")
     snapshot, recs = checkpoints.restore()
+    if setup.primary:  # the checkpoints fit this run: the workdir is its own
+      tune.remember_in_workdir(setup.workdir, setup.choice_records)
     state = RunState(logs=[Log.from_records(r) for r in recs])
     observers.start(state, snapshot)
   return state, snapshot

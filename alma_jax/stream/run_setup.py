@@ -61,6 +61,8 @@ class Setup:
     streams: each seed's mega-batches (`alma_jax.data.stream.Stream`).
     inputs: the fingerprint of the data the run reads.
     choices: the fields decided before the run (`alma_jax.tuning.autotune`).
+    choice_records: what the workdir is to remember of them, once the run owns it
+      (`tune.remember_in_workdir`).
     steps: the compiled steps; `method` is `steps.method`.
     keys: the seeds' root PRNG keys, stacked.
     stage_policy, wait_policy: how a stage starts, and when the learner trains.
@@ -76,6 +78,7 @@ class Setup:
   streams: list[stream_lib.Stream]
   inputs: str
   choices: dict
+  choice_records: tuple
   steps: Steps
   keys: jax.Array
   stage_policy: policies.StagePolicy
@@ -223,7 +226,7 @@ def build(config, workdir: str) -> Setup:
                                      optim.from_config(o), data, mesh)
     return built[key]
 
-  choices = tune.run_choices(config, shape, build_steps, workdir)
+  choices, choice_records = tune.run_choices(config, shape, build_steps, workdir)
   steps = build_steps(tune.with_choices(config, choices))
   logging.info("data %s: %d train / %d test examples, B=%d mega-batches of ~%d, wait=%d, "
                "replay=%.2f, seeds %s; mesh %s", c.data.name, n_train, len(ds.test_y),
@@ -233,7 +236,8 @@ def build(config, workdir: str) -> Setup:
     logging.warning(VGG_SEEDS_WARNING, len(seeds), c.model.name)
   return Setup(config=c, workdir=workdir, seeds=seeds, out_dirs=out_dirs,
                primary=multihost.is_primary(), task=task, subsets=subsets, streams=streams,
-               inputs=inputs, choices=choices, steps=steps, keys=population.keys(seeds),
+               inputs=inputs, choices=choices, choice_records=choice_records, steps=steps,
+               keys=population.keys(seeds),
                stage_policy=policies.make_stage(c), wait_policy=policies.make_wait(c))
 
 

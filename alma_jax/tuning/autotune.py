@@ -231,7 +231,8 @@ def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
            workdir_file: str | None = None, cache_file: str | None = None,
            measure: Callable[[Any], float] = time_train_step,
            measure_eval: Callable[[Any], float] = time_evaluation,
-           given: dict[str, tuple[Any, str]] | None = None) -> dict[str, Any]:
+           given: dict[str, tuple[Any, str]] | None = None,
+           deferred: list | None = None) -> dict[str, Any]:
   """Chooses a value for every field `config` leaves to be chosen.
 
   Args:
@@ -245,6 +246,8 @@ def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
     measure_eval: Steps -> seconds per example of the evaluation.
     given: {field path: (value, how)} measured already (e.g. with the process's XLA flags,
       `cpu_fusion.measured_with_flags()`): used and remembered in place of a measurement.
+    deferred: when given, the (key, value) entries for `workdir_file` are appended to it
+      instead of written (a run writes them once the workdir turns out to be its own).
 
   Returns:
     {field path: value}, one entry per field that was left to be chosen.
@@ -275,7 +278,10 @@ def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
     logging.info("%s: %r %s", path, value, how)
     choices[path] = value
     if workdir_file and jax.process_count() == 1 and tunable.measured:  # a rule decides again
-      remember(workdir_file, key, value)
+      if deferred is not None:
+        deferred.append((key, value))
+      else:
+        remember(workdir_file, key, value)
   return choices
 
 

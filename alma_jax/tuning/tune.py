@@ -68,8 +68,9 @@ _gpu_level: list[str] = []  # the autotuning level this process set (`process_fl
 
 
 def run_choices(config, input_shape, build_steps: Callable[[Any], Any],
-                workdir: str) -> dict[str, Any]:
-  """The values of the fields left to be chosen, and the fusion flags in effect.
+                workdir: str) -> tuple[dict[str, Any], tuple]:
+  """(the values of the fields left to be chosen and the fusion flags in effect, what the
+  workdir is to remember of them: pass it to `remember_in_workdir` once the run owns it).
 
   Args:
     config: the run's config.
@@ -77,14 +78,21 @@ def run_choices(config, input_shape, build_steps: Callable[[Any], Any],
     build_steps: config -> its compiled steps (a measured candidate's serve the run).
     workdir: the run's folder; its `autotune.json` remembers the choices.
   """
-  mine = os.path.join(workdir, autotune.FILE)
+  mine, deferred = os.path.join(workdir, autotune.FILE), []
   choices = autotune.choose(config, input_shape, build_steps, mode=config.train.autotune,
-                            workdir_file=mine, given=cpu_fusion.measured_with_flags())
+                            workdir_file=mine, given=cpu_fusion.measured_with_flags(),
+                            deferred=deferred)
   fusion = cpu_fusion.decision(config, input_shape)  # made by `process_flags` before JAX started
   if fusion is not None:
     if jax.process_count() == 1:
-      autotune.remember(mine, *fusion)
+      deferred.append(fusion)
     choices[cpu_fusion.FIELD] = fusion[1]
   if _gpu_level:
     choices[gpu_autotune.FIELD] = _gpu_level[0]
-  return choices
+  return choices, tuple(deferred)
+
+
+def remember_in_workdir(workdir: str, entries: tuple) -> None:
+  """Writes the (key, value) entries of `run_choices` to the workdir's `autotune.json`."""
+  for key, value in entries:
+    autotune.remember(os.path.join(workdir, autotune.FILE), key, value)
