@@ -162,7 +162,7 @@ def step_flops(programs: Programs, learner: Learner) -> dict[str, float]:
 
 def _step_flops(programs: Programs, learner: Learner) -> dict[str, float]:
   method = programs.method.counted()
-  learner = method.active_view(learner)  # may be shapes alone
+  learner = jax.eval_shape(method.active_view, learner)  # shapes alone: no eager slicing
   structure = method.program_structure(learner.structure)
   trainable, frozen = jax.eval_shape(method.partition, learner)
   d, b = method.num_data_orders(structure), programs.batch_size
@@ -213,7 +213,7 @@ class PassCosts:
     key = (kind, fn, learner.structure)
     if key not in self._per_batch:
       with timing.counting():
-        view = self.method.active_view(learner)
+        view = jax.eval_shape(self.method.active_view, learner)
         args = (view.params, view.model_state, self.data, batch) + ((carry,) if kind == "scan"
                                                                      else ())
         self._per_batch[key] = count(build(self.method.program_structure(view.structure)),

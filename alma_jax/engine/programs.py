@@ -17,9 +17,11 @@ Every program is `jax.jit` with explicit `in_shardings` and `out_shardings`
 on the run's mesh (`alma_jax.engine.sharding.Layout`: batches on `data`, members and
 experts on `model`, the population axis as `config.mesh.rules` says), computed
 for the shapes of the structure it is compiled for, so a structure that growth
-changes gets its own shardings. A program places its arguments with those
-shardings before each call (a no-op for arrays already placed so, such as the
-state a train call returns); the train state is donated.
+changes gets its own shardings. A program places its device arguments with
+those shardings before each call (a no-op for arrays already placed so, such as
+the state a train call returns) and hands host values (a batch's indices, a
+call's counter) to its own dispatch, which transfers them (`sharding.put_args`);
+the train state is donated.
 """
 
 from __future__ import annotations
@@ -148,13 +150,20 @@ class Program:
 
   def __call__(self, *args):
     if self.listener is None:
-      return self.jitted(*sharding.put(args, self.in_shardings))
+      return self._call(args)
     listener, self.listener = self.listener, None  # the first call only
     listener.compiling(self.what, self.why)
     t0 = time.monotonic()
-    out = self.jitted(*sharding.put(args, self.in_shardings))
+    out = self._call(args)
     listener.compiled(self.what, time.monotonic() - t0)
     return out
+
+  def _call(self, args):
+    args = sharding.put_args(args, self.in_shardings)
+    # The host values `put_args` left (indices, masks, counters) go in through the dispatch:
+    # the one host-to-device transfer a call makes on purpose.
+    with jax.transfer_guard_host_to_device("allow"):
+      return self.jitted(*args)
 
 
 class Programs:
@@ -257,12 +266,20 @@ class Programs:
     """A replicated sharding for every leaf of `tree`."""
     return jax.tree.map(lambda _: self.layout.replicated, tree)
 
+  def place_replicated(self, tree):
+    """`tree` placed with `replicated` shardings."""
+    return sharding.put(tree, self.layout.replicated)
+
   def batch_shardings(self, batch: Batch, axes: Sequence[str | None]) -> Batch:
     s = self.layout.sharding(batch.idx.shape, axes, "batch")
     return Batch(s, s)
 
   def put_batch(self, array: np.ndarray):
-    """Places an index or mask array: a train batch (S, K, D, b), else an evaluation batch."""
+    """Places an index or mask array: a train batch (S, K, D, b), else an evaluation batch.
+    A single-process run leaves it on the host: the program it goes to transfers it faster
+    (`sharding.put_args`)."""
+    if jax.process_count() == 1:
+      return array
     axes = TRAIN_BATCH_AXES if array.ndim == 4 else EVAL_BATCH_AXES[-array.ndim:]
     return sharding.put(array, self.layout.sharding(array.shape, axes, "batch"))
 

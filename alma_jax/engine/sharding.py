@@ -236,6 +236,18 @@ def put(tree: PyTree, shardings: PyTree | NamedSharding, *, copy: bool = False) 
   return put(_copies(placed), shardings)
 
 
+def put_args(args: PyTree, shardings: PyTree) -> PyTree:
+  """`put` for the arguments of a compiled program: in a single-process run, host values
+  (numpy arrays, scalars) are left to the program, whose compiled dispatch transfers them
+  with its input shardings (on a CPU about 3 us a value, where `jax.device_put` takes about
+  100 us); device arrays are placed as `put` places them. With several processes every
+  value is placed by `put` (host values become global arrays)."""
+  if jax.process_count() > 1:
+    return put(args, shardings)
+  return jax.tree.map(lambda x, s: _put_one(x, s) if isinstance(x, jax.Array) else x, args,
+                      shardings)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 

@@ -103,6 +103,10 @@ class Steps:
   def replicated(self, tree):
     return self.programs.replicated(tree)
 
+  def place_replicated(self, tree):
+    """`tree` placed whole on every device of the run's mesh."""
+    return self.programs.place_replicated(tree)
+
   def put_batch(self, array: np.ndarray):
     return self.programs.put_batch(array)
 

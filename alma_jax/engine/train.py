@@ -120,6 +120,8 @@ def fit_stage(steps: Steps, learner: Learner, data: StageData, opt_state=None,
     raise ValueError(f"a whole-stage program needs a task whose examples are right or wrong; "
                      f"task {type(steps.task).__name__} trains per epoch")
   state = steps.init_state(learner, opt_state)
+  # Placed once: every call of the stage takes them as they are (`sharding.put_args`).
+  data = dataclasses.replace(data, keys=steps.place_replicated(data.keys))
   rngs = population.numpy_rngs(data.keys)
   p = Progress(StopState.start(num, units), learner, np.full((num, units), -1.0))
   timer, resume = timing.Breakdown(), None

@@ -173,6 +173,25 @@ def test_put_places_copies_and_keeps_placed_arrays():
   assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.sharding.spec == P()
 
 
+def test_put_args_leaves_host_values_to_the_program_and_places_device_arrays(monkeypatch):
+  layout = sharding.Layout(sharding.make_mesh(8))
+  s = layout.sharding((16, 3), ("batch",), "x")
+  host, counter = np.arange(48.0).reshape(16, 3), np.uint32(7)
+  unplaced = jax.device_put(np.ones((16, 3)))  # one device, uncommitted
+  out = sharding.put_args((host, counter, unplaced), (s, layout.replicated, s))
+  assert out[0] is host and out[1] is counter
+  assert out[2].sharding == s and len(out[2].addressable_shards) == 8
+  program = jax.jit(lambda a, c, b: a * c + b, in_shardings=(s, layout.replicated, s))
+  with jax.transfer_guard_host_to_device("allow"):  # as `Program` calls it
+    got = program(*out)
+  assert got.sharding == s  # the program placed its host arguments itself
+  np.testing.assert_array_equal(np.asarray(got), host * 7 + 1)
+  # Several processes: every value is placed (a host value becomes a global array).
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(sharding, "put", lambda tree, shardings: ("put", tree))
+  assert sharding.put_args((host,), (s,)) == ("put", (host,))
+
+
 @pytest.mark.parametrize("setting, flag, env, want", [
     ("auto", False, {}, False),
     ("auto", True, {}, True),

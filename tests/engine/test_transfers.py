@@ -1,10 +1,12 @@
 """Tests that a stage's compiled calls stay on the device (alma_jax/engine/programs.py, train.py).
 
-A train or evaluation call must receive arrays already placed (its batch of
-indices is placed explicitly, by `sharding.put`) and return arrays that stay
-on the device: no implicit host-to-device or device-to-host transfer inside
-the call (`jax.transfer_guard("disallow")` raises on one). A second stage of
-the same structure must compile nothing at all, and the donated train state
+A train or evaluation call must receive its device arrays already placed (the
+state a call returns, the resident data, the stage's keys) and make no
+implicit transfer inside the call (`jax.transfer_guard("disallow")` raises on
+one), except the one it makes on purpose: the host values of the call (a
+batch's indices and mask, the call's counter) go in through the program's
+dispatch (`sharding.put_args`), never through `jax.device_put`. A second stage
+of the same structure must compile nothing at all, and the donated train state
 must really be reused (XLA warns "Some donated buffers were not usable" when
 it is not; here that warning is an error).
 """
@@ -17,6 +19,7 @@ import pytest
 
 from alma_jax.engine import population
 from alma_jax.engine import programs as programs_lib
+from alma_jax.engine import sharding
 from alma_jax.engine import timing
 from alma_jax.engine import train
 from tests import helpers
@@ -26,18 +29,32 @@ DONATION_WARNING = "Some donated buffers were not usable"
 
 @pytest.fixture
 def guarded_calls(monkeypatch):
-  """Every compiled program call runs under `jax.transfer_guard("disallow")`; returns the
-  number of calls made so far (a list of one int)."""
-  calls = [0]
-  call = programs_lib.Program.__call__
+  """Every compiled program call runs under `jax.transfer_guard("disallow")`, its host
+  arguments must be integers or booleans (indices, masks, counters: no parameters or data
+  left on the host), and it must place nothing with `jax.device_put`; returns the number of
+  calls made so far and of the values they placed (a list of two ints)."""
+  counts = [0, 0]
+  call, place = programs_lib.Program.__call__, sharding._place  # pylint: disable=protected-access
+  inside = [False]
 
   def guarded(self, *args):
-    calls[0] += 1
-    with jax.transfer_guard("disallow"):
-      return call(self, *args)
+    counts[0] += 1
+    host = [np.asarray(x).dtype for x in jax.tree.leaves(args) if not isinstance(x, jax.Array)]
+    assert all(d.kind in "biu" for d in host), host
+    inside[0] = True
+    try:
+      with jax.transfer_guard("disallow"):
+        return call(self, *args)
+    finally:
+      inside[0] = False
+
+  def counted_place(x, s):
+    counts[1] += inside[0]
+    return place(x, s)
 
   monkeypatch.setattr(programs_lib.Program, "__call__", guarded)
-  return calls
+  monkeypatch.setattr(sharding, "_place", counted_place)
+  return counts
 
 
 @pytest.mark.parametrize("dataset, method, members", [
@@ -70,6 +87,7 @@ def test_stages_transfer_nothing_implicitly_and_compile_once(guarded_calls, data
   stage(learner, 2)
   # Two epochs of >= 2 train calls (ceil(200 / 32) steps) and one validation call each.
   assert guarded_calls[0] - calls >= 2 * (2 + 1)
+  assert guarded_calls[1] == 0  # no call placed a value itself: all were placed, or host values
   assert steps.compiled == compiled
   assert timing.compile_counts()["xla_programs"] == xla_programs
 
