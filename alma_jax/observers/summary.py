@@ -60,10 +60,14 @@ def program(argv0: str) -> list[str]:
 class Summary(Observer):
   """The run's summary: CER, Mem, Comp and the rest of `metrics.Log.summary`, the time
   breakdown and the compilations; with several seeds, each seed's summary in its folder and
-  their mean and standard deviation at the top. Process 0 writes it, and error.png."""
+  their mean and standard deviation at the top. Process 0 writes it, and error.png (drawn
+  by a child process started with the observer, whose imports overlap the run)."""
 
   def __init__(self, setup: RunContext, signals: interrupts.Signals, clock: Clock):
     self.setup, self.signals, self.clock = setup, signals, clock
+    self.plotter = plots.PlotChild()
+    if setup.primary:
+      self.plotter.start()
 
   def on_start(self, state, snapshot) -> None:
     """A summary exists only once the run is over."""
@@ -119,7 +123,10 @@ class Summary(Observer):
       size, axis = f"width={c.model.width}", ()
     curves = [(f"seed {sd}", [r.t for r in log.records], [value(r) for r in log.records])
               for sd, log in zip(s.seeds, state.logs)]
-    why = plots.run_error_png_in_child(
+    why = self.plotter.draw(
         path, curves, f"{c.data.name} {c.method.name} {size} wait={c.stream.wait}", *axis)
     if why is not None:
       logging.warning("could not draw %s (%s); the run's other outputs are complete", path, why)
+
+  def close(self) -> None:
+    self.plotter.close()  # a run that ended before drawing leaves no child behind

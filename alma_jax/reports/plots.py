@@ -6,8 +6,9 @@ over seeds (`xerr`, `yerr`) — draws exactly that, writes `<name>.png` and
 `<name>.pdf`, and returns {name: {panel: series}} so that tests and callers
 can check what was drawn. `run_error_png` is the small error-vs-time figure
 that each finished run writes into its workdir; a run draws it in a child
-process (`python -m alma_jax.reports.plots` with the figure's JSON on stdin), so that
-the training process never imports matplotlib.
+process (`PlotChild`: `python -m alma_jax.reports.plots` with the figure's JSON on stdin),
+started when the run starts so that its imports overlap the run, and the training process
+never imports matplotlib.
 
 The figures share one look (`alma_jax.reports.plot_style`): a colour per method, the
 same in every figure and report, lighter or darker for its variants (e.g.
@@ -368,29 +369,82 @@ def run_error_png(path: str, curves: Sequence[tuple[str, Sequence[int], Sequence
   return fig
 
 
-def run_error_png_in_child(path: str, curves, title: str = "", ylabel: str = "test error (%)",
-                           scale: float = 100.0) -> str | None:
-  """`run_error_png` in a child process (`python -m alma_jax.reports.plots`), so that the caller
-  never imports matplotlib; returns why it failed (None: drawn)."""
-  package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [package_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-  spec = {"path": path, "curves": [list(c) for c in curves], "title": title, "ylabel": ylabel,
-          "scale": scale}
-  try:
-    proc = subprocess.run([sys.executable, "-m", "alma_jax.reports.plots"], input=json.dumps(spec),
-                          env=env, capture_output=True, text=True, timeout=300, check=False)
-  except (OSError, subprocess.SubprocessError) as e:
-    return f"{type(e).__name__}: {e}"
-  if proc.returncode:
-    lines = proc.stderr.strip().splitlines()
-    return lines[-1] if lines else f"exit code {proc.returncode}"
-  return None
+class PlotChild:
+  """A child process (`python -m alma_jax.reports.plots`) that draws one `run_error_png`, so
+  that the caller never imports matplotlib.
+
+  `start` launches it early: it imports matplotlib and draws a throwaway figure (fonts
+  loaded) while the caller goes on, then waits for its figure's JSON on stdin. `draw` sends
+  the figure and waits for it (a child that was not started, or has died, is replaced by a
+  fresh one); `close` stops a child that was never told to draw.
+  """
+
+  def __init__(self):
+    self._proc: subprocess.Popen | None = None
+
+  def start(self) -> "PlotChild":
+    if self._proc is None:
+      try:
+        self._proc = self._launch()
+      except OSError:  # `draw` tries again, and reports why it cannot
+        self._proc = None
+    return self
+
+  @staticmethod
+  def _launch() -> subprocess.Popen:
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [package_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    return subprocess.Popen([sys.executable, "-m", "alma_jax.reports.plots"], env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+
+  def draw(self, path: str, curves, title: str = "", ylabel: str = "test error (%)",
+           scale: float = 100.0) -> str | None:
+    """`run_error_png(path, curves, title, ylabel, scale)` in the child; returns why it failed
+    (None: drawn)."""
+    proc, self._proc = self._proc, None
+    spec = json.dumps({"path": path, "curves": [list(c) for c in curves], "title": title,
+                       "ylabel": ylabel, "scale": scale})
+    try:
+      if proc is None or proc.poll() is not None:
+        proc = self._launch()
+      _, err = proc.communicate(spec, timeout=300)
+    except subprocess.TimeoutExpired as e:
+      proc.kill()
+      proc.communicate()
+      return f"{type(e).__name__}: {e}"
+    except (OSError, subprocess.SubprocessError) as e:
+      return f"{type(e).__name__}: {e}"
+    if proc.returncode:
+      lines = err.strip().splitlines()
+      return lines[-1] if lines else f"exit code {proc.returncode}"
+    return None
+
+  def close(self) -> None:
+    proc, self._proc = self._proc, None
+    if proc is not None:  # it has written nothing: stopping it loses nothing
+      proc.kill()
+      proc.communicate()
 
 
 def main() -> int:
-  """Draws `run_error_png` of {"path", "title", "curves": [[label, t, errors], ...]} on stdin."""
-  spec = json.load(sys.stdin)
+  """Draws `run_error_png` of {"path", "title", "curves": [[label, t, errors], ...]} on stdin;
+  nothing when stdin is empty. Before it reads, it loads what drawing needs."""
+  import signal  # pylint: disable=g-import-not-at-top
+  # A Ctrl-C at the terminal reaches the whole process group: the parent decides (it closes
+  # this process's stdin), so the child neither dies half-way through a figure nor prints a
+  # traceback.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  import io  # pylint: disable=g-import-not-at-top
+  fig, (ax,) = subplots(1, 1.0, 1.0)
+  ax.plot([0, 1], [0, 1], label="x")
+  style.finish(ax, "t", "y", "warm-up")
+  fig.savefig(io.BytesIO(), format="png", dpi=10)
+  text = sys.stdin.read()
+  if not text.strip():
+    return 0
+  spec = json.loads(text)
   run_error_png(spec["path"], [tuple(c) for c in spec["curves"]], spec.get("title", ""),
                 spec.get("ylabel", "test error (%)"), float(spec.get("scale", 100.0)))
   return 0

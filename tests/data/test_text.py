@@ -167,7 +167,7 @@ def test_smoke_run_on_tiny_shakespeare_writes_b_plus_1_records_with_falling_perp
     tmp_path, monkeypatch):
   from alma_jax.reports import plots  # pylint: disable=g-import-not-at-top
   drawn = []
-  monkeypatch.setattr(plots, "run_error_png_in_child", lambda *a: drawn.append(a))
+  monkeypatch.setattr(plots.PlotChild, "draw", lambda self, *a: drawn.append(a))
   wd = str(tmp_path / "run")
   summary = run_lib.run(smoke(vocab_size=0), wd)
   log = records(wd)

@@ -4,8 +4,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import ml_collections
 import numpy as np
@@ -402,6 +404,45 @@ def test_the_drawing_child_process_reports_its_error(tmp_path):
                         cwd=ROOT, capture_output=True, text=True, check=False,
                         env=dict(os.environ, PYTHONPATH=ROOT))
   assert proc.returncode != 0 and "missing_dir" in proc.stderr
+
+
+def _ignores_sigint(pid: int) -> bool:
+  """Whether process `pid` ignores SIGINT (its SigIgn mask in /proc; False once it is gone)."""
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      mask = next(line.split()[1] for line in f if line.startswith("SigIgn:"))
+  except OSError:
+    return False
+  return bool(int(mask, 16) >> (signal.SIGINT - 1) & 1)
+
+
+def test_a_started_drawing_child_survives_a_terminal_interrupt_and_draws(tmp_path):
+  child = plots.PlotChild().start()
+  proc = child._proc  # pylint: disable=protected-access
+  deadline = time.monotonic() + 120
+  while not _ignores_sigint(proc.pid):  # until it has set itself up to ignore Ctrl-C
+    assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
+    time.sleep(0.01)
+  os.kill(proc.pid, signal.SIGINT)  # what a Ctrl-C sends the whole process group
+  path = str(tmp_path / "e.png")
+  assert child.draw(path, [("seed 0", [0, 1], [0.5, 0.25])], "t") is None
+  assert proc.returncode == 0  # the child started first drew it, not a replacement
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_drawing_child_that_died_is_replaced_and_one_never_told_is_stopped(tmp_path):
+  child = plots.PlotChild().start()
+  first = child._proc  # pylint: disable=protected-access
+  first.kill()
+  first.wait()
+  path = str(tmp_path / "e.png")
+  assert child.draw(path, [("seed 0", [0], [0.5])]) is None and os.path.exists(path)
+  idle = plots.PlotChild().start()
+  proc = idle._proc  # pylint: disable=protected-access
+  idle.close()
+  assert proc.returncode is not None and idle._proc is None  # pylint: disable=protected-access
+  idle.close()  # closing twice is harmless
 
 
 # -- the gating tree of a gMoE run -----------------------------------------------------------------
