@@ -15,6 +15,7 @@ import numpy as np
 
 from alma_jax.engine import programs
 from alma_jax.models import slots
+from alma_jax import state as state_lib
 from alma_jax.state import Learner
 
 PyTree = Any
@@ -117,10 +118,9 @@ def member_keys(stacked_keys: jax.Array) -> list[jax.Array]:
 
 def fold(stacked_keys: jax.Array, i: int) -> jax.Array:
   """`jax.random.fold_in(key, i)` for every key of the population: each member's by the one
-  program of a single key's fold (which the policies' and methods' folds share; `i` as a 0-d
-  array, which needs no conversion program), the keys restacked on the host."""
-  data = np.asarray(i, np.uint32)
-  return stack_keys([jax.random.fold_in(k, data) for k in member_keys(stacked_keys)])
+  program of a single key's fold (`alma_jax.state.fold_in`, which every fold shares), the
+  keys restacked on the host."""
+  return stack_keys([state_lib.fold_in(k, i) for k in member_keys(stacked_keys)])
 
 
 def initial(method, stacked_keys: jax.Array, place: Callable | None = None) -> Learner:

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from alma_jax import policies
+from alma_jax import state as state_lib
 from alma_jax.configuration.plugins import methods as declared
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
@@ -435,7 +436,7 @@ class GrowingMoE(declared.GMoE, base.Method):
       if self.opts.max_experts and e >= self.opts.max_experts:
         continue
       leaves[layer] = losing_expert(np.asarray(layer_scores)[:e])
-      keys[layer] = jax.random.fold_in(key, np.asarray(layer, np.uint32))
+      keys[layer] = state_lib.fold_in(key, layer)
       slots[layer] = self.slots(e + 1)
     return split_experts(learner, leaves, keys, self.net.init_scheme, slots)
 

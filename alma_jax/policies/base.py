@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from alma_jax import state as state_lib
 from alma_jax.configuration import fields as F
 from alma_jax.configuration import plugins
 from alma_jax.configuration.plugins import policies as declared
@@ -22,17 +23,10 @@ from alma_jax.errors import ConfigError
 PyTree = Any
 
 
-def _fold_data(i: int) -> np.ndarray:
-  data = np.asarray(i, np.uint32)
-  data.setflags(write=False)
-  return data
-
-
-# A learner's stage key k gives fold_in(k, i): i = 1 re-initialises (a policy), 2 grows before
-# the stage (`Method.before_stage`), 3 trains; 4 is not used. A policy that needs keys of its own
-# folds in FIRST_FREE_KEY or above. As 0-d uint32 arrays (read-only), a fold compiles no
-# conversion of its own (a Python or numpy scalar would).
-REINIT_KEY, GROWTH_KEY, FIRST_FREE_KEY = (_fold_data(i) for i in (1, 2, 5))
+# A learner's stage key k gives fold_in(k, i) (`alma_jax.state.fold_in`): i = 1 re-initialises
+# (a policy), 2 grows before the stage (`Method.before_stage`), 3 trains; 4 is not used. A
+# policy that needs keys of its own folds in FIRST_FREE_KEY or above.
+REINIT_KEY, GROWTH_KEY, FIRST_FREE_KEY = 1, 2, 5
 
 
 class StagePolicy(declared.Declaration):
@@ -72,7 +66,7 @@ class StagePolicy(declared.Declaration):
 
   def grow(self, method, learner, key: jax.Array, ctx):
     """The method's growth before the stage (`Method.before_stage`), with its key."""
-    return method.before_stage(learner, jax.random.fold_in(key, GROWTH_KEY), ctx)
+    return method.before_stage(learner, state_lib.fold_in(key, GROWTH_KEY), ctx)
 
 
 def fresh_trained_units(method, learner, key: jax.Array):
