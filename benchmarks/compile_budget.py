@@ -58,6 +58,9 @@ RUNS = {
 DEFAULT_RUNS = "p3,p4,lm_base,lm_base_unrolled"
 # Traces that count FLOPs (`timing.counting`): no program, not compilation; reported apart.
 ACCOUNTING = "flop_counting"
+# The phases of a program's compilation (`jax.monitoring` event names, last part): tracing to a
+# jaxpr, lowering to StableHLO, and XLA's compilation (or, on a cache hit, loading the program).
+PHASES = ("jaxpr_trace_duration", "jaxpr_to_mlir_module_duration", "backend_compile_duration")
 
 
 def kind_of(fun_name: str, step_prefix: str) -> str:
@@ -80,8 +83,8 @@ def child(out_path: str, argv: list[str]) -> None:
   from jax import monitoring  # pylint: disable=g-import-not-at-top
 
   t0 = time.monotonic()
-  seconds, programs, names = (collections.Counter(), collections.Counter(),
-                             collections.Counter())
+  seconds, programs, names, phases = (collections.Counter(), collections.Counter(),
+                                     collections.Counter(), collections.Counter())
   cache = {"hits": [], "misses": [], "not_written": []}
 
   slow = []  # (seconds since start, function, phase, duration) of every phase over 0.5 s
@@ -91,6 +94,8 @@ def child(out_path: str, argv: list[str]) -> None:
       kind = (ACCOUNTING if timing.counting_now()
               else kind_of(kwargs.get("fun_name", ""), timing.STEP_PREFIX))
       seconds[kind] += duration
+      if kind != ACCOUNTING:
+        phases[event.rsplit("/", 1)[1]] += duration
       if duration > 0.5:
         slow.append((round(time.monotonic() - t0, 1), str(kwargs.get("fun_name", kind)),
                      event.rsplit("/", 1)[1], round(duration, 2)))
@@ -124,6 +129,7 @@ def child(out_path: str, argv: list[str]) -> None:
     with open(out_path + ".tmp", "w") as f:
       json.dump({"wall_s": time.monotonic() - t0, "seconds": dict(seconds),
                  "programs": dict(programs), "names": dict(names.most_common()),
+                 "phases": dict(phases),
                  "slow_phases": slow, **cache}, f)
     os.replace(out_path + ".tmp", out_path)
 
@@ -167,9 +173,10 @@ def _kinds(r: dict, top: int = 4) -> str:
 
 
 def table(results: dict) -> str:
-  lines = ["| run | cache | process s | compile s (share) | FLOP-counting traces s | "
-           "XLA programs | cache hits / requests | compile s / programs by kind | warm misses |",
-           "|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| run | cache | process s | compile s (share) | trace / lower / compile or load s | "
+           "FLOP-counting traces s | XLA programs | cache hits / requests | "
+           "compile s / programs by kind | warm misses |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for name, by_cache in results.items():
     for which, r in by_cache.items():
       asked = len(r["hits"]) + len(r["misses"])
@@ -178,8 +185,11 @@ def table(results: dict) -> str:
                 + (f" (+{len(misses) - 6} more)" if len(misses) > 6 else "")
                 if which == "warm" else "")
       share = r["compile_s"] / r["process_s"] if r["process_s"] > 0 else 0.0
+      ph = r.get("phases", {})
+      phases = " / ".join(f"{ph.get(p, 0.0):.1f}" for p in PHASES)
       lines.append(f"| {name} | {which} | {r['process_s']:.1f} | {r['compile_s']:.1f} "
-                   f"({share:.0%}) | {r.get('counting_s', 0.0):.1f} | {r['xla_programs']} | "
+                   f"({share:.0%}) | {phases} | {r.get('counting_s', 0.0):.1f} | "
+                   f"{r['xla_programs']} | "
                    f"{len(r['hits'])} / {asked} | {_kinds(r)} | "
                    f"{missed or ('none' if which == 'warm' else '')} |")
   return "\n".join(lines)
