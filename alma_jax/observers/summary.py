@@ -61,21 +61,22 @@ class Summary(Observer):
   """The run's summary: CER, Mem, Comp and the rest of `metrics.Log.summary`, the time
   breakdown and the compilations; with several seeds, each seed's summary in its folder and
   their mean and standard deviation at the top. Process 0 writes it, and error.png (drawn
-  by a child process started with the observer, whose imports overlap the run)."""
+  by a child process started with the stream, whose imports overlap the run)."""
 
   def __init__(self, setup: RunContext, signals: interrupts.Signals, clock: Clock):
     self.setup, self.signals, self.clock = setup, signals, clock
     self.plotter = plots.PlotChild()
-    if setup.primary:
-      self.plotter.start()
 
   def on_start(self, state, snapshot) -> None:
-    """A summary exists only once the run is over."""
+    """A summary exists only once the run is over; the child that will draw error.png starts
+    now (the run's checkpoints fitted it), so its imports overlap the run."""
     s = self.setup
     if s.primary and state.t < s.num_t:
       for path in {s.workdir, *s.out_dirs}:
         if os.path.exists(os.path.join(path, wd.SUMMARY_FILE)):
           os.unlink(os.path.join(path, wd.SUMMARY_FILE))
+    if s.primary:
+      self.plotter.start()
 
   def on_end(self, state) -> dict[str, Any]:
     s = self.setup

@@ -373,8 +373,8 @@ class PlotChild:
   """A child process (`python -m alma_jax.reports.plots`) that draws one `run_error_png`, so
   that the caller never imports matplotlib.
 
-  `start` launches it early: it imports matplotlib and draws a throwaway figure (fonts
-  loaded) while the caller goes on, then waits for its figure's JSON on stdin. `draw` sends
+  `start` launches it early: it imports matplotlib while the caller goes on, then waits for
+  its figure's JSON on stdin. `draw` sends
   the figure and waits for it (a child that was not started, or has died, is replaced by a
   fresh one); `close` stops a child that was never told to draw.
   """
@@ -430,17 +430,15 @@ class PlotChild:
 
 def main() -> int:
   """Draws `run_error_png` of {"path", "title", "curves": [[label, t, errors], ...]} on stdin;
-  nothing when stdin is empty. Before it reads, it loads what drawing needs."""
+  nothing when stdin is empty. Before it reads, it imports what drawing needs."""
   import signal  # pylint: disable=g-import-not-at-top
   # A Ctrl-C at the terminal reaches the whole process group: the parent decides (it closes
   # this process's stdin), so the child neither dies half-way through a figure nor prints a
   # traceback.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
-  import io  # pylint: disable=g-import-not-at-top
-  fig, (ax,) = subplots(1, 1.0, 1.0)
-  ax.plot([0, 1], [0, 1], label="x")
-  style.finish(ax, "t", "y", "warm-up")
-  fig.savefig(io.BytesIO(), format="png", dpi=10)
+  # What drawing imports (most of a drawing's time), before the figure is asked for.
+  import matplotlib.backends.backend_agg  # pylint: disable=g-import-not-at-top,unused-import
+  import matplotlib.figure  # pylint: disable=g-import-not-at-top,unused-import
   text = sys.stdin.read()
   if not text.strip():
     return 0
