@@ -7,8 +7,8 @@ over seeds (`xerr`, `yerr`) — draws exactly that, writes `<name>.png` and
 can check what was drawn. `run_error_png` is the small error-vs-time figure
 that each finished run writes into its workdir; a run draws it in a child
 process (`PlotChild`: `python -m alma_jax.reports.plots` with the figure's JSON on stdin),
-started when the run starts so that its imports overlap the run, and the training process
-never imports matplotlib.
+started when the stream starts so that its imports overlap the run, and the training
+process never imports matplotlib.
 
 The figures share one look (`alma_jax.reports.plot_style`): a colour per method, the
 same in every figure and report, lighter or darker for its variants (e.g.
@@ -374,9 +374,9 @@ class PlotChild:
   that the caller never imports matplotlib.
 
   `start` launches it early: it imports matplotlib while the caller goes on, then waits for
-  its figure's JSON on stdin. `draw` sends
-  the figure and waits for it (a child that was not started, or has died, is replaced by a
-  fresh one); `close` stops a child that was never told to draw.
+  its figure's JSON on stdin. `draw` sends the figure and waits for it (a child that was not
+  started, or has died, is replaced by a fresh one); `close` stops a child that was never
+  told to draw.
   """
 
   def __init__(self):
@@ -407,7 +407,10 @@ class PlotChild:
     spec = json.dumps({"path": path, "curves": [list(c) for c in curves], "title": title,
                        "ylabel": ylabel, "scale": scale})
     try:
-      if proc is None or proc.poll() is not None:
+      if proc is not None and proc.poll() is not None:  # it died: reaped, then replaced
+        proc.communicate()
+        proc = None
+      if proc is None:
         proc = self._launch()
       _, err = proc.communicate(spec, timeout=300)
     except subprocess.TimeoutExpired as e:
