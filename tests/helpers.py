@@ -14,6 +14,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import alma_jax
 from alma_jax import methods
@@ -205,6 +206,15 @@ def tree_digest(path):
       with open(p, "rb") as f:
         h.update(f.read())
   return h.hexdigest()
+
+
+def interrupt(config, wd, point, monkeypatch) -> None:
+  """Runs `config` in `wd` (in this process) until SIGINT stops it at kill point `point`."""
+  with monkeypatch.context() as m:
+    m.setenv("ALMA_JAX_TEST_KILL_AT", point)
+    m.setenv("ALMA_JAX_TEST_KILL_SIGNAL", "SIGINT")
+    with pytest.raises(run_lib.RunInterrupted):
+      run_lib.run(config, wd)
 
 
 def kill_env(kill_at=None, sig="SIGKILL") -> dict:

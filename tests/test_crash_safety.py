@@ -136,22 +136,13 @@ def test_sigterm_inside_a_stage_saves_it_and_the_stage_continues_there(tmp_path)
 
 
 @requires_mnist
-def _interrupt(config, wd, point, monkeypatch):
-  """Runs `config` in `wd` (in this process) until SIGINT stops it at kill point `point`."""
-  with monkeypatch.context() as m:
-    m.setenv("ALMA_JAX_TEST_KILL_AT", point)
-    m.setenv("ALMA_JAX_TEST_KILL_SIGNAL", "SIGINT")
-    with pytest.raises(run.RunInterrupted):
-      run.run(config, wd)
-
-
 def test_a_stage_save_of_another_stage_or_damaged_is_not_used(tmp_path, monkeypatch):
   c = helpers.smoke()
   c.checkpoint.stage_every_epochs = 1
   base = str(tmp_path / "base")
   run.run(c, base)
   wd = str(tmp_path / "wd")
-  _interrupt(c, wd, "t=2:stage_saved", monkeypatch)
+  helpers.interrupt(c, wd, "t=2:stage_saved", monkeypatch)
   stage_dir = os.path.join(wd, "checkpoints_stage")
   (step,) = [n for n in os.listdir(stage_dir) if n.isdigit()]
   _flip_bits(os.path.join(stage_dir, step), random.Random(0), 400)
@@ -343,7 +334,7 @@ def test_a_changed_input_file_is_refused_on_resume(tmp_path, monkeypatch):
   c.mesh.num_devices = 1
   c.data.text_file, c.data.name = str(text), "book"
   wd = str(tmp_path / "wd")
-  _interrupt(c, wd, "t=2:saved", monkeypatch)
+  helpers.interrupt(c, wd, "t=2:saved", monkeypatch)
   text.write_text(text.read_text().replace("lazy dog", "sleepy cat"), encoding="utf-8")
   with pytest.raises(ckpt_lib.IncompatibleCheckpointError,
                      match=r"written from other input data than config\.data\.text_file="):

@@ -309,15 +309,6 @@ def test_triggered_costs_are_a_geometric_run_s_plus_its_evaluations(tmp_path):
 
 
 # -- resume ----------------------------------------------------------------------------------------
-def _interrupt(config, wd, point, monkeypatch):
-  """Runs `config` in `wd` (in this process) until SIGINT stops it at kill point `point`."""
-  with monkeypatch.context() as m:
-    m.setenv("ALMA_JAX_TEST_KILL_AT", point)
-    m.setenv("ALMA_JAX_TEST_KILL_SIGNAL", "SIGINT")
-    with pytest.raises(run.RunInterrupted):
-      run.run(config, wd)
-
-
 @requires_mnist
 @pytest.mark.parametrize("fields", [
     {"stream__wait_policy": "geometric", "stream__geometric_ratio": 3.0},
@@ -334,8 +325,8 @@ def test_waiting_policies_resume_mid_stream_to_identical_records(fields, tmp_pat
   wd = str(tmp_path / "interrupted")
   # After a waited step's record (its checkpoint is the last stage's: the step is decided
   # again), then inside the last stage (its save continues it).
-  _interrupt(config, wd, f"t={waited[0]}:log", monkeypatch)
-  _interrupt(config, wd, f"t={trained[-1]}:epoch", monkeypatch)
+  helpers.interrupt(config, wd, f"t={waited[0]}:log", monkeypatch)
+  helpers.interrupt(config, wd, f"t={trained[-1]}:epoch", monkeypatch)
   run.run(config, wd)
   assert helpers.outputs(wd) == expected
 
