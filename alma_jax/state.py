@@ -47,12 +47,17 @@ class Learner:
 
 @struct.dataclass
 class TrainState:
-  """What a train step updates: trainable params, optimizer and model state (and frozen params)."""
+  """What a train step updates: trainable params, optimizer and model state (and frozen params).
+
+  `anchor` (None unless the loss pulls the parameters toward it, `train.l2_init`): the
+  trainable part of the run's initial parameters, passed through unchanged.
+  """
 
   trainable: PyTree
   frozen: PyTree
   model_state: PyTree
   opt_state: PyTree
+  anchor: PyTree = None
 
 
 @struct.dataclass
@@ -112,6 +117,8 @@ class RunState:
     errors: each seed's test error of `learner` (None: not evaluated yet).
     nll: each seed's mean test NLL of `learner` (the task's record fields come from it).
     stats: the stage trained at time step `t` (None: the learner did not train at `t`).
+    policy_memo: each seed's memory of the stage policy (`alma_jax.policies.Started.memo`),
+      or None (it remembers nothing, or no stage has started yet).
   """
 
   logs: list  # of `alma_jax.engine.metrics.Log`
@@ -120,6 +127,7 @@ class RunState:
   errors: np.ndarray | None = None
   nll: np.ndarray | None = None
   stats: StageStats | None = None
+  policy_memo: tuple | None = None
 
   @property
   def t(self) -> int:

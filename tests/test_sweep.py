@@ -332,20 +332,23 @@ def test_the_findings_grid_expands_as_documented(tmp_path, capsys):
 
 def test_the_beyond_grid_expands_as_documented(tmp_path, capsys):
   # launch/grids/beyond.py, REPRODUCTION.md's "Beyond the paper": H in {4, 64} x (6 fixed
-  # waits, 4 geometric, 2 scratch, 4 shrink-and-perturb) with three seeds in one run each; the
-  # 4 triggered points one run per seed (each seed decides its own training times).
+  # waits, 2 geometric, 5 warm starts at w in {1, 10}) with three seeds in one run each; the
+  # 2 triggered points one run per seed (each seed decides its own training times). Every
+  # run records the plasticity diagnostics.
   assert sweep.main([f"--root={tmp_path}", "--grid_file=launch/grids/beyond.py",
                      "--dry_run"]) == 0
   lines = capsys.readouterr().out.strip().splitlines()
-  assert len(lines) == 2 * 16 + 2 * 4 * 3
-  together = [l for l in lines if "--config.seed=0 --config.num_seeds=3" in l]
-  assert len(together) == 32
+  assert len(lines) == 2 * 18 + 2 * 2 * 3
+  together = [l for l in lines if "--config.seed=0 " in l and "--config.num_seeds=3" in l]
+  assert len(together) == 36
   apart = [l for l in lines if "num_seeds" not in l]
-  assert len(apart) == 24 and all("--config.stream.wait_policy=triggered" in l for l in apart)
-  assert sum("--config.stream.wait_policy=geometric" in l for l in together) == 8
-  assert sum("--config.stream.warm_start=shrink_perturb" in l for l in together) == 8
+  assert len(apart) == 12 and all("--config.stream.wait_policy=triggered" in l for l in apart)
+  assert sum("--config.stream.wait_policy=geometric" in l for l in together) == 4
+  for policy in ("scratch", "shrink_perturb", "redo", "continual_backprop", "l2_init"):
+    assert sum(f"--config.stream.warm_start={policy} " in l for l in together) == 4, policy
   assert all("--config.stream.wait=1 " in l for l in lines if "wait_policy" in l)
-  assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == 56
+  assert all("--config.log.plasticity=True" in l for l in lines)
+  assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == 48
 
 
 def test_the_cifar_grids_expand_as_documented(tmp_path, capsys):

@@ -190,6 +190,17 @@ BASE_FIELDS = (
     F.Field("log.progress", "full", F.choice(("off", "stage", "full"), "levels"),
             "progress lines: full (compile lines, running lines with speed and ETAs, a "
             "heartbeat), stage (a line per training stage), or off", resumable=True),
+    F.Field("log.plasticity", False, F.boolean(),
+            "add plasticity diagnostics to every record (alma_jax.engine.plasticity): the "
+            "parameters' norm and distance from the run's initial ones and, for a method with "
+            "hidden units (sm on mlp or vgg), the fraction of dormant units per layer and the "
+            "effective rank of the last hidden layer's features on a fixed probe set"),
+    F.Field("log.dormant_threshold", 0.025, F.number(0.0, 1.0),
+            "log.plasticity: a unit is dormant when its activity over its layer's mean is at "
+            "most this (ReDo's tau; 0: dead units alone)"),
+    F.Field("log.plasticity_probe", 512, F.integer(1),
+            "log.plasticity: the probe set, the first this many examples of the training "
+            "split (unaugmented; the same for every time step and seed)"),
     F.Field("log.tensorboard", True, F.boolean(),
             "write TensorBoard event files (per time step and per epoch) into the workdir",
             resumable=True),
@@ -219,7 +230,10 @@ F.declare(BASE_FIELDS)
 # config.json) ran as its default does, so absent and default are the same run.
 ADDED_FIELDS = ("stream.warm_start", "stream.wait_policy", "stream.shrink", "stream.perturb",
                 "stream.geometric_w0", "stream.geometric_ratio", "stream.trigger_margin",
-                "stream.trigger_fraction", "stream.trigger_min_wait", "stream.trigger_max_wait")
+                "stream.trigger_fraction", "stream.trigger_min_wait", "stream.trigger_max_wait",
+                "stream.redo_threshold", "stream.cbp_fraction", "stream.cbp_maturity",
+                "train.l2_init", "log.plasticity", "log.dormant_threshold",
+                "log.plasticity_probe")
 # Fields declared after runs were written whose default is not how those runs ran: a config
 # that lacks one ran with the value given here.
 ADDED_WITH_OLD_VALUE = {

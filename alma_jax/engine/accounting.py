@@ -168,7 +168,8 @@ def _step_flops(programs: Programs, learner: Learner) -> dict[str, float]:
   d, b = method.num_data_orders(structure), programs.batch_size
   spec = jax.ShapeDtypeStruct
   state = TrainState(trainable, frozen, learner.model_state,
-                     jax.eval_shape(programs.tx.init, trainable))
+                     jax.eval_shape(programs.tx.init, trainable),
+                     trainable if programs.l2_init else None)  # the l2_init term counts too
   rng = jax.eval_shape(lambda: jax.random.key(0))
   idx, mask = spec((d, b), jnp.int32), spec((d, b), jnp.bool_)
   train = count(programs.step_body(structure, method), state, programs.data, idx, mask, rng)

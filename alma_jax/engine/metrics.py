@@ -32,6 +32,10 @@ RECORD_KEYS = (
 )
 
 
+# Plasticity diagnostics (`log.plasticity`) whose last value the summary holds (`final_<k>`).
+PLASTICITY_FINAL = ("dormant_fraction", "feature_rank", "param_norm", "init_distance")
+
+
 @dataclasses.dataclass(frozen=True)
 class Record:
   """What the environment measures at time step `t` of the stream.
@@ -212,6 +216,8 @@ class Log:
         "num_stages": self.num_stages,
         "wall_s": float(sum(r.wall_s for r in self.records)),
         **({} if self.comp_trigger is None else {"comp_trigger": self.comp_trigger}),
+        **{f"final_{k}": float(self.records[-1].extra[k]) for k in PLASTICITY_FINAL
+           if self.records and k in self.records[-1].extra},
     }
 
 

@@ -108,16 +108,20 @@ class Passes:
 
     return build
 
-  def reduce(self, fn: Callable, learner: Learner, idx: np.ndarray) -> PyTree:
+  def reduce(self, fn: Callable, learner: Learner, idx: np.ndarray, *,
+             count: bool = True) -> PyTree:
     """Sums `fn(structure, params, model_state, x, y, mask, task)` over batches of training
-    examples `idx` (unaugmented) for one (unstacked) learner, in float64 on the host."""
+    examples `idx` (unaugmented) for one (unstacked) learner, in float64 on the host; its
+    FLOPs count as a pass over data unless `count` is false (a measurement of the run, not
+    work of the learner)."""
     build = self._pass_body(fn)
     learner, total = self.programs.place(learner, stacked=False), None
     program = self.method.program_structure(learner.structure)
     for b in self._train_batches(idx):
       compiled = self.programs.pass_fn("reduce", fn, learner, lambda: build(program), b)
       args = (learner.params, learner.model_state, self.data, b)
-      self.costs.add("reduce", fn, learner, build, b)
+      if count:
+        self.costs.add("reduce", fn, learner, build, b)
       out = jax.tree.map(lambda a: np.asarray(a, np.float64), compiled(*args))
       total = out if total is None else jax.tree.map(np.add, total, out)
     return total

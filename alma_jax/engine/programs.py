@@ -172,8 +172,9 @@ class Programs:
   def __init__(self, method: Method, task, tx: optax.GradientTransformation, data, mesh, *,
                batch_size: int, eval_batch_size: int, steps_per_call: int = 1, rules=None,
                compute_dtype: str = "float32", step_fusion: str = "same",
-               eval_fusion: str = "same"):
+               eval_fusion: str = "same", l2_init: float = 0.0):
     self.method, self.task, self.tx, self.mesh = method, task, tx, mesh
+    self.l2_init = float(l2_init)  # the coefficient of ||trainable - anchor||^2 in the loss
     self.compute_dtype = compute_dtype  # of the train and evaluation programs (`precision`)
     self.layout = sharding.Layout(mesh, rules)
     self.leaf_axes = sharding.leaf_axes_by_pattern(method.LEAF_AXES)
@@ -191,11 +192,13 @@ class Programs:
     self._cache: dict[tuple, Program] = {}
     self._utilities: dict[tuple, Callable] = {}  # small programs of this run that are not steps
     self.listener: CompileListener | None = None  # hears of each compilation of a step
-    def start(learner: Learner, opt_state) -> TrainState:
+    def start(learner: Learner, opt_state, anchor: Learner | None) -> TrainState:
       trainable, frozen = jax.vmap(method.partition)(learner)
       opt_state = (jax.vmap(tx.init)(trainable) if opt_state is None
                    else sharding.copies(opt_state))
-      return TrainState(*sharding.copies((trainable, frozen, learner.model_state)), opt_state)
+      anchor = None if anchor is None else jax.vmap(method.partition)(anchor)[0]
+      return TrainState(*sharding.copies((trainable, frozen, learner.model_state)), opt_state,
+                        anchor)
 
     # A stage's train state in one program per structure: the learner split into trained and
     # frozen parts, copies of its arrays (the train step donates them) and the optimizer's
@@ -293,13 +296,24 @@ class Programs:
     method, task, tx = method or self.method, self.task, self.tx
     loss_fn = precision.loss_in(self.compute_dtype, functools.partial(method.loss, structure))
 
+    coef = self.l2_init
+
+    def objective(trainable, frozen, model_state, x, y, mask, rng, anchor):
+      loss, model_state = loss_fn(trainable, frozen, model_state, x, y, mask, rng)
+      if anchor is not None and coef:  # c * ||theta - theta_0||^2 (L2 Init)
+        loss = loss + coef * sum(jnp.sum(jnp.square(a.astype(jnp.float32) - b))
+                                 for a, b in zip(jax.tree.leaves(trainable),
+                                                 jax.tree.leaves(anchor)))
+      return loss, model_state
+
     def step(state: TrainState, data, idx, mask, rng):
       x, y = task.inputs(data, idx, rng)
-      (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-          state.trainable, state.frozen, state.model_state, x, y, mask, jax.random.fold_in(rng, 1))
+      (loss, model_state), grads = jax.value_and_grad(objective, has_aux=True)(
+          state.trainable, state.frozen, state.model_state, x, y, mask, jax.random.fold_in(rng, 1),
+          state.anchor)
       updates, opt_state = tx.update(grads, state.opt_state, state.trainable)
       return TrainState(optax.apply_updates(state.trainable, updates), state.frozen, model_state,
-                        opt_state), loss.astype(jnp.float32)  # reported, in any precision
+                        opt_state, state.anchor), loss.astype(jnp.float32)  # in any precision
 
     return step
 
@@ -346,11 +360,15 @@ class Programs:
         self.chunk_body(structure), (0, None, 0, 0, None), num), shardings, donate=(0,))
     return fn(state, self.data, batch, keys, counter)
 
-  def init_state(self, learner: Learner, opt_state=None) -> TrainState:
+  def init_state(self, learner: Learner, opt_state=None, anchor: Learner | None = None
+                 ) -> TrainState:
     """The train state of a stacked `learner`, placed with its shardings (copies: the train
-    step donates it)."""
-    state = self._start_state(learner.replace(structure=self.seen_structure(learner.structure)),
-                              opt_state)
+    step donates it); `anchor` (stacked, same structure): the parameters that the loss's
+    `l2_init` term pulls toward (None: no such term)."""
+    structure = self.seen_structure(learner.structure)
+    state = self._start_state(learner.replace(structure=structure), opt_state,
+                              None if anchor is None or not self.l2_init
+                              else anchor.replace(structure=structure))
     return sharding.put(state, self.shardings(state))
 
   def combine(self, learner: Learner, trainable) -> PyTree:

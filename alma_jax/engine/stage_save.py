@@ -76,7 +76,8 @@ def restore(checkpoints: StageCheckpoints, state: TrainState, p: Progress, rngs,
     rng.bit_generator.state = st
   timer.add(pos["timings"])
   a = arrays["state"]
-  state = TrainState(a["trainable"], a["frozen"], a["model_state"], a["opt_state"])
+  state = TrainState(a["trainable"], a["frozen"], a["model_state"], a["opt_state"],
+                     state.anchor)  # not saved: the stage's own
   losses = [np.asarray(l, np.float32) for l in pos["losses"]]
   finite = None if pos["finite"] is None else np.asarray(pos["finite"], bool)
   return state, p, Resume(int(pos["epoch"]), int(pos["next_call"]), losses, finite)

@@ -52,11 +52,11 @@ class Steps:
   def __init__(self, method: Method, task, tx, data, mesh, *, batch_size: int,
                eval_batch_size: int, steps_per_call: int = 1, rules=None,
                compute_dtype: str = "float32", stage: StageOptions = StageOptions(),
-               step_fusion: str = "same", eval_fusion: str = "same"):
+               step_fusion: str = "same", eval_fusion: str = "same", l2_init: float = 0.0):
     self.programs = programs_lib.Programs(
         method, task, tx, data, mesh, batch_size=batch_size, eval_batch_size=eval_batch_size,
         steps_per_call=steps_per_call, rules=rules, compute_dtype=compute_dtype,
-        step_fusion=step_fusion, eval_fusion=eval_fusion)
+        step_fusion=step_fusion, eval_fusion=eval_fusion, l2_init=l2_init)
     p = self.programs
     self.method, self.task, self.tx, self.mesh, self.data = p.method, p.task, p.tx, p.mesh, p.data
     self.batch_size, self.eval_batch_size = p.batch_size, p.eval_batch_size
@@ -82,7 +82,8 @@ class Steps:
                                     if f.name != "stage_program"),
                                   stage_program=_chosen(t, "train.stage_program")),
                step_fusion=_chosen(t, "train.step_fusion"),
-               eval_fusion=_chosen(t, "train.eval_fusion"))
+               eval_fusion=_chosen(t, "train.eval_fusion"),
+               l2_init=F.get(t, "train.l2_init"))
 
   # -- the compile cache and placement (`alma_jax.engine.programs`) ------------------------------------
   @property
@@ -113,8 +114,9 @@ class Steps:
   def train_call(self, structure, state: TrainState, batch: Batch, keys, counter):
     return self.programs.train_call(structure, state, batch, keys, counter)
 
-  def init_state(self, learner: Learner, opt_state=None) -> TrainState:
-    return self.programs.init_state(learner, opt_state)
+  def init_state(self, learner: Learner, opt_state=None, anchor: Learner | None = None
+                 ) -> TrainState:
+    return self.programs.init_state(learner, opt_state, anchor)
 
   # -- passes over data (`alma_jax.engine.passes`) -------------------------------------------------------
   def evaluate_units(self, learner: Learner, split: str, idx: np.ndarray):
@@ -126,8 +128,9 @@ class Steps:
   def eval_aux(self, learner: Learner, idx: np.ndarray) -> PyTree:
     return self.passes.eval_aux(learner, idx)
 
-  def reduce(self, fn: Callable, learner: Learner, idx: np.ndarray) -> PyTree:
-    return self.passes.reduce(fn, learner, idx)
+  def reduce(self, fn: Callable, learner: Learner, idx: np.ndarray, *,
+             count: bool = True) -> PyTree:
+    return self.passes.reduce(fn, learner, idx, count=count)
 
   def scan(self, fn: Callable, carry: PyTree, learner: Learner, idx: np.ndarray) -> PyTree:
     return self.passes.scan(fn, carry, learner, idx)

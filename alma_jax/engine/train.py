@@ -40,12 +40,14 @@ from alma_jax.state import Learner, StageStats, StopState, TrainState
 @dataclasses.dataclass(frozen=True)
 class StageData:
   """A stage's data: (S, n) training and (S, m) validation indices into the training split,
-  (S,) PRNG keys (data order, augmentation), and the time step (for messages)."""
+  (S,) PRNG keys (data order, augmentation), the time step (for messages), and the stacked
+  parameters the loss's `train.l2_init` term pulls toward (None: the run's loss has none)."""
 
   train_idx: np.ndarray
   val_idx: np.ndarray
   keys: jax.Array
   t: int = 0
+  anchor: Learner | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +121,7 @@ def fit_stage(steps: Steps, learner: Learner, data: StageData, opt_state=None,
   if whole and not rule.exact:  # the program decides on exact counts (`epoch.Rule`)
     raise ValueError(f"a whole-stage program needs a task whose examples are right or wrong; "
                      f"task {type(steps.task).__name__} trains per epoch")
-  state = steps.init_state(learner, opt_state)
+  state = steps.init_state(learner, opt_state, data.anchor)
   # Placed once: every call of the stage takes them as they are (`sharding.put_args`).
   data = dataclasses.replace(data, keys=steps.place_replicated(data.keys))
   rngs = population.numpy_rngs(data.keys)

@@ -143,6 +143,18 @@ class Method(declared.Declaration):
     """The learner without its padding slots: what Mem and Comp count (default: itself)."""
     return learner
 
+  # -- hidden units (`alma_jax.models.units`) --------------------------------------------
+  def unit_layout(self):
+    """The hidden layers of the learner whose units the plasticity diagnostics measure and
+    the unit-reset policies re-draw (a `alma_jax.models.registry.WidthLayout` with its
+    `units`), or None: the method exposes none (the default)."""
+    return None
+
+  def hidden_units(self, structure, params, model_state, x) -> list:
+    """Each hidden layer's output after its activation on a batch `x` (inference mode), in
+    the order of `unit_layout()`'s layers; only for methods with a `unit_layout`."""
+    raise NotImplementedError(f"method {self.name!r} exposes no hidden units")
+
   def counted(self) -> "Method":
     """The method whose traced programs Comp counts (`alma_jax.engine.accounting`): the same
     learning algorithm in one canonical execution form, so that the FLOPs counted do not

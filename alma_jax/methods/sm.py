@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from typing import Hashable
 
+import functools
+
 import jax
 
+from alma_jax.models import registry as backbones
 from alma_jax.configuration.plugins import methods as declared
 from alma_jax.methods import base
 from alma_jax.methods.registry import register
@@ -27,3 +30,26 @@ class SingleModel(declared.SM, base.SingleBackbone, base.Method):
   def outputs(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):
     del structure
     return self.forward_backbone(params, model_state, x, train=train, mask=mask, rng=rng)
+
+  @functools.cache
+  def unit_layout(self):
+    """The backbone's growable layers (`BackboneSpec.width_layout`) where it sows their units
+    (`WidthLayout.units`); None for a backbone without them (the Switch Transformer)."""
+    build = backbones.spec(self.config.model.name).width_layout
+    layout = None if build is None else build(self.config.model, self.num_classes)
+    return layout if layout is not None and layout.units else None
+
+  def hidden_units(self, structure, params, model_state, x) -> list:
+    del structure
+    layout = self.unit_layout()
+    if layout is None:
+      return super().hidden_units((), params, model_state, x)
+    _, sown = self.backbone.apply({"params": params, **model_state}, x, train=False,
+                                  mutable=["intermediates"])
+    found = []
+    for path in layout.units:
+      node = sown["intermediates"]
+      for k in path:
+        node = node[k]
+      found.append(node[0])
+    return found

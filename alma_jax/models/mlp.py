@@ -46,6 +46,7 @@ class MLP(nn.Module):
       x = nn.relu(inits.dense(width, self.init_scheme, x.shape[-1], f"dense{i}")(x))
       if active is not None:
         x = x * active[i].astype(x.dtype)
+      self.sow("intermediates", f"units{i}", x)  # kept only when the caller asks for them
     return inits.dense(self.num_classes, self.init_scheme, x.shape[-1], "head")(x)
 
 
@@ -73,7 +74,8 @@ def width_layout(model_config, num_classes: int) -> registry.WidthLayout:
   return registry.WidthLayout(
       kernels=tuple((f"dense{l}", "kernel") for l in range(depth)),
       vectors=tuple(((((f"dense{l}", "bias"), 0.0),) for l in range(depth))),
-      stats=tuple(() for _ in range(depth)), build=build)
+      stats=tuple(() for _ in range(depth)), build=build,
+      units=tuple((f"units{l}",) for l in range(depth)))
 
 
 def mixture(model_config, num_classes: int) -> registry.Mixture:

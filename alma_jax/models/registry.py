@@ -40,6 +40,9 @@ class WidthLayout:
     build: `build(widths)`, the backbone with one width per growable layer; equal widths
       give the parameters of `make_backbone`'s module of that width.
     head: the path of the classifier kernel (inputs, classes).
+    units: per layer, the path in the `intermediates` collection where the backbone sows the
+      layer's output after its activation (`Module.sow`, kept only when an apply asks for
+      that collection): what the plasticity diagnostics and unit resets read.
   """
 
   kernels: tuple[Path, ...]
@@ -47,6 +50,7 @@ class WidthLayout:
   stats: tuple[tuple[tuple[Path, float], ...], ...]
   build: Callable[[tuple[int, ...]], nn.Module] = dataclasses.field(compare=False)
   head: Path = ("head", "kernel")
+  units: tuple[Path, ...] = ()
 
   @property
   def num_layers(self) -> int:

@@ -67,6 +67,7 @@ class ConvBlock(nn.Module):
       x = nn.relu(x)
       if active is not None:
         x = x * active[i].astype(x.dtype)
+      self.sow("intermediates", f"units{i}", x)  # kept only when the caller asks for them
     return max_pool_2x2(x)
 
 
@@ -114,7 +115,7 @@ def width_layout(model_config, num_classes: int) -> registry.WidthLayout:
       vectors=tuple((((b, bn, "scale"), 1.0), ((b, bn, "bias"), 0.0)) for b, _, bn in names),
       stats=tuple(((("batch_stats", b, bn, "mean"), 0.0), (("batch_stats", b, bn, "var"), 1.0))
                   for b, _, bn in names),
-      build=build)
+      build=build, units=tuple((b, c.replace("conv", "units")) for b, c, _ in names))
 
 
 def mixture(model_config, num_classes: int) -> registry.Mixture:

@@ -29,6 +29,10 @@ from alma_jax.outputs import stage_checkpoint
 from alma_jax.outputs import workdir as wd
 
 
+# The key of the checkpoint's facts that holds each seed's stage-policy memory.
+POLICY_MEMO = "stage_policy_memo"
+
+
 def due(config, t: int, stage: int, trained: bool, last: int) -> bool:
   """Whether time step `t` (after the `stage`-th stage) gets a stream checkpoint."""
   return t in (0, last) or (trained and stage % config.checkpoint.every == 0)
@@ -103,6 +107,8 @@ class Checkpoints(Observer):
       self.finish(critical=False)  # the previous checkpoint (mostly written by now)
       extra = dict(self.clock.facts(), config=wd.config_dict(s.config), inputs=s.inputs,
                    architecture=self.architecture.lines)
+      if state.policy_memo is not None:
+        extra[POLICY_MEMO] = list(state.policy_memo)
       # The optimizer state is part of the state only when stages share it.
       kept = state.opt_state if s.config.train.keep_optimizer_state else None
       records = [{"t": j, "seeds": [log.records[j].to_dict() for log in state.logs]}

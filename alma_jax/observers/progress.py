@@ -12,6 +12,11 @@ from alma_jax.observers.base import Observer, RunContext
 from alma_jax.observers.clock import Clock
 
 
+# The record fields of the plasticity diagnostics that a full progress line shows.
+PLASTICITY_SHOWN = ("dormant_fraction", "feature_rank", "param_norm", "init_distance",
+                    "units_reset")
+
+
 class Progress(Observer):
   """Logs each stage's epochs, validation accuracy, test error and architecture, with the
   position in the stream and the run's ETA (`config.log.progress` stage or full; process 0
@@ -29,6 +34,11 @@ class Progress(Observer):
     task_fields = s.task.progress([log.records[-1] for log in state.logs])
     if task_fields:
       arch = f"{task_fields} {arch}"
+    if self.meter.full:  # the plasticity diagnostics of the first seed (`log.plasticity`)
+      first = state.logs[0].records[-1].extra
+      shown = [f"{k}={first[k]:.3g}" for k in PLASTICITY_SHOWN if k in first]
+      if shown:
+        arch = f"{arch} {' '.join(shown)}"
     where = f"t={t}/{s.num_t} ({100.0 * t / s.num_t:.0f}%)"
     if len(s.seeds) == 1:
       line = (f"{where} epochs={stats.epochs_run[0]} best_val_acc={stats.best_val_accuracy[0]:.4f} "

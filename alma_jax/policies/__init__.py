@@ -19,12 +19,12 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from alma_jax.policies.base import (Decision, StagePolicy, WaitPolicy, check_wait, make_stage,
-                                    make_wait, register, stage_names,
+from alma_jax.policies.base import (Decision, StagePolicy, Started, WaitPolicy, check_stage,
+                                    check_wait, make_stage, make_wait, register, stage_names,
                                     wait_class, wait_names)
 
 for _info in pkgutil.iter_modules(__path__):
   importlib.import_module(f"{__name__}.{_info.name}")
 
-__all__ = ["Decision", "StagePolicy", "WaitPolicy", "check_wait", "make_stage", "make_wait",
-           "register", "stage_names", "wait_class", "wait_names"]
+__all__ = ["Decision", "StagePolicy", "Started", "WaitPolicy", "check_stage", "check_wait",
+           "make_stage", "make_wait", "register", "stage_names", "wait_class", "wait_names"]

@@ -19,6 +19,7 @@ from alma_jax.configuration import fields as F
 from alma_jax.configuration import plugins
 from alma_jax.configuration.plugins import policies as declared
 from alma_jax.errors import ConfigError
+from alma_jax.models import registry as backbones
 
 PyTree = Any
 
@@ -48,6 +49,20 @@ class StagePolicy(declared.Declaration):
   def __init__(self, config):
     self.config = config
 
+  @classmethod
+  def check(cls, config) -> None:
+    """Raises `ConfigError` for a config the policy cannot serve (its method, its fields)."""
+    del config
+
+  def start(self, method, learner, key: jax.Array, ctx, opt_state: PyTree | None,
+            memo: dict | None) -> "Started":
+    """`start_stage` with the policy's memory of this learner: `memo` is what the previous
+    stage's `start` returned (None before the first stage), a JSON-able dict that the run's
+    checkpoints keep, so a resumed run starts its stages as an uninterrupted one does. A
+    policy that remembers nothing (the default) implements `start_stage` alone."""
+    learner, opt_state = self.start_stage(method, learner, key, ctx, opt_state)
+    return Started(learner, opt_state, memo)
+
   def start_stage(self, method, learner, key: jax.Array, ctx, opt_state: PyTree | None):
     """(learner, optimizer state) that the stage at `ctx.t` trains from.
 
@@ -67,6 +82,40 @@ class StagePolicy(declared.Declaration):
   def grow(self, method, learner, key: jax.Array, ctx):
     """The method's growth before the stage (`Method.before_stage`), with its key."""
     return method.before_stage(learner, state_lib.fold_in(key, GROWTH_KEY), ctx)
+
+
+def check_unit_resets(config, policy: str) -> None:
+  """Raises `ConfigError` unless a policy that re-draws hidden units (`policy`) can serve the
+  config: a method with hidden units it exposes (`Method.unit_layout`: sm on a backbone
+  that sows them) and a fresh optimizer state at every stage (a kept one would hold the
+  moments of the weights before they were re-drawn)."""
+  method = plugins.method(config.method.name).name
+  build = backbones.spec(config.model.name).width_layout
+  if method != "sm" or build is None or not build(config.model, 2).units:
+    able = backbones.names(lambda s: s.width_layout is not None)
+    raise ConfigError(f"config.stream.warm_start={policy!r} re-draws hidden units, which "
+                      f"method {method!r} on backbone {config.model.name!r} does not expose; "
+                      f"valid: config.method.name='sm' with config.model.name in {able}")
+  if bool(F.get(config.train, "train.keep_optimizer_state")):
+    raise ConfigError(f"config.train.keep_optimizer_state=True is not supported by "
+                      f"config.stream.warm_start={policy!r}: the kept moments belong to the "
+                      f"weights before they were re-drawn; allowed values: [False]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Started:
+  """What `StagePolicy.start` returns for one learner.
+
+  Attributes:
+    learner, opt_state: what the stage trains from (as `StagePolicy.start_stage`).
+    memo: the policy's memory of the learner for its next stage (JSON-able; None: none).
+    fields: record fields of the stage's time step (e.g. how many units were re-drawn).
+  """
+
+  learner: Any
+  opt_state: Any
+  memo: dict | None = None
+  fields: dict = dataclasses.field(default_factory=dict)
 
 
 def fresh_trained_units(method, learner, key: jax.Array):
@@ -208,6 +257,15 @@ def _make(kind: type, config):
 def make_stage(config) -> StagePolicy:
   """The stage policy that `config.stream.warm_start` names."""
   return _make(StagePolicy, config)
+
+
+def check_stage(config) -> None:
+  """Raises `ConfigError` when the stage policy cannot serve the config (`StagePolicy.check`)."""
+  name = F.get(config.stream, "stream.warm_start")
+  if name not in _REGISTRY[StagePolicy]:
+    raise ConfigError(f"config.stream.warm_start={name!r} is unknown; valid names: "
+                      f"{stage_names()}")
+  _REGISTRY[StagePolicy][name].check(config)
 
 
 def make_wait(config) -> WaitPolicy:

@@ -166,6 +166,37 @@ def error_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   return out
 
 
+# -- plasticity diagnostics over time (`log.plasticity`) -------------------------------------------
+PLASTICITY_PANELS = (("dormant_fraction", "dormant units (%)", 100.0),
+                     ("feature_rank", "effective rank of the last hidden layer", 1.0),
+                     ("init_distance", "distance from the initial parameters", 1.0))
+
+
+def plasticity_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
+  """{diagnostic: one series per config that recorded it}: its mean over seeds against t
+  (std over seeds as error bars); empty when no run recorded plasticity diagnostics."""
+  looks = style.Looks(groups, fields)
+  out: dict[str, list[Series]] = {}
+  for field, _, scale in PLASTICITY_PANELS:
+    for g in groups:
+      t, mean, std = g.curve(field)
+      if len(t):
+        out.setdefault(field, []).append(
+            dict(looks.of(g), label=g.label(fields), x=t.tolist(), y=(scale * mean).tolist(),
+                 yerr=(scale * std).tolist()))
+  return out
+
+
+def plasticity_figure(panels: dict[str, list[Series]], data: str):
+  fig, axes = subplots(len(panels), height=2.6,
+                       legend_entries=len({s["label"] for v in panels.values() for s in v}))
+  names = {field: name for field, name, _ in PLASTICITY_PANELS}
+  for ax, (panel, series) in zip(axes, panels.items()):
+    style.draw_curves(ax, series, "mega-batch t", names[panel], f"{data}: {names[panel]}")
+  style.legend(fig, axes)
+  return fig
+
+
 # -- language models (Fig. 5) ----------------------------------------------------------------------
 def has_perplexity(group) -> bool:
   return any(r.records and PERPLEXITY_FIELD in r.records[0] for r in group.runs)
@@ -343,6 +374,9 @@ def dataset_figures(data: str, groups, fields: Sequence[str],
   lm = lm_series(groups, fields)
   if lm:
     figures[f"lm_{data}"] = (lm, lm_figure(lm, data))
+  plasticity = plasticity_series(groups, fields)
+  if plasticity:
+    figures[f"plasticity_{data}"] = (plasticity, plasticity_figure(plasticity, data))
   for name, (_, fig) in figures.items():
     save(fig, os.path.join(out, name))
   return {name: series for name, (series, _) in figures.items()}

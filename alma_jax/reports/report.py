@@ -24,6 +24,9 @@ differ only by their seed, and writes into `--out`, per data set:
   no replay) as a line in order of compute, every other policy config a point.
 * `lm_<data>.png/.pdf`: average perplexity vs compute, parameters and
   experts (Fig. 5), for runs whose records carry `test_perplexity`.
+* `plasticity_<data>.png/.pdf`: when some run recorded plasticity diagnostics
+  (`log.plasticity`): dormant units (%), the effective rank of the last hidden layer and
+  the distance from the initial parameters against t, a line per config.
 * `gating_<run>.png/.pdf`: for each gMoE config, its first seed's gating
   tree over a 2-D PCA embedding of test inputs, from its last checkpoint
   (`alma_jax.reports.gating_plot`; `--nogating` skips it).

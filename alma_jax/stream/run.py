@@ -174,8 +174,9 @@ def _begin(setup: Setup, state: RunState, snapshot, clock: Clock) -> RunState:
       with clock.timer("train_s"):  # compiles the train step the first stage will use
         setup.log_estimate(state.learner)
     return state
+  memo = snapshot.extra.get(ckpt_obs.POLICY_MEMO)
   return dataclasses.replace(
-      state, learner=snapshot.learner,
+      state, learner=snapshot.learner, policy_memo=None if memo is None else tuple(memo),
       opt_state=snapshot.opt_state if setup.config.train.keep_optimizer_state else None,
       errors=np.asarray([log.records[-1].test_error for log in state.logs]),
       nll=np.asarray([log.records[-1].extra.get("test_nll", np.nan) for log in state.logs]))
@@ -202,17 +203,26 @@ def stream(setup: Setup, state: RunState, observers: Observers,
     meter.at(t)
     t_step = time.monotonic()
     state, spent, decided = dataclasses.replace(state, stats=None), {}, []
+    started = [{} for _ in setup.seeds]
     if t > 0:
       with clock.timer("eval_s"):  # a policy may evaluate the learner on the new data
         decision = setup.wait_policy.decide(t, state, setup.probe)
       if decision.train:
-        state, spent = _stage(setup, state, t, observers, checkpoints, signals, clock, meter)
+        state, spent, started = _stage(setup, state, t, observers, checkpoints, signals, clock,
+                                       meter)
       decided = setup.wait_policy.stage_fields(decision, state)
+    decided = [{**d, **f} for d, f in zip(decided or [{} for _ in setup.seeds], started)]
     if state.errors is None or state.trained:  # an unchanged model is not re-evaluated
       meter.doing(f"evaluating the test set at t={t}")
       with clock.timer("eval_s"):
         acc, nll = setup.steps.evaluate(state.learner, "test", setup.test_idx())
         state = dataclasses.replace(state, errors=1.0 - acc, nll=nll)
+    diagnostics = setup.diagnostics()
+    if diagnostics is not None:
+      meter.doing(f"measuring the plasticity diagnostics at t={t}")
+      with clock.timer("eval_s"):
+        measured = diagnostics.fields(state.learner, state.trained)
+      decided = [{**d, **m} for d, m in zip(decided, measured)]
     step = _records(setup, state, t, spent, time.monotonic() - t_step, decided)
     state = dataclasses.replace(state, logs=[log.append(r) for log, r in zip(state.logs, step)])
     meter.doing(f"writing the outputs of t={t}")
@@ -225,7 +235,7 @@ def stream(setup: Setup, state: RunState, observers: Observers,
 def _records(setup: Setup, state: RunState, t: int, spent: dict, wall_s: float,
              decided: list[dict]) -> list[Record]:
   """Each seed's record of time step `t`: test error, Mem, the compute `spent` on it, and the
-  waiting policy's fields (`decided`: one dict per seed, or none)."""
+  fields of the policies and diagnostics (`decided`: one dict per seed, or none)."""
   first = population.unstack(state.learner, 0)
   flops = setup.flops(first)
   num_params = setup.method.num_params(first)
@@ -243,10 +253,11 @@ def _records(setup: Setup, state: RunState, t: int, spent: dict, wall_s: float,
 # -- a training stage ------------------------------------------------------------------------------
 def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
            checkpoints: ckpt_obs.Checkpoints, signals: interrupts.Signals,
-           clock: Clock, meter: meter_lib.Meter) -> tuple[RunState, dict[str, np.ndarray]]:
+           clock: Clock, meter: meter_lib.Meter
+           ) -> tuple[RunState, dict[str, np.ndarray], list[dict]]:
   """The stage at time step `t`: the stage policy starts it (growth included), then it trains.
-  Returns (the state with the stage's learner, optimizer state and stats, the compute spent
-  per seed (Record fields))."""
+  Returns (the state with the stage's learner, optimizer state, stats and policy memory, the
+  compute spent per seed (Record fields), the stage policy's record fields per seed)."""
   method, steps = setup.method, setup.steps
   contexts = setup.contexts(t, state.num_stages + 1, state.last_stage_t)
   passes_before, pass_macs_before = steps.pass_flops, steps.pass_macs
@@ -254,8 +265,9 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
   meter.doing(f"starting the stage at t={t} ({setup.stage_policy.name}, growth before it)")
   # The policy sees the optimizer state only when the stage may keep it.
   keep = setup.config.train.keep_optimizer_state
-  learner, opt_state = _start_stage(setup, state.learner, skeys, contexts,
-                                    state.opt_state if keep else None)
+  learner, opt_state, memo, started = _start_stage(setup, state.learner, skeys, contexts,
+                                                   state.opt_state if keep else None,
+                                                   state.policy_memo)
   if not keep:
     opt_state = None
   signals.check()
@@ -265,7 +277,9 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
     learner, opt_state, stats = train.fit_stage(
         steps, learner, train.StageData(np.stack([x.train_idx for x in contexts]),
                                         np.stack([x.val_idx for x in contexts]),
-                                        population.fold(skeys, 3), t), opt_state,
+                                        population.fold(skeys, 3), t,
+                                        setup.initial() if steps.programs.l2_init else None),
+        opt_state,
         train.StageHooks(labels=setup.seeds, check=signals.check,
                          on_epoch=lambda *a: observers.epoch(t, *a), checkpoints=store,
                          meter=meter))
@@ -283,30 +297,35 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
            "train_flops_forward": flops["train_step_forward"] * stats.steps_run,
            "train_macs": flops["train_macs_per_example"] * stats.examples_run}
   state = dataclasses.replace(state, learner=steps.place(learner), opt_state=opt_state,
-                              stats=stats)
+                              stats=stats, policy_memo=memo)
   spent["growth_flops"] = np.full(len(setup.seeds), (steps.pass_flops - passes_before)
                                   / len(setup.seeds))
   spent["growth_macs"] = np.full(len(setup.seeds), (steps.pass_macs - pass_macs_before)
                                  / len(setup.seeds))
-  return state, spent
+  return state, spent, started
 
 
-def _start_stage(setup: Setup, learner, keys, contexts, opt_state):
-  """The stage policy's `start_stage` for every learner of the population (its one hook):
-  (learner, optimizer state), stacked."""
+def _start_stage(setup: Setup, learner, keys, contexts, opt_state, memo):
+  """The stage policy's `start` for every learner of the population (its one hook):
+  (learner, optimizer state) stacked, each learner's policy memory (None: none), and each
+  one's record fields."""
   members = population.members(learner)
   opts = ([None] * len(members) if opt_state is None
           else [population.unstack(opt_state, i) for i in range(len(members))])
+  memos = [None] * len(members) if memo is None else list(memo)
   member_keys = population.member_keys(keys)
-  started = [setup.stage_policy.start_stage(setup.method, l, member_keys[i], contexts[i],
-                                            opts[i]) for i, l in enumerate(members)]
-  learner = population.stack([s[0] for s in started], setup.steps.place)
-  opts = [s[1] for s in started]
+  started = [setup.stage_policy.start(setup.method, l, member_keys[i], contexts[i], opts[i],
+                                      memos[i]) for i, l in enumerate(members)]
+  learner = population.stack([s.learner for s in started], setup.steps.place)
+  memo = (None if all(s.memo is None for s in started)
+          else tuple(s.memo for s in started))
+  fields = [dict(s.fields) for s in started]
+  opts = [s.opt_state for s in started]
   if all(o is None for o in opts):
-    return learner, None
+    return learner, None, memo, fields
   if any(o is None for o in opts):
     raise ValueError(f"stage policy {setup.stage_policy.name!r} kept the optimizer state of "
                      "some learners of the population and not of others")
-  return learner, population.stack_trees(*opts)
+  return learner, population.stack_trees(*opts), memo, fields
 
 

@@ -31,6 +31,7 @@ from alma_jax.configuration import options
 from alma_jax.data import stream as stream_lib
 from alma_jax.engine import meter as meter_lib
 from alma_jax.engine import optim
+from alma_jax.engine import plasticity
 from alma_jax.engine import population
 from alma_jax.engine import sharding
 from alma_jax.engine.steps import Steps
@@ -84,6 +85,8 @@ class Setup:
   stage_policy: policies.StagePolicy
   wait_policy: policies.WaitPolicy
   _flops: dict = dataclasses.field(default_factory=dict)
+  _initial: list = dataclasses.field(default_factory=list)
+  _diagnostics: list = dataclasses.field(default_factory=list)
 
   @property
   def method(self) -> methods.Method:
@@ -128,6 +131,24 @@ class Setup:
     their parameters alone would not fit in memory (`check_parameter_memory`)."""
     check_parameter_memory(self.method, self.keys)
     return population.initial(self.method, self.keys, self.steps.place)
+
+  def initial(self):
+    """`initial_learner()`, made once per process: what the `train.l2_init` term pulls toward
+    and what the plasticity diagnostics measure the distance from."""
+    if not self._initial:
+      self._initial.append(self.initial_learner())
+    return self._initial[0]
+
+  def diagnostics(self) -> plasticity.Diagnostics | None:
+    """The plasticity diagnostics of the records (None: `log.plasticity` is off)."""
+    if not F.get(self.config.log, "log.plasticity"):
+      return None
+    if not self._diagnostics:
+      log = self.config.log
+      self._diagnostics.append(plasticity.Diagnostics(
+          self.steps, F.get(log, "log.dormant_threshold"),
+          min(F.get(log, "log.plasticity_probe"), self.steps.data.size("train")), self.initial))
+    return self._diagnostics[0]
 
   def flops(self, learner) -> dict[str, float]:
     """`Steps.flops` of one (unstacked) learner, counted once per structure."""

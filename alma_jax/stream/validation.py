@@ -43,6 +43,7 @@ def _check_rules(config) -> None:
   """The checks that tie several fields together."""
   dataset = fields.lookup(config, "data.name", "")
   policies.check_wait(config, lambda p: fields.declared(p).default_for(dataset))
+  policies.check_stage(config)
   if (fields.lookup(config, "train.stage_program", "auto") == "whole"
       and not tasks.task_class(config).right_or_wrong()):
     raise ConfigError(f"config.train.stage_program='whole' needs a task whose examples are "

@@ -57,7 +57,8 @@ def registered():
 
 # -- the registry and the config fields ------------------------------------------------------------
 def test_the_registry_holds_the_policies_by_name():
-  assert policies.stage_names() == ["finetune", "scratch", "shrink_perturb"]
+  assert policies.stage_names() == ["continual_backprop", "finetune", "l2_init", "redo",
+                                    "scratch", "shrink_perturb"]
   assert policies.wait_names() == ["fixed", "geometric", "triggered"]
   c = validation.complete(config_lib.base_config("mnist"))
   assert type(policies.make_stage(c)).name == "finetune"
@@ -65,7 +66,8 @@ def test_the_registry_holds_the_policies_by_name():
 
 
 @pytest.mark.parametrize("path, names", [("stream.warm_start",
-                                          "['finetune', 'scratch', 'shrink_perturb']"),
+                                          "['continual_backprop', 'finetune', 'l2_init', "
+                                          "'redo', 'scratch', 'shrink_perturb']"),
                                          ("stream.wait_policy",
                                           "['fixed', 'geometric', 'triggered']")])
 def test_an_unknown_policy_is_an_error_naming_the_field_and_the_policies(path, names):

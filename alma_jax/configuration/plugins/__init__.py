@@ -146,9 +146,15 @@ def resolve_warm_start(config) -> None:
         f"config.stream.init_from_scratch={legacy} contradicts config.stream.warm_start="
         f"{policy!r} (init_from_scratch=True is the older spelling of warm_start='scratch'); "
         f"set config.stream.warm_start alone; allowed values: {sorted(STAGE_POLICIES)}")
-  shrink, perturb = F.get(s, "stream.shrink"), F.get(s, "stream.perturb")
-  if s.warm_start != "shrink_perturb" and (shrink, perturb) != (1.0, 0.0):
-    raise ConfigError(
-        f"config.stream.shrink={shrink} and config.stream.perturb={perturb} are used only by "
-        f"config.stream.warm_start='shrink_perturb', not {s.warm_start!r}; set it, or leave "
-        "them at 1.0 and 0.0")
+  chosen = STAGE_POLICIES.get(s.warm_start)
+  for other in STAGE_POLICIES.values():
+    unused = [f for f in other.FIELDS if chosen is None or f.path not in chosen.paths()]
+    changed = [f for f in unused if F.get(config.get(f.path.split(".")[0]), f.path) != f.default]
+    if changed:
+      values = " and ".join(f"config.{f.path}={F.get(config.get(f.path.split('.')[0]), f.path)}"
+                            for f in unused)
+      raise ConfigError(
+          f"{values} {'is' if len(unused) == 1 else 'are'} used only by "
+          f"config.stream.warm_start={other.name!r}, not {s.warm_start!r}; set it, or leave "
+          f"{'it' if len(unused) == 1 else 'them'} at "
+          f"{' and '.join(repr(f.default) for f in unused)}")

@@ -43,6 +43,39 @@ class ShrinkPerturb(Declaration):
   )
 
 
+class Redo(Declaration):
+  name = "redo"
+  FIELDS = (
+      F.Field("stream.redo_threshold", 0.025, F.number(0.0, 1.0),
+              "redo: before each stage, re-draw the hidden units whose score (activity over "
+              "its layer's mean, on the stage's training data) is at most this (tau; 0: the "
+              "dead units alone)"),
+  )
+
+
+class ContinualBackprop(Declaration):
+  name = "continual_backprop"
+  FIELDS = (
+      F.Field("stream.cbp_fraction", 0.05, F.number(0.0, 1.0),
+              "continual_backprop: the fraction of each hidden layer's units re-drawn before "
+              "each stage, lowest contribution utility first (a fractional count carries over "
+              "to the next stage)"),
+      F.Field("stream.cbp_maturity", 2, F.integer(0),
+              "continual_backprop: a unit is re-drawn only once this many stages have trained "
+              "it since it was last drawn"),
+  )
+
+
+class L2Init(Declaration):
+  name = "l2_init"
+  FIELDS = (
+      F.Field("train.l2_init", 0.0, F.number(0.0, math.inf, open_hi=True),
+              "l2_init: the coefficient c of c * ||theta - theta_0||^2 (summed over the trained "
+              "parameters; theta_0: the run's initial parameters) added to the training loss "
+              "(0: finetune exactly)"),
+  )
+
+
 class FixedWait(Declaration):
   name = "fixed"
 
@@ -75,5 +108,5 @@ class Triggered(Declaration):
   )
 
 
-STAGE = (Finetune, Scratch, ShrinkPerturb)
+STAGE = (Finetune, Scratch, ShrinkPerturb, Redo, ContinualBackprop, L2Init)
 WAIT = (FixedWait, Geometric, Triggered)

@@ -1,0 +1,139 @@
+"""Hidden units: their activity, dormant units, the effective rank of features, and the
+resets of chosen units (what the plasticity diagnostics, `alma_jax.engine.plasticity`, and
+the unit-reset stage policies, `alma_jax.policies.redo` and `continual_backprop`, share).
+
+A hidden unit is one output channel of a hidden layer of the backbone (a neuron of the MLP,
+a channel of a VGG convolution), as the backbone's `WidthLayout` lists them; its activity on
+a batch is the mean over examples (and positions) of |h|, h its output after the
+activation. Following ReDo (Sokar et al., 2023), a unit's score is its activity over the
+mean activity of its layer, and the unit is dormant when its score is at most a threshold
+tau (tau = 0: the units that are exactly zero on every example, dead ReLUs).
+
+A reset draws a unit afresh: its incoming weights and its per-unit parameters and
+statistics take the values of a fresh initialisation, and its outgoing weights (the next
+layer's, or the classifier's, inputs from it) become zero, so that the network computes
+the same function right after the reset whenever the unit was silent (its activity was
+exactly zero). Methods expose their hidden layers through `Method.unit_layout` and
+`Method.hidden_units` (a single backbone: `sm`); the others have none.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from alma_jax.models.registry import WidthLayout
+from alma_jax.state import Learner
+
+PyTree = Any
+
+
+def activity_fn(method) -> Any:
+  """A pass over data (`Passes.reduce`): (structure, params, model_state, x, y, mask, task) ->
+  {"activity": per layer, the sum over the batch's real examples of each unit's mean |h|
+  over positions (width,); "gram": the Gram matrix of the last hidden layer's features
+  (averaged over positions) (width, width); "count": the real examples}."""
+
+  def fn(structure, params, model_state, x, y, mask, task):
+    del y, task
+    hidden = method.hidden_units(structure, params, model_state, x)
+    m = mask.astype(jnp.float32)
+    means = [jnp.mean(jnp.abs(h.astype(jnp.float32)).reshape(h.shape[0], -1, h.shape[-1]),
+                      axis=1) for h in hidden]  # (b, width) per layer
+    last = jnp.mean(hidden[-1].astype(jnp.float32).reshape(
+        hidden[-1].shape[0], -1, hidden[-1].shape[-1]), axis=1) * m[:, None]
+    return {"activity": [m @ a for a in means], "gram": last.T @ last, "count": jnp.sum(m)}
+
+  return fn
+
+
+def mean_activity(summed: dict) -> list[np.ndarray]:
+  """Each layer's per-unit mean activity from a pass of `activity_fn`."""
+  n = max(float(summed["count"]), 1.0)
+  return [np.asarray(a, np.float64) / n for a in summed["activity"]]
+
+
+def scores(activity: Sequence[np.ndarray]) -> list[np.ndarray]:
+  """Each unit's activity over its layer's mean activity (0 for a layer that is all silent)."""
+  out = []
+  for a in activity:
+    mean = float(np.mean(a))
+    out.append(a / mean if mean > 0 else np.zeros_like(a))
+  return out
+
+
+def dormant(activity: Sequence[np.ndarray], threshold: float) -> list[np.ndarray]:
+  """Per layer, the dormant units (bool): score <= `threshold`."""
+  return [s <= threshold for s in scores(activity)]
+
+
+def effective_rank(gram: np.ndarray) -> float:
+  """The effective rank (Roy & Vetterli, 2007) of features F from their Gram matrix F^T F:
+  exp of the entropy of the normalised singular values of F (1 ... width; 0 when F = 0)."""
+  eig = np.linalg.eigvalsh(np.asarray(gram, np.float64))
+  sv = np.sqrt(np.clip(eig, 0.0, None))
+  total = float(np.sum(sv))
+  if total <= 0:
+    return 0.0
+  p = sv[sv > 0] / total
+  return float(np.exp(-np.sum(p * np.log(p))))
+
+
+def _float_leaves(tree) -> list[np.ndarray]:
+  return [np.asarray(l, np.float64) for l in jax.tree.leaves(jax.device_get(tree))
+          if jnp.issubdtype(np.asarray(l).dtype, jnp.floating)]
+
+
+def param_norm(params: PyTree) -> float:
+  """The L2 norm of all floating-point parameters."""
+  return float(np.sqrt(sum(float(np.sum(np.square(l))) for l in _float_leaves(params))))
+
+
+def distance(params: PyTree, other: PyTree) -> float:
+  """The L2 norm of `params - other` (trees of the same structure and shapes)."""
+  a, b = _float_leaves(params), _float_leaves(other)
+  return float(np.sqrt(sum(float(np.sum(np.square(x - y))) for x, y in zip(a, b))))
+
+
+# -- resets ------------------------------------------------------------------------------------
+def _get(tree, path):
+  for k in path:
+    tree = tree[k]
+  return tree
+
+
+def _set(tree, path, value):
+  """A copy of the nested dict `tree` with `value` at `path`."""
+  if not path:
+    return value
+  out = dict(tree)
+  out[path[0]] = _set(tree[path[0]], path[1:], value)
+  return out
+
+
+def reset_units(layout: WidthLayout, learner: Learner, fresh: Learner,
+                masks: Sequence[np.ndarray]) -> Learner:
+  """`learner` with the units where `masks[l]` (one bool (width,) per layer) holds drawn
+  afresh: incoming kernel, per-unit parameters and statistics from `fresh` (a fresh
+  initialisation of the same structure), outgoing weights zero."""
+  params, state = learner.params, learner.model_state
+  masks = [jnp.asarray(np.asarray(m, bool)) for m in masks]
+  for l, m in enumerate(masks):  # incoming first: a unit re-drawn in the next layer too
+    for path in (layout.kernels[l],) + tuple(p for p, _ in layout.vectors[l]):
+      params = _set(params, path, jnp.where(m, _get(fresh.params, path), _get(params, path)))
+    for path, _ in layout.stats[l]:
+      state = _set(state, path, jnp.where(m, _get(fresh.model_state, path), _get(state, path)))
+  for l, m in enumerate(masks):  # keeps no input from a re-drawn unit
+    out = layout.next_kernel(l)
+    kernel = _get(params, out)
+    params = _set(params, out, jnp.where(m[:, None], jnp.zeros_like(kernel), kernel))
+  return learner.replace(params=params, model_state=state)
+
+
+def outgoing_weight(layout: WidthLayout, params: PyTree, layer: int) -> np.ndarray:
+  """Per unit of `layer`, the sum of the magnitudes of its outgoing weights."""
+  kernel = np.asarray(jax.device_get(_get(params, layout.next_kernel(layer))), np.float64)
+  return np.sum(np.abs(kernel), axis=tuple(i for i in range(kernel.ndim) if i != kernel.ndim - 2))

@@ -1,0 +1,257 @@
+"""Tests of the plasticity diagnostics (alma_jax/engine/plasticity.py) and of the stage
+policies that keep a learner plastic: redo, continual_backprop and l2_init."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from alma_jax import policies
+from alma_jax.models import units as plasticity
+from alma_jax.errors import ConfigError
+from alma_jax.outputs import io_utils
+from alma_jax.policies import continual_backprop
+from alma_jax.stream import run
+from alma_jax.stream import validation
+from tests import helpers
+from tests.conftest import requires_mnist
+
+
+def _dead_mlp(method, dead=(0, 1)):
+  """The initial MLP of `method` (width 4) with the hidden units `dead` of its first layer
+  silent on every input (zero incoming weights and a negative bias) and the others active
+  on every input (a bias of 3, far above what the incoming weights add)."""
+  learner = helpers.init(method)
+  p = jax.tree.map(np.array, learner.params)
+  p["dense0"]["bias"][:] = 3.0
+  for u in dead:
+    p["dense0"]["kernel"][:, u] = 0.0
+    p["dense0"]["bias"][u] = -1.0
+  return learner.replace(params=jax.tree.map(jnp.asarray, p))
+
+
+def _mlp(**stream):
+  c = helpers.small_config("mnist", "sm", width=4)
+  for k, v in stream.items():
+    c.stream[k] = v
+  ds = helpers.synthetic_dataset(n_train=64, n_test=16)
+  method, steps = helpers.make_steps(c, ds)
+  return validation.complete(c), method, steps, ds
+
+
+def _hidden_by_hand(params, x):
+  """The MLP's two hidden layers in float64 numpy."""
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  h0 = np.maximum(x @ p["dense0"]["kernel"] + p["dense0"]["bias"], 0.0)
+  h1 = np.maximum(h0 @ p["dense1"]["kernel"] + p["dense1"]["bias"], 0.0)
+  return h0, h1
+
+
+# -- the diagnostics -------------------------------------------------------------------------------
+def test_unit_activity_and_dormant_units_of_a_constructed_network():
+  _, method, steps, ds = _mlp()
+  learner = _dead_mlp(method)
+  idx = np.arange(40, dtype=np.int32)
+  summed = steps.reduce(plasticity.activity_fn(method), learner, idx)
+  activity = plasticity.mean_activity(summed)
+  assert float(summed["count"]) == 40
+  x = ((ds.train_x[:40].astype(np.float64) / 255.0 - 0.4) / 0.25).reshape(40, -1)
+  h0, h1 = _hidden_by_hand(learner.params, x)
+  # float32 sums of 784 products (relative error <= ~784 * 2^-24 ~ 5e-5) against float64.
+  np.testing.assert_allclose(activity[0], h0.mean(0), rtol=2e-4, atol=1e-6)
+  np.testing.assert_allclose(activity[1], h1.mean(0), rtol=2e-4, atol=1e-6)
+  assert activity[0][0] == 0.0 and activity[0][1] == 0.0  # exactly silent
+  assert [m.tolist() for m in plasticity.dormant(activity, 0.0)][0] == [True, True, False, False]
+  # The score is the unit's activity over its layer's mean.
+  s = plasticity.scores(activity)[0]
+  np.testing.assert_allclose(s, activity[0] / activity[0].mean())
+  tau = float(np.sort(s)[2])  # the next unit's score: it is dormant at that threshold
+  assert plasticity.dormant(activity, tau)[0].sum() == 3
+  # The Gram matrix of the last hidden layer's features.
+  np.testing.assert_allclose(summed["gram"], h1.T @ h1, rtol=2e-4, atol=1e-5)
+
+
+def test_scores_dormant_units_and_the_effective_rank_by_definition():
+  activity = [np.array([0.0, 1.0, 2.0, 5.0]), np.zeros(3)]
+  assert [s.tolist() for s in plasticity.scores(activity)] == [[0.0, 0.5, 1.0, 2.5],
+                                                               [0.0, 0.0, 0.0]]
+  assert [m.tolist() for m in plasticity.dormant(activity, 0.5)] == [
+      [True, True, False, False], [True, True, True]]
+  features = np.diag([3.0, 3.0, 0.0, 0.0])  # two equal singular values: rank 2
+  assert plasticity.effective_rank(features.T @ features) == pytest.approx(2.0, rel=1e-12)
+  features = np.diag([1.0, 1.0, 1.0, 1.0])
+  assert plasticity.effective_rank(features.T @ features) == pytest.approx(4.0, rel=1e-12)
+  uneven = np.diag([4.0, 1.0])
+  p = np.array([0.8, 0.2])
+  assert plasticity.effective_rank(uneven.T @ uneven) == pytest.approx(
+      np.exp(-np.sum(p * np.log(p))), rel=1e-12)
+  assert plasticity.effective_rank(np.zeros((3, 3))) == 0.0
+
+
+# -- resets ----------------------------------------------------------------------------------------
+def test_redo_redraws_the_dead_units_and_keeps_the_function():
+  c, method, steps, ds = _mlp(warm_start="redo", redo_threshold=0.0)
+  learner = _dead_mlp(method)
+  ctx = helpers.context(2, steps=steps, train_idx=np.arange(64, dtype=np.int32))
+  started = policies.make_stage(c).start(method, learner, jax.random.key(7), ctx, None, None)
+  after = started.learner
+  x = ds.train_x[:32].astype(np.float32) / 255.0
+  before_out = method.predict((), learner.params, learner.model_state, x)
+  after_out = method.predict((), after.params, after.model_state, x)
+  assert np.array_equal(np.asarray(before_out), np.asarray(after_out))  # exactly
+  k0, k1 = np.asarray(after.params["dense0"]["kernel"]), np.asarray(after.params["dense1"]["kernel"])
+  assert np.all(k1[:2] == 0.0)  # outgoing weights of the re-drawn units
+  assert np.all(np.abs(k0[:, :2]).sum(0) > 0)  # incoming weights drawn afresh
+  np.testing.assert_array_equal(k0[:, 2:], np.asarray(learner.params["dense0"]["kernel"])[:, 2:])
+  dead_in_layer1 = int(np.sum(plasticity.mean_activity(steps.reduce(
+      plasticity.activity_fn(method), learner, np.arange(64, dtype=np.int32)))[1] == 0.0))
+  assert started.fields == {"units_reset": 2 + dead_in_layer1}
+  assert started.memo is None
+  # The re-drawn units now respond to the data.
+  active = plasticity.mean_activity(steps.reduce(plasticity.activity_fn(method), after,
+                                                 np.arange(64, dtype=np.int32)))
+  assert np.all(active[0][:2] > 0)
+
+
+def test_a_reset_on_the_vgg_layout_redraws_channels_and_keeps_the_function():
+  method = helpers.cached_method("sm", "cifar10", width=4)
+  layout = method.unit_layout()
+  learner = helpers.init(method)
+  p = jax.tree.map(np.array, learner.params)
+  p["block2"]["bn1"]["scale"][1] = 0.0  # channel 1 of the sixth conv: ReLU(-1) = 0 everywhere
+  p["block2"]["bn1"]["bias"][1] = -1.0
+  learner = learner.replace(params=jax.tree.map(jnp.asarray, p))
+  fresh = method.init(jax.random.key(5))
+  masks = [np.zeros(4, bool) for _ in layout.kernels]
+  masks[5][1] = True  # block2/conv1 (blocks of 2, 2, 4, ... convs)
+  after = plasticity.reset_units(layout, learner, fresh, masks)
+  x = np.random.default_rng(0).normal(size=(3, 32, 32, 3)).astype(np.float32)
+  np.testing.assert_array_equal(np.asarray(method.predict((), learner.params, learner.model_state, x)),
+                                np.asarray(method.predict((), after.params, after.model_state, x)))
+  assert float(after.params["block2"]["bn1"]["scale"][1]) == 1.0  # fresh BatchNorm
+  assert np.all(np.asarray(after.params["block2"]["conv2"]["kernel"])[:, :, 1, :] == 0.0)
+  assert not np.array_equal(np.asarray(after.params["block2"]["conv1"]["kernel"])[..., 1],
+                            np.asarray(learner.params["block2"]["conv1"]["kernel"])[..., 1])
+
+
+def test_continual_backprop_chooses_the_least_useful_mature_units():
+  utility = np.array([0.5, 0.1, 0.2, 0.05, 0.9])
+  age = np.array([3, 3, 0, 1, 3])
+  take, carry = continual_backprop.choose(utility, age, carry=0.0, fraction=0.5, maturity=2)
+  assert take.tolist() == [False, True, False, False, False]  # 0.5 x 3 mature = 1.5: one
+  assert carry == pytest.approx(0.5)
+  take, carry = continual_backprop.choose(utility, age, carry=carry, fraction=0.5, maturity=2)
+  assert take.tolist() == [True, True, False, False, False]  # 0.5 + 1.5 = 2
+  assert carry == pytest.approx(0.0)
+  take, _ = continual_backprop.choose(utility, age, carry=0.0, fraction=0.2, maturity=0)
+  assert take.tolist() == [False, False, False, True, False]  # every unit mature: 1 of 5
+
+
+def test_continual_backprop_remembers_the_units_ages():
+  c, method, steps, _ = _mlp(warm_start="continual_backprop", cbp_fraction=0.5, cbp_maturity=1)
+  policy = policies.make_stage(c)
+  learner = helpers.init(method)
+  ctx = helpers.context(1, steps=steps, train_idx=np.arange(64, dtype=np.int32))
+  first = policy.start(method, learner, jax.random.key(1), ctx, None, None)
+  assert first.fields == {"units_reset": 0}  # nothing is mature before the first stage
+  assert first.memo == {"age": [[1] * 4, [1] * 4], "carry": [0.0, 0.0]}
+  second = policy.start(method, first.learner, jax.random.key(2), ctx, None, first.memo)
+  assert second.fields == {"units_reset": 4}  # half of each layer's four mature units
+  for l in range(2):
+    assert sorted(second.memo["age"][l]) == [1, 1, 2, 2]
+  util0 = plasticity.mean_activity(steps.reduce(plasticity.activity_fn(method), learner,
+                                                np.arange(64, dtype=np.int32)))[0]
+  util0 = util0 * plasticity.outgoing_weight(method.unit_layout(), learner.params, 0)
+  replaced = np.asarray(second.memo["age"][0]) == 1
+  assert set(np.flatnonzero(replaced)) == set(np.argsort(util0, kind="stable")[:2])
+
+
+# -- config checks ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("method, fields, message", [
+    ("gmoe", {"stream.warm_start": "redo"},
+     r"config\.stream\.warm_start='redo' re-draws hidden units, which method 'gmoe' on backbone "
+     r"'mlp' does not expose; valid: config\.method\.name='sm' with config\.model\.name in "
+     r"\['mlp', 'vgg'\]"),
+    ("sm", {"stream.warm_start": "continual_backprop", "train.keep_optimizer_state": True},
+     r"config\.train\.keep_optimizer_state=True is not supported by config\.stream\.warm_start="
+     r"'continual_backprop'.*allowed values: \[False\]"),
+    ("gens", {"stream.warm_start": "l2_init", "train.l2_init": 0.1},
+     r"config\.stream\.warm_start='l2_init' pulls the parameters toward the run's initial ones, "
+     r"which a growing method \('gens'\) does not keep; valid config\.method\.name: "
+     r"\['sm', 'ens', 'umix'\]"),
+    ("sm", {"stream.cbp_fraction": 0.2},
+     r"config\.stream\.cbp_fraction=0\.2 and config\.stream\.cbp_maturity=2 are used only by "
+     r"config\.stream\.warm_start='continual_backprop', not 'finetune'"),
+    ("sm", {"train.l2_init": 0.1, "stream.warm_start": "redo"},
+     r"config\.train\.l2_init=0\.1 is used only by config\.stream\.warm_start='l2_init', not "
+     r"'redo'"),
+    ("sm", {"stream.warm_start": "redo", "stream.redo_threshold": 1.5},
+     r"config\.stream\.redo_threshold"),
+])
+def test_the_policies_refuse_what_they_cannot_serve(method, fields, message):
+  c = helpers.small_config("mnist", method)
+  for path, value in fields.items():
+    section, name = path.split(".")
+    c[section][name] = value
+  with pytest.raises(ConfigError, match=message):
+    validation.validate(c)
+
+
+# -- whole runs ------------------------------------------------------------------------------------
+@requires_mnist
+def test_the_records_carry_the_diagnostics_and_the_summary_their_last_values(tmp_path):
+  wd = str(tmp_path / "wd")
+  run.run(helpers.smoke(log__plasticity=True, stream__wait=2), wd)
+  log = io_utils.read_jsonl(f"{wd}/log.jsonl")
+  keys = {"param_norm", "init_distance", "dormant_fraction", "dormant_fraction_0",
+          "dormant_fraction_1", "feature_rank"}
+  assert all(keys <= set(r) for r in log)
+  assert log[0]["init_distance"] == 0.0  # the untrained learner is its initialisation
+  for r, previous in zip(log[1:], log):
+    same = [r[k] == previous[k] for k in keys]
+    assert all(same) if not r["trained"] else not all(same)  # measured when it changed
+  assert all(0.0 <= r["dormant_fraction"] <= 1.0 and 1.0 <= r["feature_rank"] <= 8.0
+             for r in log)
+  summary = io_utils.read_json(f"{wd}/summary.json")
+  assert summary["final_dormant_fraction"] == log[-1]["dormant_fraction"]
+  assert summary["final_feature_rank"] == log[-1]["feature_rank"]
+  assert summary["comp"] == sum(r["train_flops"] for r in log)  # the probe is not compute
+
+
+@requires_mnist
+def test_l2_init_at_coefficient_0_is_finetune_exactly_and_above_it_pulls_toward_the_start(
+    tmp_path):
+  finetune, zero, pulled = (str(tmp_path / n) for n in ("finetune", "zero", "pulled"))
+  run.run(helpers.smoke(log__plasticity=True), finetune)
+  run.run(helpers.smoke(log__plasticity=True, stream__warm_start="l2_init"), zero)
+  assert helpers.outputs(zero) == helpers.outputs(finetune)
+  run.run(helpers.smoke(log__plasticity=True, stream__warm_start="l2_init", train__l2_init=0.05),
+          pulled)
+  free, held = io_utils.read_jsonl(f"{finetune}/log.jsonl"), io_utils.read_jsonl(
+      f"{pulled}/log.jsonl")
+  assert held[-1]["init_distance"] < free[-1]["init_distance"]
+  # Its term's arithmetic counts in the train step's FLOPs.
+  assert held[1]["train_flops"] > free[1]["train_flops"]
+
+
+@requires_mnist
+@pytest.mark.parametrize("fields", [
+    {"stream__warm_start": "redo", "stream__redo_threshold": 0.5},
+    {"stream__warm_start": "continual_backprop", "stream__cbp_fraction": 0.3,
+     "stream__cbp_maturity": 1},
+    {"stream__warm_start": "l2_init", "train__l2_init": 0.05},
+], ids=["redo", "continual_backprop", "l2_init"])
+def test_the_policies_resume_to_identical_records(fields, tmp_path, monkeypatch):
+  config = helpers.smoke(train__progress_every_s=0.0, log__plasticity=True, **fields)
+  base = str(tmp_path / "uninterrupted")
+  run.run(config, base)
+  expected = helpers.outputs(base)
+  if fields["stream__warm_start"] != "l2_init":  # the policy acted
+    assert sum(r["units_reset"] for r in expected[0] if r["trained"]) > 0, expected[0]
+  wd = str(tmp_path / "interrupted")
+  # After the second step's record (the policy's memory is in its checkpoint), then inside
+  # the last stage (its save continues it).
+  helpers.interrupt(config, wd, "t=2:log", monkeypatch)
+  helpers.interrupt(config, wd, f"t={expected[0][-1]['t']}:epoch", monkeypatch)
+  run.run(config, wd)
+  assert helpers.outputs(wd) == expected
