@@ -173,16 +173,27 @@ PLASTICITY_PANELS = (("dormant_fraction", "dormant units (%)", 100.0),
 
 
 def plasticity_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
-  """{diagnostic: one series per config that recorded it}: its mean over seeds against t
-  (std over seeds as error bars); empty when no run recorded plasticity diagnostics."""
-  looks = style.Looks(groups, fields)
+  """{"<diagnostic> width=<w>": one series per config that recorded it}: its mean over seeds
+  against t (std over seeds as error bars); empty when no run recorded plasticity
+  diagnostics. When the configs differ in their warm start, only the fixed-wait runs at the
+  smallest wait that another warm start than finetune uses are drawn (the comparison of
+  warm starts; the other waits would bury it)."""
+  drawn = [g for g in groups if len(g.curve(PLASTICITY_PANELS[0][0])[0])
+           or len(g.curve(PLASTICITY_PANELS[-1][0])[0])]
+  others = [g for g in drawn if (g.get("stream.warm_start") or "finetune") != "finetune"]
+  if others:
+    wait = min(int(g.get("stream.wait") or 1) for g in others)
+    drawn = [g for g in drawn if (g.get("stream.wait_policy") or "fixed") == "fixed"
+             and int(g.get("stream.wait") or 1) == wait]
+  looks = style.Looks(drawn, fields)
+  labels = [f for f in fields if f != "model.width" and _differs(f, drawn)]
   out: dict[str, list[Series]] = {}
   for field, _, scale in PLASTICITY_PANELS:
-    for g in groups:
+    for g in sorted(drawn, key=lambda g: float(g.get("model.width") or 0)):
       t, mean, std = g.curve(field)
       if len(t):
-        out.setdefault(field, []).append(
-            dict(looks.of(g), label=g.label(fields), x=t.tolist(), y=(scale * mean).tolist(),
+        out.setdefault(f"{field} width={g.get('model.width')}", []).append(
+            dict(looks.of(g), label=g.label(labels), x=t.tolist(), y=(scale * mean).tolist(),
                  yerr=(scale * std).tolist()))
   return out
 
@@ -192,7 +203,8 @@ def plasticity_figure(panels: dict[str, list[Series]], data: str):
                        legend_entries=len({s["label"] for v in panels.values() for s in v}))
   names = {field: name for field, name, _ in PLASTICITY_PANELS}
   for ax, (panel, series) in zip(axes, panels.items()):
-    style.draw_curves(ax, series, "mega-batch t", names[panel], f"{data}: {names[panel]}")
+    field, width = panel.split(" ", 1)
+    style.draw_curves(ax, series, "mega-batch t", names[field], f"{data} {width}")
   style.legend(fig, axes)
   return fig
 

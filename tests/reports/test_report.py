@@ -137,6 +137,38 @@ def test_report_writes_figures_whose_data_are_the_runs(runs, tmp_path):
   assert "lm_mnist" not in figs
 
 
+def test_the_plasticity_figure_compares_warm_starts_at_their_wait(tmp_path):
+  def config(width, wait, warm_start="finetune", seed=0):
+    c = _config(width=width, wait=wait, seed=seed)
+    c["stream"]["warm_start"], c["log"]["plasticity"] = warm_start, True
+    return c
+
+  def plastic(dormant):
+    return _records([0.9, 0.5, 0.4, 0.3, 0.2], extra={
+        "dormant_fraction": dormant, "feature_rank": [4.0, 3.0, 3.0, 2.0, 2.0],
+        "init_distance": [0.0, 1.0, 2.0, 3.0, 4.0]})
+
+  dirs = [_write(tmp_path / f"ft{w}_{h}_{s}", config(h, w, seed=s),
+                 plastic([0.0, 0.1, 0.2, 0.3, 0.1 * s]))
+          for w in (1, 2) for h in (4, 8) for s in (0, 1)]
+  dirs.append(_write(tmp_path / "redo4", config(4, 1, "redo"), plastic([0.0] * 5)))
+  dirs.append(_write(tmp_path / "plain", _config(width=4, wait=1), _records([0.9] * 5)))
+  figs = report.write_report(dirs, str(tmp_path / "out"))
+  panels = figs["plasticity_mnist"]
+  assert list(panels) == [f"{f} width={h}" for f in ("dormant_fraction", "feature_rank",
+                                                      "init_distance") for h in (4, 8)]
+  # The fixed-wait runs at w = 1, the wait of the other warm start; not the w = 2 runs, nor
+  # the run without diagnostics.
+  by = {s["label"]: s for s in panels["dormant_fraction width=4"]}
+  assert set(by) == {"warm_start=finetune", "warm_start=redo"}
+  np.testing.assert_allclose(by["warm_start=finetune"]["y"], [0, 10, 20, 30, 5])
+  np.testing.assert_allclose(by["warm_start=finetune"]["yerr"][-1], 100 * np.std(
+      [0.0, 0.1], ddof=1))
+  np.testing.assert_allclose(by["warm_start=redo"]["y"], [0] * 5)
+  assert [s["label"] for s in panels["feature_rank width=8"]] == ["warm_start=finetune"]
+  assert (tmp_path / "out" / "plasticity_mnist.png").stat().st_size > 1000
+
+
 def test_wait_figure_has_a_line_per_config_over_its_waits(runs, tmp_path):
   # SM width 8 at waits 1 (two seeds, above) and 2; SM width 16 has one wait: no line.
   extra = _write(tmp_path / "sm8_w2", _config(wait=2), _records([0.9, 0.9, 0.3, 0.3, 0.1]))
