@@ -333,22 +333,28 @@ def test_the_findings_grid_expands_as_documented(tmp_path, capsys):
 def test_the_beyond_grid_expands_as_documented(tmp_path, capsys):
   # launch/grids/beyond.py, REPRODUCTION.md's "Beyond the paper": H in {4, 64} x (6 fixed
   # waits, 2 geometric, 5 warm starts at w in {1, 10}) with three seeds in one run each; the
-  # 2 triggered points one run per seed (each seed decides its own training times). Every
-  # run records the plasticity diagnostics.
+  # 2 triggered points one run per seed (each seed decides its own training times); the
+  # CIFAR-10 slice's 6 warm starts one run per seed (the VGG on a CPU). Every run records the
+  # plasticity diagnostics.
   assert sweep.main([f"--root={tmp_path}", "--grid_file=launch/grids/beyond.py",
                      "--dry_run"]) == 0
   lines = capsys.readouterr().out.strip().splitlines()
-  assert len(lines) == 2 * 18 + 2 * 2 * 3
+  assert len(lines) == 2 * 18 + 2 * 2 * 3 + 6 * 3
   together = [l for l in lines if "--config.seed=0 " in l and "--config.num_seeds=3" in l]
   assert len(together) == 36
   apart = [l for l in lines if "num_seeds" not in l]
-  assert len(apart) == 12 and all("--config.stream.wait_policy=triggered" in l for l in apart)
+  cifar = [l for l in apart if "configs/cifar_sm.py:quick" in l]
+  assert len(cifar) == 18 and all("--config.stream.wait=1 " in l and "--config.model.width=16 "
+                                  in l and "--config.data.train_subset=20000 " in l
+                                  for l in cifar)
+  assert len(apart) == 30 and all("--config.stream.wait_policy=triggered" in l
+                                  for l in apart if l not in cifar)
   assert sum("--config.stream.wait_policy=geometric" in l for l in together) == 4
   for policy in ("scratch", "shrink_perturb", "redo", "continual_backprop", "l2_init"):
     assert sum(f"--config.stream.warm_start={policy} " in l for l in together) == 4, policy
   assert all("--config.stream.wait=1 " in l for l in lines if "wait_policy" in l)
   assert all("--config.log.plasticity=True" in l for l in lines)
-  assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == 48
+  assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == 66
 
 
 def test_the_cifar_grids_expand_as_documented(tmp_path, capsys):

@@ -28,17 +28,29 @@ against t (`plasticity_mnist.png`).
   delta = 0.15 fires on about two standard errors.
 
 Every policy other than the fixed wait leaves `stream.wait` at 1 (the quick
-variant's 10 would be refused). The points are chosen to fit about 90 minutes on an
-idle 2-core CPU (seeds are kept, points are trimmed).
+variant's 10 would be refused).
+
+The CIFAR-10 slice: SM with C = 16 at w = 1, on the reduced protocol of the CIFAR-10
+findings grid (`launch/grids/findings_cifar.py`: 20,000 training images in B = 10
+mega-batches, early stopping with patience 2 within 8 epochs, 2,000 test images), the six
+warm starts above with their settings, seeds 0-2, each seed its own run (the VGG on a CPU).
+
+The points are chosen to fit about 90 minutes on an idle 2-core CPU (seeds are kept,
+points are trimmed).
 
 FINDINGS (`alma_jax.reports.findings`) are the claims of the literature that the grid
-tests, each against fine-tuning at the same H and w, with Welch's t over the seeds.
+tests, each against fine-tuning at the same data set, width and w, with Welch's t over the
+seeds.
 """
 
 _SEEDS = [0, 1, 2]
 _SM = ["configs/mnist_sm.py:quick"]
 _H = [4, 64]
 _ON = {"log.plasticity": [True]}
+# The CIFAR-10 protocol of launch/grids/findings_cifar.py, at C = 16 and w = 1.
+_CIFAR = {"data.train_subset": [20000], "data.test_subset": [2000],
+          "stream.num_megabatches": [10], "train.epochs": [8], "train.patience": [2],
+          "train.autotune": ["rules"], "model.width": [16], "stream.wait": [1]}
 
 GRID = [
     # Fixed waits (fine-tune): the frontier every other policy is judged against.
@@ -57,6 +69,20 @@ GRID = [
      "stream.cbp_maturity": [2], "seed": _SEEDS, **_ON},
     {"config": _SM, "model.width": _H, "stream.wait": [1, 10], "stream.warm_start": ["l2_init"],
      "train.l2_init": [1e-3], "seed": _SEEDS, **_ON},
+    # The CIFAR-10 slice: the warm starts at C = 16, w = 1.
+    {"config": ["configs/cifar_sm.py:quick"], **_CIFAR, "stream.warm_start": ["finetune"],
+     "seed": _SEEDS, **_ON},
+    {"config": ["configs/cifar_sm.py:quick"], **_CIFAR, "stream.warm_start": ["scratch"],
+     "seed": _SEEDS, **_ON},
+    {"config": ["configs/cifar_sm.py:quick"], **_CIFAR, "stream.warm_start": ["shrink_perturb"],
+     "stream.shrink": [0.6], "stream.perturb": [0.8], "seed": _SEEDS, **_ON},
+    {"config": ["configs/cifar_sm.py:quick"], **_CIFAR, "stream.warm_start": ["redo"],
+     "stream.redo_threshold": [0.025], "seed": _SEEDS, **_ON},
+    {"config": ["configs/cifar_sm.py:quick"], **_CIFAR, "stream.warm_start": [
+        "continual_backprop"], "stream.cbp_fraction": [0.05], "stream.cbp_maturity": [2],
+     "seed": _SEEDS, **_ON},
+    {"config": ["configs/cifar_sm.py:quick"], **_CIFAR, "stream.warm_start": ["l2_init"],
+     "train.l2_init": [1e-3], "seed": _SEEDS, **_ON},
     # Geometric waits.
     {"config": _SM, "model.width": _H, "stream.wait": [1], "stream.wait_policy": ["geometric"],
      "stream.geometric_w0": [1.0, 10.0], "stream.geometric_ratio": [2.0], "seed": _SEEDS,
@@ -68,30 +94,33 @@ GRID = [
 ]
 
 
-def _warm(width, wait, policy="finetune", **fields):
-  return {"data.name": "mnist", "method.name": "sm", "model.width": width, "stream.wait": wait,
-          "stream.warm_start": policy, "stream.wait_policy": "fixed", **fields}
+def _warm(width, wait, policy="finetune", data="mnist"):
+  return {"data.name": data, "method.name": "sm", "model.width": width, "stream.wait": wait,
+          "stream.warm_start": policy, "stream.wait_policy": "fixed"}
 
 
-_POINTS = [(h, w) for h in _H for w in (1, 10)]
+# (width, wait, data set) of every warm-start comparison: MNIST's four, CIFAR-10's one.
+_POINTS = [(h, w, "mnist") for h in _H for w in (1, 10)] + [(16, 1, "cifar10")]
 
 FINDINGS = [
     {"id": "B1", "claim": "re-drawing dormant units (ReDo) lowers the CER of fine-tuning",
-     "comparisons": [{"better": _warm(h, w, "redo"), "worse": _warm(h, w)} for h, w in _POINTS]},
+     "comparisons": [{"better": _warm(h, w, "redo", d), "worse": _warm(h, w, data=d)}
+                     for h, w, d in _POINTS]},
     {"id": "B2", "claim": "continual backprop lowers the CER of fine-tuning",
-     "comparisons": [{"better": _warm(h, w, "continual_backprop"), "worse": _warm(h, w)}
-                     for h, w in _POINTS]},
+     "comparisons": [{"better": _warm(h, w, "continual_backprop", d),
+                      "worse": _warm(h, w, data=d)} for h, w, d in _POINTS]},
     {"id": "B3", "claim": "L2 Init lowers the CER of fine-tuning",
-     "comparisons": [{"better": _warm(h, w, "l2_init"), "worse": _warm(h, w)}
-                     for h, w in _POINTS]},
+     "comparisons": [{"better": _warm(h, w, "l2_init", d), "worse": _warm(h, w, data=d)}
+                     for h, w, d in _POINTS]},
     {"id": "B4", "claim": "shrink-and-perturb lowers the CER of fine-tuning",
-     "comparisons": [{"better": _warm(h, w, "shrink_perturb"), "worse": _warm(h, w)}
-                     for h, w in _POINTS]},
+     "comparisons": [{"better": _warm(h, w, "shrink_perturb", d),
+                      "worse": _warm(h, w, data=d)} for h, w, d in _POINTS]},
     {"id": "B5", "claim": "fine-tuning beats training every stage from scratch (the paper's "
      "warm start)",
-     "comparisons": [{"better": _warm(h, w), "worse": _warm(h, w, "scratch")}
-                     for h, w in _POINTS]},
+     "comparisons": [{"better": _warm(h, w, data=d), "worse": _warm(h, w, "scratch", d)}
+                     for h, w, d in _POINTS]},
     {"id": "B6", "claim": "fine-tuning leaves more dormant units than ReDo at the end of the "
      "stream", "metric": "final_dormant_fraction",
-     "comparisons": [{"better": _warm(h, w, "redo"), "worse": _warm(h, w)} for h, w in _POINTS]},
+     "comparisons": [{"better": _warm(h, w, "redo", d), "worse": _warm(h, w, data=d)}
+                     for h, w, d in _POINTS]},
 ]
