@@ -379,7 +379,8 @@ def test_the_cifar_grids_expand_as_documented(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("grid_file", ["launch/grids/findings.py",
-                                       "launch/grids/findings_cifar.py"])
+                                       "launch/grids/findings_cifar.py",
+                                       "launch/grids/beyond.py"])
 def test_every_finding_of_a_grid_compares_points_of_that_grid(tmp_path, grid_file):
   # Each selector of the grid file's FINDINGS picks exactly one of its points (seeds aside), so
   # the report can judge every comparison once the grid has run.
@@ -395,7 +396,8 @@ def test_every_finding_of_a_grid_compares_points_of_that_grid(tmp_path, grid_fil
     group = json.dumps({k: v for k, v in flat.items() if k not in ("seed", "num_seeds")},
                        sort_keys=True, default=repr)
     rows.append(dict(flat, workdir=workdir, finished=True, group=group, cer_percent=1.0,
-                     final_error=0.1, final_perplexity=100.0, comp_paper_total=1.0, mem=1.0))
+                     final_error=0.1, final_perplexity=100.0, comp_paper_total=1.0, mem=1.0,
+                     final_dormant_fraction=0.1))
   text = io.StringIO()
   writer = csv.DictWriter(text, sorted(set().union(*rows)), lineterminator="\n")
   writer.writeheader()

@@ -159,10 +159,13 @@ def _check_seed(path: str, config: dict, records, summary) -> None:
       raise ReportError(f"{os.path.join(path, wd.CONFIG_FILE)}: {k}={flat[k]!r} is not a number")
   log = os.path.join(path, wd.LOG_FILE)
   for i, r in enumerate(records):
+    # Numbers, and the text of a waiting policy's decision (`wait_decision`, `wait_reason`).
     if not (isinstance(r, dict) and {"t", "test_error"} <= set(r)
-            and all(_is_number(v) for v in r.values())):
+            and _is_number(r["t"]) and _is_number(r["test_error"])
+            and all(_is_number(v) or isinstance(v, str) for v in r.values())):
       raise ReportError(f"{log}: record {i + 1} ({json.dumps(r)[:80]}) is not a run's record (a "
-                        "JSON object of numbers with 't' and 'test_error')")
+                        "JSON object of numbers and texts with the numbers 't' and "
+                        "'test_error')")
   bad = [k for k in _SUMMARY_STATS if summary and k in summary and not _is_number(summary[k])]
   if bad:
     raise ReportError(f"{os.path.join(path, wd.SUMMARY_FILE)}: {bad[0]}={summary[bad[0]]!r} is "

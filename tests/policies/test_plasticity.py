@@ -1,6 +1,9 @@
 """Tests of the plasticity diagnostics (alma_jax/engine/plasticity.py) and of the stage
 policies that keep a learner plastic: redo, continual_backprop and l2_init."""
 
+import logging
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -201,10 +204,17 @@ def test_the_policies_refuse_what_they_cannot_serve(method, fields, message):
 
 # -- whole runs ------------------------------------------------------------------------------------
 @requires_mnist
-def test_the_records_carry_the_diagnostics_and_the_summary_their_last_values(tmp_path):
+def test_the_records_carry_the_diagnostics_and_the_summary_their_last_values(tmp_path, caplog):
   wd = str(tmp_path / "wd")
-  run.run(helpers.smoke(log__plasticity=True, stream__wait=2), wd)
+  with caplog.at_level(logging.INFO):
+    run.run(helpers.smoke(log__plasticity=True, stream__wait=2), wd)
   log = io_utils.read_jsonl(f"{wd}/log.jsonl")
+  # The full progress line of each stage shows the first seed's diagnostics.
+  last = log[-1]
+  line = (f"dormant_fraction={last['dormant_fraction']:.3g} feature_rank="
+          f"{last['feature_rank']:.3g} param_norm={last['param_norm']:.3g} init_distance="
+          f"{last['init_distance']:.3g}")
+  assert re.search(rf"t=4/4 \(100%\) epochs=.* {re.escape(line)}", caplog.text), caplog.text[-2000:]
   keys = {"param_norm", "init_distance", "dormant_fraction", "dormant_fraction_0",
           "dormant_fraction_1", "feature_rank"}
   assert all(keys <= set(r) for r in log)

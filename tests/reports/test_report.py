@@ -137,6 +137,15 @@ def test_report_writes_figures_whose_data_are_the_runs(runs, tmp_path):
   assert "lm_mnist" not in figs
 
 
+def test_records_with_a_waiting_policy_s_decisions_are_read(tmp_path):
+  decided = _records([0.9, 0.5, 0.4], extra={"wait_decision": ["", "trained", "waited"],
+                                            "wait_reason": ["", "scheduled", "not due"]})
+  (run,) = report.load_runs(_write(tmp_path / "run", _config(), decided))
+  assert [r["wait_decision"] for r in run.records] == ["", "trained", "waited"]
+  figs = report.write_report([str(tmp_path / "run")], str(tmp_path / "out"))
+  np.testing.assert_allclose(figs["error_mnist"]["width=8"][0]["y"], [90, 50, 40])
+
+
 def test_the_plasticity_figure_compares_warm_starts_at_their_wait(tmp_path):
   def config(width, wait, warm_start="finetune", seed=0):
     c = _config(width=width, wait=wait, seed=seed)
@@ -350,11 +359,13 @@ def test_a_bad_out_is_one_line_with_exit_code_2(runs, tmp_path, out, message):
     (wd.LOG_FILE, '{"t": 0, "test_error": "x"}\n',
      r"log\.jsonl: record 1 \(\{\"t\": 0, \"test_error\": \"x\"\}\) is not a run's record"),
     (wd.LOG_FILE, '{"t": 0, "test_error": null}\n', r"log\.jsonl: record 1 .* is not a run's"),
+    (wd.LOG_FILE, '{"t": 0, "test_error": 0.5, "num_params": [1]}\n',
+     r"log\.jsonl: record 1 .* is not a run's record \(a JSON object of numbers and texts"),
     (wd.LOG_FILE, "[1]\n", r"log\.jsonl: record 1 \(\[1\]\) is not a run's record"),
     (wd.SUMMARY_FILE, "[1]", r"summary\.json is not a run's output"),
     (wd.SUMMARY_FILE, '{"cer_percent": "high"}', r"summary\.json: cer_percent='high' is not a"),
-], ids=["config_list", "config_seed", "record_string", "record_null", "record_list",
-        "summary_list", "summary_field"])
+], ids=["config_list", "config_seed", "record_string", "record_null", "record_list_field",
+        "record_list", "summary_list", "summary_field"])
 def test_malformed_run_files_are_named(tmp_path, name, text, message):
   run_dir = _write(tmp_path / "run", _config(), _records([0.9, 0.5]))
   (tmp_path / "run" / name).write_text(text)
