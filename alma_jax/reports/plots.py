@@ -29,6 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
+from alma_jax.configuration import plugins
 from alma_jax.outputs import io_utils
 from alma_jax.reports import plot_style as style
 from alma_jax.reports.plot_style import Series
@@ -185,15 +186,22 @@ def plasticity_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
     wait = min(int(g.get("stream.wait") or 1) for g in others)
     drawn = [g for g in drawn if (g.get("stream.wait_policy") or "fixed") == "fixed"
              and int(g.get("stream.wait") or 1) == wait]
-  looks = style.Looks(drawn, fields)
-  labels = [f for f in fields if f != "model.width" and _differs(f, drawn)]
+  # A warm start is named by its policy alone (its own fields and the older spelling
+  # stream.init_from_scratch follow from it) and gets a colour and marker of its own.
+  own = {p for c in plugins.STAGE_POLICIES.values() for p in c.paths()}
+  labels = [f for f in fields if f not in own | {"model.width", "stream.init_from_scratch"}
+            and _differs(f, drawn)]
+  palette = list(style.METHOD_COLORS.values()) + list(style.SPARE_COLORS)
+  kinds = sorted({g.label(labels) for g in drawn})
   out: dict[str, list[Series]] = {}
   for field, _, scale in PLASTICITY_PANELS:
     for g in sorted(drawn, key=lambda g: float(g.get("model.width") or 0)):
       t, mean, std = g.curve(field)
       if len(t):
+        k = kinds.index(g.label(labels))
         out.setdefault(f"{field} width={g.get('model.width')}", []).append(
-            dict(looks.of(g), label=g.label(labels), x=t.tolist(), y=(scale * mean).tolist(),
+            dict(color=palette[k % len(palette)], marker=style.MARKERS[k % len(style.MARKERS)],
+                 filled=True, label=g.label(labels), x=t.tolist(), y=(scale * mean).tolist(),
                  yerr=(scale * std).tolist()))
   return out
 

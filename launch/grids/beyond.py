@@ -39,8 +39,8 @@ The points are chosen to fit about 90 minutes on an idle 2-core CPU (seeds are k
 points are trimmed).
 
 FINDINGS (`alma_jax.reports.findings`) are the claims of the literature that the grid
-tests, each against fine-tuning at the same data set, width and w, with Welch's t over the
-seeds.
+tests, each against fine-tuning at the same data set, width and w (B1-B6), and whether a
+geometric wait beats the fixed ones (B7), with Welch's t over the seeds.
 """
 
 _SEEDS = [0, 1, 2]
@@ -123,4 +123,9 @@ FINDINGS = [
      "stream", "metric": "final_dormant_fraction",
      "comparisons": [{"better": _warm(h, w, "redo", d), "worse": _warm(h, w, data=d)}
                      for h, w, d in _POINTS]},
+    {"id": "B7", "claim": "a geometric wait (w0 = 1, r = 2) has a lower CER than the fixed "
+     "waits w = 1, 5 and 10",
+     "comparisons": [{"better": {"data.name": "mnist", "model.width": h,
+                                 "stream.wait_policy": "geometric", "stream.geometric_w0": 1.0},
+                      "worse": _warm(h, w)} for h in _H for w in (1, 5, 10)]},
 ]
