@@ -56,7 +56,6 @@ slots.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, Hashable, Sequence
 
 import jax
@@ -68,6 +67,7 @@ from alma_jax import models
 from alma_jax.configuration.plugins import methods as declared
 from alma_jax.methods import base
 from alma_jax.methods.registry import register
+from alma_jax.models import registry as backbones
 from alma_jax.models import slots as slots_lib
 
 PyTree = Any
@@ -76,15 +76,8 @@ Layout = models.WidthLayout  # where the growable layers' weights live
 SLOTS_KEY = "slots"  # model_state[SLOTS_KEY]["active"]: one channel mask per growable layer
 
 
-# -- leaves by path ------------------------------------------------------------------------------
-def _get(tree: PyTree, path: Path):
-  return functools.reduce(lambda d, k: d[k], path, tree)
-
-
-def _replace(tree: PyTree, edits: dict[Path, Any]) -> PyTree:
-  """A new tree with the leaves at the paths of `edits` replaced (the input is untouched)."""
-  keys = lambda p: tuple(k.key for k in p)  # pylint: disable=unnecessary-lambda-assignment
-  return jax.tree_util.tree_map_with_path(lambda p, x: edits.get(keys(p), x), tree)
+# Leaves by path.
+_get, _replace = backbones.leaf_at, backbones.replace_leaves
 
 
 # -- channel slots --------------------------------------------------------------------------------

@@ -46,10 +46,4 @@ class SingleModel(declared.SM, base.SingleBackbone, base.Method):
       return super().hidden_units((), params, model_state, x)
     _, sown = self.backbone.apply({"params": params, **model_state}, x, train=False,
                                   mutable=["intermediates"])
-    found = []
-    for path in layout.units:
-      node = sown["intermediates"]
-      for k in path:
-        node = node[k]
-      found.append(node[0])
-    return found
+    return [backbones.leaf_at(sown["intermediates"], path)[0] for path in layout.units]

@@ -13,15 +13,28 @@ backbone defined elsewhere is `register`ed the same way.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
+import jax
 
 from alma_jax.configuration.plugins import backbones as declared_backbones
 from alma_jax.errors import ConfigError
 
 Path = tuple[str, ...]
 ModelConfig = Any  # the `config.model` ConfigDict
+
+
+def leaf_at(tree, path: Path):
+  """The leaf of the nested dict `tree` at `path` (a `WidthLayout` path)."""
+  return functools.reduce(lambda d, k: d[k], path, tree)
+
+
+def replace_leaves(tree, edits: dict):
+  """A new tree with the leaves at the paths of `edits` replaced (the input is untouched)."""
+  keys = lambda p: tuple(k.key for k in p)  # pylint: disable=unnecessary-lambda-assignment
+  return jax.tree_util.tree_map_with_path(lambda p, x: edits.get(keys(p), x), tree)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alma_jax.models.registry import WidthLayout
+from alma_jax.models.registry import WidthLayout, leaf_at, replace_leaves
 from alma_jax.state import Learner
 
 PyTree = Any
@@ -99,21 +99,6 @@ def distance(params: PyTree, other: PyTree) -> float:
 
 
 # -- resets ------------------------------------------------------------------------------------
-def _get(tree, path):
-  for k in path:
-    tree = tree[k]
-  return tree
-
-
-def _set(tree, path, value):
-  """A copy of the nested dict `tree` with `value` at `path`."""
-  if not path:
-    return value
-  out = dict(tree)
-  out[path[0]] = _set(tree[path[0]], path[1:], value)
-  return out
-
-
 def reset_units(layout: WidthLayout, learner: Learner, fresh: Learner,
                 masks: Sequence[np.ndarray]) -> Learner:
   """`learner` with the units where `masks[l]` (one bool (width,) per layer) holds drawn
@@ -121,19 +106,21 @@ def reset_units(layout: WidthLayout, learner: Learner, fresh: Learner,
   initialisation of the same structure), outgoing weights zero."""
   params, state = learner.params, learner.model_state
   masks = [jnp.asarray(np.asarray(m, bool)) for m in masks]
+  edits, stat_edits = {}, {}
   for l, m in enumerate(masks):  # incoming first: a unit re-drawn in the next layer too
     for path in (layout.kernels[l],) + tuple(p for p, _ in layout.vectors[l]):
-      params = _set(params, path, jnp.where(m, _get(fresh.params, path), _get(params, path)))
+      edits[path] = jnp.where(m, leaf_at(fresh.params, path), leaf_at(params, path))
     for path, _ in layout.stats[l]:
-      state = _set(state, path, jnp.where(m, _get(fresh.model_state, path), _get(state, path)))
+      stat_edits[path] = jnp.where(m, leaf_at(fresh.model_state, path), leaf_at(state, path))
   for l, m in enumerate(masks):  # keeps no input from a re-drawn unit
     out = layout.next_kernel(l)
-    kernel = _get(params, out)
-    params = _set(params, out, jnp.where(m[:, None], jnp.zeros_like(kernel), kernel))
+    kernel = edits.get(out, leaf_at(params, out))
+    edits[out] = jnp.where(m[:, None], jnp.zeros_like(kernel), kernel)
+  params, state = replace_leaves(params, edits), replace_leaves(state, stat_edits)
   return learner.replace(params=params, model_state=state)
 
 
 def outgoing_weight(layout: WidthLayout, params: PyTree, layer: int) -> np.ndarray:
   """Per unit of `layer`, the sum of the magnitudes of its outgoing weights."""
-  kernel = np.asarray(jax.device_get(_get(params, layout.next_kernel(layer))), np.float64)
+  kernel = np.asarray(jax.device_get(leaf_at(params, layout.next_kernel(layer))), np.float64)
   return np.sum(np.abs(kernel), axis=tuple(i for i in range(kernel.ndim) if i != kernel.ndim - 2))
