@@ -142,7 +142,7 @@ def _walk(setup: Setup, observers: Observers, checkpoints: ckpt_obs.Checkpoints,
     with signals.deferred():  # a signal stops the loop at the next step boundary
       signals.check()  # (a multi-process run's first chance to stop, after its set-up)
       meter.doing("starting the stream")
-      state = _begin(setup, state, snapshot, clock)
+      state = _begin(setup, state, snapshot, clock, meter)
       return stream(setup, state, observers, checkpoints, signals, clock, meter)
   except RunInterrupted as e:
     if observers.interrupt():  # the checkpoint being written completed first: name it
@@ -165,11 +165,17 @@ def _open(setup: Setup, observers: Observers, checkpoints: ckpt_obs.Checkpoints,
   return state, snapshot
 
 
-def _begin(setup: Setup, state: RunState, snapshot, clock: Clock) -> RunState:
+def _begin(setup: Setup, state: RunState, snapshot, clock: Clock,
+           meter: meter_lib.Meter) -> RunState:
   """The state the stream continues from: untrained learners, or the checkpoint's (with their
   last test errors)."""
   if snapshot is None:
+    # The initialisation program (a large model's random draws: seconds to compile on a GPU)
+    # is announced like a step, so that a signal during its compile ends the process promptly.
+    meter.compiling("the initial parameters", "first use")
+    t0 = time.monotonic()
     state = dataclasses.replace(state, learner=setup.initial_learner())
+    meter.compiled("the initial parameters", time.monotonic() - t0)
     if jax.default_backend() == "cpu":
       with clock.timer("train_s"):  # compiles the train step the first stage will use
         setup.log_estimate(state.learner)

@@ -365,3 +365,30 @@ def test_a_signal_during_a_long_compile_ends_the_process_without_waiting_for_it(
   # Ended by the watcher while compiling: "compiled" never printed (without the watcher, the
   # signal waits for the compile to end, and the process then exits 0 after "compiled").
   assert code == 143 and out == "stopped by 15 last checkpoint None\n", (code, out)
+
+
+@requires_mnist
+def test_the_initial_parameters_compile_as_an_announced_program(tmp_path, monkeypatch):
+  # A large model's initialisation compiles for seconds (11-13 s for the base Switch
+  # Transformer on a GPU): a signal then must end the process as during a step's compile,
+  # which needs the meter to say that a compile is going on.
+  from alma_jax.engine import meter as meter_lib  # pylint: disable=g-import-not-at-top
+  from alma_jax.stream import run  # pylint: disable=g-import-not-at-top
+  from alma_jax.stream import run_setup  # pylint: disable=g-import-not-at-top
+  meters, seen = [], []
+  meter_init = meter_lib.Meter.__init__
+
+  def remember(self, *args, **kwargs):
+    meters.append(self)
+    meter_init(self, *args, **kwargs)
+
+  initial_learner = run_setup.Setup.initial_learner
+
+  def spy(self):
+    seen.append(meters[-1].is_compiling())
+    return initial_learner(self)
+
+  monkeypatch.setattr(meter_lib.Meter, "__init__", remember)
+  monkeypatch.setattr(run_setup.Setup, "initial_learner", spy)
+  run.run(helpers.smoke(stream__num_megabatches=2), str(tmp_path / "wd"))
+  assert seen[:1] == [True] and not meters[-1].is_compiling()
