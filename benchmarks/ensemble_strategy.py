@@ -83,7 +83,7 @@ def stepper(model: str, width: int, method: str, members: int, strategy: str):
   learner = population.stack([m.init(jax.random.key(0))])  # a population of one
   d, k = m.num_data_orders(learner.structure), steps.steps_per_call
   shape = (1, k, d, steps.batch_size)
-  batch = Batch(steps.put_batch(np.zeros(shape, np.int32)), steps.put_batch(np.ones(shape, bool)))
+  batch = Batch(np.zeros(shape, np.int32), np.ones(shape, bool))
   keys = population.stack_keys([jax.random.key(0)])
   calls = [0]
 

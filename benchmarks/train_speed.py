@@ -149,7 +149,7 @@ def make_trainer(name, batch_size, jax, np, compute_dtype="float32"):
   d = method.num_data_orders(structure)
   k = steps.steps_per_call
   keys = population.stack_keys([jax.random.key(0)])
-  mask = steps.put_batch(np.ones((1, k, d, batch_size), bool))
+  mask = np.ones((1, k, d, batch_size), bool)
   rng = np.random.default_rng(1)
   box = {"state": steps.init_state(stacked), "i": 0}  # a copy: the train call donates it
 
@@ -158,7 +158,7 @@ def make_trainer(name, batch_size, jax, np, compute_dtype="float32"):
     for _ in range(calls):
       idx = rng.integers(0, len(ds.train_y), (1, k, d, batch_size)).astype(np.int32)
       box["state"], loss, _ = steps.train_call(structure, box["state"],
-                                               Batch(steps.put_batch(idx), mask), keys,
+                                               Batch(idx, mask), keys,
                                                np.uint32(box["i"]))
       box["i"] += 1
     jax.block_until_ready(loss)

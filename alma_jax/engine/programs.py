@@ -277,15 +277,6 @@ class Programs:
     s = self.layout.sharding(batch.idx.shape, axes, "batch")
     return Batch(s, s)
 
-  def put_batch(self, array: np.ndarray):
-    """Places an index or mask array: a train batch (S, K, D, b), else an evaluation batch.
-    A single-process run leaves it on the host: the program it goes to transfers it faster
-    (`sharding.put_args`)."""
-    if jax.process_count() == 1:
-      return array
-    axes = TRAIN_BATCH_AXES if array.ndim == 4 else EVAL_BATCH_AXES[-array.ndim:]
-    return sharding.put(array, self.layout.sharding(array.shape, axes, "batch"))
-
   # -- training ---------------------------------------------------------------------------------
   def step_body(self, structure, method: Method | None = None) -> Callable:
     """One train step of one learner: (state, data, idx (D, b), mask, rng) -> (state, loss).
@@ -391,7 +382,7 @@ class Programs:
   def timing_batch(self, num: int, num_orders: int) -> Batch:
     """A placed train batch of `num` learners, all indices 0 and all real (for timing)."""
     idx = np.zeros((num, self.steps_per_call, num_orders, self.batch_size), np.int32)
-    return Batch(self.put_batch(idx), self.put_batch(np.ones(idx.shape, bool)))
+    return Batch(idx, np.ones(idx.shape, bool))
 
   def timing_eval_batch(self, num: int) -> Batch:
     """An evaluation batch of `num` learners, all indices 0 and all real (for timing)."""

@@ -108,9 +108,6 @@ class Steps:
     """`tree` placed whole on every device of the run's mesh."""
     return self.programs.place_replicated(tree)
 
-  def put_batch(self, array: np.ndarray):
-    return self.programs.put_batch(array)
-
   def train_call(self, structure, state: TrainState, batch: Batch, keys, counter):
     return self.programs.train_call(structure, state, batch, keys, counter)
 

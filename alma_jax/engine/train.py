@@ -160,7 +160,7 @@ def _train_epoch(s: _Stage, state: TrainState, p: Progress, epoch: int, resume: 
   first = resume.next_call if resume else 0
   for c in range(first, calls):
     sl = slice(c * k, (c + 1) * k)
-    batch = Batch(steps.put_batch(idx[:, sl]), steps.put_batch(mask[:, sl]))
+    batch = Batch(idx[:, sl], mask[:, sl])  # host arrays: the program places them
     state, loss, finite = steps.train_call(s.learner.structure, state, batch, s.data.keys,
                                            call_counter(epoch, c))
     losses.append(loss)

@@ -98,8 +98,7 @@ def test_a_train_call_reuses_the_donated_state():
   learner = steps.place(population.stack([helpers.init(m)]))
   state = steps.init_state(learner)
   d, k = m.num_data_orders(learner.structure), steps.steps_per_call
-  batch = programs_lib.Batch(steps.put_batch(np.zeros((1, k, d, 16), np.int32)),
-                             steps.put_batch(np.ones((1, k, d, 16), bool)))
+  batch = programs_lib.Batch(np.zeros((1, k, d, 16), np.int32), np.ones((1, k, d, 16), bool))
   with warnings.catch_warnings():
     warnings.filterwarnings("error", message=DONATION_WARNING)
     new, _, _ = steps.train_call(learner.structure, state, batch,
