@@ -42,7 +42,7 @@ class Diagnostics:
       out["init_distance"] = distance(active.params, self.method.active_view(initial).params)
     if self.method.unit_layout() is not None:
       summed = self.steps.reduce(activity_fn(self.method), learner, self.probe_idx, count=False)
-      masks = dormant(mean_activity(summed), self.threshold)
+      masks = dormant(mean_activity(summed), self.threshold, self.method.unit_members)
       out["dormant_fraction"] = float(sum(np.sum(m) for m in masks) / sum(m.size for m in masks))
       out.update({f"dormant_fraction_{l}": float(np.mean(m)) for l, m in enumerate(masks)})
       out["feature_rank"] = effective_rank(summed["gram"])

@@ -16,6 +16,7 @@ images and text alike.
 from __future__ import annotations
 
 import copy
+import functools
 import dataclasses
 from typing import Any, Callable, Hashable
 
@@ -28,6 +29,7 @@ from alma_jax import tasks
 from alma_jax.configuration import fields
 from alma_jax.configuration.plugins import methods as declared
 from alma_jax.errors import ConfigError
+from alma_jax.models import registry as backbones
 from alma_jax.models import slots
 from alma_jax.state import Learner
 
@@ -152,8 +154,14 @@ class Method(declared.Declaration):
 
   def hidden_units(self, structure, params, model_state, x) -> list:
     """Each hidden layer's output after its activation on a batch `x` (inference mode), in
-    the order of `unit_layout()`'s layers; only for methods with a `unit_layout`."""
+    the order of `unit_layout()`'s layers, units on the last axis; only for methods with a
+    `unit_layout`. With `unit_members` > 0, the members' units side by side (member-major:
+    unit u of member m is m * width + u)."""
     raise NotImplementedError(f"method {self.name!r} exposes no hidden units")
+
+  # Members whose units `hidden_units` puts side by side, every leaf of the unit layout
+  # stacked on a leading member axis; 0: one network, no member axis.
+  unit_members = 0
 
   def counted(self) -> "Method":
     """The method whose traced programs Comp counts (`alma_jax.engine.accounting`): the same
@@ -338,6 +346,22 @@ class SingleBackbone:
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
     return params, model_state
+
+  @functools.cache
+  def unit_layout(self):
+    """The backbone's growable layers (`BackboneSpec.width_layout`) where it sows their units
+    (`WidthLayout.units`); None for a backbone without them (the Switch Transformer)."""
+    build = backbones.spec(self.config.model.name).width_layout
+    layout = None if build is None else build(self.config.model, self.num_classes)
+    return layout if layout is not None and layout.units else None
+
+  def backbone_units(self, params, model_state, x) -> list:
+    """One backbone's sown hidden-layer outputs on `x` (inference), in `unit_layout()`'s
+    order."""
+    _, sown = self.backbone.apply({"params": params, **model_state}, x, train=False,
+                                  mutable=["intermediates"])
+    return [backbones.leaf_at(sown["intermediates"], path)[0]
+            for path in self.unit_layout().units]
 
   def counted(self):
     """`Method.counted`: the method with its backbone's convolutions as XLA's own

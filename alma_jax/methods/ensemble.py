@@ -279,6 +279,19 @@ class Ensemble(declared.Ens, base.SingleBackbone, base.Method):
       return map_members(fn, stacked, "vmap", chunk=max(1, num_members(stacked)))
     return map_members(fn, stacked, self.run_as)
 
+  # -- hidden units (`alma_jax.models.units`) ---------------------------------------------------
+  @property
+  def unit_members(self) -> int:
+    return self.initial_members
+
+  def hidden_units(self, structure, params, model_state, x) -> list:
+    """Every member's hidden units on `x`, side by side (`Method.hidden_units`)."""
+    del structure
+    if self.unit_layout() is None:
+      return super().hidden_units((), params, model_state, x)
+    per_member = jax.vmap(lambda p, s: self.backbone_units(p, s, x))(params, model_state)
+    return [jnp.moveaxis(h, 0, -2).reshape(h.shape[1:-1] + (-1,)) for h in per_member]
+
   # -- construction ---------------------------------------------------------------------------
   def initial_structure(self) -> tuple[int, int]:
     return (self.initial_members, self.initial_members)
@@ -465,6 +478,11 @@ class GrowingEnsemble(declared.GEns, Ensemble):
   @property
   def initial_members(self) -> int:
     return self.opts.initial_members
+
+  def unit_layout(self):
+    """None: members in slots (padding slots are not units) and frozen old members leave no
+    fixed set of units to measure or re-draw."""
+    return None
 
   # -- member slots ---------------------------------------------------------------------------
   def slots(self, members: int) -> int:

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 from typing import Hashable
 
-import functools
-
 import jax
 
-from alma_jax.models import registry as backbones
 from alma_jax.configuration.plugins import methods as declared
 from alma_jax.methods import base
 from alma_jax.methods.registry import register
@@ -31,19 +28,8 @@ class SingleModel(declared.SM, base.SingleBackbone, base.Method):
     del structure
     return self.forward_backbone(params, model_state, x, train=train, mask=mask, rng=rng)
 
-  @functools.cache
-  def unit_layout(self):
-    """The backbone's growable layers (`BackboneSpec.width_layout`) where it sows their units
-    (`WidthLayout.units`); None for a backbone without them (the Switch Transformer)."""
-    build = backbones.spec(self.config.model.name).width_layout
-    layout = None if build is None else build(self.config.model, self.num_classes)
-    return layout if layout is not None and layout.units else None
-
   def hidden_units(self, structure, params, model_state, x) -> list:
     del structure
-    layout = self.unit_layout()
-    if layout is None:
+    if self.unit_layout() is None:
       return super().hidden_units((), params, model_state, x)
-    _, sown = self.backbone.apply({"params": params, **model_state}, x, train=False,
-                                  mutable=["intermediates"])
-    return [backbones.leaf_at(sown["intermediates"], path)[0] for path in layout.units]
+    return self.backbone_units(params, model_state, x)

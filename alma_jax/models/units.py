@@ -14,7 +14,9 @@ statistics take the values of a fresh initialisation, and its outgoing weights (
 layer's, or the classifier's, inputs from it) become zero, so that the network computes
 the same function right after the reset whenever the unit was silent (its activity was
 exactly zero). Methods expose their hidden layers through `Method.unit_layout` and
-`Method.hidden_units` (a single backbone: `sm`); the others have none.
+`Method.hidden_units`: one backbone (`sm`), or the members of an ensemble side by side
+(`ens`, `umix`: `Method.unit_members` > 0, every leaf stacked on a member axis; a unit's
+score is then over its own member's layer mean); the others have none.
 """
 
 from __future__ import annotations
@@ -56,18 +58,22 @@ def mean_activity(summed: dict) -> list[np.ndarray]:
   return [np.asarray(a, np.float64) / n for a in summed["activity"]]
 
 
-def scores(activity: Sequence[np.ndarray]) -> list[np.ndarray]:
-  """Each unit's activity over its layer's mean activity (0 for a layer that is all silent)."""
+def scores(activity: Sequence[np.ndarray], members: int = 0) -> list[np.ndarray]:
+  """Each unit's activity over its layer's mean activity (0 for a layer that is all silent);
+  with `members` > 0 the layer's units are that many networks' side by side, each unit
+  scored against its own network's layer."""
   out = []
   for a in activity:
-    mean = float(np.mean(a))
-    out.append(a / mean if mean > 0 else np.zeros_like(a))
+    rows = np.asarray(a, np.float64).reshape(max(members, 1), -1)
+    mean = np.mean(rows, axis=1, keepdims=True)
+    out.append(np.where(mean > 0, rows / np.where(mean > 0, mean, 1.0), 0.0).reshape(-1))
   return out
 
 
-def dormant(activity: Sequence[np.ndarray], threshold: float) -> list[np.ndarray]:
+def dormant(activity: Sequence[np.ndarray], threshold: float,
+            members: int = 0) -> list[np.ndarray]:
   """Per layer, the dormant units (bool): score <= `threshold`."""
-  return [s <= threshold for s in scores(activity)]
+  return [s <= threshold for s in scores(activity, members)]
 
 
 def effective_rank(gram: np.ndarray) -> float:
@@ -100,27 +106,41 @@ def distance(params: PyTree, other: PyTree) -> float:
 
 # -- resets ------------------------------------------------------------------------------------
 def reset_units(layout: WidthLayout, learner: Learner, fresh: Learner,
-                masks: Sequence[np.ndarray]) -> Learner:
-  """`learner` with the units where `masks[l]` (one bool (width,) per layer) holds drawn
+                masks: Sequence[np.ndarray], members: int = 0) -> Learner:
+  """`learner` with the units where `masks[l]` (one bool (width,) per layer; with `members`
+  > 0, (members * width,) member-major, every leaf stacked on a member axis) holds drawn
   afresh: incoming kernel, per-unit parameters and statistics from `fresh` (a fresh
   initialisation of the same structure), outgoing weights zero."""
-  params, state = learner.params, learner.model_state
   masks = [jnp.asarray(np.asarray(m, bool)) for m in masks]
+  args = (learner.params, learner.model_state, fresh.params, fresh.model_state)
+  if members:
+    params, state = jax.vmap(lambda *a: _reset(layout, *a))(
+        *args, [m.reshape(members, -1) for m in masks])
+  else:
+    params, state = _reset(layout, *args, masks)
+  return learner.replace(params=params, model_state=state)
+
+
+def _reset(layout: WidthLayout, params, state, fresh_params, fresh_state, masks):
+  """`reset_units` of one network: its (params, model_state)."""
   edits, stat_edits = {}, {}
   for l, m in enumerate(masks):  # incoming first: a unit re-drawn in the next layer too
     for path in (layout.kernels[l],) + tuple(p for p, _ in layout.vectors[l]):
-      edits[path] = jnp.where(m, leaf_at(fresh.params, path), leaf_at(params, path))
+      edits[path] = jnp.where(m, leaf_at(fresh_params, path), leaf_at(params, path))
     for path, _ in layout.stats[l]:
-      stat_edits[path] = jnp.where(m, leaf_at(fresh.model_state, path), leaf_at(state, path))
+      stat_edits[path] = jnp.where(m, leaf_at(fresh_state, path), leaf_at(state, path))
   for l, m in enumerate(masks):  # keeps no input from a re-drawn unit
     out = layout.next_kernel(l)
     kernel = edits.get(out, leaf_at(params, out))
     edits[out] = jnp.where(m[:, None], jnp.zeros_like(kernel), kernel)
-  params, state = replace_leaves(params, edits), replace_leaves(state, stat_edits)
-  return learner.replace(params=params, model_state=state)
+  return replace_leaves(params, edits), replace_leaves(state, stat_edits)
 
 
-def outgoing_weight(layout: WidthLayout, params: PyTree, layer: int) -> np.ndarray:
-  """Per unit of `layer`, the sum of the magnitudes of its outgoing weights."""
+def outgoing_weight(layout: WidthLayout, params: PyTree, layer: int,
+                    members: int = 0) -> np.ndarray:
+  """Per unit of `layer`, the sum of the magnitudes of its outgoing weights (member-major
+  with `members` > 0, as `reset_units`)."""
   kernel = np.asarray(jax.device_get(leaf_at(params, layout.next_kernel(layer))), np.float64)
-  return np.sum(np.abs(kernel), axis=tuple(i for i in range(kernel.ndim) if i != kernel.ndim - 2))
+  kept = {kernel.ndim - 2} | ({0} if members else set())
+  return np.sum(np.abs(kernel), axis=tuple(i for i in range(kernel.ndim) if i not in kept)
+                ).reshape(-1)

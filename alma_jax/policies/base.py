@@ -86,16 +86,18 @@ class StagePolicy(declared.Declaration):
 
 def check_unit_resets(config, policy: str) -> None:
   """Raises `ConfigError` unless a policy that re-draws hidden units (`policy`) can serve the
-  config: a method with hidden units it exposes (`Method.unit_layout`: sm on a backbone
-  that sows them) and a fresh optimizer state at every stage (a kept one would hold the
-  moments of the weights before they were re-drawn)."""
-  method = plugins.method(config.method.name).name
+  config: a method with hidden units it exposes (`Method.unit_layout`: sm, ens or umix on a
+  backbone that sows them) and a fresh optimizer state at every stage (a kept one would hold
+  the moments of the weights before they were re-drawn)."""
+  method = plugins.method(config.method.name)
   build = backbones.spec(config.model.name).width_layout
-  if method != "sm" or build is None or not build(config.model, 2).units:
+  if not method.HIDDEN_UNITS or build is None or not build(config.model, 2).units:
     able = backbones.names(lambda s: s.width_layout is not None)
+    names = [n for n, d in sorted(plugins.METHODS.items()) if d.HIDDEN_UNITS]
     raise ConfigError(f"config.stream.warm_start={policy!r} re-draws hidden units, which "
-                      f"method {method!r} on backbone {config.model.name!r} does not expose; "
-                      f"valid: config.method.name='sm' with config.model.name in {able}")
+                      f"method {method.name!r} on backbone {config.model.name!r} does not "
+                      f"expose; valid: config.method.name in {names} with config.model.name "
+                      f"in {able}")
   if bool(F.get(config.train, "train.keep_optimizer_state")):
     raise ConfigError(f"config.train.keep_optimizer_state=True is not supported by "
                       f"config.stream.warm_start={policy!r}: the kept moments belong to the "

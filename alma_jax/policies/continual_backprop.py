@@ -62,7 +62,7 @@ class ContinualBackprop(declared.ContinualBackprop, StagePolicy):
     masks, ages, carries = [], [], []
     for l, a in enumerate(activity):
       age = np.asarray(memo["age"][l], np.int64)
-      utility = a * plasticity.outgoing_weight(layout, grown.params, l)
+      utility = a * plasticity.outgoing_weight(layout, grown.params, l, method.unit_members)
       take, carry = choose(utility, age, float(memo["carry"][l]), float(s.cbp_fraction),
                            int(s.cbp_maturity))
       masks.append(take)

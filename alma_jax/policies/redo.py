@@ -33,7 +33,8 @@ def redraw(method, learner, key: jax.Array, masks) -> tuple:
   """(`learner` with the units of `masks` drawn afresh (`plasticity.reset_units`, from the
   policy's own key), the record fields that say how many)."""
   fresh = method.reinit(learner, state_lib.fold_in(key, FIRST_FREE_KEY))
-  return (plasticity.reset_units(method.unit_layout(), learner, fresh, masks),
+  return (plasticity.reset_units(method.unit_layout(), learner, fresh, masks,
+                                 method.unit_members),
           {"units_reset": int(sum(np.sum(m) for m in masks))})
 
 
@@ -48,6 +49,6 @@ class Redo(declared.Redo, StagePolicy):
   def start(self, method, learner, key: jax.Array, ctx, opt_state, memo):
     grown = self.grow(method, learner, key, ctx)
     masks = plasticity.dormant(measured(method, grown, ctx),
-                               float(self.config.stream.redo_threshold))
+                               float(self.config.stream.redo_threshold), method.unit_members)
     learner, fields = redraw(method, grown, key, masks)
     return Started(learner, opt_state, memo, fields)

@@ -91,6 +91,14 @@ def test_scores_dormant_units_and_the_effective_rank_by_definition():
   assert plasticity.effective_rank(np.zeros((3, 3))) == 0.0
 
 
+def test_an_ensemble_s_units_are_scored_within_each_member():
+  # Two members of two units each, side by side: each unit over its own member's mean.
+  assert plasticity.scores([np.array([0.0, 1.0, 10.0, 30.0])], members=2)[0].tolist() == [
+      0.0, 2.0, 0.5, 1.5]
+  assert plasticity.dormant([np.array([0.0, 1.0, 10.0, 30.0])], 0.5, members=2)[0].tolist() == [
+      True, False, True, False]
+
+
 # -- resets ----------------------------------------------------------------------------------------
 def test_redo_redraws_the_dead_units_and_keeps_the_function():
   c, method, steps, ds = _mlp(warm_start="redo", redo_threshold=0.0)
@@ -115,6 +123,52 @@ def test_redo_redraws_the_dead_units_and_keeps_the_function():
   active = plasticity.mean_activity(steps.reduce(plasticity.activity_fn(method), after,
                                                  np.arange(64, dtype=np.int32)))
   assert np.all(active[0][:2] > 0)
+
+
+@pytest.mark.parametrize("name", ["ens", "umix"])
+def test_an_ensemble_s_units_are_its_members_side_by_side_and_redo_resets_them_per_member(name):
+  c = helpers.small_config("mnist", name, width=4)
+  c.method.num_members = 2
+  c.stream.warm_start, c.stream.redo_threshold = "redo", 0.0
+  ds = helpers.synthetic_dataset(n_train=64, n_test=16)
+  method, steps = helpers.make_steps(c, ds)
+  c = validation.complete(c)
+  learner = helpers.init(method)
+  p = jax.tree.map(np.array, learner.params)  # every leaf (2, ...): the members
+  p["dense0"]["bias"][:] = 3.0
+  p["dense0"]["kernel"][1, :, 0] = 0.0  # member 1's first unit silent on every input
+  p["dense0"]["bias"][1, 0] = -1.0
+  learner = learner.replace(params=jax.tree.map(jnp.asarray, p))
+  member = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+  x = ds.train_x[:16].astype(np.float32) / 255.0
+  hidden = method.hidden_units(learner.structure, learner.params, learner.model_state, x)
+  by_hand = [_hidden_by_hand(member(learner.params, i), x.reshape(16, -1).astype(np.float64))
+             for i in range(2)]
+  for l in range(2):  # member-major: unit u of member m at m * 4 + u
+    assert hidden[l].shape == (16, 8)
+    # float32 sums of at most 784 products against float64 (as above).
+    np.testing.assert_allclose(hidden[l], np.concatenate([h[l] for h in by_hand], -1),
+                               rtol=2e-4, atol=1e-6)
+  layout = method.unit_layout()
+  np.testing.assert_array_equal(
+      plasticity.outgoing_weight(layout, learner.params, 0, members=2),
+      np.concatenate([plasticity.outgoing_weight(layout, member(learner.params, i), 0)
+                      for i in range(2)]))
+  ctx = helpers.context(2, steps=steps, train_idx=np.arange(64, dtype=np.int32))
+  masks = plasticity.dormant(plasticity.mean_activity(steps.reduce(
+      plasticity.activity_fn(method), learner, ctx.train_idx)), 0.0, members=2)
+  assert masks[0].tolist() == [False] * 4 + [True, False, False, False]
+  started = policies.make_stage(c).start(method, learner, jax.random.key(7), ctx, None, None)
+  after = started.learner
+  assert started.fields == {"units_reset": int(sum(np.sum(m) for m in masks))}
+  out = lambda l: np.asarray(method.predict(l.structure, l.params, l.model_state, x))
+  assert np.array_equal(out(learner), out(after))  # exactly: the reset unit was silent
+  k0, k1 = np.asarray(after.params["dense0"]["kernel"]), np.asarray(after.params["dense1"]["kernel"])
+  assert np.all(k1[1, 0] == 0.0) and np.abs(k0[1, :, 0]).sum() > 0  # member 1's unit 0
+  if not masks[1][:4].any():  # member 0 had nothing to reset: it is untouched
+    for a, b in zip(jax.tree.leaves(member(after.params, 0)),
+                    jax.tree.leaves(member(learner.params, 0))):
+      np.testing.assert_array_equal(a, b)
 
 
 def test_a_reset_on_the_vgg_layout_redraws_channels_and_keeps_the_function():
@@ -175,8 +229,11 @@ def test_continual_backprop_remembers_the_units_ages():
 @pytest.mark.parametrize("method, fields, message", [
     ("gmoe", {"stream.warm_start": "redo"},
      r"config\.stream\.warm_start='redo' re-draws hidden units, which method 'gmoe' on backbone "
-     r"'mlp' does not expose; valid: config\.method\.name='sm' with config\.model\.name in "
-     r"\['mlp', 'vgg'\]"),
+     r"'mlp' does not expose; valid: config\.method\.name in \['ens', 'sm', 'umix'\] with "
+     r"config\.model\.name in \['mlp', 'vgg'\]"),
+    ("gens", {"stream.warm_start": "continual_backprop"},
+     r"which method 'gens' on backbone 'mlp' does not expose; valid: config\.method\.name in "
+     r"\['ens', 'sm', 'umix'\]"),
     ("sm", {"stream.warm_start": "continual_backprop", "train.keep_optimizer_state": True},
      r"config\.train\.keep_optimizer_state=True is not supported by config\.stream\.warm_start="
      r"'continual_backprop'.*allowed values: \[False\]"),
@@ -228,6 +285,18 @@ def test_the_records_carry_the_diagnostics_and_the_summary_their_last_values(tmp
   assert summary["final_dormant_fraction"] == log[-1]["dormant_fraction"]
   assert summary["final_feature_rank"] == log[-1]["feature_rank"]
   assert summary["comp"] == sum(r["train_flops"] for r in log)  # the probe is not compute
+
+
+@requires_mnist
+def test_an_ensemble_run_records_its_members_units_and_resets_them(tmp_path):
+  wd = str(tmp_path / "wd")
+  run.run(helpers.smoke("ens", method__num_members=2, log__plasticity=True,
+                        stream__warm_start="redo", stream__redo_threshold=0.5), wd)
+  log = io_utils.read_jsonl(f"{wd}/log.jsonl")
+  assert all({"dormant_fraction", "dormant_fraction_0", "feature_rank"} <= set(r) for r in log)
+  # The smoke MLP has 2 x 8 units per layer: the features of both members, side by side.
+  assert all(1.0 <= r["feature_rank"] <= 16.0 for r in log)
+  assert sum(r["units_reset"] for r in log if r["trained"]) > 0
 
 
 @requires_mnist

@@ -31,6 +31,9 @@ class Declaration:
 
   name = ""
   FIELDS: tuple[F.Field, ...] = ()
+  # Whether the method exposes a fixed set of hidden units on a backbone that sows them
+  # (`Method.unit_layout`): what the unit-reset stage policies need.
+  HIDDEN_UNITS = False
 
   @classmethod
   def fields(cls, config) -> tuple[F.Field, ...]:
@@ -41,10 +44,12 @@ class Declaration:
 
 class SM(Declaration):
   name = "sm"
+  HIDDEN_UNITS = True
 
 
 class Ens(Declaration):
   name = "ens"
+  HIDDEN_UNITS = True
   FIELDS = (F.Field("method.num_members", 5, F.integer(1), "N (paper: 5; released code: 3)"),
             STRATEGY)
 
@@ -59,6 +64,7 @@ class UMix(Ens):
 
 class GEns(Ens):
   name = "gens"
+  HIDDEN_UNITS = False  # members in slots, the old ones frozen
   FIELDS = (F.Field("method.initial_members", 1, F.integer(1),
                     "members at the start, all trained at the first stage"),
             F.Field("method.grow_by", 1, F.integer(1),
