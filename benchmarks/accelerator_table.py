@@ -171,7 +171,8 @@ def main(argv=None) -> int:
   ap.add_argument("--only", default="P3,P1,P4", help="protocols, in the order to run them")
   ap.add_argument("--peer_cmd", default="",
                   help="command that runs the released code on one protocol (given last)")
-  ap.add_argument("--lm", default="", help=f"Switch Transformer runs of {sorted(n for n in compile_budget.RUNS if n.startswith('lm_'))}")
+  lm_runs = sorted(n for n in compile_budget.RUNS if n.startswith("lm_"))
+  ap.add_argument("--lm", default="", help=f"Switch Transformer runs of {lm_runs}")
   ap.add_argument("--interrupt_at", type=float, default=0.0,
                   help="also send SIGTERM to a cold lm_base run after this many seconds")
   ap.add_argument("--out_dir", default="", help="one JSON file per result, written as it comes")
@@ -190,7 +191,7 @@ def main(argv=None) -> int:
              + [n for n in lms if not n.startswith("lm_") or n not in compile_budget.RUNS])
   if unknown:
     raise SystemExit(f"accelerator_table: error: unknown runs {unknown}; protocols: P1-P4, "
-                     f"--lm: {sorted(n for n in compile_budget.RUNS if n.startswith('lm_'))}")
+                     f"--lm: {lm_runs}")
   out_dir = args.out_dir or tempfile.mkdtemp(prefix="accelerator_table_")
   os.makedirs(out_dir, exist_ok=True)
   device = device_name()

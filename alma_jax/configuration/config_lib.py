@@ -193,8 +193,9 @@ BASE_FIELDS = (
     F.Field("log.plasticity", False, F.boolean(),
             "add plasticity diagnostics to every record (alma_jax.engine.plasticity): the "
             "parameters' norm and distance from the run's initial ones and, for a method with "
-            "hidden units (sm, ens or umix on mlp or vgg), the fraction of dormant units per layer and the "
-            "effective rank of the last hidden layer's features on a fixed probe set"),
+            "hidden units (sm, ens or umix on mlp or vgg), the fraction of dormant units per "
+            "layer and the effective rank of the last hidden layer's features on a fixed probe "
+            "set"),
     F.Field("log.dormant_threshold", 0.025, F.number(0.0, 1.0),
             "log.plasticity: a unit is dormant when its activity over its layer's mean is at "
             "most this (ReDo's tau; 0: dead units alone)"),

@@ -16,8 +16,8 @@ images and text alike.
 from __future__ import annotations
 
 import copy
-import functools
 import dataclasses
+import functools
 from typing import Any, Callable, Hashable
 
 import flax.linen as nn

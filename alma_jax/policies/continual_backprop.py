@@ -10,7 +10,8 @@ training data times the summed magnitude of its outgoing weights, is measured
 layer's mature units (trained by at least `stream.cbp_maturity` stages since they were
 drawn), the `stream.cbp_fraction` with the lowest utility are drawn afresh (incoming
 weights fresh, outgoing zero). A fractional count carries over to the next stage, so a
-narrow layer still replaces a unit every few stages.
+narrow layer still replaces a unit every few stages. In an ensemble (`ens`, `umix`) a
+layer's units are every member's, side by side, and the fraction is of all of them.
 
 The policy remembers, per learner, each unit's age (stages trained since drawn) and each
 layer's carried fraction (`Started.memo`, kept by the checkpoints). The record of each

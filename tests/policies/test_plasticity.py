@@ -163,7 +163,8 @@ def test_an_ensemble_s_units_are_its_members_side_by_side_and_redo_resets_them_p
   assert started.fields == {"units_reset": int(sum(np.sum(m) for m in masks))}
   out = lambda l: np.asarray(method.predict(l.structure, l.params, l.model_state, x))
   assert np.array_equal(out(learner), out(after))  # exactly: the reset unit was silent
-  k0, k1 = np.asarray(after.params["dense0"]["kernel"]), np.asarray(after.params["dense1"]["kernel"])
+  k0 = np.asarray(after.params["dense0"]["kernel"])
+  k1 = np.asarray(after.params["dense1"]["kernel"])
   assert np.all(k1[1, 0] == 0.0) and np.abs(k0[1, :, 0]).sum() > 0  # member 1's unit 0
   if not masks[1][:4].any():  # member 0 had nothing to reset: it is untouched
     for a, b in zip(jax.tree.leaves(member(after.params, 0)),
