@@ -10,11 +10,16 @@ compile seconds of its train step and evaluation; and with `--interrupt_at=S`,
 a cold base-model run sent SIGTERM after S seconds (while XLA compiles): how
 long it took to exit, and its exit status.
 
-Each result is written to `--out_dir` as soon as it is measured (a run cut
-short keeps what it finished); `--from_dir` prints the table again from there.
+Every result is written to `--out_dir`/results.json as soon as it is measured
+(one file, rewritten whole: a run cut short keeps what it finished, and a
+machine that returns few files returns it); `--from_dir` prints the table
+again from there. `--xla_dump=REGEX` also dumps the HLO of alma_jax's programs
+whose module names match (XLA's `--xla_dump_to`) into one archive there,
+`xla_dump.tgz`, to see on another machine what a slow compile compiled.
 
   python benchmarks/accelerator_table.py --peer_cmd="bash .gpu_carry/peer_gpu.sh" \\
       --out_dir=/tmp/table --lm=lm_base,lm_base_unrolled --interrupt_at=25
+  python benchmarks/accelerator_table.py --only=P4 --xla_dump='.*step_eval.*' --out_dir=/tmp/p4
   python benchmarks/accelerator_table.py --from_dir=/tmp/table
 
 Anything after `--` is passed to every alma_jax run. On a CPU it runs the same
@@ -28,6 +33,7 @@ import glob
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,9 +59,35 @@ def device_name() -> str:
   return "unknown device"
 
 
-def _save(out_dir: str, name: str, value: dict) -> None:
-  with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-    json.dump(value, f, indent=1)
+RESULTS = "results.json"
+
+
+def _save(out_dir: str, results: dict) -> None:
+  """Writes every result so far to `out_dir`/results.json (replaced whole)."""
+  path = os.path.join(out_dir, RESULTS)
+  with open(path + ".tmp", "w") as f:
+    json.dump(results, f, indent=1)
+  os.replace(path + ".tmp", path)
+
+
+def read_results(out_dir: str) -> dict:
+  """The results of an `--out_dir`: its results.json, or the one file per result that
+  earlier versions of this script wrote."""
+  path = os.path.join(out_dir, RESULTS)
+  if os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
+  results = {}
+  for name in sorted(glob.glob(os.path.join(out_dir, "*.json"))):
+    with open(name) as f:
+      results[os.path.basename(name)[:-5]] = json.load(f)
+  return results
+
+
+def dump_flags(out_dir: str, regex: str) -> str:
+  """`XLA_FLAGS` with XLA's HLO dump of the modules matching `regex` into out_dir/xla_dump."""
+  return " ".join([os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={out_dir}/xla_dump",
+                   f"--xla_dump_hlo_module_re={regex}", "--xla_dump_hlo_as_text"]).strip()
 
 
 def _ours(spec: str, extra: list[str], cache_dir: str) -> dict:
@@ -175,14 +207,13 @@ def main(argv=None) -> int:
   ap.add_argument("--lm", default="", help=f"Switch Transformer runs of {lm_runs}")
   ap.add_argument("--interrupt_at", type=float, default=0.0,
                   help="also send SIGTERM to a cold lm_base run after this many seconds")
-  ap.add_argument("--out_dir", default="", help="one JSON file per result, written as it comes")
+  ap.add_argument("--out_dir", default="", help="results.json here, rewritten as results come")
   ap.add_argument("--from_dir", default="", help="print the table of an earlier --out_dir")
+  ap.add_argument("--xla_dump", default="",
+                  help="dump the HLO of alma_jax's programs matching this into xla_dump.tgz")
   args = ap.parse_args(argv)
   if args.from_dir:
-    results = {}
-    for path in sorted(glob.glob(os.path.join(args.from_dir, "*.json"))):
-      with open(path) as f:
-        results[os.path.basename(path)[:-5]] = json.load(f)
+    results = read_results(args.from_dir)
     print(table(results, results.get("device", {}).get("name", "unknown device")))
     return 0
   protocols = [p.strip().upper() for p in args.only.split(",") if p.strip()]
@@ -196,20 +227,25 @@ def main(argv=None) -> int:
   os.makedirs(out_dir, exist_ok=True)
   device = device_name()
   results = {"device": {"name": device}}
-  _save(out_dir, "device", results["device"])
+  if args.xla_dump:  # alma_jax's processes inherit it (the released code has no XLA)
+    os.environ["XLA_FLAGS"] = dump_flags(out_dir, args.xla_dump)
+  _save(out_dir, results)
   for p in protocols:
     results[p] = measure_protocol(p, args.peer_cmd, extra)
-    _save(out_dir, p, results[p])
+    _save(out_dir, results)
     print(f"{p}: cold {_wall(results[p]['cold'])} s, warm {_wall(results[p]['warm'])} s, "
           f"released {_wall(results[p].get('released'), 'wall_s')} s", file=sys.stderr, flush=True)
   for name in lms:
     with tempfile.TemporaryDirectory() as cache_dir:
       results[name] = _ours(compile_budget.RUNS[name], extra, cache_dir)
-    _save(out_dir, name, results[name])
+    _save(out_dir, results)
     print(f"{name}: cold {_wall(results[name])} s", file=sys.stderr, flush=True)
   if args.interrupt_at > 0:
     results["interrupt"] = measure_interrupt(args.interrupt_at, extra)
-    _save(out_dir, "interrupt", results["interrupt"])
+    _save(out_dir, results)
+  if args.xla_dump and os.path.isdir(os.path.join(out_dir, "xla_dump")):
+    subprocess.run(["tar", "-czf", "xla_dump.tgz", "xla_dump"], cwd=out_dir, check=False)
+    shutil.rmtree(os.path.join(out_dir, "xla_dump"), ignore_errors=True)
   print(table(results, device))
   print(f"(results in {out_dir})", file=sys.stderr)
   return 0
