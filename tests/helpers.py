@@ -98,6 +98,22 @@ def make_steps(config, ds, num_devices=1, model=1):
   return method, steps
 
 
+def compiled(fn):
+  """(fn(), the names of the XLA programs built or loaded while it ran)."""
+  names = []
+
+  def listen(event, duration, **kwargs):
+    del duration
+    if event == "/jax/core/compile/backend_compile_duration":
+      names.append(str(kwargs.get("fun_name")))
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    return fn(), names
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+
+
 def init(method, seed=0):
   return method.init(jax.random.key(seed))
 

@@ -357,11 +357,13 @@ class SingleBackbone:
 
   def backbone_units(self, params, model_state, x) -> list:
     """One backbone's sown hidden-layer outputs on `x` (inference), in `unit_layout()`'s
-    order."""
+    order; `Method.hidden_units`' error for a backbone that sows none."""
+    layout = self.unit_layout()
+    if layout is None:
+      return Method.hidden_units(self, (), params, model_state, x)  # raises
     _, sown = self.backbone.apply({"params": params, **model_state}, x, train=False,
                                   mutable=["intermediates"])
-    return [backbones.leaf_at(sown["intermediates"], path)[0]
-            for path in self.unit_layout().units]
+    return [backbones.leaf_at(sown["intermediates"], path)[0] for path in layout.units]
 
   def counted(self):
     """`Method.counted`: the method with its backbone's convolutions as XLA's own

@@ -287,8 +287,6 @@ class Ensemble(declared.Ens, base.SingleBackbone, base.Method):
   def hidden_units(self, structure, params, model_state, x) -> list:
     """Every member's hidden units on `x`, side by side (`Method.hidden_units`)."""
     del structure
-    if self.unit_layout() is None:
-      return super().hidden_units((), params, model_state, x)
     per_member = jax.vmap(lambda p, s: self.backbone_units(p, s, x))(params, model_state)
     return [jnp.moveaxis(h, 0, -2).reshape(h.shape[1:-1] + (-1,)) for h in per_member]
 

@@ -30,6 +30,4 @@ class SingleModel(declared.SM, base.SingleBackbone, base.Method):
 
   def hidden_units(self, structure, params, model_state, x) -> list:
     del structure
-    if self.unit_layout() is None:
-      return super().hidden_units((), params, model_state, x)
     return self.backbone_units(params, model_state, x)

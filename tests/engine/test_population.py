@@ -142,22 +142,6 @@ def test_two_seeds_end_to_end_match_separate_runs_and_resume(tmp_path):
 SEEDS = (0, 1, 7, 2**31 - 1, 2**31, 2**32 - 1)
 
 
-def _compiled(fn):
-  """(fn(), the XLA programs built or loaded while it ran)."""
-  names = []
-
-  def listen(event, duration, **kwargs):
-    del duration
-    if event == "/jax/core/compile/backend_compile_duration":
-      names.append(str(kwargs.get("fun_name")))
-
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
-    return fn(), names
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
-
-
 def test_keys_and_their_folds_are_those_of_one_key_at_a_time():
   keys = population.keys(SEEDS)
   expected = np.stack([jax.random.key_data(jax.random.key(s)) for s in SEEDS])
@@ -204,7 +188,7 @@ def test_initial_learners_are_each_keys_init_in_one_program(method_name):
   ds = helpers.synthetic_dataset(n_train=64, n_test=16)
   method, _ = helpers.make_steps(helpers.small_config(method=method_name, width=6), ds)
   keys = population.keys((5, 6))
-  learner, names = _compiled(lambda: population.initial(method, keys))
+  learner, names = helpers.compiled(lambda: population.initial(method, keys))
   assert len(names) <= 1, names  # none when this test ran before in the process
   one_by_one = population.stack([method.init(jax.random.fold_in(k, 0))
                                  for k in population.member_keys(keys)])

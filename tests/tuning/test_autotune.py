@@ -120,22 +120,10 @@ def test_a_candidate_that_fails_leaves_the_choice_to_the_rule(tmp_path, caplog):
 def test_a_measurement_initialises_its_learner_with_the_run_s_program():
   # The run's initial learners then need no program of their own (a width no other test
   # uses, so that nothing compiled earlier in this process can make it pass).
-  import jax  # pylint: disable=g-import-not-at-top
   ds = helpers.synthetic_dataset(n_train=64, n_test=16)
   steps = helpers.make_steps(_small(width=5, batch_size=16), ds)[1]
   assert autotune.time_evaluation(steps) > 0
-  names = []
-
-  def listen(event, duration, **kwargs):
-    del duration
-    if event == "/jax/core/compile/backend_compile_duration":
-      names.append(str(kwargs.get("fun_name")))
-
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
-    population.initial(steps.method, population.keys([0]))
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
+  _, names = helpers.compiled(lambda: population.initial(steps.method, population.keys([0])))
   assert names == []
 
 
