@@ -103,7 +103,8 @@ BASE_FIELDS = (
             "crop_flip (random crop with 4-pixel padding and flip, in the step) or none"),
     F.Field("train.steps_per_call", 1, F.integer(0),
             "train steps per compiled call (a lax.scan over them); 0: chosen (see "
-            "train.autotune)"),
+            "train.autotune); speed only (a step's random draws do not depend on it; float "
+            "round-off may)"),
     F.Field("train.stage_program", "auto", F.choice(("per_epoch", "whole", "auto")),
             "per_epoch (a compiled call per chunk of steps, an evaluation per epoch), whole (a "
             "stage's epochs, validation and early stopping as one compiled program; image "

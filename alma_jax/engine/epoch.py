@@ -169,10 +169,10 @@ class EpochFns:
 def epoch(fns: EpochFns, rule: Rule, carry: dict, orders, val, data, keys, *, base: Learner,
           num_calls, n_steps, num_val, thresholds, counter0) -> tuple[dict, dict]:
   """One epoch as a transition of `carry` {"epoch", "state", "best", "stop"}: the train calls
-  `0 .. num_calls - 1` over `orders` (Batch (C, S, K, D, b); call c has PRNG counter
-  `counter0 + c`), the validation batches `0 .. num_val - 1` of `val` (Batch (V, S, b)),
-  then `end_epoch`. Returns (carry, out): the epoch's losses (S, C * K; padding steps 0),
-  `finite`, the summed `correct` (S,) and `units` (S, U), and `end_epoch`'s facts."""
+  `0 .. num_calls - 1` over `orders` (Batch (C, S, K, D, b); call c's first step has PRNG
+  counter `counter0 + c * K`), the validation batches `0 .. num_val - 1` of `val` (Batch
+  (V, S, b)), then `end_epoch`. Returns (carry, out): the epoch's losses (S, C * K; padding
+  steps 0), `finite`, the summed `correct` (S,) and `units` (S, U), and `end_epoch`'s facts."""
   structure = carry["best"].structure
   e, num = carry["epoch"], orders.idx.shape[1]
   width = orders.idx.shape[0] * orders.idx.shape[2]
@@ -181,7 +181,8 @@ def epoch(fns: EpochFns, rule: Rule, carry: dict, orders, val, data, keys, *, ba
   def call(c, inner):
     state, losses, _ = inner
     batch = type(orders)(orders.idx[c], orders.mask[c])
-    state, loss, finite = fns.chunk(state, data, batch, keys, counter0 + c.astype(jnp.uint32))
+    state, loss, finite = fns.chunk(state, data, batch, keys,
+                                    counter0 + c.astype(jnp.uint32) * jnp.uint32(k))
     return state, jax.lax.dynamic_update_slice(losses, loss, (0, c * k)), finite
 
   state, losses, finite = jax.lax.fori_loop(

@@ -46,9 +46,10 @@ from alma_jax.models import slots
 from alma_jax.state import Learner, TrainState
 
 PyTree = Any
-# A train call's PRNG counter is epoch * CALLS_BOUND + call: distinct for
-# every call of a stage as long as an epoch has fewer calls than this.
-CALLS_BOUND = 100003
+# A train step's PRNG counter is epoch * STEPS_BOUND + (its step in the epoch): distinct
+# for every step of a stage as long as an epoch has fewer steps than this, and the same
+# whatever number of steps a compiled call runs (`train.steps_per_call`).
+STEPS_BOUND = 100003
 UTILITY_PREFIX = "alma_utility_"  # names the utility programs (not steps) in `jax.monitoring`
 # The logical axes of the batches (`alma_jax.engine.sharding`): a train batch is (S, K, D, b), with
 # one data order per trained ensemble member; an evaluation batch (S, b) or shared (b,).
@@ -93,8 +94,9 @@ def over_population(fn: Callable, in_axes: Sequence[int | None], num: int) -> Ca
   return squeezed
 
 
-def call_counter(epoch: int, call: int) -> np.uint32:
-  return np.uint32(epoch * CALLS_BOUND + call)
+def step_counter(epoch: int, step: int) -> np.uint32:
+  """The PRNG counter of step `step` of epoch `epoch` (a call passes its first step's)."""
+  return np.uint32(epoch * STEPS_BOUND + step)
 
 
 def all_finite(tree) -> jax.Array:
@@ -312,24 +314,27 @@ class Programs:
     """K train steps of one learner: (state, data, Batch (K, D, b), key, counter) ->
     (state, K losses, whether the trainable params are all finite).
 
-    With K > 1 the steps run in a `lax.scan`; a step whose mask is all false
-    (padding up to a whole number of calls) leaves the state untouched.
+    Step i draws its randomness from `fold_in(key, counter + i)` (`counter`: the call's first
+    step's, `step_counter`), so a step's draws do not depend on K. With K > 1 the steps run in
+    a `lax.scan`; a step whose mask is all false (padding up to a whole number of calls)
+    leaves the state untouched.
     """
     step = self.step_body(structure)
 
     def chunk(state: TrainState, data, batch: Batch, key, counter):
-      rng = jax.random.fold_in(key, counter)
       if batch.idx.shape[0] == 1:
-        state, loss = step(state, data, batch.idx[0], batch.mask[0], rng)
+        state, loss = step(state, data, batch.idx[0], batch.mask[0],
+                           jax.random.fold_in(key, counter))
         losses = loss[None]
       else:
         def body(st, inp):
           idx, mask, i = inp
-          run = lambda s: step(s, data, idx, mask, jax.random.fold_in(rng, i))
+          run = lambda s: step(s, data, idx, mask, jax.random.fold_in(key, counter + i))
           return jax.lax.cond(jnp.any(mask), run, lambda s: (s, jnp.float32(0.0)), st)
 
         state, losses = jax.lax.scan(body, state, (batch.idx, batch.mask,
-                                                   jnp.arange(batch.idx.shape[0])))
+                                                   jnp.arange(batch.idx.shape[0],
+                                                              dtype=jnp.uint32)))
       return state, losses, all_finite(state.trainable)
 
     return chunk
@@ -503,7 +508,7 @@ class Programs:
         return epoch_lib.epoch(
             fns, rule, carry, Batch(orders.idx[slot], orders.mask[slot]), val, data, keys,
             base=base, num_calls=num_calls, n_steps=n_steps, num_val=num_val,
-            thresholds=thresholds, counter0=e.astype(jnp.uint32) * jnp.uint32(CALLS_BOUND))
+            thresholds=thresholds, counter0=e.astype(jnp.uint32) * jnp.uint32(STEPS_BOUND))
 
       units, width = stop.best_score.shape[1], orders.idx.shape[1] * orders.idx.shape[3]
       per = lambda shape, dtype: jnp.zeros((m_slots, num) + shape, dtype)  # pylint: disable=unnecessary-lambda-assignment

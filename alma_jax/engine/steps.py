@@ -19,13 +19,13 @@ from alma_jax.engine import passes
 from alma_jax.engine import programs as programs_lib
 from alma_jax.engine import timing
 from alma_jax.engine.epoch import StageOptions
-from alma_jax.engine.programs import (CALLS_BOUND, Batch, TrainState, all_finite, call_counter,
+from alma_jax.engine.programs import (STEPS_BOUND, Batch, TrainState, all_finite, step_counter,
                                     over_population)
 from alma_jax.configuration import fields as F
 from alma_jax.errors import ConfigError
 from alma_jax.methods.base import Learner, Method
 
-__all__ = ["Steps", "Batch", "TrainState", "CALLS_BOUND", "all_finite", "call_counter",
+__all__ = ["Steps", "Batch", "TrainState", "STEPS_BOUND", "all_finite", "step_counter",
            "over_population"]
 PyTree = Any
 

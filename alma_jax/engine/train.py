@@ -31,7 +31,7 @@ from alma_jax.engine import population
 from alma_jax.engine import timing
 from alma_jax.engine.epoch import Rule, diverged, epoch_ok, warn_unimproved
 from alma_jax.engine.meter import Meter, epoch_line
-from alma_jax.engine.programs import Batch, call_counter
+from alma_jax.engine.programs import Batch, step_counter
 from alma_jax.engine.stage_save import Progress, Resume, Saver, StageCheckpoints, restore
 from alma_jax.engine.steps import Steps
 from alma_jax.state import Learner, StageStats, StopState, TrainState
@@ -162,7 +162,7 @@ def _train_epoch(s: _Stage, state: TrainState, p: Progress, epoch: int, resume: 
     sl = slice(c * k, (c + 1) * k)
     batch = Batch(idx[:, sl], mask[:, sl])  # host arrays: the program places them
     state, loss, finite = steps.train_call(s.learner.structure, state, batch, s.data.keys,
-                                           call_counter(epoch, c))
+                                           step_counter(epoch, c * k))
     losses.append(loss)
     if meter is not None and meter.full:
       if pending is not None:  # the previous call: the count of steps done is exact

@@ -27,8 +27,9 @@ The run logs every choice (and the times behind a new one) and writes them to
 The rules decide with `train.autotune="rules"`, in a run of several
 processes (which must agree without measuring or reading files) and for a
 candidate that fails to build: `models.conv.resolve_impl`, `methods.ensemble.
-choose_strategy`, and `RULE_STEPS_PER_CALL` steps per call on CPU and
-`ACCELERATOR_STEPS_PER_CALL` on accelerators (where a small step is bound by
+choose_strategy`, and `steps_per_call_rule` (`RULE_STEPS_PER_CALL` steps per
+call on CPU, `SHORT_STEPS_PER_CALL` for an MLP's short steps there, and
+`ACCELERATOR_STEPS_PER_CALL` on accelerators, where a small step is bound by
 the launch of each call).
 """
 
@@ -56,6 +57,7 @@ from alma_jax.outputs import io_utils
 FILE = "autotune.json"
 MODES = ("measure", "rules")
 RULE_STEPS_PER_CALL = 1  # CPU: a call's launch is small beside its step
+SHORT_STEPS_PER_CALL = 8  # CPU, steps of a few milliseconds (`_short_steps`)
 ACCELERATOR_STEPS_PER_CALL = 8
 STEPS_PER_CALL_CANDIDATES = (1, 8)
 AUTO_STEPS_PER_CALL = 0  # the value of train.steps_per_call that asks for a choice
@@ -123,10 +125,26 @@ def step_fusion_candidates(config) -> tuple[str, ...]:
   return eval_fusion_candidates(config)
 
 
-def steps_per_call_rule(config=None) -> int:
-  """Steps per compiled call when they are left to be chosen and not measured."""
-  del config
-  return RULE_STEPS_PER_CALL if jax.default_backend() == "cpu" else ACCELERATOR_STEPS_PER_CALL
+def _short_steps(config) -> bool:
+  """Whether a CPU run's train steps are short beside the launch of a compiled call: an image
+  task's backbone that is not convolution-heavy (an MLP: a step of a few milliseconds, a
+  launch of about one), trained by a call per chunk of steps (the whole-stage program makes
+  no calls from the host)."""
+  if jax.default_backend() != "cpu" or models.spec(config.model.name).conv_heavy:
+    return False
+  if "images" not in models.spec(config.model.name).tasks:
+    return False
+  stage = config.train.get("stage_program", "auto")
+  return (stage_program_rule(config) if stage == "auto" else stage) == "per_epoch"
+
+
+def steps_per_call_rule(config) -> int:
+  """Steps per compiled call when they are left to be chosen and not measured: several on an
+  accelerator (a small step is bound by the launch of each call) and for short CPU steps
+  (`_short_steps`), otherwise one (a signal is looked at between calls)."""
+  if jax.default_backend() != "cpu":
+    return ACCELERATOR_STEPS_PER_CALL
+  return SHORT_STEPS_PER_CALL if _short_steps(config) else RULE_STEPS_PER_CALL
 
 
 TUNABLES = (

@@ -88,12 +88,15 @@ def test_padding_slots_hold_real_examples_and_are_masked():
   assert not np.array_equal(order[:, 0], order[:, 1])  # each order its own shuffle
 
 
-def test_steps_per_call_gives_the_same_result():
+@pytest.mark.parametrize("augment", ["none", "crop_flip"])
+def test_steps_per_call_gives_the_same_result(augment):
+  # With crop_flip every step draws its crops and flips: step i of an epoch draws the same ones
+  # whether it runs alone or inside a call of K steps.
   ds = helpers.synthetic_dataset(n_train=600)
   results = []
   with jax.enable_x64(True):  # a scan and single calls round differently: see helpers.float64
     for k in (1, 4):
-      c = helpers.small_config(width=8, steps_per_call=k)
+      c = helpers.small_config(width=8, steps_per_call=k, augment=augment)
       method, steps = helpers.make_steps(c, ds)
       best, _, stats = train.fit_one(steps, helpers.float64(helpers.init(method)),
                                      np.arange(500, dtype=np.int32),

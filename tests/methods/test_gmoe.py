@@ -382,3 +382,39 @@ def test_growth_scores_come_from_the_evaluation_program():
   assert len(scores) == 2 and scores[0].shape == (4,)  # two mixture layers, 3 experts in 4 slots
   assert scores[0][3] == 0.0 and np.all(scores[0][:3] > 0)  # the padding slot scores 0
   chex.assert_trees_all_close(scores, reference, atol=1e-9, rtol=1e-9)
+
+
+def _path_product_by_definition(path, values):
+  """An expert's weight as the product of its path's gate values, multiplied gate after gate
+  in index order (root first), off-path gates contributing an exact 1."""
+  w = None
+  for g in range(min(path.shape[1], values.shape[1])):
+    side = path[:, g]
+    v = jnp.where(side == 1, values[:, g, :1],
+                  jnp.where(side == 2, values[:, g, 1:], jnp.ones((), values.dtype)))
+    w = v if w is None else w * v
+  return w
+
+
+@pytest.mark.parametrize("experts,slots", [(2, 2), (3, 4), (5, 8), (9, 16), (16, 16)])
+def test_the_path_product_is_bitwise_that_of_gate_after_gate_and_so_is_its_gradient_to_round_off(
+    experts, slots):
+  rng = np.random.default_rng(experts)
+  tree = moe.balanced_tree(1)
+  while moe.num_experts(tree) < experts:  # uneven trees: split leaves at random
+    tree = moe.split_leaf(tree, int(rng.choice(moe.leaves(tree))))
+  path = jnp.asarray(moe.tree_arrays(tree, slots)["path"])
+  values = jax.nn.softmax(jnp.asarray(rng.normal(size=(32, path.shape[1], 2)), jnp.float32))
+  cotangent = jnp.asarray(rng.normal(size=(32, slots)), jnp.float32)
+  new = jax.jit(lambda v: moe._path_product(path, v))
+  old = jax.jit(lambda v: _path_product_by_definition(path, v))
+  np.testing.assert_array_equal(new(values), old(values))  # the same products in the same order
+
+  def grad(f):
+    return jax.jit(jax.grad(lambda v: jnp.sum(f(v) * cotangent)))(values)
+
+  # A gate value's gradient sums, over the slots below it, the cotangent times products of
+  # values in [0, 1]: each term is at most |cotangent| in size, and float32 sums of the same
+  # `slots` terms in two orders differ by at most 2 * slots * eps * sum |terms|.
+  bound = 2 * slots * np.finfo(np.float32).eps * float(np.abs(cotangent).sum(1).max())
+  np.testing.assert_allclose(grad(new), grad(old), rtol=0, atol=bound)

@@ -5,6 +5,7 @@ import logging
 import os
 import types
 
+import jax
 import numpy as np
 
 import pytest
@@ -90,7 +91,7 @@ def test_rules_explicit_values_and_fields_that_do_not_apply_are_not_measured(tmp
                           measure=measure)
   assert ruled == {"model.conv_impl": autotune.conv.resolve_impl("auto", 4),
                    "method.strategy": autotune.ensemble.choose_strategy("auto", "vgg"),
-                   "train.steps_per_call": autotune.steps_per_call_rule()}
+                   "train.steps_per_call": autotune.steps_per_call_rule(vgg)}
   assert not calls and not os.path.exists(cache)
   vgg.model.conv_impl, vgg.method.strategy, vgg.train.steps_per_call = "xla", "loop", 2
   assert autotune.pending(vgg) == []
@@ -112,7 +113,7 @@ def test_a_candidate_that_fails_leaves_the_choice_to_the_rule(tmp_path, caplog):
   with caplog.at_level(logging.WARNING):
     got = autotune.choose(c, MNIST, build, mode="measure", cache_file=cache,
                           measure=lambda steps: 1.0)
-  assert got == {"train.steps_per_call": autotune.steps_per_call_rule()}
+  assert got == {"train.steps_per_call": autotune.steps_per_call_rule(c)}
   assert "train.steps_per_call=8 could not be timed (RuntimeError: out of memory)" in caplog.text
   assert not os.path.exists(cache)  # a rule's answer is not a measurement
 
@@ -282,3 +283,18 @@ def test_each_program_kind_gets_the_options_of_what_it_does(kind, evaluates):
   same = helpers.make_steps(c, ds)[1].programs.program(
       (kind, (), 1), lambda: lambda x, w, i: (x[i] @ w).sum(-1), lambda: ((rep, rep, rep), rep))
   assert "ynn_fusion" in same.jitted.lower(x, w, idx).compile().as_text()
+
+
+@pytest.mark.parametrize("dataset,method,model,stage,expected", [
+    ("mnist", "gmoe", "mlp", "auto", 8),  # an MLP trained call by call: short steps
+    ("mnist", "sm", "mlp", "per_epoch", 8),
+    ("mnist", "sm", "mlp", "auto", 1),  # the whole stage is one program: no calls to save
+    ("cifar10", "gmoe", "vgg", "auto", 1),  # convolution-heavy steps dwarf a call's launch
+    ("tiny_shakespeare", "lm_sm", "switch", "per_epoch", 1),  # text: no short steps
+])
+def test_the_steps_per_call_rule_on_a_cpu(dataset, method, model, stage, expected):
+  from alma_jax.configuration import config_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.base_config(dataset, method)
+  c.model.name, c.train.stage_program = model, stage
+  assert jax.default_backend() == "cpu"
+  assert autotune.steps_per_call_rule(c) == expected
