@@ -57,10 +57,13 @@ def synthetic_dataset(n_train=512, n_test=128, shape=(28, 28, 1), num_classes=10
 
 
 def small_config(dataset="mnist", method="sm", width=8, **train):
+  """A small config; `train` overrides `config.train` fields. One train step per call unless
+  `steps_per_call` is given (the field's default, 0, leaves it to be chosen)."""
   c = config_lib.base_config(dataset, method)
   c.model.width = width
   c.train.epochs = 2
   c.train.patience = 2
+  c.train.steps_per_call = 1
   c.mesh.num_devices = 1
   for k, v in train.items():
     c.train[k] = v

@@ -101,7 +101,7 @@ BASE_FIELDS = (
             "keep the optimizer state across stages (default: fresh each stage)"),
     F.Field("train.augment", _MNIST_OR("none", "crop_flip"), F.choice(F.owned("alma_jax.data.augment:AUGMENTATIONS")),
             "crop_flip (random crop with 4-pixel padding and flip, in the step) or none"),
-    F.Field("train.steps_per_call", 1, F.integer(0),
+    F.Field("train.steps_per_call", 0, F.integer(0),
             "train steps per compiled call (a lax.scan over them); 0: chosen (see "
             "train.autotune); speed only (a step's random draws do not depend on it; float "
             "round-off may)"),

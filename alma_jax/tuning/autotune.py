@@ -125,17 +125,22 @@ def step_fusion_candidates(config) -> tuple[str, ...]:
   return eval_fusion_candidates(config)
 
 
-def _short_steps(config) -> bool:
-  """Whether a CPU run's train steps are short beside the launch of a compiled call: an image
-  task's backbone that is not convolution-heavy (an MLP: a step of a few milliseconds, a
-  launch of about one), trained by a call per chunk of steps (the whole-stage program makes
-  no calls from the host)."""
+def _calls_from_the_host(config) -> bool:
+  """Whether a CPU run trains by calls from the host (`train.stage_program` per_epoch) with
+  steps whose length a call's launch may matter beside: a backbone that is not
+  convolution-heavy."""
   if jax.default_backend() != "cpu" or models.spec(config.model.name).conv_heavy:
-    return False
-  if "images" not in models.spec(config.model.name).tasks:
     return False
   stage = config.train.get("stage_program", "auto")
   return (stage_program_rule(config) if stage == "auto" else stage) == "per_epoch"
+
+
+def _short_steps(config) -> bool:
+  """Whether a CPU run's train steps are short beside the launch of a compiled call: an image
+  task's MLP (a step of a few milliseconds, a launch of about one) trained by calls from the
+  host."""
+  return (_calls_from_the_host(config)
+          and "images" in models.spec(config.model.name).tasks)
 
 
 def steps_per_call_rule(config) -> int:
@@ -147,6 +152,16 @@ def steps_per_call_rule(config) -> int:
   return SHORT_STEPS_PER_CALL if _short_steps(config) else RULE_STEPS_PER_CALL
 
 
+def steps_per_call_candidates(config) -> tuple[int, ...]:
+  """`train.steps_per_call`'s candidates: measured where a CPU run trains by calls from the
+  host with steps that are not convolution-heavy; elsewhere the rule's answer is the only
+  candidate, and no program is compiled to measure it (on an accelerator, where a cold
+  compile is costly, 8; for a convolution-heavy step or a whole-stage program on a CPU, 1)."""
+  if _calls_from_the_host(config):
+    return STEPS_PER_CALL_CANDIDATES
+  return (steps_per_call_rule(config),)
+
+
 TUNABLES = (
     Tunable("model.conv_impl", "auto", lambda c: tuple(i for i in conv.IMPLS if i != "auto"),
             _conv_rule, lambda c: models.spec(c.model.name).conv_heavy),
@@ -154,7 +169,7 @@ TUNABLES = (
     Tunable("method.strategy", "auto", lambda c: ("vmap", "loop"), _strategy_rule,
             lambda c: _get(c, "method.strategy") is not None and max(
                 c.method.get("num_members", 1), c.method.get("initial_members", 1)) > 1),
-    Tunable("train.steps_per_call", AUTO_STEPS_PER_CALL, lambda c: STEPS_PER_CALL_CANDIDATES,
+    Tunable("train.steps_per_call", AUTO_STEPS_PER_CALL, steps_per_call_candidates,
             steps_per_call_rule),
     Tunable("train.stage_program", "auto", lambda c: ("per_epoch", "whole"), stage_program_rule,
             measured=False),

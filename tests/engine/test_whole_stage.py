@@ -159,6 +159,11 @@ def test_whole_stage_runs_write_the_records_of_per_epoch_runs(tmp_path):
     outputs[choice] = helpers.outputs(wd)
     # train + evaluation, or the stage program + evaluation (of the test set): nothing more.
     assert summary["num_compilations"] == 2, choice
+  # By rule the per-epoch loop's calls run 8 of the MLP's short steps each, the stage program
+  # one per iteration: a speed choice, the records the same.
+  choices = {c: outputs[c][1].pop("choices") for c in outputs}
+  assert choices["per_epoch"]["train.steps_per_call"] == 8
+  assert choices["whole"]["train.steps_per_call"] == 1
   assert outputs["whole"] == outputs["per_epoch"]
 
 

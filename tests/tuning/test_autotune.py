@@ -285,16 +285,19 @@ def test_each_program_kind_gets_the_options_of_what_it_does(kind, evaluates):
   assert "ynn_fusion" in same.jitted.lower(x, w, idx).compile().as_text()
 
 
-@pytest.mark.parametrize("dataset,method,model,stage,expected", [
-    ("mnist", "gmoe", "mlp", "auto", 8),  # an MLP trained call by call: short steps
-    ("mnist", "sm", "mlp", "per_epoch", 8),
-    ("mnist", "sm", "mlp", "auto", 1),  # the whole stage is one program: no calls to save
-    ("cifar10", "gmoe", "vgg", "auto", 1),  # convolution-heavy steps dwarf a call's launch
-    ("tiny_shakespeare", "lm_sm", "switch", "per_epoch", 1),  # text: no short steps
+@pytest.mark.parametrize("dataset,method,model,stage,rule,measured", [
+    ("mnist", "gmoe", "mlp", "auto", 8, True),  # an MLP trained call by call: short steps
+    ("mnist", "sm", "mlp", "per_epoch", 8, True),
+    ("mnist", "sm", "mlp", "auto", 1, False),  # the whole stage is one program: no calls
+    ("cifar10", "gmoe", "vgg", "auto", 1, False),  # convolution-heavy steps dwarf a launch
+    ("tiny_shakespeare", "lm_sm", "switch", "per_epoch", 1, True),  # text: steps of any size
 ])
-def test_the_steps_per_call_rule_on_a_cpu(dataset, method, model, stage, expected):
+def test_the_steps_per_call_rule_and_candidates_on_a_cpu(dataset, method, model, stage, rule,
+                                                          measured):
   from alma_jax.configuration import config_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.base_config(dataset, method)
   c.model.name, c.train.stage_program = model, stage
-  assert jax.default_backend() == "cpu"
-  assert autotune.steps_per_call_rule(c) == expected
+  assert jax.default_backend() == "cpu" and c.train.steps_per_call == 0  # chosen by default
+  assert autotune.steps_per_call_rule(c) == rule
+  # Where nothing is measured the rule's answer is the one candidate: no program is compiled.
+  assert autotune.steps_per_call_candidates(c) == ((1, 8) if measured else (rule,))

@@ -71,7 +71,8 @@ def test_the_fastest_pair_is_chosen_remembered_and_given_to_the_run(tmp_path, ca
   with caplog.at_level(logging.INFO):
     got = autotune.choose(c, CIFAR[0], lambda cfg: cfg, mode="measure", cache_file=cache,
                           measure=no_measure, given=cpu_fusion.measured_with_flags())
-  assert got == {"model.conv_impl": "xla"}
+  # (a convolution-heavy step's steps per call: the rule's one candidate, nothing measured)
+  assert got == {"model.conv_impl": "xla", "train.steps_per_call": 1}
   assert "model.conv_impl: 'xla' measured with train.cpu_fusion in child processes" in caplog.text
   # The machine's record spares the measurement; a workdir's record wins over it.
   calls.clear()
