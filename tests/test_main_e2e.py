@@ -114,11 +114,17 @@ def test_cifar_sm_smoke_end_to_end_with_waiting(tmp_path):
   assert (f"train.cpu_fusion: 'ynn' measured earlier on this machine "
           f"({cache_dir / autotune.FILE}); XLA_FLAGS='--xla_cpu_enable_fast_math=false "
           f"{cpu_fusion.FLAG}'") in proc.stderr
-  assert autotune.read(str(wd / autotune.FILE)) == {key: "ynn"}
+  mine = autotune.read(str(wd / autotune.FILE))
+  assert mine.pop(key) == "ynn"
+  # A convolution-heavy step's steps per call: the rule's one candidate, nothing compiled to
+  # measure it; kept in the workdir for a resume like the run's other choices.
+  assert "train.steps_per_call: 1 by rule (the only candidate here)" in proc.stderr
+  assert [(json.loads(k)["field"], v) for k, v in mine.items()] == [("train.steps_per_call", 1)]
   # A fresh cache decodes the data set: TensorFlow's oneDNN notice is not shown.
   assert "oneDNN custom operations" not in proc.stderr, proc.stderr[-3000:]
   records, summary = check_outputs(wd, 4)
-  assert summary["choices"] == {"train.cpu_fusion": "ynn", "train.stage_program": "per_epoch"}
+  assert summary["choices"] == {"train.cpu_fusion": "ynn", "train.stage_program": "per_epoch",
+                                "train.steps_per_call": 1}
   assert [r["trained"] for r in records] == [False, False, True, False, True]
   # While waiting, the model is unchanged: same error, no training compute.
   assert records[1]["test_error"] == records[0]["test_error"]
