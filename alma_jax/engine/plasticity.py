@@ -3,12 +3,24 @@ measures of `alma_jax.models.units`."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from alma_jax.engine import population
 from alma_jax.models.units import (activity_fn, distance, dormant, effective_rank,
                                    mean_activity, param_norm)
 from alma_jax.state import Learner
+
+
+def active_params(method, learner: Learner):
+  """The values of the learner's active parameters: each leaf cut to its shape in
+  `Method.active_view` (which may give shapes alone), the active parts of a learner in slots
+  being the first slots of every axis."""
+  view = method.active_view(learner).params
+  if jax.tree.structure(view) != jax.tree.structure(learner.params):
+    raise ValueError(f"method {method.name!r}: the active view's parameters are not a cut of "
+                     "the learner's (another tree structure)")
+  return jax.tree.map(lambda a, v: a[tuple(slice(0, n) for n in v.shape)], learner.params, view)
 
 
 # -- the diagnostics of the records ----------------------------------------------------------------
@@ -36,14 +48,19 @@ class Diagnostics:
     return [dict(f) for f in self._last]
 
   def _one(self, learner: Learner, initial: Learner) -> dict:
-    active = self.method.active_view(learner)
-    out = {"param_norm": param_norm(active.params)}
+    params = active_params(self.method, learner)
+    out = {"param_norm": param_norm(params)}
     if initial.structure == learner.structure:
-      out["init_distance"] = distance(active.params, self.method.active_view(initial).params)
+      out["init_distance"] = distance(params, active_params(self.method, initial))
     if self.method.unit_layout() is not None:
       summed = self.steps.reduce(activity_fn(self.method), learner, self.probe_idx, count=False)
-      masks = dormant(mean_activity(summed), self.threshold, self.method.unit_members)
-      out["dormant_fraction"] = float(sum(np.sum(m) for m in masks) / sum(m.size for m in masks))
-      out.update({f"dormant_fraction_{l}": float(np.mean(m)) for l, m in enumerate(masks)})
+      activity = mean_activity(summed)
+      units = self.method.unit_active(learner)  # padding slots are not units
+      units = [np.ones(a.shape, bool) for a in activity] if units is None else units
+      masks = dormant(activity, self.threshold, self.method.unit_members, units)
+      out["dormant_fraction"] = float(sum(np.sum(m) for m in masks)
+                                      / sum(np.sum(u) for u in units))
+      out.update({f"dormant_fraction_{l}": float(np.sum(m) / np.sum(u))
+                  for l, (m, u) in enumerate(zip(masks, units))})
       out["feature_rank"] = effective_rank(summed["gram"])
     return out

@@ -159,6 +159,12 @@ class Method(declared.Declaration):
     unit u of member m is m * width + u)."""
     raise NotImplementedError(f"method {self.name!r} exposes no hidden units")
 
+  def unit_active(self, learner: Learner) -> list[np.ndarray] | None:
+    """Per layer of `unit_layout()`, which of `hidden_units`' units are the learner's (bool);
+    None: all of them. A method whose layers hold padding slots says which are active."""
+    del learner
+    return None
+
   # Members whose units `hidden_units` puts side by side, every leaf of the unit layout
   # stacked on a leading member axis; 0: one network, no member axis.
   unit_members = 0

@@ -551,6 +551,28 @@ class Firefly(declared.FF, base.Method):
       updates = {**_replace(updates, edits), SLOTS_KEY: model_state[SLOTS_KEY]}
     return logits, updates
 
+  # -- hidden units (`alma_jax.models.units`) ----------------------------------------------------
+  def unit_layout(self):
+    """The growable layers, where the backbone sows its units (None: a backbone without)."""
+    return self.layout if self.layout.units else None
+
+  def hidden_units(self, structure, params, model_state, x) -> list:
+    """`Method.hidden_units` of the backbone of the arrays' widths: in slots, every slot's
+    channel, the inactive ones exactly zero (`unit_active` says which are the learner's)."""
+    del structure
+    if self.unit_layout() is None:
+      return base.Method.hidden_units(self, (), params, model_state, x)  # raises
+    state = {k: v for k, v in model_state.items() if k != SLOTS_KEY}
+    module = self.module(layer_widths(self.layout, params))
+    _, sown = module.apply({"params": params, **state}, x, train=False,
+                           active=active_masks(model_state), mutable=["intermediates"])
+    return [_get(sown["intermediates"], path)[0] for path in self.layout.units]
+
+  def unit_active(self, learner: base.Learner) -> list[np.ndarray] | None:
+    """The active channels of each layer (None: a learner without slots)."""
+    masks = active_masks(learner.model_state)
+    return None if masks is None else [np.asarray(m, bool) for m in masks]
+
   # -- growth ---------------------------------------------------------------------------------------
   def should_grow(self, ctx) -> bool:
     return (not ctx.is_first and self.n_grow > 0

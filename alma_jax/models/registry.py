@@ -32,8 +32,11 @@ def leaf_at(tree, path: Path):
 
 
 def replace_leaves(tree, edits: dict):
-  """A new tree with the leaves at the paths of `edits` replaced (the input is untouched)."""
-  keys = lambda p: tuple(k.key for k in p)  # pylint: disable=unnecessary-lambda-assignment
+  """A new tree with the leaves at the paths of `edits` replaced (the input is untouched);
+  lists in the tree (e.g. channel-slot masks) are walked by their indices."""
+  def keys(path):
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
   return jax.tree_util.tree_map_with_path(lambda p, x: edits.get(keys(p), x), tree)
 
 

@@ -14,9 +14,11 @@ statistics take the values of a fresh initialisation, and its outgoing weights (
 layer's, or the classifier's, inputs from it) become zero, so that the network computes
 the same function right after the reset whenever the unit was silent (its activity was
 exactly zero). Methods expose their hidden layers through `Method.unit_layout` and
-`Method.hidden_units`: one backbone (`sm`), or the members of an ensemble side by side
+`Method.hidden_units`: one backbone (`sm`), the members of an ensemble side by side
 (`ens`, `umix`: `Method.unit_members` > 0, every leaf stacked on a member axis; a unit's
-score is then over its own member's layer mean); the others have none.
+score is then over its own member's layer mean), or a backbone whose layers hold their
+channels in slots (`ff`: `Method.unit_active` says which units are the learner's; the
+padding slots are neither scored nor reset); the others have none.
 """
 
 from __future__ import annotations
@@ -58,22 +60,29 @@ def mean_activity(summed: dict) -> list[np.ndarray]:
   return [np.asarray(a, np.float64) / n for a in summed["activity"]]
 
 
-def scores(activity: Sequence[np.ndarray], members: int = 0) -> list[np.ndarray]:
+def scores(activity: Sequence[np.ndarray], members: int = 0,
+           active: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
   """Each unit's activity over its layer's mean activity (0 for a layer that is all silent);
   with `members` > 0 the layer's units are that many networks' side by side, each unit
-  scored against its own network's layer."""
+  scored against its own network's layer. `active` (`Method.unit_active`; None: all): the
+  layer's mean is over its active units, and an inactive unit (a padding slot) has no score
+  (NaN: never dormant, never chosen)."""
   out = []
-  for a in activity:
+  for l, a in enumerate(activity):
     rows = np.asarray(a, np.float64).reshape(max(members, 1), -1)
-    mean = np.mean(rows, axis=1, keepdims=True)
-    out.append(np.where(mean > 0, rows / np.where(mean > 0, mean, 1.0), 0.0).reshape(-1))
+    on = (np.ones(rows.shape, bool) if active is None
+          else np.asarray(active[l], bool).reshape(rows.shape))
+    count = np.sum(on, axis=1, keepdims=True)
+    mean = np.sum(np.where(on, rows, 0.0), axis=1, keepdims=True) / np.maximum(count, 1)
+    s = np.where(mean > 0, rows / np.where(mean > 0, mean, 1.0), 0.0)
+    out.append(np.where(on, s, np.nan).reshape(-1))
   return out
 
 
-def dormant(activity: Sequence[np.ndarray], threshold: float,
-            members: int = 0) -> list[np.ndarray]:
-  """Per layer, the dormant units (bool): score <= `threshold`."""
-  return [s <= threshold for s in scores(activity, members)]
+def dormant(activity: Sequence[np.ndarray], threshold: float, members: int = 0,
+            active: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+  """Per layer, the dormant units (bool): score <= `threshold` (inactive units never are)."""
+  return [s <= threshold for s in scores(activity, members, active)]
 
 
 def effective_rank(gram: np.ndarray) -> float:

@@ -51,7 +51,7 @@ class ContinualBackprop(declared.ContinualBackprop, StagePolicy):
 
   @classmethod
   def check(cls, config) -> None:
-    check_unit_resets(config, cls.name)
+    check_unit_resets(config, cls.name, remembers_units=True)
 
   def start(self, method, learner, key: jax.Array, ctx, opt_state, memo):
     s = self.config.stream

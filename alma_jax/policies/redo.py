@@ -49,6 +49,7 @@ class Redo(declared.Redo, StagePolicy):
   def start(self, method, learner, key: jax.Array, ctx, opt_state, memo):
     grown = self.grow(method, learner, key, ctx)
     masks = plasticity.dormant(measured(method, grown, ctx),
-                               float(self.config.stream.redo_threshold), method.unit_members)
+                               float(self.config.stream.redo_threshold), method.unit_members,
+                               method.unit_active(grown))
     learner, fields = redraw(method, grown, key, masks)
     return Started(learner, opt_state, memo, fields)

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from alma_jax import policies
+from alma_jax.engine import plasticity as plasticity_diagnostics
+from alma_jax.methods import firefly
 from alma_jax.models import units as plasticity
 from alma_jax.errors import ConfigError
 from alma_jax.outputs import io_utils
@@ -99,6 +101,51 @@ def test_an_ensemble_s_units_are_scored_within_each_member():
       True, False, True, False]
 
 
+def test_padding_slots_are_neither_scored_nor_dormant():
+  # Three active units and a padding slot: the layer's mean is over the active three.
+  activity, active = [np.array([0.0, 2.0, 4.0, 0.0])], [np.array([True, True, True, False])]
+  s = plasticity.scores(activity, active=active)[0]
+  assert s[:3].tolist() == [0.0, 1.0, 2.0] and np.isnan(s[3])
+  assert plasticity.dormant(activity, 0.5, active=active)[0].tolist() == [
+      True, False, False, False]
+
+
+def _ff_in_slots(**stream):
+  """Firefly on the MLP with widths (3, 4) in 4 channel slots per layer, unit 0 of its first
+  layer silent on every input and the other active units of that layer active on every
+  input (as `_dead_mlp`); the padding channel is as `in_slots` made it (zero)."""
+  c = helpers.small_config("mnist", "ff", width=4)
+  for k, v in stream.items():
+    c.stream[k] = v
+  ds = helpers.synthetic_dataset(n_train=64, n_test=16)
+  method, steps = helpers.make_steps(c, ds)
+  learner = method.init(jax.random.key(0), (3, 4))
+  p = jax.tree.map(np.array, learner.params)
+  p["dense0"]["bias"][:3] = 3.0
+  p["dense0"]["kernel"][:, 0] = 0.0
+  p["dense0"]["bias"][0] = -1.0
+  return validation.complete(c), method, steps, ds, learner.replace(
+      params=jax.tree.map(jnp.asarray, p))
+
+
+def test_firefly_s_units_are_its_active_channels_and_its_diagnostics_its_active_parameters():
+  _, method, steps, _, learner = _ff_in_slots()
+  assert [m.tolist() for m in method.unit_active(learner)] == [[True, True, True, False],
+                                                                [True] * 4]
+  activity = plasticity.mean_activity(steps.reduce(plasticity.activity_fn(method), learner,
+                                                   np.arange(64, dtype=np.int32)))
+  assert activity[0][0] == 0.0 and activity[0][3] == 0.0 and np.all(activity[0][1:3] > 0)
+  masks = plasticity.dormant(activity, 0.0, active=method.unit_active(learner))
+  assert masks[0].tolist() == [True, False, False, False]  # the padding slot is no unit
+  # The norms are of the active parameters' values: the learner cut to widths (3, 4).
+  exact, _ = firefly.resize_channels(method.layout, learner.params, learner.model_state, (3, 4))
+  got = plasticity_diagnostics.active_params(method, learner)
+  assert jax.tree.structure(got) == jax.tree.structure(exact)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(exact)):
+    np.testing.assert_array_equal(a, b)
+  assert plasticity.param_norm(got) > 0
+
+
 # -- resets ----------------------------------------------------------------------------------------
 def test_redo_redraws_the_dead_units_and_keeps_the_function():
   c, method, steps, ds = _mlp(warm_start="redo", redo_threshold=0.0)
@@ -123,6 +170,27 @@ def test_redo_redraws_the_dead_units_and_keeps_the_function():
   active = plasticity.mean_activity(steps.reduce(plasticity.activity_fn(method), after,
                                                  np.arange(64, dtype=np.int32)))
   assert np.all(active[0][:2] > 0)
+
+
+def test_redo_on_firefly_redraws_dead_active_channels_and_leaves_the_padding_slots():
+  c, method, steps, ds, learner = _ff_in_slots(warm_start="redo", redo_threshold=0.0)
+  ctx = helpers.context(1, steps=steps, train_idx=np.arange(64, dtype=np.int32))  # no growth
+  started = policies.make_stage(c).start(method, learner, jax.random.key(7), ctx, None, None)
+  after = started.learner
+  assert after.structure == (3, 4)
+  x = ds.train_x[:32].astype(np.float32) / 255.0
+  assert np.array_equal(
+      np.asarray(method.predict(learner.structure, learner.params, learner.model_state, x)),
+      np.asarray(method.predict(after.structure, after.params, after.model_state, x)))
+  k0, b0 = np.asarray(after.params["dense0"]["kernel"]), np.asarray(after.params["dense0"]["bias"])
+  k1 = np.asarray(after.params["dense1"]["kernel"])
+  assert np.abs(k0[:, 0]).sum() > 0 and np.all(k1[0] == 0.0)  # unit 0: fresh in, zero out
+  old = jax.tree.map(np.asarray, learner.params)
+  np.testing.assert_array_equal(k0[:, 1:], old["dense0"]["kernel"][:, 1:])
+  assert np.all(k0[:, 3] == 0.0) and b0[3] == 0.0 and np.all(k1[3] == 0.0)  # padding: as it was
+  dead_in_layer1 = int(np.sum(plasticity.mean_activity(steps.reduce(
+      plasticity.activity_fn(method), learner, np.arange(64, dtype=np.int32)))[1] == 0.0))
+  assert started.fields == {"units_reset": 1 + dead_in_layer1}
 
 
 @pytest.mark.parametrize("name", ["ens", "umix"])
@@ -230,10 +298,14 @@ def test_continual_backprop_remembers_the_units_ages():
 @pytest.mark.parametrize("method, fields, message", [
     ("gmoe", {"stream.warm_start": "redo"},
      r"config\.stream\.warm_start='redo' re-draws hidden units, which method 'gmoe' on backbone "
-     r"'mlp' does not expose; valid: config\.method\.name in \['ens', 'sm', 'umix'\] with "
+     r"'mlp' does not expose; valid: config\.method\.name in \['ens', 'ff', 'sm', 'umix'\] with "
      r"config\.model\.name in \['mlp', 'vgg'\]"),
     ("gens", {"stream.warm_start": "continual_backprop"},
      r"which method 'gens' on backbone 'mlp' does not expose; valid: config\.method\.name in "
+     r"\['ens', 'sm', 'umix'\]"),
+    ("ff", {"stream.warm_start": "continual_backprop"},
+     r"config\.stream\.warm_start='continual_backprop' remembers each hidden unit across "
+     r"stages, which method 'ff' adds to as it grows; valid: config\.method\.name in "
      r"\['ens', 'sm', 'umix'\]"),
     ("sm", {"stream.warm_start": "continual_backprop", "train.keep_optimizer_state": True},
      r"config\.train\.keep_optimizer_state=True is not supported by config\.stream\.warm_start="
@@ -298,6 +370,21 @@ def test_an_ensemble_run_records_its_members_units_and_resets_them(tmp_path):
   # The smoke MLP has 2 x 8 units per layer: the features of both members, side by side.
   assert all(1.0 <= r["feature_rank"] <= 16.0 for r in log)
   assert sum(r["units_reset"] for r in log if r["trained"]) > 0
+
+
+@requires_mnist
+@pytest.mark.parametrize("method, warm_start", [("ff", "redo"), ("gmoe", "finetune")])
+def test_runs_in_slots_record_the_norms_of_their_active_parameters(method, warm_start, tmp_path):
+  # A learner in slots reports its parameters' values, not the zeros of a view of shapes.
+  wd = str(tmp_path / "wd")
+  run.run(helpers.smoke(method, log__plasticity=True, stream__warm_start=warm_start,
+                        stream__num_megabatches=3), wd)  # t=2 trains a grown learner
+  log = io_utils.read_jsonl(f"{wd}/log.jsonl")
+  assert all(r["param_norm"] > 0 for r in log)
+  assert log[1]["init_distance"] > 0  # trained once, the structure unchanged since t=0
+  if method == "ff":  # hidden units over the active channels only
+    assert all(0.0 <= r["dormant_fraction"] <= 1.0 and r["feature_rank"] > 0 for r in log)
+    assert all("units_reset" in r for r in log if r["trained"])
 
 
 @requires_mnist

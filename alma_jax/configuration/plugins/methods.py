@@ -31,9 +31,12 @@ class Declaration:
 
   name = ""
   FIELDS: tuple[F.Field, ...] = ()
-  # Whether the method exposes a fixed set of hidden units on a backbone that sows them
-  # (`Method.unit_layout`): what the unit-reset stage policies need.
+  # Whether the method exposes hidden units on a backbone that sows them (`Method.unit_layout`):
+  # what the plasticity diagnostics' unit fields and the unit-reset stage policies need.
   HIDDEN_UNITS = False
+  # Whether its growth adds hidden units: a policy that remembers each unit across stages
+  # (`continual_backprop`'s ages) needs a fixed set.
+  GROWS_UNITS = False
 
   @classmethod
   def fields(cls, config) -> tuple[F.Field, ...]:
@@ -140,6 +143,8 @@ class GMoE(Declaration):
 
 class FF(Declaration):
   name = "ff"
+  HIDDEN_UNITS = True  # channels in slots: `Method.unit_active` says which are the learner's
+  GROWS_UNITS = True
   FIELDS = (
       F.Field("method.growth_rate", 0.25, F.number(0.0),
               "neurons added per growth as a fraction of the initial total width (paper B.1: "
