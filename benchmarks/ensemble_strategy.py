@@ -46,6 +46,7 @@ from alma_jax.engine.steps import Batch, Steps  # pylint: disable=wrong-import-p
 from alma_jax.methods import ensemble  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax.stream import validation  # pylint: disable=wrong-import-position,g-import-not-at-top
 from alma_jax.tasks import images as image_task  # pylint: disable=wrong-import-position,g-import-not-at-top
+from alma_jax.tuning import autotune  # pylint: disable=wrong-import-position,g-import-not-at-top
 
 DATASETS = {"mlp": ("mnist", (28, 28, 1)), "vgg": ("cifar10", (32, 32, 3))}
 
@@ -59,7 +60,7 @@ def make_steps(model: str, width: int, method: str, members: int, strategy: str)
     c.method.num_members = members
     c.method.strategy = strategy
   c.mesh.num_devices = 1
-  c = validation.complete(c)
+  c = autotune.by_rules(validation.complete(c))  # the rules decide what is left open
   mesh = sharding.make_mesh(1)
   rng = np.random.default_rng(0)
   x = rng.integers(0, 255, (1024,) + shape).astype(np.uint8)

@@ -121,6 +121,7 @@ def make_trainer(name, batch_size, jax, np, compute_dtype="float32"):
   from alma_jax.stream import validation
   from alma_jax.engine.steps import Batch, Steps
   from alma_jax.tasks import images as image_task
+  from alma_jax.tuning import autotune
   # pylint: enable=g-import-not-at-top
   backbone, width, method_name, method_kw, model_kw = ROWS[name]
   if method_name not in methods.names():
@@ -136,7 +137,7 @@ def make_trainer(name, batch_size, jax, np, compute_dtype="float32"):
   c.train.compute_dtype = compute_dtype
   c.train.epochs, c.train.patience = 1, 1  # the two short stages counting compilations
   c.mesh.num_devices = 1
-  c = validation.complete(c)
+  c = autotune.by_rules(validation.complete(c))  # the rules decide what the row leaves open
   shape = (28, 28, 1) if backbone == "mlp" else (32, 32, 3)
   ds = _synthetic(np, shape)
   mesh = sharding.make_mesh(1)

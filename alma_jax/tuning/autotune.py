@@ -183,6 +183,12 @@ def pending(config) -> list[Tunable]:
   return [t for t in TUNABLES if t.applies(config) and _get(config, t.path) == t.auto]
 
 
+def by_rules(config):
+  """A copy of `config` with every field it leaves to be chosen decided by its rule (what
+  `train.autotune="rules"` decides, without logging or files)."""
+  return with_choices(config, {t.path: t.rule(config) for t in pending(config)})
+
+
 def signature(config) -> tuple:
   """The values of every tunable field of `config`."""
   return tuple(repr(_get(config, t.path)) for t in TUNABLES)
