@@ -281,7 +281,8 @@ def main(argv):
 
     interrupts.on_stop_while_compiling(stop_while_compiling)
   try:
-    run.run(config, _WORKDIR.value, overwrite=_OVERWRITE.value, startup_s=timing.process_age_s())
+    run.run(config, _WORKDIR.value, overwrite=_OVERWRITE.value, startup_s=timing.process_age_s(),
+            keep_programs=True)
   except run.RunInterrupted as e:
     multihost.leave()  # every process stopped at the same check: they leave together
     _exit_now(f"{e}; to resume, run the same command again: {_resume_command()}", e.exit_code)

@@ -106,7 +106,8 @@ def child(out_path: str, argv: list[str]) -> None:
         write()  # what a run cut short had compiled so far stays readable
 
   monitoring.register_event_duration_secs_listener(on_duration)
-  patterns = (("hits", re.compile(r"Persistent compilation cache hit for '([^']*)'")),
+  patterns = (("hits", re.compile(r"(?:Persistent compilation cache hit|Kept program loaded) "
+                                  r"for '([^']*)'")),
               ("misses", re.compile(r"PERSISTENT COMPILATION CACHE MISS for '([^']*)'")),
               ("not_written", re.compile(r"Not writing persistent cache entry for '([^']*)' "
                                          r"because (.*)")))
@@ -120,10 +121,11 @@ def child(out_path: str, argv: list[str]) -> None:
           cache[key].append(m.group(1) if key != "not_written" else f"{m.group(1)}: "
                             f"{m.group(2)}")
 
-  compiler_log = logging.getLogger("jax._src.compiler")
-  compiler_log.setLevel(logging.DEBUG)
-  compiler_log.propagate = False  # its debug lines stay out of the run's output
-  compiler_log.addHandler(Notes())
+  for source in ("jax._src.compiler", "alma_jax.engine.executables"):
+    compiler_log = logging.getLogger(source)
+    compiler_log.setLevel(logging.DEBUG)
+    compiler_log.propagate = False  # its debug lines stay out of the run's output
+    compiler_log.addHandler(Notes())
 
   def write():
     with open(out_path + ".tmp", "w") as f:

@@ -236,14 +236,23 @@ def test_log_lines_are_plain_and_library_notices_left_out(tmp_path):
 def test_a_second_identical_run_loads_every_program_from_the_persistent_cache(tmp_path):
   # gMoE: the growth path's eager operations and the programs of each slot size too.
   cache = tmp_path / "xla"
-  timings = []
+  timings, records = [], []
   for name in ("first", "second"):
     proc = run_main("configs/mnist_gmoe.py:smoke", tmp_path / name,
                     f"--compilation_cache_dir={cache}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(tmp_path / name / "summary.json") as f:
       timings.append(json.load(f)["timings"])
+    with open(tmp_path / name / "log.jsonl") as f:
+      records.append([{k: v for k, v in json.loads(l).items() if k != "wall_s"} for l in f])
   first, second = timings
+  # The first run compiled afresh and kept its programs whole; the second loaded them without
+  # tracing (`alma_jax.engine.executables`), every step program among them, and they computed
+  # the same records.
+  assert first["kept_programs_loaded"] == 0
+  assert second["kept_programs_loaded"] >= second["step_programs"] > 0, second
+  assert records[0] == records[1]
+  assert os.listdir(cache / "alma_jax_programs" / "programs")
   assert first["compile_cache_requests"] > 0
   # The growth edits are one program per slot structure and the stage's bookkeeping one per
   # tree of shapes: 56 XLA programs with jax 0.10.2 (138 when they ran as eager operations,

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from alma_jax.engine import executables
 from alma_jax.engine import timing
 from alma_jax.engine.programs import Batch, Programs, TrainState
 from alma_jax.methods.base import Learner
@@ -217,8 +218,12 @@ class PassCosts:
         view = jax.eval_shape(self.method.active_view, learner)
         args = (view.params, view.model_state, self.data, batch) + ((carry,) if kind == "scan"
                                                                      else ())
-        self._per_batch[key] = count(build(self.method.program_structure(view.structure)),
-                                     *args)
+        counted = executables.remembered(
+            "pass_cost", (kind, executables.site_of(fn), learner.structure,
+                          executables.shapes(args)),
+            lambda: dataclasses.astuple(
+                count(build(self.method.program_structure(view.structure)), *args)))
+        self._per_batch[key] = Count(*counted)
     mask = np.asarray(batch.mask)
     real = float(np.count_nonzero(mask)) / mask.size
     self.total += self._per_batch[key].flops * real

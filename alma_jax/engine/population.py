@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from alma_jax import state as state_lib
+from alma_jax.engine import executables
 from alma_jax.engine import programs
 from alma_jax.models import slots
 from alma_jax.state import Learner
@@ -64,6 +65,12 @@ def unstack(tree: PyTree, i: int) -> PyTree:
   return jax.tree.map(lambda a: a[i], tree)
 
 
+def abstract_member(tree: PyTree) -> PyTree:
+  """The shapes and dtypes (`jax.ShapeDtypeStruct`s) of one member of a stacked tree (a
+  `Learner` stays a `Learner`), without a program or a trace."""
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
+
+
 def members(learner: Learner) -> list[Learner]:
   return [unstack(learner, i) for i in range(size(learner.params))]
 
@@ -99,7 +106,7 @@ def _seed_keys(seeds: tuple[int, ...]) -> jax.Array:
 
 
 _seed_keys.__name__ = _seed_keys.__qualname__ = programs.UTILITY_PREFIX + "keys"
-_keys = jax.jit(_seed_keys, static_argnums=0)
+_keys = executables.jit(_seed_keys, _seed_keys.__name__, static_argnums=0)
 
 
 def stack_keys(key_list: Sequence[jax.Array]) -> jax.Array:

@@ -38,6 +38,7 @@ import optax
 from flax import struct
 
 from alma_jax.engine import epoch as epoch_lib
+from alma_jax.engine import executables
 from alma_jax.engine import precision
 from alma_jax.engine import sharding
 from alma_jax.engine import timing
@@ -110,13 +111,15 @@ def _short(value, limit: int = 80) -> str:
   return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def utility(fn: Callable, name: str) -> Callable:
-  """`jax.jit(fn)` for a small program that moves data (not a step of the run's count)."""
+def utility(fn: Callable, name: str, key: Any = ()) -> Callable:
+  """`jax.jit(fn)` for a small program that moves data (not a step of the run's count); kept
+  across processes (`executables`) by the code location of `fn` and `key` (what else its
+  closure was built for)."""
   def program(*args):
     return fn(*args)
 
   program.__name__ = program.__qualname__ = UTILITY_PREFIX + name
-  return jax.jit(program)
+  return executables.jit(program, UTILITY_PREFIX + name, key, origin=fn)
 
 
 class CompileListener(Protocol):
@@ -138,7 +141,8 @@ class Program:
 
   def __init__(self, fn: Callable, in_shardings: tuple, out_shardings, donate: tuple,
                name: str = "program", *, what: str = "", why: str = "",
-               listener: CompileListener | None = None, options: dict | None = None):
+               listener: CompileListener | None = None, options: dict | None = None,
+               key: Any = None):
     self.in_shardings = in_shardings
     self.what, self.why, self.listener = what or name, why, listener
 
@@ -147,8 +151,13 @@ class Program:
 
     # The name marks the compilations of steps in `jax.monitoring` (`alma_jax.engine.timing`).
     program.__name__ = program.__qualname__ = timing.STEP_PREFIX + name
-    self.jitted = jax.jit(program, in_shardings=in_shardings, out_shardings=out_shardings,
-                          donate_argnums=donate, compiler_options=options)
+    # Kept across processes (`executables`) under `key`, what `fn` was built for (None: not
+    # kept).
+    kept = executables.jit(program, timing.STEP_PREFIX + name, key, in_shardings=in_shardings,
+                           out_shardings=out_shardings, donate_argnums=donate,
+                           compiler_options=options)
+    self.jitted = kept.jitted
+    self._run = self.jitted if key is None else kept
 
   def __call__(self, *args):
     if self.listener is None:
@@ -165,7 +174,7 @@ class Program:
     # The host values `put_args` left (indices, masks, counters) go in through the dispatch:
     # the one host-to-device transfer a call makes on purpose.
     with jax.transfer_guard_host_to_device("allow"):
-      return self.jitted(*args)
+      return self._run(*args)
 
 
 class Programs:
@@ -223,7 +232,8 @@ class Programs:
       evaluating = str(key[0]).split(" ")[0] in _EVALUATING
       self._cache[key] = Program(build(), *shardings(), donate, name, what=what, why=why,
                                  listener=self.listener,
-                                 options=self.eval_options if evaluating else self.step_options)
+                                 options=self.eval_options if evaluating else self.step_options,
+                                 key=key)
     return self._cache[key]
 
   def describe(self, key: tuple) -> tuple[str, str]:
@@ -478,7 +488,7 @@ class Programs:
         return epoch_lib.end_epoch(rule, select, stop, best, current, ok, scores, epoch,
                                    n_steps, thresholds)
 
-      self._utilities[key] = utility(end, "end_epoch")
+      self._utilities[key] = utility(end, "end_epoch", key)
     i32 = lambda v: np.asarray(v, np.int32)  # pylint: disable=unnecessary-lambda-assignment
     stop, best, facts = self._utilities[key](
         stop, best.replace(structure=seen), current.replace(structure=seen), ok,

@@ -277,8 +277,9 @@ class Method(declared.Declaration):
 
   # -- accounting -------------------------------------------------------------
   def num_params(self, learner: Learner) -> int:
-    """Mem: the parameters of the learner's active parts (`active_view`)."""
-    return count_params(self.active_view(learner).params)
+    """Mem: the parameters of the learner's active parts (`active_view`); of their shapes, so
+    `learner` may be abstract."""
+    return count_params(jax.eval_shape(self.active_view, learner).params)
 
   def describe(self, learner: Learner) -> dict:
     """JSON-friendly facts about the current architecture, for progress logs."""

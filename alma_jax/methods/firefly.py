@@ -65,6 +65,7 @@ import optax
 
 from alma_jax import models
 from alma_jax.configuration.plugins import methods as declared
+from alma_jax.engine import executables
 from alma_jax.methods import base
 from alma_jax.methods.registry import register
 from alma_jax.models import registry as backbones
@@ -685,10 +686,11 @@ class Firefly(declared.FF, base.Method):
     return base.Learner(params=params, model_state=model_state, structure=grown)
 
   def _compiled(self, key: tuple, fn: Callable) -> Callable:
-    """`jax.jit(fn)`, kept under `key` (the static inputs `fn` closes over): initialisation
-    and growth run as a few compiled programs, not as an operation at a time."""
+    """`jax.jit(fn)`, kept under `key` (the static inputs `fn` closes over; also across
+    processes: `executables`): initialisation and growth run as a few compiled programs, not
+    as an operation at a time."""
     if key not in self._programs:
-      self._programs[key] = jax.jit(fn)
+      self._programs[key] = executables.jit(fn, f"firefly_{key[0]}", key)
     return self._programs[key]
 
   # -- accounting -------------------------------------------------------------------------------

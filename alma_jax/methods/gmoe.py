@@ -40,7 +40,6 @@ Transformer of the text task) is grown instead by copying its losing experts
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Hashable
 
 import jax
@@ -50,6 +49,7 @@ import numpy as np
 from alma_jax import policies
 from alma_jax import state as state_lib
 from alma_jax.configuration.plugins import methods as declared
+from alma_jax.engine import executables
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
 from alma_jax.methods import expert_growth
@@ -168,7 +168,6 @@ def _split_layer(lp: dict, stats, e, leaf, gate, key, *, flat: bool, feat_dim: i
   return lp, stats
 
 
-@functools.partial(jax.jit, static_argnames=("flat", "feat_dims", "scheme", "slots"))
 def _split_in_slots(lps: tuple, stats: tuple, e, leaf, gate, keys, *, flat: tuple[bool, ...],
                     feat_dims: tuple[int, ...], scheme: str,
                     slots: tuple[int, ...]) -> tuple[tuple, tuple]:
@@ -178,6 +177,10 @@ def _split_in_slots(lps: tuple, stats: tuple, e, leaf, gate, keys, *, flat: tupl
                       feat_dim=feat_dims[i], scheme=scheme, slots=slots[i])
          for i in range(len(lps))]
   return tuple(o[0] for o in out), tuple(o[1] for o in out)
+
+
+_split_in_slots = executables.jit(_split_in_slots, "_split_in_slots",
+                                  static_argnames=("flat", "feat_dims", "scheme", "slots"))
 
 
 def split_experts(state: base.Learner, leaves: dict[int, int], keys: dict[int, jax.Array],

@@ -7,6 +7,9 @@ programs (`compilation_cache_dir`) lives in its `xla` folder unless
 --compilation_cache_dir or $ALMA_JAX_COMPILATION_CACHE_DIR names another
 ("none": no persistent cache). Every program is stored, however fast it
 compiled, unless $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise.
+A run of `alma_jax.main` also keeps its whole compiled programs in that
+folder's `alma_jax_programs` (`kept_programs_dir`), found again without
+tracing by a later run of the same config, data and code.
 """
 
 from __future__ import annotations
@@ -42,3 +45,13 @@ def enable_compilation_cache(chosen: str | None = None) -> str | None:
   if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # the user's setting wins
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   return path
+
+
+def kept_programs_dir() -> str | None:
+  """Where runs keep whole compiled programs (`alma_jax.engine.executables`): the folder
+  `alma_jax_programs` of this process's persistent compilation cache (whose own entries are
+  its files); None when it has none."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  path = jax.config.jax_compilation_cache_dir
+  return os.path.join(path, "alma_jax_programs") if path else None

@@ -41,6 +41,7 @@ import numpy as np
 from absl import logging
 
 from alma_jax.configuration import fields as F
+from alma_jax.engine import executables
 from alma_jax.engine import meter as meter_lib
 from alma_jax.engine import population
 from alma_jax.engine import timing
@@ -58,6 +59,7 @@ from alma_jax.outputs import interrupts
 from alma_jax.outputs import workdir as wd
 from alma_jax.outputs import workdir_lock
 from alma_jax.outputs.interrupts import RunInterrupted
+from alma_jax.runtime import caches
 from alma_jax.runtime import multihost
 from alma_jax.state import RunState
 from alma_jax.stream import run_setup
@@ -69,7 +71,7 @@ __all__ = ["run", "RunInterrupted", "RunState", "stream"]
 
 
 def run(config, workdir: str, *, overwrite: bool = False, startup_s: float | None = None,
-        observers: Sequence[Observer] = ()) -> dict[str, Any]:
+        observers: Sequence[Observer] = (), keep_programs: bool = False) -> dict[str, Any]:
   """Runs (or resumes) one ALMA stream; writes config.json, log.jsonl, summary.json.
 
   Args:
@@ -81,6 +83,9 @@ def run(config, workdir: str, *, overwrite: bool = False, startup_s: float | Non
       imports), reported in the summary's timing breakdown.
     observers: more observers of the loop (`alma_jax.observers.base.Observer`), told
       after the run's own outputs.
+    keep_programs: keep the run's compiled programs and FLOP counts beside the persistent
+      compilation cache (`caches.kept_programs_dir`), and load those of an earlier process
+      of the same config, data and code without tracing them (`alma_jax.engine.executables`).
 
   Returns:
     The summary (with S > 1: the mean and standard deviation over the seeds).
@@ -114,7 +119,9 @@ def run(config, workdir: str, *, overwrite: bool = False, startup_s: float | Non
       clock = Clock(setup.steps, timer, t_start, startup_s)
       told, checkpoints = _outputs(setup, signals, clock, meter, observers)
       try:
-        return _walk(setup, told, checkpoints, signals, clock, meter, overwrite)
+        with executables.keeping(caches.kept_programs_dir() if keep_programs else None,
+                                 setup.program_context()):
+          return _walk(setup, told, checkpoints, signals, clock, meter, overwrite)
       finally:
         told.close()
 
@@ -242,9 +249,9 @@ def _records(setup: Setup, state: RunState, t: int, spent: dict, wall_s: float,
              decided: list[dict]) -> list[Record]:
   """Each seed's record of time step `t`: test error, Mem, the compute `spent` on it, and the
   fields of the policies and diagnostics (`decided`: one dict per seed, or none)."""
-  first = population.unstack(state.learner, 0)
-  flops = setup.flops(first)
-  num_params = setup.method.num_params(first)
+  flops = setup.seed_flops(state.learner)
+  with timing.counting():  # Mem is counted from shapes: a trace that builds no program
+    num_params = setup.method.num_params(population.abstract_member(state.learner))
   fields = ("train_flops", "train_flops_forward", "train_macs", "growth_flops", "growth_macs")
   extra = getattr(setup.task, "record_metrics", None)  # fields of the task's own
   return [Record(t=t, test_error=float(state.errors[i]), num_params=num_params,
@@ -298,7 +305,7 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
     logging.warning("stage t=%d diverged; continuing with its best epoch (%s)", t,
                     ", ".join(str(e) for e in stats.best_epoch))
   clock.timer.add({"train_s": stats.train_s, "eval_s": stats.eval_s})
-  flops = setup.flops(population.unstack(learner, 0))  # of the structure that trained
+  flops = setup.seed_flops(learner)  # of the structure that trained
   spent = {"train_flops": flops["train_step"] * stats.steps_run,
            "train_flops_forward": flops["train_step_forward"] * stats.steps_run,
            "train_macs": flops["train_macs_per_example"] * stats.examples_run}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 from typing import Any, Callable
 
@@ -29,6 +30,7 @@ from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields as F
 from alma_jax.configuration import options
 from alma_jax.data import stream as stream_lib
+from alma_jax.engine import executables
 from alma_jax.engine import meter as meter_lib
 from alma_jax.engine import optim
 from alma_jax.engine import plasticity
@@ -151,14 +153,24 @@ class Setup:
     return self._diagnostics[0]
 
   def flops(self, learner) -> dict[str, float]:
-    """`Steps.flops` of one (unstacked) learner, counted once per structure."""
+    """`Steps.flops` of one (unstacked, or abstract) learner, counted once per structure (and
+    kept across processes while programs are: `executables.remembered`)."""
     if learner.structure not in self._flops:
-      self._flops[learner.structure] = self.steps.flops(learner)
+      self._flops[learner.structure] = executables.remembered(
+          "step_flops", (learner.structure, executables.shapes(learner)),
+          lambda: self.steps.flops(learner))
     return self._flops[learner.structure]
 
-  def seed_flops(self, learners, i: int = 0) -> dict[str, float]:
-    """`flops` of seed `i`'s learner in the stacked `learners`."""
-    return self.flops(population.unstack(learners, i))
+  def seed_flops(self, learners) -> dict[str, float]:
+    """`flops` of a learner of the stacked `learners` (of its shapes: counting needs no
+    values, and every member has the same)."""
+    return self.flops(population.abstract_member(learners))
+
+  def program_context(self) -> str:
+    """What besides the code decides this run's compiled programs (`executables.keeping`):
+    its config, the choices made for it and the fingerprint of its data."""
+    return json.dumps({"config": wd.config_dict(self.config), "choices": self.choices,
+                       "inputs": self.inputs}, sort_keys=True, default=repr)
 
   def log_estimate(self, learner) -> None:
     """Logs an upper bound on the training time (all epochs, no early stop)."""

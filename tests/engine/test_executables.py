@@ -1,0 +1,209 @@
+"""Compiled programs kept across processes and found again without tracing
+(`alma_jax.engine.executables`)."""
+
+import importlib
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from alma_jax.engine import executables
+from alma_jax.engine import timing
+from tests import helpers
+
+TRACES = []
+_OFFSET = [0.0]
+
+
+def _affine(w, x, n):
+  TRACES.append(x.shape)  # runs once per trace
+  return w * x + n + _OFFSET[0]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_program(request):
+  # Each test's program has a constant of its own: a program that JAX's persistent cache
+  # (shared by the test session) already holds is not kept (see the last test).
+  # (A multiple of 1/1024 below 1: every sum in these tests is exact in float32.)
+  _OFFSET[0] = float(abs(hash(request.node.nodeid)) % 1000) / 1024
+  yield
+  _OFFSET[0] = 0.0
+
+
+def _want(size=4):
+  return 2.0 * np.arange(size, dtype=np.float32) + 1.0 + np.float32(_OFFSET[0])
+
+
+def _kept(name="affine", key=(), **options):
+  # A new `Kept`, with JAX's in-process caches cleared, stands for the same site in a new
+  # process: nothing traced or compiled is in memory.
+  jax.clear_caches()
+  return executables.jit(_affine, name, key + (_OFFSET[0],), **options)
+
+
+def _args(size=4):
+  return jnp.full((size,), 2.0), np.arange(size, dtype=np.float32), np.float32(1.0)
+
+
+def test_a_kept_program_is_loaded_in_a_later_process_without_tracing(tmp_path):
+  TRACES.clear()
+  with executables.keeping(str(tmp_path), "run A") as store:
+    first = _kept()(*_args())
+  assert len(TRACES) == 1 and store.stored == 1 and store.loaded == 0
+  before = timing.compile_counts()
+  args, kept = _args(), _kept()
+  with executables.keeping(str(tmp_path), "run A") as store:
+    again, names = helpers.compiled(lambda: kept(*args))
+  after = timing.compile_counts()
+  assert len(TRACES) == 1, "the second process traced the program again"
+  assert store.loaded == 1 and store.stored == 0
+  np.testing.assert_array_equal(np.asarray(again), np.asarray(first))
+  np.testing.assert_array_equal(np.asarray(first), _want())
+  # Reported like a program loaded from the persistent cache.
+  assert names == ["jit(affine)"]
+  assert after["kept_programs_loaded"] - before["kept_programs_loaded"] == 1
+  assert after["compile_cache_hits"] - before["compile_cache_hits"] == 1
+  assert after["xla_programs"] - before["xla_programs"] == 1
+
+
+@pytest.mark.parametrize("change", ["context", "key", "name", "shape", "dtype", "options"])
+def test_anything_that_can_change_the_program_misses_the_kept_one(tmp_path, change):
+  with executables.keeping(str(tmp_path), "run A"):
+    _kept()(*_args())
+  TRACES.clear()
+  w, x, n = _args()
+  context, kept = "run A", _kept()
+  if change == "context":
+    context = "run B"
+  elif change == "key":
+    kept = _kept(key=("structure",))
+  elif change == "name":
+    kept = _kept(name="another")
+  elif change == "shape":
+    w, x = jnp.full((5,), 2.0), np.arange(5, dtype=np.float32)
+  elif change == "dtype":
+    n = np.int32(1)
+  else:
+    kept = _kept(donate_argnums=(0,))
+  with executables.keeping(str(tmp_path), context) as store:
+    kept(w, x, n)
+  assert len(TRACES) == 1 and store.loaded == 0
+
+
+def test_a_key_that_names_an_address_is_not_kept_and_the_call_still_runs(tmp_path):
+  TRACES.clear()
+  with executables.keeping(str(tmp_path), "run A") as store:
+    out = _kept(key=(object(),))(*_args())
+  np.testing.assert_array_equal(np.asarray(out), _want())
+  assert store.stored == 0 and not os.path.exists(tmp_path / "programs")
+  with pytest.raises(executables.Unkeepable):
+    executables.stable(object())
+
+
+def test_outside_keeping_and_inside_a_trace_the_call_is_plain_jit(tmp_path):
+  kept = _kept()
+  with executables.keeping(None, "run A") as store:
+    assert store is None and not executables.active()
+    kept(*_args())
+  with executables.keeping(str(tmp_path), "run A") as store:
+    outer = jax.jit(lambda w, x: kept(w, x, 1.0) * 2)  # the kept function traced inside
+    np.testing.assert_array_equal(np.asarray(outer(*_args()[:2])), 2 * _want())
+  assert store.stored == 0
+
+
+def test_static_arguments_are_part_of_the_key(tmp_path):
+  def scaled(x, *, k):
+    TRACES.append(k)
+    return x * k
+
+  TRACES.clear()
+  for _ in range(2):  # the second round stands for a later process
+    jax.clear_caches()
+    kept = executables.jit(scaled, "scaled", static_argnames=("k",))
+    with executables.keeping(str(tmp_path), "run A"):
+      assert float(kept(np.float32(2.0), k=3)) == 6.0
+      assert float(kept(np.float32(2.0), k=4)) == 8.0
+  assert TRACES == [3, 4]
+
+
+def test_a_damaged_kept_program_is_compiled_again_and_replaced(tmp_path):
+  with executables.keeping(str(tmp_path), "run A"):
+    _kept()(*_args())
+  files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "programs") for f in fs]
+  assert len(files) == 1
+  with open(files[0], "wb") as f:
+    f.write(b"not a program")
+  TRACES.clear()
+  with executables.keeping(str(tmp_path), "run A") as store:
+    out = _kept()(*_args())
+  np.testing.assert_array_equal(np.asarray(out), _want())
+  assert len(TRACES) == 1 and store.loaded == 0 and store.stored == 1
+  with executables.keeping(str(tmp_path), "run A") as store:
+    np.testing.assert_array_equal(np.asarray(_kept()(*_args())), _want())
+  assert store.loaded == 1
+
+
+def test_a_changed_source_file_changes_the_code_digest(tmp_path, monkeypatch):
+  (tmp_path / "kept_plugin.py").write_text("SCALE = 1\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  module = importlib.import_module("kept_plugin")
+  try:
+    before = executables.code_digest()
+    (tmp_path / "kept_plugin.py").write_text("SCALE = 22\n")
+    assert executables.code_digest() != before
+  finally:
+    del sys.modules[module.__name__]
+
+
+def test_remembered_values_are_read_back_for_the_same_context_only(tmp_path):
+  calls = []
+
+  def compute():
+    calls.append(1)
+    return {"flops": float(len(calls))}
+
+  for context, want in (("run A", 1.0), ("run A", 1.0), ("run B", 2.0)):
+    with executables.keeping(str(tmp_path), context):
+      assert executables.remembered("flops", ("structure", 1), compute) == {"flops": want}
+  assert len(calls) == 2
+  assert executables.remembered("flops", ("structure", 1), compute) == {"flops": 3.0}  # no store
+
+
+def test_a_program_jax_loaded_from_its_persistent_cache_is_kept_from_that_entry(tmp_path):
+  # XLA:CPU (jaxlib 0.10.2) serialises such a loaded executable without its code; the kept
+  # program holds the cache entry's bytes instead, so it runs when loaded again.
+  assert jax.config.jax_compilation_cache_dir, "the tests run with a persistent cache (conftest)"
+  args = _args()
+  _kept()(*args)  # outside `keeping`: plain jit, into JAX's persistent cache
+  kept = _kept()
+  before = timing.compile_counts()["compile_cache_hits"]
+  with executables.keeping(str(tmp_path), "run A") as store:
+    out = kept(*args)
+  assert timing.compile_counts()["compile_cache_hits"] == before + 1  # JAX's cache served it
+  np.testing.assert_array_equal(np.asarray(out), _want())
+  assert store.stored == 1
+  with executables.keeping(str(tmp_path), "run A") as store:
+    out = _kept()(*_args())
+  assert store.loaded == 1
+  np.testing.assert_array_equal(np.asarray(out), _want())
+
+
+def test_calls_of_other_shapes_trees_or_shardings_than_the_last_run_their_own_programs(tmp_path):
+  kept = _kept()
+  two = np.float32(2.0)
+  with executables.keeping(str(tmp_path), "run A") as store:
+    for size in (4, 5, 4, 5):
+      out = kept(jnp.ones((size,)), np.ones((size,), np.float32), two)
+      np.testing.assert_array_equal(np.asarray(out), 3.0 + np.float32(_OFFSET[0]))
+      assert out.shape == (size,)
+    integer = kept(jnp.ones((4,), jnp.int32), np.ones((4,), np.int32), np.int32(2))
+    np.testing.assert_array_equal(np.asarray(integer), np.float32(3 + _OFFSET[0]))
+    other_device = jax.device_put(jnp.ones((4,)), jax.devices()[-1])
+    out = kept(other_device, np.ones((4,), np.float32), two)
+    assert out.sharding.device_set == {jax.devices()[-1]}
+    with pytest.raises(TypeError):
+      kept((jnp.ones((4,)),), np.ones((4,), np.float32), two)  # another tree: jit's own error
+  assert store.stored == 4 - (len(jax.devices()) == 1)
