@@ -537,9 +537,7 @@ class Firefly(declared.FF, base.Method):
     """The backbone of the arrays' widths (slots or active channels); inactive channels
     masked, their BatchNorm statistics unchanged by training."""
     del structure, rng
-    active = active_masks(model_state)
-    state = {k: v for k, v in model_state.items() if k != SLOTS_KEY}
-    module = self.module(layer_widths(self.layout, params))
+    module, state, active = self._backbone(params, model_state)
     variables = {"params": params, **state}
     if not (train and state):
       return module.apply(variables, x, train=train, mask=mask, active=active), model_state
@@ -552,6 +550,12 @@ class Firefly(declared.FF, base.Method):
       updates = {**_replace(updates, edits), SLOTS_KEY: model_state[SLOTS_KEY]}
     return logits, updates
 
+  def _backbone(self, params, model_state):
+    """(the backbone of the arrays' widths, its model state without the slot masks, the
+    active channels' masks or None): what applying a learner takes."""
+    state = {k: v for k, v in model_state.items() if k != SLOTS_KEY}
+    return self.module(layer_widths(self.layout, params)), state, active_masks(model_state)
+
   # -- hidden units (`alma_jax.models.units`) ----------------------------------------------------
   def unit_layout(self):
     """The growable layers, where the backbone sows its units (None: a backbone without)."""
@@ -563,10 +567,9 @@ class Firefly(declared.FF, base.Method):
     del structure
     if self.unit_layout() is None:
       return base.Method.hidden_units(self, (), params, model_state, x)  # raises
-    state = {k: v for k, v in model_state.items() if k != SLOTS_KEY}
-    module = self.module(layer_widths(self.layout, params))
-    _, sown = module.apply({"params": params, **state}, x, train=False,
-                           active=active_masks(model_state), mutable=["intermediates"])
+    module, state, active = self._backbone(params, model_state)
+    _, sown = module.apply({"params": params, **state}, x, train=False, active=active,
+                           mutable=["intermediates"])
     return [_get(sown["intermediates"], path)[0] for path in self.layout.units]
 
   def unit_active(self, learner: base.Learner) -> list[np.ndarray] | None:
