@@ -194,7 +194,8 @@ BASE_FIELDS = (
     F.Field("log.plasticity", False, F.boolean(),
             "add plasticity diagnostics to every record (alma_jax.engine.plasticity): the "
             "parameters' norm and distance from the run's initial ones and, for a method with "
-            "hidden units (sm, ens, umix or ff on mlp or vgg), the fraction of dormant units per "
+            "hidden units (sm, ens, umix, gens or ff on mlp or vgg), the fraction of dormant "
+            "units per "
             "layer and the effective rank of the last hidden layer's features on a fixed probe "
             "set"),
     F.Field("log.dormant_threshold", 0.025, F.number(0.0, 1.0),

@@ -57,7 +57,7 @@ class Diagnostics:
       activity = mean_activity(summed)
       units = self.method.unit_active(learner)  # padding slots are not units
       units = [np.ones(a.shape, bool) for a in activity] if units is None else units
-      masks = dormant(activity, self.threshold, self.method.unit_members, units)
+      masks = dormant(activity, self.threshold, self.method.unit_members_of(learner), units)
       out["dormant_fraction"] = float(sum(np.sum(m) for m in masks)
                                       / sum(np.sum(u) for u in units))
       out.update({f"dormant_fraction_{l}": float(np.sum(m) / np.sum(u))

@@ -165,9 +165,20 @@ class Method(declared.Declaration):
     del learner
     return None
 
+  def unit_trained(self, learner: Learner) -> list[np.ndarray] | None:
+    """Per layer, which units a reset may re-draw: the learner's units that its stages train
+    (default: all of `unit_active`'s; a method with frozen parts leaves theirs out)."""
+    return self.unit_active(learner)
+
   # Members whose units `hidden_units` puts side by side, every leaf of the unit layout
   # stacked on a leading member axis; 0: one network, no member axis.
   unit_members = 0
+
+  def unit_members_of(self, learner: Learner) -> int:
+    """`unit_members` for `learner` (a method whose members grow in slots: its member
+    slots)."""
+    del learner
+    return self.unit_members
 
   def counted(self) -> "Method":
     """The method whose traced programs Comp counts (`alma_jax.engine.accounting`): the same

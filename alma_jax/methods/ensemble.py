@@ -60,6 +60,7 @@ from alma_jax.configuration.plugins import methods as declared
 from alma_jax.methods import base
 from alma_jax.methods.registry import register
 from alma_jax.models import slots as slots_lib
+from alma_jax.models.registry import leaf_at
 
 PyTree = Any
 MEMBER_INITS = declared.MEMBER_INITS
@@ -477,10 +478,28 @@ class GrowingEnsemble(declared.GEns, Ensemble):
   def initial_members(self) -> int:
     return self.opts.initial_members
 
-  def unit_layout(self):
-    """None: members in slots (padding slots are not units) and frozen old members leave no
-    fixed set of units to measure or re-draw."""
-    return None
+  # -- hidden units (`alma_jax.models.units`) ---------------------------------------------------
+  def unit_members_of(self, learner: base.Learner) -> int:
+    return slots_lib.leading_size(learner.params)  # every member slot's units, side by side
+
+  def hidden_units(self, structure, params, model_state, x) -> list:
+    return super().hidden_units(structure, params, backbone_state(model_state), x)
+
+  def unit_active(self, learner: base.Learner) -> list[np.ndarray]:
+    """The units of the n members (not of the padding slots)."""
+    return self._member_units(learner, 0, learner.structure[0])
+
+  def unit_trained(self, learner: base.Learner) -> list[np.ndarray]:
+    """The units of the k members the stage trains (the others are frozen)."""
+    n, k = learner.structure
+    return self._member_units(learner, n - k, n)
+
+  def _member_units(self, learner: base.Learner, first: int, end: int) -> list[np.ndarray]:
+    """Per layer, the units of member slots first ... end - 1 (member-major)."""
+    layout, slots = self.unit_layout(), self.unit_members_of(learner)
+    members = (np.arange(slots) >= first) & (np.arange(slots) < end)
+    return [np.repeat(members, leaf_at(learner.params, layout.kernels[l]).shape[-1])
+            for l in range(len(layout.units))]
 
   # -- member slots ---------------------------------------------------------------------------
   def slots(self, members: int) -> int:

@@ -16,9 +16,13 @@ the same function right after the reset whenever the unit was silent (its activi
 exactly zero). Methods expose their hidden layers through `Method.unit_layout` and
 `Method.hidden_units`: one backbone (`sm`), the members of an ensemble side by side
 (`ens`, `umix`: `Method.unit_members` > 0, every leaf stacked on a member axis; a unit's
-score is then over its own member's layer mean), or a backbone whose layers hold their
-channels in slots (`ff`: `Method.unit_active` says which units are the learner's; the
-padding slots are neither scored nor reset); the others have none.
+score is then over its own member's layer mean), members in slots (`gens`: the member
+slots, `Method.unit_members_of`, side by side; the padding slots are not units, and a reset
+re-draws only units of the members a stage trains, `Method.unit_trained`), or a backbone
+whose layers hold their channels in slots (`ff`: `Method.unit_active` says which units are
+the learner's; the padding slots are neither scored nor reset); the others have none
+(`gmoe`: a unit of one expert feeds the mixture every expert of the next layer reads, so no
+reset of it keeps the function).
 """
 
 from __future__ import annotations

@@ -84,27 +84,20 @@ class StagePolicy(declared.Declaration):
     return method.before_stage(learner, state_lib.fold_in(key, GROWTH_KEY), ctx)
 
 
-def check_unit_resets(config, policy: str, remembers_units: bool = False) -> None:
+def check_unit_resets(config, policy: str) -> None:
   """Raises `ConfigError` unless a policy that re-draws hidden units (`policy`) can serve the
-  config: a method with hidden units it exposes (`Method.unit_layout`: sm, ens, umix or ff
-  on a backbone that sows them; with `remembers_units`, a policy that keeps facts of each
-  unit across stages, one whose growth adds none) and a fresh optimizer state at every stage
-  (a kept one would hold the moments of the weights before they were re-drawn)."""
+  config: a method with hidden units it exposes (`Method.unit_layout`: sm, ens, umix, gens or
+  ff on a backbone that sows them) and a fresh optimizer state at every stage (a kept one
+  would hold the moments of the weights before they were re-drawn)."""
   method = plugins.method(config.method.name)
   build = backbones.spec(config.model.name).width_layout
   exposes = method.HIDDEN_UNITS and build is not None and bool(build(config.model, 2).units)
-
-  def fits(declared) -> bool:
-    return declared.HIDDEN_UNITS and not (remembers_units and declared.GROWS_UNITS)
-
-  if not exposes or not fits(method):
+  if not exposes:
     able = backbones.names(lambda s: s.width_layout is not None)
-    names = [n for n, d in sorted(plugins.METHODS.items()) if fits(d)]
-    why = (f"remembers each hidden unit across stages, which method {method.name!r} adds to "
-           "as it grows" if exposes else f"re-draws hidden units, which method "
-           f"{method.name!r} on backbone {config.model.name!r} does not expose")
-    raise ConfigError(f"config.stream.warm_start={policy!r} {why}; valid: config.method.name "
-                      f"in {names} with config.model.name in {able}")
+    names = [n for n, d in sorted(plugins.METHODS.items()) if d.HIDDEN_UNITS]
+    raise ConfigError(f"config.stream.warm_start={policy!r} re-draws hidden units, which method "
+                      f"{method.name!r} on backbone {config.model.name!r} does not expose; "
+                      f"valid: config.method.name in {names} with config.model.name in {able}")
   if bool(F.get(config.train, "train.keep_optimizer_state")):
     raise ConfigError(f"config.train.keep_optimizer_state=True is not supported by "
                       f"config.stream.warm_start={policy!r}: the kept moments belong to the "

@@ -10,12 +10,15 @@ training data times the summed magnitude of its outgoing weights, is measured
 layer's mature units (trained by at least `stream.cbp_maturity` stages since they were
 drawn), the `stream.cbp_fraction` with the lowest utility are drawn afresh (incoming
 weights fresh, outgoing zero). A fractional count carries over to the next stage, so a
-narrow layer still replaces a unit every few stages. In an ensemble (`ens`, `umix`) a
-layer's units are every member's, side by side, and the fraction is of all of them.
+narrow layer still replaces a unit every few stages. In an ensemble (`ens`, `umix`, `gens`)
+a layer's units are every member's, side by side, and the fraction is of all of them.
 
 The policy remembers, per learner, each unit's age (stages trained since drawn) and each
-layer's carried fraction (`Started.memo`, kept by the checkpoints). The record of each
-trained step holds `units_reset`.
+layer's carried fraction (`Started.memo`, kept by the checkpoints). Only the units a stage
+trains (`Method.unit_trained`) age and can be chosen: not the padding slots of a method in
+slots (`ff`, `gens`), nor gEns's frozen members. Growth keeps every unit's index and adds
+units after them (Firefly's new channels, gEns's new member slots), which start at age 0.
+The record of each trained step holds `units_reset`.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from alma_jax.policies.redo import measured, redraw
 def choose(utility: np.ndarray, age: np.ndarray, carry: float, fraction: float,
            maturity: int) -> tuple[np.ndarray, float]:
   """(the units of one layer to re-draw (bool), the fraction carried to the next stage): the
-  lowest-utility mature units (age >= maturity), `carry + fraction * mature` of them rounded
-  down (ties: the lower index first)."""
+  lowest-utility mature units (age >= maturity; a negative age: a unit the stage does not
+  train), `carry + fraction * mature` of them rounded down (ties: the lower index first)."""
   mature = age >= maturity
   want = carry + fraction * int(np.sum(mature))
   count = int(math.floor(want + 1e-9))  # sums of fractions: 20 x 0.05 may fall short of 1
@@ -51,7 +54,7 @@ class ContinualBackprop(declared.ContinualBackprop, StagePolicy):
 
   @classmethod
   def check(cls, config) -> None:
-    check_unit_resets(config, cls.name, remembers_units=True)
+    check_unit_resets(config, cls.name)
 
   def start(self, method, learner, key: jax.Array, ctx, opt_state, memo):
     s = self.config.stream
@@ -60,14 +63,18 @@ class ContinualBackprop(declared.ContinualBackprop, StagePolicy):
     activity = measured(method, grown, ctx)
     if memo is None:  # every unit is as old as the learner: never trained
       memo = {"age": [[0] * len(a) for a in activity], "carry": [0.0] * len(activity)}
+    trained = method.unit_trained(grown)
     masks, ages, carries = [], [], []
     for l, a in enumerate(activity):
       age = np.asarray(memo["age"][l], np.int64)
-      utility = a * plasticity.outgoing_weight(layout, grown.params, l, method.unit_members)
-      take, carry = choose(utility, age, float(memo["carry"][l]), float(s.cbp_fraction),
-                           int(s.cbp_maturity))
+      age = np.concatenate([age, np.zeros(len(a) - len(age), np.int64)])  # grown: new units
+      on = np.ones(len(a), bool) if trained is None else np.asarray(trained[l], bool)
+      utility = a * plasticity.outgoing_weight(layout, grown.params, l,
+                                               method.unit_members_of(grown))
+      take, carry = choose(utility, np.where(on, age, -1), float(memo["carry"][l]),
+                           float(s.cbp_fraction), int(s.cbp_maturity))
       masks.append(take)
-      ages.append((np.where(take, 0, age) + 1).tolist())  # this stage trains every unit
+      ages.append((np.where(take, 0, age) + on).tolist())  # the stage trains these
       carries.append(carry)
     learner, fields = redraw(method, grown, key, masks)
     return Started(learner, opt_state, {"age": ages, "carry": carries}, fields)

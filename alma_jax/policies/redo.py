@@ -32,9 +32,9 @@ def measured(method, learner, ctx) -> list[np.ndarray]:
 def redraw(method, learner, key: jax.Array, masks) -> tuple:
   """(`learner` with the units of `masks` drawn afresh (`plasticity.reset_units`, from the
   policy's own key), the record fields that say how many)."""
-  fresh = method.reinit(learner, state_lib.fold_in(key, FIRST_FREE_KEY))
+  fresh = method.init(state_lib.fold_in(key, FIRST_FREE_KEY), learner.structure)
   return (plasticity.reset_units(method.unit_layout(), learner, fresh, masks,
-                                 method.unit_members),
+                                 method.unit_members_of(learner)),
           {"units_reset": int(sum(np.sum(m) for m in masks))})
 
 
@@ -49,7 +49,7 @@ class Redo(declared.Redo, StagePolicy):
   def start(self, method, learner, key: jax.Array, ctx, opt_state, memo):
     grown = self.grow(method, learner, key, ctx)
     masks = plasticity.dormant(measured(method, grown, ctx),
-                               float(self.config.stream.redo_threshold), method.unit_members,
-                               method.unit_active(grown))
+                               float(self.config.stream.redo_threshold),
+                               method.unit_members_of(grown), method.unit_trained(grown))
     learner, fields = redraw(method, grown, key, masks)
     return Started(learner, opt_state, memo, fields)

@@ -193,6 +193,18 @@ def test_redo_on_firefly_redraws_dead_active_channels_and_leaves_the_padding_slo
   assert started.fields == {"units_reset": 1 + dead_in_layer1}
 
 
+def _redo_keeping_the_function(c, method, learner, ctx, x, masks):
+  """(the learner after redo's start, its first two kernels): it re-draws the units of `masks`
+  (their count in its record) and keeps the predictions on `x` bitwise (they were silent)."""
+  started = policies.make_stage(c).start(method, learner, jax.random.key(7), ctx, None, None)
+  after = started.learner
+  assert started.fields == {"units_reset": int(sum(np.sum(m) for m in masks))}
+  out = lambda l: np.asarray(method.predict(l.structure, l.params, l.model_state, x))
+  assert np.array_equal(out(learner), out(after))
+  return (after, np.asarray(after.params["dense0"]["kernel"]),
+          np.asarray(after.params["dense1"]["kernel"]))
+
+
 @pytest.mark.parametrize("name", ["ens", "umix"])
 def test_an_ensemble_s_units_are_its_members_side_by_side_and_redo_resets_them_per_member(name):
   c = helpers.small_config("mnist", name, width=4)
@@ -226,17 +238,51 @@ def test_an_ensemble_s_units_are_its_members_side_by_side_and_redo_resets_them_p
   masks = plasticity.dormant(plasticity.mean_activity(steps.reduce(
       plasticity.activity_fn(method), learner, ctx.train_idx)), 0.0, members=2)
   assert masks[0].tolist() == [False] * 4 + [True, False, False, False]
-  started = policies.make_stage(c).start(method, learner, jax.random.key(7), ctx, None, None)
-  after = started.learner
-  assert started.fields == {"units_reset": int(sum(np.sum(m) for m in masks))}
-  out = lambda l: np.asarray(method.predict(l.structure, l.params, l.model_state, x))
-  assert np.array_equal(out(learner), out(after))  # exactly: the reset unit was silent
-  k0 = np.asarray(after.params["dense0"]["kernel"])
-  k1 = np.asarray(after.params["dense1"]["kernel"])
+  after, k0, k1 = _redo_keeping_the_function(c, method, learner, ctx, x, masks)
   assert np.all(k1[1, 0] == 0.0) and np.abs(k0[1, :, 0]).sum() > 0  # member 1's unit 0
   if not masks[1][:4].any():  # member 0 had nothing to reset: it is untouched
     for a, b in zip(jax.tree.leaves(member(after.params, 0)),
                     jax.tree.leaves(member(learner.params, 0))):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_gens_units_are_its_members_in_slots_and_redo_redraws_only_the_trained_ones():
+  c = helpers.small_config("mnist", "gens", width=4)
+  c.stream.warm_start, c.stream.redo_threshold = "redo", 0.0
+  ds = helpers.synthetic_dataset(n_train=64, n_test=16)
+  method, steps = helpers.make_steps(c, ds)
+  c = validation.complete(c)
+  learner = method.init(jax.random.key(0), (3, 1))  # 3 members in 4 slots, the last trained
+  p = jax.tree.map(np.array, learner.params)  # every leaf (4, ...): the member slots
+  p["dense0"]["bias"][:] = 3.0
+  for m, u in ((0, 0), (2, 1)):  # a silent unit in frozen member 0 and in trained member 2
+    p["dense0"]["kernel"][m, :, u] = 0.0
+    p["dense0"]["bias"][m, u] = -1.0
+  learner = learner.replace(params=jax.tree.map(jnp.asarray, p))
+  assert [m.tolist() for m in method.unit_active(learner)] == [[True] * 12 + [False] * 4] * 2
+  assert [m.tolist() for m in method.unit_trained(learner)] == [
+      [False] * 8 + [True] * 4 + [False] * 4] * 2
+  member = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+  x = ds.train_x[:16].astype(np.float32) / 255.0
+  hidden = method.hidden_units(learner.structure, learner.params, learner.model_state, x)
+  for l in range(2):  # member-major, every slot's units
+    assert hidden[l].shape == (16, 16)
+    for i in range(3):  # float32 sums of at most 784 products against float64 (as above)
+      np.testing.assert_allclose(
+          hidden[l][:, 4 * i:4 * i + 4],
+          _hidden_by_hand(member(learner.params, i), x.reshape(16, -1).astype(np.float64))[l],
+          rtol=2e-4, atol=1e-6)
+  ctx = helpers.context(1, steps=steps, train_idx=np.arange(64, dtype=np.int32))  # no growth
+  activity = plasticity.mean_activity(steps.reduce(plasticity.activity_fn(method), learner,
+                                                   ctx.train_idx))
+  masks = plasticity.dormant(activity, 0.0, method.unit_members_of(learner),
+                             method.unit_trained(learner))
+  assert masks[0].tolist() == [False] * 9 + [True] + [False] * 6  # member 0's unit 0 is frozen
+  after, k0, k1 = _redo_keeping_the_function(c, method, learner, ctx, x, masks)
+  assert np.all(k1[2, 1] == 0.0) and np.abs(k0[2, :, 1]).sum() > 0  # member 2's unit 1
+  for i in (0, 1, 3):  # the frozen members (member 0's silent unit too) and the padding slot
+    for a, b in zip(jax.tree.leaves(member(after.params, i)),
+                    jax.tree.leaves(member(learner.params, i))):
       np.testing.assert_array_equal(a, b)
 
 
@@ -294,19 +340,37 @@ def test_continual_backprop_remembers_the_units_ages():
   assert set(np.flatnonzero(replaced)) == set(np.argsort(util0, kind="stable")[:2])
 
 
+def test_continual_backprop_ages_only_the_trained_units_and_starts_grown_ones_at_zero():
+  c = helpers.small_config("mnist", "gens", width=4)
+  c.stream.warm_start, c.stream.cbp_fraction, c.stream.cbp_maturity = "continual_backprop", 0.5, 0
+  ds = helpers.synthetic_dataset(n_train=64, n_test=16)
+  method, steps = helpers.make_steps(c, ds)
+  c = validation.complete(c)
+  learner = method.init(jax.random.key(0), (3, 1))  # 3 members in 4 slots, the last trained
+  ctx = helpers.context(1, steps=steps, train_idx=np.arange(64, dtype=np.int32))  # no growth
+  # The memory of a learner of 2 members in 2 slots: 2 x 4 units per layer, all of age 5.
+  memo = {"age": [[5] * 8, [5] * 8], "carry": [0.0, 0.0]}
+  started = policies.make_stage(c).start(method, learner, jax.random.key(1), ctx, None, memo)
+  for l in range(2):
+    # Frozen members 0 and 1 keep their ages; member 2's units, new, trained once; padding 0.
+    assert started.memo["age"][l] == [5] * 8 + [1] * 4 + [0] * 4
+  assert started.fields == {"units_reset": 4}  # half of the trained member's 4 units, per layer
+  member = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+  for i in (0, 1, 3):  # nothing but the trained member's units was re-drawn
+    for a, b in zip(jax.tree.leaves(member(started.learner.params, i)),
+                    jax.tree.leaves(member(learner.params, i))):
+      np.testing.assert_array_equal(a, b)
+
+
 # -- config checks ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("method, fields, message", [
     ("gmoe", {"stream.warm_start": "redo"},
      r"config\.stream\.warm_start='redo' re-draws hidden units, which method 'gmoe' on backbone "
-     r"'mlp' does not expose; valid: config\.method\.name in \['ens', 'ff', 'sm', 'umix'\] with "
-     r"config\.model\.name in \['mlp', 'vgg'\]"),
-    ("gens", {"stream.warm_start": "continual_backprop"},
-     r"which method 'gens' on backbone 'mlp' does not expose; valid: config\.method\.name in "
-     r"\['ens', 'sm', 'umix'\]"),
-    ("ff", {"stream.warm_start": "continual_backprop"},
-     r"config\.stream\.warm_start='continual_backprop' remembers each hidden unit across "
-     r"stages, which method 'ff' adds to as it grows; valid: config\.method\.name in "
-     r"\['ens', 'sm', 'umix'\]"),
+     r"'mlp' does not expose; valid: config\.method\.name in \['ens', 'ff', 'gens', 'sm', "
+     r"'umix'\] with config\.model\.name in \['mlp', 'vgg'\]"),
+    ("gmoe", {"stream.warm_start": "continual_backprop"},
+     r"config\.stream\.warm_start='continual_backprop' re-draws hidden units, which method "
+     r"'gmoe' on backbone 'mlp' does not expose"),
     ("sm", {"stream.warm_start": "continual_backprop", "train.keep_optimizer_state": True},
      r"config\.train\.keep_optimizer_state=True is not supported by config\.stream\.warm_start="
      r"'continual_backprop'.*allowed values: \[False\]"),
@@ -373,7 +437,9 @@ def test_an_ensemble_run_records_its_members_units_and_resets_them(tmp_path):
 
 
 @requires_mnist
-@pytest.mark.parametrize("method, warm_start", [("ff", "redo"), ("gmoe", "finetune")])
+@pytest.mark.parametrize("method, warm_start", [
+    ("ff", "redo"), ("gens", "redo"), ("ff", "continual_backprop"),
+    ("gens", "continual_backprop"), ("gmoe", "finetune")])
 def test_runs_in_slots_record_the_norms_of_their_active_parameters(method, warm_start, tmp_path):
   # A learner in slots reports its parameters' values, not the zeros of a view of shapes.
   wd = str(tmp_path / "wd")
@@ -382,7 +448,7 @@ def test_runs_in_slots_record_the_norms_of_their_active_parameters(method, warm_
   log = io_utils.read_jsonl(f"{wd}/log.jsonl")
   assert all(r["param_norm"] > 0 for r in log)
   assert log[1]["init_distance"] > 0  # trained once, the structure unchanged since t=0
-  if method == "ff":  # hidden units over the active channels only
+  if method != "gmoe":  # hidden units over the active channels or members only
     assert all(0.0 <= r["dormant_fraction"] <= 1.0 and r["feature_rank"] > 0 for r in log)
     assert all("units_reset" in r for r in log if r["trained"])
 
@@ -409,9 +475,13 @@ def test_l2_init_at_coefficient_0_is_finetune_exactly_and_above_it_pulls_toward_
     {"stream__warm_start": "continual_backprop", "stream__cbp_fraction": 0.3,
      "stream__cbp_maturity": 1},
     {"stream__warm_start": "l2_init", "train__l2_init": 0.05},
-], ids=["redo", "continual_backprop", "l2_init"])
+    {"method": "ff", "stream__warm_start": "continual_backprop", "stream__cbp_fraction": 0.3,
+     "stream__cbp_maturity": 1},
+], ids=["redo", "continual_backprop", "l2_init", "continual_backprop_ff"])
 def test_the_policies_resume_to_identical_records(fields, tmp_path, monkeypatch):
-  config = helpers.smoke(train__progress_every_s=0.0, log__plasticity=True, **fields)
+  fields = dict(fields)  # Firefly grows: its units' ages outlive a change of their count
+  config = helpers.smoke(fields.pop("method", "sm"), train__progress_every_s=0.0,
+                         log__plasticity=True, **fields)
   base = str(tmp_path / "uninterrupted")
   run.run(config, base)
   expected = helpers.outputs(base)

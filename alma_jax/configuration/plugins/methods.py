@@ -34,9 +34,6 @@ class Declaration:
   # Whether the method exposes hidden units on a backbone that sows them (`Method.unit_layout`):
   # what the plasticity diagnostics' unit fields and the unit-reset stage policies need.
   HIDDEN_UNITS = False
-  # Whether its growth adds hidden units: a policy that remembers each unit across stages
-  # (`continual_backprop`'s ages) needs a fixed set.
-  GROWS_UNITS = False
 
   @classmethod
   def fields(cls, config) -> tuple[F.Field, ...]:
@@ -67,7 +64,7 @@ class UMix(Ens):
 
 class GEns(Ens):
   name = "gens"
-  HIDDEN_UNITS = False  # members in slots, the old ones frozen
+  HIDDEN_UNITS = True  # members in slots: `Method.unit_active` says which are the learner's
   FIELDS = (F.Field("method.initial_members", 1, F.integer(1),
                     "members at the start, all trained at the first stage"),
             F.Field("method.grow_by", 1, F.integer(1),
@@ -144,7 +141,6 @@ class GMoE(Declaration):
 class FF(Declaration):
   name = "ff"
   HIDDEN_UNITS = True  # channels in slots: `Method.unit_active` says which are the learner's
-  GROWS_UNITS = True
   FIELDS = (
       F.Field("method.growth_rate", 0.25, F.number(0.0),
               "neurons added per growth as a fraction of the initial total width (paper B.1: "
