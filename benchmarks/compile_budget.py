@@ -121,7 +121,7 @@ def child(out_path: str, argv: list[str]) -> None:
           cache[key].append(m.group(1) if key != "not_written" else f"{m.group(1)}: "
                             f"{m.group(2)}")
 
-  for source in ("jax._src.compiler", "alma_jax.engine.executables"):
+  for source in ("jax._src.compiler", "alma_jax.runtime.executables"):
     compiler_log = logging.getLogger(source)
     compiler_log.setLevel(logging.DEBUG)
     compiler_log.propagate = False  # its debug lines stay out of the run's output

@@ -247,7 +247,7 @@ def test_a_second_identical_run_loads_every_program_from_the_persistent_cache(tm
       records.append([{k: v for k, v in json.loads(l).items() if k != "wall_s"} for l in f])
   first, second = timings
   # The first run compiled afresh and kept its programs whole; the second loaded them without
-  # tracing (`alma_jax.engine.executables`), every step program among them, and they computed
+  # tracing (`alma_jax.runtime.executables`), every step program among them, and they computed
   # the same records.
   assert first["kept_programs_loaded"] == 0
   assert second["kept_programs_loaded"] >= second["step_programs"] > 0, second

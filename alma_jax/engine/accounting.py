@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alma_jax.engine import executables
 from alma_jax.engine import timing
 from alma_jax.engine.programs import Batch, Programs, TrainState
 from alma_jax.methods.base import Learner
+from alma_jax.runtime import executables
 
 ELEMENTWISE = frozenset({
     "abs", "acos", "acosh", "add", "add_any", "asin", "asinh", "atan", "atan2", "atanh", "cbrt",

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from alma_jax import state as state_lib
-from alma_jax.engine import executables
 from alma_jax.engine import programs
 from alma_jax.models import slots
+from alma_jax.runtime import executables
 from alma_jax.state import Learner
 
 PyTree = Any

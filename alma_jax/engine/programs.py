@@ -38,12 +38,12 @@ import optax
 from flax import struct
 
 from alma_jax.engine import epoch as epoch_lib
-from alma_jax.engine import executables
 from alma_jax.engine import precision
 from alma_jax.engine import sharding
 from alma_jax.engine import timing
 from alma_jax.methods.base import Method
 from alma_jax.models import slots
+from alma_jax.runtime import executables
 from alma_jax.state import Learner, TrainState
 
 PyTree = Any

@@ -16,7 +16,7 @@ eager operations included), those of the run's steps (`step_programs`:
 programs whose function is named `STEP_PREFIX` + kind, see
 `alma_jax.engine.programs`), the persistent cache's requests and hits, and the
 programs a run loaded whole without tracing them (`kept_programs_loaded`,
-`alma_jax.engine.executables`; each also counts as a cache request and hit).
+`alma_jax.runtime.executables`; each also counts as a cache request and hit).
 `seconds_per_step` times a compiled train call.
 """
 
@@ -43,7 +43,7 @@ COMPILE_EVENTS = frozenset({
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 CACHE_EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": "compile_cache_requests",
                 "/jax/compilation_cache/cache_hits": "compile_cache_hits",
-                # a program loaded whole, without tracing (`alma_jax.engine.executables`)
+                # a program loaded whole, without tracing (`alma_jax.runtime.executables`)
                 "/alma_jax/kept_programs/loaded": "kept_programs_loaded"}
 STEP_PREFIX = "alma_step_"
 PARTS = ("data_s", "compile_s", "train_s", "eval_s", "io_s")

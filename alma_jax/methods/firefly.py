@@ -65,11 +65,11 @@ import optax
 
 from alma_jax import models
 from alma_jax.configuration.plugins import methods as declared
-from alma_jax.engine import executables
 from alma_jax.methods import base
 from alma_jax.methods.registry import register
 from alma_jax.models import registry as backbones
 from alma_jax.models import slots as slots_lib
+from alma_jax.runtime import executables
 
 PyTree = Any
 Path = tuple[str, ...]

@@ -49,13 +49,13 @@ import numpy as np
 from alma_jax import policies
 from alma_jax import state as state_lib
 from alma_jax.configuration.plugins import methods as declared
-from alma_jax.engine import executables
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
 from alma_jax.methods import expert_growth
 from alma_jax.methods.registry import register
 from alma_jax.models import moe
 from alma_jax.models import slots as slots_lib
+from alma_jax.runtime import executables
 
 SPLIT_BY = declared.SPLIT_BY
 SLOTS = declared.SLOT_POLICIES

@@ -48,7 +48,7 @@ def enable_compilation_cache(chosen: str | None = None) -> str | None:
 
 
 def kept_programs_dir() -> str | None:
-  """Where runs keep whole compiled programs (`alma_jax.engine.executables`): the folder
+  """Where runs keep whole compiled programs (`alma_jax.runtime.executables`): the folder
   `alma_jax_programs` of this process's persistent compilation cache (whose own entries are
   its files); None when it has none."""
   import jax  # pylint: disable=g-import-not-at-top

@@ -41,7 +41,6 @@ import numpy as np
 from absl import logging
 
 from alma_jax.configuration import fields as F
-from alma_jax.engine import executables
 from alma_jax.engine import meter as meter_lib
 from alma_jax.engine import population
 from alma_jax.engine import timing
@@ -60,6 +59,7 @@ from alma_jax.outputs import workdir as wd
 from alma_jax.outputs import workdir_lock
 from alma_jax.outputs.interrupts import RunInterrupted
 from alma_jax.runtime import caches
+from alma_jax.runtime import executables
 from alma_jax.runtime import multihost
 from alma_jax.state import RunState
 from alma_jax.stream import run_setup
@@ -85,7 +85,7 @@ def run(config, workdir: str, *, overwrite: bool = False, startup_s: float | Non
       after the run's own outputs.
     keep_programs: keep the run's compiled programs and FLOP counts beside the persistent
       compilation cache (`caches.kept_programs_dir`), and load those of an earlier process
-      of the same config, data and code without tracing them (`alma_jax.engine.executables`).
+      of the same config, data and code without tracing them (`alma_jax.runtime.executables`).
 
   Returns:
     The summary (with S > 1: the mean and standard deviation over the seeds).

@@ -30,7 +30,6 @@ from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields as F
 from alma_jax.configuration import options
 from alma_jax.data import stream as stream_lib
-from alma_jax.engine import executables
 from alma_jax.engine import meter as meter_lib
 from alma_jax.engine import optim
 from alma_jax.engine import plasticity
@@ -41,6 +40,7 @@ from alma_jax.errors import ConfigError
 from alma_jax.outputs import checkpoint as ckpt_lib
 from alma_jax.outputs import workdir as wd
 from alma_jax.policies import schedule
+from alma_jax.runtime import executables
 from alma_jax.runtime import multihost
 from alma_jax.stream import validation
 from alma_jax.tuning import tune

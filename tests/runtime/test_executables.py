@@ -1,5 +1,5 @@
 """Compiled programs kept across processes and found again without tracing
-(`alma_jax.engine.executables`)."""
+(`alma_jax.runtime.executables`)."""
 
 import importlib
 import os
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from alma_jax.engine import executables
+from alma_jax.runtime import executables
 from alma_jax.engine import timing
 from tests import helpers
 
