@@ -23,35 +23,76 @@ def active_params(method, learner: Learner):
   return jax.tree.map(lambda a, v: a[tuple(slice(0, n) for n in v.shape)], learner.params, view)
 
 
+def _active_cuts(method, learner: Learner) -> dict[str, tuple[slice, ...]]:
+  """Per parameter path (`jax.tree_util.keystr`), the index of its active part."""
+  view = method.active_view(learner).params
+  return {jax.tree_util.keystr(path): tuple(slice(0, n) for n in v.shape)
+          for path, v in jax.tree_util.tree_flatten_with_path(view)[0]}
+
+
+def initial_values(method, initial: Learner, fresh: Learner, learner: Learner) -> Learner:
+  """theta_0 of `learner`'s structure, for a run that started from `initial` (one learner
+  each, unstacked): what the `train.l2_init` term pulls toward and what `init_distance`
+  measures from.
+
+  While the structure is the initial one, that is `initial` itself. After growth every
+  parameter active in `initial` keeps its initial value (the active parts of a learner in
+  slots being the first slots of every axis, growth keeps a parameter's index), a parameter
+  that growth made active since takes its value in `fresh` (the initialisation of the grown
+  structure that the run's key draws: where a learner of that structure would have started),
+  and a padding slot holds `learner`'s own value (no pull on what the network does not use).
+  Host arrays; model state and structure are `learner`'s."""
+  if initial.structure == learner.structure:
+    return initial
+  start, now = _active_cuts(method, initial), _active_cuts(method, learner)
+  before = {jax.tree_util.keystr(p): v
+            for p, v in jax.tree_util.tree_flatten_with_path(initial.params)[0]}
+  drawn = {jax.tree_util.keystr(p): v
+           for p, v in jax.tree_util.tree_flatten_with_path(fresh.params)[0]}
+
+  def value(path, leaf):
+    name = jax.tree_util.keystr(path)
+    out = np.array(leaf)  # a copy: the padding keeps the learner's values
+    for cut, source in ((now.get(name), drawn.get(name)), (start.get(name), before.get(name))):
+      if cut is None:
+        continue
+      if source is None:
+        raise ValueError(f"method {method.name!r}: parameter {name} is active in structure "
+                         f"{learner.structure!r}, but its initialisation has no such leaf")
+      out[cut] = np.asarray(source)[cut]
+    return out
+
+  return learner.replace(params=jax.tree_util.tree_map_with_path(value, learner.params))
+
+
 # -- the diagnostics of the records ----------------------------------------------------------------
 class Diagnostics:
   """Each seed's plasticity fields of a record (`log.plasticity`): `param_norm` (of the
-  active parameters), `init_distance` (from the run's initial parameters; left out when
-  the structure has changed since), and for a method with hidden units `dormant_fraction`
+  active parameters), `init_distance` (from theta_0 of its structure, `initial_values`:
+  the run's initial parameters, and after growth the grown ones' initialisation), and for a method with hidden units `dormant_fraction`
   (over every hidden unit), `dormant_fraction_<l>` (of layer l) and `feature_rank` (the
   effective rank of the last hidden layer's features), measured on the probe set: the
   first `probe` examples of the training split. An unchanged learner keeps its last
   fields; the pass is a measurement, not counted as compute."""
 
-  def __init__(self, steps, threshold: float, probe: int, initial):
+  def __init__(self, steps, threshold: float, probe: int, anchor):
     self.steps, self.method = steps, steps.method
     self.threshold, self.probe_idx = float(threshold), np.arange(probe, dtype=np.int32)
-    self.initial = initial  # () -> the run's initial learners, stacked
+    self.anchor = anchor  # learner -> theta_0 of its structure, stacked (`initial_values`)
     self._last: list[dict] | None = None
 
   def fields(self, learner: Learner, changed: bool) -> list[dict]:
     """Each seed's fields for the stacked `learner` (`changed`: trained since the last)."""
     if changed or self._last is None:
-      initial = self.initial()
-      self._last = [self._one(population.unstack(learner, i), population.unstack(initial, i))
+      anchor = self.anchor(learner)
+      self._last = [self._one(population.unstack(learner, i), population.unstack(anchor, i))
                     for i in range(population.size(learner))]
     return [dict(f) for f in self._last]
 
-  def _one(self, learner: Learner, initial: Learner) -> dict:
+  def _one(self, learner: Learner, anchor: Learner) -> dict:
     params = active_params(self.method, learner)
-    out = {"param_norm": param_norm(params)}
-    if initial.structure == learner.structure:
-      out["init_distance"] = distance(params, active_params(self.method, initial))
+    out = {"param_norm": param_norm(params),
+           "init_distance": distance(params, active_params(self.method, anchor))}
     if self.method.unit_layout() is not None:
       summed = self.steps.reduce(activity_fn(self.method), learner, self.probe_idx, count=False)
       activity = mean_activity(summed)

@@ -25,6 +25,7 @@ from absl import logging
 from alma_jax import methods
 from alma_jax import models
 from alma_jax import policies
+from alma_jax import state as state_lib
 from alma_jax import tasks
 from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields as F
@@ -88,6 +89,7 @@ class Setup:
   wait_policy: policies.WaitPolicy
   _flops: dict = dataclasses.field(default_factory=dict)
   _initial: list = dataclasses.field(default_factory=list)
+  _grown_init: dict = dataclasses.field(default_factory=dict)
   _diagnostics: list = dataclasses.field(default_factory=list)
 
   @property
@@ -141,6 +143,25 @@ class Setup:
       self._initial.append(self.initial_learner())
     return self._initial[0]
 
+  def anchor(self, learner):
+    """theta_0 of the stacked `learner`'s structure, per seed (`plasticity.initial_values`):
+    `initial()` while the structure is the initial one. After growth, the grown structure's
+    initialisation is drawn once (the last structure's is kept) and the padding slots take
+    `learner`'s values of now."""
+    initial = self.initial()
+    if learner.structure == initial.structure:
+      return initial
+    if learner.structure not in self._grown_init:
+      self._grown_init.clear()
+      self._grown_init[learner.structure] = [
+          self.method.init(state_lib.fold_in(k, 0), learner.structure)
+          for k in population.member_keys(self.keys)]
+    fresh = self._grown_init[learner.structure]
+    return population.stack([
+        plasticity.initial_values(self.method, population.unstack(initial, i), f,
+                                  population.unstack(learner, i))
+        for i, f in enumerate(fresh)], self.steps.place)
+
   def diagnostics(self) -> plasticity.Diagnostics | None:
     """The plasticity diagnostics of the records (None: `log.plasticity` is off)."""
     if not F.get(self.config.log, "log.plasticity"):
@@ -149,7 +170,7 @@ class Setup:
       log = self.config.log
       self._diagnostics.append(plasticity.Diagnostics(
           self.steps, F.get(log, "log.dormant_threshold"),
-          min(F.get(log, "log.plasticity_probe"), self.steps.data.size("train")), self.initial))
+          min(F.get(log, "log.plasticity_probe"), self.steps.data.size("train")), self.anchor))
     return self._diagnostics[0]
 
   def flops(self, learner) -> dict[str, float]:

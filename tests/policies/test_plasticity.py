@@ -12,6 +12,7 @@ import pytest
 from alma_jax import policies
 from alma_jax.engine import plasticity as plasticity_diagnostics
 from alma_jax.methods import firefly
+from alma_jax.methods import gmoe
 from alma_jax.models import units as plasticity
 from alma_jax.errors import ConfigError
 from alma_jax.outputs import io_utils
@@ -362,6 +363,56 @@ def test_continual_backprop_ages_only_the_trained_units_and_starts_grown_ones_at
       np.testing.assert_array_equal(a, b)
 
 
+# -- theta_0 after growth ---------------------------------------------------------------------------
+def test_theta_0_of_a_grown_learner_keeps_initial_values_and_draws_what_growth_added():
+  c = helpers.small_config("mnist", "gmoe", width=4)
+  method, _ = helpers.make_steps(c, helpers.synthetic_dataset(n_train=64, n_test=16))
+  initial = method.init(jax.random.key(0))  # one expert per mixture, in one slot
+  trained = initial.replace(params=jax.tree.map(lambda a: a + 1.0, initial.params))
+  assert plasticity_diagnostics.initial_values(method, initial, trained, trained) is initial
+  grown = gmoe.split_expert(gmoe.split_expert(trained, 0, 0, jax.random.key(1)), 0, 1,
+                            jax.random.key(2))  # mixture 0: 3 experts in 4 slots, 2 gates
+  p = jax.tree.map(np.array, grown.params)
+  for leaf in jax.tree.leaves(p["mix0"]["experts"]):
+    leaf[3] = 5.0  # the padding slot: values the network does not use
+  grown = grown.replace(params=p)
+  fresh = method.init(jax.random.key(3), grown.structure)
+  got = plasticity_diagnostics.initial_values(method, initial, fresh, grown).params
+  assert jax.tree.structure(got) == jax.tree.structure(grown.params)
+  for name in ("head", "mix1"):  # not grown: the initial values
+    for a, b in zip(jax.tree.leaves(got[name]), jax.tree.leaves(initial.params[name])):
+      np.testing.assert_array_equal(a, b)
+  for a, b, f, g in zip(*(jax.tree.leaves(t["mix0"]["experts"])
+                          for t in (got, initial.params, fresh.params, grown.params))):
+    np.testing.assert_array_equal(a[0], b[0])  # the initial expert
+    np.testing.assert_array_equal(a[1:3], f[1:3])  # the two that growth added
+    np.testing.assert_array_equal(a[3], g[3])  # padding: the learner's own, no pull
+    assert np.all(a[3] == 5.0)
+  for a, f in zip(jax.tree.leaves(got["mix0"]["gates"]),
+                  jax.tree.leaves(fresh.params["mix0"]["gates"])):
+    np.testing.assert_array_equal(a[:2], f[:2])  # both gates are new (slot 2 pads: 3 slots)
+
+
+def test_theta_0_of_a_wider_firefly_learner_follows_its_channels():
+  c = helpers.small_config("mnist", "ff", width=4)
+  method, _ = helpers.make_steps(c, helpers.synthetic_dataset(n_train=64, n_test=16))
+  initial = method.init(jax.random.key(0), (2, 4))  # widths (2, 4) in 4 channel slots
+  grown = method.init(jax.random.key(1), (3, 4))  # a third channel in layer 0
+  grown = grown.replace(params=jax.tree.map(lambda a: np.asarray(a) + 1.0, grown.params))
+  fresh = method.init(jax.random.key(2), (3, 4))
+  got = plasticity_diagnostics.initial_values(method, initial, fresh, grown).params
+  i, f, g = initial.params, fresh.params, grown.params
+  for name in ("kernel", "bias"):  # layer 0: channels 0-1 initial, 2 added, 3 padding
+    for cut, source in (((Ellipsis, slice(0, 2)), i), ((Ellipsis, slice(2, 3)), f),
+                        ((Ellipsis, slice(3, 4)), g)):
+      np.testing.assert_array_equal(got["dense0"][name][cut], source["dense0"][name][cut])
+  k = got["dense1"]["kernel"]  # layer 1 reads channel 2 through a row that growth added
+  np.testing.assert_array_equal(k[:2], i["dense1"]["kernel"][:2])
+  np.testing.assert_array_equal(k[2], f["dense1"]["kernel"][2])
+  np.testing.assert_array_equal(k[3], g["dense1"]["kernel"][3])
+  np.testing.assert_array_equal(got["head"]["kernel"], i["head"]["kernel"])
+
+
 # -- config checks ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("method, fields, message", [
     ("gmoe", {"stream.warm_start": "redo"},
@@ -374,10 +425,6 @@ def test_continual_backprop_ages_only_the_trained_units_and_starts_grown_ones_at
     ("sm", {"stream.warm_start": "continual_backprop", "train.keep_optimizer_state": True},
      r"config\.train\.keep_optimizer_state=True is not supported by config\.stream\.warm_start="
      r"'continual_backprop'.*allowed values: \[False\]"),
-    ("gens", {"stream.warm_start": "l2_init", "train.l2_init": 0.1},
-     r"config\.stream\.warm_start='l2_init' pulls the parameters toward the run's initial ones, "
-     r"which a growing method \('gens'\) does not keep; valid config\.method\.name: "
-     r"\['sm', 'ens', 'umix'\]"),
     ("sm", {"stream.cbp_fraction": 0.2},
      r"config\.stream\.cbp_fraction=0\.2 and config\.stream\.cbp_maturity=2 are used only by "
      r"config\.stream\.warm_start='continual_backprop', not 'finetune'"),
@@ -454,16 +501,19 @@ def test_runs_in_slots_record_the_norms_of_their_active_parameters(method, warm_
 
 
 @requires_mnist
+@pytest.mark.parametrize("method", ["sm", "gmoe"])
 def test_l2_init_at_coefficient_0_is_finetune_exactly_and_above_it_pulls_toward_the_start(
-    tmp_path):
+    method, tmp_path):
   finetune, zero, pulled = (str(tmp_path / n) for n in ("finetune", "zero", "pulled"))
-  run.run(helpers.smoke(log__plasticity=True), finetune)
-  run.run(helpers.smoke(log__plasticity=True, stream__warm_start="l2_init"), zero)
+  run.run(helpers.smoke(method, log__plasticity=True), finetune)
+  run.run(helpers.smoke(method, log__plasticity=True, stream__warm_start="l2_init"), zero)
   assert helpers.outputs(zero) == helpers.outputs(finetune)
-  run.run(helpers.smoke(log__plasticity=True, stream__warm_start="l2_init", train__l2_init=0.05),
-          pulled)
+  run.run(helpers.smoke(method, log__plasticity=True, stream__warm_start="l2_init",
+                        train__l2_init=0.05), pulled)
   free, held = io_utils.read_jsonl(f"{finetune}/log.jsonl"), io_utils.read_jsonl(
       f"{pulled}/log.jsonl")
+  if method != "sm":  # the last stage trains a grown learner: theta_0 follows its structure
+    assert free[-1]["num_params"] > free[0]["num_params"]
   assert held[-1]["init_distance"] < free[-1]["init_distance"]
   # Its term's arithmetic counts in the train step's FLOPs.
   assert held[1]["train_flops"] > free[1]["train_flops"]
@@ -477,7 +527,8 @@ def test_l2_init_at_coefficient_0_is_finetune_exactly_and_above_it_pulls_toward_
     {"stream__warm_start": "l2_init", "train__l2_init": 0.05},
     {"method": "ff", "stream__warm_start": "continual_backprop", "stream__cbp_fraction": 0.3,
      "stream__cbp_maturity": 1},
-], ids=["redo", "continual_backprop", "l2_init", "continual_backprop_ff"])
+    {"method": "gmoe", "stream__warm_start": "l2_init", "train__l2_init": 0.05},
+], ids=["redo", "continual_backprop", "l2_init", "continual_backprop_ff", "l2_init_gmoe"])
 def test_the_policies_resume_to_identical_records(fields, tmp_path, monkeypatch):
   fields = dict(fields)  # Firefly grows: its units' ages outlive a change of their count
   config = helpers.smoke(fields.pop("method", "sm"), train__progress_every_s=0.0,
