@@ -31,6 +31,7 @@ from alma_jax.configuration.plugins import methods as declared
 from alma_jax.errors import ConfigError
 from alma_jax.models import registry as backbones
 from alma_jax.models import slots
+from alma_jax.models import units
 from alma_jax.state import Learner
 
 PyTree = Any
@@ -169,6 +170,13 @@ class Method(declared.Declaration):
     """Per layer, which units a reset may re-draw: the learner's units that its stages train
     (default: all of `unit_active`'s; a method with frozen parts leaves theirs out)."""
     return self.unit_active(learner)
+
+  def unit_outgoing(self, learner: Learner, layer: int) -> np.ndarray:
+    """Per unit of `layer`, the summed magnitude of its outgoing weights (continual
+    backprop's utility: `alma_jax.models.units.outgoing_weight` of the learner's parameters;
+    a method whose readers of a unit hold padding slots leaves them out)."""
+    return units.outgoing_weight(self.unit_layout(), learner.params, layer,
+                                 self.unit_members_of(learner))
 
   # Members whose units `hidden_units` puts side by side, every leaf of the unit layout
   # stacked on a leading member axis; 0: one network, no member axis.

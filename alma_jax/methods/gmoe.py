@@ -32,6 +32,10 @@ FLOP count use `active_view` (the active experts only), so they equal the
 counts of an unpadded model, up to the routing arithmetic (a few FLOPs per
 example per gate).
 
+Hidden units (`unit_layout`): on the MLP, whose experts are one layer each, the channels
+of each mixture's output, which the plasticity diagnostics measure and the unit-reset
+policies (`redo`, `continual_backprop`) re-draw across the layer's experts.
+
 A backbone whose layers are mixtures of experts of their own (the Switch
 Transformer of the text task) is grown instead by copying its losing experts
 (`alma_jax.methods.expert_growth`, with config fields of its own: see
@@ -40,6 +44,7 @@ Transformer of the text task) is grown instead by copying its losing experts
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Hashable
 
 import jax
@@ -54,7 +59,9 @@ from alma_jax.methods import base
 from alma_jax.methods import expert_growth
 from alma_jax.methods.registry import register
 from alma_jax.models import moe
+from alma_jax.models import registry as backbones
 from alma_jax.models import slots as slots_lib
+from alma_jax.models import units
 from alma_jax.runtime import executables
 
 SPLIT_BY = declared.SPLIT_BY
@@ -364,6 +371,41 @@ class GrowingMoE(declared.GMoE, base.Method):
     if self.own is not None:
       return jax.eval_shape(self.own.active_view, learner)
     return jax.eval_shape(active_view, learner)
+
+  # -- hidden units (`alma_jax.models.units`) ---------------------------------------------------
+  @functools.cache
+  def unit_layout(self):
+    """On a backbone whose experts are one layer each (`Mixture.unit_leaves`: the MLP), the
+    channels of each mixture's output: a reset re-draws channel j of every expert of its
+    layer (padding slots too: a split overwrites a slot whole) and zeroes row j of every
+    kernel that reads the mixture (the next mixture's experts and gates, or the
+    classifier). None elsewhere (the VGG's experts are blocks of convolutions whose inner
+    channels feed one expert each; the Switch Transformer)."""
+    if self.own is not None or self.net.unit_leaves is None:
+      return None
+    kernel, bias = self.net.unit_leaves
+    names = [moe.layer_name(l) for l in range(len(self.net.experts))]
+    layers = [(name, "experts") for name in names]
+    readers = tuple(((name, "gates", "kernel"), (name, "gate", "kernel"))
+                    for name in names[1:]) + ((),)
+    return backbones.WidthLayout(
+        kernels=tuple(p + kernel for p in layers),
+        vectors=tuple(((p + bias, 0.0),) for p in layers), stats=tuple(() for _ in layers),
+        build=None, head=("head", "dense", "kernel"), readers=readers)
+
+  def hidden_units(self, structure, params, model_state, x) -> list:
+    """Each mixture's output on `x` (inference, the method's gating)."""
+    if self.unit_layout() is None:
+      return base.Method.hidden_units(self, structure, params, model_state, x)  # raises
+    hidden = []
+    moe.apply(self.net, structure, params, model_state, x, train=False, hard=self.hard,
+              hidden=hidden)
+    return hidden
+
+  def unit_outgoing(self, learner: base.Learner, layer: int) -> np.ndarray:
+    """`Method.unit_outgoing` of the active experts and gates (a padding slot holds a copy of
+    slot 0 that nothing reads)."""
+    return units.outgoing_weight(self.unit_layout(), active_view(learner).params, layer)
 
   # -- training and inference -------------------------------------------------------------------
   def forward(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):

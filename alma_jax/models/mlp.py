@@ -79,11 +79,13 @@ def width_layout(model_config, num_classes: int) -> registry.WidthLayout:
 
 
 def mixture(model_config, num_classes: int) -> registry.Mixture:
-  """Both hidden layers are mixtures; the gates see the flattened layer input."""
+  """Both hidden layers are mixtures; the gates see the flattened layer input. An expert is
+  one layer, so a mixture's output channels are hidden units (`Mixture.unit_leaves`)."""
   del num_classes
   scheme = inits.check(F.get(model_config, "model.init"))
   experts = tuple(DenseExpert(int(model_config.width), scheme) for _ in range(MLP.depth))
-  return registry.Mixture(experts, pooled_gates=False, gather_hard_eval=True)
+  return registry.Mixture(experts, pooled_gates=False, gather_hard_eval=True,
+                          unit_leaves=(("dense", "kernel"), ("dense", "bias")))
 
 
 SPEC = registry.BackboneSpec("mlp", MLP.from_config, width_layout=width_layout,

@@ -413,6 +413,7 @@ class MoENet:
       layers); otherwise all experts run and the chosen output is selected.
     init_scheme: how gates are initialised ("lecun" or "torch", see
       `init_gate`); the modules carry their own scheme.
+    unit_leaves: `registry.Mixture.unit_leaves` (None: no hidden units exposed).
   """
 
   stem: nn.Module | None
@@ -421,6 +422,7 @@ class MoENet:
   gate_pool: int = 0
   gather_hard_eval: bool = False
   init_scheme: str = "lecun"
+  unit_leaves: tuple | None = None
 
   def layer_input_shapes(self, input_shape: Sequence[int]) -> list[tuple[int, ...]]:
     """Per-example input shapes of each mixture layer, then of the head."""
@@ -459,7 +461,8 @@ def make_net(model_config, num_classes: int, gate_pool: int = 4) -> MoENet:
   m = build(model_config, num_classes)
   head = Head(num_classes, scheme) if m.head is None else m.head
   return MoENet(m.stem, tuple(m.experts), head, gate_pool if m.pooled_gates else 0,
-                gather_hard_eval=m.gather_hard_eval, init_scheme=scheme)
+                gather_hard_eval=m.gather_hard_eval, init_scheme=scheme,
+                unit_leaves=m.unit_leaves if m.head is None else None)
 
 
 def init(net: MoENet, key: jax.Array, structure, input_shape,
@@ -526,11 +529,12 @@ def mixture(net: MoENet, layer: int, routing: dict, lp: dict, stats, x, *, flat:
 
 
 def apply(net: MoENet, structure, params, model_state, x, *, train: bool, hard: bool = False,
-          mask=None, rng=None):
+          mask=None, rng=None, hidden: list | None = None):
   """The whole backbone; returns (logits, new model_state, [slot weights of each layer]).
 
   The tree of each layer is read from `model_state["routing"]`; `structure`
-  only says which layers use flat gating.
+  only says which layers use flat gating. `hidden` (a list): each mixture's output is
+  appended to it.
   """
   stats = model_state.get("batch_stats", {})
   new_stats = dict(stats)
@@ -547,6 +551,8 @@ def apply(net: MoENet, structure, params, model_state, x, *, train: bool, hard: 
     if s is not None:
       new_stats[name] = s
     all_weights.append(w)
+    if hidden is not None:
+      hidden.append(x)
   logits = net.head.apply({"params": params["head"]}, x)
   new_state = {"batch_stats": new_stats} if new_stats else {}
   return logits, new_state | {"routing": model_state["routing"]}, all_weights

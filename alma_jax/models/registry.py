@@ -31,6 +31,15 @@ def leaf_at(tree, path: Path):
   return functools.reduce(lambda d, k: d[k], path, tree)
 
 
+def has_leaf(tree, path: Path) -> bool:
+  """Whether the nested dict `tree` holds a leaf at `path`."""
+  for k in path:
+    if not isinstance(tree, dict) or k not in tree:
+      return False
+    tree = tree[k]
+  return True
+
+
 def replace_leaves(tree, edits: dict):
   """A new tree with the leaves at the paths of `edits` replaced (the input is untouched);
   lists in the tree (e.g. channel-slot masks) are walked by their indices."""
@@ -59,14 +68,25 @@ class WidthLayout:
     units: per layer, the path in the `intermediates` collection where the backbone sows the
       layer's output after its activation (`Module.sow`, kept only when an apply asks for
       that collection): what the plasticity diagnostics and unit resets read.
+    readers: per layer, further kernels that take its channels on axis -2 besides the next
+      layer's (a gMoE layer's output feeds the next mixture's gates too); a path the
+      learner does not hold (a mixture with one expert has no gates) is skipped.
   """
 
   kernels: tuple[Path, ...]
   vectors: tuple[tuple[tuple[Path, float], ...], ...]
   stats: tuple[tuple[tuple[Path, float], ...], ...]
-  build: Callable[[tuple[int, ...]], nn.Module] = dataclasses.field(compare=False)
+  build: Callable[[tuple[int, ...]], nn.Module] | None = dataclasses.field(compare=False)
   head: Path = ("head", "kernel")
   units: tuple[Path, ...] = ()
+  readers: tuple[tuple[Path, ...], ...] = ()
+
+  def outgoing(self, layer: int, params) -> tuple[Path, ...]:
+    """The kernels that take `layer`'s channels on their axis -2: the next layer's (or the
+    classifier's) and the `readers` of the layer (e.g. the gates of a mixture that reads it)
+    that `params` holds."""
+    extra = self.readers[layer] if layer < len(self.readers) else ()
+    return (self.next_kernel(layer),) + tuple(p for p in extra if has_leaf(params, p))
 
   @property
   def num_layers(self) -> int:
@@ -90,6 +110,11 @@ class Mixture:
     gather_hard_eval: with hard gating at test time, run only each example's chosen expert
       by gathering its parameters (cheap for dense layers; a batch-sized grouped
       convolution otherwise); else every expert runs and the chosen output is selected.
+    unit_leaves: (kernel path, bias path) inside an expert whose experts are each one layer
+      (a kernel (..., inputs, outputs) and a bias, then the activation): the channels of a
+      mixture's output are then its hidden units (gMoE's plasticity diagnostics and unit
+      resets; the classifier is then the default linear head); None: the backbone's
+      mixtures expose none.
   """
 
   experts: tuple[nn.Module, ...]
@@ -97,6 +122,7 @@ class Mixture:
   head: nn.Module | None = None
   pooled_gates: bool = True
   gather_hard_eval: bool = False
+  unit_leaves: tuple[Path, Path] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,9 +20,11 @@ score is then over its own member's layer mean), members in slots (`gens`: the m
 slots, `Method.unit_members_of`, side by side; the padding slots are not units, and a reset
 re-draws only units of the members a stage trains, `Method.unit_trained`), or a backbone
 whose layers hold their channels in slots (`ff`: `Method.unit_active` says which units are
-the learner's; the padding slots are neither scored nor reset); the others have none
-(`gmoe`: a unit of one expert feeds the mixture every expert of the next layer reads, so no
-reset of it keeps the function).
+the learner's; the padding slots are neither scored nor reset), or the channels of
+mixtures' outputs (`gmoe` on a backbone whose experts are one layer each: a channel is the
+same output of every expert of its layer, and every kernel that reads the mixture, the
+next mixture's experts and gates or the classifier, is an outgoing weight of it,
+`WidthLayout.readers`); the others have none.
 """
 
 from __future__ import annotations
@@ -143,17 +145,21 @@ def _reset(layout: WidthLayout, params, state, fresh_params, fresh_state, masks)
     for path, _ in layout.stats[l]:
       stat_edits[path] = jnp.where(m, leaf_at(fresh_state, path), leaf_at(state, path))
   for l, m in enumerate(masks):  # keeps no input from a re-drawn unit
-    out = layout.next_kernel(l)
-    kernel = edits.get(out, leaf_at(params, out))
-    edits[out] = jnp.where(m[:, None], jnp.zeros_like(kernel), kernel)
+    for out in layout.outgoing(l, params):
+      kernel = edits.get(out, leaf_at(params, out))
+      edits[out] = jnp.where(m[:, None], jnp.zeros_like(kernel), kernel)
   return replace_leaves(params, edits), replace_leaves(state, stat_edits)
 
 
 def outgoing_weight(layout: WidthLayout, params: PyTree, layer: int,
                     members: int = 0) -> np.ndarray:
-  """Per unit of `layer`, the sum of the magnitudes of its outgoing weights (member-major
-  with `members` > 0, as `reset_units`)."""
-  kernel = np.asarray(jax.device_get(leaf_at(params, layout.next_kernel(layer))), np.float64)
-  kept = {kernel.ndim - 2} | ({0} if members else set())
-  return np.sum(np.abs(kernel), axis=tuple(i for i in range(kernel.ndim) if i not in kept)
-                ).reshape(-1)
+  """Per unit of `layer`, the sum of the magnitudes of its outgoing weights: of every kernel
+  that reads it (`WidthLayout.outgoing`), member-major with `members` > 0, as
+  `reset_units`."""
+  total = 0.0
+  for path in layout.outgoing(layer, params):
+    kernel = np.asarray(jax.device_get(leaf_at(params, path)), np.float64)
+    kept = {kernel.ndim - 2} | ({0} if members else set())
+    total = total + np.sum(np.abs(kernel), axis=tuple(
+        i for i in range(kernel.ndim) if i not in kept)).reshape(-1)
+  return total

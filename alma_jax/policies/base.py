@@ -17,6 +17,7 @@ import numpy as np
 from alma_jax import state as state_lib
 from alma_jax.configuration import fields as F
 from alma_jax.configuration import plugins
+from alma_jax.configuration.plugins import methods as declared_methods
 from alma_jax.configuration.plugins import policies as declared
 from alma_jax.errors import ConfigError
 from alma_jax.models import registry as backbones
@@ -84,20 +85,39 @@ class StagePolicy(declared.Declaration):
     return method.before_stage(learner, state_lib.fold_in(key, GROWTH_KEY), ctx)
 
 
+def _mixture_units(spec, model_config) -> bool:
+  """Whether backbone `spec`'s mixtures declare hidden units (`Mixture.unit_leaves`)."""
+  return spec.mixture is not None and spec.mixture(model_config, 2).unit_leaves is not None
+
+
+def _exposes_units(declaration, model_config) -> bool:
+  """Whether method `declaration` has hidden units on backbone `model_config.name`."""
+  spec = backbones.spec(model_config.name)
+  if declaration.HIDDEN_UNITS == declared_methods.MIXTURE_UNITS:
+    return _mixture_units(spec, model_config)
+  build = spec.width_layout
+  return bool(declaration.HIDDEN_UNITS) and build is not None and bool(
+      build(model_config, 2).units)
+
+
 def check_unit_resets(config, policy: str) -> None:
   """Raises `ConfigError` unless a policy that re-draws hidden units (`policy`) can serve the
   config: a method with hidden units it exposes (`Method.unit_layout`: sm, ens, umix, gens or
-  ff on a backbone that sows them) and a fresh optimizer state at every stage (a kept one
-  would hold the moments of the weights before they were re-drawn)."""
+  ff on a backbone that sows them, gmoe on one whose mixtures declare them) and a fresh
+  optimizer state at every stage (a kept one would hold the moments of the weights before
+  they were re-drawn)."""
   method = plugins.method(config.method.name)
-  build = backbones.spec(config.model.name).width_layout
-  exposes = method.HIDDEN_UNITS and build is not None and bool(build(config.model, 2).units)
-  if not exposes:
+  if not _exposes_units(method, config.model):
+    mixture = declared_methods.MIXTURE_UNITS
+    names = [n for n, d in sorted(plugins.METHODS.items())
+             if d.HIDDEN_UNITS and d.HIDDEN_UNITS != mixture]
+    mixing = [n for n, d in sorted(plugins.METHODS.items()) if d.HIDDEN_UNITS == mixture]
     able = backbones.names(lambda s: s.width_layout is not None)
-    names = [n for n, d in sorted(plugins.METHODS.items()) if d.HIDDEN_UNITS]
+    able_mixing = backbones.names(lambda s: _mixture_units(s, config.model))
     raise ConfigError(f"config.stream.warm_start={policy!r} re-draws hidden units, which method "
                       f"{method.name!r} on backbone {config.model.name!r} does not expose; "
-                      f"valid: config.method.name in {names} with config.model.name in {able}")
+                      f"valid: config.method.name in {names} with config.model.name in {able}, "
+                      f"or in {mixing} with config.model.name in {able_mixing}")
   if bool(F.get(config.train, "train.keep_optimizer_state")):
     raise ConfigError(f"config.train.keep_optimizer_state=True is not supported by "
                       f"config.stream.warm_start={policy!r}: the kept moments belong to the "

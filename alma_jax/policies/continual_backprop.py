@@ -11,7 +11,9 @@ layer's mature units (trained by at least `stream.cbp_maturity` stages since the
 drawn), the `stream.cbp_fraction` with the lowest utility are drawn afresh (incoming
 weights fresh, outgoing zero). A fractional count carries over to the next stage, so a
 narrow layer still replaces a unit every few stages. In an ensemble (`ens`, `umix`, `gens`)
-a layer's units are every member's, side by side, and the fraction is of all of them.
+a layer's units are every member's, side by side, and the fraction is of all of them; in
+gMoE a layer's units are its mixture's output channels, whose outgoing weights are those
+of every active expert and gate that reads them (`Method.unit_outgoing`).
 
 The policy remembers, per learner, each unit's age (stages trained since drawn) and each
 layer's carried fraction (`Started.memo`, kept by the checkpoints). Only the units a stage
@@ -29,7 +31,6 @@ import jax
 import numpy as np
 
 from alma_jax.configuration.plugins import policies as declared
-from alma_jax.models import units as plasticity
 from alma_jax.policies.base import StagePolicy, Started, check_unit_resets, register
 from alma_jax.policies.redo import measured, redraw
 
@@ -59,7 +60,6 @@ class ContinualBackprop(declared.ContinualBackprop, StagePolicy):
   def start(self, method, learner, key: jax.Array, ctx, opt_state, memo):
     s = self.config.stream
     grown = self.grow(method, learner, key, ctx)
-    layout = method.unit_layout()
     activity = measured(method, grown, ctx)
     if memo is None:  # every unit is as old as the learner: never trained
       memo = {"age": [[0] * len(a) for a in activity], "carry": [0.0] * len(activity)}
@@ -69,8 +69,7 @@ class ContinualBackprop(declared.ContinualBackprop, StagePolicy):
       age = np.asarray(memo["age"][l], np.int64)
       age = np.concatenate([age, np.zeros(len(a) - len(age), np.int64)])  # grown: new units
       on = np.ones(len(a), bool) if trained is None else np.asarray(trained[l], bool)
-      utility = a * plasticity.outgoing_weight(layout, grown.params, l,
-                                               method.unit_members_of(grown))
+      utility = a * method.unit_outgoing(grown, l)
       take, carry = choose(utility, np.where(on, age, -1), float(memo["carry"][l]),
                            float(s.cbp_fraction), int(s.cbp_maturity))
       masks.append(take)

@@ -287,6 +287,55 @@ def test_gens_units_are_its_members_in_slots_and_redo_redraws_only_the_trained_o
       np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("tree", [True, False], ids=["tree", "flat"])
+def test_gmoe_s_units_are_its_mixtures_channels_and_redo_zeroes_every_reader(tree):
+  c = helpers.small_config("mnist", "gmoe", width=4)
+  c.method.tree = tree
+  c.stream.warm_start, c.stream.redo_threshold = "redo", 0.0
+  ds = helpers.synthetic_dataset(n_train=64, n_test=16)
+  method, steps = helpers.make_steps(c, ds)
+  c = validation.complete(c)
+  learner = method.init(jax.random.key(0))
+  for layer in (0, 1, 1):  # mixture 0: 2 experts; mixture 1: 3 in 4 slots, read by gates
+    learner = gmoe.split_expert(learner, layer, 0, jax.random.key(layer + 5))
+  p = jax.tree.map(np.array, learner.params)
+  e0 = p["mix0"]["experts"]["dense"]
+  e0["bias"][:] = 3.0
+  e0["kernel"][:, :, 0] = 0.0  # channel 0 of mixture 0: silent in every expert
+  e0["bias"][:, 0] = -1.0
+  learner = learner.replace(params=jax.tree.map(jnp.asarray, p))
+  x = ds.train_x[:16].astype(np.float32) / 255.0
+  hidden = method.hidden_units(learner.structure, learner.params, learner.model_state, x)
+  assert [h.shape for h in hidden] == [(16, 4), (16, 4)]
+  assert np.all(np.asarray(hidden[0])[:, 0] == 0.0) and np.all(np.asarray(hidden[0])[:, 1:] > 0)
+  ctx = helpers.context(1, steps=steps, train_idx=np.arange(64, dtype=np.int32))  # no growth
+  activity = plasticity.mean_activity(steps.reduce(plasticity.activity_fn(method), learner,
+                                                   ctx.train_idx))
+  masks = plasticity.dormant(activity, 0.0)
+  assert masks[0].tolist() == [True, False, False, False]
+  started = policies.make_stage(c).start(method, learner, jax.random.key(7), ctx, None, None)
+  after = started.learner
+  assert started.fields == {"units_reset": int(sum(np.sum(m) for m in masks))}
+  out = lambda l: np.asarray(method.predict(l.structure, l.params, l.model_state, x))
+  assert np.array_equal(out(learner), out(after))  # the channel was silent: bitwise the same
+  old, new = jax.tree.map(np.asarray, learner.params), jax.tree.map(np.asarray, after.params)
+  k = new["mix0"]["experts"]["dense"]["kernel"]
+  assert np.all(np.abs(k[:2, :, 0]).sum(1) > 0)  # drawn afresh in both experts
+  np.testing.assert_array_equal(k[..., 1:], old["mix0"]["experts"]["dense"]["kernel"][..., 1:])
+  gate = "gates" if tree else "gate"
+  readers = (new["mix1"]["experts"]["dense"]["kernel"], new["mix1"][gate]["kernel"])
+  for r, o in zip(readers, (old["mix1"]["experts"]["dense"]["kernel"], old["mix1"][gate]["kernel"])):
+    assert np.all(r[..., 0, :] == 0.0) and np.abs(o[..., 0, :]).sum() > 0  # row 0 read channel 0
+  # Continual backprop's utility weighs a channel by its active readers: not the padding slot.
+  weight = method.unit_outgoing(learner, 0)
+  cut = jax.tree.map(lambda a: np.asarray(a, np.float64),
+                     gmoe.active_view(learner).params["mix1"])
+  g = cut[gate]["kernel"]  # tree: (gates, features, 2); flat: (features, experts)
+  expected = (np.abs(cut["experts"]["dense"]["kernel"]).sum(axis=(0, 2))
+              + np.abs(g).sum(axis=tuple(i for i in range(g.ndim) if i != g.ndim - 2)))
+  np.testing.assert_allclose(weight, expected, rtol=1e-12)
+
+
 def test_a_reset_on_the_vgg_layout_redraws_channels_and_keeps_the_function():
   method = helpers.cached_method("sm", "cifar10", width=4)
   layout = method.unit_layout()
@@ -415,13 +464,16 @@ def test_theta_0_of_a_wider_firefly_learner_follows_its_channels():
 
 # -- config checks ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("method, fields, message", [
-    ("gmoe", {"stream.warm_start": "redo"},
+    ("cifar10/gmoe", {"stream.warm_start": "redo"},
      r"config\.stream\.warm_start='redo' re-draws hidden units, which method 'gmoe' on backbone "
-     r"'mlp' does not expose; valid: config\.method\.name in \['ens', 'ff', 'gens', 'sm', "
-     r"'umix'\] with config\.model\.name in \['mlp', 'vgg'\]"),
-    ("gmoe", {"stream.warm_start": "continual_backprop"},
+     r"'vgg' does not expose; valid: config\.method\.name in \['ens', 'ff', 'gens', 'sm', "
+     r"'umix'\] with config\.model\.name in \['mlp', 'vgg'\], or in \['gmoe'\] with "
+     r"config\.model\.name in \['mlp'\]"),
+    ("cifar10/gmoe", {"stream.warm_start": "continual_backprop"},
      r"config\.stream\.warm_start='continual_backprop' re-draws hidden units, which method "
-     r"'gmoe' on backbone 'mlp' does not expose"),
+     r"'gmoe' on backbone 'vgg' does not expose"),
+    ("tiny_shakespeare/gmoe", {"stream.warm_start": "redo"},
+     r"which method 'gmoe' on backbone 'switch' does not expose"),
     ("sm", {"stream.warm_start": "continual_backprop", "train.keep_optimizer_state": True},
      r"config\.train\.keep_optimizer_state=True is not supported by config\.stream\.warm_start="
      r"'continual_backprop'.*allowed values: \[False\]"),
@@ -435,7 +487,8 @@ def test_theta_0_of_a_wider_firefly_learner_follows_its_channels():
      r"config\.stream\.redo_threshold"),
 ])
 def test_the_policies_refuse_what_they_cannot_serve(method, fields, message):
-  c = helpers.small_config("mnist", method)
+  dataset, method = method.split("/") if "/" in method else ("mnist", method)
+  c = helpers.small_config(dataset, method)
   for path, value in fields.items():
     section, name = path.split(".")
     c[section][name] = value
@@ -486,7 +539,7 @@ def test_an_ensemble_run_records_its_members_units_and_resets_them(tmp_path):
 @requires_mnist
 @pytest.mark.parametrize("method, warm_start", [
     ("ff", "redo"), ("gens", "redo"), ("ff", "continual_backprop"),
-    ("gens", "continual_backprop"), ("gmoe", "finetune")])
+    ("gens", "continual_backprop"), ("gmoe", "redo"), ("gmoe", "continual_backprop")])
 def test_runs_in_slots_record_the_norms_of_their_active_parameters(method, warm_start, tmp_path):
   # A learner in slots reports its parameters' values, not the zeros of a view of shapes.
   wd = str(tmp_path / "wd")
@@ -495,9 +548,9 @@ def test_runs_in_slots_record_the_norms_of_their_active_parameters(method, warm_
   log = io_utils.read_jsonl(f"{wd}/log.jsonl")
   assert all(r["param_norm"] > 0 for r in log)
   assert log[1]["init_distance"] > 0  # trained once, the structure unchanged since t=0
-  if method != "gmoe":  # hidden units over the active channels or members only
-    assert all(0.0 <= r["dormant_fraction"] <= 1.0 and r["feature_rank"] > 0 for r in log)
-    assert all("units_reset" in r for r in log if r["trained"])
+  # hidden units over the active channels or members only, a mixture's channels
+  assert all(0.0 <= r["dormant_fraction"] <= 1.0 and r["feature_rank"] > 0 for r in log)
+  assert all("units_reset" in r for r in log if r["trained"])
 
 
 @requires_mnist
@@ -528,7 +581,10 @@ def test_l2_init_at_coefficient_0_is_finetune_exactly_and_above_it_pulls_toward_
     {"method": "ff", "stream__warm_start": "continual_backprop", "stream__cbp_fraction": 0.3,
      "stream__cbp_maturity": 1},
     {"method": "gmoe", "stream__warm_start": "l2_init", "train__l2_init": 0.05},
-], ids=["redo", "continual_backprop", "l2_init", "continual_backprop_ff", "l2_init_gmoe"])
+    {"method": "gmoe", "stream__warm_start": "continual_backprop", "stream__cbp_fraction": 0.3,
+     "stream__cbp_maturity": 1},
+], ids=["redo", "continual_backprop", "l2_init", "continual_backprop_ff", "l2_init_gmoe",
+        "continual_backprop_gmoe"])
 def test_the_policies_resume_to_identical_records(fields, tmp_path, monkeypatch):
   fields = dict(fields)  # Firefly grows: its units' ages outlive a change of their count
   config = helpers.smoke(fields.pop("method", "sm"), train__progress_every_s=0.0,

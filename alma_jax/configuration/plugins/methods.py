@@ -26,14 +26,18 @@ STRATEGY = F.Field("method.strategy", "auto", F.choice(("auto", "loop", "vmap"))
                    "elsewhere)")
 
 
+MIXTURE_UNITS = "mixture"
+
+
 class Declaration:
   """A method's name and config fields (paths "method.<name>")."""
 
   name = ""
   FIELDS: tuple[F.Field, ...] = ()
   # Whether the method exposes hidden units on a backbone that sows them (`Method.unit_layout`):
-  # what the plasticity diagnostics' unit fields and the unit-reset stage policies need.
-  HIDDEN_UNITS = False
+  # what the plasticity diagnostics' unit fields and the unit-reset stage policies need;
+  # MIXTURE_UNITS: on a backbone whose mixtures declare them (`Mixture.unit_leaves`).
+  HIDDEN_UNITS: bool | str = False
 
   @classmethod
   def fields(cls, config) -> tuple[F.Field, ...]:
@@ -105,6 +109,7 @@ EXPERT_GROWTH_FIELDS = (
 
 class GMoE(Declaration):
   name = "gmoe"
+  HIDDEN_UNITS = MIXTURE_UNITS  # its mixtures' output channels
   FIELDS = (
       F.Field("method.gating", "soft", F.choice(GATINGS),
               "soft (weighted sum over all experts) or hard (one expert per example: sampled "
