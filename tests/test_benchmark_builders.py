@@ -34,3 +34,20 @@ def test_train_speed_builds_and_times_a_row_s_train_call():
 def test_ensemble_strategy_builds_the_steps_of_a_setting():
   method, steps = _load("ensemble_strategy").make_steps("mlp", 4, "ens", 2, "vmap")
   assert method.name == "ens" and steps.steps_per_call >= 1
+
+
+def test_conv_parts_rewrites_are_the_weight_gradient_and_its_network_has_16_layers():
+  parts = _load("conv_parts")
+  shapes = parts.layer_shapes(4)
+  assert len(shapes) == 16 and shapes[0] == (32, 3, True)
+  assert [s for s, _, first in shapes if first] == [32, 16, 8, 4, 2]  # one block per side
+  rng = np.random.default_rng(0)
+  x, kernel, g = (rng.normal(size=s).astype(np.float32)
+                  for s in ((2, 4, 4, 3), (3, 3, 3, 5), (2, 4, 4, 5)))
+  # By definition, in float64: dW[i, j, c, o] = sum over b, h, w of xpad[b, h+i, w+j, c] g[b, h, w, o].
+  xp = np.pad(x.astype(np.float64), ((0, 0), (1, 1), (1, 1), (0, 0)))
+  exact = np.stack([np.stack([np.einsum("bhwc,bhwo->co", xp[:, i:i + 4, j:j + 4], g)
+                              for j in range(3)]) for i in range(3)])
+  # Each entry sums 32 products of N(0, 1) values in float32: round-off far below 1e-4.
+  for fn in [parts.wgrad_xla, *parts.WGRADS.values()]:
+    np.testing.assert_allclose(np.asarray(jax.jit(fn)(x, kernel, g)), exact, rtol=0, atol=1e-4)

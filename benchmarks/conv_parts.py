@@ -1,0 +1,225 @@
+"""Where the reduced VGG's train step and evaluation spend their time, part by part.
+
+For each convolution shape of the VGG at width C (batch 128, NHWC, the 3x3 'SAME'
+convolutions of `alma_jax.models.conv`), times alone, as compiled programs:
+  * the forward convolution, its input gradient and its weight gradient;
+  * the weight gradient written three other ways (the same sum, another order): nine
+    shifted dots (one per kernel tap), one dot of the im2col matrix, nine einsums;
+  * BatchNorm (batch statistics) + ReLU forward and backward, and the 2x2 max-pool's
+    backward;
+then sums each part over the network's 16 layers (each pool once per block), and times the
+inference forward pass (batch 1000, BatchNorm on running statistics) with BatchNorm as its
+own affine op against BatchNorm folded into the kernel and a bias (exact up to round-off).
+
+Each figure is the median of `--repeats` calls after one warm-up; the relative difference of
+each weight-gradient variant from XLA's is printed beside its time. A part timed alone
+includes its own dispatch, so the sum over-counts small layers; read it for shares, and the
+whole step from `benchmarks/torch_reference.py`.
+
+  python benchmarks/conv_parts.py                      # C = 16
+  python benchmarks/conv_parts.py --width=64 --json=/tmp/parts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+BLOCKS = (2, 2, 4, 4, 4)  # alma_jax.models.vgg.BLOCKS
+DIMENSION_NUMBERS = ("NHWC", "HWIO", "NHWC")
+EPS = 1e-5
+
+
+def conv(x, kernel):
+  return lax.conv_general_dilated(x, kernel, (1, 1), "SAME",
+                                  dimension_numbers=DIMENSION_NUMBERS)
+
+
+def wgrad_xla(x, kernel, g):
+  return jax.vjp(lambda k: conv(x, k), kernel)[1](g)[0]
+
+
+def _taps(x):
+  """The nine shifted views of `x` (padded by one) that a 3x3 kernel's taps read."""
+  _, h, w, _ = x.shape
+  xp = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+  return [xp[:, i:i + h, j:j + w, :] for i in range(3) for j in range(3)]
+
+
+def wgrad_shifted_dots(x, kernel, g):
+  ci, co = kernel.shape[2:]
+  g2 = g.reshape(-1, co)
+  return jnp.stack([t.reshape(-1, ci).T @ g2 for t in _taps(x)]).reshape(3, 3, ci, co)
+
+
+def wgrad_im2col(x, kernel, g):
+  ci, co = kernel.shape[2:]
+  cols = jnp.concatenate(_taps(x), axis=-1).reshape(-1, 9 * ci)
+  return (cols.T @ g.reshape(-1, co)).reshape(3, 3, ci, co)
+
+
+def wgrad_einsum(x, kernel, g):
+  ci, co = kernel.shape[2:]
+  return jnp.stack([jnp.einsum("bhwi,bhwo->io", t, g) for t in _taps(x)]).reshape(3, 3, ci, co)
+
+
+WGRADS = {"shifted_dots": wgrad_shifted_dots, "im2col": wgrad_im2col, "einsum": wgrad_einsum}
+
+
+def bn_relu(y, scale, bias):
+  mean = jnp.mean(y, axis=(0, 1, 2))
+  var = jnp.mean(jnp.square(y), axis=(0, 1, 2)) - jnp.square(mean)
+  return jnp.maximum((y - mean) * lax.rsqrt(var + EPS) * scale + bias, 0.0)
+
+
+def pool(x):
+  n, h, w, c = x.shape
+  return x.reshape(n, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
+
+
+def median_ms(fn, *args, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times)) * 1e3
+
+
+def layer_shapes(width: int) -> list[tuple[int, int, bool]]:
+  """(side, input channels, first of its block) of each of the 16 convolutions."""
+  out, side, cin = [], 32, 3
+  for n in BLOCKS:
+    for i in range(n):
+      out.append((side, cin, i == 0))
+      cin = width
+    side //= 2
+  return out
+
+
+def train_parts(width: int, batch: int, repeats: int, rng) -> dict:
+  rows, totals = [], {}
+  counts: dict[tuple[int, int], int] = {}
+  for side, cin, _ in layer_shapes(width):
+    counts[(side, cin)] = counts.get((side, cin), 0) + 1
+  for (side, cin), count in counts.items():
+    x = jnp.asarray(rng.normal(size=(batch, side, side, cin)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(3, 3, cin, width)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(batch, side, side, width)), jnp.float32)
+    ones, zeros = jnp.ones((width,)), jnp.zeros((width,))
+    row = {"side": side, "in": cin, "out": width, "layers": count,
+           "forward": median_ms(jax.jit(conv), x, kernel, repeats=repeats),
+           "weight_grad": median_ms(jax.jit(wgrad_xla), x, kernel, g, repeats=repeats)}
+    if cin != 3:  # the first layer's input is the data: no gradient is taken
+      dgrad = jax.jit(lambda x, k, g: jax.vjp(lambda a: conv(a, k), x)[1](g)[0])
+      row["input_grad"] = median_ms(dgrad, x, kernel, g, repeats=repeats)
+    bn = jax.jit(lambda y, g: jax.vjp(lambda y: bn_relu(y, ones, zeros), y)[1](g)[0])
+    row["bn_relu"] = median_ms(bn, g, g, repeats=repeats)
+    reference = np.asarray(jax.jit(wgrad_xla)(x, kernel, g), np.float64)
+    for name, fn in WGRADS.items():
+      jitted = jax.jit(fn)
+      got = np.asarray(jitted(x, kernel, g), np.float64)
+      row[f"weight_grad_{name}"] = median_ms(jitted, x, kernel, g, repeats=repeats)
+      row[f"weight_grad_{name}_rel_diff"] = float(np.max(np.abs(got - reference))
+                                                 / np.max(np.abs(reference)))
+    for key in ("forward", "input_grad", "weight_grad", "bn_relu"):
+      totals[key] = totals.get(key, 0.0) + row.get(key, 0.0) * count
+    rows.append(row)
+  for side in sorted({s for s, _, _ in layer_shapes(width)}, reverse=True):  # one per block
+    y = jnp.asarray(rng.normal(size=(batch, side, side, width)), jnp.float32)
+    backward = jax.jit(lambda y: jax.vjp(pool, y)[1](pool(y))[0])
+    totals["pool"] = totals.get("pool", 0.0) + median_ms(backward, y, repeats=repeats)
+  return {"layers": rows, "per_step_ms": totals}
+
+
+def eval_forward(width: int, batch: int, repeats: int, rng) -> dict:
+  params = []
+  for _, cin, _ in layer_shapes(width):
+    params.append({"kernel": jnp.asarray(rng.normal(size=(3, 3, cin, width)) * 0.2, jnp.float32),
+                   "scale": jnp.asarray(rng.uniform(0.5, 1.5, width), jnp.float32),
+                   "bias": jnp.asarray(rng.normal(size=width) * 0.1, jnp.float32),
+                   "mean": jnp.asarray(rng.normal(size=width) * 0.1, jnp.float32),
+                   "var": jnp.asarray(rng.uniform(0.5, 1.5, width), jnp.float32)})
+
+  def net(x, folded: bool):
+    for p, (_, _, first) in zip(params, layer_shapes(width)):
+      if first and x.shape[-1] != 3:
+        x = pool(x)
+      s = p["scale"] * lax.rsqrt(p["var"] + EPS)
+      if folded:
+        x = conv(x, p["kernel"] * s) + (p["bias"] - p["mean"] * s)
+      else:
+        x = (conv(x, p["kernel"]) - p["mean"]) * s + p["bias"]
+      x = jnp.maximum(x, 0.0)
+    return pool(x).reshape(x.shape[0], -1)
+
+  x = jnp.asarray(rng.normal(size=(batch, 32, 32, 3)), jnp.float32)
+  affine, folded = jax.jit(lambda x: net(x, False)), jax.jit(lambda x: net(x, True))
+  out = {"batch": batch}
+  for _ in range(3):  # alternately: this host's speed drifts within minutes
+    for name, fn in (("bn_affine", affine), ("bn_folded", folded)):
+      out.setdefault(f"{name}_ms", []).append(median_ms(fn, x, repeats=repeats))
+  out = {k: (float(np.median(v)) if isinstance(v, list) else v) for k, v in out.items()}
+  a, b = np.asarray(affine(x), np.float64), np.asarray(folded(x), np.float64)
+  out["rel_diff"] = float(np.max(np.abs(a - b)) / np.max(np.abs(a)))
+  return out
+
+
+def cpu_model() -> str:
+  try:
+    text = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+  except OSError:
+    return "unknown CPU"
+  for line in text.splitlines():
+    if line.startswith("Model name:"):
+      return line.split(":", 1)[1].strip()
+  return "unknown CPU"
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--width", type=int, default=16)
+  p.add_argument("--batch_size", type=int, default=128)
+  p.add_argument("--eval_batch_size", type=int, default=1000)
+  p.add_argument("--repeats", type=int, default=20)
+  p.add_argument("--json", default="", help="write the results here as JSON")
+  args = p.parse_args()
+  rng = np.random.default_rng(0)
+  result = {"cpu": cpu_model(), "cpus": os.cpu_count(), "jax": jax.__version__,
+            "width": args.width,
+            "train": train_parts(args.width, args.batch_size, args.repeats, rng),
+            "eval": eval_forward(args.width, args.eval_batch_size, args.repeats, rng)}
+  print(f"# {result['cpu']}, {result['cpus']} CPUs, jax {result['jax']}; VGG C={args.width}, "
+        f"batch {args.batch_size}; median ms of {args.repeats} calls")
+  print("| side | in -> out | layers | forward | input grad | weight grad (XLA) | "
+        "shifted dots | im2col | einsum | BN+ReLU fwd+bwd |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for r in result["train"]["layers"]:
+    variants = " | ".join(f"{r[f'weight_grad_{n}']:.2f} ({r[f'weight_grad_{n}_rel_diff']:.0e})"
+                          for n in WGRADS)
+    print(f"| {r['side']} | {r['in']} -> {r['out']} | {r['layers']} | {r['forward']:.2f} | "
+          f"{r.get('input_grad', 0.0):.2f} | {r['weight_grad']:.2f} | {variants} | "
+          f"{r['bn_relu']:.2f} |")
+  totals = result["train"]["per_step_ms"]
+  print("per step, summed over the layers (ms): " + ", ".join(
+      f"{k} {v:.1f}" for k, v in totals.items()) + f"; total {sum(totals.values()):.1f}")
+  e = result["eval"]
+  print(f"inference forward, batch {e['batch']}: BatchNorm as an affine op {e['bn_affine_ms']:.1f} "
+        f"ms, folded into the kernel {e['bn_folded_ms']:.1f} ms (relative difference "
+        f"{e['rel_diff']:.1e})")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
