@@ -26,12 +26,17 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import peer  # pylint: disable=wrong-import-position
 
 BLOCKS = (2, 2, 4, 4, 4)  # alma_jax.models.vgg.BLOCKS
 DIMENSION_NUMBERS = ("NHWC", "HWIO", "NHWC")
@@ -174,17 +179,6 @@ def eval_forward(width: int, batch: int, repeats: int, rng) -> dict:
   return out
 
 
-def cpu_model() -> str:
-  try:
-    text = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-  except OSError:
-    return "unknown CPU"
-  for line in text.splitlines():
-    if line.startswith("Model name:"):
-      return line.split(":", 1)[1].strip()
-  return "unknown CPU"
-
-
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--width", type=int, default=16)
@@ -194,11 +188,12 @@ def main() -> None:
   p.add_argument("--json", default="", help="write the results here as JSON")
   args = p.parse_args()
   rng = np.random.default_rng(0)
-  result = {"cpu": cpu_model(), "cpus": os.cpu_count(), "jax": jax.__version__,
+  lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+  result = {"cpu": peer.cpu_model(lscpu), "jax": jax.__version__,
             "width": args.width,
             "train": train_parts(args.width, args.batch_size, args.repeats, rng),
             "eval": eval_forward(args.width, args.eval_batch_size, args.repeats, rng)}
-  print(f"# {result['cpu']}, {result['cpus']} CPUs, jax {result['jax']}; VGG C={args.width}, "
+  print(f"# {result['cpu']}, jax {result['jax']}; VGG C={args.width}, "
         f"batch {args.batch_size}; median ms of {args.repeats} calls")
   print("| side | in -> out | layers | forward | input grad | weight grad (XLA) | "
         "shifted dots | im2col | einsum | BN+ReLU fwd+bwd |")

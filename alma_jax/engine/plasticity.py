@@ -12,22 +12,28 @@ from alma_jax.models.units import (activity_fn, distance, dormant, effective_ran
 from alma_jax.state import Learner
 
 
-def active_params(method, learner: Learner):
-  """The values of the learner's active parameters: each leaf cut to its shape in
-  `Method.active_view` (which may give shapes alone), the active parts of a learner in slots
-  being the first slots of every axis."""
+def _by_path(tree) -> dict:
+  """The leaves of `tree` by path (`jax.tree_util.keystr`)."""
+  return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _active_cuts(method, learner: Learner) -> dict[str, tuple[slice, ...]]:
+  """Per parameter path, the index of its active part in `Method.active_view` (which may
+  give shapes alone), the active parts of a learner in slots being the first slots of every
+  axis."""
   view = method.active_view(learner).params
   if jax.tree.structure(view) != jax.tree.structure(learner.params):
     raise ValueError(f"method {method.name!r}: the active view's parameters are not a cut of "
                      "the learner's (another tree structure)")
-  return jax.tree.map(lambda a, v: a[tuple(slice(0, n) for n in v.shape)], learner.params, view)
+  return {name: tuple(slice(0, n) for n in v.shape) for name, v in _by_path(view).items()}
 
 
-def _active_cuts(method, learner: Learner) -> dict[str, tuple[slice, ...]]:
-  """Per parameter path (`jax.tree_util.keystr`), the index of its active part."""
-  view = method.active_view(learner).params
-  return {jax.tree_util.keystr(path): tuple(slice(0, n) for n in v.shape)
-          for path, v in jax.tree_util.tree_flatten_with_path(view)[0]}
+def active_params(method, learner: Learner):
+  """The values of the learner's active parameters: each leaf cut to its shape in
+  `Method.active_view`."""
+  cuts = _active_cuts(method, learner)
+  return jax.tree_util.tree_map_with_path(lambda p, a: a[cuts[jax.tree_util.keystr(p)]],
+                                          learner.params)
 
 
 def initial_values(method, initial: Learner, fresh: Learner, learner: Learner) -> Learner:
@@ -36,19 +42,15 @@ def initial_values(method, initial: Learner, fresh: Learner, learner: Learner) -
   measures from.
 
   While the structure is the initial one, that is `initial` itself. After growth every
-  parameter active in `initial` keeps its initial value (the active parts of a learner in
-  slots being the first slots of every axis, growth keeps a parameter's index), a parameter
-  that growth made active since takes its value in `fresh` (the initialisation of the grown
-  structure that the run's key draws: where a learner of that structure would have started),
-  and a padding slot holds `learner`'s own value (no pull on what the network does not use).
-  Host arrays; model state and structure are `learner`'s."""
+  parameter active in `initial` keeps its initial value (growth keeps a parameter's index
+  in the slots), a parameter that growth made active since takes its value in `fresh` (the
+  initialisation of the grown structure that the run's key draws: where a learner of that
+  structure would have started), and a padding slot holds `learner`'s own value (no pull on
+  what the network does not use). Host arrays; model state and structure are `learner`'s."""
   if initial.structure == learner.structure:
     return initial
   start, now = _active_cuts(method, initial), _active_cuts(method, learner)
-  before = {jax.tree_util.keystr(p): v
-            for p, v in jax.tree_util.tree_flatten_with_path(initial.params)[0]}
-  drawn = {jax.tree_util.keystr(p): v
-           for p, v in jax.tree_util.tree_flatten_with_path(fresh.params)[0]}
+  before, drawn = _by_path(initial.params), _by_path(fresh.params)
 
   def value(path, leaf):
     name = jax.tree_util.keystr(path)
@@ -69,8 +71,8 @@ def initial_values(method, initial: Learner, fresh: Learner, learner: Learner) -
 class Diagnostics:
   """Each seed's plasticity fields of a record (`log.plasticity`): `param_norm` (of the
   active parameters), `init_distance` (from theta_0 of its structure, `initial_values`:
-  the run's initial parameters, and after growth the grown ones' initialisation), and for a method with hidden units `dormant_fraction`
-  (over every hidden unit), `dormant_fraction_<l>` (of layer l) and `feature_rank` (the
+  the run's initial parameters, and after growth the grown ones' initialisation), and for a
+  method with hidden units `dormant_fraction` (over every hidden unit), `dormant_fraction_<l>` (of layer l) and `feature_rank` (the
   effective rank of the last hidden layer's features), measured on the probe set: the
   first `probe` examples of the training split. An unchanged learner keeps its last
   fields; the pass is a measurement, not counted as compute."""
