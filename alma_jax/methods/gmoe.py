@@ -32,9 +32,10 @@ FLOP count use `active_view` (the active experts only), so they equal the
 counts of an unpadded model, up to the routing arithmetic (a few FLOPs per
 example per gate).
 
-Hidden units (`unit_layout`): on the MLP, whose experts are one layer each, the channels
-of each mixture's output, which the plasticity diagnostics measure and the unit-reset
-policies (`redo`, `continual_backprop`) re-draw across the layer's experts.
+Hidden units (`unit_layout`), which the plasticity diagnostics measure and the unit-reset
+policies (`redo`, `continual_backprop`) re-draw: the channels of each mixture's output
+(re-drawn across the layer's experts), and on the VGG also the stem's channels and the
+channels of the experts' inner convolutions, each expert slot's its own.
 
 A backbone whose layers are mixtures of experts of their own (the Switch
 Transformer of the text task) is grown instead by copying its losing experts
@@ -44,6 +45,7 @@ Transformer of the text task) is grown instead by copying its losing experts
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Hashable
 
@@ -375,26 +377,30 @@ class GrowingMoE(declared.GMoE, base.Method):
   # -- hidden units (`alma_jax.models.units`) ---------------------------------------------------
   @functools.cache
   def unit_layout(self):
-    """On a backbone whose experts are one layer each (`Mixture.unit_leaves`: the MLP), the
-    channels of each mixture's output: a reset re-draws channel j of every expert of its
-    layer (padding slots too: a split overwrites a slot whole) and zeroes row j of every
-    kernel that reads the mixture (the next mixture's experts and gates, or the
-    classifier). None elsewhere (the VGG's experts are blocks of convolutions whose inner
-    channels feed one expert each; the Switch Transformer)."""
-    if self.own is not None or self.net.unit_leaves is None:
+    """The hidden layers that the backbone's mixtures declare (`Mixture.expert_units`,
+    `stem_units`), in order: the stem's, then per mixture its experts' inner layers, each
+    slotted (every expert slot's units, slot-major: the next layer of an expert reads only
+    its own), and the mixture's output channels (the last layer of every expert: a reset
+    re-draws channel j in every slot, since a split overwrites a slot whole, and zeroes
+    row j of every kernel that reads the mixture: the next mixture's experts and gates,
+    at every position a gate pools, or the classifier). None where the backbone declares
+    none, or its layers are experts of their own (the Switch Transformer)."""
+    if self.own is not None or self.net.expert_units is None:
       return None
-    kernel, bias = self.net.unit_leaves
-    names = [moe.layer_name(l) for l in range(len(self.net.experts))]
-    layers = [(name, "experts") for name in names]
-    readers = tuple(((name, "gates", "kernel"), (name, "gate", "kernel"))
-                    for name in names[1:]) + ((),)
-    return backbones.WidthLayout(
-        kernels=tuple(p + kernel for p in layers),
-        vectors=tuple(((p + bias, 0.0),) for p in layers), stats=tuple(() for _ in layers),
-        build=None, head=("head", "dense", "kernel"), readers=readers)
+    parts = [] if self.net.stem_units is None else [self.net.stem_units.within(("stem",))]
+    gates = {}  # the first layer of each mixture -> the kernels of its gates
+    for l, layout in enumerate(self.net.expert_units):
+      name = moe.layer_name(l)
+      gates[sum(p.num_layers for p in parts)] = ((name, "gates", "kernel"),
+                                                 (name, "gate", "kernel"))
+      parts.append(dataclasses.replace(layout.within((name, "experts"), (name,)),
+                                       slotted=(True,) * (layout.num_layers - 1) + (False,)))
+    joined = backbones.joined(parts, head=("head", "dense", "kernel"))
+    return dataclasses.replace(joined, readers=tuple(  # a mixture's gates read its input
+        gates.get(l + 1, ()) for l in range(joined.num_layers)))
 
   def hidden_units(self, structure, params, model_state, x) -> list:
-    """Each mixture's output on `x` (inference, the method's gating)."""
+    """The outputs of `unit_layout`'s layers on `x` (inference, the method's gating)."""
     if self.unit_layout() is None:
       return base.Method.hidden_units(self, structure, params, model_state, x)  # raises
     hidden = []
@@ -402,10 +408,28 @@ class GrowingMoE(declared.GMoE, base.Method):
               hidden=hidden)
     return hidden
 
+  def unit_active(self, learner: base.Learner) -> list[np.ndarray] | None:
+    """The units of active expert slots (a slotted layer's padding slots are not units);
+    every channel of a stem layer or of a mixture's output."""
+    layout = self.unit_layout()
+    if layout is None or not any(layout.slotted):
+      return None
+    experts = {moe.layer_name(l): moe.num_experts(tree)
+               for l, (_, tree) in enumerate(learner.structure)}
+    out = []
+    for l, path in enumerate(layout.kernels):
+      shape = np.shape(backbones.leaf_at(learner.params, path))
+      out.append(np.repeat(np.arange(shape[0]) < experts[path[0]], shape[-1])
+                 if layout.is_slotted(l) else np.ones(shape[-1], bool))
+    return out
+
   def unit_outgoing(self, learner: base.Learner, layer: int) -> np.ndarray:
-    """`Method.unit_outgoing` of the active experts and gates (a padding slot holds a copy of
-    slot 0 that nothing reads)."""
-    return units.outgoing_weight(self.unit_layout(), active_view(learner).params, layer)
+    """`Method.unit_outgoing` of the active experts and gates: a mixture's output channel is
+    read by the active experts and gates of the next mixture (a padding slot holds a copy of
+    slot 0 that nothing reads); a slotted unit by its own slot's next layer."""
+    layout = self.unit_layout()
+    view = learner if layout.is_slotted(layer) else active_view(learner)
+    return units.outgoing_weight(layout, view.params, layer)
 
   # -- training and inference -------------------------------------------------------------------
   def forward(self, structure, params, model_state, x, *, train: bool, mask=None, rng=None):

@@ -60,7 +60,15 @@ class DenseExpert(nn.Module):
   def __call__(self, x, train: bool = False, mask=None):
     del train, mask
     x = x.reshape((x.shape[0], -1))
-    return nn.relu(inits.dense(self.features, self.init_scheme, x.shape[-1], "dense")(x))
+    x = nn.relu(inits.dense(self.features, self.init_scheme, x.shape[-1], "dense")(x))
+    self.sow("intermediates", "units0", x)  # kept only when the caller asks for them
+    return x
+
+
+# The one layer of a `DenseExpert`.
+EXPERT_UNITS = registry.WidthLayout(kernels=(("dense", "kernel"),),
+                                    vectors=(((("dense", "bias"), 0.0),),), stats=((),),
+                                    build=None, units=(("units0",),))
 
 
 def width_layout(model_config, num_classes: int) -> registry.WidthLayout:
@@ -80,12 +88,12 @@ def width_layout(model_config, num_classes: int) -> registry.WidthLayout:
 
 def mixture(model_config, num_classes: int) -> registry.Mixture:
   """Both hidden layers are mixtures; the gates see the flattened layer input. An expert is
-  one layer, so a mixture's output channels are hidden units (`Mixture.unit_leaves`)."""
+  one layer, so a mixture's output channels are its hidden units (`Mixture.expert_units`)."""
   del num_classes
   scheme = inits.check(F.get(model_config, "model.init"))
   experts = tuple(DenseExpert(int(model_config.width), scheme) for _ in range(MLP.depth))
   return registry.Mixture(experts, pooled_gates=False, gather_hard_eval=True,
-                          unit_leaves=(("dense", "kernel"), ("dense", "bias")))
+                          expert_units=(EXPERT_UNITS,) * MLP.depth)
 
 
 SPEC = registry.BackboneSpec("mlp", MLP.from_config, width_layout=width_layout,

@@ -388,6 +388,13 @@ def apply_module(module: nn.Module, params, stats, x, *, train: bool, mask=None)
   return module.apply(variables, x, train=train, mask=_bn_mask(mask, x)), stats
 
 
+def sown_outputs(module: nn.Module, params, stats, x, paths: Sequence[registry.Path]):
+  """(the output of `module` at inference, the outputs it sows at `paths`)."""
+  variables = {"params": params} | ({} if stats is None else {"batch_stats": stats})
+  y, sown = module.apply(variables, x, train=False, mutable=["intermediates"])
+  return y, [registry.leaf_at(sown["intermediates"], p)[0] for p in paths]
+
+
 def init_module(module: nn.Module, key: jax.Array, x_shape: Sequence[int]):
   """(params, batch_stats or None) of `module` for inputs of shape (1,) + x_shape."""
   variables = module.init(key, jnp.zeros((1,) + tuple(x_shape), jnp.float32), train=False)
@@ -413,7 +420,8 @@ class MoENet:
       layers); otherwise all experts run and the chosen output is selected.
     init_scheme: how gates are initialised ("lecun" or "torch", see
       `init_gate`); the modules carry their own scheme.
-    unit_leaves: `registry.Mixture.unit_leaves` (None: no hidden units exposed).
+    expert_units, stem_units: `registry.Mixture.expert_units` and `stem_units` (None: no
+      hidden units exposed).
   """
 
   stem: nn.Module | None
@@ -422,7 +430,8 @@ class MoENet:
   gate_pool: int = 0
   gather_hard_eval: bool = False
   init_scheme: str = "lecun"
-  unit_leaves: tuple | None = None
+  expert_units: tuple[registry.WidthLayout, ...] | None = None
+  stem_units: registry.WidthLayout | None = None
 
   def layer_input_shapes(self, input_shape: Sequence[int]) -> list[tuple[int, ...]]:
     """Per-example input shapes of each mixture layer, then of the head."""
@@ -462,7 +471,8 @@ def make_net(model_config, num_classes: int, gate_pool: int = 4) -> MoENet:
   head = Head(num_classes, scheme) if m.head is None else m.head
   return MoENet(m.stem, tuple(m.experts), head, gate_pool if m.pooled_gates else 0,
                 gather_hard_eval=m.gather_hard_eval, init_scheme=scheme,
-                unit_leaves=m.unit_leaves if m.head is None else None)
+                expert_units=m.expert_units if m.head is None else None,
+                stem_units=m.stem_units if m.head is None else None)
 
 
 def init(net: MoENet, key: jax.Array, structure, input_shape,
@@ -503,28 +513,40 @@ def jitted_init(net: MoENet, structure, input_shape: tuple[int, ...],
 
 
 def mixture(net: MoENet, layer: int, routing: dict, lp: dict, stats, x, *, flat: bool,
-            train: bool, hard: bool, mask=None, rng=None):
-  """One mixture layer: returns (output, new stacked stats, slot weights (b, C))."""
+            train: bool, hard: bool, mask=None, rng=None, hidden: list | None = None):
+  """One mixture layer: returns (output, new stacked stats, slot weights (b, C)). `hidden`
+  (a list; inference only): the outputs of every expert slot's inner hidden layers
+  (`net.expert_units`, all but the last: (b, ..., C * width), slot-major), then the
+  mixture's output, are appended to it."""
   module = net.experts[layer]
   weights = routed_weights(routing, lp, gate_features(x, net.gate_pool), flat=flat, train=train,
                            hard=hard, rng=rng)
-  if hard and not train and net.gather_hard_eval and weights.shape[-1] > 1:
+  inner = () if hidden is None else net.expert_units[layer].units[:-1]
+  if hard and not train and net.gather_hard_eval and weights.shape[-1] > 1 and not inner:
     chosen = jnp.argmax(weights, -1)
     per_example = jax.tree.map(lambda a: a[chosen], (lp["experts"], stats))
     y = jax.vmap(lambda p, s, xi: apply_module(module, p, s, xi[None], train=False)[0][0])(
         *per_example, x)
-    return y, stats, weights
+    new_stats = stats
+  else:
+    def run(p, s):
+      if inner:
+        y, sown = sown_outputs(module, p, s, x, inner)
+        return y, s, sown
+      return apply_module(module, p, s, x, train=train, mask=mask) + ([],)
 
-  def run(p, s):
-    return apply_module(module, p, s, x, train=train, mask=mask)
-
-  ys, new_stats = jax.vmap(run)(lp["experts"], stats)
-  y = jnp.einsum("be,eb...->b...", weights.astype(ys.dtype), ys)
-  if new_stats is not None and stats is not None:  # padding slots keep their statistics
-    active = routing["active"]
-    new_stats = jax.tree.map(
-        lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o), new_stats,
-        stats)
+    ys, new_stats, sown = jax.vmap(run)(lp["experts"], stats)
+    y = jnp.einsum("be,eb...->b...", weights.astype(ys.dtype), ys)
+    if new_stats is not None and stats is not None:  # padding slots keep their statistics
+      active = routing["active"]
+      new_stats = jax.tree.map(
+          lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o), new_stats,
+          stats)
+    for h in sown:  # (C, b, ..., width) -> (b, ..., C * width)
+      h = jnp.moveaxis(h, 0, -2)
+      hidden.append(h.reshape(h.shape[:-2] + (-1,)))
+  if hidden is not None:
+    hidden.append(y)
   return y, new_stats, weights
 
 
@@ -533,26 +555,35 @@ def apply(net: MoENet, structure, params, model_state, x, *, train: bool, hard: 
   """The whole backbone; returns (logits, new model_state, [slot weights of each layer]).
 
   The tree of each layer is read from `model_state["routing"]`; `structure`
-  only says which layers use flat gating. `hidden` (a list): each mixture's output is
-  appended to it.
+  only says which layers use flat gating. `hidden` (a list; inference only): the outputs
+  of the hidden layers that the net exposes (`stem_units`, `expert_units`) are appended
+  to it, in order: the stem's, then per mixture its experts' inner layers and its output
+  (`mixture`).
   """
+  if hidden is not None and train:
+    raise ValueError("hidden units are read at inference (train=False)")
   stats = model_state.get("batch_stats", {})
   new_stats = dict(stats)
   if net.stem is not None:
-    x, s = apply_module(net.stem, params["stem"], stats.get("stem"), x, train=train, mask=mask)
-    if s is not None:
-      new_stats["stem"] = s
+    if hidden is not None and net.stem_units is not None:
+      x, sown = sown_outputs(net.stem, params["stem"], stats.get("stem"), x,
+                             net.stem_units.units)
+      hidden.extend(sown)
+    else:
+      x, s = apply_module(net.stem, params["stem"], stats.get("stem"), x, train=train,
+                          mask=mask)
+      if s is not None:
+        new_stats["stem"] = s
   all_weights = []
   for l, (_, tree) in enumerate(structure):
     name = layer_name(l)
     lrng = None if rng is None else jax.random.fold_in(rng, l)
     x, s, w = mixture(net, l, model_state["routing"][name], params[name], stats.get(name), x,
-                      flat=is_flat(tree), train=train, hard=hard, mask=mask, rng=lrng)
+                      flat=is_flat(tree), train=train, hard=hard, mask=mask, rng=lrng,
+                      hidden=hidden)
     if s is not None:
       new_stats[name] = s
     all_weights.append(w)
-    if hidden is not None:
-      hidden.append(x)
   logits = net.head.apply({"params": params["head"]}, x)
   new_state = {"batch_stats": new_stats} if new_stats else {}
   return logits, new_state | {"routing": model_state["routing"]}, all_weights

@@ -70,7 +70,13 @@ class WidthLayout:
       that collection): what the plasticity diagnostics and unit resets read.
     readers: per layer, further kernels that take its channels on axis -2 besides the next
       layer's (a gMoE layer's output feeds the next mixture's gates too); a path the
-      learner does not hold (a mixture with one expert has no gates) is skipped.
+      learner does not hold (a mixture with one expert has no gates) is skipped. A reader
+      whose axis -2 is k times the layer's width takes the channels at k positions,
+      position-major (row p * width + j reads channel j: a flattened, pooled image map).
+    slotted: per layer, whether its leaves hold one copy of the layer per expert slot on
+      their leading axis, each with units of its own (an inner layer of gMoE's experts):
+      its units are then every slot's, slot-major (unit j of slot s is s * width + j), and
+      its next kernel is the same slot's; () : none is.
   """
 
   kernels: tuple[Path, ...]
@@ -80,6 +86,7 @@ class WidthLayout:
   head: Path = ("head", "kernel")
   units: tuple[Path, ...] = ()
   readers: tuple[tuple[Path, ...], ...] = ()
+  slotted: tuple[bool, ...] = ()
 
   def outgoing(self, layer: int, params) -> tuple[Path, ...]:
     """The kernels that take `layer`'s channels on their axis -2: the next layer's (or the
@@ -88,12 +95,41 @@ class WidthLayout:
     extra = self.readers[layer] if layer < len(self.readers) else ()
     return (self.next_kernel(layer),) + tuple(p for p in extra if has_leaf(params, p))
 
+  def is_slotted(self, layer: int) -> bool:
+    return layer < len(self.slotted) and self.slotted[layer]
+
+  def within(self, at: Path, stats_at: Path | None = None) -> "WidthLayout":
+    """This layout of a sub-network whose parameters sit at `at` in the whole network's
+    (its sown outputs too) and its model state's collections at `stats_at` (default
+    `at`): every path prefixed."""
+    stats_at = at if stats_at is None else stats_at
+    return dataclasses.replace(
+        self, kernels=tuple(at + k for k in self.kernels),
+        vectors=tuple(tuple((at + p, v) for p, v in l) for l in self.vectors),
+        stats=tuple(tuple((p[:1] + stats_at + p[1:], v) for p, v in l) for l in self.stats),
+        units=tuple(at + u for u in self.units),
+        readers=tuple(tuple(at + p for p in l) for l in self.readers))
+
   @property
   def num_layers(self) -> int:
     return len(self.kernels)
 
   def next_kernel(self, layer: int) -> Path:
     return self.kernels[layer + 1] if layer + 1 < len(self.kernels) else self.head
+
+
+def joined(parts, **fields) -> WidthLayout:
+  """The layers of the layouts `parts` in order, as one layout (`fields` replace its other
+  attributes: `build`, `head`, ...); `readers` and `slotted` are kept per layer."""
+  parts = tuple(parts)
+  per_layer = lambda name, empty: tuple(
+      (getattr(p, name)[l] if l < len(getattr(p, name)) else empty)
+      for p in parts for l in range(p.num_layers))
+  return WidthLayout(
+      kernels=sum((p.kernels for p in parts), ()), vectors=sum((p.vectors for p in parts), ()),
+      stats=sum((p.stats for p in parts), ()), build=fields.pop("build", None),
+      units=sum((p.units for p in parts), ()), readers=per_layer("readers", ()),
+      slotted=per_layer("slotted", False), **fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,11 +146,14 @@ class Mixture:
     gather_hard_eval: with hard gating at test time, run only each example's chosen expert
       by gathering its parameters (cheap for dense layers; a batch-sized grouped
       convolution otherwise); else every expert runs and the chosen output is selected.
-    unit_leaves: (kernel path, bias path) inside an expert whose experts are each one layer
-      (a kernel (..., inputs, outputs) and a bias, then the activation): the channels of a
-      mixture's output are then its hidden units (gMoE's plasticity diagnostics and unit
-      resets; the classifier is then the default linear head); None: the backbone's
-      mixtures expose none.
+    expert_units: per mixture layer, the hidden layers of its expert sub-network (a
+      `WidthLayout` with paths inside one expert and `units`, the paths where it sows each
+      layer's output): gMoE's plasticity diagnostics and unit resets see an expert's inner
+      layers as units of each expert slot, and its last layer as the channels of the
+      mixture's output (the same output of every expert; the classifier, then the default
+      linear head, and the next mixture read them); None: the backbone's mixtures expose
+      no hidden units.
+    stem_units: the stem's hidden layers, as `expert_units` (None: none exposed).
   """
 
   experts: tuple[nn.Module, ...]
@@ -122,7 +161,8 @@ class Mixture:
   head: nn.Module | None = None
   pooled_gates: bool = True
   gather_hard_eval: bool = False
-  unit_leaves: tuple[Path, Path] | None = None
+  expert_units: tuple[WidthLayout, ...] | None = None
+  stem_units: WidthLayout | None = None
 
 
 @dataclasses.dataclass(frozen=True)

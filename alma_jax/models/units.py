@@ -20,11 +20,15 @@ score is then over its own member's layer mean), members in slots (`gens`: the m
 slots, `Method.unit_members_of`, side by side; the padding slots are not units, and a reset
 re-draws only units of the members a stage trains, `Method.unit_trained`), or a backbone
 whose layers hold their channels in slots (`ff`: `Method.unit_active` says which units are
-the learner's; the padding slots are neither scored nor reset), or the channels of
-mixtures' outputs (`gmoe` on a backbone whose experts are one layer each: a channel is the
-same output of every expert of its layer, and every kernel that reads the mixture, the
-next mixture's experts and gates or the classifier, is an outgoing weight of it,
-`WidthLayout.readers`); the others have none.
+the learner's; the padding slots are neither scored nor reset), or a mixture of experts
+(`gmoe`): the channels of each mixture's output (a channel is the same output of every
+expert of its layer, and every kernel that reads the mixture, the next mixture's experts
+and gates, at each position a gate pools, or the classifier, is an outgoing weight of it,
+`WidthLayout.readers`), and on the VGG the shared stem's channels and the channels of the
+experts' inner convolutions (`WidthLayout.slotted`: every expert slot's units side by side,
+each read only by its own expert's next conv; a layer's units are scored against the mean
+of every active expert's, the padding slots are neither scored nor reset); the Switch
+Transformer has none.
 """
 
 from __future__ import annotations
@@ -136,30 +140,51 @@ def reset_units(layout: WidthLayout, learner: Learner, fresh: Learner,
   return learner.replace(params=params, model_state=state)
 
 
+def _mask_of(m, leaf, slotted: bool, rows: bool = False):
+  """A layer's unit mask `m` (units,) shaped to select in `leaf` the units' values (on its
+  last axis) or, with `rows`, the rows that read the units (axis -2; k x width rows read
+  the units at k positions, position-major); `slotted`: one layer per slot of the leaf's
+  leading axis, `m` slot-major."""
+  if slotted:
+    m = m.reshape(leaf.shape[0], -1)
+  lead = m.shape[:-1]
+  size = leaf.shape[-2] if rows else leaf.shape[-1]
+  m = jnp.tile(m, (1,) * len(lead) + (size // m.shape[-1],))
+  tail = (size, 1) if rows else (size,)
+  return m.reshape(lead + (1,) * (leaf.ndim - len(lead) - len(tail)) + tail)
+
+
 def _reset(layout: WidthLayout, params, state, fresh_params, fresh_state, masks):
   """`reset_units` of one network: its (params, model_state)."""
   edits, stat_edits = {}, {}
   for l, m in enumerate(masks):  # incoming first: a unit re-drawn in the next layer too
+    slotted = layout.is_slotted(l)
     for path in (layout.kernels[l],) + tuple(p for p, _ in layout.vectors[l]):
-      edits[path] = jnp.where(m, leaf_at(fresh_params, path), leaf_at(params, path))
+      old = leaf_at(params, path)
+      edits[path] = jnp.where(_mask_of(m, old, slotted), leaf_at(fresh_params, path), old)
     for path, _ in layout.stats[l]:
-      stat_edits[path] = jnp.where(m, leaf_at(fresh_state, path), leaf_at(state, path))
+      old = leaf_at(state, path)
+      stat_edits[path] = jnp.where(_mask_of(m, old, slotted), leaf_at(fresh_state, path), old)
   for l, m in enumerate(masks):  # keeps no input from a re-drawn unit
     for out in layout.outgoing(l, params):
       kernel = edits.get(out, leaf_at(params, out))
-      edits[out] = jnp.where(m[:, None], jnp.zeros_like(kernel), kernel)
+      edits[out] = jnp.where(_mask_of(m, kernel, layout.is_slotted(l), rows=True),
+                             jnp.zeros_like(kernel), kernel)
   return replace_leaves(params, edits), replace_leaves(state, stat_edits)
 
 
 def outgoing_weight(layout: WidthLayout, params: PyTree, layer: int,
                     members: int = 0) -> np.ndarray:
   """Per unit of `layer`, the sum of the magnitudes of its outgoing weights: of every kernel
-  that reads it (`WidthLayout.outgoing`), member-major with `members` > 0, as
-  `reset_units`."""
+  that reads it (`WidthLayout.outgoing`; a reader's rows at every position), member-major
+  with `members` > 0 and slot-major for a slotted layer, as `reset_units`."""
+  width = np.shape(leaf_at(params, layout.kernels[layer]))[-1]
+  per_slot = bool(members) or layout.is_slotted(layer)
   total = 0.0
   for path in layout.outgoing(layer, params):
     kernel = np.asarray(jax.device_get(leaf_at(params, path)), np.float64)
-    kept = {kernel.ndim - 2} | ({0} if members else set())
-    total = total + np.sum(np.abs(kernel), axis=tuple(
-        i for i in range(kernel.ndim) if i not in kept)).reshape(-1)
+    kept = (0, kernel.ndim - 2) if per_slot else (kernel.ndim - 2,)
+    rows = np.sum(np.abs(kernel), axis=tuple(i for i in range(kernel.ndim) if i not in kept))
+    rows = rows.reshape(rows.shape[:-1] + (-1, width)).sum(axis=-2)  # positions of a unit
+    total = total + rows.reshape(-1)
   return total

@@ -100,32 +100,42 @@ class VGG(nn.Module):
     return inits.dense(self.num_classes, self.init_scheme, x.shape[-1], "head")(x)
 
 
+def block_layout(num_convs: int) -> registry.WidthLayout:
+  """The conv layers of one `ConvBlock` (paths inside the block): kernels, BatchNorm
+  parameters and statistics, and where each layer's output is sown."""
+  return registry.WidthLayout(
+      kernels=tuple((f"conv{i}", "kernel") for i in range(num_convs)),
+      vectors=tuple((((f"bn{i}", "scale"), 1.0), ((f"bn{i}", "bias"), 0.0))
+                    for i in range(num_convs)),
+      stats=tuple(((("batch_stats", f"bn{i}", "mean"), 0.0), (("batch_stats", f"bn{i}", "var"),
+                                                              1.0)) for i in range(num_convs)),
+      build=None, units=tuple((f"units{i}",) for i in range(num_convs)))
+
+
 def width_layout(model_config, num_classes: int) -> registry.WidthLayout:
   """Firefly grows the 16 conv layers: their kernels, BatchNorm parameters and statistics."""
   scheme = inits.check(F.get(model_config, "model.init"))
-  names = [(f"block{b}", f"conv{i}", f"bn{i}") for b, n in enumerate(BLOCKS) for i in range(n)]
 
   def build(widths: tuple[int, ...]) -> VGG:
     impl = conv.resolve_impl(F.get(model_config, "model.conv_impl"), min(widths))
     return VGG(width=widths[0], num_classes=num_classes, conv_impl=impl, widths=widths,
                init_scheme=scheme)
 
-  return registry.WidthLayout(
-      kernels=tuple((b, c, "kernel") for b, c, _ in names),
-      vectors=tuple((((b, bn, "scale"), 1.0), ((b, bn, "bias"), 0.0)) for b, _, bn in names),
-      stats=tuple(((("batch_stats", b, bn, "mean"), 0.0), (("batch_stats", b, bn, "var"), 1.0))
-                  for b, _, bn in names),
-      build=build, units=tuple((b, c.replace("conv", "units")) for b, c, _ in names))
+  return registry.joined((block_layout(n).within((f"block{b}",)) for b, n in enumerate(BLOCKS)),
+                         build=build)
 
 
 def mixture(model_config, num_classes: int) -> registry.Mixture:
-  """The blocks after the first are mixtures; the first block is the shared stem."""
+  """The blocks after the first are mixtures; the first block is the shared stem. Every
+  conv layer is a hidden layer (`Mixture.expert_units`, `stem_units`)."""
   del num_classes
   width = int(model_config.width)
   scheme = inits.check(F.get(model_config, "model.init"))
   impl = conv.resolve_impl(F.get(model_config, "model.conv_impl"), width)
   experts = tuple(ConvBlock(width, n, impl, scheme) for n in BLOCKS[1:])
-  return registry.Mixture(experts, stem=ConvBlock(width, BLOCKS[0], impl, scheme))
+  return registry.Mixture(experts, stem=ConvBlock(width, BLOCKS[0], impl, scheme),
+                          expert_units=tuple(block_layout(n) for n in BLOCKS[1:]),
+                          stem_units=block_layout(BLOCKS[0]))
 
 
 SPEC = registry.BackboneSpec("vgg", VGG.from_config, conv_heavy=True,

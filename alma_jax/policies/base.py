@@ -86,8 +86,8 @@ class StagePolicy(declared.Declaration):
 
 
 def _mixture_units(spec, model_config) -> bool:
-  """Whether backbone `spec`'s mixtures declare hidden units (`Mixture.unit_leaves`)."""
-  return spec.mixture is not None and spec.mixture(model_config, 2).unit_leaves is not None
+  """Whether backbone `spec`'s mixtures declare hidden units (`Mixture.expert_units`)."""
+  return spec.mixture is not None and spec.mixture(model_config, 2).expert_units is not None
 
 
 def _exposes_units(declaration, model_config) -> bool:

@@ -336,6 +336,85 @@ def test_gmoe_s_units_are_its_mixtures_channels_and_redo_zeroes_every_reader(tre
   np.testing.assert_allclose(weight, expected, rtol=1e-12)
 
 
+def test_gmoe_on_the_vgg_exposes_its_stem_its_experts_inner_units_and_its_mixtures_channels():
+  c = helpers.small_config("cifar10", "gmoe", width=4)
+  c.stream.warm_start, c.stream.redo_threshold = "redo", 0.0
+  ds = helpers.synthetic_dataset(n_train=8, n_test=8, shape=(32, 32, 3))
+  method, steps = helpers.make_steps(c, ds)
+  c = validation.complete(c)
+  learner = method.init(jax.random.key(0))
+  for layer in (0, 1, 1):  # mixture 0: 2 experts; mixture 1: 3 in 4 slots
+    learner = gmoe.split_expert(learner, layer, 0, jax.random.key(layer + 5))
+  p, st = (jax.tree.map(np.array, t) for t in (learner.params, learner.model_state))
+  for bn in [v for k, v in p["stem"].items() if k.startswith("bn")] + [
+      v for l in range(4) for k, v in p[f"mix{l}"]["experts"].items() if k.startswith("bn")]:
+    bn["bias"][:] = 3.0  # every channel positive on every input ...
+  silent = [(p["stem"]["bn1"], (0,)),  # ... but channel 0 of the stem's output,
+            (p["mix1"]["experts"]["bn1"], (1, 2)),  # channel 2 of expert 1's second conv,
+            (p["mix0"]["experts"]["bn1"], (slice(None), 1))]  # channel 1 of mixture 0's output
+  for bn, at in silent:
+    bn["scale"][at], bn["bias"][at] = 0.0, -1.0
+  st["batch_stats"]["mix1"]["bn1"]["mean"][1, 2] = 0.7  # a statistic the reset must re-draw
+  learner = learner.replace(params=jax.tree.map(jnp.asarray, p),
+                            model_state=jax.tree.map(jnp.asarray, st))
+  x = ds.train_x[:8].astype(np.float32) / 255.0
+  hidden = method.hidden_units(learner.structure, learner.params, learner.model_state, x)
+  # stem (2 convs), then per mixture: every slot's inner convs side by side, then its output
+  assert [h.shape for h in hidden] == (
+      [(8, 32, 32, 4)] * 2 + [(8, 16, 16, 8), (8, 8, 8, 4)] + [(8, 8, 8, 16)] * 3
+      + [(8, 4, 4, 4)] + [(8, 4, 4, 4)] * 3 + [(8, 2, 2, 4)] + [(8, 2, 2, 4)] * 3
+      + [(8, 1, 1, 4)])
+  active = method.unit_active(learner)
+  assert active[4].tolist() == [True] * 12 + [False] * 4  # mixture 1's padding slot
+  assert all(np.all(a) for l, a in enumerate(active) if l not in (4, 5, 6))
+  ctx = helpers.context(1, steps=steps, train_idx=np.arange(8, dtype=np.int32))  # no growth
+  activity = plasticity.mean_activity(steps.reduce(plasticity.activity_fn(method), learner,
+                                                   ctx.train_idx))
+  masks = plasticity.dormant(activity, 0.0, 0, active)
+  expected = [np.zeros(len(a), bool) for a in activity]
+  expected[1][0] = expected[3][1] = expected[5][1 * 4 + 2] = True
+  assert [m.tolist() for m in masks] == [e.tolist() for e in expected]
+  started = policies.make_stage(c).start(method, learner, jax.random.key(7), ctx, None, None)
+  after = started.learner
+  assert started.fields == {"units_reset": 3}
+  out = lambda l: np.asarray(method.predict(l.structure, l.params, l.model_state, x))
+  assert np.array_equal(out(learner), out(after))  # the units were silent: bitwise the same
+  old, new = jax.tree.map(np.asarray, learner.params), jax.tree.map(np.asarray, after.params)
+  changed = lambda a, b: not np.array_equal(a, b)
+  # incoming weights drawn afresh: the stem's channel 0, expert 1's channel 2 (not expert
+  # 0's), channel 1 of mixture 0's last conv in both experts; the others kept
+  assert changed(new["stem"]["conv1"]["kernel"][..., 0], old["stem"]["conv1"]["kernel"][..., 0])
+  e1, o1 = new["mix1"]["experts"], old["mix1"]["experts"]
+  assert changed(e1["conv1"]["kernel"][1, ..., 2], o1["conv1"]["kernel"][1, ..., 2])
+  np.testing.assert_array_equal(e1["conv1"]["kernel"][0], o1["conv1"]["kernel"][0])
+  assert float(e1["bn1"]["scale"][1, 2]) == 1.0
+  assert float(after.model_state["batch_stats"]["mix1"]["bn1"]["mean"][1, 2]) == 0.0
+  e0, o0 = new["mix0"]["experts"], old["mix0"]["experts"]
+  assert all(changed(e0["conv1"]["kernel"][s, ..., 1], o0["conv1"]["kernel"][s, ..., 1])
+             for s in range(2))
+  np.testing.assert_array_equal(e0["conv1"]["kernel"][..., 0], o0["conv1"]["kernel"][..., 0])
+  # outgoing weights zero: the rows that read a re-drawn channel, at every gate position
+  assert np.all(e0["conv0"]["kernel"][..., 0, :] == 0.0)  # the stem's channel 0
+  assert np.all(e1["conv2"]["kernel"][1, :, :, 2, :] == 0.0)  # expert 1's own next conv
+  np.testing.assert_array_equal(e1["conv2"]["kernel"][0], o1["conv2"]["kernel"][0])
+  assert np.all(e1["conv0"]["kernel"][..., 1, :] == 0.0)  # mixture 0's channel 1
+  for mix, channel in (("mix0", 0), ("mix1", 1)):  # gates: 4 x 4 positions x 4 channels
+    g, o = new[mix]["gates"]["kernel"], old[mix]["gates"]["kernel"]
+    rows = np.arange(16) * 4 + channel
+    assert g.shape[-2] == 64 and np.all(g[:, rows] == 0.0) and np.abs(o[:, rows]).sum() > 0
+    others = np.setdiff1d(np.arange(64), rows)
+    np.testing.assert_array_equal(g[:, others], o[:, others])
+  # Continual backprop's utility: a slotted unit weighs its own slot's next conv, a
+  # mixture's channel the active experts and gates that read it, at every position.
+  cut = jax.tree.map(lambda a: np.asarray(a, np.float64), gmoe.active_view(learner).params)
+  full = jax.tree.map(lambda a: np.asarray(a, np.float64), learner.params)
+  np.testing.assert_allclose(method.unit_outgoing(learner, 5), np.abs(
+      full["mix1"]["experts"]["conv2"]["kernel"]).sum(axis=(1, 2, 4)).reshape(-1), rtol=1e-12)
+  g = np.abs(cut["mix1"]["gates"]["kernel"]).sum(axis=(0, 2)).reshape(16, 4).sum(0)
+  np.testing.assert_allclose(method.unit_outgoing(learner, 3), np.abs(
+      cut["mix1"]["experts"]["conv0"]["kernel"]).sum(axis=(0, 1, 2, 4)) + g, rtol=1e-12)
+
+
 def test_a_reset_on_the_vgg_layout_redraws_channels_and_keeps_the_function():
   method = helpers.cached_method("sm", "cifar10", width=4)
   layout = method.unit_layout()
@@ -464,16 +543,14 @@ def test_theta_0_of_a_wider_firefly_learner_follows_its_channels():
 
 # -- config checks ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("method, fields, message", [
-    ("cifar10/gmoe", {"stream.warm_start": "redo"},
-     r"config\.stream\.warm_start='redo' re-draws hidden units, which method 'gmoe' on backbone "
-     r"'vgg' does not expose; valid: config\.method\.name in \['ens', 'ff', 'gens', 'sm', "
-     r"'umix'\] with config\.model\.name in \['mlp', 'vgg'\], or in \['gmoe'\] with "
-     r"config\.model\.name in \['mlp'\]"),
-    ("cifar10/gmoe", {"stream.warm_start": "continual_backprop"},
-     r"config\.stream\.warm_start='continual_backprop' re-draws hidden units, which method "
-     r"'gmoe' on backbone 'vgg' does not expose"),
     ("tiny_shakespeare/gmoe", {"stream.warm_start": "redo"},
-     r"which method 'gmoe' on backbone 'switch' does not expose"),
+     r"config\.stream\.warm_start='redo' re-draws hidden units, which method 'gmoe' on backbone "
+     r"'switch' does not expose; valid: config\.method\.name in \['ens', 'ff', 'gens', 'sm', "
+     r"'umix'\] with config\.model\.name in \['mlp', 'vgg'\], or in \['gmoe'\] with "
+     r"config\.model\.name in \['mlp', 'vgg'\]"),
+    ("tiny_shakespeare/gmoe", {"stream.warm_start": "continual_backprop"},
+     r"config\.stream\.warm_start='continual_backprop' re-draws hidden units, which method "
+     r"'gmoe' on backbone 'switch' does not expose"),
     ("sm", {"stream.warm_start": "continual_backprop", "train.keep_optimizer_state": True},
      r"config\.train\.keep_optimizer_state=True is not supported by config\.stream\.warm_start="
      r"'continual_backprop'.*allowed values: \[False\]"),

@@ -36,7 +36,7 @@ class Declaration:
   FIELDS: tuple[F.Field, ...] = ()
   # Whether the method exposes hidden units on a backbone that sows them (`Method.unit_layout`):
   # what the plasticity diagnostics' unit fields and the unit-reset stage policies need;
-  # MIXTURE_UNITS: on a backbone whose mixtures declare them (`Mixture.unit_leaves`).
+  # MIXTURE_UNITS: on a backbone whose mixtures declare them (`Mixture.expert_units`).
   HIDDEN_UNITS: bool | str = False
 
   @classmethod
@@ -109,7 +109,7 @@ EXPERT_GROWTH_FIELDS = (
 
 class GMoE(Declaration):
   name = "gmoe"
-  HIDDEN_UNITS = MIXTURE_UNITS  # its mixtures' output channels
+  HIDDEN_UNITS = MIXTURE_UNITS  # its mixtures' channels (and the VGG's inner ones)
   FIELDS = (
       F.Field("method.gating", "soft", F.choice(GATINGS),
               "soft (weighted sum over all experts) or hard (one expert per example: sampled "
