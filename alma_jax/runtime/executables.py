@@ -214,11 +214,6 @@ def keeping(folder: str | None, context: str) -> Iterator["_Store | None"]:
     _active = before
 
 
-def active() -> bool:
-  """Whether programs are being kept (inside `keeping` with a folder)."""
-  return _active is not None
-
-
 # -- programs ------------------------------------------------------------------------------------
 def _leaf_signature(x):
   if isinstance(x, jax.core.Tracer):  # called inside another program's trace: part of it
@@ -252,9 +247,6 @@ class Kept:
     self._programs: dict[tuple, Any] = {}  # signature -> Compiled, or None: not kept
     self._serial = 0  # the store `_programs` belongs to
     self._last = None  # the Compiled of the last call (no static arguments)
-
-  def lower(self, *args, **kwargs):
-    return self.jitted.lower(*args, **kwargs)
 
   def __call__(self, *args, **kwargs):
     store = _active
