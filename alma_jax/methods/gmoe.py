@@ -396,8 +396,9 @@ class GrowingMoE(declared.GMoE, base.Method):
       parts.append(dataclasses.replace(layout.within((name, "experts"), (name,)),
                                        slotted=(True,) * (layout.num_layers - 1) + (False,)))
     joined = backbones.joined(parts, head=("head", "dense", "kernel"))
-    return dataclasses.replace(joined, readers=tuple(  # a mixture's gates read its input
-        gates.get(l + 1, ()) for l in range(joined.num_layers)))
+    return dataclasses.replace(  # a mixture's gates read the layer before it
+        joined, units=(),  # `hidden_units` reads them from the mixtures
+        readers=tuple(gates.get(l + 1, ()) for l in range(joined.num_layers)))
 
   def hidden_units(self, structure, params, model_state, x) -> list:
     """The outputs of `unit_layout`'s layers on `x` (inference, the method's gating)."""
