@@ -72,9 +72,10 @@ class Diagnostics:
   """Each seed's plasticity fields of a record (`log.plasticity`): `param_norm` (of the
   active parameters), `init_distance` (from theta_0 of its structure, `initial_values`:
   the run's initial parameters, and after growth the grown ones' initialisation), and for a
-  method with hidden units `dormant_fraction` (over every hidden unit), `dormant_fraction_<l>` (of layer l) and `feature_rank` (the
-  effective rank of the last hidden layer's features), measured on the probe set: the
-  first `probe` examples of the training split. An unchanged learner keeps its last
+  method with hidden units `dormant_fraction` (over every hidden unit),
+  `dormant_fraction_<l>` (of layer l) and `feature_rank` (the effective rank of the last
+  hidden layer's features), measured on the probe set: the first `probe` examples of the
+  training split. An unchanged learner keeps its last
   fields; the pass is a measurement, not counted as compute."""
 
   def __init__(self, steps, threshold: float, probe: int, anchor):

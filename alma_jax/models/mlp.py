@@ -60,15 +60,13 @@ class DenseExpert(nn.Module):
   def __call__(self, x, train: bool = False, mask=None):
     del train, mask
     x = x.reshape((x.shape[0], -1))
-    x = nn.relu(inits.dense(self.features, self.init_scheme, x.shape[-1], "dense")(x))
-    self.sow("intermediates", "units0", x)  # kept only when the caller asks for them
-    return x
+    return nn.relu(inits.dense(self.features, self.init_scheme, x.shape[-1], "dense")(x))
 
 
-# The one layer of a `DenseExpert`.
+# The one layer of a `DenseExpert`: its channels are the mixture's output, nothing is sown.
 EXPERT_UNITS = registry.WidthLayout(kernels=(("dense", "kernel"),),
                                     vectors=(((("dense", "bias"), 0.0),),), stats=((),),
-                                    build=None, units=(("units0",),))
+                                    build=None)
 
 
 def width_layout(model_config, num_classes: int) -> registry.WidthLayout:

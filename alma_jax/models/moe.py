@@ -521,7 +521,8 @@ def mixture(net: MoENet, layer: int, routing: dict, lp: dict, stats, x, *, flat:
   module = net.experts[layer]
   weights = routed_weights(routing, lp, gate_features(x, net.gate_pool), flat=flat, train=train,
                            hard=hard, rng=rng)
-  inner = () if hidden is None else net.expert_units[layer].units[:-1]
+  units = None if hidden is None else net.expert_units[layer]
+  inner = () if units is None else units.units[:units.num_layers - 1]
   if hard and not train and net.gather_hard_eval and weights.shape[-1] > 1 and not inner:
     chosen = jnp.argmax(weights, -1)
     per_example = jax.tree.map(lambda a: a[chosen], (lp["experts"], stats))

@@ -147,12 +147,12 @@ class Mixture:
       by gathering its parameters (cheap for dense layers; a batch-sized grouped
       convolution otherwise); else every expert runs and the chosen output is selected.
     expert_units: per mixture layer, the hidden layers of its expert sub-network (a
-      `WidthLayout` with paths inside one expert and `units`, the paths where it sows each
-      layer's output): gMoE's plasticity diagnostics and unit resets see an expert's inner
-      layers as units of each expert slot, and its last layer as the channels of the
-      mixture's output (the same output of every expert; the classifier, then the default
-      linear head, and the next mixture read them); None: the backbone's mixtures expose
-      no hidden units.
+      `WidthLayout` with paths inside one expert; `units`: where it sows the output of each
+      layer but the last, at least): gMoE's plasticity diagnostics and unit resets see an
+      expert's inner layers as units of each expert slot, and its last layer as the
+      channels of the mixture's output (the same output of every expert, read from the
+      mixture; the classifier, then the default linear head, and the next mixture read
+      them); None: the backbone's mixtures expose no hidden units.
     stem_units: the stem's hidden layers, as `expert_units` (None: none exposed).
   """
 
