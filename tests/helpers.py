@@ -117,6 +117,19 @@ def compiled(fn):
     jax.monitoring.unregister_event_duration_listener(listen)
 
 
+# The suite compiles with XLA:CPU's older fusion emitters (tests/conftest.py); a run compiles
+# with its MLIR fusion emitters, whose elementwise code does not depend on an array's length.
+RUN_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
+
+
+def jit_as_runs(fn):
+  """`fn` jitted and compiled with the fusion emitters of a run: for tests of bitwise equality
+  between programs of different shapes (a padded array against its active part)."""
+  def call(*args):
+    return jax.jit(fn).lower(*args).compile(compiler_options=RUN_EMITTERS)(*args)
+  return call
+
+
 def init(method, seed=0):
   return method.init(jax.random.key(seed))
 

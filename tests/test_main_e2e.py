@@ -104,16 +104,16 @@ def test_cifar_sm_smoke_end_to_end_with_waiting(tmp_path):
                                                 "--config.train.autotune=measure"]
   c = config_resolve.resolve(config, flags + ["--config.mesh.num_devices=1"])
   cache_dir, wd = tmp_path / "cache", tmp_path / "wd"
+  xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_enable_fast_math=false".strip()
   env = dict(os.environ, ALMA_JAX_CACHE_DIR=str(cache_dir), JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_cpu_enable_fast_math=false")
+             XLA_FLAGS=xla_flags)
   with mock.patch.dict(os.environ, env):
     key = cpu_fusion.process_key(c, validation.KNOWN_SHAPES["cifar10"][0])
   autotune.remember(str(cache_dir / autotune.FILE), key, "ynn")
   proc = run_main(config, wd, *flags, env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert (f"train.cpu_fusion: 'ynn' measured earlier on this machine "
-          f"({cache_dir / autotune.FILE}); XLA_FLAGS='--xla_cpu_enable_fast_math=false "
-          f"{cpu_fusion.FLAG}'") in proc.stderr
+          f"({cache_dir / autotune.FILE}); XLA_FLAGS='{xla_flags} {cpu_fusion.FLAG}'") in proc.stderr
   mine = autotune.read(str(wd / autotune.FILE))
   assert mine.pop(key) == "ynn"
   # A convolution-heavy step's steps per call: the rule's one candidate, nothing compiled to

@@ -35,17 +35,25 @@ def model_config(name, width, init=None):
   return ml_collections.ConfigDict(c)
 
 
+def _jit(fn):
+  """`fn` jitted; compiled as a run compiles it (its fusion emitters) where a test turned XLA's
+  optimisations back on (`optimized_compilation`)."""
+  if jax.config.values["jax_disable_most_optimizations"]:
+    return jax.jit(fn)
+  return helpers.jit_as_runs(fn)
+
+
 def backbone_variables(name, width, shape, init=None, key=0):
   net = models.make_backbone(model_config(name, width, init), 10)
   dummy = np.zeros((1,) + shape, np.float32)
-  return jax.jit(lambda k: net.init(k, dummy, train=False))(jax.random.key(key))
+  return _jit(lambda k: net.init(k, dummy, train=False))(jax.random.key(key))
 
 
 def moe_variables(name, width, shape, init=None, flat=False, experts=3, key=0):
   net = moe.make_net(model_config(name, width, init), 10)
   tree = moe.balanced_tree(experts, flat=flat)
   structure = tuple((f, tree) for f in net.gate_feature_dims(shape))
-  params, state = moe.jitted_init(net, structure, shape)(jax.random.key(key))
+  params, state = _jit(lambda k: moe.init(net, k, structure, shape))(jax.random.key(key))
   # The gating tree as routing arrays is bookkeeping, not an initialised variable.
   return params, {k: v for k, v in state.items() if k != "routing"}
 
