@@ -57,6 +57,7 @@ try:  # Ctrl-C while the libraries load (seconds): one line, no traceback
   from alma_jax import errors  # pylint: disable=g-import-not-at-top
   from alma_jax.configuration import fields as F  # pylint: disable=g-import-not-at-top
   from alma_jax.runtime import caches  # pylint: disable=g-import-not-at-top
+  from alma_jax.runtime import collector  # pylint: disable=g-import-not-at-top
   from alma_jax.runtime import multihost  # pylint: disable=g-import-not-at-top
 except KeyboardInterrupt:
   if __name__ != "__main__":
@@ -233,6 +234,7 @@ def _plain_logging() -> None:
 def main(argv):
   if len(argv) > 1:
     _fail(f"unexpected arguments: {argv[1:]}", 2)
+  collector.pace()  # tracing-heavy from here on
   _plain_logging()
   if _PRINT_CONFIG.value:
     _print_config()

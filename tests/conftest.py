@@ -1,6 +1,5 @@
 """Test setup: 8 CPU devices (to exercise sharding), shared data, a private cache."""
 
-import gc
 import os
 import shutil
 import tempfile
@@ -19,10 +18,6 @@ if (os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_EMITTERS}=false".strip()
 
 import jax  # pylint: disable=g-import-not-at-top
-
-# Tracing builds and drops many small objects: Python's cyclic collector at its default pace
-# (every 700 net allocations) took 6-17% of the in-process tests' time.
-gc.set_threshold(50_000, 20, 100)
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -53,6 +48,9 @@ if _OWN_CACHE:
 from alma_jax.runtime import caches  # pylint: disable=g-import-not-at-top
 
 caches.enable_compilation_cache()
+from alma_jax.runtime import collector  # pylint: disable=g-import-not-at-top
+
+collector.pace()  # as a run's process does
 
 import pytest  # pylint: disable=g-import-not-at-top
 
