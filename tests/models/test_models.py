@@ -53,7 +53,7 @@ def moe_variables(name, width, shape, init=None, flat=False, experts=3, key=0):
   net = moe.make_net(model_config(name, width, init), 10)
   tree = moe.balanced_tree(experts, flat=flat)
   structure = tuple((f, tree) for f in net.gate_feature_dims(shape))
-  params, state = _jit(lambda k: moe.init(net, k, structure, shape))(jax.random.key(key))
+  params, state = _jit(moe.jitted_init(net, structure, shape))(jax.random.key(key))
   # The gating tree as routing arrays is bookkeeping, not an initialised variable.
   return params, {k: v for k, v in state.items() if k != "routing"}
 
