@@ -126,6 +126,8 @@ BASE_FIELDS = (
             F.choice(F.owned("alma_jax.engine.programs:FUSION_CHOICES")),
             "XLA:CPU options of the programs that train, on top of train.cpu_fusion's flags: "
             "same (none), no_ynn (no YNNPACK fusions), onednn (oneDNN's convolutions and dots), "
+            "elemental (XLA's older elemental emitters in place of its MLIR fusion emitters), "
+            "elemental_no_ynn (both elemental and no_ynn), "
             "or auto (on a CPU with train.autotune=measure, for a backbone that is not "
             "convolution-heavy: the fastest train step on this machine, see "
             "alma_jax/tuning/autotune.py; same otherwise); speed only (float round-off)",
@@ -133,7 +135,8 @@ BASE_FIELDS = (
     F.Field("train.eval_fusion", "auto",
             F.choice(F.owned("alma_jax.engine.programs:FUSION_CHOICES")),
             "XLA:CPU options of the evaluation programs (and of the passes that only evaluate), "
-            "on top of train.cpu_fusion's flags: same, no_ynn, onednn as train.step_fusion, or "
+            "on top of train.cpu_fusion's flags: same, no_ynn, onednn, elemental, "
+            "elemental_no_ynn as train.step_fusion, or "
             "auto (on a CPU with train.autotune=measure: the fastest evaluation on this machine; "
             "same otherwise); speed only (float round-off of the evaluation)", resumable=True),
     F.Field("train.gpu_autotune", "auto", F.choice(F.owned("alma_jax.tuning.gpu_autotune:CHOICES")),

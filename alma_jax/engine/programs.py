@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import logging
 from flax import struct
 
 from alma_jax.engine import epoch as epoch_lib
@@ -60,10 +61,16 @@ EVAL_BATCH_AXES = ("population", "batch")
 # (train step, whole stage, scan passes) and of those that only evaluate (evaluation, reduce
 # passes), on top of the process's flags (`train.cpu_fusion`). On a CPU, XLA's default fusion
 # (jax 0.10.2) hands an MLP's gathered dots to YNNPACK, which makes its evaluation several
-# times slower than XLA's own loops; what wins depends on the model and the machine.
+# times slower than XLA's own loops, and its MLIR fusion emitters build an MLP's step more
+# slowly (and compile it for longer) than its older elemental IR emitters; what wins depends on
+# the model and the machine.
+_NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+_ELEMENTAL = {"xla_cpu_use_fusion_emitters": False}
 FUSIONS = {"same": None,  # the process's flags
-           "no_ynn": {"xla_cpu_experimental_ynn_fusion_type": ""},  # no YNNPACK fusions
-           "onednn": {"xla_cpu_use_onednn": True}}  # oneDNN's convolutions and dots
+           "no_ynn": _NO_YNN,  # no YNNPACK fusions
+           "onednn": {"xla_cpu_use_onednn": True},  # oneDNN's convolutions and dots
+           "elemental": _ELEMENTAL,  # the older emitters
+           "elemental_no_ynn": {**_ELEMENTAL, **_NO_YNN}}
 FUSION_CHOICES = ("auto",) + tuple(FUSIONS)  # auto: `alma_jax.tuning.autotune`
 _EVALUATING = ("eval", "eval_shared", "reduce")  # program kinds that take the eval options
 PROGRAM_NAMES = {"train": "the train step", "eval": "the evaluation",
@@ -93,6 +100,23 @@ def over_population(fn: Callable, in_axes: Sequence[int | None], num: int) -> Ca
     return jax.tree.map(lambda v: v[None], fn(*args))
 
   return squeezed
+
+
+@functools.cache
+def known_fusions() -> tuple[str, ...]:
+  """The values of `FUSIONS` whose options this process's XLA:CPU accepts (a jaxlib may drop
+  an option, e.g. the older emitters), found by compiling a one-operation program with each."""
+  known = []
+  cpu = jax.devices("cpu")[0]
+  for name, options in FUSIONS.items():
+    try:
+      jax.jit(lambda x: x + 1).lower(jax.device_put(np.float32(0), cpu)).compile(
+          compiler_options=options)
+    except jax.errors.JaxRuntimeError as e:
+      logging.info("XLA:CPU options %r (%s) are not available here: %s", name, options, e)
+      continue
+    known.append(name)
+  return tuple(known)
 
 
 def step_counter(epoch: int, step: int) -> np.uint32:

@@ -111,9 +111,10 @@ def stage_program_rule(config) -> str:
 
 
 def eval_fusion_candidates(config) -> tuple[str, ...]:
-  """`train.eval_fusion`'s candidates: XLA:CPU's options, on a CPU only."""
+  """`train.eval_fusion`'s candidates: XLA:CPU's options that its compiler knows, on a CPU
+  only."""
   del config
-  return tuple(programs.FUSIONS) if jax.default_backend() == "cpu" else (FUSION_RULE,)
+  return programs.known_fusions() if jax.default_backend() == "cpu" else (FUSION_RULE,)
 
 
 def step_fusion_candidates(config) -> tuple[str, ...]:
@@ -211,6 +212,8 @@ def step_facts(config, input_shape, path: str) -> dict[str, Any]:
       "width": config.model.width, "method": config.method.name,
       "batch": config.train.batch_size,
       **({"eval_batch": config.train.eval_batch_size} if path == EVAL_FUSION else {}),
+      # The options there are to choose from: a new one is measured on a machine again.
+      **({"candidates": list(programs.FUSIONS)} if path in (STEP_FUSION, EVAL_FUSION) else {}),
       "method_fields": {k: v for k, v in sorted(config.method.items())
                         if isinstance(v, (int, float, str, bool)) and k != "strategy"},
       "mesh": [config.mesh.get("num_devices"), config.mesh.get("model")],

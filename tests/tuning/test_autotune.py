@@ -182,7 +182,8 @@ def test_the_measurement_of_a_language_model_is_logged_in_tokens_per_second(tmp_
 def test_the_evaluation_options_are_timed_on_the_evaluation_and_remembered(tmp_path, caplog):
   c = helpers.small_config(stage_program="per_epoch", step_fusion="same")
   assert [t.path for t in autotune.pending(c)] == [autotune.EVAL_FUSION]
-  per_example = {"same": 4e-6, "no_ynn": 1e-6, "onednn": 2e-6}
+  per_example = {"same": 4e-6, "no_ynn": 1e-6, "onednn": 2e-6, "elemental": 5e-6,
+                 "elemental_no_ynn": 1.25e-6}
   timed = []
 
   def measure_eval(steps):
@@ -197,7 +198,8 @@ def test_the_evaluation_options_are_timed_on_the_evaluation_and_remembered(tmp_p
   assert got == {autotune.EVAL_FUSION: "no_ynn"} and not calls  # no train step timed
   assert sorted(timed) == sorted(autotune.programs.FUSIONS)
   assert ("train.eval_fusion: 'no_ynn' measured ('same' 250,000 img/s, 'no_ynn' "
-          "1,000,000 img/s, 'onednn' 500,000 img/s)") in caplog.text
+          "1,000,000 img/s, 'onednn' 500,000 img/s, 'elemental' 200,000 img/s, "
+          "'elemental_no_ynn' 800,000 img/s)") in caplog.text
   # The evaluation batch is part of what the choice depends on; the train batch too.
   key = autotune.machine_key(c, MNIST, autotune.EVAL_FUSION)
   assert json.load(open(cache)) == {key: "no_ynn"}
@@ -216,13 +218,14 @@ def test_the_train_step_options_are_timed_on_the_train_step_of_an_mlp_only(tmp_p
 
   def measure(steps):
     timed.append(steps.config.train.step_fusion)
-    return {"same": 2.0, "no_ynn": 1.0, "onednn": 3.0}[timed[-1]]
+    return {"same": 2.0, "no_ynn": 1.5, "onednn": 3.0, "elemental": 1.0,
+            "elemental_no_ynn": 1.25}[timed[-1]]
 
   build, cache = (lambda cfg: types.SimpleNamespace(config=cfg)), str(tmp_path / "machine.json")
   mlp = helpers.small_config(stage_program="per_epoch", eval_fusion="same")
   got = autotune.choose(mlp, MNIST, build, mode="measure", cache_file=cache, measure=measure,
                         measure_eval=None)
-  assert got == {autotune.STEP_FUSION: "no_ynn"}
+  assert got == {autotune.STEP_FUSION: "elemental"}
   assert sorted(timed) == sorted(autotune.programs.FUSIONS)
   # A convolution-heavy backbone's flags are the process's (train.cpu_fusion): not timed here.
   timed.clear()
@@ -233,12 +236,15 @@ def test_the_train_step_options_are_timed_on_the_train_step_of_an_mlp_only(tmp_p
   assert got == {autotune.STEP_FUSION: "same"} and not timed
 
 
-def test_each_evaluation_option_compiles_with_its_options_and_evaluates_the_same():
+def test_each_evaluation_option_compiles_with_its_options_and_evaluates_the_same(monkeypatch):
   """The options reach XLA (without YNNPACK fusions the compiled MLP evaluation has none,
   with XLA's defaults of the pinned jax it has), the timing runs, and the results agree: the
   same predictions, and the mean NLL to float32 round-off in another order: each example's
   goes through dots of length at most d = 784 and the mean sums n of them, so each of the
-  two computations is within (d + n) * 2^-24 of the exact one, relative to the magnitudes."""
+  two computations is within (d + n) * 2^-24 of the exact one, relative to the magnitudes.
+  The tests' process compiles with XLA:CPU's older emitters (tests/conftest.py), so the
+  MLIR fusion emitters of a run's "same" are compared too, as one more option."""
+  monkeypatch.setitem(autotune.programs.FUSIONS, "fusion_emitters", helpers.RUN_EMITTERS)
   ds = helpers.synthetic_dataset(n_train=64, n_test=300)
   results, texts = {}, {}
   for value in autotune.programs.FUSIONS:
@@ -252,12 +258,33 @@ def test_each_evaluation_option_compiles_with_its_options_and_evaluates_the_same
     texts[value] = program.jitted.lower(learner.params, learner.model_state, steps.programs.data,
                                         batch).compile().as_text()
     assert autotune.time_evaluation(steps) > 0
-  assert "ynn_fusion" in texts["same"] and "ynn_fusion" not in texts["no_ynn"]
+  for ynn, none in (("same", "no_ynn"), ("elemental", "elemental_no_ynn")):
+    assert "ynn_fusion" in texts[ynn] and "ynn_fusion" not in texts[none]
   d, n, u = 784, 300, 2.0**-24
   for value, (acc, nll) in results.items():
     np.testing.assert_array_equal(acc, results["same"][0], err_msg=value)
     np.testing.assert_allclose(nll, results["same"][1], rtol=2 * (d + n) * u, atol=0,
                                err_msg=value)
+
+
+def test_the_options_offered_are_those_this_xla_knows(monkeypatch):
+  """The pinned jaxlib knows every option of `FUSIONS`; one that XLA does not know (a jaxlib
+  that dropped it) is not a candidate, and a change of the options offered changes the key of a
+  remembered choice (a new option is measured again)."""
+  c = helpers.small_config(stage_program="per_epoch")
+  key = autotune.machine_key(c, MNIST, autotune.STEP_FUSION)
+  autotune.programs.known_fusions.cache_clear()
+  assert autotune.programs.known_fusions() == tuple(autotune.programs.FUSIONS)
+  assert autotune.step_fusion_candidates(c) == tuple(autotune.programs.FUSIONS)
+  monkeypatch.setitem(autotune.programs.FUSIONS, "unknown", {"xla_cpu_no_such_option": True})
+  autotune.programs.known_fusions.cache_clear()
+  try:
+    assert autotune.step_fusion_candidates(c) == autotune.eval_fusion_candidates(c)
+    assert "unknown" not in autotune.eval_fusion_candidates(c)
+    assert "elemental" in autotune.eval_fusion_candidates(c)
+    assert autotune.machine_key(c, MNIST, autotune.STEP_FUSION) != key
+  finally:
+    autotune.programs.known_fusions.cache_clear()
 
 
 @pytest.mark.parametrize("kind, evaluates", [("train", False), ("stage", False),
