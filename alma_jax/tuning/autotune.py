@@ -12,10 +12,13 @@ Crossovers measured on one CPU do not transfer to another, so when such a
 field is left to be chosen ("auto", or 0 steps per call) and
 `config.train.autotune="measure"`, the run builds the train call of every
 candidate on the run's real shapes, times a few steps of each, and keeps the
-fastest.
+fastest; for the train step's XLA options, which change how long its programs
+compile as much as how fast they run, the one that costs the least
+compilation plus the run's planned train steps (`planned_cost`).
 
 A choice is remembered under a key made of the device, the JAX version and
-the shapes that decide it:
+the shapes that decide it (and for the train step's options, the options
+offered and the order of magnitude of the planned steps):
   * in `<cache dir>/autotune.json` (beside the persistent compilation cache;
     the cache dir is `$ALMA_JAX_CACHE_DIR` or `~/.cache/alma_jax`), so only the
     first run of a shape on a machine pays for the measurement;
@@ -50,9 +53,11 @@ from alma_jax.configuration import options
 from alma_jax.data import images
 from alma_jax.engine import population
 from alma_jax.engine import programs
+from alma_jax.engine import timing
 from alma_jax.methods import ensemble
 from alma_jax.models import conv
 from alma_jax.outputs import io_utils
+from alma_jax.tuning import gpu_autotune
 
 FILE = "autotune.json"
 MODES = ("measure", "rules")
@@ -81,6 +86,9 @@ class Tunable:
   applies: Callable[[Any], bool] = lambda config: True
   measured: bool = True  # False: its rule always decides (nothing to time in a train step)
   timed: str = "train"
+  # True: a candidate costs its step programs' compilation plus the run's planned steps at its
+  # speed (`planned_cost`); False: its speed alone decides.
+  weighs_compile: bool = False
 
 
 def _get(config, path: str):
@@ -174,7 +182,8 @@ TUNABLES = (
             steps_per_call_rule),
     Tunable("train.stage_program", "auto", lambda c: ("per_epoch", "whole"), stage_program_rule,
             measured=False),
-    Tunable(STEP_FUSION, "auto", step_fusion_candidates, lambda c: FUSION_RULE),
+    Tunable(STEP_FUSION, "auto", step_fusion_candidates, lambda c: FUSION_RULE,
+            weighs_compile=True),
     Tunable(EVAL_FUSION, "auto", eval_fusion_candidates, lambda c: FUSION_RULE, timed="eval"),
 )
 
@@ -214,10 +223,30 @@ def step_facts(config, input_shape, path: str) -> dict[str, Any]:
       **({"eval_batch": config.train.eval_batch_size} if path == EVAL_FUSION else {}),
       # The options there are to choose from: a new one is measured on a machine again.
       **({"candidates": list(programs.FUSIONS)} if path in (STEP_FUSION, EVAL_FUSION) else {}),
+      **({"planned_steps": _magnitude(gpu_autotune.planned_steps(config))}
+         if _weighs_compile(path) else {}),
       "method_fields": {k: v for k, v in sorted(config.method.items())
                         if isinstance(v, (int, float, str, bool)) and k != "strategy"},
       "mesh": [config.mesh.get("num_devices"), config.mesh.get("model")],
   }
+
+
+def _weighs_compile(path: str) -> bool:
+  return any(t.weighs_compile for t in TUNABLES if t.path == path)
+
+
+def _magnitude(steps: int | None) -> str | None:
+  """The order of magnitude of a number of planned steps ("1e3" for 1,000-9,999), which a
+  choice that weighs compilation against them depends on."""
+  return None if not steps else f"1e{len(str(int(steps))) - 1}"
+
+
+def planned_cost(compile_s: float, step_s: float, planned: int | None) -> float:
+  """What a candidate costs a run: its step programs' compilation plus `planned` train steps
+  at `step_s` each (its speed alone when the planned steps are not known). An upper bound on
+  the steps (every stage runs all its epochs, `gpu_autotune.planned_steps`) favours speed;
+  programs compiled once per structure of a growing model count once."""
+  return step_s if not planned else compile_s + planned * step_s
 
 
 def machine_key(config, input_shape, path: str) -> str:
@@ -342,18 +371,29 @@ def _measure(config, tunable: Tunable, build, measure, chosen: dict) -> tuple[An
   if len(candidates) == 1:
     return candidates[0], "by rule (the only candidate here)", False
   per_call = 1 if tunable.timed == "eval" else _get(config, "train.batch_size")
+  planned = gpu_autotune.planned_steps(config) if tunable.weighs_compile else None
+  compiled, costs = {}, {}
   for candidate in candidates:
     variant = with_choices(config, {**others, **chosen, tunable.path: candidate})
     try:
+      c0 = timing.step_compile_seconds()
       steps = build(variant)
-      times[candidate] = measure(steps) / per_call
+      per_step = measure(steps)
+      compiled[candidate] = timing.step_compile_seconds() - c0
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("%s=%r could not be timed (%s: %s); the rule decides", tunable.path,
                       candidate, type(e).__name__, e)
       return tunable.rule(config), "by rule (a candidate failed)", False
-  best = min(times, key=times.get)
-  timed = ", ".join(f"{k!r} {_rate(config, v)}" for k, v in times.items())
-  return best, f"measured ({timed})", True
+    times[candidate] = per_step / per_call
+    costs[candidate] = planned_cost(compiled[candidate], per_step, planned)
+  best = min(costs, key=costs.get)
+  if not planned:
+    timed = ", ".join(f"{k!r} {_rate(config, v)}" for k, v in times.items())
+    return best, f"measured ({timed})", True
+  timed = ", ".join(f"{k!r} {_rate(config, v)}, compiled in {compiled[k]:.2f} s"
+                    for k, v in times.items())
+  return best, (f"measured ({timed}): the least compilation plus {planned:,} planned train "
+                f"steps"), True
 
 
 def example_unit(config) -> tuple[str, int]:

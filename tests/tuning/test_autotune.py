@@ -236,6 +236,46 @@ def test_the_train_step_options_are_timed_on_the_train_step_of_an_mlp_only(tmp_p
   assert got == {autotune.STEP_FUSION: "same"} and not timed
 
 
+def test_the_train_step_options_weigh_their_compilation_against_the_planned_steps(tmp_path,
+                                                                                 caplog):
+  """A candidate costs its step programs' compilation (here reported through the same
+  `jax.monitoring` events a compilation sends) plus the planned steps at its speed: an option
+  that compiles 1.5 s faster and runs 1 s slower over the run wins a short run, and loses one
+  of ten times as many steps, which is remembered under another key."""
+  from alma_jax.engine import timing  # pylint: disable=g-import-not-at-top
+  from alma_jax.tuning import gpu_autotune  # pylint: disable=g-import-not-at-top
+  c = helpers.small_config(stage_program="per_epoch", eval_fusion="same")
+  planned = gpu_autotune.planned_steps(c)
+  assert planned and planned < 10**4
+
+  def fake(planned):
+    compile_s = {"same": 2.0, "elemental": 0.5}
+    step_s = {"same": 1e-3, "elemental": 1e-3 + 1.0 / planned}
+
+    def measure(steps):
+      value = steps.config.train.step_fusion
+      timing._listener(timing.BACKEND_COMPILE, compile_s.get(value, 3.0),  # pylint: disable=protected-access
+                       fun_name="jit(alma_step_train)")
+      return step_s.get(value, 1.0)
+    return measure
+
+  build, cache = (lambda cfg: types.SimpleNamespace(config=cfg)), str(tmp_path / "machine.json")
+  with caplog.at_level(logging.INFO):
+    short = autotune.choose(c, MNIST, build, mode="measure", cache_file=cache,
+                            measure=fake(planned), measure_eval=None)
+  assert short == {autotune.STEP_FUSION: "elemental"}
+  assert "'elemental' " in caplog.text and "compiled in 0.50 s" in caplog.text
+  assert f"plus {planned:,} planned train steps" in caplog.text
+  key = autotune.machine_key(c, MNIST, autotune.STEP_FUSION)
+  c.train.epochs *= 10
+  assert gpu_autotune.planned_steps(c) == 10 * planned
+  long = autotune.choose(c, MNIST, build, mode="measure", cache_file=cache,
+                         measure=fake(planned), measure_eval=None)
+  assert long == {autotune.STEP_FUSION: "same"}
+  assert autotune.machine_key(c, MNIST, autotune.STEP_FUSION) != key
+  assert sorted(json.load(open(cache)).values()) == ["elemental", "same"]
+
+
 def test_each_evaluation_option_compiles_with_its_options_and_evaluates_the_same(monkeypatch):
   """The options reach XLA (without YNNPACK fusions the compiled MLP evaluation has none,
   with XLA's defaults of the pinned jax it has), the timing runs, and the results agree: the
