@@ -22,6 +22,7 @@ Usage:
   python benchmarks/train_speed.py --rows=vgg16_sm,vgg16_sm_xla --repeats=7
   python benchmarks/train_speed.py --quick          # fewer repeats and rows
   python benchmarks/train_speed.py --xla_ynn        # with XLA:CPU's YNN fusions
+  python benchmarks/train_speed.py --rows=mlp64_sm --fusion=elemental   # per-program options
   python benchmarks/train_speed.py --compute_dtype=bfloat16   # mixed precision
 It runs unchanged on GPU/TPU (see benchmarks/README.md).
 """
@@ -81,6 +82,10 @@ def _parse():
   p.add_argument("--xla_ynn", action="store_true", help=f"set XLA_FLAGS={YNN_FLAG} (CPU)")
   p.add_argument("--compute_dtype", default="float32", choices=("float32", "bfloat16"),
                  help="train.compute_dtype of every row")
+  p.add_argument("--fusion", default="",
+                 help="train.step_fusion and train.eval_fusion of every row (XLA:CPU's options "
+                      "of the train step and the evaluation, alma_jax.engine.programs.FUSIONS; "
+                      "default: the rule's, same)")
   p.add_argument("--no_malloc_tuning", action="store_true")
   p.add_argument("--json", default="", help="write the results here as JSON")
   return p.parse_args()
@@ -110,10 +115,11 @@ def _synthetic(np, shape, n_train=512, n_test=1000):
       num_classes=10)
 
 
-def make_trainer(name, batch_size, jax, np, compute_dtype="float32"):
+def make_trainer(name, batch_size, jax, np, compute_dtype="float32", fusion=""):
   """The real compiled train call of row `name` on synthetic data: a namespace with
   `run(calls) -> seconds` (after `warm_up()`, which compiles), `images_per_call` and the
-  parts a row reports (method, steps, learner, data)."""
+  parts a row reports (method, steps, learner, data); `fusion`: the per-program XLA options
+  of its train step and evaluation (empty: the rule's)."""
   # pylint: disable=g-import-not-at-top
   from alma_jax.configuration import config_lib
   from alma_jax import methods
@@ -137,6 +143,8 @@ def make_trainer(name, batch_size, jax, np, compute_dtype="float32"):
   c.train.compute_dtype = compute_dtype
   c.train.epochs, c.train.patience = 1, 1  # the two short stages counting compilations
   c.mesh.num_devices = 1
+  if fusion:
+    c.train.step_fusion = c.train.eval_fusion = fusion
   c = autotune.by_rules(validation.complete(c))  # the rules decide what the row leaves open
   shape = (28, 28, 1) if backbone == "mlp" else (32, 32, 3)
   ds = _synthetic(np, shape)
@@ -181,7 +189,7 @@ def bench_row(name, args, jax, jnp, np):
   # pylint: disable=g-import-not-at-top
   from alma_jax.engine.train import fit_one
   # pylint: enable=g-import-not-at-top
-  tr = make_trainer(name, args.batch_size, jax, np, args.compute_dtype)
+  tr = make_trainer(name, args.batch_size, jax, np, args.compute_dtype, args.fusion)
   if tr is None:
     return {"row": name, "skipped": f"method {ROWS[name][2]!r} is not available"}
   backbone, width, method_name = ROWS[name][:3]
@@ -241,9 +249,10 @@ def main():
   env = {"backend": jax.default_backend(), "devices": str(jax.devices()),
          "jax": jax.__version__, "malloc_tuned": cpu_tuning.is_applied(),
          "xla_flags": os.environ.get("XLA_FLAGS", ""), "peak_matmul_gflop_s": peak,
-         "compute_dtype": args.compute_dtype}
+         "compute_dtype": args.compute_dtype, "fusion": args.fusion or "rule"}
   print(f"# train speed on {env['backend']} ({env['devices']}), jax {env['jax']}, allocator tuned: "
-        f"{env['malloc_tuned']}, compute dtype {args.compute_dtype}, "
+        f"{env['malloc_tuned']}, compute dtype {args.compute_dtype}, per-program options "
+        f"{env['fusion']}, "
         f"XLA_FLAGS={env['xla_flags']!r}, matmul peak {peak:.1f} GFLOP/s",
         flush=True)
   print("| row | conv | train img/s (median, min-max) | compile s | eval img/s | GFLOP/s | "

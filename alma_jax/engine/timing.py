@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -183,35 +184,57 @@ class Breakdown:
     return out
 
 
-def seconds_per_eval_example(programs: Any, learner: Any, repeats: int = 3) -> float:
-  """Times the compiled evaluation of a stacked `learner` on a batch of dummy indices: the
-  median of `repeats` calls after the one that compiles, per example."""
-  num, b = slots.leading_size(learner.params), programs.eval_batch_size
-  batch = programs.timing_eval_batch(num)
-  fn, times = programs.eval_fn(learner, False, batch), []
-  for r in range(repeats + 1):
+# A timed repeat runs calls for at least this long: a step of a few milliseconds timed alone
+# is mostly the noise of the host (the choices of `alma_jax.tuning.autotune` rest on these).
+MIN_TIMED_S = 0.05
+
+
+def _seconds_per_call(call: Callable[[], Any], repeats: int) -> float:
+  """Seconds per call of `call` (which returns what to wait for): the first call compiles
+  and is not timed; then `repeats` timed groups of n calls, n such that a group lasts at least
+  `MIN_TIMED_S` (judged by the first timed call, which is the first group when n = 1); the
+  median over the groups, per call."""
+  jax.block_until_ready(call())  # compiles
+  t0 = time.monotonic()
+  jax.block_until_ready(call())
+  first = time.monotonic() - t0
+  n = max(1, math.ceil(MIN_TIMED_S / max(first, 1e-6)))
+  times = [first] if n == 1 else []
+  while len(times) < repeats:
     t0 = time.monotonic()
-    jax.block_until_ready(fn(learner.params, learner.model_state, programs.data, batch))
-    if r:  # the first call compiles
-      times.append(time.monotonic() - t0)
-  return float(np.median(times)) / b
+    for _ in range(n):
+      out = call()
+    jax.block_until_ready(out)
+    times.append((time.monotonic() - t0) / n)
+  return float(np.median(times))
+
+
+def seconds_per_eval_example(programs: Any, learner: Any, repeats: int = 3) -> float:
+  """Times the compiled evaluation of a stacked `learner` on a batch of dummy indices, per
+  example (`_seconds_per_call`: the median of `repeats` timed groups of calls after the one
+  that compiles)."""
+  batch = programs.timing_eval_batch(slots.leading_size(learner.params))
+  fn = programs.eval_fn(learner, False, batch)
+  call = lambda: fn(learner.params, learner.model_state, programs.data, batch)  # pylint: disable=unnecessary-lambda-assignment
+  return _seconds_per_call(call, repeats) / programs.eval_batch_size
 
 
 def seconds_per_step(programs: Any, learner: Any, repeats: int = 3) -> float:
-  """Times the compiled train call of a stacked `learner` on dummy indices (it is untouched):
-  the median of `repeats` calls after the one that compiles, per step.
+  """Times the compiled train call of a stacked `learner` on dummy indices (it is untouched),
+  per step (`_seconds_per_call`: the median of `repeats` timed groups of calls after the one
+  that compiles).
 
   `programs`: the run's `alma_jax.engine.programs.Programs`.
   """
   num = slots.leading_size(learner.params)
-  k = programs.steps_per_call
   batch = programs.timing_batch(num, programs.method.num_data_orders(learner.structure))
   keys = jax.random.split(jax.random.key(0), num)
-  state, times = programs.init_state(learner), []
-  for r in range(repeats + 1):
-    t0 = time.monotonic()
-    state, losses, _ = programs.train_call(learner.structure, state, batch, keys, np.uint32(r))
-    jax.block_until_ready(losses)
-    if r:  # the first call compiles
-      times.append(time.monotonic() - t0)
-  return float(np.median(times)) / k
+  box = {"state": programs.init_state(learner), "counter": 0}
+
+  def call():
+    box["state"], losses, _ = programs.train_call(learner.structure, box["state"], batch, keys,
+                                                  np.uint32(box["counter"]))
+    box["counter"] += 1
+    return losses
+
+  return _seconds_per_call(call, repeats) / programs.steps_per_call

@@ -66,7 +66,7 @@ SHORT_STEPS_PER_CALL = 8  # CPU, steps of a few milliseconds (`_short_steps`)
 ACCELERATOR_STEPS_PER_CALL = 8
 STEPS_PER_CALL_CANDIDATES = (1, 8)
 AUTO_STEPS_PER_CALL = 0  # the value of train.steps_per_call that asks for a choice
-TIMED_STEPS = 3  # timed calls per candidate, after the one that compiles
+TIMED_STEPS = 3  # timed groups of calls per candidate, after the one that compiles
 STEP_FUSION, EVAL_FUSION = "train.step_fusion", "train.eval_fusion"
 FUSION_RULE = "same"  # the process's XLA flags, nothing on top
 

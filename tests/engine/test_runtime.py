@@ -7,6 +7,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from alma_jax.engine import timing
@@ -70,3 +71,23 @@ def test_process_age_is_positive_and_grows():
     pytest.skip("no /proc on this system")
   time.sleep(0.02)
   assert 0 < a <= timing.process_age_s()
+
+
+@pytest.mark.parametrize("call_s, calls_per_group", [(2.0**-10, 52), (0.25, 1)])
+def test_a_timing_groups_short_calls_to_last_long_enough(monkeypatch, call_s, calls_per_group):
+  """On a clock that each call moves by `call_s` (powers of two: the clock's sums are exact):
+  the compiling call is not timed, a group holds enough calls to last MIN_TIMED_S (0.05 s:
+  52 calls of 2^-10 s; one call of 0.25 s, the first timed call then being the first group),
+  and the result is per call."""
+  assert timing.MIN_TIMED_S == 0.05
+  clock = {"now": 0.0, "calls": 0}
+  monkeypatch.setattr(timing.time, "monotonic", lambda: clock["now"])
+
+  def call():
+    clock["now"] += call_s * (10 if clock["calls"] == 0 else 1)  # the first call compiles
+    clock["calls"] += 1
+    return np.zeros(())
+
+  assert timing._seconds_per_call(call, repeats=3) == pytest.approx(call_s, rel=1e-9)  # pylint: disable=protected-access
+  timed = 3 * calls_per_group if calls_per_group > 1 else 3
+  assert clock["calls"] == 1 + (1 if calls_per_group > 1 else 0) + timed
