@@ -129,7 +129,8 @@ BASE_FIELDS = (
             "elemental (XLA's older elemental emitters in place of its MLIR fusion emitters), "
             "elemental_no_ynn (both elemental and no_ynn), "
             "or auto (on a CPU with train.autotune=measure, for a backbone that is not "
-            "convolution-heavy: the fastest train step on this machine, see "
+            "convolution-heavy: the fastest train step on this machine of same, no_ynn and "
+            "onednn, see "
             "alma_jax/tuning/autotune.py; same otherwise); speed only (float round-off)",
             resumable=True),
     F.Field("train.eval_fusion", "auto",
@@ -137,7 +138,8 @@ BASE_FIELDS = (
             "XLA:CPU options of the evaluation programs (and of the passes that only evaluate), "
             "on top of train.cpu_fusion's flags: same, no_ynn, onednn, elemental, "
             "elemental_no_ynn as train.step_fusion, or "
-            "auto (on a CPU with train.autotune=measure: the fastest evaluation on this machine; "
+            "auto (on a CPU with train.autotune=measure: the fastest evaluation on this machine "
+            "of same, no_ynn and onednn; "
             "same otherwise); speed only (float round-off of the evaluation)", resumable=True),
     F.Field("train.gpu_autotune", "auto", F.choice(F.owned("alma_jax.tuning.gpu_autotune:CHOICES")),
             "XLA's GPU autotuning level (--xla_gpu_autotune_level: 0 off, 4 XLA's default) of "

@@ -61,9 +61,9 @@ EVAL_BATCH_AXES = ("population", "batch")
 # (train step, whole stage, scan passes) and of those that only evaluate (evaluation, reduce
 # passes), on top of the process's flags (`train.cpu_fusion`). On a CPU, XLA's default fusion
 # (jax 0.10.2) hands an MLP's gathered dots to YNNPACK, which makes its evaluation several
-# times slower than XLA's own loops, and its MLIR fusion emitters build an MLP's step more
-# slowly (and compile it for longer) than its older elemental IR emitters; what wins depends on
-# the model and the machine.
+# times slower than XLA's own loops, and its MLIR fusion emitters compile an MLP's programs for
+# about twice as long as its older elemental IR emitters; what runs fastest depends on the model
+# and the machine.
 _NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
 _ELEMENTAL = {"xla_cpu_use_fusion_emitters": False}
 FUSIONS = {"same": None,  # the process's flags

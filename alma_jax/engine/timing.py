@@ -53,7 +53,6 @@ COUNTS = ("xla_programs", "step_programs", "compile_cache_requests", "compile_ca
 
 _lock = threading.Lock()
 _compile_total = 0.0
-_step_compile_total = 0.0  # XLA's compilation (or loading) of the run's steps alone
 _counts: collections.Counter = collections.Counter()
 _thread = threading.local()
 
@@ -75,7 +74,7 @@ def counting_now() -> bool:
 
 
 def _listener(event: str, duration_secs: float, **kwargs) -> None:
-  global _compile_total, _step_compile_total
+  global _compile_total
   if event in COMPILE_EVENTS and not counting_now():
     with _lock:
       _compile_total += duration_secs
@@ -83,7 +82,6 @@ def _listener(event: str, duration_secs: float, **kwargs) -> None:
         _counts["xla_programs"] += 1
         if STEP_PREFIX in str(kwargs.get("fun_name", "")):  # e.g. "jit(alma_step_train)"
           _counts["step_programs"] += 1
-          _step_compile_total += duration_secs
 
 
 def _event_listener(event: str, **kwargs) -> None:
@@ -107,12 +105,6 @@ def compile_counts() -> dict[str, int]:
 def compile_seconds() -> float:
   """Seconds this process has spent tracing, lowering and compiling so far."""
   return _compile_total
-
-
-def step_compile_seconds() -> float:
-  """Seconds XLA has spent compiling (or loading) the programs of the run's steps so far in
-  this process: what their compiler options change, without their tracing."""
-  return _step_compile_total
 
 
 def process_age_s() -> float | None:

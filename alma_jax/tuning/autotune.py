@@ -12,13 +12,10 @@ Crossovers measured on one CPU do not transfer to another, so when such a
 field is left to be chosen ("auto", or 0 steps per call) and
 `config.train.autotune="measure"`, the run builds the train call of every
 candidate on the run's real shapes, times a few steps of each, and keeps the
-fastest; for the train step's XLA options, which change how long its programs
-compile as much as how fast they run, the one that costs the least
-compilation plus the run's planned train steps (`planned_cost`).
+fastest.
 
 A choice is remembered under a key made of the device, the JAX version and
-the shapes that decide it (and for the train step's options, the options
-offered and the order of magnitude of the planned steps):
+the shapes that decide it (for XLA's options, also the options offered):
   * in `<cache dir>/autotune.json` (beside the persistent compilation cache;
     the cache dir is `$ALMA_JAX_CACHE_DIR` or `~/.cache/alma_jax`), so only the
     first run of a shape on a machine pays for the measurement;
@@ -53,11 +50,9 @@ from alma_jax.configuration import options
 from alma_jax.data import images
 from alma_jax.engine import population
 from alma_jax.engine import programs
-from alma_jax.engine import timing
 from alma_jax.methods import ensemble
 from alma_jax.models import conv
 from alma_jax.outputs import io_utils
-from alma_jax.tuning import gpu_autotune
 
 FILE = "autotune.json"
 MODES = ("measure", "rules")
@@ -69,6 +64,10 @@ AUTO_STEPS_PER_CALL = 0  # the value of train.steps_per_call that asks for a cho
 TIMED_STEPS = 3  # timed groups of calls per candidate, after the one that compiles
 STEP_FUSION, EVAL_FUSION = "train.step_fusion", "train.eval_fusion"
 FUSION_RULE = "same"  # the process's XLA flags, nothing on top
+# The XLA:CPU options `auto` measures (`programs.FUSIONS`); each costs a compilation of the
+# measured program in the first run of a shape on a machine. The older emitters (elemental,
+# elemental_no_ynn) compile faster but ran no faster when measured: set explicitly (docs/speed.md).
+MEASURED_FUSIONS = ("same", "no_ynn", "onednn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +85,6 @@ class Tunable:
   applies: Callable[[Any], bool] = lambda config: True
   measured: bool = True  # False: its rule always decides (nothing to time in a train step)
   timed: str = "train"
-  # True: a candidate costs its step programs' compilation plus the run's planned steps at its
-  # speed (`planned_cost`); False: its speed alone decides.
-  weighs_compile: bool = False
 
 
 def _get(config, path: str):
@@ -119,10 +115,12 @@ def stage_program_rule(config) -> str:
 
 
 def eval_fusion_candidates(config) -> tuple[str, ...]:
-  """`train.eval_fusion`'s candidates: XLA:CPU's options that its compiler knows, on a CPU
-  only."""
+  """`train.eval_fusion`'s candidates: XLA:CPU's options of `MEASURED_FUSIONS` that its
+  compiler knows, on a CPU only."""
   del config
-  return programs.known_fusions() if jax.default_backend() == "cpu" else (FUSION_RULE,)
+  if jax.default_backend() != "cpu":
+    return (FUSION_RULE,)
+  return tuple(v for v in MEASURED_FUSIONS if v in programs.known_fusions())
 
 
 def step_fusion_candidates(config) -> tuple[str, ...]:
@@ -182,8 +180,7 @@ TUNABLES = (
             steps_per_call_rule),
     Tunable("train.stage_program", "auto", lambda c: ("per_epoch", "whole"), stage_program_rule,
             measured=False),
-    Tunable(STEP_FUSION, "auto", step_fusion_candidates, lambda c: FUSION_RULE,
-            weighs_compile=True),
+    Tunable(STEP_FUSION, "auto", step_fusion_candidates, lambda c: FUSION_RULE),
     Tunable(EVAL_FUSION, "auto", eval_fusion_candidates, lambda c: FUSION_RULE, timed="eval"),
 )
 
@@ -222,31 +219,11 @@ def step_facts(config, input_shape, path: str) -> dict[str, Any]:
       "batch": config.train.batch_size,
       **({"eval_batch": config.train.eval_batch_size} if path == EVAL_FUSION else {}),
       # The options there are to choose from: a new one is measured on a machine again.
-      **({"candidates": list(programs.FUSIONS)} if path in (STEP_FUSION, EVAL_FUSION) else {}),
-      **({"planned_steps": _magnitude(gpu_autotune.planned_steps(config))}
-         if _weighs_compile(path) else {}),
+      **({"candidates": list(MEASURED_FUSIONS)} if path in (STEP_FUSION, EVAL_FUSION) else {}),
       "method_fields": {k: v for k, v in sorted(config.method.items())
                         if isinstance(v, (int, float, str, bool)) and k != "strategy"},
       "mesh": [config.mesh.get("num_devices"), config.mesh.get("model")],
   }
-
-
-def _weighs_compile(path: str) -> bool:
-  return any(t.weighs_compile for t in TUNABLES if t.path == path)
-
-
-def _magnitude(steps: int | None) -> str | None:
-  """The order of magnitude of a number of planned steps ("1e3" for 1,000-9,999), which a
-  choice that weighs compilation against them depends on."""
-  return None if not steps else f"1e{len(str(int(steps))) - 1}"
-
-
-def planned_cost(compile_s: float, step_s: float, planned: int | None) -> float:
-  """What a candidate costs a run: its step programs' compilation plus `planned` train steps
-  at `step_s` each (its speed alone when the planned steps are not known). An upper bound on
-  the steps (every stage runs all its epochs, `gpu_autotune.planned_steps`) favours speed;
-  programs compiled once per structure of a growing model count once."""
-  return step_s if not planned else compile_s + planned * step_s
 
 
 def machine_key(config, input_shape, path: str) -> str:
@@ -371,29 +348,18 @@ def _measure(config, tunable: Tunable, build, measure, chosen: dict) -> tuple[An
   if len(candidates) == 1:
     return candidates[0], "by rule (the only candidate here)", False
   per_call = 1 if tunable.timed == "eval" else _get(config, "train.batch_size")
-  planned = gpu_autotune.planned_steps(config) if tunable.weighs_compile else None
-  compiled, costs = {}, {}
   for candidate in candidates:
     variant = with_choices(config, {**others, **chosen, tunable.path: candidate})
     try:
-      c0 = timing.step_compile_seconds()
       steps = build(variant)
-      per_step = measure(steps)
-      compiled[candidate] = timing.step_compile_seconds() - c0
+      times[candidate] = measure(steps) / per_call
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("%s=%r could not be timed (%s: %s); the rule decides", tunable.path,
                       candidate, type(e).__name__, e)
       return tunable.rule(config), "by rule (a candidate failed)", False
-    times[candidate] = per_step / per_call
-    costs[candidate] = planned_cost(compiled[candidate], per_step, planned)
-  best = min(costs, key=costs.get)
-  if not planned:
-    timed = ", ".join(f"{k!r} {_rate(config, v)}" for k, v in times.items())
-    return best, f"measured ({timed})", True
-  timed = ", ".join(f"{k!r} {_rate(config, v)}, compiled in {compiled[k]:.2f} s"
-                    for k, v in times.items())
-  return best, (f"measured ({timed}): the least compilation plus {planned:,} planned train "
-                f"steps"), True
+  best = min(times, key=times.get)
+  timed = ", ".join(f"{k!r} {_rate(config, v)}" for k, v in times.items())
+  return best, f"measured ({timed})", True
 
 
 def example_unit(config) -> tuple[str, int]:

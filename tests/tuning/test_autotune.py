@@ -154,8 +154,8 @@ def test_a_run_records_its_choices_in_the_workdir_the_cache_and_the_summary(tmp_
   chosen = {autotune.machine_key(c, MNIST, path): summary["choices"][path]
             for path in ("train.steps_per_call", autotune.STEP_FUSION, autotune.EVAL_FUSION)}
   assert summary["choices"]["train.steps_per_call"] in autotune.STEPS_PER_CALL_CANDIDATES
-  assert summary["choices"][autotune.STEP_FUSION] in autotune.programs.FUSIONS
-  assert summary["choices"][autotune.EVAL_FUSION] in autotune.programs.FUSIONS
+  assert summary["choices"][autotune.STEP_FUSION] in autotune.MEASURED_FUSIONS
+  assert summary["choices"][autotune.EVAL_FUSION] in autotune.MEASURED_FUSIONS
   assert autotune.read(os.path.join(wd, autotune.FILE)) == chosen
   machine = autotune.read(autotune.default_cache_file())
   assert {k: machine[k] for k in chosen} == chosen
@@ -182,8 +182,7 @@ def test_the_measurement_of_a_language_model_is_logged_in_tokens_per_second(tmp_
 def test_the_evaluation_options_are_timed_on_the_evaluation_and_remembered(tmp_path, caplog):
   c = helpers.small_config(stage_program="per_epoch", step_fusion="same")
   assert [t.path for t in autotune.pending(c)] == [autotune.EVAL_FUSION]
-  per_example = {"same": 4e-6, "no_ynn": 1e-6, "onednn": 2e-6, "elemental": 5e-6,
-                 "elemental_no_ynn": 1.25e-6}
+  per_example = {"same": 4e-6, "no_ynn": 1e-6, "onednn": 2e-6}
   timed = []
 
   def measure_eval(steps):
@@ -196,10 +195,9 @@ def test_the_evaluation_options_are_timed_on_the_evaluation_and_remembered(tmp_p
     got = autotune.choose(c, MNIST, build, mode="measure", cache_file=cache, measure=measure,
                           measure_eval=measure_eval)
   assert got == {autotune.EVAL_FUSION: "no_ynn"} and not calls  # no train step timed
-  assert sorted(timed) == sorted(autotune.programs.FUSIONS)
+  assert sorted(timed) == sorted(autotune.MEASURED_FUSIONS)
   assert ("train.eval_fusion: 'no_ynn' measured ('same' 250,000 img/s, 'no_ynn' "
-          "1,000,000 img/s, 'onednn' 500,000 img/s, 'elemental' 200,000 img/s, "
-          "'elemental_no_ynn' 800,000 img/s)") in caplog.text
+          "1,000,000 img/s, 'onednn' 500,000 img/s)") in caplog.text
   # The evaluation batch is part of what the choice depends on; the train batch too.
   key = autotune.machine_key(c, MNIST, autotune.EVAL_FUSION)
   assert json.load(open(cache)) == {key: "no_ynn"}
@@ -218,15 +216,14 @@ def test_the_train_step_options_are_timed_on_the_train_step_of_an_mlp_only(tmp_p
 
   def measure(steps):
     timed.append(steps.config.train.step_fusion)
-    return {"same": 2.0, "no_ynn": 1.5, "onednn": 3.0, "elemental": 1.0,
-            "elemental_no_ynn": 1.25}[timed[-1]]
+    return {"same": 2.0, "no_ynn": 1.0, "onednn": 3.0}[timed[-1]]
 
   build, cache = (lambda cfg: types.SimpleNamespace(config=cfg)), str(tmp_path / "machine.json")
   mlp = helpers.small_config(stage_program="per_epoch", eval_fusion="same")
   got = autotune.choose(mlp, MNIST, build, mode="measure", cache_file=cache, measure=measure,
                         measure_eval=None)
-  assert got == {autotune.STEP_FUSION: "elemental"}
-  assert sorted(timed) == sorted(autotune.programs.FUSIONS)
+  assert got == {autotune.STEP_FUSION: "no_ynn"}
+  assert sorted(timed) == sorted(autotune.MEASURED_FUSIONS)
   # A convolution-heavy backbone's flags are the process's (train.cpu_fusion): not timed here.
   timed.clear()
   vgg = helpers.small_config("cifar10", width=4, stage_program="per_epoch", eval_fusion="same")
@@ -234,46 +231,6 @@ def test_the_train_step_options_are_timed_on_the_train_step_of_an_mlp_only(tmp_p
   got = autotune.choose(vgg, (32, 32, 3), build, mode="measure", cache_file=cache,
                         measure=measure, measure_eval=None)
   assert got == {autotune.STEP_FUSION: "same"} and not timed
-
-
-def test_the_train_step_options_weigh_their_compilation_against_the_planned_steps(tmp_path,
-                                                                                 caplog):
-  """A candidate costs its step programs' compilation (here reported through the same
-  `jax.monitoring` events a compilation sends) plus the planned steps at its speed: an option
-  that compiles 1.5 s faster and runs 1 s slower over the run wins a short run, and loses one
-  of ten times as many steps, which is remembered under another key."""
-  from alma_jax.engine import timing  # pylint: disable=g-import-not-at-top
-  from alma_jax.tuning import gpu_autotune  # pylint: disable=g-import-not-at-top
-  c = helpers.small_config(stage_program="per_epoch", eval_fusion="same")
-  planned = gpu_autotune.planned_steps(c)
-  assert planned and planned < 10**4
-
-  def fake(planned):
-    compile_s = {"same": 2.0, "elemental": 0.5}
-    step_s = {"same": 1e-3, "elemental": 1e-3 + 1.0 / planned}
-
-    def measure(steps):
-      value = steps.config.train.step_fusion
-      timing._listener(timing.BACKEND_COMPILE, compile_s.get(value, 3.0),  # pylint: disable=protected-access
-                       fun_name="jit(alma_step_train)")
-      return step_s.get(value, 1.0)
-    return measure
-
-  build, cache = (lambda cfg: types.SimpleNamespace(config=cfg)), str(tmp_path / "machine.json")
-  with caplog.at_level(logging.INFO):
-    short = autotune.choose(c, MNIST, build, mode="measure", cache_file=cache,
-                            measure=fake(planned), measure_eval=None)
-  assert short == {autotune.STEP_FUSION: "elemental"}
-  assert "'elemental' " in caplog.text and "compiled in 0.50 s" in caplog.text
-  assert f"plus {planned:,} planned train steps" in caplog.text
-  key = autotune.machine_key(c, MNIST, autotune.STEP_FUSION)
-  c.train.epochs *= 10
-  assert gpu_autotune.planned_steps(c) == 10 * planned
-  long = autotune.choose(c, MNIST, build, mode="measure", cache_file=cache,
-                         measure=fake(planned), measure_eval=None)
-  assert long == {autotune.STEP_FUSION: "same"}
-  assert autotune.machine_key(c, MNIST, autotune.STEP_FUSION) != key
-  assert sorted(json.load(open(cache)).values()) == ["elemental", "same"]
 
 
 def test_each_evaluation_option_compiles_with_its_options_and_evaluates_the_same(monkeypatch):
@@ -315,13 +272,13 @@ def test_the_options_offered_are_those_this_xla_knows(monkeypatch):
   key = autotune.machine_key(c, MNIST, autotune.STEP_FUSION)
   autotune.programs.known_fusions.cache_clear()
   assert autotune.programs.known_fusions() == tuple(autotune.programs.FUSIONS)
-  assert autotune.step_fusion_candidates(c) == tuple(autotune.programs.FUSIONS)
+  assert autotune.step_fusion_candidates(c) == autotune.MEASURED_FUSIONS
   monkeypatch.setitem(autotune.programs.FUSIONS, "unknown", {"xla_cpu_no_such_option": True})
+  monkeypatch.setattr(autotune, "MEASURED_FUSIONS", autotune.MEASURED_FUSIONS + ("unknown",))
   autotune.programs.known_fusions.cache_clear()
   try:
     assert autotune.step_fusion_candidates(c) == autotune.eval_fusion_candidates(c)
-    assert "unknown" not in autotune.eval_fusion_candidates(c)
-    assert "elemental" in autotune.eval_fusion_candidates(c)
+    assert autotune.eval_fusion_candidates(c) == ("same", "no_ynn", "onednn")
     assert autotune.machine_key(c, MNIST, autotune.STEP_FUSION) != key
   finally:
     autotune.programs.known_fusions.cache_clear()
