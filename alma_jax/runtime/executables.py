@@ -23,7 +23,10 @@ address) is not kept: the call goes through `jax.jit` as usual, as does every
 call outside `keeping` and in a run of several processes. A program that
 cannot be serialised (closed-over constants) is compiled and used, not kept.
 A program that JAX loaded from its persistent cache is kept from that entry's
-bytes (`_serialize_from_cache`).
+bytes (`_serialize_from_cache`); one that was called outside `keeping` first
+(a speed measurement before the run) is not kept by that process, as JAX may
+hand back from memory an executable it loaded from that cache then, without a
+hit to tell which entry.
 
 A kept program loaded from disk is reported through `jax.monitoring` as a
 compilation-cache hit and a backend compile of its name (the seconds the load
@@ -245,13 +248,16 @@ class Kept:
     except Unkeepable:
       self._site = None
     self._programs: dict[tuple, Any] = {}  # signature -> Compiled, or None: not kept
+    # Called as plain jit (outside `keeping`): JAX may then hold an executable it loaded from
+    # its persistent cache, which a later compile returns from memory without a cache hit.
+    self._ran_plain = False
     self._serial = 0  # the store `_programs` belongs to
     self._last = None  # the Compiled of the last call (no static arguments)
 
   def __call__(self, *args, **kwargs):
     store = _active
     if store is None or self._site is None or not self._static_names.issuperset(kwargs):
-      return self.jitted(*args, **kwargs)
+      return self._plain(*args, **kwargs)
     if store.serial != self._serial:
       self._programs, self._serial, self._last = {}, store.serial, None
     if self._last is not None:
@@ -268,15 +274,19 @@ class Kept:
       signature = (tree, tuple(_leaf_signature(x) for x in leaves), static)
       compiled = self._programs.get(signature, False)
     except (Unkeepable, TypeError):  # unhashable static values or unusual leaves
-      return self.jitted(*args, **kwargs)
+      return self._plain(*args, **kwargs)
     if compiled is False:
       compiled = self._load(store, args, kwargs, static, tree, leaves)
       self._programs[signature] = compiled
     if compiled is None:
-      return self.jitted(*args, **kwargs)
+      return self._plain(*args, **kwargs)
     if not self._static and not self._static_names:
       self._last = compiled
     return compiled(*dynamic)
+
+  def _plain(self, *args, **kwargs):
+    self._ran_plain = True
+    return self.jitted(*args, **kwargs)
 
   def _load(self, store: _Store, args, kwargs, static, tree, leaves):
     """The compiled program of these arguments: loaded from the store, else compiled (and
@@ -313,6 +323,8 @@ class Kept:
       compiled = self.jitted.lower(*args, **kwargs).compile()
     try:
       if _persistent_hits[0] == hits:
+        if self._ran_plain:  # perhaps loaded from JAX's persistent cache then: not kept
+          return compiled
         saved = serialize_executable.serialize(compiled)
       elif len(keys) == 1:
         saved = _serialize_from_cache(compiled, keys[0])

@@ -207,3 +207,25 @@ def test_calls_of_other_shapes_trees_or_shardings_than_the_last_run_their_own_pr
     with pytest.raises(TypeError):
       kept((jnp.ones((4,)),), np.ones((4,), np.float32), two)  # another tree: jit's own error
   assert store.stored == 4 - (len(jax.devices()) == 1)
+
+
+def test_a_program_loaded_from_the_persistent_cache_before_keeping_is_kept_with_its_code(tmp_path):
+  # The same jit called outside `keeping` first (as a run's speed measurement may): JAX loads
+  # the program from its persistent cache then, and inside `keeping` its compile is JAX's
+  # in-memory one, with no cache hit to tell; the kept program must still hold its code.
+  args = _args()
+  _kept()(*args)  # plain jit, into JAX's persistent cache
+  kept = _kept()
+  before = timing.compile_counts()["compile_cache_hits"]
+  kept(*args)  # outside `keeping`: loaded from JAX's persistent cache
+  assert timing.compile_counts()["compile_cache_hits"] == before + 1
+  with executables.keeping(str(tmp_path), "run A") as store:
+    np.testing.assert_array_equal(np.asarray(kept(*args)), _want())
+  assert store.stored == 0  # it may lack its code: not kept
+  with executables.keeping(str(tmp_path), "run A") as store:  # a later process keeps it
+    np.testing.assert_array_equal(np.asarray(_kept()(*_args())), _want())
+  assert store.stored == 1
+  with executables.keeping(str(tmp_path), "run A") as store:
+    out = _kept()(*_args())
+  assert store.loaded == 1
+  np.testing.assert_array_equal(np.asarray(out), _want())
