@@ -66,7 +66,8 @@ STEP_FUSION, EVAL_FUSION = "train.step_fusion", "train.eval_fusion"
 FUSION_RULE = "same"  # the process's XLA flags, nothing on top
 # The XLA:CPU options `auto` measures (`programs.FUSIONS`); each costs a compilation of the
 # measured program in the first run of a shape on a machine. The older emitters (elemental,
-# elemental_no_ynn) compile faster but ran no faster when measured: set explicitly (docs/speed.md).
+# elemental_no_ynn) compile faster but trained whole runs slower when measured: set explicitly
+# (docs/speed.md).
 MEASURED_FUSIONS = ("same", "no_ynn", "onednn")
 
 
