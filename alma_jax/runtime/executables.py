@@ -23,10 +23,10 @@ address) is not kept: the call goes through `jax.jit` as usual, as does every
 call outside `keeping` and in a run of several processes. A program that
 cannot be serialised (closed-over constants) is compiled and used, not kept.
 A program that JAX loaded from its persistent cache is kept from that entry's
-bytes (`_serialize_from_cache`); one that was called outside `keeping` first
-(a speed measurement before the run) is not kept by that process, as JAX may
-hand back from memory an executable it loaded from that cache then, without a
-hit to tell which entry.
+bytes (`_serialize_from_cache`); one that JAX loaded from that cache for a
+call outside `keeping` first (a speed measurement before the run) is not kept
+by that process, as JAX may then hand it back from memory without a hit to
+tell which entry.
 
 A kept program loaded from disk is reported through `jax.monitoring` as a
 compilation-cache hit and a backend compile of its name (the seconds the load
@@ -248,9 +248,9 @@ class Kept:
     except Unkeepable:
       self._site = None
     self._programs: dict[tuple, Any] = {}  # signature -> Compiled, or None: not kept
-    # Called as plain jit (outside `keeping`): JAX may then hold an executable it loaded from
-    # its persistent cache, which a later compile returns from memory without a cache hit.
-    self._ran_plain = False
+    # A plain jit call (outside `keeping`) that JAX served from its persistent cache: JAX then
+    # holds that loaded executable, which a later compile returns from memory without a hit.
+    self._loaded_plain = False
     self._serial = 0  # the store `_programs` belongs to
     self._last = None  # the Compiled of the last call (no static arguments)
 
@@ -285,8 +285,11 @@ class Kept:
     return compiled(*dynamic)
 
   def _plain(self, *args, **kwargs):
-    self._ran_plain = True
-    return self.jitted(*args, **kwargs)
+    hits = _persistent_hits[0]
+    out = self.jitted(*args, **kwargs)
+    if _persistent_hits[0] != hits:
+      self._loaded_plain = True
+    return out
 
   def _load(self, store: _Store, args, kwargs, static, tree, leaves):
     """The compiled program of these arguments: loaded from the store, else compiled (and
@@ -323,7 +326,7 @@ class Kept:
       compiled = self.jitted.lower(*args, **kwargs).compile()
     try:
       if _persistent_hits[0] == hits:
-        if self._ran_plain:  # perhaps loaded from JAX's persistent cache then: not kept
+        if self._loaded_plain:  # perhaps that loaded executable, without its code: not kept
           return compiled
         saved = serialize_executable.serialize(compiled)
       elif len(keys) == 1:

@@ -229,3 +229,20 @@ def test_a_program_loaded_from_the_persistent_cache_before_keeping_is_kept_with_
     out = _kept()(*_args())
   assert store.loaded == 1
   np.testing.assert_array_equal(np.asarray(out), _want())
+
+
+def test_a_program_compiled_before_keeping_is_kept(tmp_path):
+  # Called outside `keeping` first and compiled there (not from JAX's persistent cache), the
+  # executable JAX holds has its code: kept, and it runs when loaded again.
+  args = _args()
+  kept = _kept()
+  before = timing.compile_counts()["compile_cache_hits"]
+  kept(*args)  # outside `keeping`: compiled
+  assert timing.compile_counts()["compile_cache_hits"] == before
+  with executables.keeping(str(tmp_path), "run A") as store:
+    np.testing.assert_array_equal(np.asarray(kept(*args)), _want())
+  assert store.stored == 1
+  with executables.keeping(str(tmp_path), "run A") as store:
+    out = _kept()(*_args())
+  assert store.loaded == 1
+  np.testing.assert_array_equal(np.asarray(out), _want())
