@@ -103,20 +103,19 @@ def over_population(fn: Callable, in_axes: Sequence[int | None], num: int) -> Ca
 
 
 @functools.cache
-def known_fusions() -> tuple[str, ...]:
-  """The values of `FUSIONS` whose options this process's XLA:CPU accepts (a jaxlib may drop
-  an option, e.g. the older emitters), found by compiling a one-operation program with each."""
-  known = []
-  cpu = jax.devices("cpu")[0]
-  for name, options in FUSIONS.items():
-    try:
-      jax.jit(lambda x: x + 1).lower(jax.device_put(np.float32(0), cpu)).compile(
-          compiler_options=options)
-    except jax.errors.JaxRuntimeError as e:
-      logging.info("XLA:CPU options %r (%s) are not available here: %s", name, options, e)
-      continue
-    known.append(name)
-  return tuple(known)
+def accepts(fusion: str) -> bool:
+  """Whether this process's XLA:CPU accepts the options of `FUSIONS[fusion]` (a jaxlib may drop
+  one, e.g. the older emitters), found by compiling a one-operation program with them."""
+  options = FUSIONS[fusion]
+  if not options:
+    return True
+  try:
+    jax.jit(lambda x: x + 1).lower(jax.device_put(np.float32(0), jax.devices("cpu")[0])).compile(
+        compiler_options=options)
+  except jax.errors.JaxRuntimeError as e:
+    logging.info("XLA:CPU options %r (%s) are not available here: %s", fusion, options, e)
+    return False
+  return True
 
 
 def step_counter(epoch: int, step: int) -> np.uint32:
