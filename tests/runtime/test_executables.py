@@ -48,6 +48,15 @@ def _args(size=4):
   return jnp.full((size,), 2.0), np.arange(size, dtype=np.float32), np.float32(1.0)
 
 
+def _a_later_process_loads_it(folder):
+  """A later process (a new `Kept`, JAX's caches cleared) loads the program kept in `folder`
+  for "run A", and it computes what it should."""
+  with executables.keeping(str(folder), "run A") as store:
+    out = _kept()(*_args())
+  assert store.loaded == 1
+  np.testing.assert_array_equal(np.asarray(out), _want())
+
+
 def test_a_kept_program_is_loaded_in_a_later_process_without_tracing(tmp_path):
   TRACES.clear()
   with executables.keeping(str(tmp_path), "run A") as store:
@@ -141,9 +150,7 @@ def test_a_damaged_kept_program_is_compiled_again_and_replaced(tmp_path):
     out = _kept()(*_args())
   np.testing.assert_array_equal(np.asarray(out), _want())
   assert len(TRACES) == 1 and store.loaded == 0 and store.stored == 1
-  with executables.keeping(str(tmp_path), "run A") as store:
-    np.testing.assert_array_equal(np.asarray(_kept()(*_args())), _want())
-  assert store.loaded == 1
+  _a_later_process_loads_it(tmp_path)
 
 
 def test_a_changed_source_file_changes_the_code_digest(tmp_path, monkeypatch):
@@ -185,10 +192,7 @@ def test_a_program_jax_loaded_from_its_persistent_cache_is_kept_from_that_entry(
   assert timing.compile_counts()["compile_cache_hits"] == before + 1  # JAX's cache served it
   np.testing.assert_array_equal(np.asarray(out), _want())
   assert store.stored == 1
-  with executables.keeping(str(tmp_path), "run A") as store:
-    out = _kept()(*_args())
-  assert store.loaded == 1
-  np.testing.assert_array_equal(np.asarray(out), _want())
+  _a_later_process_loads_it(tmp_path)
 
 
 def test_calls_of_other_shapes_trees_or_shardings_than_the_last_run_their_own_programs(tmp_path):
@@ -225,10 +229,7 @@ def test_a_program_loaded_from_the_persistent_cache_before_keeping_is_kept_with_
   with executables.keeping(str(tmp_path), "run A") as store:  # a later process keeps it
     np.testing.assert_array_equal(np.asarray(_kept()(*_args())), _want())
   assert store.stored == 1
-  with executables.keeping(str(tmp_path), "run A") as store:
-    out = _kept()(*_args())
-  assert store.loaded == 1
-  np.testing.assert_array_equal(np.asarray(out), _want())
+  _a_later_process_loads_it(tmp_path)
 
 
 def test_a_program_compiled_before_keeping_is_kept(tmp_path):
@@ -242,7 +243,4 @@ def test_a_program_compiled_before_keeping_is_kept(tmp_path):
   with executables.keeping(str(tmp_path), "run A") as store:
     np.testing.assert_array_equal(np.asarray(kept(*args)), _want())
   assert store.stored == 1
-  with executables.keeping(str(tmp_path), "run A") as store:
-    out = _kept()(*_args())
-  assert store.loaded == 1
-  np.testing.assert_array_equal(np.asarray(out), _want())
+  _a_later_process_loads_it(tmp_path)
