@@ -37,6 +37,29 @@ def _exit_now(message: str, code: int):
   os._exit(code)
 
 
+def _finished() -> None:
+  """Ends the process of a run that finished, as a normal exit would but without the
+  interpreter's teardown (freeing every module and the XLA client: about 0.3 s of a short
+  run on a CPU). The run's outputs are written and closed, and its workdir lock released, by
+  then; other threads are waited for, the exit handlers run and the streams are flushed as
+  at a normal exit. Under a profiler or a tracer (cProfile, coverage, a debugger), which may
+  write its results after the program returns, the process ends normally."""
+  if sys.getprofile() is not None or sys.gettrace() is not None:
+    return
+  import atexit  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  for thread in threading.enumerate():
+    if thread is not threading.current_thread() and not thread.daemon:
+      thread.join()
+  atexit._run_exitfuncs()  # pylint: disable=protected-access
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (OSError, ValueError):
+      pass
+  os._exit(0)
+
+
 # TensorFlow (which reads the data sets) says its C++ notices at INFO: warnings and errors only,
 # unless the user chose a level. Its oneDNN notice (twice, on the first run that decodes a data
 # set) ignores that level; TensorFlow only decodes images here (integers, no float arithmetic
@@ -292,6 +315,7 @@ def main(argv):
     if _DEBUG.value:
       raise
     _fail(*errors.cli_error(e))
+  _finished()
 
 
 # `alma-jax sweep ...` and `alma-jax report ...`: the sweep launcher and the report, from any

@@ -50,17 +50,20 @@ def check_outputs(workdir, num_megabatches):
   return records, summary
 
 
-# Runs the entry point in-process and then reports which heavy modules it imported.
+# Runs the entry point in-process; an exit handler reports which heavy modules it imported.
+# A finished run ends its process after the exit handlers, without the interpreter's teardown:
+# what follows the entry point does not run.
 _MAIN_AND_REPORT_IMPORTS = """
-import runpy, sys
+import atexit, runpy, sys
 sys.argv = ["alma_jax.main"] + sys.argv[1:]
+atexit.register(lambda: print("IMPORTED:", sorted(
+    m for m in ("tensorflow", "tensorflow_datasets", "matplotlib") if m in sys.modules)))
 try:
   runpy.run_module("alma_jax.main", run_name="__main__")
 except SystemExit as e:
   if e.code:
     raise
-print("IMPORTED:", sorted(m for m in ("tensorflow", "tensorflow_datasets", "matplotlib")
-                          if m in sys.modules))
+print("AFTER THE ENTRY POINT")
 """
 
 
@@ -75,6 +78,8 @@ def test_mnist_sm_smoke_end_to_end(tmp_path):
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "IMPORTED: []" in proc.stdout, proc.stdout[-2000:]
+  assert "AFTER THE ENTRY POINT" not in proc.stdout
+  assert "done: 1 seed(s)" in proc.stderr, proc.stderr[-2000:]  # its closing line, flushed
   records, summary = check_outputs(tmp_path, 4)
   assert not records[0]["trained"] and all(r["trained"] for r in records[1:])
   assert records[0]["train_flops"] == 0 and records[1]["train_flops"] > 0
@@ -90,6 +95,18 @@ def test_mnist_sm_smoke_end_to_end(tmp_path):
   assert sum(timings[p] for p in parts) == pytest.approx(summary["wall_s"], rel=1e-6)
   assert timings["compile_s"] > 0 and timings["train_s"] > 0
   assert timings["other_s"] < 0.35 * summary["wall_s"], timings
+
+
+def test_a_finished_run_under_a_profiler_returns_to_it():
+  # A profiler (cProfile) writes its results after the program returns: the process that
+  # `alma_jax.main` would end at once after a finished run (see above) goes on under one.
+  code = ("import atexit, sys; from alma_jax import main; atexit.register(print, 'EXITING'); "
+          "sys.setprofile(lambda *args: None); main._finished(); sys.setprofile(None); "
+          "print('RETURNED')")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split() == ["RETURNED", "EXITING"]
 
 
 @requires_cifar10
