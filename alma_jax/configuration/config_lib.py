@@ -241,7 +241,7 @@ ADDED_FIELDS = ("stream.warm_start", "stream.wait_policy", "stream.shrink", "str
                 "stream.trigger_fraction", "stream.trigger_min_wait", "stream.trigger_max_wait",
                 "stream.redo_threshold", "stream.cbp_fraction", "stream.cbp_maturity",
                 "train.l2_init", "log.plasticity", "log.dormant_threshold",
-                "log.plasticity_probe")
+                "log.plasticity_probe", "method.min_slots")
 # Fields declared after runs were written whose default is not how those runs ran: a config
 # that lacks one ran with the value given here.
 ADDED_WITH_OLD_VALUE = {

@@ -37,8 +37,8 @@ Compute: both passes run the candidate network, of width 2 C_l + K per layer, th
 `ctx.scan` (counted by the core as growth compute); `fit_examples` bounds the examples used.
 
 Slots (`method.slots`, `alma_jax.models.slots`): with "pow2" every growable layer holds its
-C_l channels in S channel slots, S the next power of two of the widest layer's width, the
-first C_l active
+C_l channels in S channel slots, S the next power of two of the widest layer's width (or
+`method.min_slots`, if larger: fewer structures, more padding computed), the first C_l active
 (`model_state["slots"]["active"]`, one (S_l,) mask per layer). Inactive channels output
 exactly 0 (the backbone multiplies them by their mask), so they receive no gradient; their
 BatchNorm statistics are kept as they are in training; padding values are zeros. The
@@ -468,6 +468,10 @@ class Firefly(declared.FF, base.Method):
   def __init__(self, config, input_shape: tuple[int, ...], num_classes: int):
     super().__init__(config, input_shape, num_classes)
     self.refuse_kept_optimizer_state("a growth changes the parameter shapes")
+    if self.opts.slots == "exact" and self.opts.min_slots:
+      raise ValueError(f"method.min_slots={self.opts.min_slots} holds channels in slots, which "
+                       "method.slots='exact' does not use; set method.slots='pow2' or "
+                       "method.min_slots=0")
     self.layout: Layout = models.capability(config.model.name, "width_layout", self.name)(
         config.model, num_classes)
     self.num_layers = self.layout.num_layers
@@ -498,7 +502,8 @@ class Firefly(declared.FF, base.Method):
     growths)."""
     if self.opts.slots == "exact":
       return tuple(widths)
-    return (slots_lib.capacity(max(widths), self.opts.slots),) * len(widths)
+    return (max(int(self.opts.min_slots), slots_lib.capacity(max(widths), self.opts.slots)),
+            ) * len(widths)
 
   def program_structure(self, structure) -> tuple[int, ...]:
     """The channel slots of every growable layer (which are active is in the masks)."""

@@ -21,6 +21,7 @@ from absl import logging
 
 from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields as F
+from alma_jax.configuration import plugins
 from alma_jax.errors import ConfigError
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import tensorboard
@@ -252,11 +253,17 @@ def _is_nan(v) -> bool:
 
 def added_field_at_default(path: str, value: Any, config: dict) -> bool:
   """Whether `path` is a field declared after runs were written (`config_lib.ADDED_FIELDS`)
-  and `value` is its default in `config`: a config lacking it ran the same way."""
+  and `value` is its default in `config`: a config lacking it ran the same way. A method's
+  field is its config's method's (methods may give one path different defaults)."""
   if path not in config_lib.ADDED_FIELDS:
     return False
   dataset = config.get("data", {}).get("name", "")
-  return value == F.declared(path).default_for(dataset)
+  if path.startswith("method."):
+    method = plugins.METHODS.get(config.get("method", {}).get("name", ""))
+    field = next((f for f in getattr(method, "FIELDS", ()) if f.path == path), None)
+  else:
+    field = F.declared(path)
+  return field is not None and value == field.default_for(dataset)
 
 
 def config_diff(old: dict, new: dict, ignore: Sequence[str] | None = None) -> list[str]:

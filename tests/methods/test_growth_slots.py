@@ -7,6 +7,8 @@ outputs nor gradients, and Mem/Comp count active parts only. Also the compile
 counter of `alma_jax.engine.timing` against the steps' own cache, over whole runs.
 """
 
+import copy
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 
 from alma_jax import methods
+from alma_jax.configuration import config_lib
 from alma_jax.engine import timing
 from alma_jax.methods import ensemble
 from alma_jax.methods import firefly as ff
@@ -21,7 +24,10 @@ from alma_jax.methods import gmoe
 from alma_jax.models import moe
 from alma_jax.models import slots as slots_lib
 from alma_jax.outputs import io_utils
+from alma_jax.outputs import workdir
+from alma_jax.stream import config_resolve
 from alma_jax.stream import run as run_lib
+from alma_jax.stream import validation
 from tests import helpers
 from tests.methods.test_gmoe import SPLIT_ATOL, batch, loss_and_predictions, make_method, randomize_gates
 
@@ -407,6 +413,51 @@ def test_ff_run_compiles_once_per_power_of_two_of_the_widest_layer(tmp_path):
   # compiled per growth (the widths and the plan constants), 399 when eager.
   grown_from = len(set(slots[:-1]))
   assert programs <= 6 * len(set(slots)) + 5 * grown_from + 8, programs
+
+
+def test_ff_min_slots_holds_every_layer_in_that_many_slots_until_it_outgrows_them():
+  held = helpers.cached_method("ff", "mnist", 6, num_new=3, slots="pow2", min_slots=32)
+  _, exact = ff_methods("mnist")
+  assert held.program_structure((6, 6)) == held.program_structure((30, 12)) == (32, 32)
+  assert held.program_structure((33, 12)) == (64, 64)  # past the minimum: the next power of 2
+  with jax.enable_x64(True):
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 28, 28, 1)))
+    learner = helpers.float64(held.init(jax.random.key(0)))
+    tight = helpers.float64(exact.init(jax.random.key(0)))
+    assert ff.layer_widths(held.layout, learner.params) == (32, 32)
+    assert held.num_params(learner) == exact.num_params(tight)
+    for train_mode in (True, False):
+      chex.assert_trees_all_close(_ff_logits(held, learner, x, train_mode)[0],
+                                  _ff_logits(exact, tight, x, train_mode)[0], atol=FF_ATOL, rtol=0)
+
+
+def test_ff_min_slots_is_refused_without_slots():
+  with pytest.raises(ValueError, match=r"method.min_slots=32 .*method.slots='exact'"):
+    helpers.cached_method("ff", "mnist", 6, slots="exact", min_slots=32)
+
+
+def test_ff_runs_written_before_min_slots_resume_and_keep_their_hash():
+  new = workdir.config_dict(validation.complete(config_lib.base_config("mnist", "ff")))
+  old = copy.deepcopy(new)
+  del old["method"]["min_slots"]
+  assert new["method"]["min_slots"] == 0
+  assert workdir.config_diff(old, new) == []
+  assert config_resolve.config_hash(old) == config_resolve.config_hash(new)
+  held = copy.deepcopy(new)
+  held["method"]["min_slots"] = 16
+  assert workdir.config_diff(old, held) == ["config.method.min_slots: '<absent>' → 16"]
+  assert config_resolve.config_hash(held) != config_resolve.config_hash(new)
+
+
+def test_ff_run_with_min_slots_past_its_widest_layer_compiles_one_structure(tmp_path):
+  # Smoke: H = 8 per layer, 4 neurons per growth, 6 growths: no layer passes 32 channels.
+  summary, compiled, _ = _run(tmp_path, "ff", stream__num_megabatches=7, train__epochs=1,
+                              checkpoint__enabled=False, method__min_slots=32)
+  widths = [tuple(r["widths"]) for r in
+            io_utils.read_jsonl(str(tmp_path / "ff" / "architecture.jsonl"))]
+  assert len(set(widths)) == 7 and max(map(max, widths)) <= 32
+  # The train step and the evaluation, the candidates' fit and score: each once.
+  assert compiled == summary["num_compilations"] == 4
 
 
 # -- resume across growth in slots ---------------------------------------------------------

@@ -175,6 +175,10 @@ class FF(Declaration):
               "channel slots of the growable layers: pow2 (each the next power of two of the "
               "widest layer's width: one compiled structure per power of two) or exact (one "
               "per growth)"),
+      F.Field("method.min_slots", 0, F.integer(0),
+              "with slots=pow2, every growable layer holds at least this many channel slots "
+              "from the start: fewer structures to compile (a first run on a cold "
+              "compilation cache), more padding computed by every step; 0: none"),
   )
 
 
