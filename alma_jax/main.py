@@ -30,11 +30,17 @@ def _exit_now(message: str, code: int):
   clean-up.
   """
   print(f"alma_jax: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
-  try:
-    sys.stdout.flush()
-  except (OSError, ValueError):
-    pass
+  _flush_output()
   os._exit(code)
+
+
+def _flush_output() -> None:
+  """Flushes stdout and stderr, as the interpreter does at exit (a closed stream is left)."""
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (OSError, ValueError):
+      pass
 
 
 def _finished() -> None:
@@ -52,11 +58,7 @@ def _finished() -> None:
     if thread is not threading.current_thread() and not thread.daemon:
       thread.join()
   atexit._run_exitfuncs()  # pylint: disable=protected-access
-  for stream in (sys.stdout, sys.stderr):
-    try:
-      stream.flush()
-    except (OSError, ValueError):
-      pass
+  _flush_output()
   os._exit(0)
 
 

@@ -259,8 +259,11 @@ def added_field_at_default(path: str, value: Any, config: dict) -> bool:
     return False
   dataset = config.get("data", {}).get("name", "")
   if path.startswith("method."):
-    method = plugins.METHODS.get(config.get("method", {}).get("name", ""))
-    field = next((f for f in getattr(method, "FIELDS", ()) if f.path == path), None)
+    try:
+      fields = plugins.method(config.get("method", {}).get("name", "")).FIELDS
+    except ConfigError:  # a method this code does not know: not one of its added fields
+      fields = ()
+    field = next((f for f in fields if f.path == path), None)
   else:
     field = F.declared(path)
   return field is not None and value == field.default_for(dataset)
