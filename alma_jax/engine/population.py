@@ -17,6 +17,7 @@ from alma_jax import state as state_lib
 from alma_jax.engine import programs
 from alma_jax.models import slots
 from alma_jax.runtime import executables
+from alma_jax.runtime import fused_draws
 from alma_jax.state import Learner
 
 PyTree = Any
@@ -138,8 +139,9 @@ def initial(method, stacked_keys: jax.Array, place: Callable | None = None) -> L
 
 
 def _init_members(method, stacked_keys: jax.Array) -> Learner:
-  return stack([method.init(jax.random.fold_in(stacked_keys[i], 0))
-                for i in range(stacked_keys.shape[0])])  # inside this program
+  # Inside this program; the members' draws hashed together (the same values, less to compile).
+  return fused_draws.fuse_draws(lambda keys: stack([
+      method.init(jax.random.fold_in(keys[i], 0)) for i in range(keys.shape[0])]))(stacked_keys)
 
 
 _init_members.__name__ = _init_members.__qualname__ = programs.UTILITY_PREFIX + "init"

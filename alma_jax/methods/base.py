@@ -32,6 +32,7 @@ from alma_jax.errors import ConfigError
 from alma_jax.models import registry as backbones
 from alma_jax.models import slots
 from alma_jax.models import units
+from alma_jax.runtime import fused_draws
 from alma_jax.state import Learner
 
 PyTree = Any
@@ -365,9 +366,10 @@ class SingleBackbone:
       # One compiled program: run eagerly, the initialisers' many small ops
       # take seconds on CPU. A numpy dummy: the first call may come inside a
       # transformation (vmap, eval_shape), where a jnp array would be a
-      # tracer leaking into the cache.
+      # tracer leaking into the cache. Its draws hashed together: `fused_draws`.
       dummy = np.zeros((1,) + self.input_shape, self.task.input_dtype)
-      self._init_fn = jax.jit(lambda k: init_variables(self.backbone, k, dummy, train=False))
+      self._init_fn = jax.jit(fused_draws.fuse_draws(
+          lambda k: init_variables(self.backbone, k, dummy, train=False)))
     variables = self._init_fn(key)
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}

@@ -70,6 +70,7 @@ from alma_jax.methods.registry import register
 from alma_jax.models import registry as backbones
 from alma_jax.models import slots as slots_lib
 from alma_jax.runtime import executables
+from alma_jax.runtime import fused_draws
 
 PyTree = Any
 Path = tuple[str, ...]
@@ -528,8 +529,8 @@ class Firefly(declared.FF, base.Method):
                        f"{self.config.model.name!r}: expected {self.num_layers} widths >= 1")
     dummy = np.zeros((1,) + self.input_shape, np.float32)  # numpy: safe inside transforms
     module = self.module(widths)
-    variables = self._compiled(("init", widths),
-                               lambda k: module.init(k, dummy, train=False))(key)
+    variables = self._compiled(("init", widths), fused_draws.fuse_draws(
+        lambda k: module.init(k, dummy, train=False)))(key)
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
     if self.opts.slots != "exact":  # the active channels are those of an exact learner
@@ -662,7 +663,7 @@ class Firefly(declared.FF, base.Method):
                             (o.split_init, o.new_in_init, o.new_out_init))
       return cands, self.fit_tx.init(cands)
 
-    fitting = self._compiled(("draw", slots), draw)(learner.params, k_init,
+    fitting = self._compiled(("draw", slots), fused_draws.fuse_draws(draw))(learner.params, k_init,
                                                      np.asarray(widths, np.int32))
     idx = self.fit_indices(ctx.train_idx, k_order)
     cands, _ = ctx.scan(self.fit_batch, fitting, learner, idx)

@@ -65,6 +65,7 @@ from alma_jax.models import registry as backbones
 from alma_jax.models import slots as slots_lib
 from alma_jax.models import units
 from alma_jax.runtime import executables
+from alma_jax.runtime import fused_draws
 
 SPLIT_BY = declared.SPLIT_BY
 SLOTS = declared.SLOT_POLICIES
@@ -188,7 +189,8 @@ def _split_in_slots(lps: tuple, stats: tuple, e, leaf, gate, keys, *, flat: tupl
   return tuple(o[0] for o in out), tuple(o[1] for o in out)
 
 
-_split_in_slots = executables.jit(_split_in_slots, "_split_in_slots",
+# The layers' new gates drawn by one hash (`fused_draws`).
+_split_in_slots = executables.jit(fused_draws.fuse_draws(_split_in_slots), "_split_in_slots",
                                   static_argnames=("flat", "feat_dims", "scheme", "slots"))
 
 

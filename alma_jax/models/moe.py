@@ -58,6 +58,7 @@ from alma_jax.configuration import fields as F
 from alma_jax.models import inits
 from alma_jax.models import registry
 from alma_jax.models import slots
+from alma_jax.runtime import fused_draws
 
 PyTree = Any
 Tree = Hashable
@@ -508,8 +509,9 @@ def init(net: MoENet, key: jax.Array, structure, input_shape,
 @functools.lru_cache(maxsize=256)
 def jitted_init(net: MoENet, structure, input_shape: tuple[int, ...],
                 slots: tuple[int, ...] | None = None):
-  """`init` compiled for one (net, structure, input shape, slots); shared by equal nets."""
-  return jax.jit(lambda key: init(net, key, structure, input_shape, slots))
+  """`init` compiled for one (net, structure, input shape, slots), its draws hashed together
+  (`fused_draws`); shared by equal nets."""
+  return jax.jit(fused_draws.fuse_draws(lambda key: init(net, key, structure, input_shape, slots)))
 
 
 def mixture(net: MoENet, layer: int, routing: dict, lp: dict, stats, x, *, flat: bool,

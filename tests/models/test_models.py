@@ -20,6 +20,7 @@ from alma_jax.configuration import config_lib
 from alma_jax.engine import optim
 from alma_jax.errors import ConfigError
 from alma_jax.models import moe
+from alma_jax.runtime import fused_draws
 from alma_jax.stream import validation
 from tests import helpers
 
@@ -44,9 +45,11 @@ def _jit(fn):
 
 
 def backbone_variables(name, width, shape, init=None, key=0):
+  """As a method initialises its backbone (`Method.init_backbone`): the draws hashed together."""
   net = models.make_backbone(model_config(name, width, init), 10)
   dummy = np.zeros((1,) + shape, np.float32)
-  return _jit(lambda k: net.init(k, dummy, train=False))(jax.random.key(key))
+  return _jit(fused_draws.fuse_draws(lambda k: net.init(k, dummy, train=False)))(
+      jax.random.key(key))
 
 
 def moe_variables(name, width, shape, init=None, flat=False, experts=3, key=0):
