@@ -139,7 +139,8 @@ def initial(method, stacked_keys: jax.Array, place: Callable | None = None) -> L
 
 
 def _init_members(method, stacked_keys: jax.Array) -> Learner:
-  # Inside this program; the members' draws hashed together (the same values, less to compile).
+  # Inside this program. The methods' own initialisation programs hash their draws together
+  # (`fused_draws`); so does this one with any draw they leave (e.g. a plug-in method's).
   return fused_draws.fuse_draws(lambda keys: stack([
       method.init(jax.random.fold_in(keys[i], 0)) for i in range(keys.shape[0])]))(stacked_keys)
 

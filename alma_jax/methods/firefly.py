@@ -663,8 +663,8 @@ class Firefly(declared.FF, base.Method):
                             (o.split_init, o.new_in_init, o.new_out_init))
       return cands, self.fit_tx.init(cands)
 
-    fitting = self._compiled(("draw", slots), fused_draws.fuse_draws(draw))(learner.params, k_init,
-                                                     np.asarray(widths, np.int32))
+    draw_program = self._compiled(("draw", slots), fused_draws.fuse_draws(draw))
+    fitting = draw_program(learner.params, k_init, np.asarray(widths, np.int32))
     idx = self.fit_indices(ctx.train_idx, k_order)
     cands, _ = ctx.scan(self.fit_batch, fitting, learner, idx)
     _, sums = ctx.scan(self.score_batch, (cands, self.zero_scales(slots, host=True)),
