@@ -78,6 +78,9 @@ def child(out_path: str, argv: list[str]) -> None:
   import atexit  # pylint: disable=g-import-not-at-top
   import logging  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
+  # This checkout's package, not the installed one: run from a worktree, the script measures
+  # the worktree's code.
+  sys.path.insert(0, ROOT)
   from alma_jax import main as alma_main  # first: it tunes the allocator before JAX loads
   from alma_jax.engine import timing  # pylint: disable=g-import-not-at-top
   from jax import monitoring  # pylint: disable=g-import-not-at-top

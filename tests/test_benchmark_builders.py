@@ -4,6 +4,7 @@ config whose open fields the rules decide."""
 
 import importlib.util
 import os
+import subprocess
 import sys
 
 import jax
@@ -51,3 +52,18 @@ def test_conv_parts_rewrites_are_the_weight_gradient_and_its_network_has_16_laye
   # Each entry sums 32 products of N(0, 1) values in float32: round-off far below 1e-4.
   for fn in [parts.wgrad_xla, *parts.WGRADS.values()]:
     np.testing.assert_allclose(np.asarray(jax.jit(fn)(x, kernel, g)), exact, rtol=0, atol=1e-4)
+
+
+def test_compile_budget_s_runs_import_the_package_beside_the_script(tmp_path):
+  """Run from a worktree, `compile_budget.py` measures that tree's code: its child process
+  imports the package of the script's checkout before any other on the path."""
+  decoy = tmp_path / "decoy" / "alma_jax"
+  decoy.mkdir(parents=True)
+  (decoy / "__init__.py").write_text("raise ImportError('the decoy package was imported')\n")
+  env = dict(os.environ, PYTHONPATH=str(tmp_path / "decoy"))
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "compile_budget.py"),
+       f"--child={tmp_path / 'out.json'}", "--", "--config=configs/no_such_config.py"],
+      cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert "decoy" not in proc.stderr, proc.stderr[-2000:]
+  assert "no_such_config" in proc.stderr, proc.stderr[-2000:]
