@@ -18,7 +18,7 @@ and tests/models/test_models.py against the initialisations' fingerprints.
 
 Anything else (another key implementation, the non-partitionable Threefry,
 64-bit draws, a function with side effects, fewer than two draws) is evaluated
-as `fn` itself. Meant inside `jax.jit`: an initialisation or a growth step's
+as `fn` traced it. Meant inside `jax.jit`: an initialisation or a growth step's
 draws, not a train step (whose one draw per step gains nothing).
 """
 
@@ -84,13 +84,17 @@ def _flatten(closed, in_refs, nodes: list, fresh) -> list:
   return [read(a) for a in closed.jaxpr.outvars]
 
 
+def _counters(node: _Node) -> int:
+  """How many counters a draw hashes: its elements for each of its keys."""
+  return math.prod(node.params["shape"]) * math.prod(node.key_aval.shape)
+
+
 def _fusable(node: _Node) -> bool:
   """A draw whose bits `_hash_all` reproduces."""
   impl = getattr(node.key_aval.dtype, "_impl", None)
-  size = math.prod(node.params["shape"]) * math.prod(node.key_aval.shape)
   return (impl is jrandom.threefry_prng_impl and node.params["bit_width"] in _BIT_WIDTHS
           and getattr(node.ctx, "threefry_partitionable", False)
-          and 0 < size and math.prod(node.params["shape"]) < 2 ** 32)
+          and 0 < _counters(node) and math.prod(node.params["shape"]) < 2 ** 32)
 
 
 def _hash_all(keys: list, draws: list[_Node]) -> list:
@@ -98,7 +102,7 @@ def _hash_all(keys: list, draws: list[_Node]) -> list:
   from one Threefry hash per group of at most `MAX_GROUP` counters."""
   groups, size = [[]], 0
   for i, n in enumerate(draws):
-    count = math.prod(n.params["shape"]) * math.prod(n.key_aval.shape)
+    count = _counters(n)
     if groups[-1] and size + count > MAX_GROUP:
       groups.append([])
       size = 0
@@ -186,9 +190,10 @@ def fuse_draws(fn: Callable) -> Callable:
     in_refs = [next(fresh) for _ in closed.jaxpr.invars]
     nodes: list[_Node] = []
     out_refs = _flatten(closed, in_refs, nodes, fresh)
-    outs = _evaluate(nodes, dict(zip(in_refs, jax.tree.leaves(args))), out_refs)
-    if outs is None:
-      return bound(*args)
+    leaves = jax.tree.leaves(args)
+    outs = _evaluate(nodes, dict(zip(in_refs, leaves)), out_refs)
+    if outs is None:  # the traced function as it is (not traced again)
+      outs = jcore.jaxpr_as_fun(closed)(*leaves)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
   return fused
