@@ -76,9 +76,6 @@ try:  # Ctrl-C while the libraries load (seconds): one line, no traceback
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
   from alma_jax.tuning import cpu_tuning  # pylint: disable=g-import-not-at-top
-
-  cpu_tuning.apply()  # before JAX allocates its first buffer
-
   from alma_jax import errors  # pylint: disable=g-import-not-at-top
   from alma_jax.configuration import fields as F  # pylint: disable=g-import-not-at-top
   from alma_jax.runtime import caches  # pylint: disable=g-import-not-at-top

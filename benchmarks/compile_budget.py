@@ -81,7 +81,7 @@ def child(out_path: str, argv: list[str]) -> None:
   # This checkout's package, not the installed one: run from a worktree, the script measures
   # the worktree's code.
   sys.path.insert(0, ROOT)
-  from alma_jax import main as alma_main  # first: it tunes the allocator before JAX loads
+  from alma_jax import main as alma_main  # first: it sets the process's options before JAX starts
   from alma_jax.engine import timing  # pylint: disable=g-import-not-at-top
   from jax import monitoring  # pylint: disable=g-import-not-at-top
 

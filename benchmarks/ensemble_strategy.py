@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from alma_jax.tuning import cpu_tuning  # pylint: disable=wrong-import-position
 
-cpu_tuning.apply()  # as alma_jax.main does, before JAX allocates anything
+cpu_tuning.apply()  # as a convolution-heavy run does (`train.cpu_allocator`), before JAX starts
 
 import jax  # pylint: disable=wrong-import-position,g-import-not-at-top
 import numpy as np  # pylint: disable=wrong-import-position,g-import-not-at-top

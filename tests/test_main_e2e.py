@@ -140,8 +140,8 @@ def test_cifar_sm_smoke_end_to_end_with_waiting(tmp_path):
   # A fresh cache decodes the data set: TensorFlow's oneDNN notice is not shown.
   assert "oneDNN custom operations" not in proc.stderr, proc.stderr[-3000:]
   records, summary = check_outputs(wd, 4)
-  assert summary["choices"] == {"train.cpu_fusion": "ynn", "train.stage_program": "per_epoch",
-                                "train.steps_per_call": 1}
+  assert summary["choices"] == {"train.cpu_allocator": "tuned", "train.cpu_fusion": "ynn",
+                                "train.stage_program": "per_epoch", "train.steps_per_call": 1}
   assert [r["trained"] for r in records] == [False, False, True, False, True]
   # While waiting, the model is unchanged: same error, no training compute.
   assert records[1]["test_error"] == records[0]["test_error"]

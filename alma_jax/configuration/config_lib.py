@@ -146,6 +146,13 @@ BASE_FIELDS = (
             "the run's process on an accelerator: 0-4, or auto (0 for a run of fewer than 8,000 "
             "planned train steps, 4 otherwise; see alma_jax/tuning/gpu_autotune.py); an "
             "XLA_FLAGS that sets it wins; speed only", resumable=True),
+    F.Field("train.cpu_allocator", "auto",
+            F.choice(F.owned("alma_jax.tuning.cpu_tuning:CHOICES")),
+            "glibc's allocator settings of the run's process: tuned (freed memory kept in the "
+            "process, one arena: faster convolution steps on XLA:CPU), glibc (its defaults: "
+            "faster compilation and small steps), or auto (tuned for a convolution-heavy "
+            "backbone on a CPU, glibc otherwise; see alma_jax/tuning/cpu_tuning.py); "
+            "ALMA_JAX_MALLOC_TUNING=0 means glibc; speed only", resumable=True),
     F.Field("train.compute_dtype", "float32", F.choice(("float32", "bfloat16")),
             "arithmetic of the train and evaluation programs: float32, or bfloat16 (mixed "
             "precision: float32 parameters, optimizer and model state; for GPUs and TPUs, no "

@@ -1,16 +1,28 @@
-"""Process-level settings that make XLA:CPU training faster.
+"""glibc's allocator settings for a run's process (`train.cpu_allocator`).
 
 XLA:CPU frees and re-allocates large temporary buffers on every step. With
 glibc's default settings each of those goes through mmap/munmap, and the
 worker threads spend a large part of a core on page faults (about 29,000 per
 step for the VGG at width 16). Asking glibc to keep freed memory inside the
-process removes them: measured 1.65x faster CIFAR training on a 2-core CPU.
-The cost is that the process keeps its peak working set instead of returning
-memory to the OS between steps.
+process, in one arena, removes them (`SETTINGS`). The cost is that the
+process keeps its peak working set instead of returning memory to the OS
+between steps, and that every thread allocates from one arena under one
+lock.
 
-`apply()` must run before JAX allocates anything (ideally before importing
-it); `alma_jax.main` calls it first thing. It is a no-op on non-glibc systems
-and when ALMA_JAX_MALLOC_TUNING=0.
+That lock is what compilation and small steps pay for: XLA's compiler and
+the step's executor allocate many small blocks from both cores at once.
+Measured with jax 0.10.2 on a 2-core Intel Xeon (benchmarks/README.md, "The
+allocator"), whole runs warm and cold, the settings made P1 (VGG, CIFAR-10)
+train 1.4x faster, and made the MLP runs compile about 1.5x slower (P4 and
+Firefly's growth on a cold cache: 30-40% longer runs) with no gain in their
+steps. So `auto` (the default) tunes the allocator for a convolution-heavy
+backbone on a CPU and leaves glibc's defaults otherwise; `tuned` and `glibc`
+force either; `ALMA_JAX_MALLOC_TUNING=0` in the environment means `glibc`
+whatever the config says.
+
+`apply()` must run before JAX starts its backend (its thread pool's first
+allocations decide their arenas); `alma_jax.tuning.tune.process_flags` calls it
+when the choice says `tuned`. It is a no-op on non-glibc systems.
 """
 
 from __future__ import annotations
@@ -29,7 +41,27 @@ SETTINGS = (
     (_M_TOP_PAD, 256 << 20),  # grow the heap in 256 MiB steps
 )
 
+FIELD = "train.cpu_allocator"
+CHOICES = ("auto", "tuned", "glibc")
+ENV = "ALMA_JAX_MALLOC_TUNING"
+
 _applied: bool | None = None
+
+
+def choose(setting: str, *, conv_heavy: bool, accelerator: bool) -> tuple[str, str]:
+  """(`tuned` or `glibc`, how it was decided) for the config's `train.cpu_allocator`
+  `setting`, a run whose backbone is (or not) convolution-heavy, on an accelerator or not."""
+  if setting not in CHOICES:
+    raise ValueError(f"config.{FIELD}={setting!r}; allowed: {', '.join(CHOICES)}")
+  if os.environ.get(ENV, "1") == "0":
+    return "glibc", f"({ENV}=0 in the environment)"
+  if setting != "auto":
+    return setting, "set in the config"
+  if accelerator:
+    return "glibc", "by rule (an accelerator backend: the settings are for XLA:CPU's buffers)"
+  if conv_heavy:
+    return "tuned", "by rule (a convolution-heavy backbone on a CPU)"
+  return "glibc", "by rule (a backbone that is not convolution-heavy: compiles faster)"
 
 
 def apply() -> bool:
@@ -38,7 +70,7 @@ def apply() -> bool:
   if _applied is not None:
     return _applied
   _applied = False
-  if os.environ.get("ALMA_JAX_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
+  if os.environ.get(ENV, "1") == "0" or not sys.platform.startswith("linux"):
     return False
   try:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -3,10 +3,8 @@
 A speed choice changes how fast a run goes, never what it learns (at most the
 order of float summation). Three kinds, applied at three moments:
 
-  `cpu_tuning.apply()`    glibc's allocator, first thing in the process, before JAX loads
-                          (`alma_jax.main` does it);
-  `process_flags(...)`    the XLA:CPU fusion flags and XLA:GPU's autotuning level, before JAX
-                          starts its backend;
+  `process_flags(...)`    glibc's allocator (`train.cpu_allocator`), the XLA:CPU fusion flags
+                          and XLA:GPU's autotuning level, before JAX starts its backend;
   `run_choices(...)`      the fields left to be chosen (`model.conv_impl='auto'`,
                           `method.strategy='auto'`, `train.steps_per_call=0`,
                           `train.eval_fusion='auto'`), measured once
@@ -23,7 +21,10 @@ import jax
 from absl import logging
 
 from alma_jax.tuning import autotune
+from alma_jax import models
+from alma_jax.configuration import fields as F
 from alma_jax.tuning import cpu_fusion
+from alma_jax.tuning import cpu_tuning
 from alma_jax.tuning import gpu_autotune
 
 signature = autotune.signature
@@ -33,7 +34,8 @@ example_unit = autotune.example_unit  # what a speed counts: tokens for text, im
 
 def process_flags(config, workdir: str | None, *, shapes, multiprocess: bool,
                   debug: bool = False) -> None:
-  """Sets XLA_FLAGS for `config.train.cpu_fusion` (measured in a child process or by rule).
+  """Tunes glibc's allocator for `config.train.cpu_allocator` (by rule) and sets XLA_FLAGS for
+  `config.train.cpu_fusion` (measured in a child process or by rule).
 
   Args:
     config: the run's config.
@@ -42,6 +44,19 @@ def process_flags(config, workdir: str | None, *, shapes, multiprocess: bool,
     multiprocess: the run spans several processes (they must agree: by rule).
     debug: raise a failed measurement instead of falling back to the rule.
   """
+  _allocator.clear()
+  try:
+    allocator, how = cpu_tuning.choose(F.get(config.train, cpu_tuning.FIELD),
+                                       conv_heavy=models.spec(config.model.name).conv_heavy,
+                                       accelerator=cpu_fusion.accelerator_expected())
+  except Exception as e:  # pylint: disable=broad-except  (the run's validation names the field)
+    if debug:
+      raise
+    allocator, how = "glibc", f"by default ({type(e).__name__}: {e})"
+  if allocator == "tuned" and not cpu_tuning.apply():
+    allocator, how = "glibc", f"{how}; not applied (not glibc)"
+  _allocator.append(allocator)
+  logging.info("%s: %r %s", cpu_tuning.FIELD, allocator, how)
   try:
     value, how = cpu_fusion.choose(config, workdir, shapes=shapes, multiprocess=multiprocess)
   except Exception as e:  # pylint: disable=broad-except  (a speed choice never stops a run)
@@ -65,6 +80,7 @@ def process_flags(config, workdir: str | None, *, shapes, multiprocess: bool,
 
 
 _gpu_level: list[str] = []  # the autotuning level this process set (`process_flags`)
+_allocator: list[str] = []  # the allocator setting this process chose (`process_flags`)
 
 
 def run_choices(config, input_shape, build_steps: Callable[[Any], Any],
@@ -89,6 +105,8 @@ def run_choices(config, input_shape, build_steps: Callable[[Any], Any],
     choices[cpu_fusion.FIELD] = fusion[1]
   if _gpu_level:
     choices[gpu_autotune.FIELD] = _gpu_level[0]
+  if _allocator:
+    choices[cpu_tuning.FIELD] = _allocator[0]
   return choices, tuple(deferred)
 
 
