@@ -15,9 +15,10 @@ elsewhere compares machines, not code. This script times, in one run,
     MLP 784-H-H-10 trained with Adadelta (lr 1.0); batch 128, uint8 images
     normalised in the step, as the project does;
   PyTorch as its users run it (glibc's default allocator) and with the
-    allocator tuning that `alma_jax.main` applies to itself
-    (`alma_jax/tuning/cpu_tuning.py`; it made PyTorch faster too at width 64 on one
-    CPU), so the comparison can be read both ways;
+    allocator tuning that a run of a convolution-heavy backbone applies to
+    itself (`alma_jax/tuning/cpu_tuning.py`; it made PyTorch faster too at width 64
+    on one CPU), so the comparison can be read both ways; the project's party
+    tunes its allocator as a run of the row's backbone does;
 then alternates timed blocks of all of them (each setting's XLA flags and
 each allocator need a process of their own: one worker process per party,
 started one after another and then driven block by block, so only one runs
@@ -142,7 +143,9 @@ def parties(name: str) -> list[dict]:
 def _worker(spec: dict) -> None:
   """A party's process: builds its trainers, then answers `RUN <trainer> <calls>` lines."""
   name, batch = spec["row"], spec["batch_size"]
-  if spec["kind"] == "project" or spec.get("allocator") == "tuned":
+  if spec["kind"] == "project":
+    cpu_tuning.apply_for([ROWS[name][0]])  # as a run of the row's backbone
+  elif spec.get("allocator") == "tuned":
     cpu_tuning.apply()
   if spec["kind"] == "project":
     import jax  # pylint: disable=g-import-not-at-top

@@ -86,7 +86,9 @@ def _parse():
                  help="train.step_fusion and train.eval_fusion of every row (XLA:CPU's options "
                       "of the train step and the evaluation, alma_jax.engine.programs.FUSIONS; "
                       "default: the rule's, same)")
-  p.add_argument("--no_malloc_tuning", action="store_true")
+  p.add_argument("--allocator", default="auto", choices=("auto", "tuned", "glibc"),
+                 help="glibc's allocator as train.cpu_allocator (auto: tuned when every row's "
+                      "backbone is convolution-heavy, as their runs are)")
   p.add_argument("--json", default="", help="write the results here as JSON")
   return p.parse_args()
 
@@ -233,11 +235,6 @@ def main():
   args = _parse()
   if args.xla_ynn:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + YNN_FLAG).strip()
-  if not args.no_malloc_tuning:
-    cpu_tuning.apply()
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   if args.quick:
     args.repeats = min(args.repeats, 3)
   names = ([r for r in args.rows.split(",") if r] if args.rows else
@@ -245,6 +242,10 @@ def main():
   for n in names:
     if n not in ROWS:
       raise SystemExit(f"--rows: unknown row {n!r}; valid rows: {list(ROWS)}")
+  cpu_tuning.apply_for([ROWS[n][0] for n in names], args.allocator)  # before JAX starts
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
   peak = _peak_gflops(jax, jnp)
   env = {"backend": jax.default_backend(), "devices": str(jax.devices()),
          "jax": jax.__version__, "malloc_tuned": cpu_tuning.is_applied(),

@@ -64,6 +64,17 @@ def choose(setting: str, *, conv_heavy: bool, accelerator: bool) -> tuple[str, s
   return "glibc", "by rule (a backbone that is not convolution-heavy: compiles faster)"
 
 
+def apply_for(backbones, setting: str = "auto") -> bool:
+  """`apply()` if a run of every backbone named (on a CPU) would tune the allocator under
+  `setting`, for a benchmark that times these backbones in one process; returns whether the
+  allocator is tuned."""
+  from alma_jax import models  # pylint: disable=g-import-not-at-top  (imports JAX: no backend)
+  if all(choose(setting, conv_heavy=models.spec(b).conv_heavy, accelerator=False)[0] == "tuned"
+         for b in backbones):
+    return apply()
+  return is_applied()
+
+
 def apply() -> bool:
   """Tunes glibc's allocator for XLA:CPU; returns whether it took effect."""
   global _applied

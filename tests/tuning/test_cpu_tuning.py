@@ -73,3 +73,19 @@ def test_the_process_flags_tune_the_allocator_by_the_backbone(config, extra, exp
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected
   assert f"train.cpu_allocator: {expected[1][0]!r}" in proc.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc tuning is Linux-only")
+@pytest.mark.parametrize("backbones, setting, expected", [
+    ("vgg", "auto", True), ("mlp", "auto", False), ("vgg,mlp", "auto", False),
+    ("mlp", "tuned", True), ("vgg", "glibc", False),
+])
+def test_a_benchmark_tunes_as_runs_of_its_backbones_would(backbones, setting, expected):
+  code = ("import sys; from alma_jax.tuning import cpu_tuning; "
+          "print(cpu_tuning.apply_for(sys.argv[1].split(','), sys.argv[2]), "
+          "cpu_tuning.is_applied())")
+  env = {k: v for k, v in os.environ.items() if k != cpu_tuning.ENV}
+  proc = subprocess.run([sys.executable, "-c", code, backbones, setting], cwd=helpers.ROOT,
+                        env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split() == [str(expected)] * 2
