@@ -29,9 +29,7 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from alma_jax.tuning import cpu_tuning  # pylint: disable=wrong-import-position
-
-cpu_tuning.apply()  # as a convolution-heavy run does (`train.cpu_allocator`), before JAX starts
+from alma_jax.tuning import tune  # pylint: disable=wrong-import-position
 
 import jax  # pylint: disable=wrong-import-position,g-import-not-at-top
 import numpy as np  # pylint: disable=wrong-import-position,g-import-not-at-top
@@ -124,6 +122,7 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=7, help="timed calls per setting (median)")
   p.add_argument("--out", default="", help="also write the results as JSON here")
   args = p.parse_args(argv)
+  tune.allocator_for(args.models.split(","))  # as runs of these backbones, before JAX starts
   backend = jax.default_backend()
   print(f"backend={backend} devices={jax.devices()[0].device_kind} cpus={os.cpu_count()} "
         f"N={args.members} batch=128 repeats={args.repeats} (median ms per train step)")

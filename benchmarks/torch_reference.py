@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from alma_jax.models import vgg  # pylint: disable=wrong-import-position
 from alma_jax.tuning import cpu_fusion  # pylint: disable=wrong-import-position
 from alma_jax.tuning import cpu_tuning  # pylint: disable=wrong-import-position
+from alma_jax.tuning import tune  # pylint: disable=wrong-import-position
 from benchmarks import train_speed  # pylint: disable=wrong-import-position
 
 # row -> (torch backbone, width, the project's rows of train_speed.ROWS for the same step)
@@ -144,7 +145,7 @@ def _worker(spec: dict) -> None:
   """A party's process: builds its trainers, then answers `RUN <trainer> <calls>` lines."""
   name, batch = spec["row"], spec["batch_size"]
   if spec["kind"] == "project":
-    cpu_tuning.apply_for([ROWS[name][0]])  # as a run of the row's backbone
+    tune.allocator_for([ROWS[name][0]])  # as a run of the row's backbone
   elif spec.get("allocator") == "tuned":
     cpu_tuning.apply()
   if spec["kind"] == "project":

@@ -40,6 +40,7 @@ import types
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from alma_jax.tuning import cpu_tuning  # pylint: disable=wrong-import-position
+from alma_jax.tuning import tune  # pylint: disable=wrong-import-position  (no backend yet)
 
 YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce"
 
@@ -242,7 +243,7 @@ def main():
   for n in names:
     if n not in ROWS:
       raise SystemExit(f"--rows: unknown row {n!r}; valid rows: {list(ROWS)}")
-  cpu_tuning.apply_for([ROWS[n][0] for n in names], args.allocator)  # before JAX starts
+  tune.allocator_for([ROWS[n][0] for n in names], args.allocator)  # before JAX starts
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top

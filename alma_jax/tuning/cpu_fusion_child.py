@@ -15,7 +15,7 @@ import sys
 
 from alma_jax.tuning import cpu_tuning
 
-cpu_tuning.apply()  # as a run of a convolution-heavy backbone: the allocator is part of what is timed
+cpu_tuning.apply()  # as a convolution-heavy run: the allocator is part of what is timed
 
 import ml_collections  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position

@@ -12,10 +12,10 @@ lock.
 That lock is what compilation and small steps pay for: XLA's compiler and
 the step's executor allocate many small blocks from both cores at once.
 Measured with jax 0.10.2 on a 2-core Intel Xeon (benchmarks/README.md, "The
-allocator"), whole runs warm and cold, the settings made P1 (VGG, CIFAR-10)
-train 1.4x faster, and made the MLP runs compile about 1.5x slower (P4 and
-Firefly's growth on a cold cache: 30-40% longer runs) with no gain in their
-steps. So `auto` (the default) tunes the allocator for a convolution-heavy
+allocator"), the settings made P1 (VGG, CIFAR-10) train 1.6x faster and
+every program compile about 1.6x slower: without them the MLP runs (P3, P4,
+Firefly's growth) on a cold cache took 14-27% less time, their warm runs no
+more. So `auto` (the default) tunes the allocator for a convolution-heavy
 backbone on a CPU and leaves glibc's defaults otherwise; `tuned` and `glibc`
 force either; `ALMA_JAX_MALLOC_TUNING=0` in the environment means `glibc`
 whatever the config says.
@@ -62,17 +62,6 @@ def choose(setting: str, *, conv_heavy: bool, accelerator: bool) -> tuple[str, s
   if conv_heavy:
     return "tuned", "by rule (a convolution-heavy backbone on a CPU)"
   return "glibc", "by rule (a backbone that is not convolution-heavy: compiles faster)"
-
-
-def apply_for(backbones, setting: str = "auto") -> bool:
-  """`apply()` if a run of every backbone named (on a CPU) would tune the allocator under
-  `setting`, for a benchmark that times these backbones in one process; returns whether the
-  allocator is tuned."""
-  from alma_jax import models  # pylint: disable=g-import-not-at-top  (imports JAX: no backend)
-  if all(choose(setting, conv_heavy=models.spec(b).conv_heavy, accelerator=False)[0] == "tuned"
-         for b in backbones):
-    return apply()
-  return is_applied()
 
 
 def apply() -> bool:

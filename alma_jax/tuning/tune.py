@@ -20,9 +20,9 @@ from typing import Any, Callable
 import jax
 from absl import logging
 
-from alma_jax.tuning import autotune
 from alma_jax import models
 from alma_jax.configuration import fields as F
+from alma_jax.tuning import autotune
 from alma_jax.tuning import cpu_fusion
 from alma_jax.tuning import cpu_tuning
 from alma_jax.tuning import gpu_autotune
@@ -77,6 +77,16 @@ def process_flags(config, workdir: str | None, *, shapes, multiprocess: bool,
     gpu_autotune.apply(level)
     _gpu_level.append(level)
     logging.info("%s: %r %s", gpu_autotune.FIELD, level, how)
+
+
+def allocator_for(backbones, setting: str = "auto") -> bool:
+  """Tunes glibc's allocator if a run of every backbone named would, on a CPU, under
+  `train.cpu_allocator=setting`: for a benchmark that times these backbones in one process,
+  before JAX starts its backend. Returns whether the allocator is tuned."""
+  if all(cpu_tuning.choose(setting, conv_heavy=models.spec(b).conv_heavy,
+                           accelerator=False)[0] == "tuned" for b in backbones):
+    return cpu_tuning.apply()
+  return cpu_tuning.is_applied()
 
 
 _gpu_level: list[str] = []  # the autotuning level this process set (`process_flags`)

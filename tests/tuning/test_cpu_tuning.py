@@ -81,8 +81,8 @@ def test_the_process_flags_tune_the_allocator_by_the_backbone(config, extra, exp
     ("mlp", "tuned", True), ("vgg", "glibc", False),
 ])
 def test_a_benchmark_tunes_as_runs_of_its_backbones_would(backbones, setting, expected):
-  code = ("import sys; from alma_jax.tuning import cpu_tuning; "
-          "print(cpu_tuning.apply_for(sys.argv[1].split(','), sys.argv[2]), "
+  code = ("import sys; from alma_jax.tuning import cpu_tuning, tune; "
+          "print(tune.allocator_for(sys.argv[1].split(','), sys.argv[2]), "
           "cpu_tuning.is_applied())")
   env = {k: v for k, v in os.environ.items() if k != cpu_tuning.ENV}
   proc = subprocess.run([sys.executable, "-c", code, backbones, setting], cwd=helpers.ROOT,
