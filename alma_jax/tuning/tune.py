@@ -44,7 +44,6 @@ def process_flags(config, workdir: str | None, *, shapes, multiprocess: bool,
     multiprocess: the run spans several processes (they must agree: by rule).
     debug: raise a failed measurement instead of falling back to the rule.
   """
-  _allocator.clear()
   try:
     allocator, how = cpu_tuning.choose(F.get(config.train, cpu_tuning.FIELD),
                                        conv_heavy=models.spec(config.model.name).conv_heavy,
@@ -55,7 +54,6 @@ def process_flags(config, workdir: str | None, *, shapes, multiprocess: bool,
     allocator, how = "glibc", f"by default ({type(e).__name__}: {e})"
   if allocator == "tuned" and not cpu_tuning.apply():
     allocator, how = "glibc", f"{how}; not applied (not glibc)"
-  _allocator.append(allocator)
   logging.info("%s: %r %s", cpu_tuning.FIELD, allocator, how)
   try:
     value, how = cpu_fusion.choose(config, workdir, shapes=shapes, multiprocess=multiprocess)
@@ -90,7 +88,6 @@ def allocator_for(backbones, setting: str = "auto") -> bool:
 
 
 _gpu_level: list[str] = []  # the autotuning level this process set (`process_flags`)
-_allocator: list[str] = []  # the allocator setting this process chose (`process_flags`)
 
 
 def run_choices(config, input_shape, build_steps: Callable[[Any], Any],
@@ -115,8 +112,8 @@ def run_choices(config, input_shape, build_steps: Callable[[Any], Any],
     choices[cpu_fusion.FIELD] = fusion[1]
   if _gpu_level:
     choices[gpu_autotune.FIELD] = _gpu_level[0]
-  if _allocator:
-    choices[cpu_tuning.FIELD] = _allocator[0]
+  if cpu_tuning.is_applied():  # glibc's defaults, the state of a process that did not choose
+    choices[cpu_tuning.FIELD] = "tuned"
   return choices, tuple(deferred)
 
 

@@ -86,7 +86,6 @@ def test_the_process_flags_set_and_record_the_level_only_on_an_accelerator(monke
     assert os.environ["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false"
     assert not tune._gpu_level  # pylint: disable=protected-access
   tune._gpu_level.clear()  # pylint: disable=protected-access
-  tune._allocator.clear()  # pylint: disable=protected-access
 
 
 def test_an_unknown_level_is_refused_naming_the_field_and_the_allowed_values():
