@@ -1,7 +1,7 @@
 """The speed choices of a run, behind one entry point.
 
 A speed choice changes how fast a run goes, never what it learns (at most the
-order of float summation). Three kinds, applied at three moments:
+order of float summation). Two moments apply them:
 
   `process_flags(...)`    glibc's allocator (`train.cpu_allocator`), the XLA:CPU fusion flags
                           and XLA:GPU's autotuning level, before JAX starts its backend;
