@@ -107,7 +107,7 @@ def _seed_keys(seeds: tuple[int, ...]) -> jax.Array:
 
 
 _seed_keys.__name__ = _seed_keys.__qualname__ = programs.UTILITY_PREFIX + "keys"
-_keys = executables.jit(_seed_keys, _seed_keys.__name__, static_argnums=0)
+_keys = executables.jit(_seed_keys, _seed_keys.__name__, once=True, static_argnums=0)
 
 
 def stack_keys(key_list: Sequence[jax.Array]) -> jax.Array:

@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import logging
 from flax import struct
 
 from alma_jax.engine import epoch as epoch_lib
@@ -73,6 +72,9 @@ FUSIONS = {"same": None,  # the process's flags
            "elemental_no_ynn": {**_ELEMENTAL, **_NO_YNN}}
 FUSION_CHOICES = ("auto",) + tuple(FUSIONS)  # auto: `alma_jax.tuning.autotune`
 _EVALUATING = ("eval", "eval_shared", "reduce")  # program kinds that take the eval options
+# Program kinds that run about once per structure (a pass that growth or a probe runs over
+# data): compiled for a short compile on a CPU (`executables.once_options`).
+_ONCE = ("reduce", "scan")
 PROGRAM_NAMES = {"train": "the train step", "eval": "the evaluation",
                  "eval_shared": "the evaluation", "stage": "the whole training stage"}
 
@@ -106,16 +108,7 @@ def over_population(fn: Callable, in_axes: Sequence[int | None], num: int) -> Ca
 def accepts(fusion: str) -> bool:
   """Whether this process's XLA:CPU accepts the options of `FUSIONS[fusion]` (a jaxlib may drop
   one, e.g. the older emitters), found by compiling a one-operation program with them."""
-  options = FUSIONS[fusion]
-  if not options:
-    return True
-  try:
-    jax.jit(lambda x: x + 1).lower(jax.device_put(np.float32(0), jax.devices("cpu")[0])).compile(
-        compiler_options=options)
-  except jax.errors.JaxRuntimeError as e:
-    logging.info("XLA:CPU options %r (%s) are not available here: %s", fusion, options, e)
-    return False
-  return True
+  return executables.accepts(FUSIONS[fusion])
 
 
 def step_counter(epoch: int, step: int) -> np.uint32:
@@ -137,12 +130,13 @@ def _short(value, limit: int = 80) -> str:
 def utility(fn: Callable, name: str, key: Any = ()) -> Callable:
   """`jax.jit(fn)` for a small program that moves data (not a step of the run's count); kept
   across processes (`executables`) by the code location of `fn` and `key` (what else its
-  closure was built for)."""
+  closure was built for), and compiled for a short compile (`executables.once_options`: its
+  work is small)."""
   def program(*args):
     return fn(*args)
 
   program.__name__ = program.__qualname__ = UTILITY_PREFIX + name
-  return executables.jit(program, UTILITY_PREFIX + name, key, origin=fn)
+  return executables.jit(program, UTILITY_PREFIX + name, key, origin=fn, once=True)
 
 
 class CompileListener(Protocol):
@@ -165,7 +159,7 @@ class Program:
   def __init__(self, fn: Callable, in_shardings: tuple, out_shardings, donate: tuple,
                name: str = "program", *, what: str = "", why: str = "",
                listener: CompileListener | None = None, options: dict | None = None,
-               key: Any = None):
+               key: Any = None, once: bool = False):
     self.in_shardings = in_shardings
     self.what, self.why, self.listener = what or name, why, listener
 
@@ -175,12 +169,14 @@ class Program:
     # The name marks the compilations of steps in `jax.monitoring` (`alma_jax.engine.timing`).
     program.__name__ = program.__qualname__ = timing.STEP_PREFIX + name
     # Kept across processes (`executables`) under `key`, what `fn` was built for (None: not
-    # kept).
-    kept = executables.jit(program, timing.STEP_PREFIX + name, key, in_shardings=in_shardings,
-                           out_shardings=out_shardings, donate_argnums=donate,
-                           compiler_options=options)
-    self.jitted = kept.jitted
-    self._run = self.jitted if key is None else kept
+    # kept); `once`: a program that runs about once per structure, compiled for a short
+    # compile (`executables.once_options`).
+    kept = executables.jit(program, timing.STEP_PREFIX + name, key, once=once,
+                           in_shardings=in_shardings, out_shardings=out_shardings,
+                           donate_argnums=donate, compiler_options=options)
+    self.jitted = kept.jitted  # as traced inside another program
+    self.top_jitted = kept.top_jitted  # () -> the jit of its calls
+    self._run = kept.top_jitted() if key is None else kept
 
   def __call__(self, *args):
     if self.listener is None:
@@ -252,11 +248,11 @@ class Programs:
     if key not in self._cache:
       name = "".join(c if c.isalnum() else "_" for c in str(key[0]))
       what, why = self.describe(key)
-      evaluating = str(key[0]).split(" ")[0] in _EVALUATING
+      kind = str(key[0]).split(" ")[0]
       self._cache[key] = Program(build(), *shardings(), donate, name, what=what, why=why,
                                  listener=self.listener,
-                                 options=self.eval_options if evaluating else self.step_options,
-                                 key=key)
+                                 options=self.eval_options if kind in _EVALUATING
+                                 else self.step_options, key=key, once=kind in _ONCE)
     return self._cache[key]
 
   def describe(self, key: tuple) -> tuple[str, str]:

@@ -697,9 +697,9 @@ class Firefly(declared.FF, base.Method):
   def _compiled(self, key: tuple, fn: Callable) -> Callable:
     """`jax.jit(fn)`, kept under `key` (the static inputs `fn` closes over; also across
     processes: `executables`): initialisation and growth run as a few compiled programs, not
-    as an operation at a time."""
+    as an operation at a time, each compiled for a short compile (it runs once)."""
     if key not in self._programs:
-      self._programs[key] = executables.jit(fn, f"firefly_{key[0]}", key)
+      self._programs[key] = executables.jit(fn, f"firefly_{key[0]}", key, once=True)
     return self._programs[key]
 
   # -- accounting -------------------------------------------------------------------------------

@@ -191,6 +191,7 @@ def _split_in_slots(lps: tuple, stats: tuple, e, leaf, gate, keys, *, flat: tupl
 
 # The layers' new gates drawn by one hash (`fused_draws`).
 _split_in_slots = executables.jit(fused_draws.fuse_draws(_split_in_slots), "_split_in_slots",
+                                  once=True,
                                   static_argnames=("flat", "feat_dims", "scheme", "slots"))
 
 

@@ -237,14 +237,17 @@ class Kept:
   without tracing. Arguments are positional, but for those that `static_argnames` names."""
 
   def __init__(self, fn: Callable, name: str, key: Any = (), origin: Callable | None = None,
-               **options):
+               once: bool = False, **options):
     self.jitted = jax.jit(fn, **options)
     self.name = name
+    self._fn, self._options, self._once = fn, options, once
+    self._top_jitted = None  # the jit of calls outside a trace (`_top`)
     self._static = tuple(sorted(options.get("static_argnums", ()) or ()))
     self._static_names = frozenset(options.get("static_argnames", ()) or ())
     try:
       self._site = "\n".join((name, site_of(origin or fn), stable(key),
-                              stable(sorted((k, repr(v)) for k, v in options.items()))))
+                              stable(sorted((k, repr(v)) for k, v in options.items())),
+                              "once" if once else ""))
     except Unkeepable:
       self._site = None
     self._programs: dict[tuple, Any] = {}  # signature -> Compiled, or None: not kept
@@ -284,9 +287,42 @@ class Kept:
       self._last = compiled
     return compiled(*dynamic)
 
+  def top_jitted(self):
+    """The jit of a call outside another program's trace: with `ONCE_OPTIONS` for a program
+    that runs about once (`once_options`, decided at its first call: the backend is known
+    then). A call inside a trace becomes part of that program, which has options of its own."""
+    if self._top_jitted is None:
+      given = self._options.get("compiler_options")
+      options = once_options(given) if self._once else given
+      self._top_jitted = (self.jitted if options == given else
+                          jax.jit(self._fn, **{**self._options, "compiler_options": options}))
+    return self._top_jitted
+
+  def _outside_traces(self, run: Callable, args, kwargs):
+    """`run(jit)` with `top_jitted()`, or with the jit without `ONCE_OPTIONS` inside another
+    program's trace and where XLA does not know them (a jaxlib that dropped one: then no
+    program of the process asks for them again)."""
+    top = self.top_jitted()
+    if top is self.jitted or any(isinstance(x, jax.core.Tracer)
+                                 for x in jax.tree.leaves((args, kwargs))):
+      return run(self.jitted)
+    try:
+      return run(top)
+    except ValueError as e:  # inside a trace that the arguments do not show (constants)
+      if "compiler_options" not in str(e):
+        raise
+    except jax.errors.JaxRuntimeError as e:
+      if "No such compile option" not in str(e):
+        raise
+      _log.info("XLA:CPU does not know %s (%s): programs that run once are compiled as "
+                "the others", ONCE_OPTIONS, e)
+      _refused.append(str(e))
+      self._top_jitted = self.jitted
+    return run(self.jitted)
+
   def _plain(self, *args, **kwargs):
     hits = _persistent_hits[0]
-    out = self.jitted(*args, **kwargs)
+    out = self._outside_traces(lambda jitted: jitted(*args, **kwargs), args, kwargs)
     if _persistent_hits[0] != hits:
       self._loaded_plain = True
     return out
@@ -323,7 +359,8 @@ class Kept:
         return compiled
     hits = _persistent_hits[0]
     with _persistent_cache_keys() as keys:
-      compiled = self.jitted.lower(*args, **kwargs).compile()
+      compiled = self._outside_traces(lambda jitted: jitted.lower(*args, **kwargs).compile(),
+                                      args, kwargs)
     try:
       if _persistent_hits[0] == hits:
         if self._loaded_plain:  # perhaps that loaded executable, without its code: not kept
@@ -395,11 +432,49 @@ def _serialize_from_cache(compiled, cache_key: str) -> tuple:
 
 
 def jit(fn: Callable, name: str, key: Any = (), origin: Callable | None = None,
-        **options) -> Kept:
+        once: bool = False, **options) -> Kept:
   """`jax.jit(fn, **options)`, its programs kept while `keeping` is active; `name` and `key`
   tell it apart from every other program that the code location of `origin` (default `fn`:
-  the function a wrapper calls) does not, e.g. the structure a closure was built for."""
-  return Kept(fn, name, key, origin, **options)
+  the function a wrapper calls) does not, e.g. the structure a closure was built for.
+  `once`: a program that runs about once per structure it is built for, compiled for a short
+  compile (`once_options`)."""
+  return Kept(fn, name, key, origin, once, **options)
+
+
+# XLA:CPU's options for a program that runs about once per structure it is built for (an
+# initialisation, a growth, a pass over data that growth or a probe runs): the older elemental
+# emitters compile such programs in about two thirds of the time of the MLIR fusion emitters,
+# and their run time is small beside their compile (benchmarks/README.md, "Programs that run
+# once").
+ONCE_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+
+
+_refused: list[str] = []  # why XLA refused ONCE_OPTIONS in this process, if it did
+
+
+def once_options(options: dict | None = None) -> dict | None:
+  """`options` (XLA compiler options) with `ONCE_OPTIONS` on top where the backend is a CPU
+  (whose XLA has not refused them); elsewhere `options`."""
+  if _refused or jax.default_backend() != "cpu":
+    return options
+  return {**(options or {}), **ONCE_OPTIONS}
+
+
+def accepts(options: dict | None) -> bool:
+  """Whether this process's XLA:CPU accepts the compiler options `options` (a jaxlib may drop
+  one), found once by compiling a one-operation program with them."""
+  return not options or _accepts(tuple(sorted(options.items())))
+
+
+@functools.cache
+def _accepts(items: tuple) -> bool:
+  try:
+    jax.jit(lambda x: x + 1).lower(jax.device_put(np.float32(0), jax.devices("cpu")[0])).compile(
+        compiler_options=dict(items))
+  except jax.errors.JaxRuntimeError as e:
+    _log.info("XLA:CPU options %s are not available here: %s", dict(items), e)
+    return False
+  return True
 
 
 def shapes(tree) -> str:

@@ -78,7 +78,7 @@ def test_a_kept_program_is_loaded_in_a_later_process_without_tracing(tmp_path):
   assert after["xla_programs"] - before["xla_programs"] == 1
 
 
-@pytest.mark.parametrize("change", ["context", "key", "name", "shape", "dtype", "options"])
+@pytest.mark.parametrize("change", ["context", "key", "name", "shape", "dtype", "options", "once"])
 def test_anything_that_can_change_the_program_misses_the_kept_one(tmp_path, change):
   with executables.keeping(str(tmp_path), "run A"):
     _kept()(*_args())
@@ -95,6 +95,8 @@ def test_anything_that_can_change_the_program_misses_the_kept_one(tmp_path, chan
     w, x = jnp.full((5,), 2.0), np.arange(5, dtype=np.float32)
   elif change == "dtype":
     n = np.int32(1)
+  elif change == "once":
+    kept = _kept(once=True)
   else:
     kept = _kept(donate_argnums=(0,))
   with executables.keeping(str(tmp_path), context) as store:
@@ -244,3 +246,54 @@ def test_a_program_compiled_before_keeping_is_kept(tmp_path):
     np.testing.assert_array_equal(np.asarray(kept(*args)), _want())
   assert store.stored == 1
   _a_later_process_loads_it(tmp_path)
+
+
+# -- programs that run once ------------------------------------------------------------------------
+# XLA:CPU's option that keeps YNNPACK's fusions out of a program: visible in its compiled text.
+_NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def _gathered_dot(x, w, idx):
+  return (x[idx] @ w).sum(-1)  # a dot that XLA:CPU hands to YNNPACK by default (jax 0.10.2)
+
+
+def _gathered_dot_args():
+  return (np.ones((256, 784), np.float32), np.ones((784, 64), np.float32),
+          np.arange(256, dtype=np.int32) % 7)
+
+
+def test_a_program_that_runs_once_compiles_with_the_once_options_except_inside_a_trace(
+    tmp_path, monkeypatch):
+  monkeypatch.setattr(executables, "ONCE_OPTIONS", _NO_YNN)
+  monkeypatch.setattr(executables, "_refused", [])
+  assert executables.once_options() == _NO_YNN
+  assert executables.once_options({"xla_cpu_use_onednn": True}) == {
+      "xla_cpu_use_onednn": True, **_NO_YNN}
+  args = _gathered_dot_args()
+  once = executables.jit(_gathered_dot, "gathered_dot", (_OFFSET[0],), once=True)
+  plain = executables.jit(_gathered_dot, "gathered_dot", (_OFFSET[0],))
+  assert "ynn_fusion" in plain.jitted.lower(*args).compile().as_text()  # the default
+  # Outside `keeping` and inside it (the program it keeps), with the options.
+  assert "ynn_fusion" not in once.top_jitted().lower(*args).compile().as_text()
+  with executables.keeping(str(tmp_path), "run A") as store:
+    out = once(*args)
+  assert store.stored == 1 and "ynn_fusion" not in once._last.as_text()
+  # Inside another program's trace it is part of that program: no options of its own, with
+  # traced arguments or constants alike.
+  outer = jax.jit(lambda x, w: once(x, w, args[2]) + 1)
+  np.testing.assert_array_equal(np.asarray(outer(*args[:2])), np.asarray(out) + 1)
+  assert jax.eval_shape(lambda: once(*args)).shape == (256,)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_once_options_that_xla_does_not_know_are_dropped_for_the_process(tmp_path, monkeypatch,
+                                                                        keep):
+  monkeypatch.setattr(executables, "ONCE_OPTIONS", {"xla_cpu_no_such_option": True})
+  monkeypatch.setattr(executables, "_refused", [])
+  assert not executables.accepts(executables.ONCE_OPTIONS)
+  once = executables.jit(_gathered_dot, "gathered_dot", (_OFFSET[0], keep), once=True)
+  with executables.keeping(str(tmp_path) if keep else None, "run A"):
+    assert once(*_gathered_dot_args()).shape == (256,)  # compiled without them
+  assert "No such compile option" in executables._refused[0]
+  assert once.top_jitted() is once.jitted
+  assert executables.once_options(_NO_YNN) == _NO_YNN and executables.once_options() is None

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from alma_jax.engine import population
+from alma_jax.runtime import executables
 from alma_jax.stream import run as run_lib
 from alma_jax.stream import validation
 from alma_jax.tuning import autotune
@@ -306,6 +307,25 @@ def test_each_program_kind_gets_the_options_of_what_it_does(kind, evaluates):
   same = helpers.make_steps(c, ds)[1].programs.program(
       (kind, (), 1), lambda: lambda x, w, i: (x[i] @ w).sum(-1), lambda: ((rep, rep, rep), rep))
   assert "ynn_fusion" in same.jitted.lower(x, w, idx).compile().as_text()
+
+
+@pytest.mark.parametrize("kind, once", [("train", False), ("eval", False), ("scan fit", True),
+                                        ("reduce score", True)])
+def test_the_passes_that_growth_runs_get_the_options_of_programs_that_run_once(
+    kind, once, monkeypatch):
+  """A pass over data (a growth's fit or score, a probe) runs about once per structure: its
+  program takes `executables.ONCE_OPTIONS` on top of its kind's (here made the option that
+  keeps YNNPACK's fusions out, visible in the compiled text)."""
+  monkeypatch.setattr(executables, "ONCE_OPTIONS", {"xla_cpu_experimental_ynn_fusion_type": ""})
+  monkeypatch.setattr(executables, "_refused", [])
+  c = helpers.small_config(step_fusion="same", eval_fusion="same")
+  programs = helpers.make_steps(c, helpers.synthetic_dataset(n_train=64, n_test=16))[1].programs
+  x, w = np.ones((256, 784), np.float32), np.ones((784, 64), np.float32)
+  idx = np.arange(256, dtype=np.int32) % 7
+  rep = programs.layout.replicated
+  program = programs.program((kind, (), 1), lambda: lambda x, w, i: (x[i] @ w).sum(-1),
+                             lambda: ((rep, rep, rep), rep))
+  assert ("ynn_fusion" not in program.top_jitted().lower(x, w, idx).compile().as_text()) == once
 
 
 @pytest.mark.parametrize("dataset,method,model,stage,rule,measured", [
