@@ -14,7 +14,7 @@ without tracing: a run's *context* and the program's *site* and *arguments*.
   configuration, `XLA_FLAGS`, the backend and its devices.
 - The site (`jit(fn, name, key=...)`): the program's name, the code location
   of `fn`, the caller's `key` (e.g. the structure a step is built for) and the
-  jit options (shardings, donation, compiler options).
+  jit options (shardings, donation, compiler options, whether it runs once).
 - The arguments: the tree structure and every leaf's shape, dtype, weak type
   and sharding, and the values of static arguments.
 
@@ -241,7 +241,7 @@ class Kept:
     self.jitted = jax.jit(fn, **options)
     self.name = name
     self._fn, self._options, self._once = fn, options, once
-    self._top_jitted = None  # the jit of calls outside a trace (`_top`)
+    self._top_jitted = None  # the jit of calls outside a trace (`top_jitted`)
     self._static = tuple(sorted(options.get("static_argnums", ()) or ()))
     self._static_names = frozenset(options.get("static_argnames", ()) or ())
     try:
@@ -442,10 +442,10 @@ def jit(fn: Callable, name: str, key: Any = (), origin: Callable | None = None,
 
 
 # XLA:CPU's options for a program that runs about once per structure it is built for (an
-# initialisation, a growth, a pass over data that growth or a probe runs): the older elemental
-# emitters compile such programs in about two thirds of the time of the MLIR fusion emitters,
-# and their run time is small beside their compile (benchmarks/README.md, "Programs that run
-# once").
+# initialisation, a growth, a pass over data that growth or a probe runs): with the older
+# elemental emitters XLA compiles them in about four fifths of the time it takes with its MLIR
+# fusion emitters, and their run time is small beside their compile (benchmarks/README.md,
+# "Programs that run once").
 ONCE_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 
