@@ -311,8 +311,8 @@ class Kept:
     except ValueError as e:  # inside a trace that the arguments do not show (constants)
       if "compiler_options" not in str(e):
         raise
-    except jax.errors.JaxRuntimeError as e:
-      if "No such compile option" not in str(e):
+    except jax.errors.JaxRuntimeError as e:  # not one of the program's own options
+      if "No such compile option" not in str(e) or not any(k in str(e) for k in ONCE_OPTIONS):
         raise
       _log.info("XLA:CPU does not know %s (%s): programs that run once are compiled as "
                 "the others", ONCE_OPTIONS, e)

@@ -297,3 +297,13 @@ def test_once_options_that_xla_does_not_know_are_dropped_for_the_process(tmp_pat
   assert "No such compile option" in executables._refused[0]
   assert once.top_jitted() is once.jitted
   assert executables.once_options(_NO_YNN) == _NO_YNN and executables.once_options() is None
+
+
+def test_an_unknown_option_of_the_program_itself_is_an_error_and_keeps_the_once_options(
+    monkeypatch):
+  monkeypatch.setattr(executables, "_refused", [])
+  once = executables.jit(_gathered_dot, "gathered_dot", (_OFFSET[0],), once=True,
+                         compiler_options={"xla_cpu_no_such_option": True})
+  with pytest.raises(jax.errors.JaxRuntimeError, match="xla_cpu_no_such_option"):
+    once(*_gathered_dot_args())
+  assert not executables._refused and executables.once_options() == executables.ONCE_OPTIONS
