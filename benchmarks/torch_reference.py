@@ -145,10 +145,7 @@ def _worker(spec: dict) -> None:
   """A party's process: builds its trainers, then answers `RUN <trainer> <calls>` lines."""
   name, batch = spec["row"], spec["batch_size"]
   if spec["kind"] == "project":
-    tune.allocator_for([ROWS[name][0]])  # as a run of the row's backbone
-  elif spec.get("allocator") == "tuned":
-    cpu_tuning.apply()
-  if spec["kind"] == "project":
+    tune.allocator_for([ROWS[name][0]])  # as a run of the row's backbone, before JAX starts
     import jax  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top
     trainers, info = {}, {"jax": jax.__version__, "backend": jax.default_backend()}
@@ -158,6 +155,8 @@ def _worker(spec: dict) -> None:
       tr.run(1)
       trainers[row.split("_")[-1]] = (lambda tr=tr: tr.run, tr.images_per_call, compile_s)
   else:
+    if spec.get("allocator") == "tuned":
+      cpu_tuning.apply()
     import torch  # pylint: disable=g-import-not-at-top
     run, images = torch_trainer(torch, ROWS[name][0], ROWS[name][1], batch)
     run(2)  # warm-up

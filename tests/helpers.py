@@ -56,6 +56,17 @@ def synthetic_dataset(n_train=512, n_test=128, shape=(28, 28, 1), num_classes=10
                                num_classes=num_classes)
 
 
+def gathered_dot(x, w, idx):
+  """A dot of gathered rows, which XLA:CPU hands to YNNPACK by default (jax 0.10.2): its
+  compiled text then says "ynn_fusion", so it shows which XLA options a program had."""
+  return (x[idx] @ w).sum(-1)
+
+
+def gathered_dot_args():
+  return (np.ones((256, 784), np.float32), np.ones((784, 64), np.float32),
+          np.arange(256, dtype=np.int32) % 7)
+
+
 def small_config(dataset="mnist", method="sm", width=8, **train):
   """A small config; `train` overrides `config.train` fields. One train step per call unless
   `steps_per_call` is given (the field's default, 0, leaves it to be chosen)."""

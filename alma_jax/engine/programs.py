@@ -104,7 +104,6 @@ def over_population(fn: Callable, in_axes: Sequence[int | None], num: int) -> Ca
   return squeezed
 
 
-@functools.cache
 def accepts(fusion: str) -> bool:
   """Whether this process's XLA:CPU accepts the options of `FUSIONS[fusion]` (a jaxlib may drop
   one, e.g. the older emitters), found by compiling a one-operation program with them."""

@@ -249,17 +249,9 @@ def test_a_program_compiled_before_keeping_is_kept(tmp_path):
 
 
 # -- programs that run once ------------------------------------------------------------------------
-# XLA:CPU's option that keeps YNNPACK's fusions out of a program: visible in its compiled text.
+# XLA:CPU's option that keeps YNNPACK's fusions out of a program: visible in its compiled text
+# (`helpers.gathered_dot`).
 _NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
-
-
-def _gathered_dot(x, w, idx):
-  return (x[idx] @ w).sum(-1)  # a dot that XLA:CPU hands to YNNPACK by default (jax 0.10.2)
-
-
-def _gathered_dot_args():
-  return (np.ones((256, 784), np.float32), np.ones((784, 64), np.float32),
-          np.arange(256, dtype=np.int32) % 7)
 
 
 def test_a_program_that_runs_once_compiles_with_the_once_options_except_inside_a_trace(
@@ -269,9 +261,9 @@ def test_a_program_that_runs_once_compiles_with_the_once_options_except_inside_a
   assert executables.once_options() == _NO_YNN
   assert executables.once_options({"xla_cpu_use_onednn": True}) == {
       "xla_cpu_use_onednn": True, **_NO_YNN}
-  args = _gathered_dot_args()
-  once = executables.jit(_gathered_dot, "gathered_dot", (_OFFSET[0],), once=True)
-  plain = executables.jit(_gathered_dot, "gathered_dot", (_OFFSET[0],))
+  args = helpers.gathered_dot_args()
+  once = executables.jit(helpers.gathered_dot, "gathered_dot", (_OFFSET[0],), once=True)
+  plain = executables.jit(helpers.gathered_dot, "gathered_dot", (_OFFSET[0],))
   assert "ynn_fusion" in plain.jitted.lower(*args).compile().as_text()  # the default
   # Outside `keeping` and inside it (the program it keeps), with the options.
   assert "ynn_fusion" not in once.top_jitted().lower(*args).compile().as_text()
@@ -291,9 +283,9 @@ def test_once_options_that_xla_does_not_know_are_dropped_for_the_process(tmp_pat
   monkeypatch.setattr(executables, "ONCE_OPTIONS", {"xla_cpu_no_such_option": True})
   monkeypatch.setattr(executables, "_refused", [])
   assert not executables.accepts(executables.ONCE_OPTIONS)
-  once = executables.jit(_gathered_dot, "gathered_dot", (_OFFSET[0], keep), once=True)
+  once = executables.jit(helpers.gathered_dot, "gathered_dot", (_OFFSET[0], keep), once=True)
   with executables.keeping(str(tmp_path) if keep else None, "run A"):
-    assert once(*_gathered_dot_args()).shape == (256,)  # compiled without them
+    assert once(*helpers.gathered_dot_args()).shape == (256,)  # compiled without them
   assert "No such compile option" in executables._refused[0]
   assert once.top_jitted() is once.jitted
   assert executables.once_options(_NO_YNN) == _NO_YNN and executables.once_options() is None
@@ -302,8 +294,8 @@ def test_once_options_that_xla_does_not_know_are_dropped_for_the_process(tmp_pat
 def test_an_unknown_option_of_the_program_itself_is_an_error_and_keeps_the_once_options(
     monkeypatch):
   monkeypatch.setattr(executables, "_refused", [])
-  once = executables.jit(_gathered_dot, "gathered_dot", (_OFFSET[0],), once=True,
+  once = executables.jit(helpers.gathered_dot, "gathered_dot", (_OFFSET[0],), once=True,
                          compiler_options={"xla_cpu_no_such_option": True})
   with pytest.raises(jax.errors.JaxRuntimeError, match="xla_cpu_no_such_option"):
-    once(*_gathered_dot_args())
+    once(*helpers.gathered_dot_args())
   assert not executables._refused and executables.once_options() == executables.ONCE_OPTIONS

@@ -271,17 +271,13 @@ def test_the_options_offered_are_those_this_xla_knows(monkeypatch):
   remembered choice (a new option is measured again)."""
   c = helpers.small_config(stage_program="per_epoch")
   key = autotune.machine_key(c, MNIST, autotune.STEP_FUSION)
-  autotune.programs.accepts.cache_clear()
   assert all(autotune.programs.accepts(v) for v in autotune.programs.FUSIONS)
   assert autotune.step_fusion_candidates(c) == autotune.MEASURED_FUSIONS
   monkeypatch.setitem(autotune.programs.FUSIONS, "unknown", {"xla_cpu_no_such_option": True})
   monkeypatch.setattr(autotune, "MEASURED_FUSIONS", autotune.MEASURED_FUSIONS + ("unknown",))
-  try:
-    assert autotune.step_fusion_candidates(c) == autotune.eval_fusion_candidates(c)
-    assert autotune.eval_fusion_candidates(c) == ("same", "no_ynn", "onednn")
-    assert autotune.machine_key(c, MNIST, autotune.STEP_FUSION) != key
-  finally:
-    autotune.programs.accepts.cache_clear()
+  assert autotune.step_fusion_candidates(c) == autotune.eval_fusion_candidates(c)
+  assert autotune.eval_fusion_candidates(c) == ("same", "no_ynn", "onednn")
+  assert autotune.machine_key(c, MNIST, autotune.STEP_FUSION) != key
 
 
 @pytest.mark.parametrize("kind, evaluates", [("train", False), ("stage", False),
@@ -295,18 +291,19 @@ def test_each_program_kind_gets_the_options_of_what_it_does(kind, evaluates):
   c = helpers.small_config(step_fusion="same", eval_fusion="no_ynn")
   if not evaluates:
     c.train.step_fusion, c.train.eval_fusion = "no_ynn", "same"
-  programs = helpers.make_steps(c, ds)[1].programs
-  x, w = np.ones((256, 784), np.float32), np.ones((784, 64), np.float32)
-  idx = np.arange(256, dtype=np.int32) % 7
-  rep = programs.layout.replicated
-  program = programs.program((kind, (), 1), lambda: lambda x, w, i: (x[i] @ w).sum(-1),
-                             lambda: ((rep, rep, rep), rep))
-  text = program.jitted.lower(x, w, idx).compile().as_text()
-  assert "ynn_fusion" not in text
+  args = helpers.gathered_dot_args()
+  program = _gathered_dot_program(helpers.make_steps(c, ds)[1].programs, kind)
+  assert "ynn_fusion" not in program.jitted.lower(*args).compile().as_text()
   c.train.step_fusion = c.train.eval_fusion = "same"
-  same = helpers.make_steps(c, ds)[1].programs.program(
-      (kind, (), 1), lambda: lambda x, w, i: (x[i] @ w).sum(-1), lambda: ((rep, rep, rep), rep))
-  assert "ynn_fusion" in same.jitted.lower(x, w, idx).compile().as_text()
+  same = _gathered_dot_program(helpers.make_steps(c, ds)[1].programs, kind)
+  assert "ynn_fusion" in same.jitted.lower(*args).compile().as_text()
+
+
+def _gathered_dot_program(programs, kind: str):
+  """The run's program of kind `kind` for `helpers.gathered_dot`."""
+  rep = programs.layout.replicated
+  return programs.program((kind, (), 1), lambda: helpers.gathered_dot,
+                          lambda: ((rep, rep, rep), rep))
 
 
 @pytest.mark.parametrize("kind, once", [("train", False), ("eval", False), ("scan fit", True),
@@ -320,12 +317,9 @@ def test_the_passes_that_growth_runs_get_the_options_of_programs_that_run_once(
   monkeypatch.setattr(executables, "_refused", [])
   c = helpers.small_config(step_fusion="same", eval_fusion="same")
   programs = helpers.make_steps(c, helpers.synthetic_dataset(n_train=64, n_test=16))[1].programs
-  x, w = np.ones((256, 784), np.float32), np.ones((784, 64), np.float32)
-  idx = np.arange(256, dtype=np.int32) % 7
-  rep = programs.layout.replicated
-  program = programs.program((kind, (), 1), lambda: lambda x, w, i: (x[i] @ w).sum(-1),
-                             lambda: ((rep, rep, rep), rep))
-  assert ("ynn_fusion" not in program.top_jitted().lower(x, w, idx).compile().as_text()) == once
+  program = _gathered_dot_program(programs, kind)
+  text = program.top_jitted().lower(*helpers.gathered_dot_args()).compile().as_text()
+  assert ("ynn_fusion" not in text) == once
 
 
 @pytest.mark.parametrize("dataset,method,model,stage,rule,measured", [
