@@ -14,7 +14,7 @@ With `--compare`, each run is given the speed choices its earlier run measured
 (`summary.json`'s `choices`: convolution gradient, fusion flags, ensemble
 strategy), since timing on a busy machine may choose otherwise and some
 choices change float summation order. Runs one config after another
-(`--only=mnist_sm,lm_gmoe` for a subset); the
+(`--only=mnist_sm,lm_gmoe` for a subset; `--seed=N` runs them with seed N); the
 data are found as for any run (TFDS_DATA_DIR, ALMA_JAX_BPE_DIR). Exit code 1
 when a compared run differs.
 """
@@ -107,6 +107,7 @@ def main() -> int:
   ap.add_argument("--compare", help="a --root of earlier runs to compare with")
   ap.add_argument("--only", default="", help="comma-separated run names (default: all)")
   ap.add_argument("--no-run", action="store_true", help="only compare existing runs")
+  ap.add_argument("--seed", type=int, default=None, help="run every config with this seed")
   args = ap.parse_args()
   todo = runs()
   if args.only:
@@ -121,6 +122,8 @@ def main() -> int:
       start = time.monotonic()
       cmd = [sys.executable, "-m", "alma_jax.main", f"--config=configs/{config}.py:smoke",
              f"--workdir={wd}", "--overwrite", *extra]
+      if args.seed is not None:
+        cmd.append(f"--config.seed={args.seed}")
       if args.compare:  # the speed choices measured then (a loaded machine may time otherwise)
         cmd += [f"--config.{k}={v}" for k, v in _choices(os.path.join(args.compare, name)).items()]
       proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)

@@ -7,7 +7,8 @@ This module keeps the compiled executables themselves, under a key computed
 without tracing: a run's *context* and the program's *site* and *arguments*.
 
 - The context (`keeping`): what the caller says determines its programs (a
-  run passes its resolved config and the fingerprint of its data) and what
+  run passes its resolved config but for its seed, and the fingerprint of its
+  data: runs that differ only in their seed share programs) and what
   determines the code: every source file of this package and of any loaded
   module that no installed distribution holds (config files, a user's
   plug-ins), the installed distributions' versions, Python, JAX's

@@ -189,9 +189,16 @@ class Setup:
 
   def program_context(self) -> str:
     """What besides the code decides this run's compiled programs (`executables.keeping`):
-    its config, the choices made for it and the fingerprint of its data."""
-    return json.dumps({"config": wd.config_dict(self.config), "choices": self.choices,
-                       "inputs": self.inputs}, sort_keys=True, default=repr)
+    its config but for `seed`, the choices made for it and the fingerprint of its data.
+
+    The seed reaches programs only as values: the PRNG keys (arguments, or the key
+    program's static argument), the data order (indices) and, with `data.train_subset`,
+    the data (in the fingerprint). So the runs of a sweep over seeds share their
+    programs and FLOP counts; `num_seeds` (the population's size) stays in."""
+    config = wd.config_dict(self.config)
+    config.pop("seed", None)
+    return json.dumps({"config": config, "choices": self.choices, "inputs": self.inputs},
+                      sort_keys=True, default=repr)
 
   def log_estimate(self, learner) -> None:
     """Logs an upper bound on the training time (all epochs, no early stop)."""
