@@ -249,19 +249,23 @@ def test_log_lines_are_plain_and_library_notices_left_out(tmp_path):
   assert "oneDNN custom operations" not in proc.stderr
 
 
+def timings_and_records(config, workdir, *flags):
+  """(summary's timings, log records without their wall-clock field) of a finished run."""
+  proc = run_main(config, workdir, *flags)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(os.path.join(workdir, "summary.json")) as f:
+    timings = json.load(f)["timings"]
+  with open(os.path.join(workdir, "log.jsonl")) as f:
+    return timings, [{k: v for k, v in json.loads(l).items() if k != "wall_s"} for l in f]
+
+
 @requires_mnist
 def test_a_second_identical_run_loads_every_program_from_the_persistent_cache(tmp_path):
   # gMoE: the growth path's eager operations and the programs of each slot size too.
   cache = tmp_path / "xla"
-  timings, records = [], []
-  for name in ("first", "second"):
-    proc = run_main("configs/mnist_gmoe.py:smoke", tmp_path / name,
-                    f"--compilation_cache_dir={cache}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(tmp_path / name / "summary.json") as f:
-      timings.append(json.load(f)["timings"])
-    with open(tmp_path / name / "log.jsonl") as f:
-      records.append([{k: v for k, v in json.loads(l).items() if k != "wall_s"} for l in f])
+  timings, records = zip(*[timings_and_records("configs/mnist_gmoe.py:smoke", tmp_path / name,
+                                               f"--compilation_cache_dir={cache}")
+                           for name in ("first", "second")])
   first, second = timings
   # The first run compiled afresh and kept its programs whole; the second loaded them without
   # tracing (`alma_jax.runtime.executables`), every step program among them, and they computed
@@ -278,3 +282,21 @@ def test_a_second_identical_run_loads_every_program_from_the_persistent_cache(tm
   assert second["xla_programs"] == first["xla_programs"]
   assert second["compile_cache_hits"] == second["compile_cache_requests"] == (
       first["compile_cache_requests"]), second
+
+
+@requires_mnist
+def test_a_run_of_another_seed_loads_the_kept_programs_and_computes_its_own_records(tmp_path):
+  # The seed reaches the programs as values only (keys, data order), so a sweep's next seed
+  # loads the programs the first kept, and computes what a run with caches of its own does.
+  # On the whole training split: a `data.train_subset` is drawn by seed, and other data are
+  # another context.
+  config, shared = "configs/mnist_gmoe.py:smoke", f"--compilation_cache_dir={tmp_path / 'xla'}"
+  whole = "--config.data.train_subset=0"
+  timings_and_records(config, tmp_path / "seed0", shared, whole)
+  next_seed, records = timings_and_records(config, tmp_path / "seed1", shared, whole,
+                                           "--config.seed=1")
+  alone, alone_records = timings_and_records(config, tmp_path / "alone", whole, "--config.seed=1",
+                                             f"--compilation_cache_dir={tmp_path / 'own'}")
+  assert next_seed["kept_programs_loaded"] >= next_seed["step_programs"] > 0, next_seed
+  assert alone["kept_programs_loaded"] == 0, alone
+  assert records == alone_records

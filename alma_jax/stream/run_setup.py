@@ -192,9 +192,10 @@ class Setup:
     its config but for `seed`, the choices made for it and the fingerprint of its data.
 
     The seed reaches programs only as values: the PRNG keys (arguments, or the key
-    program's static argument), the data order (indices) and, with `data.train_subset`,
-    the data (in the fingerprint). So the runs of a sweep over seeds share their
-    programs and FLOP counts; `num_seeds` (the population's size) stays in."""
+    program's static argument) and the data order (indices). So the runs of a sweep over
+    seeds share their programs and FLOP counts, but for runs of one seed on a
+    `data.train_subset`, whose data (in the fingerprint) the seed draws; `num_seeds` (the
+    population's size) stays in."""
     config = wd.config_dict(self.config)
     config.pop("seed", None)
     return json.dumps({"config": config, "choices": self.choices, "inputs": self.inputs},
