@@ -8,13 +8,16 @@ train, eval, ...; "other" for eager operations and small utilities) the
 seconds spent tracing, lowering and compiling or loading, and the XLA
 programs built or loaded, and note which programs the persistent cache
 missed and why it did not store them. A warm run should load every program
-from the cache: its misses are listed by name. The traces that only count
+from the cache: its misses are listed by name. `--next_seed=true` adds a
+third run with `--config.seed=1` on the same cache, as the next run of a
+sweep over seeds (its misses listed too). The traces that only count
 FLOPs (the run's Comp accounting) build no program: their seconds are a
 column of their own, not compilation.
 
   python benchmarks/compile_budget.py                          # p3, p4, lm_base, lm_base_unrolled
   python benchmarks/compile_budget.py --runs=p1,p3,p4 --out=/tmp/compile.json
   python benchmarks/compile_budget.py --runs=lm_base,lm_base_unrolled --warm=false
+  python benchmarks/compile_budget.py --runs=p4,ff_quick --next_seed=true
   python benchmarks/compile_budget.py --runs=p4 -- --config.method.slots=exact
 
 Named runs (`RUNS`): the timing protocols p1-p4 (configs/bench), the
@@ -56,6 +59,7 @@ RUNS = {
                  "--config.stream.wait=5"),
 }
 DEFAULT_RUNS = "p3,p4,lm_base,lm_base_unrolled"
+NEXT_SEED = "seed 1"  # the row of a run with another seed on the cache the first ones wrote
 # Traces that count FLOPs (`timing.counting`): no program, not compilation; reported apart.
 ACCOUNTING = "flop_counting"
 # The phases of a program's compilation (`jax.monitoring` event names, last part): tracing to a
@@ -188,7 +192,7 @@ def table(results: dict) -> str:
       misses = sorted(collections.Counter(r["misses"]).items())
       missed = ("; ".join(f"{m} x{n}" if n > 1 else m for m, n in misses[:6])
                 + (f" (+{len(misses) - 6} more)" if len(misses) > 6 else "")
-                if which == "warm" else "")
+                if which != "cold" else "")
       share = r["compile_s"] / r["process_s"] if r["process_s"] > 0 else 0.0
       ph = r.get("phases", {})
       phases = " / ".join(f"{ph.get(p, 0.0):.1f}" for p in PHASES)
@@ -196,7 +200,7 @@ def table(results: dict) -> str:
                    f"({share:.0%}) | {phases} | {r.get('counting_s', 0.0):.1f} | "
                    f"{r['xla_programs']} | "
                    f"{len(r['hits'])} / {asked} | {_kinds(r)} | "
-                   f"{missed or ('none' if which == 'warm' else '')} |")
+                   f"{missed or ('none' if which != 'cold' else '')} |")
   return "\n".join(lines)
 
 
@@ -213,6 +217,9 @@ def main() -> None:
                   help=f"comma-separated names of {sorted(RUNS)}")
   ap.add_argument("--warm", default="true", choices=("true", "false"),
                   help="run each a second time on the cache the first one wrote")
+  ap.add_argument("--next_seed", default="false", choices=("true", "false"),
+                  help="then run each with --config.seed=1 on the same cache (the next run of "
+                       "a sweep over seeds)")
   ap.add_argument("--out", default=None, help="also write the results as JSON here")
   args = ap.parse_args(argv)
   names = [n for n in args.runs.split(",") if n]
@@ -229,6 +236,10 @@ def main() -> None:
         results[name]["warm"] = run_one(RUNS[name], extra, cache_dir)
         print(f"{name} warm: {results[name]['warm']['process_s']:.1f} s", file=sys.stderr,
               flush=True)
+      if args.next_seed == "true":
+        results[name][NEXT_SEED] = run_one(RUNS[name], extra + ["--config.seed=1"], cache_dir)
+        print(f"{name} {NEXT_SEED}: {results[name][NEXT_SEED]['process_s']:.1f} s",
+              file=sys.stderr, flush=True)
   print(table(results))
   if args.out:
     with open(args.out, "w") as f:
