@@ -290,7 +290,7 @@ def test_a_run_of_another_seed_loads_the_kept_programs_and_computes_its_own_reco
   # loads the programs the first kept, and computes what a run with caches of its own does.
   # On the whole training split: a `data.train_subset` is drawn by seed, and other data are
   # another context.
-  config, shared = "configs/mnist_gmoe.py:smoke", f"--compilation_cache_dir={tmp_path / 'xla'}"
+  config, shared = "configs/mnist_sm.py:smoke", f"--compilation_cache_dir={tmp_path / 'xla'}"
   whole = "--config.data.train_subset=0"
   timings_and_records(config, tmp_path / "seed0", shared, whole)
   next_seed, records = timings_and_records(config, tmp_path / "seed1", shared, whole,
