@@ -13,6 +13,7 @@ from alma_jax.stream import config_resolve
 from alma_jax.stream import validation
 from alma_jax.tuning import autotune
 from alma_jax.tuning import cpu_fusion
+from tests import helpers
 from tests.conftest import requires_cifar10, requires_mnist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -256,7 +257,7 @@ def timings_and_records(config, workdir, *flags):
   with open(os.path.join(workdir, "summary.json")) as f:
     timings = json.load(f)["timings"]
   with open(os.path.join(workdir, "log.jsonl")) as f:
-    return timings, [{k: v for k, v in json.loads(l).items() if k != "wall_s"} for l in f]
+    return timings, [helpers.strip_wall_times(json.loads(l)) for l in f]
 
 
 @requires_mnist

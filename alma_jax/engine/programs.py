@@ -158,7 +158,7 @@ class Program:
   def __init__(self, fn: Callable, in_shardings: tuple, out_shardings, donate: tuple,
                name: str = "program", *, what: str = "", why: str = "",
                listener: CompileListener | None = None, options: dict | None = None,
-               key: Any = None, once: bool = False):
+               key: Any, once: bool = False):
     self.in_shardings = in_shardings
     self.what, self.why, self.listener = what or name, why, listener
 
@@ -167,15 +167,15 @@ class Program:
 
     # The name marks the compilations of steps in `jax.monitoring` (`alma_jax.engine.timing`).
     program.__name__ = program.__qualname__ = timing.STEP_PREFIX + name
-    # Kept across processes (`executables`) under `key`, what `fn` was built for (None: not
-    # kept); `once`: a program that runs about once per structure, compiled for a short
-    # compile (`executables.once_options`).
+    # Kept across processes (`executables`) under `key`, what `fn` was built for; `once`: a
+    # program that runs about once per structure, compiled for a short compile
+    # (`executables.once_options`).
     kept = executables.jit(program, timing.STEP_PREFIX + name, key, once=once,
                            in_shardings=in_shardings, out_shardings=out_shardings,
                            donate_argnums=donate, compiler_options=options)
     self.jitted = kept.jitted  # as traced inside another program
     self.top_jitted = kept.top_jitted  # () -> the jit of its calls
-    self._run = kept.top_jitted() if key is None else kept
+    self._run = kept
 
   def __call__(self, *args):
     if self.listener is None:
