@@ -286,18 +286,19 @@ def test_a_second_identical_run_loads_every_program_from_the_persistent_cache(tm
 
 
 @requires_mnist
-def test_a_run_of_another_seed_loads_the_kept_programs_and_computes_its_own_records(tmp_path):
-  # The seed reaches the programs as values only (keys, data order), so a sweep's next seed
-  # loads the programs the first kept, and computes what a run with caches of its own does.
-  # On the whole training split: a `data.train_subset` is drawn by seed, and other data are
-  # another context.
+def test_the_next_run_of_a_sweep_loads_the_kept_programs_and_computes_its_own_records(tmp_path):
+  # The seed, the waiting time and replay reach the programs as values only (keys, the data's
+  # order, which examples a stage holds), so a sweep's next run over them loads the programs
+  # the first kept, and computes what a run with caches of its own does. On the whole
+  # training split: a `data.train_subset` is drawn by seed, and other data are another
+  # context.
   config, shared = "configs/mnist_sm.py:smoke", f"--compilation_cache_dir={tmp_path / 'xla'}"
   whole = "--config.data.train_subset=0"
-  timings_and_records(config, tmp_path / "seed0", shared, whole)
-  next_seed, records = timings_and_records(config, tmp_path / "seed1", shared, whole,
-                                           "--config.seed=1")
-  alone, alone_records = timings_and_records(config, tmp_path / "alone", whole, "--config.seed=1",
+  other = ("--config.seed=1", "--config.stream.wait=2", "--config.stream.replay=0.5")
+  timings_and_records(config, tmp_path / "first", shared, whole)
+  following, records = timings_and_records(config, tmp_path / "next", shared, whole, *other)
+  alone, alone_records = timings_and_records(config, tmp_path / "alone", whole, *other,
                                              f"--compilation_cache_dir={tmp_path / 'own'}")
-  assert next_seed["kept_programs_loaded"] >= next_seed["step_programs"] > 0, next_seed
+  assert following["kept_programs_loaded"] >= following["step_programs"] > 0, following
   assert alone["kept_programs_loaded"] == 0, alone
   assert records == alone_records

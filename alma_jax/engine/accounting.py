@@ -158,14 +158,22 @@ def step_flops(programs: Programs, learner: Learner) -> dict[str, float]:
   mesh. Its traces are not compilation (`timing.counting`).
   """
   with timing.counting():
-    return _step_flops(programs, learner)
+    method = programs.method.counted()
+    view = jax.eval_shape(method.active_view, learner)  # shapes alone: no eager slicing
+    structure = method.program_structure(view.structure)
+    parts = jax.eval_shape(method.partition, view)
+    # Kept under what the counted programs are built from (`executables.remembered`; the
+    # optimizer is the context's): runs whose learners grew differently (another gMoE tree)
+    # share a count where that agrees.
+    key = (structure, programs.batch_size, programs.eval_batch_size, bool(programs.l2_init),
+           executables.shapes((view.params, view.model_state, parts, programs.data)))
+    return executables.remembered("step_flops", key,
+                                  lambda: _step_flops(programs, method, view, structure, parts))
 
 
-def _step_flops(programs: Programs, learner: Learner) -> dict[str, float]:
-  method = programs.method.counted()
-  learner = jax.eval_shape(method.active_view, learner)  # shapes alone: no eager slicing
-  structure = method.program_structure(learner.structure)
-  trainable, frozen = jax.eval_shape(method.partition, learner)
+def _step_flops(programs: Programs, method, learner: Learner, structure,
+                parts: tuple[Any, Any]) -> dict[str, float]:
+  trainable, frozen = parts
   d, b = method.num_data_orders(structure), programs.batch_size
   spec = jax.ShapeDtypeStruct
   state = TrainState(trainable, frozen, learner.model_state,
@@ -216,13 +224,12 @@ class PassCosts:
     if key not in self._per_batch:
       with timing.counting():
         view = jax.eval_shape(self.method.active_view, learner)
+        structure = self.method.program_structure(view.structure)
         args = (view.params, view.model_state, self.data, batch) + ((carry,) if kind == "scan"
                                                                      else ())
         counted = executables.remembered(
-            "pass_cost", (kind, executables.site_of(fn), learner.structure,
-                          executables.shapes(args)),
-            lambda: dataclasses.astuple(
-                count(build(self.method.program_structure(view.structure)), *args)))
+            "pass_cost", (kind, executables.site_of(fn), structure, executables.shapes(args)),
+            lambda: dataclasses.astuple(count(build(structure), *args)))
         self._per_batch[key] = Count(*counted)
     mask = np.asarray(batch.mask)
     real = float(np.count_nonzero(mask)) / mask.size

@@ -7,9 +7,9 @@ This module keeps the compiled executables themselves, under a key computed
 without tracing: a run's *context* and the program's *site* and *arguments*.
 
 - The context (`keeping`): what the caller says determines its programs (a
-  run passes its resolved config but for its seed, and the fingerprint of its
-  data: runs that differ only in their seed share programs, unless the seed
-  draws their data) and what
+  run passes its resolved config but for its seed, waiting time and replay,
+  and the fingerprint of its data: runs that differ only in those share
+  programs, unless the seed draws their data) and what
   determines the code: every source file of this package and of any loaded
   module that no installed distribution holds (config files, a user's
   plug-ins), the installed distributions' versions, Python, JAX's

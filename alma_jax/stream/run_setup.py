@@ -41,7 +41,6 @@ from alma_jax.errors import ConfigError
 from alma_jax.outputs import checkpoint as ckpt_lib
 from alma_jax.outputs import workdir as wd
 from alma_jax.policies import schedule
-from alma_jax.runtime import executables
 from alma_jax.runtime import multihost
 from alma_jax.stream import validation
 from alma_jax.tuning import tune
@@ -49,6 +48,11 @@ from alma_jax.tuning import tune
 VGG_SEEDS_WARNING = ("config.num_seeds=%d with config.model.name=%r on CPU: vmapped convolutions "
                      "run as grouped convolutions, many times slower than separate runs "
                      "(benchmarks/ensemble_strategy.py); separate runs are faster here")
+
+
+# Config fields that reach a run's programs only as values or as arguments' shapes: left out of
+# the key of its kept programs and FLOP counts (`Setup.program_context`).
+SCHEDULE_ONLY = ("seed", "stream.wait", "stream.replay")
 
 
 @dataclasses.dataclass
@@ -175,11 +179,9 @@ class Setup:
 
   def flops(self, learner) -> dict[str, float]:
     """`Steps.flops` of one (unstacked, or abstract) learner, counted once per structure (and
-    kept across processes while programs are: `executables.remembered`)."""
+    kept across processes while programs are: `accounting.step_flops`)."""
     if learner.structure not in self._flops:
-      self._flops[learner.structure] = executables.remembered(
-          "step_flops", (learner.structure, executables.shapes(learner)),
-          lambda: self.steps.flops(learner))
+      self._flops[learner.structure] = self.steps.flops(learner)
     return self._flops[learner.structure]
 
   def seed_flops(self, learners) -> dict[str, float]:
@@ -189,15 +191,19 @@ class Setup:
 
   def program_context(self) -> str:
     """What besides the code decides this run's compiled programs (`executables.keeping`):
-    its config but for `seed`, the choices made for it and the fingerprint of its data.
+    its config but for the fields of `SCHEDULE_ONLY`, the choices made for it and the
+    fingerprint of its data.
 
-    The seed reaches programs only as values: the PRNG keys (arguments, or the key
-    program's static argument) and the data order (indices). So the runs of a sweep over
-    seeds share their programs and FLOP counts, but for runs of one seed on a
-    `data.train_subset`, whose data (in the fingerprint) the seed draws; `num_seeds` (the
-    population's size) stays in."""
-    config = wd.config_dict(self.config)
-    config.pop("seed", None)
+    Those fields reach programs only as values or shapes. The seed: the PRNG keys
+    (arguments, or the key program's static argument) and the data order (indices);
+    `stream.wait` and `stream.replay`: which examples a stage trains on (indices, and the
+    stage's size where a program takes the stage whole: an argument's shape, part of the
+    program's key). So the runs of a sweep over seeds, waiting times and replay share
+    their programs and FLOP counts, but for runs of one seed on a `data.train_subset`,
+    whose data (in the fingerprint) the seed draws; `num_seeds` (the population's size)
+    stays in, and so does every field a config derives from these."""
+    config = {k: v for k, v in wd.flatten(wd.config_dict(self.config)).items()
+              if k not in SCHEDULE_ONLY}
     return json.dumps({"config": config, "choices": self.choices, "inputs": self.inputs},
                       sort_keys=True, default=repr)
 

@@ -10,7 +10,9 @@ import pytest
 from alma_jax.engine import accounting
 from alma_jax.engine import timing
 from alma_jax.engine.programs import Batch
+from alma_jax.methods import gmoe
 from alma_jax.methods.base import Learner
+from alma_jax.runtime import executables
 from alma_jax.stream import run as run_lib
 from tests import helpers
 from tests.conftest import requires_mnist
@@ -200,3 +202,24 @@ def test_step_counts_do_not_depend_on_the_strategy(name):
       learner = method.before_stage(learner, jax.random.key(1), helpers.context(2, stage=2))
     counts.append(steps.flops(learner))
   assert counts[0] == counts[1]
+
+
+def test_a_kept_count_serves_learners_whose_trees_differ_in_shape_only_not_in_experts(
+    tmp_path, monkeypatch):
+  # A count is kept under what the counted programs are built from (each layer's active
+  # experts, the shapes), not under the gMoE tree: two seeds that split different experts
+  # share it, and it is the count of either.
+  c = helpers.small_config("mnist", method="gmoe")
+  method, steps = helpers.make_steps(c, helpers.synthetic_dataset(n_train=64, n_test=8))
+  key = jax.random.key(0)
+  one = gmoe.split_expert(helpers.init(method), 0, 0, key)
+  left, right = gmoe.split_expert(one, 0, 0, key), gmoe.split_expert(one, 0, 1, key)
+  assert left.structure != right.structure
+  own = steps.flops(right)  # outside `keeping`: counted
+  counted = []
+  real = accounting._step_flops  # pylint: disable=protected-access
+  monkeypatch.setattr(accounting, "_step_flops", lambda *a: counted.append(1) or real(*a))
+  with executables.keeping(str(tmp_path), "one run's context"):
+    assert steps.flops(left) == own
+    assert steps.flops(right) == own and len(counted) == 1
+    assert steps.flops(one) != own and len(counted) == 2  # fewer experts: counted again
