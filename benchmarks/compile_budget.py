@@ -10,7 +10,8 @@ programs built or loaded, and note which programs the persistent cache
 missed and why it did not store them. A warm run should load every program
 from the cache: its misses are listed by name. `--next_seed=true` adds a
 third run with `--config.seed=1` on the same cache, as the next run of a
-sweep over seeds (its misses listed too). The traces that only count
+sweep over seeds (its misses listed too); `--next_flags="--config.stream.wait=10"`
+one with those flags added, as the next cell of a grid (row "next"). The traces that only count
 FLOPs (the run's Comp accounting) build no program: their seconds are a
 column of their own, not compilation.
 
@@ -18,6 +19,7 @@ column of their own, not compilation.
   python benchmarks/compile_budget.py --runs=p1,p3,p4 --out=/tmp/compile.json
   python benchmarks/compile_budget.py --runs=lm_base,lm_base_unrolled --warm=false
   python benchmarks/compile_budget.py --runs=p4,ff_quick --next_seed=true
+  python benchmarks/compile_budget.py --runs=ff_quick --next_flags="--config.stream.wait=10"
   python benchmarks/compile_budget.py --runs=p4 -- --config.method.slots=exact
 
 Named runs (`RUNS`): the timing protocols p1-p4 (configs/bench), the
@@ -60,6 +62,7 @@ RUNS = {
 }
 DEFAULT_RUNS = "p3,p4,lm_base,lm_base_unrolled"
 NEXT_SEED = "seed 1"  # the row of a run with another seed on the cache the first ones wrote
+NEXT = "next"  # the row of a run with `--next_flags` added, on that cache too
 # Traces that count FLOPs (`timing.counting`): no program, not compilation; reported apart.
 ACCOUNTING = "flop_counting"
 # The phases of a program's compilation (`jax.monitoring` event names, last part): tracing to a
@@ -220,12 +223,17 @@ def main() -> None:
   ap.add_argument("--next_seed", default="false", choices=("true", "false"),
                   help="then run each with --config.seed=1 on the same cache (the next run of "
                        "a sweep over seeds)")
+  ap.add_argument("--next_flags", default="",
+                  help="then run each with these flags added on the same cache (the next cell "
+                       "of a grid, e.g. \"--config.stream.wait=10\")")
   ap.add_argument("--out", default=None, help="also write the results as JSON here")
   args = ap.parse_args(argv)
   names = [n for n in args.runs.split(",") if n]
   unknown = [n for n in names if n not in RUNS]
   if unknown:
     raise SystemExit(f"compile_budget: error: unknown runs {unknown}; valid: {sorted(RUNS)}")
+  nexts = ([(NEXT_SEED, ["--config.seed=1"])] if args.next_seed == "true" else []) + (
+      [(NEXT, shlex.split(args.next_flags))] if args.next_flags else [])
   results = {}
   for name in names:
     with tempfile.TemporaryDirectory() as cache_dir:
@@ -236,15 +244,15 @@ def main() -> None:
         results[name]["warm"] = run_one(RUNS[name], extra, cache_dir)
         print(f"{name} warm: {results[name]['warm']['process_s']:.1f} s", file=sys.stderr,
               flush=True)
-      if args.next_seed == "true":
-        results[name][NEXT_SEED] = run_one(RUNS[name], extra + ["--config.seed=1"], cache_dir)
-        print(f"{name} {NEXT_SEED}: {results[name][NEXT_SEED]['process_s']:.1f} s",
-              file=sys.stderr, flush=True)
+      for row, flags in nexts:
+        results[name][row] = run_one(RUNS[name], extra + flags, cache_dir)
+        print(f"{name} {row}: {results[name][row]['process_s']:.1f} s", file=sys.stderr,
+              flush=True)
   print(table(results))
   if args.out:
     with open(args.out, "w") as f:
-      json.dump({"runs": {n: RUNS[n] for n in names}, "extra": extra, "results": results}, f,
-                indent=1)
+      json.dump({"runs": {n: RUNS[n] for n in names}, "extra": extra,
+                 "next_flags": args.next_flags, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

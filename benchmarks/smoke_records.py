@@ -14,7 +14,8 @@ With `--compare`, each run is given the speed choices its earlier run measured
 (`summary.json`'s `choices`: convolution gradient, fusion flags, ensemble
 strategy), since timing on a busy machine may choose otherwise and some
 choices change float summation order. Runs one config after another
-(`--only=mnist_sm,lm_gmoe` for a subset; `--seed=N` runs them with seed N); the
+(`--only=mnist_sm,lm_gmoe` for a subset; `--set=stream.wait=2` runs them with
+`--config.stream.wait=2`, and may be repeated); the
 data are found as for any run (TFDS_DATA_DIR, ALMA_JAX_BPE_DIR). Exit code 1
 when a compared run differs.
 """
@@ -107,8 +108,12 @@ def main() -> int:
   ap.add_argument("--compare", help="a --root of earlier runs to compare with")
   ap.add_argument("--only", default="", help="comma-separated run names (default: all)")
   ap.add_argument("--no-run", action="store_true", help="only compare existing runs")
-  ap.add_argument("--seed", type=int, default=None, help="run every config with this seed")
+  ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                  help="run every config with --config.FIELD=VALUE (repeatable)")
   args = ap.parse_args()
+  malformed = [s for s in args.set if "=" not in s or s.startswith("=")]
+  if malformed:
+    ap.error(f"--set: expected FIELD=VALUE (e.g. stream.wait=2), got {malformed}")
   todo = runs()
   if args.only:
     unknown = sorted(set(args.only.split(",")) - set(todo))
@@ -121,9 +126,7 @@ def main() -> int:
     if not args.no_run:
       start = time.monotonic()
       cmd = [sys.executable, "-m", "alma_jax.main", f"--config=configs/{config}.py:smoke",
-             f"--workdir={wd}", "--overwrite", *extra]
-      if args.seed is not None:
-        cmd.append(f"--config.seed={args.seed}")
+             f"--workdir={wd}", "--overwrite", *extra, *(f"--config.{s}" for s in args.set)]
       if args.compare:  # the speed choices measured then (a loaded machine may time otherwise)
         cmd += [f"--config.{k}={v}" for k, v in _choices(os.path.join(args.compare, name)).items()]
       proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)

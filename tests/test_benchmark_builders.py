@@ -69,26 +69,31 @@ def test_compile_budget_s_runs_import_the_package_beside_the_script(tmp_path):
   assert "no_such_config" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_compile_budget_s_next_seed_runs_seed_1_on_the_same_cache_and_lists_its_misses(
+def test_compile_budget_s_next_runs_run_on_the_same_cache_and_list_their_misses(
     monkeypatch, capsys):
   from benchmarks import compile_budget  # pylint: disable=g-import-not-at-top
   calls = []
 
   def fake_run(spec, extra, cache_dir):
     calls.append((spec, list(extra), cache_dir))
-    missed = ["jit_alma_utility_keys"] if "--config.seed=1" in extra else []
+    missed = (["jit_alma_utility_keys"] if "--config.seed=1" in extra else
+              ["jit_alma_step_eval"] if "--config.stream.replay=0.5" in extra else [])
     return {"process_s": 2.0, "compile_s": 0.5, "counting_s": 0.0, "xla_programs": 3,
             "seconds": {"train": 0.5}, "programs": {"train": 1}, "phases": {},
             "hits": ["jit_alma_step_train"], "misses": missed}
 
   monkeypatch.setattr(compile_budget, "run_one", fake_run)
-  monkeypatch.setattr(sys, "argv", ["compile_budget.py", "--runs=p4", "--next_seed=true", "--",
-                                    "--config.x=1"])
+  monkeypatch.setattr(sys, "argv", [
+      "compile_budget.py", "--runs=p4", "--next_seed=true",
+      "--next_flags=--config.stream.wait=2 --config.stream.replay=0.5", "--", "--config.x=1"])
   compile_budget.main()
-  assert [c[1] for c in calls] == [["--config.x=1"]] * 2 + [["--config.x=1", "--config.seed=1"]]
-  assert len({c[2] for c in calls}) == 1  # one cache for the three runs
+  assert [c[1] for c in calls] == [["--config.x=1"]] * 2 + [
+      ["--config.x=1", "--config.seed=1"],
+      ["--config.x=1", "--config.stream.wait=2", "--config.stream.replay=0.5"]]
+  assert len({c[2] for c in calls}) == 1  # one cache for the four runs
   rows = {line.split("|")[2].strip(): line for line in capsys.readouterr().out.splitlines()
           if line.startswith("| p4 ")}
-  assert set(rows) == {"cold", "warm", compile_budget.NEXT_SEED}
+  assert set(rows) == {"cold", "warm", compile_budget.NEXT_SEED, compile_budget.NEXT}
   assert rows[compile_budget.NEXT_SEED].rstrip().endswith("| jit_alma_utility_keys |")
+  assert rows[compile_budget.NEXT].rstrip().endswith("| jit_alma_step_eval |")
   assert rows["warm"].rstrip().endswith("| none |")
