@@ -1,16 +1,18 @@
 """tfds image-classification data sets as numpy arrays, with a decoded cache.
 
-The first load of a data set decodes it with tensorflow_datasets and writes
-the uint8 images and int32 labels of each split as `.npy` files (plus a
-`meta.json`) under the cache directory, keyed by name and tfds version. Later
-loads memory-map those files and never import TensorFlow, which alone costs
-several seconds of start-up.
+The first load of a data set decodes it and writes the uint8 images and int32
+labels of each split as `.npy` files (plus a `meta.json`) under the cache
+directory, keyed by name and tfds version. Later loads memory-map those files.
+A prepared copy of PNG images and class labels in one TFRecord file per split
+(MNIST, CIFAR-10, ...) is decoded from its files directly; anything else with
+tensorflow_datasets, whose TensorFlow import alone costs seconds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import io
 import json
 import os
 import time
@@ -19,6 +21,7 @@ import zlib
 import numpy as np
 from absl import logging
 
+from alma_jax.data import tfrecord
 from alma_jax.outputs import io_utils
 from alma_jax.runtime.caches import default_cache_dir
 
@@ -204,12 +207,109 @@ def _load_tfds(name: str, data_dir: str | None,
                                                     as_supervised=True)))
     arrays[f"{split}_x"] = np.concatenate([b[0] for b in batches]).astype(np.uint8, copy=False)
     arrays[f"{split}_y"] = np.concatenate([b[1] for b in batches]).astype(np.int32, copy=False)
-  x = arrays["train_x"]
-  scaled = x.reshape(-1, x.shape[-1]).astype(np.float64) / 255.0
-  info = {"name": name, "version": str(builder.info.version),
-          "num_classes": int(builder.info.features["label"].num_classes),
+  return arrays, _info(name, str(builder.info.version),
+                       int(builder.info.features["label"].num_classes), arrays["train_x"])
+
+
+def _info(name: str, version: str, num_classes: int, train_x: np.ndarray) -> dict:
+  scaled = train_x.reshape(-1, train_x.shape[-1]).astype(np.float64) / 255.0
+  return {"name": name, "version": version, "num_classes": num_classes,
           "mean": scaled.mean(0).tolist(), "std": scaled.std(0).tolist()}
-  return arrays, info
+
+
+# -- prepared files, read directly ---------------------------------------------
+class NotDirect(Exception):
+  """A prepared copy that `_read_prepared` leaves to tfds (the reason is the message)."""
+
+
+_PNG = b"\x89PNG\r\n\x1a\n"
+_TEMPLATE = "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}"
+
+
+def _prepared_layout(name: str, data_dir: str | None) -> tuple[str, dict, tuple, int]:
+  """(folder, {split: (file, examples)}, image shape, classes) of the one prepared version of
+  `name`, when tfds would read it as one file per split of PNG images and class labels."""
+  versions = _prepared_versions(name, data_dir)
+  if len(versions) != 1:
+    raise NotDirect(f"{len(versions)} prepared versions")
+  folder = os.path.join(_tfds_dir(data_dir), name, versions[0])
+  try:
+    with open(os.path.join(folder, "dataset_info.json")) as f:
+      info = json.load(f)
+    with open(os.path.join(folder, "features.json")) as f:
+      features = json.load(f)["featuresDict"]["features"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise NotDirect(f"its description is not readable here ({e!r})") from e
+  file_format = info.get("fileFormat", "tfrecord")
+  keys = [k.get("featureKey") for k in
+          info.get("supervisedKeys", {}).get("tuple", {}).get("items", [])]
+  image, label = features.get("image", {}), features.get("label", {})
+  if file_format != "tfrecord" or keys != ["image", "label"]:
+    raise NotDirect(f"file format {file_format!r}, supervised keys {keys}")
+  if (not image.get("pythonClassName", "").endswith("image_feature.Image")
+      or image.get("image", {}).get("dtype") != "uint8"
+      or "classLabel" not in label):
+    raise NotDirect("its features are not uint8 images and class labels")
+  try:
+    shape = tuple(int(d) for d in image["image"]["shape"]["dimensions"])
+    num_classes = int(label["classLabel"]["numClasses"])
+  except (KeyError, ValueError) as e:
+    raise NotDirect(f"an image of unknown size or labels of unknown count ({e!r})") from e
+  if len(shape) != 3 or min(shape) < 1 or shape[-1] not in (1, 3):
+    raise NotDirect(f"image shape {shape}")
+  splits = {s.get("name"): s for s in info.get("splits", [])}
+  files = {}
+  for split in SPLITS:
+    lengths = splits.get(split, {}).get("shardLengths", [])
+    if len(lengths) != 1:  # tfds interleaves the records of several shards
+      raise NotDirect(f"split {split!r} has {len(lengths)} files")
+    template = splits[split].get("filepathTemplate", _TEMPLATE)
+    file = template.format(DATASET=name, SPLIT=split, FILEFORMAT=file_format,
+                           SHARD_X_OF_Y="00000-of-00001")
+    files[split] = (os.path.join(folder, file), int(lengths[0]))
+  return folder, files, shape, num_classes
+
+
+def read_prepared_split(path: str, count: int, shape: tuple) -> tuple[np.ndarray, np.ndarray]:
+  """The images (uint8, (count, *shape)) and labels (int32) of one prepared TFRecord file of
+  PNG images and class labels, in file order: the arrays tfds decodes from it."""
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+
+  records = list(tfrecord.records(path))
+  if len(records) != count:
+    raise NotDirect(f"{path} holds {len(records)} examples, its description {count}")
+  x = np.empty((count, *shape), np.uint8)
+  y = np.empty((count,), np.int32)
+  mode = {1: "L", 3: "RGB"}[shape[-1]]
+  for i, record in enumerate(records):
+    ex = tfrecord.example(record)
+    png, labels = ex.get("image", [b""])[0], ex.get("label", [])
+    if not png.startswith(_PNG) or len(labels) != 1:
+      raise NotDirect(f"example {i} of {path} is not one PNG image and one label")
+    with Image.open(io.BytesIO(png)) as im:
+      if im.mode != mode or im.size != (shape[1], shape[0]):
+        raise NotDirect(f"example {i} of {path}: a {im.mode} image of {im.size}, not "
+                        f"{mode} of {shape[1]}x{shape[0]}")
+      x[i] = np.asarray(im).reshape(shape)
+    y[i] = labels[0]
+  return x, y
+
+
+def _read_prepared(name: str, data_dir: str | None) -> tuple[dict[str, np.ndarray], dict]:
+  """Decodes both splits of a prepared copy from its files (`_prepared_layout` says which
+  copies); raises NotDirect for any other."""
+  try:
+    import PIL  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError as e:
+    raise NotDirect("Pillow is not installed") from e
+  folder, files, shape, num_classes = _prepared_layout(name, data_dir)
+  arrays = {}
+  try:
+    for split, (path, count) in files.items():
+      arrays[f"{split}_x"], arrays[f"{split}_y"] = read_prepared_split(path, count, shape)
+  except (OSError, ValueError, SyntaxError) as e:  # an unreadable file, record or PNG
+    raise NotDirect(repr(e)) from e
+  return arrays, _info(name, os.path.basename(folder), num_classes, arrays["train_x"])
 
 
 def _make(arrays, info, timings) -> ImageDataset:
@@ -218,6 +318,17 @@ def _make(arrays, info, timings) -> ImageDataset:
                       num_classes=int(info["num_classes"]),
                       mean=np.asarray(info["mean"], np.float32),
                       std=np.asarray(info["std"], np.float32), timings=timings)
+
+
+def _decode(name: str, data_dir: str | None,
+            download: str) -> tuple[dict[str, np.ndarray], dict, str]:
+  """Both splits' arrays, the cache's description and where they came from: the prepared
+  files read directly where `_read_prepared` can, else tfds."""
+  try:
+    return (*_read_prepared(name, data_dir), "prepared files")
+  except NotDirect as e:
+    logging.info("decoding %s with tensorflow_datasets: %s", name, e)
+    return (*_load_tfds(name, data_dir, download), "tfds")
 
 
 def load_image_dataset(name: str, *, data_dir: str | None = None, cache_dir: str | None = None,
@@ -251,14 +362,14 @@ def load_image_dataset(name: str, *, data_dir: str | None = None, cache_dir: str
         arrays, meta = _read_cache(folder)
         return _make(arrays, meta, {"load_s": time.monotonic() - t0, "source": "cache"})
       except ValueError as e:
-        logging.warning("decoded cache %s is stale or corrupt (%s); rebuilding it from tfds", folder, e)
-  arrays, info = _load_tfds(name, data_dir, download)
+        logging.warning("decoded cache %s is stale or corrupt (%s); decoding the data set again", folder, e)
+  arrays, info, source = _decode(name, data_dir, download)
   if use_cache:
     try:
       _write_cache(os.path.join(cache_dir, name, info["version"]), arrays, info)
     except OSError as e:
       logging.warning("could not write the decoded cache under %s: %s", cache_dir, e)
-  return _make(arrays, info, {"load_s": time.monotonic() - t0, "source": "tfds"})
+  return _make(arrays, info, {"load_s": time.monotonic() - t0, "source": source})
 
 
 # The cache and tfds helpers that other corpora (alma_jax.data.text) share.

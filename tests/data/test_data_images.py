@@ -1,6 +1,8 @@
 """Tests of the tfds loader and its decoded-data cache (alma_jax/data/images.py)."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -9,18 +11,19 @@ import pytest
 import tensorflow_datasets as tfds
 
 from alma_jax.data import images
+from alma_jax.data import tfrecord
 from tests import helpers
-from tests.conftest import requires_mnist
+from tests.conftest import requires_cifar10, requires_mnist
 
 ROOT = helpers.ROOT
 
 
 @pytest.fixture(scope="module")
 def mnist_fresh(tmp_path_factory):
-  """A fresh tfds load (which also fills a private cache)."""
+  """A fresh decode of the prepared files (which also fills a private cache)."""
   cache = str(tmp_path_factory.mktemp("cache"))
   ds = images.load_image_dataset("mnist", cache_dir=cache)
-  assert ds.timings["source"] == "tfds"
+  assert ds.timings["source"] == "prepared files"
   return ds, cache
 
 
@@ -69,7 +72,7 @@ def test_corrupt_cache_is_detected_and_rebuilt(mnist_fresh, tmp_path, monkeypatc
   else:
     with open(os.path.join(folder, "meta.json"), "w") as f:
       f.write("{not json")
-  # The rebuild decodes from tfds; the fixture already checked a real decode, so
+  # The rebuild decodes the data set; the fixture already checked a real decode, so
   # this one is replaced by the fixture's arrays to keep the test fast.
   calls = []
 
@@ -79,26 +82,99 @@ def test_corrupt_cache_is_detected_and_rebuilt(mnist_fresh, tmp_path, monkeypatc
     arrays = {f: getattr(fresh, f) for f in ("train_x", "train_y", "test_x", "test_y")}
     info = {"name": "mnist", "version": os.path.basename(folder), "num_classes": 10,
             "mean": fresh.mean.tolist(), "std": fresh.std.tolist()}
-    return arrays, info
+    return arrays, info, "decoded"
 
-  monkeypatch.setattr(images, "_load_tfds", decode)
+  monkeypatch.setattr(images, "_decode", decode)
   ds = images.load_image_dataset("mnist", cache_dir=copy)
-  assert calls == ["mnist"] and ds.timings["source"] == "tfds"
+  assert calls == ["mnist"] and ds.timings["source"] == "decoded"
   assert_same(fresh, ds)
   again = images.load_image_dataset("mnist", cache_dir=copy)
   assert again.timings["source"] == "cache"
 
 
+def _prepared_copy(tmp_path, edit=None, name="mnist", keep=None):
+  """A copy of the prepared data set's folder whose dataset_info.json `edit` changes; with
+  `keep` ({split: n}), each split's file holds its first n records (copied whole, with their
+  checksums) and the description says so."""
+  src = os.path.join(os.environ["TFDS_DATA_DIR"], name)
+  version = os.listdir(src)[0]
+  dst = tmp_path / "tfds" / name / version
+  dst.mkdir(parents=True)
+  for f in os.listdir(os.path.join(src, version)):
+    os.symlink(os.path.join(src, version, f), dst / f)
+  info = json.loads((dst / "dataset_info.json").read_text())
+  for split in info["splits"] if keep else []:
+    path = dst / f"{name}-{split['name']}.tfrecord-00000-of-00001"
+    data, end = path.read_bytes(), 0
+    for _ in range(keep[split["name"]]):
+      end += 16 + int.from_bytes(data[end:end + 8], "little")
+    path.unlink()
+    path.write_bytes(data[:end])
+    split.update(shardLengths=[str(keep[split["name"]])], numBytes=str(end))
+  if edit:
+    edit(info)
+  (dst / "dataset_info.json").unlink()
+  (dst / "dataset_info.json").write_text(json.dumps(info))
+  return str(tmp_path / "tfds"), str(dst)
+
+
 @requires_mnist
-def test_warm_cache_does_not_import_tensorflow(mnist_fresh):
-  _, cache = mnist_fresh
+@requires_cifar10
+@pytest.mark.parametrize("name", ["mnist", "cifar10"])  # grey and colour PNGs
+def test_the_prepared_files_read_directly_are_the_arrays_tfds_decodes(tmp_path, name):
+  data_dir, _ = _prepared_copy(tmp_path, name=name, keep={"train": 300, "test": 200})
+  direct, info = images._read_prepared(name, data_dir)  # pylint: disable=protected-access
+  decoded, tfds_info = images._load_tfds(name, data_dir, "no")  # pylint: disable=protected-access
+  assert info == tfds_info and info["num_classes"] == 10
+  for f, a in decoded.items():
+    assert direct[f].dtype == a.dtype and direct[f].shape == a.shape
+    np.testing.assert_array_equal(direct[f], a)
+  assert len(direct["test_y"]) == 200 and len(set(direct["test_y"].tolist())) == 10
+
+
+@requires_mnist
+def test_neither_a_fresh_decode_nor_the_cache_imports_tensorflow(tmp_path):
+  data_dir, _ = _prepared_copy(tmp_path, keep={"train": 100, "test": 50})
+  load = f"images.load_image_dataset('mnist', data_dir={data_dir!r}, cache_dir={str(tmp_path)!r})"
   code = ("import sys; from alma_jax.data import images; "
-          f"ds = images.load_image_dataset('mnist', cache_dir={cache!r}); "
-          "assert ds.timings['source'] == 'cache'; "
-          "assert 'tensorflow' not in sys.modules, 'tensorflow imported'; print('ok')")
+          f"fresh = {load}; warm = {load}; "
+          "print(fresh.timings['source'], warm.timings['source'], fresh.train_x.shape, sep=','); "
+          "print(sorted(m for m in ('tensorflow', 'tensorflow_datasets') if m in sys.modules))")
   proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert proc.stdout.strip() == "ok"
+  assert proc.stdout.split("\n")[:2] == ["prepared files,cache,(100, 28, 28, 1)", "[]"]
+
+
+@requires_mnist
+@pytest.mark.parametrize("edit, reason", [
+    (lambda i: i["splits"][0].update(shardLengths=["30000", "30000"]), "split 'train' has 2 files"),
+    (lambda i: i.update(fileFormat="array_record"), "file format 'array_record'"),
+    (lambda i: i["splits"][0].update(shardLengths=["59999"]), "holds 60000 examples, its "
+     "description 59999"),
+    (lambda i: i.update(supervisedKeys={}), "supervised keys []"),
+], ids=["shards", "format", "count", "keys"])
+def test_a_prepared_copy_not_read_directly_goes_to_tfds_and_says_why(tmp_path, monkeypatch, edit,
+                                                                     reason):
+  data_dir, _ = _prepared_copy(tmp_path, edit)
+  with pytest.raises(images.NotDirect, match=re.escape(reason)):
+    images._read_prepared("mnist", data_dir)  # pylint: disable=protected-access
+  calls = []
+  monkeypatch.setattr(images, "_load_tfds", lambda *a: calls.append(a) or ({}, {}))
+  assert images._decode("mnist", data_dir, "no")[2] == "tfds"  # pylint: disable=protected-access
+  assert calls == [("mnist", data_dir, "no")]
+
+
+@requires_mnist
+def test_a_cut_record_file_is_an_error_of_the_file(tmp_path):
+  _, folder = _prepared_copy(tmp_path)
+  path = os.path.join(folder, "mnist-test.tfrecord-00000-of-00001")
+  with open(os.path.realpath(path), "rb") as f:
+    data = f.read()
+  os.unlink(path)
+  with open(path, "wb") as f:
+    f.write(data[:-10])
+  with pytest.raises(tfrecord.RecordError, match=r"runs past the end"):
+    list(tfrecord.records(path))
 
 
 def test_missing_data_names_tfds_data_dir(tmp_path, monkeypatch):
@@ -115,9 +191,11 @@ def test_unknown_name_lists_valid_names(tmp_path):
 
 
 def test_mock_data_goes_through_the_loader(tmp_path):
+  # No prepared copy to read directly: tfds decodes (mock_data fakes its download and data).
   with tfds.testing.mock_data(num_examples=12):
     ds = images.load_image_dataset("cifar10", cache_dir=str(tmp_path), use_cache=False,
-                                    download="yes")  # mock_data fakes the download
+                                    data_dir=str(tmp_path / "none_prepared"), download="yes")
+  assert ds.timings["source"] == "tfds"
   assert ds.train_x.shape == (12, 32, 32, 3) and ds.train_x.dtype == np.uint8
   assert ds.num_classes == 10 and ds.mean.shape == (3,)
   assert ((ds.train_y >= 0) & (ds.train_y < 10)).all()

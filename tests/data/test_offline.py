@@ -31,7 +31,7 @@ def _no_tfds(monkeypatch):
   """Makes a tfds read fail the test: the caches must serve."""
   def refuse(*a, **k):
     raise AssertionError("read tfds")
-  monkeypatch.setattr(images, "_load_tfds", refuse)
+  monkeypatch.setattr(images, "_decode", refuse)
   monkeypatch.setattr(text_data, "_tfds_text", refuse)
 
 
