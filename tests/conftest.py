@@ -101,3 +101,29 @@ def pytest_unconfigure(config):
   if not hasattr(config, "workerinput"):  # the controlling (or only) process
     for path in _REMOVE_AT_END:
       shutil.rmtree(path, ignore_errors=True)
+
+
+# -- the figure of a finished run -------------------------------------------------------------------
+from alma_jax.reports import plots  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def _draw_here(self, path, curves, title="", ylabel="test error (%)", scale=100.0):
+  """`plots.PlotChild.draw` in this process: the same figure, drawn by the same function."""
+  del self
+  try:
+    plots.run_error_png(path, curves, title, ylabel, scale)
+  except Exception as e:  # pylint: disable=broad-except  (as the child reports it)
+    return f"{type(e).__name__}: {e}"
+  return None
+
+
+@pytest.fixture(autouse=True)
+def _runs_draw_in_this_process(request, monkeypatch):
+  """A run in a test's own process draws error.png there (matplotlib imported once per worker)
+  instead of starting a child process per run, which costs more than the run itself for most
+  tests' tiny runs; the runs of `alma_jax.main` that tests start as processes, and the tests
+  marked `drawing_child`, use the child as a run does."""
+  if request.node.get_closest_marker("drawing_child") is None:
+    monkeypatch.setattr(plots.PlotChild, "start", lambda self: self)
+    monkeypatch.setattr(plots.PlotChild, "draw", _draw_here)
+

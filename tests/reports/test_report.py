@@ -412,6 +412,7 @@ def test_run_error_png(tmp_path):
 
 
 # -- real runs ------------------------------------------------------------------------------------
+@pytest.mark.drawing_child
 @requires_mnist
 def test_a_smoke_run_draws_its_errors_and_is_reported(tmp_path):
   workdir = str(tmp_path / "run")
@@ -429,6 +430,7 @@ def test_a_smoke_run_draws_its_errors_and_is_reported(tmp_path):
   assert (tmp_path / "out" / "tradeoffs_mnist.pdf").exists()
 
 
+@pytest.mark.drawing_child
 @requires_mnist
 def test_a_failure_to_draw_keeps_the_outputs(tmp_path, monkeypatch):
   warnings = []
@@ -459,6 +461,7 @@ def _ignores_sigint(pid: int) -> bool:
   return bool(int(mask, 16) >> (signal.SIGINT - 1) & 1)
 
 
+@pytest.mark.drawing_child
 def test_a_started_drawing_child_survives_a_terminal_interrupt_and_draws(tmp_path):
   child = plots.PlotChild().start()
   proc = child._proc  # pylint: disable=protected-access
@@ -474,6 +477,7 @@ def test_a_started_drawing_child_survives_a_terminal_interrupt_and_draws(tmp_pat
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.drawing_child
 def test_a_drawing_child_that_died_is_replaced_and_one_never_told_is_stopped(tmp_path):
   child = plots.PlotChild().start()
   first = child._proc  # pylint: disable=protected-access
