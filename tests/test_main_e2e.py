@@ -138,7 +138,7 @@ def test_cifar_sm_smoke_end_to_end_with_waiting(tmp_path):
   # measure it; kept in the workdir for a resume like the run's other choices.
   assert "train.steps_per_call: 1 by rule (the only candidate here)" in proc.stderr
   assert [(json.loads(k)["field"], v) for k, v in mine.items()] == [("train.steps_per_call", 1)]
-  # A fresh cache decodes the data set: TensorFlow's oneDNN notice is not shown.
+  # A fresh cache decodes the data set, from its prepared files: no TensorFlow notice.
   assert "oneDNN custom operations" not in proc.stderr, proc.stderr[-3000:]
   records, summary = check_outputs(wd, 4)
   assert summary["choices"] == {"train.cpu_allocator": "tuned", "train.cpu_fusion": "ynn",

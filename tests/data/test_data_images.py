@@ -11,7 +11,6 @@ import pytest
 import tensorflow_datasets as tfds
 
 from alma_jax.data import images
-from alma_jax.data import tfrecord
 from tests import helpers
 from tests.conftest import requires_cifar10, requires_mnist
 
@@ -162,19 +161,6 @@ def test_a_prepared_copy_not_read_directly_goes_to_tfds_and_says_why(tmp_path, m
   monkeypatch.setattr(images, "_load_tfds", lambda *a: calls.append(a) or ({}, {}))
   assert images._decode("mnist", data_dir, "no")[2] == "tfds"  # pylint: disable=protected-access
   assert calls == [("mnist", data_dir, "no")]
-
-
-@requires_mnist
-def test_a_cut_record_file_is_an_error_of_the_file(tmp_path):
-  _, folder = _prepared_copy(tmp_path)
-  path = os.path.join(folder, "mnist-test.tfrecord-00000-of-00001")
-  with open(os.path.realpath(path), "rb") as f:
-    data = f.read()
-  os.unlink(path)
-  with open(path, "wb") as f:
-    f.write(data[:-10])
-  with pytest.raises(tfrecord.RecordError, match=r"runs past the end"):
-    list(tfrecord.records(path))
 
 
 def test_missing_data_names_tfds_data_dir(tmp_path, monkeypatch):
