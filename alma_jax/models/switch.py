@@ -409,9 +409,10 @@ def copy_experts(params: dict[str, Any], experts: Sequence[int] | Sequence[Seque
     tied pair sends all its tokens to its first member, so tokens beyond the
     smaller capacity are dropped (the layer adds zero for them). Nor does it
     survive training: the first update that moves the pair's logits apart
-    (any optimizer step, however small) ends the tie, and each member's gate
-    becomes its own probability, half the pair's, so the output of the
-    pair's tokens halves.
+    (Adam's first step, however small, for every token where the change
+    exceeds the float32 rounding of its logits) ends the tie, and each
+    member's gate becomes its own probability, half the pair's, so the
+    output of the pair's tokens halves.
   """
   num_blocks, num = _mixture_shape(params)
   active = num if active is None else int(active)
