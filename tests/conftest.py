@@ -127,3 +127,68 @@ def _runs_draw_in_this_process(request, monkeypatch):
     monkeypatch.setattr(plots.PlotChild, "start", lambda self: self)
     monkeypatch.setattr(plots.PlotChild, "draw", _draw_here)
 
+
+
+# -- programs kept between a test's runs --------------------------------------------------------
+from unittest import mock  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from alma_jax.runtime import executables  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+_salt = {"test": None, "patches": 0}
+
+
+def _renew_salt() -> None:
+  """A new salt for programs kept in memory (forgetting those kept): the code they were
+  traced from may have changed."""
+  _salt["patches"] += 1
+  if _salt["test"] is not None:
+    executables.keep_in_memory(f"{_salt['test']}#{_salt['patches']}")
+
+
+def _changes_code(entries) -> bool:
+  return any(target is not os.environ for target, *_ in entries)
+
+
+def _renewing(method, when=lambda *args, **kwargs: True):
+  """`method`, renewing the salt after it where `when` (asked before it) says so."""
+  def wrapper(*args, **kwargs):
+    renew = when(*args, **kwargs)
+    try:
+      return method(*args, **kwargs)
+    finally:
+      if renew:
+        _renew_salt()
+  return wrapper
+
+
+# Every patch of an attribute (monkeypatch, mock.patch) or of a dict other than the
+# environment, made or undone, renews the salt; environment variables do not.
+pytest.MonkeyPatch.setattr = _renewing(pytest.MonkeyPatch.setattr)
+pytest.MonkeyPatch.delattr = _renewing(pytest.MonkeyPatch.delattr)
+pytest.MonkeyPatch.setitem = _renewing(pytest.MonkeyPatch.setitem,
+                                       lambda self, dic, *args, **kw: dic is not os.environ)
+pytest.MonkeyPatch.delitem = _renewing(pytest.MonkeyPatch.delitem,
+                                       lambda self, dic, *args, **kw: dic is not os.environ)
+pytest.MonkeyPatch.undo = _renewing(
+    pytest.MonkeyPatch.undo,
+    lambda self: bool(getattr(self, "_setattr", True)) or _changes_code(
+        getattr(self, "_setitem", [(None,)])))
+mock._patch.__enter__ = _renewing(mock._patch.__enter__)  # pylint: disable=protected-access
+mock._patch.__exit__ = _renewing(mock._patch.__exit__)  # pylint: disable=protected-access
+mock._patch_dict._patch_dict = _renewing(  # pylint: disable=protected-access
+    mock._patch_dict._patch_dict, lambda self: self.in_dict is not os.environ)  # pylint: disable=protected-access
+mock._patch_dict._unpatch_dict = _renewing(  # pylint: disable=protected-access
+    mock._patch_dict._unpatch_dict, lambda self: self.in_dict is not os.environ)  # pylint: disable=protected-access
+
+
+@pytest.fixture(autouse=True)
+def _programs_kept_between_runs(request):
+  """The runs of one test, in its process, keep their compiled programs and FLOP counts in
+  memory for the test's later runs (`executables.keep_in_memory`): a resumed run, or a
+  second run of one config, does not trace and compile them again. Kept for one test only,
+  and forgotten at every patch of code."""
+  _salt["test"] = request.node.nodeid
+  _renew_salt()
+  yield
+  _salt["test"] = None
+  executables.keep_in_memory(None)

@@ -122,6 +122,12 @@ def test_cifar_sm_smoke_end_to_end_with_waiting(tmp_path):
                                                 "--config.train.autotune=measure"]
   c = config_resolve.resolve(config, flags + ["--config.mesh.num_devices=1"])
   cache_dir, wd = tmp_path / "cache", tmp_path / "wd"
+  # The session's decoded CIFAR-10 (decoded here if no test has yet), linked into this cache:
+  # what this test is about is the run's choices, not a fresh decode.
+  from alma_jax.data import images  # pylint: disable=g-import-not-at-top
+  images.load_image_dataset("cifar10")
+  cache_dir.mkdir()
+  os.symlink(os.path.join(os.environ["ALMA_JAX_CACHE_DIR"], "cifar10"), cache_dir / "cifar10")
   xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_enable_fast_math=false".strip()
   env = dict(os.environ, ALMA_JAX_CACHE_DIR=str(cache_dir), JAX_PLATFORMS="cpu",
              XLA_FLAGS=xla_flags)

@@ -35,6 +35,12 @@ compilation-cache hit and a backend compile of its name (the seconds the load
 took), so compile accounting (`alma_jax.engine.timing`) sees a program loaded
 from either cache alike. `remembered` keeps small computed values (FLOP counts)
 under the same kind of key.
+
+A process that runs several runs in turn can keep them in its memory instead
+(`keep_in_memory`, `keeping(MEMORY, ...)`): the compiled programs themselves,
+under the same keys and a salt of the caller's. The test suite does, one salt
+per test and per patch of code; the library's own runs (`alma_jax.run`) keep
+nothing unless told, since code patched at run time is not in any key.
 """
 
 from __future__ import annotations
@@ -167,12 +173,15 @@ class _Store:
   def __init__(self, folder: str, context: str):
     self.folder = folder
     self.context = hashlib.sha256(
-        "\n".join((context, code_digest(), environment())).encode()).hexdigest()
+        "\n".join((context, self._code(), environment())).encode()).hexdigest()
     self.backend = jax.devices()[0].client
     self.loaded = self.stored = 0
     global _serial
     _serial += 1
     self.serial = _serial
+
+  def _code(self) -> str:
+    return code_digest()
 
   def path(self, kind: str, text: str) -> str:
     digest = hashlib.sha256(f"{self.context}\n{text}".encode()).hexdigest()
@@ -204,6 +213,85 @@ class _Store:
       with contextlib.suppress(OSError, UnboundLocalError):
         os.unlink(tmp)
 
+  def save_program(self, compiled, cache_keys: list[str] | None, loaded_plain: bool):
+    """What `write` keeps of `compiled` (None: not kept). `cache_keys`: the persistent cache
+    entries JAX loaded while compiling it (None: it compiled); `loaded_plain`: a plain call
+    of the same program loaded one from that cache earlier."""
+    try:
+      if cache_keys is None:
+        if loaded_plain:  # perhaps that loaded executable, without its code: not kept
+          return None
+        saved = serialize_executable.serialize(compiled)
+      elif len(cache_keys) == 1:
+        saved = _serialize_from_cache(compiled, cache_keys[0])
+      else:
+        return None
+      return saved + (tuple(d.id for d in compiled.runtime_executable().local_devices()),)
+    except Exception:  # pylint: disable=broad-except  (closed-over constants, another jax...)
+      return None
+
+  def load_program(self, saved):
+    """The program `save_program` saved; None if it cannot be loaded."""
+    try:
+      payload, in_tree, out_tree, device_ids = saved
+      by_id = {d.id: d for d in jax.devices()}
+      return serialize_executable.deserialize_and_load(
+          payload, in_tree, out_tree, backend=self.backend,
+          execution_devices=[by_id[i] for i in device_ids])
+    except Exception:  # pylint: disable=broad-except  (damaged, or not a program)
+      return None
+
+
+class _MemoryStore(_Store):
+  """Programs and values kept in this process's memory (`keep_in_memory`): the compiled
+  programs themselves, never serialised."""
+
+  def __init__(self, context: str):
+    super().__init__(MEMORY, f"{context}\n{_memory_salt}")
+
+  def _code(self) -> str:
+    # The code a process runs is what it imported: its source files may change on disk, not
+    # in the process (but through patches, which the salt is for).
+    return ""
+
+  def read(self, path: str):
+    return _memory.get(path)
+
+  def forget(self, path: str) -> None:
+    _memory.pop(path, None)
+
+  def write(self, path: str, value) -> None:
+    _memory[path] = value
+
+  def save_program(self, compiled, cache_keys, loaded_plain):
+    del cache_keys, loaded_plain
+    return compiled
+
+  def load_program(self, saved):
+    return saved
+
+
+MEMORY = ":memory:"  # `keeping`'s folder for this process's memory
+_memory: dict[str, Any] = {}
+_memory_salt: str | None = None
+
+
+def keep_in_memory(salt: str | None) -> None:
+  """Lets `keeping(MEMORY, ...)` keep programs and values in this process's memory, for a
+  process that runs several runs in turn (`memory_folder`). `salt` is what, besides the
+  context, the code and the environment, decides them: a process that changes code at run
+  time (a test patching a module) gives a new salt after each change, and a new salt forgets
+  everything kept. None (the default): nothing is kept in memory."""
+  global _memory_salt
+  if salt != _memory_salt:
+    _memory.clear()
+  _memory_salt = salt
+
+
+def memory_folder() -> str | None:
+  """`MEMORY` where `keep_in_memory` allows it, else None."""
+  return MEMORY if _memory_salt is not None else None
+
 
 @contextlib.contextmanager
 def keeping(folder: str | None, context: str) -> Iterator["_Store | None"]:
@@ -212,7 +300,10 @@ def keeping(folder: str | None, context: str) -> Iterator["_Store | None"]:
   and a data fingerprint). `folder` None, or several processes: nothing is kept."""
   global _active
   before = _active
-  _active = _Store(folder, context) if folder and jax.process_count() == 1 else None
+  if not folder or jax.process_count() > 1 or (folder == MEMORY and _memory_salt is None):
+    _active = None
+  else:
+    _active = _MemoryStore(context) if folder == MEMORY else _Store(folder, context)
   try:
     yield _active
   finally:
@@ -342,16 +433,10 @@ class Kept:
     t0 = time.monotonic()
     saved = store.read(path)
     if saved is not None:
-      try:
-        payload, in_tree, out_tree, device_ids = saved
-        by_id = {d.id: d for d in jax.devices()}
-        compiled = serialize_executable.deserialize_and_load(
-            payload, in_tree, out_tree, backend=store.backend,
-            execution_devices=[by_id[i] for i in device_ids])
-      except Exception:  # pylint: disable=broad-except  (damaged, or not a program: rebuild)
-        compiled = None
+      compiled = store.load_program(saved)
+      if compiled is None:  # damaged, or not a program: rebuild
         store.forget(path)
-      if compiled is not None:
+      else:
         for event in _EVENTS:
           jax.monitoring.record_event(event)
         jax.monitoring.record_event_duration_secs(_LOAD_EVENT, time.monotonic() - t0,
@@ -363,20 +448,11 @@ class Kept:
     with _persistent_cache_keys() as keys:
       compiled = self._outside_traces(lambda jitted: jitted.lower(*args, **kwargs).compile(),
                                       args, kwargs)
-    try:
-      if _persistent_hits[0] == hits:
-        if self._loaded_plain:  # perhaps that loaded executable, without its code: not kept
-          return compiled
-        saved = serialize_executable.serialize(compiled)
-      elif len(keys) == 1:
-        saved = _serialize_from_cache(compiled, keys[0])
-      else:
-        return compiled
-      saved += (tuple(d.id for d in compiled.runtime_executable().local_devices()),)
-    except Exception:  # pylint: disable=broad-except  (closed-over constants, another jax...)
-      return compiled
-    store.write(path, saved)
-    store.stored += 1
+    saved = store.save_program(compiled, keys if _persistent_hits[0] != hits else None,
+                               self._loaded_plain)
+    if saved is not None:
+      store.write(path, saved)
+      store.stored += 1
     return compiled
 
 

@@ -86,6 +86,8 @@ def run(config, workdir: str, *, overwrite: bool = False, startup_s: float | Non
     keep_programs: keep the run's compiled programs and FLOP counts beside the persistent
       compilation cache (`caches.kept_programs_dir`), and load those of an earlier process
       of the same config, data and code without tracing them (`alma_jax.runtime.executables`).
+      Without it, where `executables.keep_in_memory` allows, they are kept in this
+      process's memory for its later runs.
 
   Returns:
     The summary (with S > 1: the mean and standard deviation over the seeds).
@@ -119,8 +121,8 @@ def run(config, workdir: str, *, overwrite: bool = False, startup_s: float | Non
       clock = Clock(setup.steps, timer, t_start, startup_s)
       told, checkpoints = _outputs(setup, signals, clock, meter, observers)
       try:
-        with executables.keeping(caches.kept_programs_dir() if keep_programs else None,
-                                 setup.program_context()):
+        with executables.keeping(caches.kept_programs_dir() if keep_programs
+                                 else executables.memory_folder(), setup.program_context()):
           return _walk(setup, told, checkpoints, signals, clock, meter, overwrite)
       finally:
         told.close()

@@ -2,17 +2,21 @@
 (`alma_jax.runtime.executables`)."""
 
 import importlib
+import json
 import os
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from alma_jax.stream import run
 from alma_jax.runtime import executables
 from alma_jax.engine import timing
 from tests import helpers
+from tests.conftest import requires_mnist
 
 TRACES = []
 _OFFSET = [0.0]
@@ -246,6 +250,78 @@ def test_a_program_compiled_before_keeping_is_kept(tmp_path):
     np.testing.assert_array_equal(np.asarray(kept(*args)), _want())
   assert store.stored == 1
   _a_later_process_loads_it(tmp_path)
+
+
+# -- programs kept in memory -----------------------------------------------------------------------
+def test_in_memory_a_later_run_of_the_process_uses_the_compiled_program_itself():
+  executables.keep_in_memory("salt A")
+  TRACES.clear()
+  with executables.keeping(executables.MEMORY, "run A") as store:
+    first = _kept()(*_args())
+  assert len(TRACES) == 1 and store.stored == 1
+  # What it keeps is the compiled program itself, not serialised bytes.
+  assert [type(v) for v in executables._memory.values()] == [jax.stages.Compiled]
+  before = timing.compile_counts()
+  with executables.keeping(executables.MEMORY, "run A") as store:
+    again = _kept()(*_args())
+  assert len(TRACES) == 1 and store.loaded == 1 and store.stored == 0
+  np.testing.assert_array_equal(np.asarray(again), np.asarray(first))
+  assert timing.compile_counts()["kept_programs_loaded"] == before["kept_programs_loaded"] + 1
+  # Another context, or a new salt (which forgets what was kept), traces it again.
+  with executables.keeping(executables.MEMORY, "run B") as store:
+    _kept()(*_args())
+  assert len(TRACES) == 2 and store.loaded == 0
+  executables.keep_in_memory("salt B")
+  with executables.keeping(executables.MEMORY, "run A") as store:
+    _kept()(*_args())
+  assert len(TRACES) == 3 and store.loaded == 0
+  # Not allowed: nothing is kept.
+  executables.keep_in_memory(None)
+  with executables.keeping(executables.MEMORY, "run A") as store:
+    assert store is None
+
+
+def test_a_test_forgets_what_it_kept_in_memory_when_it_patches_code(monkeypatch):
+  # (`tests/conftest.py`: one salt per test, renewed by every patch of an attribute or of a
+  # dict other than the environment, made or undone.)
+  def kept_one():
+    with executables.keeping(executables.MEMORY, "run A"):
+      _kept()(*_args())
+    return bool(executables._memory)
+
+  assert kept_one()
+  monkeypatch.setenv("ALMA_JAX_SOME_VARIABLE", "1")
+  assert executables._memory, "an environment variable is not code"
+  monkeypatch.setattr(helpers, "ROOT", helpers.ROOT)
+  assert not executables._memory and kept_one()
+  with monkeypatch.context() as m:
+    m.setenv("ALMA_JAX_SOME_VARIABLE", "2")
+  assert executables._memory
+  with mock.patch.object(helpers, "ROOT", "elsewhere"):
+    assert not executables._memory and kept_one()
+  assert not executables._memory and kept_one()
+  with mock.patch.dict(os.environ, {"ALMA_JAX_SOME_VARIABLE": "3"}):
+    pass
+  assert executables._memory
+  with mock.patch.dict(executables.ONCE_OPTIONS, {}):
+    assert not executables._memory
+
+
+@requires_mnist
+def test_the_second_run_of_a_config_in_a_test_loads_its_programs_from_memory(tmp_path):
+  config = helpers.smoke("sm")
+  run.run(config, str(tmp_path / "first"))
+  run.run(config, str(tmp_path / "second"))
+  assert helpers.outputs(tmp_path / "second") == helpers.outputs(tmp_path / "first")
+  loaded = []
+  for name in ("first", "second"):
+    with open(tmp_path / name / "summary.json") as f:
+      timings = json.load(f)["timings"]
+    loaded.append((timings["kept_programs_loaded"], timings["xla_programs"]))
+  (first, _), (second, programs) = loaded
+  # Every program of the second run but the learner's initialisation, which it compiles while
+  # it is set up, before `keeping` starts.
+  assert first == 0 and second == programs - 1 > 0, loaded
 
 
 # -- programs that run once ------------------------------------------------------------------------
