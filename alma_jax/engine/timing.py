@@ -176,45 +176,53 @@ class Breakdown:
     return out
 
 
-# A timed repeat runs calls for at least this long: a step of a few milliseconds timed alone
+# A timed group runs calls for at least this long: a step of a few milliseconds timed alone
 # is mostly the noise of the host (the choices of `alma_jax.tuning.autotune` rest on these).
 MIN_TIMED_S = 0.05
 
 
-def _seconds_per_call(call: Callable[[], Any], repeats: int) -> float:
-  """Seconds per call of `call` (which returns what to wait for): the first call compiles
-  and is not timed; then `repeats` timed groups of n calls, n such that a group lasts at least
-  `MIN_TIMED_S` (judged by the first timed call, which is the first group when n = 1); the
-  median over the groups, per call."""
-  jax.block_until_ready(call())  # compiles
-  t0 = time.monotonic()
-  jax.block_until_ready(call())
-  first = time.monotonic() - t0
-  n = max(1, math.ceil(MIN_TIMED_S / max(first, 1e-6)))
-  times = [first] if n == 1 else []
-  while len(times) < repeats:
+def alternate(calls: dict[Any, Callable[[], Any]], rounds: int,
+              min_group_s: float = MIN_TIMED_S) -> dict[Any, float]:
+  """Seconds per call of each of `calls` ({name: call}; a call returns what to wait for),
+  timed against each other.
+
+  Each call first runs once untimed (it compiles) and once timed, which sets its group: n
+  calls lasting at least `min_group_s`. Then `rounds` rounds time one group of every call in
+  turn (in reverse order every other round), and each call's figure is its median over the
+  rounds, per call. Timed in turns, a host whose speed drifts (by 10-20% within minutes on a
+  shared 2-core machine) slows every candidate alike instead of the one it happens to time.
+  """
+  sizes: dict[Any, int] = {}
+  for name, call in calls.items():
+    jax.block_until_ready(call())  # compiles
     t0 = time.monotonic()
-    for _ in range(n):
-      out = call()
-    jax.block_until_ready(out)
-    times.append((time.monotonic() - t0) / n)
-  return float(np.median(times))
+    jax.block_until_ready(call())
+    sizes[name] = max(1, math.ceil(min_group_s / max(time.monotonic() - t0, 1e-6)))
+  times: dict[Any, list[float]] = {name: [] for name in calls}
+  order = list(calls)
+  for r in range(rounds):
+    for name in (order if r % 2 == 0 else order[::-1]):
+      call, n = calls[name], sizes[name]
+      t0 = time.monotonic()
+      for _ in range(n):
+        out = call()
+      jax.block_until_ready(out)
+      times[name].append((time.monotonic() - t0) / n)
+  return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def seconds_per_eval_example(programs: Any, learner: Any, repeats: int = 3) -> float:
-  """Times the compiled evaluation of a stacked `learner` on a batch of dummy indices, per
-  example (`_seconds_per_call`: the median of `repeats` timed groups of calls after the one
-  that compiles)."""
+def eval_call(programs: Any, learner: Any) -> tuple[Callable[[], Any], int]:
+  """(a call of the compiled evaluation of a stacked `learner` on a batch of dummy indices,
+  the examples one call evaluates)."""
   batch = programs.timing_eval_batch(slots.leading_size(learner.params))
   fn = programs.eval_fn(learner, False, batch)
-  call = lambda: fn(learner.params, learner.model_state, programs.data, batch)  # pylint: disable=unnecessary-lambda-assignment
-  return _seconds_per_call(call, repeats) / programs.eval_batch_size
+  return (lambda: fn(learner.params, learner.model_state, programs.data, batch),
+          programs.eval_batch_size)
 
 
-def seconds_per_step(programs: Any, learner: Any, repeats: int = 3) -> float:
-  """Times the compiled train call of a stacked `learner` on dummy indices (it is untouched),
-  per step (`_seconds_per_call`: the median of `repeats` timed groups of calls after the one
-  that compiles).
+def step_call(programs: Any, learner: Any) -> tuple[Callable[[], Any], int]:
+  """(a call of the compiled train call of a stacked `learner` on dummy indices, which
+  leaves `learner` untouched, the train steps one call runs).
 
   `programs`: the run's `alma_jax.engine.programs.Programs`.
   """
@@ -229,4 +237,18 @@ def seconds_per_step(programs: Any, learner: Any, repeats: int = 3) -> float:
     box["counter"] += 1
     return losses
 
-  return _seconds_per_call(call, repeats) / programs.steps_per_call
+  return call, programs.steps_per_call
+
+
+def seconds_per_eval_example(programs: Any, learner: Any, repeats: int = 3) -> float:
+  """Times the compiled evaluation of a stacked `learner` (`eval_call`), per example: the
+  median of `repeats` timed groups of calls after the one that compiles (`alternate`)."""
+  call, examples = eval_call(programs, learner)
+  return alternate({0: call}, repeats)[0] / examples
+
+
+def seconds_per_step(programs: Any, learner: Any, repeats: int = 3) -> float:
+  """Times the compiled train call of a stacked `learner` (`step_call`), per step: the median
+  of `repeats` timed groups of calls after the one that compiles (`alternate`)."""
+  call, steps = step_call(programs, learner)
+  return alternate({0: call}, repeats)[0] / steps

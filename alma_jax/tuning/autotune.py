@@ -11,8 +11,9 @@ train step).
 Crossovers measured on one CPU do not transfer to another, so when such a
 field is left to be chosen ("auto", or 0 steps per call) and
 `config.train.autotune="measure"`, the run builds the train call of every
-candidate on the run's real shapes, times a few steps of each, and keeps the
-fastest.
+candidate on the run's real shapes, times them in turns (`ROUNDS` rounds, each
+timing a group of calls of every candidate: a drift of the host's speed slows
+all of them alike) and keeps the fastest.
 
 A choice is remembered under a key made of the device, the JAX version and
 the shapes that decide it (for XLA's options, also the options offered):
@@ -50,6 +51,7 @@ from alma_jax.configuration import options
 from alma_jax.data import images
 from alma_jax.engine import population
 from alma_jax.engine import programs
+from alma_jax.engine import timing
 from alma_jax.methods import ensemble
 from alma_jax.models import conv
 from alma_jax.outputs import io_utils
@@ -61,7 +63,12 @@ SHORT_STEPS_PER_CALL = 8  # CPU, steps of a few milliseconds (`_short_steps`)
 ACCELERATOR_STEPS_PER_CALL = 8
 STEPS_PER_CALL_CANDIDATES = (1, 8)
 AUTO_STEPS_PER_CALL = 0  # the value of train.steps_per_call that asks for a choice
-TIMED_STEPS = 3  # timed groups of calls per candidate, after the one that compiles
+# Candidates are timed in turns (`timing.alternate`): ROUNDS rounds, each timing one group of
+# calls of every candidate lasting at least MIN_GROUP_S. Timed one after the other, three
+# groups of 0.05 s each, P1's candidates on a 2-core AMD EPYC ranked differently from one
+# run to the next (an XLA:CPU setting measured at 604 and 1,292 img/s minutes apart).
+ROUNDS = 5
+MIN_GROUP_S = 0.25
 STEP_FUSION, EVAL_FUSION = "train.step_fusion", "train.eval_fusion"
 FUSION_RULE = "same"  # the process's XLA flags, nothing on top
 # The XLA:CPU options `auto` measures (`programs.FUSIONS`); each costs a compilation of the
@@ -272,20 +279,34 @@ def _initial(steps, seed: int):
   return population.initial(steps.method, population.keys([seed]))
 
 
-def time_train_step(steps, seed: int = 0) -> float:
-  """Seconds per train step of `steps`' method, freshly initialised, on its real shapes."""
-  return steps.seconds_per_step(_initial(steps, seed), repeats=TIMED_STEPS)
+def step_call(steps, seed: int = 0) -> tuple[Callable[[], Any], int]:
+  """`timing.step_call` of `steps`' method, freshly initialised, on its real shapes."""
+  return timing.step_call(steps.programs, _initial(steps, seed))
 
 
-def time_evaluation(steps, seed: int = 0) -> float:
-  """Seconds per example of `steps`' evaluation of its method, freshly initialised."""
-  return steps.seconds_per_eval_example(_initial(steps, seed), repeats=TIMED_STEPS)
+def time_train_steps(candidates: dict[Any, Any], seed: int = 0) -> dict[Any, float]:
+  """Seconds per train step of each of `candidates` ({name: `steps.Steps`}: its method,
+  freshly initialised, on its real shapes), timed in turns (`timing.alternate`)."""
+  return _per_unit({k: step_call(s, seed) for k, s in candidates.items()})
+
+
+def time_evaluations(candidates: dict[Any, Any], seed: int = 0) -> dict[Any, float]:
+  """Seconds per example of each of `candidates`' evaluation ({name: `steps.Steps`}: its
+  method, freshly initialised), timed in turns (`timing.alternate`)."""
+  return _per_unit({k: timing.eval_call(s.programs, _initial(s, seed))
+                    for k, s in candidates.items()})
+
+
+def _per_unit(calls: dict[Any, tuple[Callable[[], Any], int]]) -> dict[Any, float]:
+  """Seconds per unit (step, example) of each of `calls` ({name: (call, units per call)})."""
+  seconds = timing.alternate({k: call for k, (call, _) in calls.items()}, ROUNDS, MIN_GROUP_S)
+  return {k: seconds[k] / units for k, (_, units) in calls.items()}
 
 
 def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
            workdir_file: str | None = None, cache_file: str | None = None,
-           measure: Callable[[Any], float] = time_train_step,
-           measure_eval: Callable[[Any], float] = time_evaluation,
+           measure: Callable[[dict], dict] = time_train_steps,
+           measure_eval: Callable[[dict], dict] = time_evaluations,
            given: dict[str, tuple[Any, str]] | None = None,
            deferred: list | None = None) -> dict[str, Any]:
   """Chooses a value for every field `config` leaves to be chosen.
@@ -297,8 +318,8 @@ def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
     mode: "measure" or "rules" (`config.train.autotune`).
     workdir_file: the run's own record of its choices (read first, then written).
     cache_file: this machine's record (default `default_cache_file()`).
-    measure: Steps -> seconds per train step.
-    measure_eval: Steps -> seconds per example of the evaluation.
+    measure: {candidate: Steps} -> {candidate: seconds per train step}, timed in turns.
+    measure_eval: {candidate: Steps} -> {candidate: seconds per example of the evaluation}.
     given: {field path: (value, how)} measured already (e.g. with the process's XLA flags,
       `cpu_fusion.measured_with_flags()`): used and remembered in place of a measurement.
     deferred: when given, the (key, value) entries for `workdir_file` are appended to it
@@ -343,21 +364,26 @@ def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
 def _measure(config, tunable: Tunable, build, measure, chosen: dict) -> tuple[Any, str, bool]:
   """(the fastest candidate, how it was chosen, True); (the rule, why, False) when a candidate
   fails."""
-  times = {}
   others = {t.path: t.rule(config) for t in pending(config)}  # the rules, until chosen
   candidates = tunable.candidates(config)
   if len(candidates) == 1:
     return candidates[0], "by rule (the only candidate here)", False
   per_call = 1 if tunable.timed == "eval" else _get(config, "train.batch_size")
+  built = {}
   for candidate in candidates:
     variant = with_choices(config, {**others, **chosen, tunable.path: candidate})
     try:
-      steps = build(variant)
-      times[candidate] = measure(steps) / per_call
+      built[candidate] = build(variant)
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("%s=%r could not be timed (%s: %s); the rule decides", tunable.path,
                       candidate, type(e).__name__, e)
       return tunable.rule(config), "by rule (a candidate failed)", False
+  try:
+    times = {c: t / per_call for c, t in measure(built).items()}
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("%s's candidates %s could not be timed (%s: %s); the rule decides",
+                    tunable.path, list(candidates), type(e).__name__, e)
+    return tunable.rule(config), "by rule (a candidate failed)", False
   best = min(times, key=times.get)
   timed = ", ".join(f"{k!r} {_rate(config, v)}" for k, v in times.items())
   return best, f"measured ({timed})", True

@@ -16,15 +16,15 @@ device, through `config.train.cpu_fusion`:
     `ynn_onednn`: both;
   * `auto` (default): for convolution-heavy backbones (`BackboneSpec.conv_heavy`:
     the VGG, the ResNet) on a CPU with `train.autotune=measure`, one child
-    process per setting, each timing the run's train step on its real shapes
-    (synthetic data) with every candidate convolution gradient; the fastest
-    pair wins, and the run then uses both (the convolution choice without
-    measuring it again). A setting whose child fails (e.g. a jaxlib that does
-    not know its flag) is left out. The choice is remembered
-    like `alma_jax.tuning.autotune`'s: in the workdir's `autotune.json` (a resumed run
-    keeps it) and in `<cache dir>/autotune.json` under a key of this CPU's
-    model, core count, the JAX version and the step's shapes. The rule,
-    `none`, decides otherwise: MLPs and transformers, `train.autotune=rules`,
+    process per setting, each holding the run's train step on its real shapes
+    (synthetic data) with every candidate convolution gradient, all timed in
+    turns (`measure_in_children`); the fastest pair wins, and the run then
+    uses both (the convolution choice without measuring it again). A setting
+    whose child fails (e.g. a jaxlib that does not know its flag) is left out.
+    The choice is remembered like `alma_jax.tuning.autotune`'s: in the
+    workdir's `autotune.json` (a resumed run keeps it) and in
+    `<cache dir>/autotune.json` under a key of this CPU's model, core count,
+    the JAX version and the step's shapes. The rule, `none`, decides otherwise: MLPs and transformers, `train.autotune=rules`,
     runs of several processes, machines with an accelerator plugin installed
     (the flags only concern XLA:CPU, and on an accelerator the children's
     compilations would cost more than they could save), and a failing child
@@ -36,12 +36,15 @@ the flags above, it wins and nothing is measured.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import platform
+import select
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -50,6 +53,7 @@ from absl import logging
 
 from alma_jax import models
 from alma_jax.configuration import fields as F
+from alma_jax.engine import timing
 from alma_jax.models import conv
 from alma_jax.tuning import autotune
 
@@ -66,11 +70,12 @@ KEEP_ENV = "XLA_FLAGS"  # the user's XLA_FLAGS already set the fusion: left as t
 _FLAG_NAMES = tuple(f.split("=", 1)[0] for f in (FLAG, ONEDNN_FLAG))
 _ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
                         "jax_rocm7_plugin", "libtpu")
-# Seconds one measuring child may take (start-up, compiling and timing a few train steps take
-# 10-40 s on a 2-core CPU); past it the setting is left out, so the measurement never takes more
-# than this times the number of settings.
+# Seconds one measuring child may take to start and compile its train steps (10-40 s on a
+# 2-core CPU), and to answer one call; past it the setting is left out, so starting the
+# children never takes more than this times the number of settings.
 CHILD_TIMEOUT_S = 90.0
-RESULT = "CPU_FUSION_RESULT "  # the result line of the child (alma_jax.tuning.cpu_fusion_child)
+# The lines of the child (alma_jax.tuning.cpu_fusion_child): its steps are compiled; a call ran.
+READY, DONE = "CPU_FUSION_READY ", "CPU_FUSION_DONE"
 
 # This process's decision: {"key", "value", "how"} and what the run's in-process choices take
 # from its measurement ({field: value}).
@@ -149,13 +154,14 @@ def choose(config, workdir: str | None, *, shapes: tuple | None, multiprocess: b
   `shapes`: (one example's shape, number of classes) of the data set, None when unknown.
   Reads the workdir's record (a resumed run keeps its choice) but writes nothing there:
   the run records the choice once it owns the workdir (`decision`).
-  `measure(config, input_shape, num_classes, setting, impls)` -> {conv impl: seconds per
-  step} (default: a child process); for tests.
+  `measure(config, input_shape, num_classes, settings, impls)` -> ({(setting, conv impl):
+  seconds per step}, {setting whose child failed: why}) (default: `measure_in_children`);
+  for tests.
   """
   _decision.clear()
   _measured_with_flags.clear()
   value, how, key = _choose(config, workdir, shapes, multiprocess, cache_file,
-                            measure or measure_in_child)
+                            measure or measure_in_children)
   if key is not None:
     _decision.update(key=key, value=value, how=how)
   return value, how
@@ -195,28 +201,23 @@ def _measure(config, shapes, measure) -> tuple[str, str, bool]:
   of the rule's setting fails. A setting whose child fails otherwise is left out."""
   impls = ([i for i in conv.IMPLS if i != "auto"] if config.model.conv_impl == "auto"
            else [config.model.conv_impl])
-  times, failed = {}, []
   logging.info("measuring %s once for this machine and model: %d settings (%s) x %d convolution "
-               "implementations, each in a child process of at most %.0f s (%.0f s in all at "
-               "most); the choice is kept for later runs. To skip it: --config.%s=none (or "
-               "--config.train.autotune=rules)", FIELD, len(SETTINGS), ", ".join(SETTINGS),
-               len(impls), CHILD_TIMEOUT_S, CHILD_TIMEOUT_S * len(SETTINGS), FIELD)
+               "implementations, one child process per setting (each started and compiled in "
+               "at most %.0f s), timed in turns; the choice is kept for later runs. To skip it: "
+               "--config.%s=none (or --config.train.autotune=rules)", FIELD, len(SETTINGS),
+               ", ".join(SETTINGS), len(impls), CHILD_TIMEOUT_S, FIELD)
+  try:
+    times, failed = measure(config, shapes[0], shapes[1], SETTINGS, impls)
+  except RuntimeError as e:  # a child failed while the settings were timed
+    logging.warning("%s could not be timed (%s); the rule decides: %s", FIELD, e, RULE)
+    return RULE, "by rule (a child process failed)", False
+  if RULE in failed:
+    logging.warning("%s=%s could not be timed (%s); the rule decides: %s", FIELD, RULE,
+                    failed[RULE], RULE)
+    return RULE, "by rule (a child process failed)", False
+  for setting, why in failed.items():
+    logging.warning("%s=%s could not be timed (%s); left out", FIELD, setting, why)
   batch = config.train.batch_size
-  for i, setting in enumerate(SETTINGS):
-    try:
-      started = time.monotonic()
-      for impl, seconds in measure(config, shapes[0], shapes[1], setting, impls).items():
-        times[(setting, impl)] = seconds
-      logging.info("  %s=%s (%d of %d): %s (%.0f s)", FIELD, setting, i + 1, len(SETTINGS),
-                   ", ".join(f"{impl} {batch / t:,.0f} img/s" for (s, impl), t in times.items()
-                             if s == setting), time.monotonic() - started)
-    except Exception as e:  # pylint: disable=broad-except
-      if setting == RULE:
-        logging.warning("%s=%s could not be timed (%s); the rule decides: %s", FIELD, setting, e,
-                        RULE)
-        return RULE, "by rule (a child process failed)", False
-      logging.warning("%s=%s could not be timed (%s); left out", FIELD, setting, e)
-      failed.append(setting)
   setting, impl = min(times, key=times.get)
   if config.model.conv_impl == "auto":
     _measured_with_flags["model.conv_impl"] = impl
@@ -225,23 +226,104 @@ def _measure(config, shapes, measure) -> tuple[str, str, bool]:
   return setting, f"measured in child processes ({timed})", True
 
 
-def measure_in_child(config, input_shape, num_classes, setting: str, impls) -> dict[str, float]:
-  """{conv impl: seconds per train step} timed in a child process with `setting`'s flags."""
-  env = dict(os.environ, XLA_FLAGS=flags_with(setting, os.environ.get("XLA_FLAGS", "")))
-  request = {"config": json.loads(config.to_json()), "input_shape": list(input_shape),
-             "num_classes": num_classes, "impls": list(impls)}
-  try:  # an exception here (a signal's, a timeout) kills the child before it propagates
-    proc = subprocess.run([sys.executable, "-m", "alma_jax.tuning.cpu_fusion_child"],
-                          input=json.dumps(request), capture_output=True, text=True, env=env,
-                          check=False, timeout=CHILD_TIMEOUT_S)
-  except subprocess.TimeoutExpired as e:
-    raise RuntimeError(f"the child process took more than {CHILD_TIMEOUT_S:.0f} s") from e
-  lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT)]
-  if proc.returncode != 0 or not lines:
-    tail = " ".join(proc.stderr.strip().splitlines()[-3:])
-    raise RuntimeError(f"the child process exited with {proc.returncode}: {tail}")
-  result = json.loads(lines[-1][len(RESULT):])
-  if result["xla_flags"] != env["XLA_FLAGS"]:
-    raise RuntimeError(f"the child ran with XLA_FLAGS={result['xla_flags']!r}, not "
-                       f"{env['XLA_FLAGS']!r}")
-  return result["seconds"]
+class _Child:
+  """A child process with `setting`'s XLA flags holding the config's compiled train step for
+  every convolution gradient of `impls` (`alma_jax.tuning.cpu_fusion_child`), which runs one
+  call of one of them on request."""
+
+  def __init__(self, config, input_shape, num_classes, setting: str, impls):
+    env = dict(os.environ, XLA_FLAGS=flags_with(setting, os.environ.get("XLA_FLAGS", "")))
+    request = {"config": json.loads(config.to_json()), "input_shape": list(input_shape),
+               "num_classes": num_classes, "impls": list(impls)}
+    self._stderr = tempfile.TemporaryFile("w+")  # read on failure; a pipe could fill up
+    self._proc = subprocess.Popen([sys.executable, "-m", "alma_jax.tuning.cpu_fusion_child"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=self._stderr, text=True, env=env)
+    try:
+      self._proc.stdin.write(json.dumps(request) + "\n")
+      self._proc.stdin.flush()
+      ready = self._line(READY)
+    except BaseException:  # a signal's exception too: the child does not outlive it
+      self.close(kill=True)
+      raise
+    info = json.loads(ready[len(READY):])
+    if info["xla_flags"] != env["XLA_FLAGS"]:
+      self.close()
+      raise RuntimeError(f"the child ran with XLA_FLAGS={info['xla_flags']!r}, not "
+                         f"{env['XLA_FLAGS']!r}")
+    self.steps_per_call: dict[str, int] = info["steps_per_call"]
+
+  def call(self, impl: str) -> Callable[[], None]:
+    """One call of `impl`'s train step in the child, returning when it has run."""
+    def run():
+      try:
+        self._proc.stdin.write(impl + "\n")
+        self._proc.stdin.flush()
+      except OSError:  # it exited: `_line` says how
+        pass
+      self._line(DONE)
+    return run
+
+  def _line(self, expected: str) -> str:
+    """The child's next line, which must start with `expected`, within CHILD_TIMEOUT_S."""
+    ready, _, _ = select.select([self._proc.stdout], [], [], CHILD_TIMEOUT_S)
+    line = self._proc.stdout.readline() if ready else None
+    if line is None:
+      raise RuntimeError(f"the child process took more than {CHILD_TIMEOUT_S:.0f} s")
+    if not line.startswith(expected):
+      try:
+        code = self._proc.wait(timeout=CHILD_TIMEOUT_S)
+      except subprocess.TimeoutExpired:
+        code = None
+      self._stderr.seek(0)
+      tail = " ".join(self._stderr.read().strip().splitlines()[-3:])
+      raise RuntimeError(f"the child process exited with {code}: {tail or line.strip()}")
+    return line
+
+  def close(self, kill: bool = False) -> None:
+    """Ends the child (at the end of its input, or `kill`ed, as it is if it does not end
+    within 5 s) and removes its files."""
+    if kill:
+      self._proc.kill()
+    with contextlib.suppress(OSError):
+      self._proc.stdin.close()
+    try:
+      self._proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+      self._proc.kill()
+      self._proc.wait()
+    self._stderr.close()
+
+
+def measure_in_children(config, input_shape, num_classes, settings, impls
+                        ) -> tuple[dict[tuple[str, str], float], dict[str, str]]:
+  """({(setting, conv impl): seconds per train step}, {setting whose child failed: why}).
+
+  One child process per setting, started one after the other (each compiles its train
+  steps while the others wait); then every (setting, impl) pair is timed in turns
+  (`timing.alternate`, `autotune.ROUNDS` rounds), one child running at a time. The
+  children end before this returns, and are killed before it raises (a signal's exception
+  too). When the child of the rule's setting fails to start, nothing more is started.
+  """
+  children: dict[str, _Child] = {}
+  failed: dict[str, str] = {}
+  ended = False
+  try:
+    for i, setting in enumerate(settings):
+      started = time.monotonic()
+      try:
+        children[setting] = _Child(config, input_shape, num_classes, setting, impls)
+      except RuntimeError as e:
+        failed[setting] = str(e)
+        if setting == RULE:
+          return {}, failed
+        continue
+      logging.info("  %s=%s (%d of %d): started and compiled in %.0f s", FIELD, setting, i + 1,
+                   len(settings), time.monotonic() - started)
+    calls = {(s, i): child.call(i) for s, child in children.items() for i in impls}
+    seconds = timing.alternate(calls, autotune.ROUNDS, autotune.MIN_GROUP_S)
+    ended = True
+    return {k: seconds[k] / children[k[0]].steps_per_call[k[1]] for k in calls}, failed
+  finally:  # killed on an exception (a signal's too), else ended by their input's end
+    for child in children.values():
+      child.close(kill=not ended)

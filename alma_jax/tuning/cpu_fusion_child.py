@@ -1,10 +1,14 @@
-"""The child process of `alma_jax.tuning.cpu_fusion`: times a train step under its own XLA_FLAGS.
+"""The child process of `alma_jax.tuning.cpu_fusion`: a train step under its own XLA_FLAGS, run
+on request.
 
-`python -m alma_jax.tuning.cpu_fusion_child` reads {"config", "input_shape", "num_classes",
-"impls"} (JSON) on stdin, builds the config's method and its real compiled train call on
-synthetic data of the input shape once per convolution gradient in "impls", times a few
-steps of each (`autotune.time_train_step`), and prints one line: `cpu_fusion.RESULT`
-followed by {"seconds": {impl: seconds per step}, "xla_flags": the flags it ran with}.
+`python -m alma_jax.tuning.cpu_fusion_child` reads one line of JSON on stdin, {"config",
+"input_shape", "num_classes", "impls"}, builds the config's method and its real compiled
+train call on synthetic data once per convolution gradient in "impls", runs each once (it
+compiles), and prints one line: `cpu_fusion.READY` followed by {"steps_per_call": {impl:
+train steps per call}, "xla_flags": the flags it runs with}. Then, for every line of input
+naming one of the impls, it runs one call of that impl's train step, waits for it and
+prints `cpu_fusion.DONE`, until its input ends. The parent times the calls of every child
+in turns (`cpu_fusion.measure_in_children`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from alma_jax.tuning import cpu_tuning
 
 cpu_tuning.apply()  # as a convolution-heavy run: the allocator is part of what is timed
 
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import ml_collections  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -30,8 +35,9 @@ from alma_jax.tuning import autotune  # pylint: disable=g-import-not-at-top,wron
 from alma_jax.tuning import cpu_fusion  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
-def seconds_per_step(request: dict) -> dict[str, float]:
-  """{conv impl: seconds per train step} of the request's config on synthetic data."""
+def train_calls(request: dict) -> dict[str, tuple]:
+  """{conv impl: (a call of the request's config's train step, its steps per call)} on
+  synthetic data, each run once (compiled)."""
   shape, batch = tuple(request["input_shape"]), request["config"]["train"]["batch_size"]
   data = image_task.DeviceData(
       x=np.zeros((2 * batch,) + shape, np.uint8), y=np.zeros((2 * batch,), np.int32),
@@ -46,15 +52,20 @@ def seconds_per_step(request: dict) -> dict[str, float]:
     steps = Steps.from_config(config, methods.make(config, shape, request["num_classes"]),
                               tasks.for_config(config), optim.from_config(config), data,
                               sharding.mesh_from_config(config))
-    out[impl] = autotune.time_train_step(steps)
+    call, per_call = autotune.step_call(steps)
+    jax.block_until_ready(call())
+    out[impl] = (call, per_call)
   return out
 
 
 def main() -> None:
-  seconds = seconds_per_step(json.loads(sys.stdin.read()))
-  print(cpu_fusion.RESULT + json.dumps({"seconds": seconds,
-                                        "xla_flags": os.environ.get("XLA_FLAGS", "")}),
+  calls = train_calls(json.loads(sys.stdin.readline()))
+  print(cpu_fusion.READY + json.dumps({"steps_per_call": {k: v[1] for k, v in calls.items()},
+                                       "xla_flags": os.environ.get("XLA_FLAGS", "")}),
         flush=True)
+  for line in sys.stdin:
+    jax.block_until_ready(calls[line.strip()][0]())
+    print(cpu_fusion.DONE, flush=True)
 
 
 if __name__ == "__main__":

@@ -76,9 +76,8 @@ def test_process_age_is_positive_and_grows():
 @pytest.mark.parametrize("call_s, calls_per_group", [(2.0**-10, 52), (0.25, 1)])
 def test_a_timing_groups_short_calls_to_last_long_enough(monkeypatch, call_s, calls_per_group):
   """On a clock that each call moves by `call_s` (powers of two: the clock's sums are exact):
-  the compiling call is not timed, a group holds enough calls to last MIN_TIMED_S (0.05 s:
-  52 calls of 2^-10 s; one call of 0.25 s, the first timed call then being the first group),
-  and the result is per call."""
+  the compiling call is not timed, the next call sets a group's size to last MIN_TIMED_S
+  (0.05 s: 52 calls of 2^-10 s; one call of 0.25 s), and the result is per call."""
   assert timing.MIN_TIMED_S == 0.05
   clock = {"now": 0.0, "calls": 0}
   monkeypatch.setattr(timing.time, "monotonic", lambda: clock["now"])
@@ -88,6 +87,26 @@ def test_a_timing_groups_short_calls_to_last_long_enough(monkeypatch, call_s, ca
     clock["calls"] += 1
     return np.zeros(())
 
-  assert timing._seconds_per_call(call, repeats=3) == pytest.approx(call_s, rel=1e-9)  # pylint: disable=protected-access
-  timed = 3 * calls_per_group if calls_per_group > 1 else 3
-  assert clock["calls"] == 1 + (1 if calls_per_group > 1 else 0) + timed
+  assert timing.alternate({"c": call}, rounds=3) == {"c": pytest.approx(call_s, rel=1e-9)}
+  assert clock["calls"] == 1 + 1 + 3 * calls_per_group
+
+
+def test_candidates_are_timed_in_turns_each_round_reversing_the_order(monkeypatch):
+  """Each candidate compiles and sizes its group first (a: one call of 0.25 s lasts
+  min_group_s = 0.2 s; b: two of 0.125 s); then every round times one group of each, in
+  reverse order every other round, and each figure is the median of its rounds per call
+  (durations are powers of two: the clock's sums are exact)."""
+  clock, log = {"now": 0.0}, []
+  monkeypatch.setattr(timing.time, "monotonic", lambda: clock["now"])
+  durations = {"a": [0.25, 0.25, 0.5, 0.25, 1.0],
+               "b": [0.125, 0.125, 0.125, 0.125, 0.25, 0.25, 0.125, 0.375]}
+
+  def candidate(name):
+    def call():
+      clock["now"] += durations[name][sum(1 for n in log if n == name)]
+      log.append(name)
+    return call
+
+  got = timing.alternate({"a": candidate("a"), "b": candidate("b")}, rounds=3, min_group_s=0.2)
+  assert log == ["a", "a", "b", "b"] + ["a", "b", "b"] + ["b", "b", "a"] + ["a", "b", "b"]
+  assert got == {"a": 0.5, "b": 0.25}  # medians of (0.5, 0.25, 1.0) and (0.125, 0.25, 0.25)

@@ -30,6 +30,12 @@ def _small(*args, **kwargs):
   return c
 
 
+def each(fn):
+  """The measurement of `choose` ({candidate: Steps} -> {candidate: seconds}) from a function
+  of one candidate's Steps."""
+  return lambda built: {k: fn(steps) for k, steps in built.items()}
+
+
 def test_the_stage_program_is_decided_by_its_rule_without_timing_anything(tmp_path):
   build, measure, calls = _fake({})
   cache = str(tmp_path / "machine.json")
@@ -54,7 +60,7 @@ def _fake(seconds: dict):
     calls.append(key)
     return seconds[key]
 
-  return build, measure, calls
+  return build, each(measure), calls
 
 
 def test_the_fastest_candidate_is_chosen_remembered_and_reused(tmp_path, caplog):
@@ -113,7 +119,7 @@ def test_a_candidate_that_fails_leaves_the_choice_to_the_rule(tmp_path, caplog):
   cache = str(tmp_path / "machine.json")
   with caplog.at_level(logging.WARNING):
     got = autotune.choose(c, MNIST, build, mode="measure", cache_file=cache,
-                          measure=lambda steps: 1.0)
+                          measure=each(lambda steps: 1.0))
   assert got == {"train.steps_per_call": autotune.steps_per_call_rule(c)}
   assert "train.steps_per_call=8 could not be timed (RuntimeError: out of memory)" in caplog.text
   assert not os.path.exists(cache)  # a rule's answer is not a measurement
@@ -124,7 +130,7 @@ def test_a_measurement_initialises_its_learner_with_the_run_s_program():
   # uses, so that nothing compiled earlier in this process can make it pass).
   ds = helpers.synthetic_dataset(n_train=64, n_test=16)
   steps = helpers.make_steps(_small(width=5, batch_size=16), ds)[1]
-  assert autotune.time_evaluation(steps) > 0
+  assert autotune.time_evaluations({0: steps})[0] > 0
   _, names = helpers.compiled(lambda: population.initial(steps.method, population.keys([0])))
   assert names == []
 
@@ -135,10 +141,10 @@ def test_a_real_measurement_times_both_strategies_of_an_ensemble(tmp_path):
   ds = helpers.synthetic_dataset(n_train=64, n_test=16)
   timed = []
 
-  def measure(steps):
-    timed.append(steps.method.run_as)
-    seconds = autotune.time_train_step(steps)
-    assert seconds > 0
+  def measure(built):
+    timed.extend(steps.method.run_as for steps in built.values())
+    seconds = autotune.time_train_steps(built)
+    assert all(s > 0 for s in seconds.values())
     return seconds
 
   got = autotune.choose(c, MNIST, lambda cfg: helpers.make_steps(cfg, ds)[1], mode="measure",
@@ -172,7 +178,7 @@ def test_the_measurement_of_a_language_model_is_logged_in_tokens_per_second(tmp_
   with caplog.at_level(logging.INFO):
     got = autotune.choose(c, (c.data.seq_len,), lambda cfg: cfg, mode="measure",
                           cache_file=str(tmp_path / "machine.json"),
-                          measure=lambda cfg: per_call[cfg.train.steps_per_call])
+                          measure=each(lambda cfg: per_call[cfg.train.steps_per_call]))
   assert got == {"train.steps_per_call": 8}
   b, l = c.train.batch_size, c.data.seq_len
   assert (f"train.steps_per_call: 8 measured (1 {b * l / 2.0:,.0f} tokens/s, "
@@ -194,7 +200,7 @@ def test_the_evaluation_options_are_timed_on_the_evaluation_and_remembered(tmp_p
   cache = str(tmp_path / "machine.json")
   with caplog.at_level(logging.INFO):
     got = autotune.choose(c, MNIST, build, mode="measure", cache_file=cache, measure=measure,
-                          measure_eval=measure_eval)
+                          measure_eval=each(measure_eval))
   assert got == {autotune.EVAL_FUSION: "no_ynn"} and not calls  # no train step timed
   assert sorted(timed) == sorted(autotune.MEASURED_FUSIONS)
   assert ("train.eval_fusion: 'no_ynn' measured ('same' 250,000 img/s, 'no_ynn' "
@@ -208,7 +214,7 @@ def test_the_evaluation_options_are_timed_on_the_evaluation_and_remembered(tmp_p
   # The rule: the train step's options, nothing timed.
   timed.clear()
   ruled = autotune.choose(c, MNIST, build, mode="rules", cache_file=cache, measure=measure,
-                          measure_eval=measure_eval)
+                          measure_eval=each(measure_eval))
   assert ruled == {autotune.EVAL_FUSION: "same"} and not timed
 
 
@@ -221,8 +227,8 @@ def test_the_train_step_options_are_timed_on_the_train_step_of_an_mlp_only(tmp_p
 
   build, cache = (lambda cfg: types.SimpleNamespace(config=cfg)), str(tmp_path / "machine.json")
   mlp = helpers.small_config(stage_program="per_epoch", eval_fusion="same")
-  got = autotune.choose(mlp, MNIST, build, mode="measure", cache_file=cache, measure=measure,
-                        measure_eval=None)
+  got = autotune.choose(mlp, MNIST, build, mode="measure", cache_file=cache,
+                        measure=each(measure), measure_eval=None)
   assert got == {autotune.STEP_FUSION: "no_ynn"}
   assert sorted(timed) == sorted(autotune.MEASURED_FUSIONS)
   # A convolution-heavy backbone's flags are the process's (train.cpu_fusion): not timed here.
@@ -230,7 +236,7 @@ def test_the_train_step_options_are_timed_on_the_train_step_of_an_mlp_only(tmp_p
   vgg = helpers.small_config("cifar10", width=4, stage_program="per_epoch", eval_fusion="same")
   vgg.model.conv_impl = "xla"
   got = autotune.choose(vgg, (32, 32, 3), build, mode="measure", cache_file=cache,
-                        measure=measure, measure_eval=None)
+                        measure=each(measure), measure_eval=None)
   assert got == {autotune.STEP_FUSION: "same"} and not timed
 
 
@@ -255,7 +261,7 @@ def test_each_evaluation_option_compiles_with_its_options_and_evaluates_the_same
     program = steps.programs.eval_fn(learner, False, batch)
     texts[value] = program.jitted.lower(learner.params, learner.model_state, steps.programs.data,
                                         batch).compile().as_text()
-    assert autotune.time_evaluation(steps) > 0
+    assert autotune.time_evaluations({value: steps})[value] > 0
   for ynn, none in (("same", "no_ynn"), ("elemental", "elemental_no_ynn")):
     assert "ynn_fusion" in texts[ynn] and "ynn_fusion" not in texts[none]
   d, n, u = 784, 300, 2.0**-24

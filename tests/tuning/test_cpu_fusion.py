@@ -31,14 +31,21 @@ def _vgg(**fields):
   return c
 
 
-def _fake(seconds: dict):
-  """measure(...) whose 'seconds per step' is seconds[(setting, impl)]; `calls` records them."""
+def _fake(seconds: dict, fails=lambda setting: None):
+  """measure(...) whose 'seconds per step' is seconds[(setting, impl)] and whose child of
+  `setting` fails where `fails(setting)` gives why; `calls` records the settings measured."""
   calls = []
 
-  def measure(config, input_shape, num_classes, setting, impls):
+  def measure(config, input_shape, num_classes, settings, impls):
     assert (tuple(input_shape), num_classes) == CIFAR
-    calls.append((setting, tuple(impls)))
-    return {i: seconds[(setting, i)] for i in impls}
+    times, failed = {}, {}
+    for setting in settings:
+      calls.append((setting, tuple(impls)))
+      if fails(setting):
+        failed[setting] = fails(setting)
+        continue
+      times.update({(setting, i): seconds[(setting, i)] for i in impls})
+    return times, failed
 
   return measure, calls
 
@@ -110,10 +117,9 @@ def test_settings_and_rules_measure_nothing(tmp_path, monkeypatch, config, multi
 
 
 def test_a_setting_whose_child_fails_is_left_out(tmp_path, caplog):
-  def measure(config, input_shape, num_classes, setting, impls):
-    if "onednn" in setting:  # e.g. a jaxlib that does not know the flag
-      raise RuntimeError("the child process exited with -6: Unknown flag in XLA_FLAGS")
-    return {i: {"none": 2.0, "ynn": 4.0}[setting] for i in impls}
+  measure, _ = _fake({("none", "xla"): 2.0, ("ynn", "xla"): 4.0},
+                     # e.g. a jaxlib that does not know the flag
+                     lambda s: "onednn" in s and "the child process exited with -6: Unknown flag")
   c = _vgg(model__conv_impl="xla")
   value, how = _choose(c, cache_file=str(tmp_path / "m.json"), measure=measure)
   assert value == "none"
@@ -122,9 +128,14 @@ def test_a_setting_whose_child_fails_is_left_out(tmp_path, caplog):
   assert "train.cpu_fusion=onednn could not be timed" in caplog.text
 
 
-def test_a_failing_child_leaves_the_choice_to_the_rule(tmp_path, caplog):
-  def measure(*args):
-    raise RuntimeError("the child process exited with 1: boom")
+@pytest.mark.parametrize("when", ["starting", "timing"])
+def test_a_failing_child_leaves_the_choice_to_the_rule(tmp_path, caplog, when):
+  """The rule's child fails to start, or a child fails while the settings are timed."""
+  if when == "starting":
+    measure, _ = _fake({}, lambda s: "the child process exited with 1: boom")
+  else:
+    def measure(*args):
+      raise RuntimeError("the child process exited with 1: boom")
   cache = str(tmp_path / "m.json")
   got = _choose(_vgg(), cache_file=cache, measure=measure)
   assert got == ("none", "by rule (a child process failed)")
@@ -150,11 +161,28 @@ def test_flags_keep_the_others_and_apply_sets_the_environment(monkeypatch):
 
 
 # A whole run that applies a remembered choice: tests/test_main_e2e.py (the CIFAR run).
-def test_a_child_process_times_the_real_step_with_its_flags():
+def test_children_time_the_real_step_with_their_flags_in_turns(monkeypatch):
+  """One child per setting runs the real train step with its flags and every pair gets a
+  time; a child that cannot build its step is a failed setting (the rule's: nothing more is
+  started), and every child has ended when the measurement returns."""
+  monkeypatch.setattr(autotune, "ROUNDS", 2)
+  monkeypatch.setattr(autotune, "MIN_GROUP_S", 0.01)
+  started = []
+  child = cpu_fusion._Child  # pylint: disable=protected-access
+
+  class Recorded(child):
+    def __init__(self, *args):
+      super().__init__(*args)
+      started.append(self)
+
+  monkeypatch.setattr(cpu_fusion, "_Child", Recorded)
   c = _vgg(train__batch_size=8)
-  got = cpu_fusion.measure_in_child(c, *CIFAR, "ynn", ["xla"])
-  assert set(got) == {"xla"} and 0 < got["xla"] < 60
-  got = cpu_fusion.measure_in_child(c, *CIFAR, "onednn", ["xla"])  # this jaxlib knows the flag
-  assert set(got) == {"xla"} and 0 < got["xla"] < 60
-  with pytest.raises(RuntimeError, match="the child process exited with 1: .*unknown"):
-    cpu_fusion.measure_in_child(c, *CIFAR, "none", ["unknown"])
+  # onednn: this jaxlib knows the flag
+  times, failed = cpu_fusion.measure_in_children(c, *CIFAR, ("ynn", "onednn"), ["xla"])
+  assert failed == {} and set(times) == {("ynn", "xla"), ("onednn", "xla")}
+  assert all(0 < t < 60 for t in times.values())
+  assert [p._proc.returncode for p in started] == [0, 0]  # pylint: disable=protected-access
+  times, failed = cpu_fusion.measure_in_children(c, *CIFAR, ("none", "ynn"), ["unknown"])
+  assert times == {} and list(failed) == ["none"]  # the rule's child failed: nothing more
+  assert failed["none"].startswith("the child process exited with 1: ")
+  assert "unknown" in failed["none"]
