@@ -198,7 +198,8 @@ def _choose(config, workdir, shapes, multiprocess, cache_file, measure):
 
 def _measure(config, shapes, measure) -> tuple[str, str, bool]:
   """(the fastest setting, how it was chosen, True); (the rule, why, False) when the child
-  of the rule's setting fails. A setting whose child fails otherwise is left out."""
+  of the rule's setting fails to start or a child fails while they are timed. A setting whose
+  child fails to start otherwise is left out."""
   impls = ([i for i in conv.IMPLS if i != "auto"] if config.model.conv_impl == "auto"
            else [config.model.conv_impl])
   logging.info("measuring %s once for this machine and model: %d settings (%s) x %d convolution "
@@ -281,8 +282,8 @@ class _Child:
     return line
 
   def close(self, kill: bool = False) -> None:
-    """Ends the child (at the end of its input, or `kill`ed, as it is if it does not end
-    within 5 s) and removes its files."""
+    """Ends the child, at the end of its input (killed if it has not ended 5 s later) or at
+    once with `kill`, and removes its files."""
     if kill:
       self._proc.kill()
     with contextlib.suppress(OSError):
