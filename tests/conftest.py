@@ -128,7 +128,6 @@ def _runs_draw_in_this_process(request, monkeypatch):
     monkeypatch.setattr(plots.PlotChild, "draw", _draw_here)
 
 
-
 # -- programs kept between a test's runs --------------------------------------------------------
 from unittest import mock  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -165,10 +164,10 @@ def _renewing(method, when=lambda *args, **kwargs: True):
 # environment, made or undone, renews the salt; environment variables do not.
 pytest.MonkeyPatch.setattr = _renewing(pytest.MonkeyPatch.setattr)
 pytest.MonkeyPatch.delattr = _renewing(pytest.MonkeyPatch.delattr)
-pytest.MonkeyPatch.setitem = _renewing(pytest.MonkeyPatch.setitem,
-                                       lambda self, dic, *args, **kw: dic is not os.environ)
-pytest.MonkeyPatch.delitem = _renewing(pytest.MonkeyPatch.delitem,
-                                       lambda self, dic, *args, **kw: dic is not os.environ)
+_item_of_code = lambda self, dic, *args, **kwargs: dic is not os.environ  # pylint: disable=unnecessary-lambda-assignment
+_dict_of_code = lambda self: self.in_dict is not os.environ  # pylint: disable=unnecessary-lambda-assignment
+pytest.MonkeyPatch.setitem = _renewing(pytest.MonkeyPatch.setitem, _item_of_code)
+pytest.MonkeyPatch.delitem = _renewing(pytest.MonkeyPatch.delitem, _item_of_code)
 pytest.MonkeyPatch.undo = _renewing(
     pytest.MonkeyPatch.undo,
     lambda self: bool(getattr(self, "_setattr", True)) or _changes_code(
@@ -176,9 +175,9 @@ pytest.MonkeyPatch.undo = _renewing(
 mock._patch.__enter__ = _renewing(mock._patch.__enter__)  # pylint: disable=protected-access
 mock._patch.__exit__ = _renewing(mock._patch.__exit__)  # pylint: disable=protected-access
 mock._patch_dict._patch_dict = _renewing(  # pylint: disable=protected-access
-    mock._patch_dict._patch_dict, lambda self: self.in_dict is not os.environ)  # pylint: disable=protected-access
+    mock._patch_dict._patch_dict, _dict_of_code)  # pylint: disable=protected-access
 mock._patch_dict._unpatch_dict = _renewing(  # pylint: disable=protected-access
-    mock._patch_dict._unpatch_dict, lambda self: self.in_dict is not os.environ)  # pylint: disable=protected-access
+    mock._patch_dict._unpatch_dict, _dict_of_code)  # pylint: disable=protected-access
 
 
 @pytest.fixture(autouse=True)

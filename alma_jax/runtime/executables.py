@@ -297,7 +297,8 @@ def memory_folder() -> str | None:
 def keeping(folder: str | None, context: str) -> Iterator["_Store | None"]:
   """Within this block, programs of `jit` are kept in `folder` for `context` (the text of
   what, besides the code and the environment, decides the programs: e.g. a resolved config
-  and a data fingerprint). `folder` None, or several processes: nothing is kept."""
+  and a data fingerprint). `folder` None, `MEMORY` before `keep_in_memory` gave a salt, or
+  several processes: nothing is kept."""
   global _active
   before = _active
   if not folder or jax.process_count() > 1 or (folder == MEMORY and _memory_salt is None):
