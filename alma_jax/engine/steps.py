@@ -150,7 +150,3 @@ class Steps:
   def seconds_per_step(self, learner: Learner, repeats: int = 3) -> float:
     """`alma_jax.engine.timing.seconds_per_step` of a stacked `learner`."""
     return timing.seconds_per_step(self.programs, learner, repeats)
-
-  def seconds_per_eval_example(self, learner: Learner, repeats: int = 3) -> float:
-    """`alma_jax.engine.timing.seconds_per_eval_example` of a stacked `learner`."""
-    return timing.seconds_per_eval_example(self.programs, learner, repeats)

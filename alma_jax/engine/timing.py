@@ -240,13 +240,6 @@ def step_call(programs: Any, learner: Any) -> tuple[Callable[[], Any], int]:
   return call, programs.steps_per_call
 
 
-def seconds_per_eval_example(programs: Any, learner: Any, repeats: int = 3) -> float:
-  """Times the compiled evaluation of a stacked `learner` (`eval_call`), per example: the
-  median of `repeats` timed groups of calls after the one that compiles (`alternate`)."""
-  call, examples = eval_call(programs, learner)
-  return alternate({0: call}, repeats)[0] / examples
-
-
 def seconds_per_step(programs: Any, learner: Any, repeats: int = 3) -> float:
   """Times the compiled train call of a stacked `learner` (`step_call`), per step: the median
   of `repeats` timed groups of calls after the one that compiles (`alternate`)."""

@@ -287,18 +287,19 @@ def step_call(steps, seed: int = 0) -> tuple[Callable[[], Any], int]:
 def time_train_steps(candidates: dict[Any, Any], seed: int = 0) -> dict[Any, float]:
   """Seconds per train step of each of `candidates` ({name: `steps.Steps`}: its method,
   freshly initialised, on its real shapes), timed in turns (`timing.alternate`)."""
-  return _per_unit({k: step_call(s, seed) for k, s in candidates.items()})
+  return time_in_turns({k: step_call(s, seed) for k, s in candidates.items()})
 
 
 def time_evaluations(candidates: dict[Any, Any], seed: int = 0) -> dict[Any, float]:
   """Seconds per example of each of `candidates`' evaluation ({name: `steps.Steps`}: its
   method, freshly initialised), timed in turns (`timing.alternate`)."""
-  return _per_unit({k: timing.eval_call(s.programs, _initial(s, seed))
-                    for k, s in candidates.items()})
+  return time_in_turns({k: timing.eval_call(s.programs, _initial(s, seed))
+                        for k, s in candidates.items()})
 
 
-def _per_unit(calls: dict[Any, tuple[Callable[[], Any], int]]) -> dict[Any, float]:
-  """Seconds per unit (step, example) of each of `calls` ({name: (call, units per call)})."""
+def time_in_turns(calls: dict[Any, tuple[Callable[[], Any], int]]) -> dict[Any, float]:
+  """Seconds per unit (step, example) of each of `calls` ({name: (call, units per call)}),
+  timed in turns (`timing.alternate`, `ROUNDS` rounds of groups of at least `MIN_GROUP_S`)."""
   seconds = timing.alternate({k: call for k, (call, _) in calls.items()}, ROUNDS, MIN_GROUP_S)
   return {k: seconds[k] / units for k, (_, units) in calls.items()}
 

@@ -53,7 +53,6 @@ from absl import logging
 
 from alma_jax import models
 from alma_jax.configuration import fields as F
-from alma_jax.engine import timing
 from alma_jax.models import conv
 from alma_jax.tuning import autotune
 
@@ -302,7 +301,7 @@ def measure_in_children(config, input_shape, num_classes, settings, impls
 
   One child process per setting, started one after the other (each compiles its train
   steps while the others wait); then every (setting, impl) pair is timed in turns
-  (`timing.alternate`, `autotune.ROUNDS` rounds), one child running at a time. The
+  (`autotune.time_in_turns`), one child running at a time. The
   children end before this returns, and are killed before it raises (a signal's exception
   too). When the child of the rule's setting fails to start, nothing more is started.
   """
@@ -321,10 +320,10 @@ def measure_in_children(config, input_shape, num_classes, settings, impls
         continue
       logging.info("  %s=%s (%d of %d): started and compiled in %.0f s", FIELD, setting, i + 1,
                    len(settings), time.monotonic() - started)
-    calls = {(s, i): child.call(i) for s, child in children.items() for i in impls}
-    seconds = timing.alternate(calls, autotune.ROUNDS, autotune.MIN_GROUP_S)
+    times = autotune.time_in_turns({(s, i): (child.call(i), child.steps_per_call[i])
+                                    for s, child in children.items() for i in impls})
     ended = True
-    return {k: seconds[k] / children[k[0]].steps_per_call[k[1]] for k in calls}, failed
+    return times, failed
   finally:  # killed on an exception (a signal's too), else ended by their input's end
     for child in children.values():
       child.close(kill=not ended)
