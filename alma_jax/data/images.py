@@ -212,9 +212,34 @@ def _load_tfds(name: str, data_dir: str | None,
 
 
 def _info(name: str, version: str, num_classes: int, train_x: np.ndarray) -> dict:
-  scaled = train_x.reshape(-1, train_x.shape[-1]).astype(np.float64) / 255.0
-  return {"name": name, "version": version, "num_classes": num_classes,
-          "mean": scaled.mean(0).tolist(), "std": scaled.std(0).tolist()}
+  mean, std = channel_stats(train_x)
+  return {"name": name, "version": version, "num_classes": num_classes, "mean": mean,
+          "std": std}
+
+
+def channel_stats(x: np.ndarray, chunk: int = 1 << 22) -> tuple[list[float], list[float]]:
+  """Per-channel mean and standard deviation (of the population) of uint8 images `x`
+  (..., C) scaled to [0, 1], from each channel's exact count of every byte value: the mean
+  correctly rounded to float64, the standard deviation the float64 square root of the
+  correctly rounded variance. Exact sums of integers, so neither the order of the pixels
+  nor the machine changes them; `chunk` pixels are counted at a time."""
+  from fractions import Fraction  # pylint: disable=g-import-not-at-top
+
+  if x.dtype != np.uint8 or x.ndim < 1 or x.size == 0:
+    raise ValueError(f"channel_stats takes a non-empty uint8 array, got {x.dtype} {x.shape}")
+  flat = x.reshape(-1, x.shape[-1])
+  counts = np.zeros((flat.shape[1], 256), np.int64)
+  for start in range(0, flat.shape[0], chunk):
+    for c in range(flat.shape[1]):
+      counts[c] += np.bincount(flat[start:start + chunk, c], minlength=256)
+  n, values = flat.shape[0], range(256)
+  mean, std = [], []
+  for row in counts.tolist():  # Python integers: the sums below are exact
+    s1 = sum(k * v for k, v in zip(row, values))
+    s2 = sum(k * v * v for k, v in zip(row, values))
+    mean.append(float(Fraction(s1, 255 * n)))
+    std.append(float(np.sqrt(float(Fraction(n * s2 - s1 * s1, (255 * n) ** 2)))))
+  return mean, std
 
 
 # -- prepared files, read directly ---------------------------------------------

@@ -50,6 +50,33 @@ def test_mean_and_std_are_mnist_values(mnist_fresh):
   assert ds.std[0] == pytest.approx(0.3081, abs=1e-3)
 
 
+@pytest.mark.parametrize("shape", [(5, 7, 3), (4, 6, 6, 1), (3, 2)])
+def test_channel_statistics_are_those_of_the_exact_sums(shape):
+  """The mean is the float64 nearest the exact mean; the standard deviation is the square
+  root of the float64 nearest the exact variance, so within one ulp of the exact one
+  (rounding the variance moves its root by at most a quarter ulp, rounding the root by at
+  most half an ulp). Counting in chunks of any size changes nothing."""
+  import decimal  # pylint: disable=g-import-not-at-top
+  from fractions import Fraction  # pylint: disable=g-import-not-at-top
+
+  x = np.random.default_rng(sum(shape)).integers(0, 256, shape, dtype=np.uint8)
+  x.reshape(-1, shape[-1])[:2] = [[0] * shape[-1], [255] * shape[-1]]  # both ends present
+  mean, std = images.channel_stats(x)
+  assert (mean, std) == images.channel_stats(x, chunk=3)
+  pixels = x.reshape(-1, shape[-1])
+  n = pixels.shape[0]
+  decimal.getcontext().prec = 60
+  for c in range(shape[-1]):
+    values = [int(v) for v in pixels[:, c]]
+    exact_mean = Fraction(sum(values), 255 * n)
+    assert mean[c] == float(exact_mean)
+    variance = sum((Fraction(v, 255) - exact_mean) ** 2 for v in values) / n
+    root = (decimal.Decimal(variance.numerator) / decimal.Decimal(variance.denominator)).sqrt()
+    assert abs(decimal.Decimal(std[c]) - root) <= decimal.Decimal(float(np.spacing(std[c])))
+  with pytest.raises(ValueError, match="uint8"):
+    images.channel_stats(x.astype(np.float32))
+
+
 @requires_mnist
 @pytest.mark.parametrize("damage", ["flip", "truncate", "meta"])
 def test_corrupt_cache_is_detected_and_rebuilt(mnist_fresh, tmp_path, monkeypatch, damage):
