@@ -12,10 +12,18 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # compile; its older emitters build the same programs in about half the time (measured on
 # `configs/cifar_gmoe.py:smoke`, whose records were the same either way). Not set when
 # optimised programs are tested, nor over a choice in XLA_FLAGS.
-_EMITTERS = "--xla_cpu_use_fusion_emitters"
-if (os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
-    and _EMITTERS not in os.environ.get("XLA_FLAGS", "")):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_EMITTERS}=false".strip()
+# And XLA:CPU splits a program's LLVM module into parts to generate their code on several
+# threads; the suite's workers already keep every core busy, so the parts only add their own
+# overheads: with one part, four files of tests spent 8-28% less time in XLA's compiles
+# (benchmarks/results/epyc25m1_2026-11-29/suite_codegen_split.txt). A run's optimised
+# compiles, one program at a time, keep XLA's parts. Neither flag is set over a choice in
+# XLA_FLAGS.
+_TEST_FLAGS = {"--xla_cpu_use_fusion_emitters": "false",
+               "--xla_cpu_parallel_codegen_split_count": "1"}
+if os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1":
+  for _flag, _value in _TEST_FLAGS.items():
+    if _flag not in os.environ.get("XLA_FLAGS", ""):
+      os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}={_value}".strip()
 
 import jax  # pylint: disable=g-import-not-at-top
 
