@@ -190,6 +190,12 @@ def tidy_log_axis(axis, values, engineering: bool = False) -> None:
                            else ticker.FuncFormatter(_plain))
 
 
+def whole_steps(axis) -> None:
+  """Major ticks on whole numbers only, on `axis` (a matplotlib Axis) of mega-batches t."""
+  from matplotlib import ticker  # pylint: disable=g-import-not-at-top
+  axis.set_major_locator(ticker.MaxNLocator(integer=True))
+
+
 def finish(ax, xlabel: str, ylabel: str, title: str = "") -> None:
   ax.set_xlabel(xlabel, fontsize=LABEL_PT)
   ax.set_ylabel(ylabel, fontsize=LABEL_PT)
@@ -291,4 +297,5 @@ def draw_curves(ax, series: Sequence[Series], xlabel: str, ylabel: str, title: s
     ax.set_yscale("log")
     ax.set_ylim(min(ys) / 1.3, max(ys) * 1.3)
     tidy_log_axis(ax.yaxis, ys)
+  whole_steps(ax.xaxis)
   finish(ax, xlabel, ylabel, title)

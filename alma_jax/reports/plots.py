@@ -44,6 +44,7 @@ PERPLEXITY_FIELD = "test_perplexity"
 LM_UNLABELLED = ("model.width",)
 # Fields that `stream.iid` sets (wait B, B times the steps): an i.i.d. run is labelled by it.
 IID_DERIVED = ("stream.wait", "train.steps_per_epoch", "stream.iid")
+MARKED_STEPS = 40  # a run's error figure marks every step of a stream this long or shorter
 
 # Re-exported for the report and the tests.
 subplots, save, mean_std, mean_std_columns = (style.subplots, style.save, style.mean_std,
@@ -413,8 +414,10 @@ def run_error_png(path: str, curves: Sequence[tuple[str, Sequence[int], Sequence
   for label, t, err in curves:
     y = scale * np.asarray(err, float)
     values.extend(y.tolist())
-    ax.plot(t, y, label=label)
+    # A marker on every step while they can be told apart.
+    ax.plot(t, y, label=label, marker="o" if len(y) <= MARKED_STEPS else None, markersize=3)
   ax.set_yscale(style.axis_scale(values))
+  style.whole_steps(ax.xaxis)
   style.finish(ax, "mega-batch t", ylabel, title)
   if len(curves) > 1:
     ax.legend(fontsize=style.FONT_PT)

@@ -396,6 +396,16 @@ def test_a_pattern_stands_for_the_runs_it_matches(runs, tmp_path):
   assert not re.search(r"^[IW]\d{4} ", proc.stderr, re.M), proc.stderr
 
 
+def test_curves_over_t_have_ticks_at_whole_mega_batches_only():
+  fig, (ax,) = plots.subplots(1, 6.0, 3.0)
+  series = {"label": "a", "color": "C0", "marker": "o", "x": [0, 1, 2, 3, 4],
+            "y": [90.0, 50.0, 40.0, 35.0, 30.0], "yerr": [0.0] * 5}
+  plot_style.draw_curves(ax, [series], "mega-batch t", "test error (%)")
+  fig.canvas.draw()
+  lo, hi = ax.get_xlim()
+  assert [x for x in ax.get_xticks() if lo <= x <= hi] == [0, 1, 2, 3, 4]
+
+
 def test_run_error_png(tmp_path):
   path = str(tmp_path / "e.png")
   fig = plots.run_error_png(path, [("seed 0", [0, 1, 2], [0.9, 0.5, 0.3])], "t")
@@ -404,6 +414,13 @@ def test_run_error_png(tmp_path):
   (ax,) = fig.axes
   assert ax.get_ylabel() == "test error (%)" and ax.get_yscale() == "linear"
   assert ax.lines[0].get_ydata().tolist() == pytest.approx([90.0, 50.0, 30.0])
+  # The steps are whole mega-batches: marked one by one, and no tick between two of them.
+  fig.canvas.draw()
+  assert ax.lines[0].get_marker() == "o"
+  ticks = [x for x in ax.get_xticks() if ax.get_xlim()[0] <= x <= ax.get_xlim()[1]]
+  assert ticks == [0, 1, 2]
+  fig = plots.run_error_png(path, [("seed 0", list(range(50)), [0.5] * 50)], "t")
+  assert fig.axes[0].lines[0].get_marker() in (None, "None", "")
   fig = plots.run_error_png(path, [("seed 0", [0, 1, 2], [50257.0, 700.0, 420.0])],
                             "tiny_shakespeare lm_sm preset=tiny", "test perplexity", 1.0)
   (ax,) = fig.axes
