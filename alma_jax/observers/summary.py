@@ -19,7 +19,7 @@ from alma_jax.outputs import interrupts
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir as wd
 from alma_jax.reports import plots
-from alma_jax.tuning import cpu_fusion
+from alma_jax.runtime import host
 
 
 @functools.cache
@@ -41,7 +41,7 @@ def provenance() -> dict[str, str]:
     commit = head + ("+dirty" if dirty else "")
   except (OSError, subprocess.SubprocessError):
     pass
-  return {"commit": commit, "cpu": cpu_fusion.cpu_name(), "python": platform.python_version(),
+  return {"commit": commit, "cpu": host.cpu_name(), "python": platform.python_version(),
           "jax": jax.__version__, "jaxlib": getattr(jaxlib, "__version__", "unknown"),
           "command": shlex.join(program(sys.argv[0]) + sys.argv[1:])}
 

@@ -55,6 +55,7 @@ from alma_jax.engine import timing
 from alma_jax.methods import ensemble
 from alma_jax.models import conv
 from alma_jax.outputs import io_utils
+from alma_jax.runtime import host
 
 FILE = "autotune.json"
 MODES = ("measure", "rules")
@@ -235,11 +236,14 @@ def step_facts(config, input_shape, path: str) -> dict[str, Any]:
 
 
 def machine_key(config, input_shape, path: str) -> str:
-  """What a choice depends on: the device, the JAX version and XLA flags, the step's shapes."""
+  """What a choice depends on: the device (on a CPU backend, which CPU: its device kind is
+  "cpu" on every host), the JAX version and XLA flags, the step's shapes."""
   dev = jax.devices()[0]
-  facts = dict(step_facts(config, input_shape, path), backend=jax.default_backend(),
+  backend = jax.default_backend()
+  facts = dict(step_facts(config, input_shape, path), backend=backend,
                device=getattr(dev, "device_kind", str(dev)), devices=jax.device_count(),
-               jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""))
+               jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
+               **({"cpu": host.cpu_name()} if backend == "cpu" else {}))
   return json.dumps(facts, sort_keys=True)
 
 

@@ -40,7 +40,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import platform
 import select
 import subprocess
 import sys
@@ -54,6 +53,7 @@ from absl import logging
 from alma_jax import models
 from alma_jax.configuration import fields as F
 from alma_jax.models import conv
+from alma_jax.runtime import host
 from alma_jax.tuning import autotune
 
 FLAG = "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce"
@@ -95,20 +95,9 @@ def accelerator_expected() -> bool:
   return any(importlib.util.find_spec(m) is not None for m in _ACCELERATOR_PLUGINS)
 
 
-def cpu_name() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
-
 def process_key(config, input_shape) -> str:
   """What the choice depends on, known before JAX starts: this CPU, the step's shapes."""
-  facts = dict(autotune.step_facts(config, input_shape, FIELD), cpu=cpu_name(),
+  facts = dict(autotune.step_facts(config, input_shape, FIELD), cpu=host.cpu_name(),
                cpus=os.cpu_count(), jax=jax.__version__, candidates=list(SETTINGS))
   return json.dumps(facts, sort_keys=True)
 
