@@ -54,9 +54,9 @@ def describe(cpuinfo: str, fallback: str = "") -> str:
 def cpu_name() -> str:
   """This host's CPU (see the module's docstring); the platform's processor name where
   /proc/cpuinfo cannot be read."""
-  fallback = platform.processor() or platform.machine()
   try:
     with open("/proc/cpuinfo") as f:
-      return describe(f.read(), fallback)
+      cpuinfo = f.read()
   except OSError:
-    return fallback or "unknown CPU"
+    cpuinfo = ""
+  return describe(cpuinfo, platform.processor() or platform.machine())
