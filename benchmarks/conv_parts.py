@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -188,8 +187,7 @@ def main() -> None:
   p.add_argument("--json", default="", help="write the results here as JSON")
   args = p.parse_args()
   rng = np.random.default_rng(0)
-  lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-  result = {"cpu": peer.cpu_model(lscpu), "jax": jax.__version__,
+  result = {"cpu": peer.this_cpu(), "jax": jax.__version__,
             "width": args.width,
             "train": train_parts(args.width, args.batch_size, args.repeats, rng),
             "eval": eval_forward(args.width, args.eval_batch_size, args.repeats, rng)}

@@ -6,7 +6,8 @@ README), runs alma_jax and then the released code, `--repeat` times
 alternately, each as a whole process from the shell prompt, and prints a
 table: median wall seconds of each party (min-max), their ratio (released /
 alma_jax: above 1 means alma_jax is faster), alma_jax's own time breakdown
-and the final test accuracy of each party. The header names the CPU (lscpu)
+and the final test accuracy of each party. The header names the CPU (model
+name, family, model, stepping and instruction sets, `alma_jax.runtime.host`)
 and the load average; a busy machine is warned about, since PyTorch's
 spinning OpenMP threads make its timings collapse when anything else runs.
 
@@ -32,6 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import end_to_end  # pylint: disable=wrong-import-position
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from alma_jax.runtime import host  # pylint: disable=wrong-import-position
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROTOCOLS = ("P1", "P2", "P3", "P4")
 DEFAULT_PEER_SCRIPT = os.path.join(os.path.dirname(ROOT), "shared", "peer", "run_peer.sh")
@@ -41,15 +45,29 @@ DEFAULT_PEER_SCRIPT = os.path.join(os.path.dirname(ROOT), "shared", "peer", "run
 BUSY_SHARE = 0.15
 
 
-def cpu_model(lscpu_text: str) -> str:
-  """The CPU's model name and logical CPU count from `lscpu`'s output."""
+def cpu_model(lscpu_text: str, cpuinfo_text: str = "") -> str:
+  """The CPU as the speed choices name it (`alma_jax.runtime.host.describe` of the
+  /proc/cpuinfo text: model name, family, model, stepping, instruction sets; `lscpu`'s model
+  name where that text names none) and the logical CPU count from `lscpu`'s output. A VM's
+  model name alone ("AMD EPYC") is the same for hosts that rank the two parties differently."""
   fields = {}
   for line in lscpu_text.splitlines():
     if ":" in line:
       key, value = line.split(":", 1)
       fields.setdefault(key.strip(), value.strip())
-  name = fields.get("Model name", "unknown CPU")
+  name = host.describe(cpuinfo_text, fields.get("Model name", ""))
   return f"{name}, {fields['CPU(s)']} CPUs" if "CPU(s)" in fields else name
+
+
+def this_cpu() -> str:
+  """`cpu_model` of this host."""
+  lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpuinfo = f.read()
+  except OSError:
+    cpuinfo = ""
+  return cpu_model(lscpu, cpuinfo)
 
 
 def _cpu_times() -> tuple[int, int]:
@@ -181,7 +199,7 @@ def main(argv=None) -> int:
     p.error(f"--peer-script={args.peer_script} does not exist: give the harness that runs the "
             "released code (--peer-script or PEER_SCRIPT; what it must print: "
             "benchmarks/README.md)")
-  lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+  cpu = this_cpu()
   load = os.getloadavg()
   rows, runs = [], {}
   for protocol in protocols:
@@ -194,10 +212,10 @@ def main(argv=None) -> int:
       theirs += run_theirs(protocol, args.peer_script)
     rows.append(row(protocol, ours, theirs))
     runs[protocol] = {"ours": ours, "theirs": theirs}
-  print(table(rows, cpu_model(lscpu), load))
+  print(table(rows, cpu, load))
   if args.out:
     with open(args.out, "w") as f:
-      json.dump({"cpu": cpu_model(lscpu), "load": load, "rows": rows, "runs": runs}, f, indent=2)
+      json.dump({"cpu": cpu, "load": load, "rows": rows, "runs": runs}, f, indent=2)
   return 0
 
 

@@ -35,9 +35,25 @@ def _ours(wall, error, busy=0.02):
                                                         "compile_cache_hits": 3}}}
 
 
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 2
+model name\t: AMD EPYC
+stepping\t: 1
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16
+
+processor\t: 1
+"""
+
+
 def test_cpu_model_and_peer_lines_are_parsed(peer):
   assert peer.cpu_model(LSCPU) == "Intel(R) Xeon(R) Processor, 2 CPUs"
   assert peer.cpu_model("") == "unknown CPU"
+  # Hosts of one model name are told apart by family, model and instruction sets.
+  assert peer.cpu_model(LSCPU.replace("Intel(R) Xeon(R) Processor", "AMD EPYC"), CPUINFO) == (
+      "AMD EPYC (family 26, model 2, stepping 1; avx2 avx512f avx512_bf16), 2 CPUs")
+  assert peer.this_cpu().endswith(" CPUs")
   stdout = "\n".join(["[run_peer] P3 run 1/1", json.dumps(_theirs(10.9, 0.969)), "{not json",
                       json.dumps(_theirs(11.3, 0.967))])
   assert [r["wall_s"] for r in peer.parse_peer_lines(stdout)] == [10.9, 11.3]
