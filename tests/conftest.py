@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import sys
 import tempfile
 
 # The suite's time goes to compiling small programs on a CPU, where XLA's optimisation passes
@@ -24,6 +25,17 @@ if os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1":
   for _flag, _value in _TEST_FLAGS.items():
     if _flag not in os.environ.get("XLA_FLAGS", ""):
       os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}={_value}".strip()
+
+# Where the environment asks Python not to write bytecode (PYTHONDONTWRITEBYTECODE), every
+# process the suite starts (hundreds of runs of `alma_jax.main`) would compile the package's
+# sources again, about 0.15 s each; the controlling process writes their bytecode once, into
+# the usual `__pycache__` folders (ignored by git). Python checks each file's source against
+# it, so an edited file is compiled afresh as usual.
+if sys.dont_write_bytecode and "PYTEST_XDIST_WORKER" not in os.environ:
+  import compileall  # pylint: disable=g-import-not-at-top
+  for _package in ("alma_jax", "tests"):
+    compileall.compile_dir(os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), _package), quiet=2)
 
 import jax  # pylint: disable=g-import-not-at-top
 
@@ -126,14 +138,19 @@ def _draw_here(self, path, curves, title="", ylabel="test error (%)", scale=100.
 
 
 @pytest.fixture(autouse=True)
-def _runs_draw_in_this_process(request, monkeypatch):
+def _runs_draw_in_this_process(request):
   """A run in a test's own process draws error.png there (matplotlib imported once per worker)
   instead of starting a child process per run, which costs more than the run itself for most
   tests' tiny runs; the runs of `alma_jax.main` that tests start as processes, and the tests
-  marked `drawing_child`, use the child as a run does."""
-  if request.node.get_closest_marker("drawing_child") is None:
-    monkeypatch.setattr(plots.PlotChild, "start", lambda self: self)
-    monkeypatch.setattr(plots.PlotChild, "draw", _draw_here)
+  marked `drawing_child`, use the child as a run does. Patched apart from the test's own
+  `monkeypatch`, which a test may undo part-way."""
+  if request.node.get_closest_marker("drawing_child") is not None:
+    yield
+    return
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(plots.PlotChild, "start", lambda self: self)
+    patch.setattr(plots.PlotChild, "draw", _draw_here)
+    yield
 
 
 # -- programs kept between a test's runs --------------------------------------------------------

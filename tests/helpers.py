@@ -33,6 +33,11 @@ from alma_jax.tuning import autotune
 from tests import kill_points
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+# For the runs of `alma_jax.main` that tests start as processes and whose figure no test looks
+# at: the child that would draw error.png imports matplotlib, about 0.7 s of CPU per run, more
+# than many of those runs take. The drawing child is tested where it is started on purpose
+# (`drawing_child` tests, tests/test_multiprocess.py).
+NO_FIGURE = "--config.log.error_png=False"
 
 
 def synthetic_dataset(n_train=512, n_test=128, shape=(28, 28, 1), num_classes=10, seed=0,

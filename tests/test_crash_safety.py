@@ -39,7 +39,7 @@ def _command(wd, config, extra=()):
   # Saves inside every stage (after each epoch), so random kills land between them too.
   return [sys.executable, "-m", "alma_jax.main", f"--workdir={wd}", f"--config={config}",
           "--config.mesh.num_devices=1", "--config.train.progress_every_s=0",
-          "--config.checkpoint.stage_every_epochs=1", *extra]
+          "--config.checkpoint.stage_every_epochs=1", helpers.NO_FIGURE, *extra]
 
 
 def _env(kill_at=None, sig="SIGKILL"):

@@ -25,7 +25,7 @@ NO_UNUSED_DONATION = ["-W", "error:Some donated buffers were not usable:UserWarn
 
 def run_main(config, workdir, *flags, env=None):
   cmd = [sys.executable, *NO_UNUSED_DONATION, "-m", "alma_jax.main", f"--config={config}", f"--workdir={workdir}",
-         "--config.mesh.num_devices=1", *flags]
+         "--config.mesh.num_devices=1", helpers.NO_FIGURE, *flags]
   return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
 
 

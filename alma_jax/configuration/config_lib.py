@@ -219,6 +219,10 @@ BASE_FIELDS = (
     F.Field("log.tensorboard", True, F.boolean(),
             "write TensorBoard event files (per time step and per epoch) into the workdir",
             resumable=True),
+    F.Field("log.error_png", True, F.boolean(),
+            "draw error.png (the test error over t) into the workdir when the run ends, in a "
+            "child process that imports matplotlib while the run goes on; off for large "
+            "sweeps, whose figures the report draws", resumable=True),
     F.Field("checkpoint.every", 1, F.integer(1),
             "checkpoint after every this many training stages (and at t=0 and t=B)",
             resumable=True),
@@ -248,7 +252,7 @@ ADDED_FIELDS = ("stream.warm_start", "stream.wait_policy", "stream.shrink", "str
                 "stream.trigger_fraction", "stream.trigger_min_wait", "stream.trigger_max_wait",
                 "stream.redo_threshold", "stream.cbp_fraction", "stream.cbp_maturity",
                 "train.l2_init", "log.plasticity", "log.dormant_threshold",
-                "log.plasticity_probe", "method.min_slots")
+                "log.plasticity_probe", "method.min_slots", "log.error_png")
 # Fields declared after runs were written whose default is not how those runs ran: a config
 # that lacks one ran with the value given here.
 ADDED_WITH_OLD_VALUE = {

@@ -61,7 +61,8 @@ class Summary(Observer):
   """The run's summary: CER, Mem, Comp and the rest of `metrics.Log.summary`, the time
   breakdown and the compilations; with several seeds, each seed's summary in its folder and
   their mean and standard deviation at the top. Process 0 writes it, and error.png (drawn
-  by a child process started with the stream, whose imports overlap the run)."""
+  by a child process started with the stream, whose imports overlap the run) unless
+  `log.error_png` is off."""
 
   def __init__(self, setup: RunContext, signals: interrupts.Signals, clock: Clock):
     self.setup, self.signals, self.clock = setup, signals, clock
@@ -75,7 +76,7 @@ class Summary(Observer):
       for path in {s.workdir, *s.out_dirs}:
         if os.path.exists(os.path.join(path, wd.SUMMARY_FILE)):
           os.unlink(os.path.join(path, wd.SUMMARY_FILE))
-    if s.primary:
+    if s.primary and s.config.log.error_png:
       self.plotter.start()
 
   def on_end(self, state) -> dict[str, Any]:
@@ -100,7 +101,7 @@ class Summary(Observer):
             io_utils.write_json_atomic(os.path.join(out, wd.SUMMARY_FILE),
                                        dict(summary, provenance=extra["provenance"]))
         io_utils.write_json_atomic(os.path.join(s.workdir, wd.SUMMARY_FILE), top)
-    if s.primary:
+    if s.primary and s.config.log.error_png:
       self._plot_errors(state)
     logging.info("done: %d seed(s), CER=%.4f mean_error=%.4f final_error=%.4f Mem=%d Comp=%.3e "
                  "wall=%.1fs", len(s.seeds), top["cer"], top["mean_error"], top["final_error"],

@@ -94,7 +94,7 @@ def test_resumable_fields_are_those_declared_resumable():
       "train.progress_every_s", "train.on_divergence", "checkpoint.enabled",
       "checkpoint.max_to_keep", "checkpoint.every", "checkpoint.every_s",
       "checkpoint.stage_every_epochs", "mesh.distributed", "log.tensorboard", "log.wandb",
-      "log.progress",
+      "log.progress", "log.error_png",
           "train.autotune", "train.cpu_fusion", "train.stage_program", "train.gpu_autotune",
           "train.cpu_allocator", "train.step_fusion", "train.eval_fusion"}
 

@@ -337,7 +337,7 @@ def test_config_files_set_the_method_fields():
 def test_mnist_gens_smoke_end_to_end(tmp_path):
   cmd = [sys.executable, "-m", "alma_jax.main", "--config=configs/mnist_gens.py:smoke",
          f"--workdir={tmp_path}", "--config.mesh.num_devices=1", "--config.train.epochs=1",
-         "--config.train.patience=1"]
+         "--config.train.patience=1", helpers.NO_FIGURE]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   import json  # pylint: disable=g-import-not-at-top

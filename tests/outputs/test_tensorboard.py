@@ -111,7 +111,7 @@ def test_a_killed_run_resumes_without_duplicate_events(tmp_path):
   workdir = str(tmp_path / "run")
   args = [sys.executable, "-m", "alma_jax.main", f"--workdir={workdir}",
           "--config=configs/mnist_sm.py:smoke", "--config.mesh.num_devices=1",
-          "--config.train.progress_every_s=0"]
+          "--config.train.progress_every_s=0", helpers.NO_FIGURE]
   env = kill_points.env(dict(os.environ, ALMA_JAX_TEST_KILL_AT="t=3:epoch"))
   proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                         check=False)

@@ -20,7 +20,8 @@ from tests.conftest import requires_mnist
 
 ROOT = helpers.ROOT
 # B=10 stages of one epoch on a slice of MNIST: a few seconds.
-ARGS = ["--config=configs/bench/p3_mnist_sm.py:smoke", "--config.mesh.num_devices=1"]
+ARGS = ["--config=configs/bench/p3_mnist_sm.py:smoke", "--config.mesh.num_devices=1",
+        helpers.NO_FIGURE]
 B = 10
 HOST = socket.gethostname()
 

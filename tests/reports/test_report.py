@@ -460,6 +460,20 @@ def test_a_failure_to_draw_keeps_the_outputs(tmp_path, monkeypatch):
   assert any("could not draw" in w and "FileNotFoundError" in w for w in warnings), warnings
 
 
+@pytest.mark.drawing_child
+@requires_mnist
+def test_error_png_off_starts_no_drawing_child_and_draws_nothing(tmp_path, monkeypatch):
+  launched, launch = [], plots.PlotChild._launch  # pylint: disable=protected-access
+  monkeypatch.setattr(plots.PlotChild, "_launch",
+                      staticmethod(lambda: launched.append(1) or launch()))
+  off, on = str(tmp_path / "off"), str(tmp_path / "on")
+  run.run(helpers.smoke(stream__num_megabatches=2, log__error_png=False), off)
+  assert not launched and os.path.exists(os.path.join(off, wd.SUMMARY_FILE))
+  assert not os.path.exists(os.path.join(off, wd.ERROR_PNG))
+  run.run(helpers.smoke(stream__num_megabatches=2), on)  # the default draws it, in one child
+  assert launched == [1] and os.path.exists(os.path.join(on, wd.ERROR_PNG))
+
+
 def test_the_drawing_child_process_reports_its_error(tmp_path):
   spec = {"path": str(tmp_path / "missing_dir" / "e.png"), "curves": [["a", [0], [0.5]]]}
   proc = subprocess.run([sys.executable, "-m", "alma_jax.reports.plots"], input=json.dumps(spec),

@@ -24,7 +24,7 @@ from tests.conftest import requires_mnist
 ROOT = helpers.ROOT
 # progress_every_s=0 reports (and reaches the `epoch` hook) after every epoch.
 ARGS = ["--config=configs/mnist_sm.py:smoke", "--config.mesh.num_devices=1",
-        "--config.train.progress_every_s=0"]
+        "--config.train.progress_every_s=0", helpers.NO_FIGURE]
 
 
 
