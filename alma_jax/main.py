@@ -20,8 +20,9 @@ import signal
 import sys
 
 
-def _exit_now(message: str, code: int):
-  """Prints `message` as the one-line error and ends the process at once with `code`.
+def _exit_now(message: str, code: int, before_exit=None):
+  """Prints `message` as the one-line error, calls `before_exit` (if given) and ends the
+  process at once with `code`.
 
   For interruptions: native work that no exception stops (an XLA compilation
   in a thread of its own) would otherwise keep the exiting interpreter busy
@@ -31,6 +32,8 @@ def _exit_now(message: str, code: int):
   """
   print(f"alma_jax: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
   _flush_output()
+  if before_exit is not None:
+    before_exit()
   os._exit(code)
 
 
@@ -308,8 +311,11 @@ def main(argv):
     run.run(config, _WORKDIR.value, overwrite=_OVERWRITE.value, startup_s=timing.process_age_s(),
             keep_programs=True)
   except run.RunInterrupted as e:
-    multihost.leave()  # every process stopped at the same check: they leave together
-    _exit_now(f"{e}; to resume, run the same command again: {_resume_command()}", e.exit_code)
+    # Every process stopped at the same check, and they leave together (`multihost.leave`).
+    # Each says why first: process 0 ends the coordination service as it exits, which aborts a
+    # process that has not written its message yet.
+    _exit_now(f"{e}; to resume, run the same command again: {_resume_command()}", e.exit_code,
+              before_exit=multihost.leave)
   except Exception as e:  # pylint: disable=broad-except
     if _DEBUG.value:
       raise
