@@ -33,10 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import end_to_end  # pylint: disable=wrong-import-position
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 from alma_jax.runtime import host  # pylint: disable=wrong-import-position
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROTOCOLS = ("P1", "P2", "P3", "P4")
 DEFAULT_PEER_SCRIPT = os.path.join(os.path.dirname(ROOT), "shared", "peer", "run_peer.sh")
 # Share of all cores busy in the second before a run (when none of the benchmark's own runs is
@@ -62,12 +62,7 @@ def cpu_model(lscpu_text: str, cpuinfo_text: str = "") -> str:
 def this_cpu() -> str:
   """`cpu_model` of this host."""
   lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpuinfo = f.read()
-  except OSError:
-    cpuinfo = ""
-  return cpu_model(lscpu, cpuinfo)
+  return cpu_model(lscpu, host.read_cpuinfo())
 
 
 def _cpu_times() -> tuple[int, int]:

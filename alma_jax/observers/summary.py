@@ -67,6 +67,7 @@ class Summary(Observer):
   def __init__(self, setup: RunContext, signals: interrupts.Signals, clock: Clock):
     self.setup, self.signals, self.clock = setup, signals, clock
     self.plotter = plots.PlotChild()
+    self.draws = setup.primary and setup.config.log.error_png  # error.png, by process 0
 
   def on_start(self, state, snapshot) -> None:
     """A summary exists only once the run is over; the child that will draw error.png starts
@@ -76,7 +77,7 @@ class Summary(Observer):
       for path in {s.workdir, *s.out_dirs}:
         if os.path.exists(os.path.join(path, wd.SUMMARY_FILE)):
           os.unlink(os.path.join(path, wd.SUMMARY_FILE))
-    if s.primary and s.config.log.error_png:
+    if self.draws:
       self.plotter.start()
 
   def on_end(self, state) -> dict[str, Any]:
@@ -101,7 +102,7 @@ class Summary(Observer):
             io_utils.write_json_atomic(os.path.join(out, wd.SUMMARY_FILE),
                                        dict(summary, provenance=extra["provenance"]))
         io_utils.write_json_atomic(os.path.join(s.workdir, wd.SUMMARY_FILE), top)
-    if s.primary and s.config.log.error_png:
+    if self.draws:
       self._plot_errors(state)
     logging.info("done: %d seed(s), CER=%.4f mean_error=%.4f final_error=%.4f Mem=%d Comp=%.3e "
                  "wall=%.1fs", len(s.seeds), top["cer"], top["mean_error"], top["final_error"],

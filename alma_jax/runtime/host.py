@@ -54,9 +54,13 @@ def describe(cpuinfo: str, fallback: str = "") -> str:
 def cpu_name() -> str:
   """This host's CPU (see the module's docstring); the platform's processor name where
   /proc/cpuinfo cannot be read."""
+  return describe(read_cpuinfo(), platform.processor() or platform.machine())
+
+
+def read_cpuinfo() -> str:
+  """The text of /proc/cpuinfo ("" where it cannot be read)."""
   try:
     with open("/proc/cpuinfo") as f:
-      cpuinfo = f.read()
+      return f.read()
   except OSError:
-    cpuinfo = ""
-  return describe(cpuinfo, platform.processor() or platform.machine())
+    return ""
