@@ -8,8 +8,15 @@ convolutions of `alma_jax.models.conv`), times alone, as compiled programs:
   * BatchNorm (batch statistics) + ReLU forward and backward, and the 2x2 max-pool's
     backward;
 then sums each part over the network's 16 layers (each pool once per block), and times the
-inference forward pass (batch 1000, BatchNorm on running statistics) with BatchNorm as its
-own affine op against BatchNorm folded into the kernel and a bias (exact up to round-off).
+inference forward pass of the project's VGG (batch 1000, BatchNorm on running statistics) as
+defined, BatchNorm as its own op, against the form its evaluation programs trace, BatchNorm
+folded into the kernel and a bias (the same function up to round-off).
+
+The process tunes glibc's allocator as a run of the VGG does (`train.cpu_allocator=auto`,
+`alma_jax/tuning/cpu_tuning.py`; `--allocator=glibc` keeps glibc's defaults): with the
+defaults every large temporary buffer is mapped and unmapped at each call, and its page faults
+dominate the large layers and the evaluation (the evaluation at batch 1,000 ran about twice as
+long that way on a 2-core AMD EPYC).
 
 Each figure is the median of `--repeats` calls after one warm-up; the relative difference of
 each weight-gradient variant from XLA's is printed beside its time. A part timed alone
@@ -36,6 +43,10 @@ from jax import lax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import peer  # pylint: disable=wrong-import-position
+from alma_jax.models import inference  # pylint: disable=wrong-import-position
+from alma_jax.models import vgg  # pylint: disable=wrong-import-position
+from alma_jax.tuning import cpu_tuning  # pylint: disable=wrong-import-position
+from alma_jax.tuning import tune  # pylint: disable=wrong-import-position
 
 BLOCKS = (2, 2, 4, 4, 4)  # alma_jax.models.vgg.BLOCKS
 DIMENSION_NUMBERS = ("NHWC", "HWIO", "NHWC")
@@ -146,34 +157,24 @@ def train_parts(width: int, batch: int, repeats: int, rng) -> dict:
 
 
 def eval_forward(width: int, batch: int, repeats: int, rng) -> dict:
-  params = []
-  for _, cin, _ in layer_shapes(width):
-    params.append({"kernel": jnp.asarray(rng.normal(size=(3, 3, cin, width)) * 0.2, jnp.float32),
-                   "scale": jnp.asarray(rng.uniform(0.5, 1.5, width), jnp.float32),
-                   "bias": jnp.asarray(rng.normal(size=width) * 0.1, jnp.float32),
-                   "mean": jnp.asarray(rng.normal(size=width) * 0.1, jnp.float32),
-                   "var": jnp.asarray(rng.uniform(0.5, 1.5, width), jnp.float32)})
-
-  def net(x, folded: bool):
-    for p, (_, _, first) in zip(params, layer_shapes(width)):
-      if first and x.shape[-1] != 3:
-        x = pool(x)
-      s = p["scale"] * lax.rsqrt(p["var"] + EPS)
-      if folded:
-        x = conv(x, p["kernel"] * s) + (p["bias"] - p["mean"] * s)
-      else:
-        x = (conv(x, p["kernel"]) - p["mean"]) * s + p["bias"]
-      x = jnp.maximum(x, 0.0)
-    return pool(x).reshape(x.shape[0], -1)
-
+  """The project's VGG at inference, freshly initialised (the values do not change the work):
+  as defined (BatchNorm on its running statistics as its own op after each convolution) and in
+  the folded form that its evaluation programs trace (`alma_jax.models.inference.evaluation()`).
+  """
+  model = vgg.VGG(width=width)
   x = jnp.asarray(rng.normal(size=(batch, 32, 32, 3)), jnp.float32)
-  affine, folded = jax.jit(lambda x: net(x, False)), jax.jit(lambda x: net(x, True))
+  variables = model.init(jax.random.key(0), x[:2], train=False)
+  defined = jax.jit(lambda v, x: model.apply(v, x, train=False))
+  with inference.evaluation():  # traced here, at its first call
+    folded = jax.jit(lambda v, x: model.apply(v, x, train=False))
+    jax.block_until_ready(folded(variables, x))
   out = {"batch": batch}
   for _ in range(3):  # alternately: this host's speed drifts within minutes
-    for name, fn in (("bn_affine", affine), ("bn_folded", folded)):
-      out.setdefault(f"{name}_ms", []).append(median_ms(fn, x, repeats=repeats))
+    for name, fn in (("bn_affine", defined), ("bn_folded", folded)):
+      out.setdefault(f"{name}_ms", []).append(median_ms(fn, variables, x, repeats=repeats))
   out = {k: (float(np.median(v)) if isinstance(v, list) else v) for k, v in out.items()}
-  a, b = np.asarray(affine(x), np.float64), np.asarray(folded(x), np.float64)
+  a = np.asarray(defined(variables, x), np.float64)
+  b = np.asarray(folded(variables, x), np.float64)
   out["rel_diff"] = float(np.max(np.abs(a - b)) / np.max(np.abs(a)))
   return out
 
@@ -184,15 +185,18 @@ def main() -> None:
   p.add_argument("--batch_size", type=int, default=128)
   p.add_argument("--eval_batch_size", type=int, default=1000)
   p.add_argument("--repeats", type=int, default=20)
+  p.add_argument("--allocator", default="auto", choices=("auto", "tuned", "glibc"),
+                 help="glibc's allocator as train.cpu_allocator (auto: tuned, as a VGG run's)")
   p.add_argument("--json", default="", help="write the results here as JSON")
   args = p.parse_args()
+  tune.allocator_for(["vgg"], args.allocator)  # before JAX starts its backend
   rng = np.random.default_rng(0)
   result = {"cpu": peer.this_cpu(), "jax": jax.__version__,
-            "width": args.width,
+            "malloc_tuned": cpu_tuning.is_applied(), "width": args.width,
             "train": train_parts(args.width, args.batch_size, args.repeats, rng),
             "eval": eval_forward(args.width, args.eval_batch_size, args.repeats, rng)}
-  print(f"# {result['cpu']}, jax {result['jax']}; VGG C={args.width}, "
-        f"batch {args.batch_size}; median ms of {args.repeats} calls")
+  print(f"# {result['cpu']}, jax {result['jax']}, allocator tuned: {result['malloc_tuned']}; "
+        f"VGG C={args.width}, batch {args.batch_size}; median ms of {args.repeats} calls")
   print("| side | in -> out | layers | forward | input grad | weight grad (XLA) | "
         "shifted dots | im2col | einsum | BN+ReLU fwd+bwd |")
   print("|---|---|---|---|---|---|---|---|---|---|")
@@ -206,9 +210,9 @@ def main() -> None:
   print("per step, summed over the layers (ms): " + ", ".join(
       f"{k} {v:.1f}" for k, v in totals.items()) + f"; total {sum(totals.values()):.1f}")
   e = result["eval"]
-  print(f"inference forward, batch {e['batch']}: BatchNorm as an affine op {e['bn_affine_ms']:.1f} "
-        f"ms, folded into the kernel {e['bn_folded_ms']:.1f} ms (relative difference "
-        f"{e['rel_diff']:.1e})")
+  print(f"the VGG's inference, batch {e['batch']}: as defined (BatchNorm its own op) "
+        f"{e['bn_affine_ms']:.1f} ms, as the evaluation programs trace it (BatchNorm folded into "
+        f"the kernel) {e['bn_folded_ms']:.1f} ms (relative difference {e['rel_diff']:.1e})")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(result, f, indent=1)

@@ -42,6 +42,7 @@ from alma_jax.engine import precision
 from alma_jax.engine import sharding
 from alma_jax.engine import timing
 from alma_jax.methods.base import Method
+from alma_jax.models import inference
 from alma_jax.models import slots
 from alma_jax.runtime import executables
 from alma_jax.state import Learner, TrainState
@@ -434,7 +435,8 @@ class Programs:
 
     def evaluate(params, model_state, data, batch: Batch):
       x, y = task.inputs(data, batch.idx)
-      logp, unit_logp, aux = evaluate_batch(params, model_state, x, y, batch.mask)
+      with inference.evaluation():  # a backbone may take its inference form
+        logp, unit_logp, aux = evaluate_batch(params, model_state, x, y, batch.mask)
       errors, nll = task.per_example(logp, y)
       unit_errors, _ = jax.vmap(lambda lp: task.per_example(lp, y))(unit_logp)
       # Accuracy: 1 - error of each example (images: 0 or 1; text: the token error rate).

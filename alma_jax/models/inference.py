@@ -1,0 +1,32 @@
+"""Whether a backbone is being traced for an evaluation program.
+
+The evaluation programs (`alma_jax.engine.programs.Programs.eval_body`) trace the learner's
+prediction inside `evaluation()`. There a backbone may compute the same function in a form
+that only inference allows, equal up to float round-off: the reduced VGG folds each
+BatchNorm's running statistics into its convolution (`alma_jax.models.vgg`). Everything else
+traces outside it and sees the network as it is defined: training, the passes that growth runs
+(some of them differentiate it) and the FLOP counts of Comp, which count that network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator
+
+_EVALUATING = contextvars.ContextVar("alma_jax_evaluation_program", default=False)
+
+
+@contextlib.contextmanager
+def evaluation() -> Iterator[None]:
+  """Traces inside it are of an evaluation program (`folds()` is true)."""
+  token = _EVALUATING.set(True)
+  try:
+    yield
+  finally:
+    _EVALUATING.reset(token)
+
+
+def folds() -> bool:
+  """Whether a backbone applied at inference may fold its normalisation into its weights."""
+  return _EVALUATING.get()
