@@ -51,7 +51,8 @@ def test_a_folded_block_is_the_same_function_to_its_round_off():
     folded = block.apply(variables, x, train=False)
   assert folded.shape == defined.shape == (4, 4, 4, width)
   p, s = variables["params"], variables["batch_stats"]["bn0"]
-  m = np.abs(np.asarray(p["bn0"]["scale"]) / np.sqrt(np.asarray(s["var"], np.float64) + 1e-5))
+  var = np.asarray(s["var"], np.float64)
+  m = np.abs(np.asarray(p["bn0"]["scale"]) / np.sqrt(var + vgg.BN_EPSILON))
   k = np.asarray(p["conv0"]["kernel"], np.float64)
   with jax.enable_x64(True):
     magnitude = np.asarray(lax.conv_general_dilated(
