@@ -56,8 +56,8 @@ from benchmarks import train_speed  # pylint: disable=wrong-import-position
 
 # row -> (torch backbone, width, the project's rows of train_speed.ROWS for the same step)
 ROWS = {
-    "vgg16": ("vgg", 16, ("vgg16_sm_xla", "vgg16_sm_chunked")),
-    "vgg64": ("vgg", 64, ("vgg64_sm_xla", "vgg64_sm_chunked")),
+    "vgg16": ("vgg", 16, ("vgg16_sm_xla", "vgg16_sm_chunked", "vgg16_sm_native")),
+    "vgg64": ("vgg", 64, ("vgg64_sm_xla", "vgg64_sm_chunked", "vgg64_sm_native")),
     "mlp64": ("mlp", 64, ("mlp64_sm",)),
 }
 

@@ -151,6 +151,7 @@ def test_run_and_read_results(tmp_path, monkeypatch):
 LAYERS = (
     ("errors", "state"),
     ("runtime",),
+    ("kernels",),
     ("configuration",),
     ("outputs",),
     ("data",),

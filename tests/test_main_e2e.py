@@ -291,6 +291,20 @@ def test_a_second_identical_run_loads_every_program_from_the_persistent_cache(tm
       first["compile_cache_requests"]), second
 
 
+@requires_cifar10
+def test_a_run_with_the_native_weight_gradient_is_repeatable_and_loads_its_kept_programs(
+    tmp_path):
+  # The kept programs call the native kernel by name: the second run registers it before it
+  # loads them (conv.resolve_impl) and computes the same records.
+  cache = f"--compilation_cache_dir={tmp_path / 'xla'}"
+  timings, records = zip(*[timings_and_records("configs/cifar_sm.py:smoke", tmp_path / name,
+                                               cache, "--config.model.conv_impl=native_dw")
+                           for name in ("first", "second")])
+  assert timings[0]["kept_programs_loaded"] == 0
+  assert timings[1]["kept_programs_loaded"] >= timings[1]["step_programs"] > 0, timings[1]
+  assert records[0] == records[1]
+
+
 @requires_mnist
 def test_the_next_run_of_a_sweep_loads_the_kept_programs_and_computes_its_own_records(tmp_path):
   # The seed, the waiting time and replay reach the programs as values only (keys, the data's

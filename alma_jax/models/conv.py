@@ -10,8 +10,17 @@ of a training step (2.5-3.5x slower than the forward pass at width 64);
 chunks of 16 images run it about 2.3x faster. Same numbers to float
 round-off (the chunk sums are added in a different order).
 
+`impl="native_dw"` keeps XLA's forward pass and input gradient and computes
+the weight gradient with the package's native XLA:CPU kernel
+(`alma_jax.kernels.native`, built on first use with the machine's C++
+compiler): on a 2-core AMD EPYC (family 26, model 2) 4-5x faster than XLA's
+at width 16 on 32x32 images and 3x faster than `chunked_dw` at width 64
+(`benchmarks/conv_parts.py`). CPU only; same numbers to float round-off (the
+products are summed in another order).
+
 `resolve_impl("auto", ...)` picks per backend and width, by the measurements
-in `benchmarks/train_speed.py`.
+in `benchmarks/train_speed.py`; a run that measures its speed choices on a
+CPU times every implementation of `candidates()` instead.
 """
 
 from __future__ import annotations
@@ -19,9 +28,12 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from absl import logging
 from jax import lax
 
-IMPLS = ("auto", "xla", "chunked_dw")
+from alma_jax.kernels import native
+
+IMPLS = ("auto", "xla", "chunked_dw", "native_dw")
 DIMENSION_NUMBERS = ("NHWC", "HWIO", "NHWC")
 DW_CHUNK = 16  # images per weight-gradient chunk
 CHUNKED_MIN_WIDTH = 32  # "auto" on CPU: chunked_dw from this width up
@@ -31,14 +43,28 @@ def resolve_impl(impl: str, width: int, backend: str | None = None) -> str:
   """The implementation to use; "auto" chooses by backend and width."""
   if impl not in IMPLS:
     raise ValueError(f"config.model.conv_impl={impl!r} is not valid; valid values: {list(IMPLS)}")
+  backend = backend or jax.default_backend()
+  if impl == "native_dw":
+    native.register(backend)  # before a kept program that calls the kernel is loaded, too
   if impl != "auto":
     return impl
-  backend = backend or jax.default_backend()
   # On CPU (glibc allocator tuned, jax 0.10.2) the chunked weight gradient
   # wins from width 32 up (whole step 1.33x at C=32, 1.25-1.3x at C=64) and
   # loses below (0.78x at C=16, 0.77x at C=4); benchmarks/train_speed.py. On
   # accelerators XLA's kernels are the ones to use.
+  # The rule leaves `native_dw` to measurement: it needs a C++ compiler and changes the
+  # float round-off of the records that runs by rule (the `:smoke` variants) keep.
   return "chunked_dw" if backend == "cpu" and width >= CHUNKED_MIN_WIDTH else "xla"
+
+
+def candidates(backend: str | None = None) -> tuple[str, ...]:
+  """The implementations a run measures (`model.conv_impl=auto` with measured choices) on
+  `backend` (None: this process's): `native_dw` where its kernel builds and runs (XLA:CPU;
+  the reason it does not is logged)."""
+  ok, why = native.available(backend)
+  if not ok:
+    logging.info("model.conv_impl=native_dw is left out of the candidates: %s", why)
+  return tuple(i for i in IMPLS if i != "auto" and (i != "native_dw" or ok))
 
 
 def _conv(x: jnp.ndarray, kernel: jnp.ndarray) -> jnp.ndarray:
@@ -73,14 +99,29 @@ def _bwd(res, g):
 conv_chunked_dw.defvjp(_fwd, _bwd)
 
 
+@jax.custom_vjp
+def conv_native_dw(x: jnp.ndarray, kernel: jnp.ndarray) -> jnp.ndarray:
+  """A 3x3 SAME convolution whose weight gradient is the native XLA:CPU kernel's."""
+  return _conv(x, kernel)
+
+
+def _native_bwd(res, g):
+  x, kernel = res
+  (dx,) = jax.linear_transpose(lambda x_: _conv(x_, kernel), x)(g)
+  return dx, native.conv3x3_wgrad(x, g).astype(kernel.dtype)
+
+
+conv_native_dw.defvjp(_fwd, _native_bwd)
+
+_BY_IMPL = {"xla": _conv, "chunked_dw": conv_chunked_dw, "native_dw": conv_native_dw}
+
+
 def conv3x3(x: jnp.ndarray, kernel: jnp.ndarray, impl: str = "xla") -> jnp.ndarray:
   """A 3x3 'SAME' convolution, stride 1, NHWC input and HWIO kernel."""
-  if impl == "chunked_dw":
-    return conv_chunked_dw(x, kernel)
-  if impl == "xla":
-    return _conv(x, kernel)
-  raise ValueError(f"conv impl {impl!r} is not valid here; valid values: ['xla', 'chunked_dw'] "
-                   "(resolve 'auto' first)")
+  if impl not in _BY_IMPL:
+    raise ValueError(f"conv impl {impl!r} is not valid here; valid values: {list(_BY_IMPL)} "
+                     "(resolve 'auto' first)")
+  return _BY_IMPL[impl](x, kernel)
 
 
 class Conv3x3(nn.Module):

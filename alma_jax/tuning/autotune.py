@@ -179,7 +179,7 @@ def steps_per_call_candidates(config) -> tuple[int, ...]:
 
 
 TUNABLES = (
-    Tunable("model.conv_impl", "auto", lambda c: tuple(i for i in conv.IMPLS if i != "auto"),
+    Tunable("model.conv_impl", "auto", lambda c: conv.candidates(),
             _conv_rule, lambda c: models.spec(c.model.name).conv_heavy),
     # With one member at the start both strategies run the same program.
     Tunable("method.strategy", "auto", lambda c: ("vmap", "loop"), _strategy_rule,
@@ -220,6 +220,11 @@ def with_choices(config, choices: dict[str, Any]):
   return out
 
 
+# The choices that measure the convolution implementations (the fusion flags' children time
+# each of them): a new implementation is measured on a machine again.
+CONV_FIELDS = ("model.conv_impl", "train.cpu_fusion")
+
+
 def step_facts(config, input_shape, path: str) -> dict[str, Any]:
   """The facts of the train step that a choice of field `path` depends on."""
   return {
@@ -229,6 +234,7 @@ def step_facts(config, input_shape, path: str) -> dict[str, Any]:
       **({"eval_batch": config.train.eval_batch_size} if path == EVAL_FUSION else {}),
       # The options there are to choose from: a new one is measured on a machine again.
       **({"candidates": list(MEASURED_FUSIONS)} if path in (STEP_FUSION, EVAL_FUSION) else {}),
+      **({"conv_impls": list(conv.IMPLS)} if path in CONV_FIELDS else {}),
       "method_fields": {k: v for k, v in sorted(config.method.items())
                         if isinstance(v, (int, float, str, bool)) and k != "strategy"},
       "mesh": [config.mesh.get("num_devices"), config.mesh.get("model")],

@@ -188,7 +188,9 @@ def _measure(config, shapes, measure) -> tuple[str, str, bool]:
   """(the fastest setting, how it was chosen, True); (the rule, why, False) when the child
   of the rule's setting fails to start or a child fails while they are timed. A setting whose
   child fails to start otherwise is left out."""
-  impls = ([i for i in conv.IMPLS if i != "auto"] if config.model.conv_impl == "auto"
+  # The backend is not started here (the flags measured are the process's): these children
+  # run on XLA:CPU, where the run's own backend will be too (`accelerator_expected` is false).
+  impls = (list(conv.candidates("cpu")) if config.model.conv_impl == "auto"
            else [config.model.conv_impl])
   logging.info("measuring %s once for this machine and model: %d settings (%s) x %d convolution "
                "implementations, one child process per setting (each started and compiled in "

@@ -7,6 +7,8 @@ import os
 import pytest
 
 from alma_jax.configuration import config_lib
+from alma_jax.kernels import native
+from alma_jax.models import conv
 from alma_jax.stream import validation
 from alma_jax.tuning import autotune
 from alma_jax.tuning import cpu_fusion
@@ -54,7 +56,9 @@ def _choose(config, workdir=None, *, multiprocess=False, **kwargs):
   return cpu_fusion.choose(config, workdir, shapes=CIFAR, multiprocess=multiprocess, **kwargs)
 
 
-def test_the_fastest_pair_is_chosen_remembered_and_given_to_the_run(tmp_path, caplog):
+def test_the_fastest_pair_is_chosen_remembered_and_given_to_the_run(tmp_path, caplog,
+                                                                   monkeypatch):
+  monkeypatch.setattr(conv, "candidates", lambda backend=None: ("xla", "chunked_dw"))
   c = _vgg()
   measure, calls = _fake({("none", "xla"): 4.0, ("none", "chunked_dw"): 3.0,
                           ("ynn", "xla"): 2.0, ("ynn", "chunked_dw"): 2.5,
@@ -186,3 +190,25 @@ def test_children_time_the_real_step_with_their_flags_in_turns(monkeypatch):
   assert times == {} and list(failed) == ["none"]  # the rule's child failed: nothing more
   assert failed["none"].startswith("the child process exited with 1: ")
   assert "unknown" in failed["none"]
+
+
+@pytest.mark.parametrize("builds", [True, False])
+def test_the_children_time_the_native_weight_gradient_where_it_builds(monkeypatch, tmp_path,
+                                                                      builds):
+  # Decided before JAX starts its backend: the availability is asked for XLA:CPU by name.
+  asked = []
+
+  def available(backend=None):
+    asked.append(backend)
+    return (True, "") if builds else (False, "no C++ compiler found")
+
+  monkeypatch.setattr(native, "available", available)
+  seconds = {(s, i): 1.0 for s in cpu_fusion.SETTINGS for i in conv.IMPLS}
+  seconds[("none", "native_dw")] = 0.5
+  measure, calls = _fake(seconds)
+  value, _ = _choose(_vgg(), cache_file=str(tmp_path / "machine.json"), measure=measure)
+  impls = ("xla", "chunked_dw", "native_dw") if builds else ("xla", "chunked_dw")
+  assert asked == ["cpu"] and {c[1] for c in calls} == {impls}
+  assert value == "none"
+  assert cpu_fusion.measured_with_flags()["model.conv_impl"][0] == (
+      "native_dw" if builds else "xla")

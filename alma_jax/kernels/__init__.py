@@ -1,0 +1,1 @@
+"""Native XLA:CPU kernels of the package (`native`), compiled on first use."""

@@ -1,0 +1,207 @@
+// The weight gradient of a 3x3 'SAME' convolution, stride 1, NHWC input, HWIO kernel, float32,
+// as an XLA FFI custom call for XLA:CPU (alma_jax/kernels/native.py builds and registers it).
+//
+//   dw[kh, kw, ci, co] = sum over n, h, w of x[n, h + kh - 1, w + kw - 1, ci] * dy[n, h, w, co]
+//
+// (taps that fall outside the image read zeros). For each image, kernel tap and block of
+// output channels, a block of up to kMaxRows input channels keeps one vector accumulator per
+// input channel in registers while it walks the image's pixels: per pixel one load of dy's
+// channels and one broadcast multiply-add per input channel. The image (x and dy) stays in
+// the cache across the nine taps. Blocks of images are shared among XLA:CPU's intra-op
+// threads, each block summing into a buffer of its own; the buffers are added at the end, in
+// an order that does not depend on the threads (the result is the same from run to run).
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kMaxRows = 16;  // 16 accumulators of 16 floats: half of AVX-512's registers
+#else
+constexpr int kMaxRows = 6;  // a 16-float vector is two registers without AVX-512
+#endif
+// The images are summed in blocks of at least this many multiply-adds (a call with less work
+// is one block, on the calling thread), and at most kMaxBlocks blocks.
+constexpr int64_t kBlockWork = int64_t{1} << 22;
+constexpr int64_t kMaxBlocks = 8;
+
+template <int L>
+struct Vec {
+  typedef float type __attribute__((vector_size(L * sizeof(float))));
+};
+template <>
+struct Vec<1> {
+  typedef float type;
+};
+
+template <int L>
+inline typename Vec<L>::type Load(const float* p) {
+  typename Vec<L>::type v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <int L>
+inline void AddTo(float* p, typename Vec<L>::type v) {
+  typename Vec<L>::type u;
+  std::memcpy(&u, p, sizeof(u));
+  u += v;
+  std::memcpy(p, &u, sizeof(u));
+}
+
+struct Shape {
+  int64_t n, h, w, ci, co;
+};
+
+// acc[tap][ci0 .. ci0 + R)[co0 .. co0 + L) += the tap's products over one image.
+template <int R, int L>
+void TapBlock(const float* x, const float* dy, float* acc, const Shape& s, int kh, int kw,
+              int64_t ci0, int64_t co0) {
+  using V = typename Vec<L>::type;
+  const int64_t h_lo = std::max<int64_t>(0, 1 - kh), h_hi = std::min<int64_t>(s.h, s.h + 1 - kh);
+  const int64_t w_lo = std::max<int64_t>(0, 1 - kw), w_hi = std::min<int64_t>(s.w, s.w + 1 - kw);
+  V sums[R];
+  for (int r = 0; r < R; ++r) sums[r] = V{} + 0.0f;
+  for (int64_t h = h_lo; h < h_hi; ++h) {
+    const float* xp = x + ((h + kh - 1) * s.w + (w_lo + kw - 1)) * s.ci + ci0;
+    const float* gp = dy + (h * s.w + w_lo) * s.co + co0;
+    for (int64_t w = w_lo; w < w_hi; ++w, xp += s.ci, gp += s.co) {
+      const V g = Load<L>(gp);
+      for (int r = 0; r < R; ++r) sums[r] += xp[r] * g;
+    }
+  }
+  float* out = acc + ((kh * 3 + kw) * s.ci + ci0) * s.co + co0;
+  for (int r = 0; r < R; ++r) AddTo<L>(out + r * s.co, sums[r]);
+}
+
+template <int L>
+void Rows(int rows, const float* x, const float* dy, float* acc, const Shape& s, int kh, int kw,
+          int64_t ci0, int64_t co0) {
+  switch (rows) {
+#define ALMA_ROWS_CASE(R) \
+  case R:                 \
+    return TapBlock<R, L>(x, dy, acc, s, kh, kw, ci0, co0);
+    ALMA_ROWS_CASE(1)
+    ALMA_ROWS_CASE(2)
+    ALMA_ROWS_CASE(3)
+    ALMA_ROWS_CASE(4)
+    ALMA_ROWS_CASE(5)
+    ALMA_ROWS_CASE(6)
+#if defined(__AVX512F__)
+    ALMA_ROWS_CASE(7)
+    ALMA_ROWS_CASE(8)
+    ALMA_ROWS_CASE(9)
+    ALMA_ROWS_CASE(10)
+    ALMA_ROWS_CASE(11)
+    ALMA_ROWS_CASE(12)
+    ALMA_ROWS_CASE(13)
+    ALMA_ROWS_CASE(14)
+    ALMA_ROWS_CASE(15)
+    ALMA_ROWS_CASE(16)
+#endif
+#undef ALMA_ROWS_CASE
+  }
+}
+
+// Adds image `i`'s contribution to acc (9 * ci * co floats, HWIO order).
+void Image(const float* x, const float* dy, float* acc, const Shape& s, int64_t i) {
+  x += i * s.h * s.w * s.ci;
+  dy += i * s.h * s.w * s.co;
+  for (int kh = 0; kh < 3; ++kh) {
+    for (int kw = 0; kw < 3; ++kw) {
+      int64_t co0 = 0;
+      // Output channels in vectors of 16, then 8, 4 and single lanes.
+      for (; co0 + 16 <= s.co; co0 += 16)
+        for (int64_t c = 0; c < s.ci; c += kMaxRows)
+          Rows<16>(static_cast<int>(std::min<int64_t>(kMaxRows, s.ci - c)), x, dy, acc, s, kh, kw,
+                   c, co0);
+      for (; co0 + 8 <= s.co; co0 += 8)
+        for (int64_t c = 0; c < s.ci; c += kMaxRows)
+          Rows<8>(static_cast<int>(std::min<int64_t>(kMaxRows, s.ci - c)), x, dy, acc, s, kh, kw,
+                  c, co0);
+      for (; co0 + 4 <= s.co; co0 += 4)
+        for (int64_t c = 0; c < s.ci; c += 6)
+          Rows<4>(static_cast<int>(std::min<int64_t>(6, s.ci - c)), x, dy, acc, s, kh, kw, c,
+                  co0);
+      for (; co0 < s.co; ++co0)
+        for (int64_t c = 0; c < s.ci; c += 6)
+          Rows<1>(static_cast<int>(std::min<int64_t>(6, s.ci - c)), x, dy, acc, s, kh, kw, c,
+                  co0);
+    }
+  }
+}
+
+// The images are cut into `blocks` runs of consecutive images, a number that depends on the
+// shapes only; each block sums its images in order into a buffer of its own, and the buffers
+// are added in order: the result does not depend on which thread ran which block. The calling
+// thread and the intra-op pool's tasks claim blocks in turn. A task that starts after every
+// block was claimed touches nothing but the counters, and the caller waits only for tasks that
+// claimed a block, so it never waits for a task the pool has not started.
+struct Shared {
+  Shared(const float* x, const float* dy, const Shape& s, int blocks)
+      : x(x), dy(dy), s(s), buffers(blocks, std::vector<float>(9 * s.ci * s.co, 0.0f)) {}
+  const float* x;
+  const float* dy;
+  Shape s;
+  std::vector<std::vector<float>> buffers;
+  std::atomic<int> next{0};
+  std::atomic<int> in_flight{0};
+
+  void Work() {
+    in_flight.fetch_add(1);
+    const int blocks = static_cast<int>(buffers.size());
+    for (int b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) {
+      for (int64_t i = s.n * b / blocks; i < s.n * (b + 1) / blocks; ++i)
+        Image(x, dy, buffers[b].data(), s, i);
+    }
+    in_flight.fetch_sub(1);
+  }
+};
+
+ffi::Error Wgrad(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> dy,
+                 ffi::ResultBuffer<ffi::F32> dw) {
+  const auto xd = x.dimensions(), gd = dy.dimensions(), wd = dw->dimensions();
+  if (xd.size() != 4 || gd.size() != 4 || wd.size() != 4)
+    return ffi::Error::InvalidArgument("conv3x3_wgrad: x, dy and dw must be rank 4");
+  const Shape s{xd[0], xd[1], xd[2], xd[3], gd[3]};
+  if (gd[0] != s.n || gd[1] != s.h || gd[2] != s.w || wd[0] != 3 || wd[1] != 3 ||
+      wd[2] != s.ci || wd[3] != s.co)
+    return ffi::Error::InvalidArgument(
+        "conv3x3_wgrad: expected x (N, H, W, CI), dy (N, H, W, CO), dw (3, 3, CI, CO)");
+  float* out = dw->typed_data();
+  const int64_t size = 9 * s.ci * s.co;
+  const int64_t work = s.n * s.h * s.w * size;
+  const int blocks = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>({work / kBlockWork, s.n, kMaxBlocks})));
+  auto shared = std::make_shared<Shared>(x.typed_data(), dy.typed_data(), s, blocks);
+  const int helpers =
+      blocks < 2 ? 0 : static_cast<int>(std::min<int64_t>(pool.num_threads(), blocks - 1));
+  for (int t = 0; t < helpers; ++t) pool.Schedule([shared] { shared->Work(); });
+  shared->Work();
+  while (shared->in_flight.load() != 0) std::this_thread::yield();
+  std::memcpy(out, shared->buffers[0].data(), size * sizeof(float));
+  for (int b = 1; b < blocks; ++b) {
+    const float* part = shared->buffers[b].data();
+    for (int64_t j = 0; j < size; ++j) out[j] += part[j];
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AlmaConv3x3Wgrad, Wgrad,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,144 @@
+"""The native XLA:CPU weight gradient of a 3x3 convolution (alma_jax/kernels/native.py)."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from alma_jax.kernels import native
+from alma_jax.models import conv
+from alma_jax.models.vgg import VGG
+
+U = 2.0**-24  # float32's unit round-off
+
+
+def _exact(x, g):
+  """The weight gradient in float64, and the sum of its products' magnitudes."""
+  x, g = np.asarray(x, np.float64), np.asarray(g, np.float64)
+  n, h, w, _ = x.shape
+  xp = np.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+  taps = [[xp[:, i:i + h, j:j + w] for j in range(3)] for i in range(3)]
+  dw = np.stack([np.stack([np.einsum("nhwi,nhwo->io", t, g) for t in row]) for row in taps])
+  mag = np.stack([np.stack([np.einsum("nhwi,nhwo->io", abs(t), abs(g)) for t in row])
+                  for row in taps])
+  return dw, mag
+
+
+# (N, H, W, CI, CO): a first layer's 3 channels; channel counts that are not multiples of the
+# kernel's blocks (input channels in blocks of up to 16, output channels in vectors of 16, 8, 4
+# and 1); a 1x1 image (the centre tap alone); enough work for 2 and for 8 blocks of images.
+SHAPES = [(2, 5, 7, 3, 16), (3, 6, 5, 21, 29), (2, 1, 1, 2, 3), (16, 16, 16, 16, 16),
+          (32, 32, 32, 16, 16)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_weight_gradient_is_the_exact_one_to_its_round_off(shape):
+  """Each element sums K = N H W products (fewer at the borders), in some order: the float32
+  result is within gamma_K = K u / (1 - K u) times the sum of their magnitudes of the exact
+  one (Higham, Accuracy and Stability, 3.1; a fused multiply-add only rounds less)."""
+  n, h, w, ci, co = shape
+  kx, kg = jax.random.split(jax.random.key(sum(shape)))
+  x = jax.random.normal(kx, (n, h, w, ci))
+  g = jax.random.normal(kg, (n, h, w, co))
+  got = np.asarray(jax.jit(native.conv3x3_wgrad)(x, g))
+  exact, mag = _exact(x, g)
+  k = n * h * w
+  assert got.shape == (3, 3, ci, co) and got.dtype == np.float32
+  assert np.all(np.abs(got - exact) <= k * U / (1 - k * U) * mag)
+  # A tap that reads nothing (a 1x1 image's off-centre taps) is exactly zero.
+  assert np.all(got[mag == 0] == 0)
+
+
+def test_the_result_is_the_same_from_call_to_call_and_under_vmap():
+  # Blocks of images are summed in an order that does not depend on the threads.
+  kx, kg = jax.random.split(jax.random.key(3))
+  x = jax.random.normal(kx, (2, 32, 16, 16, 16))
+  g = jax.random.normal(kg, (2, 32, 16, 16, 16))
+  f = jax.jit(native.conv3x3_wgrad)
+  first = [np.asarray(f(x[m], g[m])) for m in range(2)]
+  for _ in range(3):
+    for m in range(2):
+      np.testing.assert_array_equal(np.asarray(f(x[m], g[m])), first[m])
+  np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(native.conv3x3_wgrad))(x, g)),
+                                np.stack(first))
+
+
+def test_other_dtypes_are_computed_in_float32():
+  x = jnp.ones((2, 4, 4, 3), jnp.bfloat16)
+  g = jnp.ones((2, 4, 4, 5), jnp.bfloat16)
+  got = native.conv3x3_wgrad(x, g)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got[1, 1], np.float32), 32.0)  # 2 x 4 x 4 ones
+  np.testing.assert_array_equal(np.asarray(got[0, 0], np.float32), 18.0)  # 2 x 3 x 3
+  with pytest.raises(ValueError, match=r"must be \(N, H, W, CI\) and \(N, H, W, CO\)"):
+    native.conv3x3_wgrad(x, g[:, :3])
+
+
+def test_a_vgg_trains_with_the_same_gradients_as_with_xla():
+  x = jax.random.normal(jax.random.key(1), (32, 32, 32, 3))
+  y = jnp.arange(32) % 10
+  models = {impl: VGG(width=4, conv_impl=impl) for impl in ("xla", "native_dw")}
+  variables = models["xla"].init(jax.random.key(2), x[:1])
+
+  def grads(model):
+    def loss(params):
+      logits, _ = model.apply({**variables, "params": params}, x, train=True,
+                              mutable=["batch_stats"])
+      return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(32), y])
+    return jax.jit(jax.grad(loss))(variables["params"])
+
+  ref, got = grads(models["xla"]), grads(models["native_dw"])
+  # The input gradients are XLA's in both; each weight gradient sums the same products in
+  # another order (bounded above). Through the backward pass those differences move the
+  # earlier layers' gradients by a few float32 ulps of their scale.
+  diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(a)) + 1e-30)),
+                       ref, got)
+  assert max(jax.tree.leaves(diffs)) < 1e-4, diffs
+  assert jax.tree.structure(ref) == jax.tree.structure(got)
+
+
+def test_where_it_cannot_build_or_run_the_error_says_why_and_auto_leaves_it_out(monkeypatch):
+  monkeypatch.setattr(native, "_registered", [])
+  found = native.compiler
+  monkeypatch.setattr(native, "compiler", lambda: None)
+  native._library.cache_clear()
+  try:
+    assert native.available("cpu") == (False, "no C++ compiler found ($CXX, g++, c++, clang++)")
+    assert conv.candidates("cpu") == ("xla", "chunked_dw")
+    with pytest.raises(native.NativeUnavailable,
+                       match=r"model.conv_impl='native_dw' cannot run here: no C\+\+ compiler.*"
+                             r"'xla', 'chunked_dw'"):
+      conv.resolve_impl("native_dw", 16, "cpu")
+  finally:
+    monkeypatch.setattr(native, "compiler", found)
+    native._library.cache_clear()
+  assert conv.candidates("cpu") == ("xla", "chunked_dw", "native_dw")
+  assert conv.candidates("gpu") == ("xla", "chunked_dw")
+  with pytest.raises(native.NativeUnavailable, match=r"XLA:CPU only \(the backend here: gpu\)"):
+    conv.resolve_impl("native_dw", 16, "gpu")
+  assert conv.resolve_impl("native_dw", 16, "cpu") == "native_dw"
+
+
+def test_the_kernel_is_built_once_per_machine_into_the_cache_folder(monkeypatch, tmp_path):
+  monkeypatch.setenv("ALMA_JAX_CACHE_DIR", str(tmp_path))
+  native._library.cache_clear()
+  try:
+    lib, why = native._library()
+    assert lib is not None, why
+    built = os.listdir(tmp_path / "kernels")
+    assert len(built) == 1 and built[0].startswith("conv3x3_wgrad-") and built[0].endswith(".so")
+    native._library.cache_clear()
+    monkeypatch.setattr(native.subprocess, "run", _no_compiler_run(native.subprocess.run))
+    assert native._library()[0] is not None  # found, not built again
+    assert os.listdir(tmp_path / "kernels") == built
+  finally:
+    native._library.cache_clear()
+
+
+def _no_compiler_run(run):
+  def guarded(cmd, *args, **kwargs):
+    assert "-o" not in cmd, f"built again: {cmd}"
+    return run(cmd, *args, **kwargs)
+  return guarded
