@@ -56,8 +56,10 @@ from benchmarks import train_speed  # pylint: disable=wrong-import-position
 
 # row -> (torch backbone, width, the project's rows of train_speed.ROWS for the same step)
 ROWS = {
-    "vgg16": ("vgg", 16, ("vgg16_sm_xla", "vgg16_sm_chunked", "vgg16_sm_native")),
-    "vgg64": ("vgg", 64, ("vgg64_sm_xla", "vgg64_sm_chunked", "vgg64_sm_native")),
+    "vgg16": ("vgg", 16, ("vgg16_sm_xla", "vgg16_sm_chunked", "vgg16_sm_native_dw",
+                          "vgg16_sm_native")),
+    "vgg64": ("vgg", 64, ("vgg64_sm_xla", "vgg64_sm_chunked", "vgg64_sm_native_dw",
+                          "vgg64_sm_native")),
     "mlp64": ("mlp", 64, ("mlp64_sm",)),
 }
 
@@ -153,7 +155,7 @@ def _worker(spec: dict) -> None:
       tr = train_speed.make_trainer(row, batch, jax, np)
       compile_s, _ = tr.warm_up()
       tr.run(1)
-      trainers[row.split("_")[-1]] = (lambda tr=tr: tr.run, tr.images_per_call, compile_s)
+      trainers[row.split("_sm_", 1)[1]] = (lambda tr=tr: tr.run, tr.images_per_call, compile_s)
   else:
     if spec.get("allocator") == "tuned":
       cpu_tuning.apply()

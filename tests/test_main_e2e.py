@@ -292,13 +292,13 @@ def test_a_second_identical_run_loads_every_program_from_the_persistent_cache(tm
 
 
 @requires_cifar10
-def test_a_run_with_the_native_weight_gradient_is_repeatable_and_loads_its_kept_programs(
+def test_a_run_with_the_native_convolutions_is_repeatable_and_loads_its_kept_programs(
     tmp_path):
-  # The kept programs call the native kernel by name: the second run registers it before it
-  # loads them (conv.resolve_impl) and computes the same records.
+  # The kept programs call the native kernels by name: the second run registers them before
+  # it loads them (conv.resolve_impl) and computes the same records.
   cache = f"--compilation_cache_dir={tmp_path / 'xla'}"
   timings, records = zip(*[timings_and_records("configs/cifar_sm.py:smoke", tmp_path / name,
-                                               cache, "--config.model.conv_impl=native_dw")
+                                               cache, "--config.model.conv_impl=native")
                            for name in ("first", "second")])
   assert timings[0]["kept_programs_loaded"] == 0
   assert timings[1]["kept_programs_loaded"] >= timings[1]["step_programs"] > 0, timings[1]

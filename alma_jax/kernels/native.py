@@ -1,10 +1,12 @@
 """The package's native XLA:CPU kernels, built on first use with the machine's C++ compiler.
 
 XLA:CPU computes a narrow convolution's weight gradient (width 16 on 32x32
-images) two to three times slower than its forward pass; `conv3x3_wgrad` is
-that gradient as an XLA FFI custom call (conv3x3_wgrad.cc), used by the
-convolution implementation `model.conv_impl="native_dw"`
-(`alma_jax.models.conv`).
+images) two to three times slower than its forward pass, and its forward
+pass and input gradient spend much of their time copying image patches.
+`conv3x3_forward` and `conv3x3_wgrad` are a 3x3 convolution and its weight
+gradient as XLA FFI custom calls (conv3x3.cc), used by the convolution
+implementations `model.conv_impl="native"` (all three passes) and
+`"native_dw"` (the weight gradient; `alma_jax.models.conv`).
 
 The source is compiled once per machine into the cache folder
 (`<cache>/kernels`, `alma_jax.runtime.caches`), with `-march=native`, under a
@@ -35,9 +37,9 @@ from absl import logging
 from alma_jax.runtime import caches
 from alma_jax.runtime import host
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conv3x3_wgrad.cc")
-SYMBOL = "AlmaConv3x3Wgrad"  # the handler that the source exports
-TARGET = "alma_conv3x3_wgrad"  # its name in XLA's custom-call registry
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conv3x3.cc")
+# {name in XLA's custom-call registry: the handler that the source exports}
+TARGETS = {"alma_conv3x3_forward": "AlmaConv3x3Forward", "alma_conv3x3_wgrad": "AlmaConv3x3Wgrad"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 COMPILE_TIMEOUT_S = 300
 
@@ -80,7 +82,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
   digest = hashlib.sha256(b"\0".join(
       [source, version.encode(), " ".join(FLAGS).encode(), jax.lib.__version__.encode(),
        host.cpu_name().encode()])).hexdigest()[:16]
-  path = os.path.join(kernels_dir(), f"conv3x3_wgrad-{digest}.so")
+  path = os.path.join(kernels_dir(), f"conv3x3-{digest}.so")
   if not os.path.exists(path):
     os.makedirs(kernels_dir(), exist_ok=True)
     partial = f"{path}.{os.getpid()}.tmp"
@@ -117,14 +119,38 @@ def register(backend: str | None = None) -> None:
       return
     ok, why = available(backend)
     if not ok:
-      raise NativeUnavailable(f"model.conv_impl='native_dw' cannot run here: {why}; valid "
-                              "values elsewhere: 'xla', 'chunked_dw' (or 'auto')")
+      raise NativeUnavailable(f"model.conv_impl='native' and 'native_dw' cannot run here: "
+                              f"{why}; valid values elsewhere: 'xla', 'chunked_dw' (or 'auto')")
     if _registered:
       return
     lib, _ = _library()
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)),
-                                platform="cpu")
+    for target, symbol in TARGETS.items():
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                  platform="cpu")
     _registered.append(True)
+
+
+def _as_f32(*arrays):
+  return tuple(a.astype(jnp.float32) for a in arrays)
+
+
+def conv3x3_forward(x: jnp.ndarray, kernel: jnp.ndarray) -> jnp.ndarray:
+  """A 3x3 'SAME' convolution, stride 1: NHWC `x` (N, H, W, CI), HWIO `kernel` (3, 3, CI,
+  CO), in float32 (other dtypes are computed in float32 and returned in `x`'s dtype)."""
+  register()
+  if x.ndim != 4 or kernel.shape[:2] != (3, 3) or kernel.shape[2] != x.shape[-1]:
+    raise ValueError(f"conv3x3_forward: x {x.shape} and kernel {kernel.shape} must be "
+                     "(N, H, W, CI) and (3, 3, CI, CO)")
+  out = jax.ShapeDtypeStruct(x.shape[:3] + kernel.shape[-1:], jnp.float32)
+  y = jax.ffi.ffi_call("alma_conv3x3_forward", out, vmap_method="sequential")(
+      *_as_f32(x, kernel))
+  return y.astype(x.dtype)
+
+
+def conv3x3_input_grad(dy: jnp.ndarray, kernel: jnp.ndarray) -> jnp.ndarray:
+  """The input gradient of `conv3x3_forward` for the output gradient `dy` (N, H, W, CO): the
+  forward convolution of `dy` with the kernel flipped in space and its channels swapped."""
+  return conv3x3_forward(dy, jnp.flip(kernel, (0, 1)).transpose(0, 1, 3, 2))
 
 
 def conv3x3_wgrad(x: jnp.ndarray, dy: jnp.ndarray) -> jnp.ndarray:
@@ -137,6 +163,5 @@ def conv3x3_wgrad(x: jnp.ndarray, dy: jnp.ndarray) -> jnp.ndarray:
     raise ValueError(f"conv3x3_wgrad: x {x.shape} and dy {dy.shape} must be (N, H, W, CI) and "
                      "(N, H, W, CO)")
   out = jax.ShapeDtypeStruct((3, 3, x.shape[-1], dy.shape[-1]), jnp.float32)
-  dw = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
-      x.astype(jnp.float32), dy.astype(jnp.float32))
+  dw = jax.ffi.ffi_call("alma_conv3x3_wgrad", out, vmap_method="sequential")(*_as_f32(x, dy))
   return dw.astype(x.dtype)

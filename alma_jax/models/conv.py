@@ -15,8 +15,10 @@ the weight gradient with the package's native XLA:CPU kernel
 (`alma_jax.kernels.native`, built on first use with the machine's C++
 compiler): on a 2-core AMD EPYC (family 26, model 2) 4-5x faster than XLA's
 at width 16 on 32x32 images and 3x faster than `chunked_dw` at width 64
-(`benchmarks/conv_parts.py`). CPU only; same numbers to float round-off (the
-products are summed in another order).
+(`benchmarks/conv_parts.py`). `impl="native"` computes the forward pass and
+the input gradient (the forward convolution of the output gradient with the
+kernel flipped and transposed) with the package's kernel too. CPU only; same
+numbers to float round-off (the products are summed in another order).
 
 `resolve_impl("auto", ...)` picks per backend and width, by the measurements
 in `benchmarks/train_speed.py`; a run that measures its speed choices on a
@@ -33,7 +35,8 @@ from jax import lax
 
 from alma_jax.kernels import native
 
-IMPLS = ("auto", "xla", "chunked_dw", "native_dw")
+IMPLS = ("auto", "xla", "chunked_dw", "native_dw", "native")
+NATIVE = ("native_dw", "native")  # the implementations that run the package's kernels
 DIMENSION_NUMBERS = ("NHWC", "HWIO", "NHWC")
 DW_CHUNK = 16  # images per weight-gradient chunk
 CHUNKED_MIN_WIDTH = 32  # "auto" on CPU: chunked_dw from this width up
@@ -44,7 +47,7 @@ def resolve_impl(impl: str, width: int, backend: str | None = None) -> str:
   if impl not in IMPLS:
     raise ValueError(f"config.model.conv_impl={impl!r} is not valid; valid values: {list(IMPLS)}")
   backend = backend or jax.default_backend()
-  if impl == "native_dw":
+  if impl in NATIVE:
     native.register(backend)  # before a kept program that calls the kernel is loaded, too
   if impl != "auto":
     return impl
@@ -52,19 +55,19 @@ def resolve_impl(impl: str, width: int, backend: str | None = None) -> str:
   # wins from width 32 up (whole step 1.33x at C=32, 1.25-1.3x at C=64) and
   # loses below (0.78x at C=16, 0.77x at C=4); benchmarks/train_speed.py. On
   # accelerators XLA's kernels are the ones to use.
-  # The rule leaves `native_dw` to measurement: it needs a C++ compiler and changes the
+  # The rule leaves the native kernels to measurement: it needs a C++ compiler and changes the
   # float round-off of the records that runs by rule (the `:smoke` variants) keep.
   return "chunked_dw" if backend == "cpu" and width >= CHUNKED_MIN_WIDTH else "xla"
 
 
 def candidates(backend: str | None = None) -> tuple[str, ...]:
   """The implementations a run measures (`model.conv_impl=auto` with measured choices) on
-  `backend` (None: this process's): `native_dw` where its kernel builds and runs (XLA:CPU;
-  the reason it does not is logged)."""
+  `backend` (None: this process's): the native ones where their kernels build and run
+  (XLA:CPU; the reason they do not is logged)."""
   ok, why = native.available(backend)
   if not ok:
-    logging.info("model.conv_impl=native_dw is left out of the candidates: %s", why)
-  return tuple(i for i in IMPLS if i != "auto" and (i != "native_dw" or ok))
+    logging.info("model.conv_impl=%s are left out of the candidates: %s", "/".join(NATIVE), why)
+  return tuple(i for i in IMPLS if i != "auto" and (i not in NATIVE or ok))
 
 
 def _conv(x: jnp.ndarray, kernel: jnp.ndarray) -> jnp.ndarray:
@@ -113,7 +116,28 @@ def _native_bwd(res, g):
 
 conv_native_dw.defvjp(_fwd, _native_bwd)
 
-_BY_IMPL = {"xla": _conv, "chunked_dw": conv_chunked_dw, "native_dw": conv_native_dw}
+
+@jax.custom_vjp
+def conv_native(x: jnp.ndarray, kernel: jnp.ndarray) -> jnp.ndarray:
+  """A 3x3 SAME convolution whose forward pass and both gradients are the native XLA:CPU
+  kernels'."""
+  return native.conv3x3_forward(x, kernel)
+
+
+def _native_fwd(x, kernel):
+  return native.conv3x3_forward(x, kernel), (x, kernel)
+
+
+def _native_all_bwd(res, g):
+  x, kernel = res
+  return (native.conv3x3_input_grad(g, kernel).astype(x.dtype),
+          native.conv3x3_wgrad(x, g).astype(kernel.dtype))
+
+
+conv_native.defvjp(_native_fwd, _native_all_bwd)
+
+_BY_IMPL = {"xla": _conv, "chunked_dw": conv_chunked_dw, "native_dw": conv_native_dw,
+            "native": conv_native}
 
 
 def conv3x3(x: jnp.ndarray, kernel: jnp.ndarray, impl: str = "xla") -> jnp.ndarray:

@@ -73,7 +73,7 @@ def test_mlp_inference_is_two_flops_per_multiply_add():
   assert flops["inference_per_example"] == pytest.approx(2 * macs, rel=0.01)
 
 
-@pytest.mark.parametrize("width,impl", [(4, "xla"), (8, "chunked_dw"), (8, "native_dw")])
+@pytest.mark.parametrize("width,impl", [(4, "xla"), (8, "chunked_dw"), (8, "native_dw"), (8, "native")])
 def test_vgg_multiply_adds_match_the_analytic_count(width, impl):
   # 16 3x3 convolutions on 32x32 inputs halved after each block (2, 2, 4, 4, 4 layers):
   # 9 * C^2 * (2*1024 + 2*256 + 4*64 + 4*16 + 4*4 - 1024) + 9*3*C*1024 (the first one)
@@ -84,10 +84,11 @@ def test_vgg_multiply_adds_match_the_analytic_count(width, impl):
 
 def test_counts_do_not_depend_on_the_convolution_implementation():
   # chunked_dw's custom gradient computes the first layer's input gradient (the images need
-  # none) and adds up chunks; native_dw's weight gradient is a custom call, which no count
-  # sees: the count is that of XLA's convolutions whichever runs.
+  # none) and adds up chunks; the native kernels are custom calls, which no count sees: the
+  # count is that of XLA's convolutions whichever runs.
   assert _flops("cifar10", 8, conv_impl="chunked_dw") == _flops("cifar10", 8, conv_impl="xla")
-  assert _flops("cifar10", 8, conv_impl="native_dw") == _flops("cifar10", 8, conv_impl="xla")
+  for impl in ("native_dw", "native"):
+    assert _flops("cifar10", 8, conv_impl=impl) == _flops("cifar10", 8, conv_impl="xla")
 
 
 def test_counts_do_not_use_the_backends_cost_analysis(monkeypatch):

@@ -1,4 +1,4 @@
-"""The native XLA:CPU weight gradient of a 3x3 convolution (alma_jax/kernels/native.py)."""
+"""The native XLA:CPU 3x3 convolution and its gradients (alma_jax/kernels/native.py)."""
 
 import os
 
@@ -12,6 +12,22 @@ from alma_jax.models import conv
 from alma_jax.models.vgg import VGG
 
 U = 2.0**-24  # float32's unit round-off
+
+
+def _exact_forward(x, k):
+  """The convolution in float64, and the sum of its products' magnitudes."""
+  x, k = np.asarray(x, np.float64), np.asarray(k, np.float64)
+  n, h, w, _ = x.shape
+  xp = np.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+  y = sum(np.einsum("nhwi,io->nhwo", xp[:, i:i + h, j:j + w], k[i, j])
+          for i in range(3) for j in range(3))
+  mag = sum(np.einsum("nhwi,io->nhwo", abs(xp[:, i:i + h, j:j + w]), abs(k[i, j]))
+            for i in range(3) for j in range(3))
+  return y, mag
+
+
+def _gamma(k):
+  return k * U / (1 - k * U)
 
 
 def _exact(x, g):
@@ -51,6 +67,32 @@ def test_the_weight_gradient_is_the_exact_one_to_its_round_off(shape):
   assert np.all(got[mag == 0] == 0)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_convolution_and_its_input_gradient_are_exact_to_their_round_off(shape):
+  """Each output element sums 9 CI products (fewer at the borders): within gamma_{9 CI} times
+  the sum of their magnitudes of the exact one; the input gradient is the convolution of dy
+  with the kernel flipped and transposed, 9 CO products, checked against its definition (the
+  transpose of the convolution: <conv(x, k), dy> = <x, dx> exactly, in float64)."""
+  n, h, w, ci, co = shape
+  kx, kk, kg = jax.random.split(jax.random.key(sum(shape) + 1), 3)
+  x = jax.random.normal(kx, (n, h, w, ci))
+  k = jax.random.normal(kk, (3, 3, ci, co))
+  g = jax.random.normal(kg, (n, h, w, co))
+  y = np.asarray(jax.jit(native.conv3x3_forward)(x, k))
+  exact, mag = _exact_forward(x, k)
+  assert y.shape == (n, h, w, co) and y.dtype == np.float32
+  assert np.all(np.abs(y - exact) <= _gamma(9 * ci) * mag)
+  dx = np.asarray(jax.jit(native.conv3x3_input_grad)(g, k))
+  # The exact input gradient; it is the transpose of the convolution (the last check).
+  kt = np.flip(np.asarray(k, np.float64), (0, 1)).transpose(0, 1, 3, 2)
+  exact_dx, mag_dx = _exact_forward(g, kt)
+  assert dx.shape == (n, h, w, ci)
+  assert np.all(np.abs(dx - exact_dx) <= _gamma(9 * co) * mag_dx)
+  xs = np.asarray(x, np.float64)
+  np.testing.assert_allclose(np.vdot(exact, np.asarray(g, np.float64)), np.vdot(xs, exact_dx),
+                             rtol=1e-12)
+
+
 def test_the_result_is_the_same_from_call_to_call_and_under_vmap():
   # Blocks of images are summed in an order that does not depend on the threads.
   kx, kg = jax.random.split(jax.random.key(3))
@@ -63,6 +105,12 @@ def test_the_result_is_the_same_from_call_to_call_and_under_vmap():
       np.testing.assert_array_equal(np.asarray(f(x[m], g[m])), first[m])
   np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(native.conv3x3_wgrad))(x, g)),
                                 np.stack(first))
+  k = jax.random.normal(kx, (2, 3, 3, 16, 16))
+  fwd = jax.jit(native.conv3x3_forward)
+  ys = [np.asarray(fwd(x[m], k[m])) for m in range(2)]
+  np.testing.assert_array_equal(np.asarray(fwd(x[0], k[0])), ys[0])
+  np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(native.conv3x3_forward))(x, k)),
+                                np.stack(ys))
 
 
 def test_other_dtypes_are_computed_in_float32():
@@ -74,12 +122,18 @@ def test_other_dtypes_are_computed_in_float32():
   np.testing.assert_array_equal(np.asarray(got[0, 0], np.float32), 18.0)  # 2 x 3 x 3
   with pytest.raises(ValueError, match=r"must be \(N, H, W, CI\) and \(N, H, W, CO\)"):
     native.conv3x3_wgrad(x, g[:, :3])
+  y = native.conv3x3_forward(x, jnp.ones((3, 3, 3, 5), jnp.bfloat16))
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(y[0, 1, 1], np.float32), 27.0)  # 9 taps x 3
+  with pytest.raises(ValueError, match=r"must be \(N, H, W, CI\) and \(3, 3, CI, CO\)"):
+    native.conv3x3_forward(x, jnp.ones((3, 3, 4, 5)))
 
 
-def test_a_vgg_trains_with_the_same_gradients_as_with_xla():
+@pytest.mark.parametrize("impl", conv.NATIVE)
+def test_a_vgg_trains_with_the_same_gradients_as_with_xla(impl):
   x = jax.random.normal(jax.random.key(1), (32, 32, 32, 3))
   y = jnp.arange(32) % 10
-  models = {impl: VGG(width=4, conv_impl=impl) for impl in ("xla", "native_dw")}
+  models = {impl: VGG(width=4, conv_impl=impl) for impl in ("xla", impl)}
   variables = models["xla"].init(jax.random.key(2), x[:1])
 
   def grads(model):
@@ -89,10 +143,9 @@ def test_a_vgg_trains_with_the_same_gradients_as_with_xla():
       return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(32), y])
     return jax.jit(jax.grad(loss))(variables["params"])
 
-  ref, got = grads(models["xla"]), grads(models["native_dw"])
-  # The input gradients are XLA's in both; each weight gradient sums the same products in
-  # another order (bounded above). Through the backward pass those differences move the
-  # earlier layers' gradients by a few float32 ulps of their scale.
+  ref, got = grads(models["xla"]), grads(models[impl])
+  # Each pass sums the same products as XLA's in another order (bounded above). Through the
+  # network those differences move the gradients by a few float32 ulps of their scale.
   diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(a)) + 1e-30)),
                        ref, got)
   assert max(jax.tree.leaves(diffs)) < 1e-4, diffs
@@ -107,18 +160,19 @@ def test_where_it_cannot_build_or_run_the_error_says_why_and_auto_leaves_it_out(
   try:
     assert native.available("cpu") == (False, "no C++ compiler found ($CXX, g++, c++, clang++)")
     assert conv.candidates("cpu") == ("xla", "chunked_dw")
-    with pytest.raises(native.NativeUnavailable,
-                       match=r"model.conv_impl='native_dw' cannot run here: no C\+\+ compiler.*"
-                             r"'xla', 'chunked_dw'"):
-      conv.resolve_impl("native_dw", 16, "cpu")
+    for impl in conv.NATIVE:
+      with pytest.raises(native.NativeUnavailable,
+                         match=r"model.conv_impl='native' and 'native_dw' cannot run here: no "
+                               r"C\+\+ compiler.*'xla', 'chunked_dw'"):
+        conv.resolve_impl(impl, 16, "cpu")
   finally:
     monkeypatch.setattr(native, "compiler", found)
     native._library.cache_clear()
-  assert conv.candidates("cpu") == ("xla", "chunked_dw", "native_dw")
+  assert conv.candidates("cpu") == ("xla", "chunked_dw", "native_dw", "native")
   assert conv.candidates("gpu") == ("xla", "chunked_dw")
   with pytest.raises(native.NativeUnavailable, match=r"XLA:CPU only \(the backend here: gpu\)"):
     conv.resolve_impl("native_dw", 16, "gpu")
-  assert conv.resolve_impl("native_dw", 16, "cpu") == "native_dw"
+  assert conv.resolve_impl("native", 16, "cpu") == "native"
 
 
 def test_the_kernel_is_built_once_per_machine_into_the_cache_folder(monkeypatch, tmp_path):
@@ -128,7 +182,7 @@ def test_the_kernel_is_built_once_per_machine_into_the_cache_folder(monkeypatch,
     lib, why = native._library()
     assert lib is not None, why
     built = os.listdir(tmp_path / "kernels")
-    assert len(built) == 1 and built[0].startswith("conv3x3_wgrad-") and built[0].endswith(".so")
+    assert len(built) == 1 and built[0].startswith("conv3x3-") and built[0].endswith(".so")
     native._library.cache_clear()
     monkeypatch.setattr(native.subprocess, "run", _no_compiler_run(native.subprocess.run))
     assert native._library()[0] is not None  # found, not built again

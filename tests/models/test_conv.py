@@ -54,7 +54,7 @@ def test_auto_rule_and_bad_values():
   assert conv.resolve_impl("auto", 64, "gpu") == "xla"
   assert conv.resolve_impl("xla", 64, "cpu") == "xla"
   with pytest.raises(ValueError, match=r"config.model.conv_impl='winograd' .* \['auto', 'xla', "
-                     r"'chunked_dw', 'native_dw'\]"):
+                     r"'chunked_dw', 'native_dw', 'native'\]"):
     conv.resolve_impl("winograd", 16, "cpu")
   with pytest.raises(ValueError, match="resolve 'auto' first"):
     conv.conv3x3(np.zeros((1, 4, 4, 1), np.float32), np.zeros((3, 3, 1, 1), np.float32), "auto")

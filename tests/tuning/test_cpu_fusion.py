@@ -207,7 +207,7 @@ def test_the_children_time_the_native_weight_gradient_where_it_builds(monkeypatc
   seconds[("none", "native_dw")] = 0.5
   measure, calls = _fake(seconds)
   value, _ = _choose(_vgg(), cache_file=str(tmp_path / "machine.json"), measure=measure)
-  impls = ("xla", "chunked_dw", "native_dw") if builds else ("xla", "chunked_dw")
+  impls = ("xla", "chunked_dw", "native_dw", "native") if builds else ("xla", "chunked_dw")
   assert asked == ["cpu"] and {c[1] for c in calls} == {impls}
   assert value == "none"
   assert cpu_fusion.measured_with_flags()["model.conv_impl"][0] == (

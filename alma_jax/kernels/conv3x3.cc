@@ -1,9 +1,20 @@
-// The weight gradient of a 3x3 'SAME' convolution, stride 1, NHWC input, HWIO kernel, float32,
-// as an XLA FFI custom call for XLA:CPU (alma_jax/kernels/native.py builds and registers it).
+// A 3x3 'SAME' convolution, stride 1, NHWC input, HWIO kernel, float32, and its weight
+// gradient, as XLA FFI custom calls for XLA:CPU (alma_jax/kernels/native.py builds and
+// registers them; the input gradient is the forward convolution of dy with the kernel
+// flipped and transposed):
 //
+//   y[n, h, w, co] = sum over kh, kw, ci of x[n, h + kh - 1, w + kw - 1, ci] * k[kh, kw, ci, co]
 //   dw[kh, kw, ci, co] = sum over n, h, w of x[n, h + kh - 1, w + kw - 1, ci] * dy[n, h, w, co]
 //
-// (taps that fall outside the image read zeros). For each image, kernel tap and block of
+// (taps that fall outside the image read zeros).
+//
+// The forward convolution copies each image into a zero-padded buffer; for each output row,
+// run of up to kMaxRun pixels and block of output channels it keeps one vector accumulator
+// per pixel in registers while it walks the 9 x CI kernel rows: per kernel row one load of
+// the kernel's channels and one broadcast multiply-add per pixel. Images are shared among
+// the intra-op threads; each output element is one thread's, summed in a fixed order.
+//
+// The weight gradient: For each image, kernel tap and block of
 // output channels, a block of up to kMaxRows input channels keeps one vector accumulator per
 // input channel in registers while it walks the image's pixels: per pixel one load of dy's
 // channels and one broadcast multiply-add per input channel. The image (x and dy) stays in
@@ -197,7 +208,143 @@ ffi::Error Wgrad(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
+
+// ---- The forward convolution ------------------------------------------------------------------
+
+#if defined(__AVX512F__)
+constexpr int kMaxRun = 16;  // 16 accumulators of 16 floats
+#else
+constexpr int kMaxRun = 6;
+#endif
+
+// y[row, w0 .. w0 + P)[co0 .. co0 + L) of one image from its padded copy xp ((h + 2) x (w + 2)
+// x ci).
+template <int P, int L>
+void RunBlock(const float* xp, const float* k, float* y, const Shape& s, int64_t h, int64_t w0,
+              int64_t co0) {
+  using V = typename Vec<L>::type;
+  V sums[P];
+  for (int p = 0; p < P; ++p) sums[p] = V{} + 0.0f;
+  const int64_t row = (s.w + 2) * s.ci;
+  for (int kh = 0; kh < 3; ++kh) {
+    for (int kw = 0; kw < 3; ++kw) {
+      const float* xs = xp + (h + kh) * row + (w0 + kw) * s.ci;
+      const float* ks = k + (kh * 3 + kw) * s.ci * s.co + co0;
+      for (int64_t c = 0; c < s.ci; ++c, ks += s.co) {
+        const V kv = Load<L>(ks);
+        for (int p = 0; p < P; ++p) sums[p] += xs[p * s.ci + c] * kv;
+      }
+    }
+  }
+  float* out = y + (h * s.w + w0) * s.co + co0;
+  for (int p = 0; p < P; ++p) std::memcpy(out + p * s.co, &sums[p], sizeof(V));
+}
+
+template <int L>
+void Run(int run, const float* xp, const float* k, float* y, const Shape& s, int64_t h,
+         int64_t w0, int64_t co0) {
+  switch (run) {
+#define ALMA_RUN_CASE(P) \
+  case P:                \
+    return RunBlock<P, L>(xp, k, y, s, h, w0, co0);
+    ALMA_RUN_CASE(1)
+    ALMA_RUN_CASE(2)
+    ALMA_RUN_CASE(3)
+    ALMA_RUN_CASE(4)
+    ALMA_RUN_CASE(5)
+    ALMA_RUN_CASE(6)
+#if defined(__AVX512F__)
+    ALMA_RUN_CASE(7)
+    ALMA_RUN_CASE(8)
+    ALMA_RUN_CASE(9)
+    ALMA_RUN_CASE(10)
+    ALMA_RUN_CASE(11)
+    ALMA_RUN_CASE(12)
+    ALMA_RUN_CASE(13)
+    ALMA_RUN_CASE(14)
+    ALMA_RUN_CASE(15)
+    ALMA_RUN_CASE(16)
+#endif
+#undef ALMA_RUN_CASE
+  }
+}
+
+template <int L>
+void Runs(int max_run, const float* xp, const float* k, float* y, const Shape& s, int64_t h,
+          int64_t co0) {
+  for (int64_t w0 = 0; w0 < s.w; w0 += max_run)
+    Run<L>(static_cast<int>(std::min<int64_t>(max_run, s.w - w0)), xp, k, y, s, h, w0, co0);
+}
+
+// Image `i` of y from image `i` of x; `xp`: scratch for its padded copy.
+void ForwardImage(const float* x, const float* k, float* y, const Shape& s, int64_t i,
+                  std::vector<float>& xp) {
+  x += i * s.h * s.w * s.ci;
+  y += i * s.h * s.w * s.co;
+  const int64_t row = (s.w + 2) * s.ci;
+  xp.assign((s.h + 2) * row, 0.0f);
+  for (int64_t h = 0; h < s.h; ++h)
+    std::memcpy(xp.data() + (h + 1) * row + s.ci, x + h * s.w * s.ci, s.w * s.ci * sizeof(float));
+  for (int64_t h = 0; h < s.h; ++h) {
+    int64_t co0 = 0;
+    for (; co0 + 16 <= s.co; co0 += 16) Runs<16>(kMaxRun, xp.data(), k, y, s, h, co0);
+    for (; co0 + 8 <= s.co; co0 += 8) Runs<8>(kMaxRun, xp.data(), k, y, s, h, co0);
+    for (; co0 + 4 <= s.co; co0 += 4) Runs<4>(6, xp.data(), k, y, s, h, co0);
+    for (; co0 < s.co; ++co0) Runs<1>(6, xp.data(), k, y, s, h, co0);
+  }
+}
+
+struct ForwardShared {
+  const float* x;
+  const float* k;
+  float* y;
+  Shape s;
+  std::atomic<int64_t> next{0};
+  std::atomic<int> in_flight{0};
+
+  void Work() {
+    in_flight.fetch_add(1);
+    std::vector<float> xp;
+    for (int64_t i = next.fetch_add(1); i < s.n; i = next.fetch_add(1))
+      ForwardImage(x, k, y, s, i, xp);
+    in_flight.fetch_sub(1);
+  }
+};
+
+ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> k,
+                   ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), kd = k.dimensions(), yd = y->dimensions();
+  if (xd.size() != 4 || kd.size() != 4 || yd.size() != 4)
+    return ffi::Error::InvalidArgument("conv3x3_forward: x, k and y must be rank 4");
+  const Shape s{xd[0], xd[1], xd[2], xd[3], kd[3]};
+  if (kd[0] != 3 || kd[1] != 3 || kd[2] != s.ci || yd[0] != s.n || yd[1] != s.h ||
+      yd[2] != s.w || yd[3] != s.co)
+    return ffi::Error::InvalidArgument(
+        "conv3x3_forward: expected x (N, H, W, CI), k (3, 3, CI, CO), y (N, H, W, CO)");
+  // Which thread computes an image does not change its values: images are claimed freely.
+  auto shared = std::make_shared<ForwardShared>();
+  shared->x = x.typed_data();
+  shared->k = k.typed_data();
+  shared->y = y->typed_data();
+  shared->s = s;
+  const int64_t work = s.n * s.h * s.w * 9 * s.ci * s.co;
+  const int helpers = work < kBlockWork || s.n < 2
+                          ? 0
+                          : static_cast<int>(std::min<int64_t>(pool.num_threads(), s.n - 1));
+  for (int t = 0; t < helpers; ++t) pool.Schedule([shared] { shared->Work(); });
+  shared->Work();
+  while (shared->in_flight.load() != 0) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AlmaConv3x3Forward, Forward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AlmaConv3x3Wgrad, Wgrad,
                               ffi::Ffi::Bind()
