@@ -4,7 +4,9 @@ For each convolution shape of the VGG at width C (batch 128, NHWC, the 3x3 'SAME
 convolutions of `alma_jax.models.conv`), times alone, as compiled programs:
   * the forward convolution, its input gradient and its weight gradient;
   * the weight gradient written three other ways (the same sum, another order): nine
-    shifted dots (one per kernel tap), one dot of the im2col matrix, nine einsums;
+    shifted dots (one per kernel tap), one dot of the im2col matrix, nine einsums; and the
+    three passes with the package's native XLA:CPU kernels (`model.conv_impl=native`,
+    `alma_jax/kernels/`), where they build;
   * BatchNorm (batch statistics) + ReLU forward and backward, and the 2x2 max-pool's
     backward;
 then sums each part over the network's 16 layers (each pool once per block), and times the
@@ -43,6 +45,7 @@ from jax import lax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import peer  # pylint: disable=wrong-import-position
+from alma_jax.kernels import native  # pylint: disable=wrong-import-position
 from alma_jax.models import inference  # pylint: disable=wrong-import-position
 from alma_jax.models import vgg  # pylint: disable=wrong-import-position
 from alma_jax.tuning import cpu_tuning  # pylint: disable=wrong-import-position
@@ -86,7 +89,14 @@ def wgrad_einsum(x, kernel, g):
   return jnp.stack([jnp.einsum("bhwi,bhwo->io", t, g) for t in _taps(x)]).reshape(3, 3, ci, co)
 
 
+def wgrad_native(x, kernel, g):
+  del kernel
+  return native.conv3x3_wgrad(x, g)
+
+
 WGRADS = {"shifted_dots": wgrad_shifted_dots, "im2col": wgrad_im2col, "einsum": wgrad_einsum}
+if native.available("cpu")[0]:
+  WGRADS["native"] = wgrad_native
 
 
 def bn_relu(y, scale, bias):
@@ -134,9 +144,15 @@ def train_parts(width: int, batch: int, repeats: int, rng) -> dict:
     row = {"side": side, "in": cin, "out": width, "layers": count,
            "forward": median_ms(jax.jit(conv), x, kernel, repeats=repeats),
            "weight_grad": median_ms(jax.jit(wgrad_xla), x, kernel, g, repeats=repeats)}
+    if "native" in WGRADS:
+      row["forward_native"] = median_ms(jax.jit(native.conv3x3_forward), x, kernel,
+                                        repeats=repeats)
     if cin != 3:  # the first layer's input is the data: no gradient is taken
       dgrad = jax.jit(lambda x, k, g: jax.vjp(lambda a: conv(a, k), x)[1](g)[0])
       row["input_grad"] = median_ms(dgrad, x, kernel, g, repeats=repeats)
+      if "native" in WGRADS:
+        row["input_grad_native"] = median_ms(jax.jit(native.conv3x3_input_grad), g, kernel,
+                                             repeats=repeats)
     bn = jax.jit(lambda y, g: jax.vjp(lambda y: bn_relu(y, ones, zeros), y)[1](g)[0])
     row["bn_relu"] = median_ms(bn, g, g, repeats=repeats)
     reference = np.asarray(jax.jit(wgrad_xla)(x, kernel, g), np.float64)
@@ -146,8 +162,10 @@ def train_parts(width: int, batch: int, repeats: int, rng) -> dict:
       row[f"weight_grad_{name}"] = median_ms(jitted, x, kernel, g, repeats=repeats)
       row[f"weight_grad_{name}_rel_diff"] = float(np.max(np.abs(got - reference))
                                                  / np.max(np.abs(reference)))
-    for key in ("forward", "input_grad", "weight_grad", "bn_relu"):
-      totals[key] = totals.get(key, 0.0) + row.get(key, 0.0) * count
+    for key in ("forward", "input_grad", "weight_grad", "bn_relu", "forward_native",
+                "input_grad_native", "weight_grad_native"):
+      if key in row or key == "input_grad":
+        totals[key] = totals.get(key, 0.0) + row.get(key, 0.0) * count
     rows.append(row)
   for side in sorted({s for s, _, _ in layer_shapes(width)}, reverse=True):  # one per block
     y = jnp.asarray(rng.normal(size=(batch, side, side, width)), jnp.float32)
@@ -197,18 +215,28 @@ def main() -> None:
             "eval": eval_forward(args.width, args.eval_batch_size, args.repeats, rng)}
   print(f"# {result['cpu']}, jax {result['jax']}, allocator tuned: {result['malloc_tuned']}; "
         f"VGG C={args.width}, batch {args.batch_size}; median ms of {args.repeats} calls")
+  has_native = "native" in WGRADS
   print("| side | in -> out | layers | forward | input grad | weight grad (XLA) | "
-        "shifted dots | im2col | einsum | BN+ReLU fwd+bwd |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
+        + " | ".join(("shifted dots", "im2col", "einsum", "native")[:len(WGRADS)])
+        + (" | forward (native) | input grad (native)" if has_native else "")
+        + " | BN+ReLU fwd+bwd |")
+  print("|---" * (7 + len(WGRADS) + 2 * has_native) + "|")
   for r in result["train"]["layers"]:
     variants = " | ".join(f"{r[f'weight_grad_{n}']:.2f} ({r[f'weight_grad_{n}_rel_diff']:.0e})"
                           for n in WGRADS)
+    natives = (f" | {r['forward_native']:.2f} | {r.get('input_grad_native', 0.0):.2f}"
+               if has_native else "")
     print(f"| {r['side']} | {r['in']} -> {r['out']} | {r['layers']} | {r['forward']:.2f} | "
-          f"{r.get('input_grad', 0.0):.2f} | {r['weight_grad']:.2f} | {variants} | "
+          f"{r.get('input_grad', 0.0):.2f} | {r['weight_grad']:.2f} | {variants}{natives} | "
           f"{r['bn_relu']:.2f} |")
   totals = result["train"]["per_step_ms"]
-  print("per step, summed over the layers (ms): " + ", ".join(
-      f"{k} {v:.1f}" for k, v in totals.items()) + f"; total {sum(totals.values()):.1f}")
+  xla_parts = ("forward", "input_grad", "weight_grad", "bn_relu", "pool")
+  native_parts = ("forward_native", "input_grad_native", "weight_grad_native", "bn_relu", "pool")
+  print("per step, summed over the layers (ms): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in totals.items())
+        + f"; total with XLA's convolutions {sum(totals[k] for k in xla_parts):.1f}"
+        + (f", with the native ones {sum(totals[k] for k in native_parts):.1f}"
+           if has_native else ""))
   e = result["eval"]
   print(f"the VGG's inference, batch {e['batch']}: as defined (BatchNorm its own op) "
         f"{e['bn_affine_ms']:.1f} ms, as the evaluation programs trace it (BatchNorm folded into "

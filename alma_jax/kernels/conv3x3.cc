@@ -74,6 +74,28 @@ struct Shape {
   int64_t n, h, w, ci, co;
 };
 
+// Runs fn(0), ..., fn(count - 1) on the calling thread and on up to `helpers` tasks of
+// XLA:CPU's intra-op pool, which claim indices in turn. A task that starts after every index
+// was claimed touches nothing but the counters, and the caller waits only for tasks that
+// claimed an index, so it never waits for a task the pool has not started.
+template <typename F>
+void ParallelFor(ffi::ThreadPool& pool, int64_t count, int helpers, const F& fn) {
+  struct Counters {
+    std::atomic<int64_t> next{0};
+    std::atomic<int> in_flight{0};
+  };
+  auto counters = std::make_shared<Counters>();
+  auto work = [counters, count, fn] {
+    counters->in_flight.fetch_add(1);
+    for (int64_t i = counters->next.fetch_add(1); i < count; i = counters->next.fetch_add(1))
+      fn(i);
+    counters->in_flight.fetch_sub(1);
+  };
+  for (int t = 0; t < helpers; ++t) pool.Schedule(decltype(work)(work));
+  work();
+  while (counters->in_flight.load() != 0) std::this_thread::yield();
+}
+
 // acc[tap][ci0 .. ci0 + R)[co0 .. co0 + L) += the tap's products over one image.
 template <int R, int L>
 void TapBlock(const float* x, const float* dy, float* acc, const Shape& s, int kh, int kw,
@@ -154,31 +176,7 @@ void Image(const float* x, const float* dy, float* acc, const Shape& s, int64_t 
 
 // The images are cut into `blocks` runs of consecutive images, a number that depends on the
 // shapes only; each block sums its images in order into a buffer of its own, and the buffers
-// are added in order: the result does not depend on which thread ran which block. The calling
-// thread and the intra-op pool's tasks claim blocks in turn. A task that starts after every
-// block was claimed touches nothing but the counters, and the caller waits only for tasks that
-// claimed a block, so it never waits for a task the pool has not started.
-struct Shared {
-  Shared(const float* x, const float* dy, const Shape& s, int blocks)
-      : x(x), dy(dy), s(s), buffers(blocks, std::vector<float>(9 * s.ci * s.co, 0.0f)) {}
-  const float* x;
-  const float* dy;
-  Shape s;
-  std::vector<std::vector<float>> buffers;
-  std::atomic<int> next{0};
-  std::atomic<int> in_flight{0};
-
-  void Work() {
-    in_flight.fetch_add(1);
-    const int blocks = static_cast<int>(buffers.size());
-    for (int b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) {
-      for (int64_t i = s.n * b / blocks; i < s.n * (b + 1) / blocks; ++i)
-        Image(x, dy, buffers[b].data(), s, i);
-    }
-    in_flight.fetch_sub(1);
-  }
-};
-
+// are added in order: the result does not depend on which thread ran which block.
 ffi::Error Wgrad(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> dy,
                  ffi::ResultBuffer<ffi::F32> dw) {
   const auto xd = x.dimensions(), gd = dy.dimensions(), wd = dw->dimensions();
@@ -194,17 +192,17 @@ ffi::Error Wgrad(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
   const int64_t work = s.n * s.h * s.w * size;
   const int blocks = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>({work / kBlockWork, s.n, kMaxBlocks})));
-  auto shared = std::make_shared<Shared>(x.typed_data(), dy.typed_data(), s, blocks);
-  const int helpers =
-      blocks < 2 ? 0 : static_cast<int>(std::min<int64_t>(pool.num_threads(), blocks - 1));
-  for (int t = 0; t < helpers; ++t) pool.Schedule([shared] { shared->Work(); });
-  shared->Work();
-  while (shared->in_flight.load() != 0) std::this_thread::yield();
-  std::memcpy(out, shared->buffers[0].data(), size * sizeof(float));
-  for (int b = 1; b < blocks; ++b) {
-    const float* part = shared->buffers[b].data();
-    for (int64_t j = 0; j < size; ++j) out[j] += part[j];
-  }
+  std::vector<std::vector<float>> buffers(blocks, std::vector<float>(size, 0.0f));
+  const float* xs = x.typed_data();
+  const float* gs = dy.typed_data();
+  ParallelFor(pool, blocks, static_cast<int>(std::min<int64_t>(pool.num_threads(), blocks - 1)),
+              [&](int64_t b) {
+                for (int64_t i = s.n * b / blocks; i < s.n * (b + 1) / blocks; ++i)
+                  Image(xs, gs, buffers[b].data(), s, i);
+              });
+  std::memcpy(out, buffers[0].data(), size * sizeof(float));
+  for (int b = 1; b < blocks; ++b)
+    for (int64_t j = 0; j < size; ++j) out[j] += buffers[b][j];
   return ffi::Error::Success();
 }
 
@@ -294,23 +292,6 @@ void ForwardImage(const float* x, const float* k, float* y, const Shape& s, int6
   }
 }
 
-struct ForwardShared {
-  const float* x;
-  const float* k;
-  float* y;
-  Shape s;
-  std::atomic<int64_t> next{0};
-  std::atomic<int> in_flight{0};
-
-  void Work() {
-    in_flight.fetch_add(1);
-    std::vector<float> xp;
-    for (int64_t i = next.fetch_add(1); i < s.n; i = next.fetch_add(1))
-      ForwardImage(x, k, y, s, i, xp);
-    in_flight.fetch_sub(1);
-  }
-};
-
 ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> k,
                    ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), kd = k.dimensions(), yd = y->dimensions();
@@ -322,18 +303,17 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
     return ffi::Error::InvalidArgument(
         "conv3x3_forward: expected x (N, H, W, CI), k (3, 3, CI, CO), y (N, H, W, CO)");
   // Which thread computes an image does not change its values: images are claimed freely.
-  auto shared = std::make_shared<ForwardShared>();
-  shared->x = x.typed_data();
-  shared->k = k.typed_data();
-  shared->y = y->typed_data();
-  shared->s = s;
   const int64_t work = s.n * s.h * s.w * 9 * s.ci * s.co;
   const int helpers = work < kBlockWork || s.n < 2
                           ? 0
                           : static_cast<int>(std::min<int64_t>(pool.num_threads(), s.n - 1));
-  for (int t = 0; t < helpers; ++t) pool.Schedule([shared] { shared->Work(); });
-  shared->Work();
-  while (shared->in_flight.load() != 0) std::this_thread::yield();
+  const float* xs = x.typed_data();
+  const float* ks = k.typed_data();
+  float* ys = y->typed_data();
+  ParallelFor(pool, s.n, helpers, [&](int64_t i) {
+    thread_local std::vector<float> padded;  // the image's zero-padded copy
+    ForwardImage(xs, ks, ys, s, i, padded);
+  });
   return ffi::Error::Success();
 }
 
