@@ -81,8 +81,9 @@ BASE_FIELDS = (
     F.Field("model.width", 64, F.integer(1),
             "hidden units H (MLP), channels C (VGG) or channels of the first stage (ResNet)"),
     F.Field("model.conv_impl", "auto", F.choice(F.owned("alma_jax.models.conv:IMPLS")),
-            "convolution gradients of convolution-heavy backbones (VGG, ResNet): xla, "
-            "chunked_dw, or auto (chosen: see train.autotune)"),
+            "3x3 convolutions and their gradients in convolution-heavy backbones (VGG, "
+            "ResNet): xla, chunked_dw, native_dw or native (the package's XLA:CPU kernels), "
+            "or auto (chosen: see train.autotune)"),
     F.Field("model.init", "lecun", F.choice(F.owned("alma_jax.models.inits:INITS")),
             "initialisation: lecun (Flax: LeCun-normal kernels, zero biases) or torch (PyTorch's "
             "default, as in the released code: kernels and biases U(+-1/sqrt(fan_in)))"),
