@@ -14,10 +14,10 @@
 // the kernel's channels and one broadcast multiply-add per pixel. Images are shared among
 // the intra-op threads; each output element is one thread's, summed in a fixed order.
 //
-// The weight gradient: For each image, kernel tap and block of
-// output channels, a block of up to kMaxRows input channels keeps one vector accumulator per
-// input channel in registers while it walks the image's pixels: per pixel one load of dy's
-// channels and one broadcast multiply-add per input channel. The image (x and dy) stays in
+// The weight gradient: for each image, kernel tap and block of output channels, a block of
+// up to kMaxRows input channels keeps one vector accumulator per input channel in registers
+// while it walks the image's pixels: per pixel one load of dy's channels and one broadcast
+// multiply-add per input channel. The image (x and dy) stays in
 // the cache across the nine taps. Blocks of images are shared among XLA:CPU's intra-op
 // threads, each block summing into a buffer of its own; the buffers are added at the end, in
 // an order that does not depend on the threads (the result is the same from run to run).

@@ -13,9 +13,9 @@ round-off (the chunk sums are added in a different order).
 `impl="native_dw"` keeps XLA's forward pass and input gradient and computes
 the weight gradient with the package's native XLA:CPU kernel
 (`alma_jax.kernels.native`, built on first use with the machine's C++
-compiler): on a 2-core AMD EPYC (family 26, model 2) 4-5x faster than XLA's
-at width 16 on 32x32 images and 3x faster than `chunked_dw` at width 64
-(`benchmarks/conv_parts.py`). `impl="native"` computes the forward pass and
+compiler): on a 2-core AMD EPYC (family 26, model 2) 3.9x faster than XLA's
+for the 32x32 16 -> 16 layer of the VGG at width 16 (`benchmarks/conv_parts.py`;
+benchmarks/README.md, "Native convolutions"). `impl="native"` computes the forward pass and
 the input gradient (the forward convolution of the output gradient with the
 kernel flipped and transposed) with the package's kernel too. CPU only; same
 numbers to float round-off (the products are summed in another order).
@@ -46,11 +46,11 @@ def resolve_impl(impl: str, width: int, backend: str | None = None) -> str:
   """The implementation to use; "auto" chooses by backend and width."""
   if impl not in IMPLS:
     raise ValueError(f"config.model.conv_impl={impl!r} is not valid; valid values: {list(IMPLS)}")
-  backend = backend or jax.default_backend()
   if impl in NATIVE:
     native.register(backend)  # before a kept program that calls the kernel is loaded, too
   if impl != "auto":
     return impl
+  backend = backend or jax.default_backend()
   # On CPU (glibc allocator tuned, jax 0.10.2) the chunked weight gradient
   # wins from width 32 up (whole step 1.33x at C=32, 1.25-1.3x at C=64) and
   # loses below (0.78x at C=16, 0.77x at C=4); benchmarks/train_speed.py. On
