@@ -84,11 +84,17 @@ def _fwd(x, kernel):
   return _conv(x, kernel), (x, kernel)
 
 
-def _bwd(res, g):
-  # Transposes of the convolution, linear in x and in the kernel: no forward pass is traced
-  # (so a FLOP count of the traced step sees only the work that runs).
-  x, kernel = res
+def _input_grad(x, kernel, g):
+  """XLA's input gradient: the transpose of the convolution, linear in x, so no forward pass
+  is traced (a FLOP count of the traced step sees only the work that runs)."""
   (dx,) = jax.linear_transpose(lambda x_: _conv(x_, kernel), x)(g)
+  return dx
+
+
+def _bwd(res, g):
+  # The weight gradient likewise, as the transpose in the kernel, chunk by chunk.
+  x, kernel = res
+  dx = _input_grad(x, kernel, g)
   n = x.shape[0]
   chunk = DW_CHUNK if n % DW_CHUNK == 0 and n > DW_CHUNK else n
   dw = None
@@ -110,8 +116,7 @@ def conv_native_dw(x: jnp.ndarray, kernel: jnp.ndarray) -> jnp.ndarray:
 
 def _native_bwd(res, g):
   x, kernel = res
-  (dx,) = jax.linear_transpose(lambda x_: _conv(x_, kernel), x)(g)
-  return dx, native.conv3x3_wgrad(x, g).astype(kernel.dtype)
+  return _input_grad(x, kernel, g), native.conv3x3_wgrad(x, g).astype(kernel.dtype)
 
 
 conv_native_dw.defvjp(_fwd, _native_bwd)
