@@ -32,6 +32,7 @@ import numpy as np
 from alma_jax.engine import timing
 from alma_jax.engine.programs import Batch, Programs, TrainState
 from alma_jax.methods.base import Learner
+from alma_jax.models import conv
 from alma_jax.runtime import executables
 
 ELEMENTWISE = frozenset({
@@ -133,8 +134,9 @@ def _count_jaxpr(jaxpr) -> Count:
 
 def count(fn: Callable, *args) -> Count:
   """FLOPs and MACs of `fn(*args)`; `args` may be arrays or `jax.ShapeDtypeStruct`s. Its
-  trace is not compilation (`timing.counting`)."""
-  with timing.counting():
+  trace is not compilation (`timing.counting`), and it traces every 3x3 convolution as XLA's
+  (`conv.as_xla`: the count does not depend on `model.conv_impl`)."""
+  with timing.counting(), conv.as_xla():
     return _count_jaxpr(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
@@ -152,8 +154,8 @@ def step_flops(programs: Programs, learner: Learner) -> dict[str, float]:
   learner's active parts (`Method.active_view`): padding slots that the
   compiled programs also compute are not counted. The programs traced are
   those of `Method.counted()`, one canonical form of the method's step (an
-  ensemble's members in one vmap whatever `method.strategy` runs, XLA's
-  convolutions whatever `model.conv_impl` runs), and they are traced
+  ensemble's members in one vmap whatever `method.strategy` runs), with XLA's
+  convolutions whatever `model.conv_impl` runs (`count`), and they are traced
   unsharded: the counts do not depend on the execution strategy or on the
   mesh. Its traces are not compilation (`timing.counting`).
   """

@@ -15,7 +15,6 @@ images and text alike.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 from typing import Any, Callable, Hashable
@@ -392,17 +391,6 @@ class SingleBackbone:
     _, sown = self.backbone.apply({"params": params, **model_state}, x, train=False,
                                   mutable=["intermediates"])
     return [backbones.leaf_at(sown["intermediates"], path)[0] for path in layout.units]
-
-  def counted(self):
-    """`Method.counted`: the method with its backbone's convolutions as XLA's own
-    (`model.conv_impl="xla"`). `chunked_dw`'s custom gradient also computes the input
-    gradient of the first convolution, which autodiff leaves out (the images need none), and
-    adds up its chunks' weight gradients: work of that implementation, not of the learner."""
-    view = super().counted()
-    if getattr(self.backbone, "conv_impl", "xla") != "xla":
-      view = copy.copy(view)
-      view.backbone = self.backbone.clone(conv_impl="xla")
-    return view
 
   def forward_backbone(self, params, model_state, x, *, train: bool, mask=None, rng=None):
     """Runs one backbone; returns (logits, aux, new_model_state) (`apply_module`; `rng`: the

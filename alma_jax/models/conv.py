@@ -23,9 +23,18 @@ numbers to float round-off (the products are summed in another order).
 `resolve_impl("auto", ...)` picks per backend and width, by the measurements
 in `benchmarks/train_speed.py`; a run that measures its speed choices on a
 CPU times every implementation of `candidates()` instead.
+
+Inside `as_xla()` every implementation traces as XLA's convolution: the FLOP
+count (`alma_jax.engine.accounting`) sees the learner's convolutions, not how a
+run computes them (the native kernels are custom calls, invisible to a count;
+`chunked_dw`'s gradient computes more than autodiff's), whichever method or
+backbone holds them.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import flax.linen as nn
 import jax
@@ -40,6 +49,7 @@ NATIVE = ("native_dw", "native")  # the implementations that run the package's k
 DIMENSION_NUMBERS = ("NHWC", "HWIO", "NHWC")
 DW_CHUNK = 16  # images per weight-gradient chunk
 CHUNKED_MIN_WIDTH = 32  # "auto" on CPU: chunked_dw from this width up
+_thread = threading.local()  # .as_xla: `as_xla()` is active in this thread
 
 
 def resolve_impl(impl: str, width: int, backend: str | None = None) -> str:
@@ -145,12 +155,25 @@ _BY_IMPL = {"xla": _conv, "chunked_dw": conv_chunked_dw, "native_dw": conv_nativ
             "native": conv_native}
 
 
+@contextlib.contextmanager
+def as_xla():
+  """A block whose traces (in this thread) compute every `conv3x3` as XLA's convolution with
+  autodiff, whatever its `impl`: what a FLOP count traces."""
+  before = getattr(_thread, "as_xla", False)
+  _thread.as_xla = True
+  try:
+    yield
+  finally:
+    _thread.as_xla = before
+
+
 def conv3x3(x: jnp.ndarray, kernel: jnp.ndarray, impl: str = "xla") -> jnp.ndarray:
-  """A 3x3 'SAME' convolution, stride 1, NHWC input and HWIO kernel."""
+  """A 3x3 'SAME' convolution, stride 1, NHWC input and HWIO kernel (XLA's inside
+  `as_xla()`)."""
   if impl not in _BY_IMPL:
     raise ValueError(f"conv impl {impl!r} is not valid here; valid values: {list(_BY_IMPL)} "
                      "(resolve 'auto' first)")
-  return _BY_IMPL[impl](x, kernel)
+  return _conv(x, kernel) if getattr(_thread, "as_xla", False) else _BY_IMPL[impl](x, kernel)
 
 
 class Conv3x3(nn.Module):

@@ -10,6 +10,7 @@ import pytest
 from alma_jax.engine import accounting
 from alma_jax.engine import timing
 from alma_jax.engine.programs import Batch
+from alma_jax.methods import firefly
 from alma_jax.methods import gmoe
 from alma_jax.methods.base import Learner
 from alma_jax.runtime import executables
@@ -38,8 +39,8 @@ def test_products_elementwise_scans_and_conditionals():
   assert accounting.count(conv, x, k).macs == 2 * 8 * 8 * 4 * (3 * 3 * 3)
 
 
-def _flops(dataset, width, **fields):
-  c = helpers.small_config(dataset, width=width)
+def _flops(dataset, width, method="sm", **fields):
+  c = helpers.small_config(dataset, method=method, width=width)
   for k, v in fields.items():
     c.model[k] = v
   shape = (28, 28, 1) if dataset == "mnist" else (32, 32, 3)
@@ -82,13 +83,38 @@ def test_vgg_multiply_adds_match_the_analytic_count(width, impl):
   assert flops["train_macs_per_example"] == 16848 * width ** 2 + 27658 * width
 
 
-def test_counts_do_not_depend_on_the_convolution_implementation():
+@pytest.mark.parametrize("method", ["sm", "gmoe", "ff"])
+def test_counts_do_not_depend_on_the_convolution_implementation(method):
   # chunked_dw's custom gradient computes the first layer's input gradient (the images need
   # none) and adds up chunks; the native kernels are custom calls, which no count sees: the
-  # count is that of XLA's convolutions whichever runs.
-  assert _flops("cifar10", 8, conv_impl="chunked_dw") == _flops("cifar10", 8, conv_impl="xla")
-  for impl in ("native_dw", "native"):
-    assert _flops("cifar10", 8, conv_impl=impl) == _flops("cifar10", 8, conv_impl="xla")
+  # count is that of XLA's convolutions whichever runs, in the backbone (SM), in experts
+  # (gMoE's VGG) and in the networks a growing method builds for each width (FF).
+  expected = _flops("cifar10", 8, method, conv_impl="xla")
+  assert expected["train_macs_per_example"] > 16848 * 8 ** 2  # the convolutions are counted
+  for impl in ("chunked_dw", "native_dw", "native"):
+    assert _flops("cifar10", 8, method, conv_impl=impl) == expected, impl
+
+
+def test_firefly_candidate_network_counts_do_not_depend_on_the_convolution_implementation():
+  # The growth passes (PassCosts) count the candidate network, built by the method itself.
+  def candidate_macs(impl):
+    c = helpers.small_config("cifar10", method="ff", width=4)
+    c.model.conv_impl = impl
+    method = helpers.make_steps(c, helpers.synthetic_dataset(n_train=8, n_test=8,
+                                                             shape=(32, 32, 3)))[0]
+    learner = jax.eval_shape(method.init, jax.random.key(0))
+    widths = tuple(learner.structure)
+    cands = jax.eval_shape(lambda p: firefly.init_candidates(
+        jax.random.key(0), method.layout, p, widths, 2, (0.1, 0.1, 0.01)), learner.params)
+    x = jax.ShapeDtypeStruct((2, 32, 32, 3), jnp.float32)
+    return accounting.count(
+        lambda p, s, c_, x_: method.candidate_logits(widths, p, s, c_, method.zero_scales(
+            widths), x_), learner.params, learner.model_state, cands, x).macs
+
+  expected = candidate_macs("xla")
+  assert expected > 2 * 9 * 3 * 12 * 1024  # the first layer's 2 C + K = 12 channels at least
+  for impl in ("chunked_dw", "native"):
+    assert candidate_macs(impl) == expected, impl
 
 
 def test_counts_do_not_use_the_backends_cost_analysis(monkeypatch):
