@@ -65,7 +65,8 @@ def _size(aval) -> int:
 
 
 def _is_float(aval) -> bool:
-  return hasattr(aval, "dtype") and np.issubdtype(aval.dtype, np.inexact)
+  # jnp's type lattice: numpy does not count bfloat16 and float8 (ml_dtypes) as inexact.
+  return hasattr(aval, "dtype") and jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
 def _dot_macs(eqn) -> float:

@@ -96,7 +96,7 @@ def _fwd(x, kernel):
 
 def _input_grad(x, kernel, g):
   """XLA's input gradient: the transpose of the convolution, linear in x, so no forward pass
-  is traced (a FLOP count of the traced step sees only the work that runs)."""
+  is traced (the program holds no work for XLA to discard)."""
   (dx,) = jax.linear_transpose(lambda x_: _conv(x_, kernel), x)(g)
   return dx
 

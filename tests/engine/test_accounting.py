@@ -26,6 +26,11 @@ def test_products_elementwise_scans_and_conditionals():
   assert accounting.count(lambda a: jnp.exp(a) + 1.0, a).flops == 2 * 15
   assert accounting.count(lambda a: jnp.sum(a), a).flops == 15
   assert accounting.count(lambda a: a.astype(jnp.int32).reshape(15), a).flops == 0  # no arithmetic
+  # Every floating type counts, bfloat16 (whose numpy type is not `np.inexact`) and float16 too.
+  for dtype in (jnp.bfloat16, jnp.float16):
+    low = a.astype(dtype)
+    assert accounting.count(lambda a: jnp.exp(a) + 1.0, low).flops == 2 * 15, dtype
+    assert accounting.count(lambda a: jnp.sum(a), low).flops == 15, dtype
 
   def scanned(a, b):
     return jax.lax.scan(lambda carry, _: (carry, a @ b), 0.0, None, length=4)[1]
@@ -93,6 +98,17 @@ def test_counts_do_not_depend_on_the_convolution_implementation(method):
   assert expected["train_macs_per_example"] > 16848 * 8 ** 2  # the convolutions are counted
   for impl in ("chunked_dw", "native_dw", "native"):
     assert _flops("cifar10", 8, method, conv_impl=impl) == expected, impl
+
+
+def test_counts_do_not_depend_on_the_compute_dtype():
+  # bfloat16 runs the same arithmetic at a lower precision: its elementwise operations and
+  # reductions count as float32's do.
+  def flops(dtype):
+    c = helpers.small_config("mnist", width=16, compute_dtype=dtype)
+    method, steps = helpers.make_steps(c, helpers.synthetic_dataset(n_train=64, n_test=8))
+    return steps.flops(helpers.init(method))
+
+  assert flops("bfloat16") == flops("float32")
 
 
 def test_firefly_candidate_network_counts_do_not_depend_on_the_convolution_implementation():
