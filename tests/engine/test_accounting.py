@@ -100,6 +100,23 @@ def test_counts_do_not_depend_on_the_convolution_implementation(method):
     assert _flops("cifar10", 8, method, conv_impl=impl) == expected, impl
 
 
+@pytest.mark.parametrize("method", ["sm", "gmoe", "ff"])
+def test_a_count_leaves_the_programs_their_own_convolutions(method):
+  # The count traces XLA's convolutions (`conv.as_xla`) in its own traces only: a prediction
+  # traced after it still calls the native kernels, and none of XLA's convolutions.
+  c = helpers.small_config("cifar10", method=method, width=8)
+  c.model.conv_impl = "native"
+  m, steps = helpers.make_steps(c, helpers.synthetic_dataset(n_train=64, n_test=8,
+                                                             shape=(32, 32, 3)))
+  learner = helpers.init(m)
+  assert steps.flops(learner)["train_macs_per_example"] > 16848 * 8 ** 2
+  structure = m.program_structure(learner.structure)
+  x = jax.ShapeDtypeStruct((2, 32, 32, 3), jnp.float32)
+  text = str(jax.make_jaxpr(lambda p, s, x: m.predict(structure, p, s, x))(
+      learner.params, learner.model_state, x))
+  assert "conv_general_dilated" not in text and "alma_conv3x3_forward" in text
+
+
 def test_counts_do_not_depend_on_the_compute_dtype():
   # bfloat16 runs the same arithmetic at a lower precision: its elementwise operations and
   # reductions count as float32's do.
