@@ -34,7 +34,8 @@ backbone holds them.
 from __future__ import annotations
 
 import contextlib
-import threading
+import contextvars
+from typing import Iterator
 
 import flax.linen as nn
 import jax
@@ -49,7 +50,8 @@ NATIVE = ("native_dw", "native")  # the implementations that run the package's k
 DIMENSION_NUMBERS = ("NHWC", "HWIO", "NHWC")
 DW_CHUNK = 16  # images per weight-gradient chunk
 CHUNKED_MIN_WIDTH = 32  # "auto" on CPU: chunked_dw from this width up
-_thread = threading.local()  # .as_xla: `as_xla()` is active in this thread
+# Inside `as_xla()` (a context flag, as `alma_jax.models.inference.evaluation` is).
+_AS_XLA = contextvars.ContextVar("alma_jax_convolutions_as_xla", default=False)
 
 
 def resolve_impl(impl: str, width: int, backend: str | None = None) -> str:
@@ -156,15 +158,14 @@ _BY_IMPL = {"xla": _conv, "chunked_dw": conv_chunked_dw, "native_dw": conv_nativ
 
 
 @contextlib.contextmanager
-def as_xla():
-  """A block whose traces (in this thread) compute every `conv3x3` as XLA's convolution with
-  autodiff, whatever its `impl`: what a FLOP count traces."""
-  before = getattr(_thread, "as_xla", False)
-  _thread.as_xla = True
+def as_xla() -> Iterator[None]:
+  """A block whose traces compute every `conv3x3` as XLA's convolution with autodiff,
+  whatever its `impl`: what a FLOP count traces."""
+  token = _AS_XLA.set(True)
   try:
     yield
   finally:
-    _thread.as_xla = before
+    _AS_XLA.reset(token)
 
 
 def conv3x3(x: jnp.ndarray, kernel: jnp.ndarray, impl: str = "xla") -> jnp.ndarray:
@@ -173,7 +174,7 @@ def conv3x3(x: jnp.ndarray, kernel: jnp.ndarray, impl: str = "xla") -> jnp.ndarr
   if impl not in _BY_IMPL:
     raise ValueError(f"conv impl {impl!r} is not valid here; valid values: {list(_BY_IMPL)} "
                      "(resolve 'auto' first)")
-  return _conv(x, kernel) if getattr(_thread, "as_xla", False) else _BY_IMPL[impl](x, kernel)
+  return _conv(x, kernel) if _AS_XLA.get() else _BY_IMPL[impl](x, kernel)
 
 
 class Conv3x3(nn.Module):
