@@ -44,13 +44,18 @@ def test_products_elementwise_scans_and_conditionals():
   assert accounting.count(conv, x, k).macs == 2 * 8 * 8 * 4 * (3 * 3 * 3)
 
 
-def _flops(dataset, width, method="sm", **fields):
-  c = helpers.small_config(dataset, method=method, width=width)
-  for k, v in fields.items():
+def _built(dataset, width, method="sm", train=None, **model):
+  """(method, Steps) of a small config of `method` on synthetic `dataset` images; `train` and
+  `model` override fields of those sections."""
+  c = helpers.small_config(dataset, method=method, width=width, **(train or {}))
+  for k, v in model.items():
     c.model[k] = v
   shape = (28, 28, 1) if dataset == "mnist" else (32, 32, 3)
-  method, steps = helpers.make_steps(c, helpers.synthetic_dataset(n_train=64, n_test=8,
-                                                                  shape=shape))
+  return helpers.make_steps(c, helpers.synthetic_dataset(n_train=64, n_test=8, shape=shape))
+
+
+def _flops(dataset, width, method="sm", train=None, **model):
+  method, steps = _built(dataset, width, method, train, **model)
   return steps.flops(helpers.init(method))
 
 
@@ -104,10 +109,7 @@ def test_counts_do_not_depend_on_the_convolution_implementation(method):
 def test_a_count_leaves_the_programs_their_own_convolutions(method):
   # The count traces XLA's convolutions (`conv.as_xla`) in its own traces only: a prediction
   # traced after it still calls the native kernels, and none of XLA's convolutions.
-  c = helpers.small_config("cifar10", method=method, width=8)
-  c.model.conv_impl = "native"
-  m, steps = helpers.make_steps(c, helpers.synthetic_dataset(n_train=64, n_test=8,
-                                                             shape=(32, 32, 3)))
+  m, steps = _built("cifar10", 8, method, conv_impl="native")
   learner = helpers.init(m)
   assert steps.flops(learner)["train_macs_per_example"] > 16848 * 8 ** 2
   structure = m.program_structure(learner.structure)
@@ -120,21 +122,14 @@ def test_a_count_leaves_the_programs_their_own_convolutions(method):
 def test_counts_do_not_depend_on_the_compute_dtype():
   # bfloat16 runs the same arithmetic at a lower precision: its elementwise operations and
   # reductions count as float32's do.
-  def flops(dtype):
-    c = helpers.small_config("mnist", width=16, compute_dtype=dtype)
-    method, steps = helpers.make_steps(c, helpers.synthetic_dataset(n_train=64, n_test=8))
-    return steps.flops(helpers.init(method))
-
-  assert flops("bfloat16") == flops("float32")
+  assert (_flops("mnist", 16, train={"compute_dtype": "bfloat16"})
+          == _flops("mnist", 16, train={"compute_dtype": "float32"}))
 
 
 def test_firefly_candidate_network_counts_do_not_depend_on_the_convolution_implementation():
   # The growth passes (PassCosts) count the candidate network, built by the method itself.
   def candidate_macs(impl):
-    c = helpers.small_config("cifar10", method="ff", width=4)
-    c.model.conv_impl = impl
-    method = helpers.make_steps(c, helpers.synthetic_dataset(n_train=8, n_test=8,
-                                                             shape=(32, 32, 3)))[0]
+    method = _built("cifar10", 4, "ff", conv_impl=impl)[0]
     learner = jax.eval_shape(method.init, jax.random.key(0))
     widths = tuple(learner.structure)
     cands = jax.eval_shape(lambda p: firefly.init_candidates(
