@@ -29,6 +29,16 @@ Switch Transformer presets with the smoke stream (lm_base, lm_large; with
 programs, with little training; and ff_quick (`configs/mnist_ff.py:quick`
 over 50 mega-batches with a stage every 5: nine growths). Anything after `--` is passed to every run.
 It runs unchanged on a GPU (benchmarks/README.md says how).
+
+`--xla_cpu_log=true` (a CPU) also splits the cold run's XLA compiles, per
+program kind, into XLA's HLO passes and its code generation, and counts the
+LLVM kernels generated with their seconds by kind (fusions named after their
+operations, numbers dropped: "multiply_add_fusion"), read from XLA:CPU's own
+log lines (`TF_CPP_VMODULE=cpu_compiler=2,ir_compiler=1`): where a program's
+compile goes, e.g. a scanned model's stacking kernels or an optimizer's
+per-parameter updates.
+
+  python benchmarks/compile_budget.py --runs=lm_base,lm_base_unrolled --warm=false --xla_cpu_log=true
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -68,6 +79,54 @@ ACCOUNTING = "flop_counting"
 # The phases of a program's compilation (`jax.monitoring` event names, last part): tracing to a
 # jaxpr, lowering to StableHLO, and XLA's compilation (or, on a cache hit, loading the program).
 PHASES = ("jaxpr_trace_duration", "jaxpr_to_mlir_module_duration", "backend_compile_duration")
+
+
+# XLA:CPU's log lines of a compile: the HLO passes and the whole compile of a module (its name
+# as `jit_<function>`), and every LLVM kernel module compiled in between.
+XLA_CPU_LOG = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "cpu_compiler=2,ir_compiler=1"}
+_HLO_PASSES = re.compile(r"Running HLO passes on \[(\S+)\] for CPU time: ([0-9.]+) (s|ms|us) ")
+_COMPILED = re.compile(r"Compiling \[(\S+)\] for CPU using JIT time: ([0-9.]+) (s|ms|us) ")
+_KERNEL = re.compile(r"Compiled LLVM module: (?:__compute_module_)?(\S+?)(?:_kernel_module)? "
+                     r"time: ([0-9.]+) (s|ms|us) ")
+_UNIT = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+def kernel_kind(name: str) -> str:
+  """A kernel's kind: its name without XLA's numbering ("multiply_add_fusion.12" and
+  "multiply_add_fusion" are one kind)."""
+  return re.sub(r"\.\d+", "", name).rstrip("_.") or name
+
+
+def xla_cpu_compiles(log: str, step_prefix: str) -> dict:
+  """Per program kind, from XLA:CPU's log lines (`XLA_CPU_LOG`) in `log`: programs compiled,
+  seconds of HLO passes and of the rest of the compile (code generation), LLVM kernels and
+  their seconds, and per kernel kind [seconds, kernels]. XLA compiles one module at a time:
+  a kernel belongs to the module whose HLO passes ran last."""
+  out: dict[str, dict] = {}
+  current = None
+  for line in log.splitlines():
+    m = _HLO_PASSES.search(line)
+    if m:
+      kind = kind_of(m.group(1), step_prefix)
+      current = out.setdefault(kind, {"programs": 0, "hlo_passes_s": 0.0, "codegen_s": 0.0,
+                                      "kernels": 0, "kernel_s": 0.0, "by_kernel": {}})
+      current["programs"] += 1
+      current["hlo_passes_s"] += float(m.group(2)) * _UNIT[m.group(3)]
+      continue
+    m = _KERNEL.search(line)
+    if m and current is not None:
+      seconds = float(m.group(2)) * _UNIT[m.group(3)]
+      current["kernels"] += 1
+      current["kernel_s"] += seconds
+      entry = current["by_kernel"].setdefault(kernel_kind(m.group(1)), [0.0, 0])
+      entry[0] += seconds
+      entry[1] += 1
+      continue
+    m = _COMPILED.search(line)
+    if m and current is not None:
+      current["codegen_s"] += float(m.group(2)) * _UNIT[m.group(3)]
+      current = None
+  return out
 
 
 def kind_of(fun_name: str, step_prefix: str) -> str:
@@ -151,8 +210,9 @@ def child(out_path: str, argv: list[str]) -> None:
 
 
 # -- the parent -----------------------------------------------------------------------------------
-def run_one(spec: str, extra: list[str], cache_dir: str) -> dict:
-  """One process of run `spec` (a config and its overrides) with the cache `cache_dir`."""
+def run_one(spec: str, extra: list[str], cache_dir: str, xla_cpu_log: bool = False) -> dict:
+  """One process of run `spec` (a config and its overrides) with the cache `cache_dir`;
+  `xla_cpu_log`: with XLA:CPU's compile log, read into `xla_cpu` (`xla_cpu_compiles`)."""
   parts = shlex.split(spec) + list(extra)
   with tempfile.TemporaryDirectory() as workdir:
     out = os.path.join(workdir, "compile.json")
@@ -160,7 +220,8 @@ def run_one(spec: str, extra: list[str], cache_dir: str) -> dict:
            f"--config={parts[0]}", f"--workdir={os.path.join(workdir, 'run')}",
            f"--compilation_cache_dir={cache_dir}", *parts[1:]]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    env = {**os.environ, **XLA_CPU_LOG} if xla_cpu_log else None
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     wall = time.monotonic() - t0
     if proc.returncode:
       raise SystemExit(f"compile_budget: {spec} failed (exit {proc.returncode}):\n"
@@ -176,6 +237,9 @@ def run_one(spec: str, extra: list[str], cache_dir: str) -> dict:
   result["num_compilations"] = summary.get("num_compilations")
   result["final_error"] = summary.get("final_error")
   result["timings"] = summary.get("timings", {})
+  if xla_cpu_log:
+    from alma_jax.engine import timing  # pylint: disable=g-import-not-at-top
+    result["xla_cpu"] = xla_cpu_compiles(proc.stderr, timing.STEP_PREFIX)
   return result
 
 
@@ -207,6 +271,25 @@ def table(results: dict) -> str:
   return "\n".join(lines)
 
 
+def xla_cpu_table(results: dict, top: int = 5) -> str:
+  """The runs' XLA:CPU compiles per program kind (`xla_cpu_compiles`), largest first."""
+  lines = ["| run | cache | program kind | programs | HLO passes s | code generation s | "
+           "LLVM kernels | kernel s by kind (s / kernels) |", "|---|---|---|---|---|---|---|---|"]
+  for name, by_cache in results.items():
+    for which, r in by_cache.items():
+      if "xla_cpu" not in r:
+        continue
+      if not r["xla_cpu"]:
+        lines.append(f"| {name} | {which} | (no XLA:CPU compile in its log) | | | | | |")
+      for kind, c in sorted(r["xla_cpu"].items(),
+                            key=lambda kv: -(kv[1]["hlo_passes_s"] + kv[1]["codegen_s"])):
+        kinds = sorted(c["by_kernel"].items(), key=lambda kv: -kv[1][0])[:top]
+        lines.append(f"| {name} | {which} | {kind} | {c['programs']} | "
+                     f"{c['hlo_passes_s']:.2f} | {c['codegen_s']:.2f} | {c['kernels']} | "
+                     + ", ".join(f"{k} {v[0]:.2f} / {v[1]}" for k, v in kinds) + " |")
+  return "\n".join(lines)
+
+
 def main() -> None:
   if len(sys.argv) > 1 and sys.argv[1].startswith("--child="):
     rest = sys.argv[2:]
@@ -226,6 +309,9 @@ def main() -> None:
   ap.add_argument("--next_flags", default="",
                   help="then run each with these flags added on the same cache (the next cell "
                        "of a grid, e.g. \"--config.stream.wait=10\")")
+  ap.add_argument("--xla_cpu_log", default="false", choices=("true", "false"),
+                  help="split the cold run's XLA:CPU compiles into HLO passes and code "
+                       "generation per program kind, with the kernels generated")
   ap.add_argument("--out", default=None, help="also write the results as JSON here")
   args = ap.parse_args(argv)
   names = [n for n in args.runs.split(",") if n]
@@ -237,7 +323,8 @@ def main() -> None:
   results = {}
   for name in names:
     with tempfile.TemporaryDirectory() as cache_dir:
-      results[name] = {"cold": run_one(RUNS[name], extra, cache_dir)}
+      results[name] = {"cold": run_one(RUNS[name], extra, cache_dir,
+                                       xla_cpu_log=args.xla_cpu_log == "true")}
       print(f"{name} cold: {results[name]['cold']['process_s']:.1f} s", file=sys.stderr,
             flush=True)
       if args.warm == "true":
@@ -249,6 +336,9 @@ def main() -> None:
         print(f"{name} {row}: {results[name][row]['process_s']:.1f} s", file=sys.stderr,
               flush=True)
   print(table(results))
+  if args.xla_cpu_log == "true":
+    print()
+    print(xla_cpu_table(results))
   if args.out:
     with open(args.out, "w") as f:
       json.dump({"runs": {n: RUNS[n] for n in names}, "extra": extra,

@@ -75,7 +75,8 @@ def test_compile_budget_s_next_runs_run_on_the_same_cache_and_list_their_misses(
   from benchmarks import compile_budget  # pylint: disable=g-import-not-at-top
   calls = []
 
-  def fake_run(spec, extra, cache_dir):
+  def fake_run(spec, extra, cache_dir, xla_cpu_log=False):
+    assert not xla_cpu_log  # not asked for
     calls.append((spec, list(extra), cache_dir))
     missed = (["jit_alma_utility_keys"] if "--config.seed=1" in extra else
               ["jit_alma_step_eval"] if "--config.stream.replay=0.5" in extra else [])
@@ -98,3 +99,53 @@ def test_compile_budget_s_next_runs_run_on_the_same_cache_and_list_their_misses(
   assert rows[compile_budget.NEXT_SEED].rstrip().endswith("| jit_alma_utility_keys |")
   assert rows[compile_budget.NEXT].rstrip().endswith("| jit_alma_step_eval |")
   assert rows["warm"].rstrip().endswith("| none |")
+
+
+# XLA:CPU's log lines of two compiles, as jaxlib 0.10 writes them (abridged; the kernel
+# lines come from code-generation threads).
+_XLA_CPU_LOG = """\
+I1202 13:44:01.223103   28508 cpu_compiler.cc:1269] Running HLO passes on [jit_alma_step_eval] for CPU time: 9.91 ms (9912 us) (cumulative: 278 ms, max: 65 ms, #called: 13)
+I1202 13:44:01.223233   28508 cpu_compiler.cc:2091] Compiling: jit_alma_step_eval
+I1202 13:44:01.305333   28508 cpu_compiler.cc:1215] CpuCompiler - Running LLVM verifier time: 10 us (10 us) (cumulative: 16 ms, max: 866 us, #called: 321)
+I1202 13:44:01.335278   28371 ir_compiler.cc:293] Compiled LLVM module: __compute_module_multiply_add_fusion.9_kernel_module time: 5.43 ms (5428 us) (cumulative: 22.1 ms, max: 13.1 ms, #called: 3)
+I1202 13:44:01.340128   28371 ir_compiler.cc:293] Compiled LLVM module: __compute_module_multiply_add_fusion_kernel_module time: 4.5 ms (4500 us) (cumulative: 26.6 ms, max: 13.1 ms, #called: 4)
+I1202 13:44:01.345142   28372 ir_compiler.cc:293] Compiled LLVM module: __compute_module_wrapped_broadcast_kernel_module time: 1.2 s (1200000 us) (cumulative: 1.23 s, max: 1.2 s, #called: 5)
+I1202 13:44:01.437631   28508 cpu_compiler.cc:2094] Compiling [jit_alma_step_eval] for CPU using JIT time: 214 ms (214380 us) (cumulative: 4.83 s, max: 1.04 s, #called: 13)
+I1202 13:44:02.000000   28508 cpu_compiler.cc:1269] Running HLO passes on [jit__threefry_split] for CPU time: 900 us (900 us) (cumulative: 279 ms, max: 65 ms, #called: 14)
+I1202 13:44:02.100000   28371 ir_compiler.cc:293] Compiled LLVM module: __compute_module_wrapped_broadcast_kernel_module time: 800 us (800 us) (cumulative: 1.23 s, max: 1.2 s, #called: 6)
+I1202 13:44:02.200000   28508 cpu_compiler.cc:2094] Compiling [jit__threefry_split] for CPU using JIT time: 1.5 s (1500000 us) (cumulative: 6.33 s, max: 1.5 s, #called: 14)
+I1202 13:44:02.300000   28371 ir_compiler.cc:293] Compiled LLVM module: __compute_module_late_fusion_kernel_module time: 3 ms (3000 us) (cumulative: 1.23 s, max: 1.2 s, #called: 7)
+"""
+
+
+def test_compile_budget_reads_xla_cpu_s_log_per_program_kind():
+  from benchmarks import compile_budget  # pylint: disable=g-import-not-at-top
+  got = compile_budget.xla_cpu_compiles(_XLA_CPU_LOG, "alma_step_")
+  assert set(got) == {"eval", "other"}  # a kernel after its module's compile belongs to none
+  ev, other = got["eval"], got["other"]
+  assert (ev["programs"], ev["kernels"], other["programs"], other["kernels"]) == (1, 3, 1, 1)
+  np.testing.assert_allclose([ev["hlo_passes_s"], ev["codegen_s"], ev["kernel_s"]],
+                             [9.91e-3, 0.214, 5.43e-3 + 4.5e-3 + 1.2], rtol=1e-12)
+  np.testing.assert_allclose([other["hlo_passes_s"], other["codegen_s"]], [900e-6, 1.5],
+                             rtol=1e-12)
+  assert ev["by_kernel"].keys() == {"multiply_add_fusion", "wrapped_broadcast"}
+  np.testing.assert_allclose(ev["by_kernel"]["multiply_add_fusion"], [9.93e-3, 2], rtol=1e-12)
+  rows = compile_budget.xla_cpu_table({"p4": {"cold": {"xla_cpu": got}, "warm": {}}})
+  rows = rows.splitlines()[2:]
+  assert [r.split("|")[3].strip() for r in rows] == ["other", "eval"]  # largest compile first
+  assert rows[1].endswith("| wrapped_broadcast 1.20 / 1, multiply_add_fusion 0.01 / 2 |")
+
+
+def test_xla_cpu_s_log_of_a_real_compile_is_read(tmp_path):
+  """The log lines `compile_budget.py --xla_cpu_log` reads are those this jaxlib writes."""
+  from benchmarks import compile_budget  # pylint: disable=g-import-not-at-top
+  code = ("import jax, jax.numpy as jnp\n"
+          "def alma_step_probe(x):\n  return jnp.tanh(x) * 2 + jnp.sin(x).sum()\n"
+          "jax.jit(alma_step_probe)(jnp.ones((64, 64))).block_until_ready()\n")
+  env = {**os.environ, **compile_budget.XLA_CPU_LOG, "JAX_ENABLE_COMPILATION_CACHE": "false",
+         "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                        timeout=300, check=True)
+  probe = compile_budget.xla_cpu_compiles(proc.stderr, "alma_step_")["probe"]
+  assert probe["programs"] == 1 and probe["kernels"] >= 1, proc.stderr[-3000:]
+  assert probe["hlo_passes_s"] > 0 and probe["codegen_s"] > 0 and probe["kernel_s"] > 0
