@@ -32,8 +32,9 @@ It runs unchanged on a GPU (benchmarks/README.md says how).
 
 `--xla_cpu_log=true` (a CPU) also splits the cold run's XLA compiles, per
 program kind, into XLA's HLO passes and its code generation, and counts the
-LLVM kernels generated with their seconds by kind (fusions named after their
-operations, numbers dropped: "multiply_add_fusion"), read from XLA:CPU's own
+LLVM modules compiled (one kernel each; "part": a part of several) with their
+seconds by kind (fusions named after their operations, numbers dropped:
+"multiply_add_fusion"), read from XLA:CPU's own
 log lines (`TF_CPP_VMODULE=cpu_compiler=2,ir_compiler=1`): where a program's
 compile goes, e.g. a scanned model's stacking kernels or an optimizer's
 per-parameter updates.
@@ -86,21 +87,24 @@ PHASES = ("jaxpr_trace_duration", "jaxpr_to_mlir_module_duration", "backend_comp
 XLA_CPU_LOG = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "cpu_compiler=2,ir_compiler=1"}
 _HLO_PASSES = re.compile(r"Running HLO passes on \[(\S+)\] for CPU time: ([0-9.]+) (s|ms|us) ")
 _COMPILED = re.compile(r"Compiling \[(\S+)\] for CPU using JIT time: ([0-9.]+) (s|ms|us) ")
-_KERNEL = re.compile(r"Compiled LLVM module: (?:__compute_module_)?(\S+?)(?:_kernel_module)? "
-                     r"time: ([0-9.]+) (s|ms|us) ")
+_KERNEL = re.compile(r"Compiled LLVM module: (\S+) time: ([0-9.]+) (s|ms|us) ")
 _UNIT = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
 
 def kernel_kind(name: str) -> str:
-  """A kernel's kind: its name without XLA's numbering ("multiply_add_fusion.12" and
-  "multiply_add_fusion" are one kind)."""
-  return re.sub(r"\.\d+", "", name).rstrip("_.") or name
+  """An LLVM module's kind: its kernel's name without XLA's prefixes, suffix and numbering
+  ("__compute_module_multiply_add_fusion.12_kernel_module" -> "multiply_add_fusion"), or
+  "part" for one part of a module whose code generation XLA split (several kernels)."""
+  kind = re.sub(r"_kernel_module$", "", re.sub(r"^(?:__compute_module_)+", "", name))
+  kind = re.sub(r"\.\d+", "", kind)
+  return "part" if re.fullmatch(r"part_\d+", kind) else kind or name
 
 
 def xla_cpu_compiles(log: str, step_prefix: str) -> dict:
   """Per program kind, from XLA:CPU's log lines (`XLA_CPU_LOG`) in `log`: programs compiled,
-  seconds of HLO passes and of the rest of the compile (code generation), LLVM kernels and
-  their seconds, and per kernel kind [seconds, kernels]. XLA compiles one module at a time:
+  seconds of HLO passes and of the rest of the compile (code generation), LLVM modules
+  compiled (a kernel each, or a part of several) and their seconds, and per kind
+  (`kernel_kind`) [seconds, modules]. XLA compiles one module at a time:
   a kernel belongs to the module whose HLO passes ran last."""
   out: dict[str, dict] = {}
   current = None
@@ -274,7 +278,7 @@ def table(results: dict) -> str:
 def xla_cpu_table(results: dict, top: int = 5) -> str:
   """The runs' XLA:CPU compiles per program kind (`xla_cpu_compiles`), largest first."""
   lines = ["| run | cache | program kind | programs | HLO passes s | code generation s | "
-           "LLVM kernels | kernel s by kind (s / kernels) |", "|---|---|---|---|---|---|---|---|"]
+           "LLVM modules | their s by kind (s / modules) |", "|---|---|---|---|---|---|---|---|"]
   for name, by_cache in results.items():
     for which, r in by_cache.items():
       if "xla_cpu" not in r:

@@ -110,6 +110,8 @@ I1202 13:44:01.305333   28508 cpu_compiler.cc:1215] CpuCompiler - Running LLVM v
 I1202 13:44:01.335278   28371 ir_compiler.cc:293] Compiled LLVM module: __compute_module_multiply_add_fusion.9_kernel_module time: 5.43 ms (5428 us) (cumulative: 22.1 ms, max: 13.1 ms, #called: 3)
 I1202 13:44:01.340128   28371 ir_compiler.cc:293] Compiled LLVM module: __compute_module_multiply_add_fusion_kernel_module time: 4.5 ms (4500 us) (cumulative: 26.6 ms, max: 13.1 ms, #called: 4)
 I1202 13:44:01.345142   28372 ir_compiler.cc:293] Compiled LLVM module: __compute_module_wrapped_broadcast_kernel_module time: 1.2 s (1200000 us) (cumulative: 1.23 s, max: 1.2 s, #called: 5)
+I1202 13:44:01.346000   28372 ir_compiler.cc:293] Compiled LLVM module: __compute_module___compute_module_wrapped_is-finite.4 time: 2 ms (2000 us) (cumulative: 1.23 s, max: 1.2 s, #called: 6)
+I1202 13:44:01.347000   28372 ir_compiler.cc:293] Compiled LLVM module: __compute_module_part_05 time: 3 ms (3000 us) (cumulative: 1.24 s, max: 1.2 s, #called: 7)
 I1202 13:44:01.437631   28508 cpu_compiler.cc:2094] Compiling [jit_alma_step_eval] for CPU using JIT time: 214 ms (214380 us) (cumulative: 4.83 s, max: 1.04 s, #called: 13)
 I1202 13:44:02.000000   28508 cpu_compiler.cc:1269] Running HLO passes on [jit__threefry_split] for CPU time: 900 us (900 us) (cumulative: 279 ms, max: 65 ms, #called: 14)
 I1202 13:44:02.100000   28371 ir_compiler.cc:293] Compiled LLVM module: __compute_module_wrapped_broadcast_kernel_module time: 800 us (800 us) (cumulative: 1.23 s, max: 1.2 s, #called: 6)
@@ -123,17 +125,19 @@ def test_compile_budget_reads_xla_cpu_s_log_per_program_kind():
   got = compile_budget.xla_cpu_compiles(_XLA_CPU_LOG, "alma_step_")
   assert set(got) == {"eval", "other"}  # a kernel after its module's compile belongs to none
   ev, other = got["eval"], got["other"]
-  assert (ev["programs"], ev["kernels"], other["programs"], other["kernels"]) == (1, 3, 1, 1)
+  assert (ev["programs"], ev["kernels"], other["programs"], other["kernels"]) == (1, 5, 1, 1)
   np.testing.assert_allclose([ev["hlo_passes_s"], ev["codegen_s"], ev["kernel_s"]],
-                             [9.91e-3, 0.214, 5.43e-3 + 4.5e-3 + 1.2], rtol=1e-12)
+                             [9.91e-3, 0.214, 5.43e-3 + 4.5e-3 + 1.2 + 2e-3 + 3e-3], rtol=1e-12)
   np.testing.assert_allclose([other["hlo_passes_s"], other["codegen_s"]], [900e-6, 1.5],
                              rtol=1e-12)
-  assert ev["by_kernel"].keys() == {"multiply_add_fusion", "wrapped_broadcast"}
+  assert ev["by_kernel"].keys() == {"multiply_add_fusion", "wrapped_broadcast",
+                                    "wrapped_is-finite", "part"}
   np.testing.assert_allclose(ev["by_kernel"]["multiply_add_fusion"], [9.93e-3, 2], rtol=1e-12)
   rows = compile_budget.xla_cpu_table({"p4": {"cold": {"xla_cpu": got}, "warm": {}}})
   rows = rows.splitlines()[2:]
   assert [r.split("|")[3].strip() for r in rows] == ["other", "eval"]  # largest compile first
-  assert rows[1].endswith("| wrapped_broadcast 1.20 / 1, multiply_add_fusion 0.01 / 2 |")
+  assert rows[1].endswith("| 5 | wrapped_broadcast 1.20 / 1, multiply_add_fusion 0.01 / 2, "
+                         "part 0.00 / 1, wrapped_is-finite 0.00 / 1 |")
 
 
 def test_xla_cpu_s_log_of_a_real_compile_is_read(tmp_path):
