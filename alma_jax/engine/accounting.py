@@ -33,6 +33,7 @@ from alma_jax.engine import timing
 from alma_jax.engine.programs import Batch, Programs, TrainState
 from alma_jax.methods.base import Learner
 from alma_jax.models import conv
+from alma_jax.models import switch
 from alma_jax.runtime import executables
 
 ELEMENTWISE = frozenset({
@@ -136,8 +137,10 @@ def _count_jaxpr(jaxpr) -> Count:
 def count(fn: Callable, *args) -> Count:
   """FLOPs and MACs of `fn(*args)`; `args` may be arrays or `jax.ShapeDtypeStruct`s. Its
   trace is not compilation (`timing.counting`), and it traces every 3x3 convolution as XLA's
-  (`conv.as_xla`: the count does not depend on `model.conv_impl`)."""
-  with timing.counting(), conv.as_xla():
+  (`conv.as_xla`: the count does not depend on `model.conv_impl`), and a scanned Switch
+  Transformer's blocks as the unrolled form's (`switch.as_unrolled`: nor on
+  `model.scan_layers`)."""
+  with timing.counting(), conv.as_xla(), switch.as_unrolled():
     return _count_jaxpr(jax.make_jaxpr(fn)(*args).jaxpr)
 
 

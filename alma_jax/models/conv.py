@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator
 
 import flax.linen as nn
 import jax
@@ -44,6 +43,7 @@ from absl import logging
 from jax import lax
 
 from alma_jax.kernels import native
+from alma_jax.models import inference
 
 IMPLS = ("auto", "xla", "chunked_dw", "native_dw", "native")
 NATIVE = ("native_dw", "native")  # the implementations that run the package's kernels
@@ -157,15 +157,10 @@ _BY_IMPL = {"xla": _conv, "chunked_dw": conv_chunked_dw, "native_dw": conv_nativ
             "native": conv_native}
 
 
-@contextlib.contextmanager
-def as_xla() -> Iterator[None]:
+def as_xla() -> contextlib.AbstractContextManager[None]:
   """A block whose traces compute every `conv3x3` as XLA's convolution with autodiff,
   whatever its `impl`: what a FLOP count traces."""
-  token = _AS_XLA.set(True)
-  try:
-    yield
-  finally:
-    _AS_XLA.reset(token)
+  return inference.raised(_AS_XLA)
 
 
 def conv3x3(x: jnp.ndarray, kernel: jnp.ndarray, impl: str = "xla") -> jnp.ndarray:

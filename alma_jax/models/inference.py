@@ -18,13 +18,19 @@ _EVALUATING = contextvars.ContextVar("alma_jax_evaluation_program", default=Fals
 
 
 @contextlib.contextmanager
-def evaluation() -> Iterator[None]:
-  """Traces inside it are of an evaluation program (`folds()` is true)."""
-  token = _EVALUATING.set(True)
+def raised(flag: contextvars.ContextVar) -> Iterator[None]:
+  """A block in which the boolean context variable `flag` is true (as it was after it): how
+  a caller tells the traces it makes, and only those, to take another form."""
+  token = flag.set(True)
   try:
     yield
   finally:
-    _EVALUATING.reset(token)
+    flag.reset(token)
+
+
+def evaluation() -> contextlib.AbstractContextManager[None]:
+  """Traces inside it are of an evaluation program (`folds()` is true)."""
+  return raised(_EVALUATING)
 
 
 def folds() -> bool:

@@ -55,6 +55,9 @@ compiles one group instead of every block. The unrolled form
 unrolled form's initial values), so they differ only in the order of float
 operations, and in the dropout masks (each layer's key is drawn differently).
 `stack_layers` and `unstack_layers` convert parameters between the forms.
+A FLOP count traces the scanned form as the unrolled one (`as_unrolled`):
+autodiff places a few scalar operations differently around a loop, and the
+count is of the function, not of its compiled form.
 
 The model declares its expert layers to gMoE (`alma_jax.methods.gmoe`), which
 grows them instead of adding gated mixtures of its own: `copy_experts` (a
@@ -66,6 +69,8 @@ experts' axis, for sharding).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -77,6 +82,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from alma_jax.configuration import fields as F
+from alma_jax.models import inference
 from alma_jax.models import registry
 from alma_jax.models import slots
 
@@ -254,6 +260,21 @@ class Group(nn.Module):
 # -- the two layouts ------------------------------------------------------------------------------
 LAYERS = "layers"  # the scanned groups' stacked parameters
 ROUTING, ACTIVE = "routing", "active_experts"  # the active experts of a model in slots
+_AS_UNROLLED = contextvars.ContextVar("alma_jax_switch_as_unrolled", default=False)
+
+
+def as_unrolled() -> contextlib.AbstractContextManager[None]:
+  """A block whose traces compute a scanned model's groups one after another, block by block,
+  from its stacked parameters: the unrolled form's operations, what a FLOP count traces."""
+  return inference.raised(_AS_UNROLLED)
+
+
+def _groups_of(stacked, groups: int) -> list:
+  """The `groups` slices of stacked parameters along their leading axis, split (whose
+  derivative concatenates) rather than indexed (whose derivatives would be added up)."""
+  leaves, treedef = jax.tree.flatten(stacked)
+  parts = [jnp.split(a, groups) for a in leaves]
+  return [treedef.unflatten([jnp.squeeze(p[k], 0) for p in parts]) for k in range(groups)]
 
 
 def _block_index(name: str) -> int | None:
@@ -538,7 +559,18 @@ class SwitchTransformer(nn.Module):
               eval_capacity_factor=self.eval_capacity_factor, dropout=self.dropout,
               min_experts=self.min_experts)
     groups = self.num_layers // self.moe_every
-    if self.scan_layers and groups:
+    stacked = self.variables.get("params", {}).get(LAYERS)
+    if self.scan_layers and groups and _AS_UNROLLED.get() and stacked is not None:
+      # The unrolled form's blocks, in its order, on the scanned parameters (`as_unrolled`).
+      for group in _groups_of(stacked, groups):
+        for j in range(self.moe_every):
+          block = Block(**kw, moe=j == self.moe_every - 1, parent=None)
+          rngs = {"dropout": self.make_rng("dropout")} if train and self.dropout else {}
+          x, bl, ex = block.apply({"params": group[f"block{j}"]}, x, tmask, train, active,
+                                  rngs=rngs)
+          balance, experts = balance + bl, experts + ([] if ex is None else [ex])
+      first = groups * self.moe_every
+    elif self.scan_layers and groups:
       scanned = nn.scan(Group, variable_axes={"params": 0},
                         split_rngs={"params": True, "dropout": True},
                         in_axes=(nn.broadcast, nn.broadcast), length=groups)

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from alma_jax import methods
+from alma_jax.configuration import config_lib
 from alma_jax.engine import accounting
 from alma_jax.engine import timing
 from alma_jax.engine.programs import Batch
@@ -124,6 +126,30 @@ def test_counts_do_not_depend_on_the_compute_dtype():
   # reductions count as float32's do.
   assert (_flops("mnist", 16, train={"compute_dtype": "bfloat16"})
           == _flops("mnist", 16, train={"compute_dtype": "float32"}))
+
+
+@pytest.mark.parametrize("name", ["lm_sm", "lm_ens", "lm_gmoe"])
+def test_counts_do_not_depend_on_scanning_the_switch_transformer(name):
+  # One model, an ensemble's members in one vmap, and experts in slots: the scanned form's
+  # train loss and prediction count as the unrolled form's, FLOP for FLOP.
+  def counts(scan):
+    c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", name), "smoke")
+    c.model.dim, c.model.ffn_dim, c.model.dropout = 32, 48, 0.1
+    c.model.num_layers, c.model.moe_every, c.model.scan_layers = 4, 2, scan
+    m = methods.make(c, (16,), 97)
+    learner = jax.eval_shape(m.init, jax.random.key(0))
+    trainable, frozen = jax.eval_shape(m.partition, learner)
+    n, spec = m.num_data_orders(learner.structure), jax.ShapeDtypeStruct
+    tokens, mask = spec((n, 2, 16), jnp.int32), spec((n, 2), jnp.bool_)
+    loss = lambda *a: m.loss(learner.structure, *a)[0]  # pylint: disable=unnecessary-lambda-assignment
+    train = accounting.count(jax.value_and_grad(loss), trainable, frozen, learner.model_state,
+                             tokens, tokens, mask, jax.eval_shape(lambda: jax.random.key(1)))
+    infer = accounting.count(lambda p, s, x: m.predict(learner.structure, p, s, x),
+                             learner.params, learner.model_state, spec((2, 16), jnp.int32))
+    return train, infer
+
+  scanned = counts(True)
+  assert scanned[0].macs > 0 and scanned == counts(False)
 
 
 def test_firefly_candidate_network_counts_do_not_depend_on_the_convolution_implementation():

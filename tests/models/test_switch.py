@@ -13,6 +13,7 @@ import pytest
 
 from alma_jax import methods
 from alma_jax.configuration import config_lib
+from alma_jax.engine import accounting
 from alma_jax.engine import sharding
 from alma_jax.engine import timing
 from alma_jax.errors import ConfigError
@@ -443,6 +444,45 @@ def test_the_scanned_and_the_unrolled_forms_are_the_same_function(num_layers, mo
   assert abs(float(aux_q["balance"] - aux_p["balance"])) <= ulps * float(aux_p["balance"])
   assert abs(float(lq - lp)) <= ulps * float(lp)
   chex.assert_trees_all_close(switch.unstack_layers(gq), gp, atol=ulps * _max_abs(gp), rtol=0)
+
+
+@pytest.mark.parametrize("num_layers, moe_every", [(2, 1), (5, 2)])
+def test_a_count_traces_the_scanned_form_as_the_unrolled_one(num_layers, moe_every):
+  """Comp counts the function, not its compiled form: a scanned model's train step and
+  prediction count exactly the unrolled form's FLOPs (`switch.as_unrolled`, entered by
+  `accounting.count`), a path that computes the same logits and that traces outside a count
+  do not take."""
+  model = switch.SwitchTransformer(vocab_size=SMALL_V, max_len=16, dim=32, num_heads=2,
+                                   ffn_dim=48, num_experts=4, num_layers=num_layers,
+                                   moe_every=moe_every, dropout=0.1, eval_capacity_factor=2.0,
+                                   scan_layers=False)
+  scanned = model.clone(scan_layers=True)
+  tokens = jax.random.randint(jax.random.key(1), (3, 17), 0, SMALL_V)
+  init = lambda m: jax.jit(lambda k: base.init_variables(m, k, tokens[:, :-1]))(jax.random.key(0))  # pylint: disable=unnecessary-lambda-assignment
+  p, q = init(model)["params"], init(scanned)["params"]
+
+  def train_step(module):
+    def loss(params, rng):
+      logits, aux = module.apply({"params": params}, tokens[:, :-1], train=True,
+                                 rngs={"dropout": rng})
+      nll = task_base.masked_cross_entropy(logits, tokens[:, 1:], jnp.ones(3, bool))
+      return nll + 0.01 * aux["balance"]
+    return jax.value_and_grad(loss)
+
+  def predict(module):
+    return lambda params: module.apply({"params": params}, tokens[:, :-1])[0]
+
+  key = jax.random.key(2)
+  counted = accounting.count(train_step(model), p, key)
+  assert counted.macs > 0 and accounting.count(train_step(scanned), q, key) == counted
+  assert accounting.count(predict(scanned), q) == accounting.count(predict(model), p)
+  with switch.as_unrolled():
+    unrolled_path = jax.jit(predict(scanned))(q)
+    assert "scan[" not in str(jax.make_jaxpr(predict(scanned))(q))
+  logits = jax.jit(predict(model))(p)
+  ulps = 64 * 2.0 ** -23  # float32 round-off of reordered sums, as in the test above
+  chex.assert_trees_all_close(unrolled_path, logits, atol=ulps * _max_abs(logits), rtol=0)
+  assert "scan[" in str(jax.make_jaxpr(predict(scanned))(q))  # outside: the loop
 
 
 def test_copy_experts_writes_the_same_weights_in_both_layouts():
