@@ -202,7 +202,8 @@ def child(out_path: str, argv: list[str]) -> None:
 
   def write():
     with open(out_path + ".tmp", "w") as f:
-      json.dump({"wall_s": time.monotonic() - t0, "seconds": dict(seconds),
+      json.dump({"wall_s": time.monotonic() - t0, "step_prefix": timing.STEP_PREFIX,
+                 "seconds": dict(seconds),
                  "programs": dict(programs), "names": dict(names.most_common()),
                  "phases": dict(phases),
                  "slow_phases": slow, **cache}, f)
@@ -242,8 +243,7 @@ def run_one(spec: str, extra: list[str], cache_dir: str, xla_cpu_log: bool = Fal
   result["final_error"] = summary.get("final_error")
   result["timings"] = summary.get("timings", {})
   if xla_cpu_log:
-    from alma_jax.engine import timing  # pylint: disable=g-import-not-at-top
-    result["xla_cpu"] = xla_cpu_compiles(proc.stderr, timing.STEP_PREFIX)
+    result["xla_cpu"] = xla_cpu_compiles(proc.stderr, result["step_prefix"])
   return result
 
 
