@@ -140,7 +140,7 @@ def test_compile_budget_reads_xla_cpu_s_log_per_program_kind():
                          "part 0.00 / 1, wrapped_is-finite 0.00 / 1 |")
 
 
-def test_xla_cpu_s_log_of_a_real_compile_is_read(tmp_path):
+def test_xla_cpu_s_log_of_a_real_compile_is_read():
   """The log lines `compile_budget.py --xla_cpu_log` reads are those this jaxlib writes."""
   from benchmarks import compile_budget  # pylint: disable=g-import-not-at-top
   code = ("import jax, jax.numpy as jnp\n"
