@@ -15,7 +15,9 @@ Every result is written to `--out_dir`/results.json as soon as it is measured
 machine that returns few files returns it); `--from_dir` prints the table
 again from there. `--xla_dump=REGEX` also dumps the HLO of alma_jax's programs
 whose module names match (XLA's `--xla_dump_to`) into one archive there,
-`xla_dump.tgz`, to see on another machine what a slow compile compiled.
+`xla_dump.tgz`, to see on another machine what a slow compile compiled;
+`--xla_pass_log=true` times alma_jax's cold compiles pass by pass (a table
+per program kind: its slowest XLA passes).
 
   python benchmarks/accelerator_table.py --peer_cmd="bash .gpu_carry/peer_gpu.sh" \\
       --out_dir=/tmp/table --lm=lm_base,lm_base_unrolled --interrupt_at=25
@@ -90,19 +92,21 @@ def dump_flags(out_dir: str, regex: str) -> str:
                    f"--xla_dump_hlo_module_re={regex}", "--xla_dump_hlo_as_text"]).strip()
 
 
-def _ours(spec: str, extra: list[str], cache_dir: str) -> dict:
+def _ours(spec: str, extra: list[str], cache_dir: str, xla_pass_log: bool = False) -> dict:
   try:
-    return compile_budget.run_one(spec, extra, cache_dir)
+    return compile_budget.run_one(spec, extra, cache_dir, xla_pass_log=xla_pass_log)
   except SystemExit as e:  # a failed run is a row with its error, not the end of the table
     return {"error": str(e)[-1500:]}
 
 
-def measure_protocol(protocol: str, peer_cmd: str, extra: list[str]) -> dict:
-  """alma_jax cold and warm on one fresh cache, then the released code once."""
+def measure_protocol(protocol: str, peer_cmd: str, extra: list[str],
+                     xla_pass_log: bool = False) -> dict:
+  """alma_jax cold and warm on one fresh cache, then the released code once; `xla_pass_log`:
+  the cold run's XLA compiles timed pass by pass (`compile_budget.xla_passes`)."""
   spec = compile_budget.RUNS[protocol.lower()]
   result = {"protocol": protocol}
   with tempfile.TemporaryDirectory() as cache_dir:
-    result["cold"] = _ours(spec, extra, cache_dir)
+    result["cold"] = _ours(spec, extra, cache_dir, xla_pass_log)
     result["warm"] = _ours(spec, extra, cache_dir)
   if peer_cmd:
     proc = subprocess.run(shlex.split(peer_cmd) + [protocol], capture_output=True, text=True,
@@ -186,6 +190,11 @@ def table(results: dict[str, dict], device: str) -> str:
       lines.append(f"| {name} | {r['process_s']:.1f} | {r['compile_s']:.1f} | "
                    f"{sec.get('train', 0.0):.1f} | {sec.get('eval', 0.0):.1f} | "
                    f"{r['xla_programs']} |")
+  passes = {name: {"cold": r.get("cold", r)} for name, r in sorted(results.items())
+            if isinstance(r, dict) and "xla_passes" in r.get("cold", r)}
+  if passes:
+    lines += ["", "Where the cold runs' XLA compiles go, pass by pass:", "",
+              compile_budget.xla_pass_table(passes)]
   stop = results.get("interrupt")
   if stop:
     lines += ["", f"SIGTERM {stop['sigterm_at_s']:.0f} s into a cold lm_base run"
@@ -209,6 +218,8 @@ def main(argv=None) -> int:
                   help="also send SIGTERM to a cold lm_base run after this many seconds")
   ap.add_argument("--out_dir", default="", help="results.json here, rewritten as results come")
   ap.add_argument("--from_dir", default="", help="print the table of an earlier --out_dir")
+  ap.add_argument("--xla_pass_log", default="false", choices=("true", "false"),
+                  help="time alma_jax's cold compiles pass by pass (XLA's own log)")
   ap.add_argument("--xla_dump", default="",
                   help="dump the HLO of alma_jax's programs matching this into xla_dump.tgz")
   args = ap.parse_args(argv)
@@ -231,13 +242,14 @@ def main(argv=None) -> int:
     os.environ["XLA_FLAGS"] = dump_flags(out_dir, args.xla_dump)
   _save(out_dir, results)
   for p in protocols:
-    results[p] = measure_protocol(p, args.peer_cmd, extra)
+    results[p] = measure_protocol(p, args.peer_cmd, extra, args.xla_pass_log == "true")
     _save(out_dir, results)
     print(f"{p}: cold {_wall(results[p]['cold'])} s, warm {_wall(results[p]['warm'])} s, "
           f"released {_wall(results[p].get('released'), 'wall_s')} s", file=sys.stderr, flush=True)
   for name in lms:
     with tempfile.TemporaryDirectory() as cache_dir:
-      results[name] = _ours(compile_budget.RUNS[name], extra, cache_dir)
+      results[name] = _ours(compile_budget.RUNS[name], extra, cache_dir,
+                            args.xla_pass_log == "true")
     _save(out_dir, results)
     print(f"{name}: cold {_wall(results[name])} s", file=sys.stderr, flush=True)
   if args.interrupt_at > 0:

@@ -40,6 +40,13 @@ compile goes, e.g. a scanned model's stacking kernels or an optimizer's
 per-parameter updates.
 
   python benchmarks/compile_budget.py --runs=lm_base,lm_base_unrolled --warm=false --xla_cpu_log=true
+
+`--xla_pass_log=true` (any backend) times the cold run's XLA compiles pass by
+pass (`TF_CPP_VMODULE=hlo_pass_pipeline=1`): per program kind, the seconds of
+its HLO passes and its slowest passes -- on an accelerator, whether a slow
+compile is a fusion pass, an autotuner, or neither (then code generation).
+
+  python benchmarks/compile_budget.py --runs=p4 --warm=false --xla_pass_log=true
 """
 
 from __future__ import annotations
@@ -133,6 +140,62 @@ def xla_cpu_compiles(log: str, step_prefix: str) -> dict:
   return out
 
 
+# XLA's log lines of every HLO pass, on any backend (`hlo_pass_pipeline.cc`): a pipeline
+# starting on a module, and each pass's seconds. A pipeline nested in another is itself logged
+# as a pass of its parent, with its passes' time inside.
+XLA_PASS_LOG = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "hlo_pass_pipeline=1"}
+_LOG_THREAD = re.compile(r"^[IWEF]\d{4} \S+\s+(\d+) ")
+_PIPELINE = re.compile(r"Running HLO pass pipeline on module (\S+): (.+?)\s*$")
+_PASS = re.compile(r"HLO pass: (.+?) time: ([0-9.]+) (s|ms|us|ns)\b(?: \((\d+) us\))?")
+
+
+def log_env(xla_cpu_log: bool, xla_pass_log: bool) -> dict:
+  """The environment a child process needs for the XLA logs asked for (one TF_CPP_VMODULE)."""
+  env, modules = {}, []
+  for wanted, extra in ((xla_cpu_log, XLA_CPU_LOG), (xla_pass_log, XLA_PASS_LOG)):
+    if wanted:
+      env.update(extra)
+      modules.append(extra["TF_CPP_VMODULE"])
+  if modules:
+    env["TF_CPP_VMODULE"] = ",".join(modules)
+  return env
+
+
+def xla_passes(log: str, step_prefix: str) -> dict:
+  """Per program kind, from XLA's HLO-pass log lines (`XLA_PASS_LOG`) in `log`: the seconds
+  of its HLO passes ("passes_s", nested pipelines counted once, through their passes) and per
+  pass name [seconds, runs] ("by_pass"). A pass line belongs to the module whose pipeline
+  last started on the same thread (threads are told apart by the log's thread id)."""
+  out: dict[str, dict] = {}
+  module_of: dict[str, str] = {}  # thread -> module
+  pipelines: dict[str, set] = collections.defaultdict(set)  # module -> its pipelines' names
+  for line in log.splitlines():
+    if "HLO pass" not in line:
+      continue
+    m = _LOG_THREAD.match(line)
+    thread = m.group(1) if m else ""
+    m = _PIPELINE.search(line)
+    if m:
+      module_of[thread] = m.group(1)
+      pipelines[m.group(1)].add(m.group(2))
+      continue
+    m = _PASS.search(line)
+    if not m or thread not in module_of:
+      continue
+    module = module_of[thread]
+    if m.group(1) in pipelines[module]:  # a nested pipeline: its passes are counted
+      continue
+    seconds = (int(m.group(4)) * 1e-6 if m.group(4)
+               else float(m.group(2)) * {**_UNIT, "ns": 1e-9}[m.group(3)])
+    kind = kind_of(re.sub(r"\.\d+$", "", module), step_prefix)
+    entry = out.setdefault(kind, {"passes_s": 0.0, "by_pass": {}})
+    entry["passes_s"] += seconds
+    by = entry["by_pass"].setdefault(m.group(1), [0.0, 0])
+    by[0] += seconds
+    by[1] += 1
+  return out
+
+
 def kind_of(fun_name: str, step_prefix: str) -> str:
   """The program kind of a compile event's function name ("jit(alma_step_train)" -> train)."""
   name = str(fun_name)
@@ -215,9 +278,11 @@ def child(out_path: str, argv: list[str]) -> None:
 
 
 # -- the parent -----------------------------------------------------------------------------------
-def run_one(spec: str, extra: list[str], cache_dir: str, xla_cpu_log: bool = False) -> dict:
+def run_one(spec: str, extra: list[str], cache_dir: str, xla_cpu_log: bool = False,
+            xla_pass_log: bool = False) -> dict:
   """One process of run `spec` (a config and its overrides) with the cache `cache_dir`;
-  `xla_cpu_log`: with XLA:CPU's compile log, read into `xla_cpu` (`xla_cpu_compiles`)."""
+  `xla_cpu_log`: with XLA:CPU's compile log, read into `xla_cpu` (`xla_cpu_compiles`);
+  `xla_pass_log`: with XLA's HLO-pass log (any backend), read into `xla_passes`."""
   parts = shlex.split(spec) + list(extra)
   with tempfile.TemporaryDirectory() as workdir:
     out = os.path.join(workdir, "compile.json")
@@ -225,7 +290,8 @@ def run_one(spec: str, extra: list[str], cache_dir: str, xla_cpu_log: bool = Fal
            f"--config={parts[0]}", f"--workdir={os.path.join(workdir, 'run')}",
            f"--compilation_cache_dir={cache_dir}", *parts[1:]]
     t0 = time.monotonic()
-    env = {**os.environ, **XLA_CPU_LOG} if xla_cpu_log else None
+    logs = log_env(xla_cpu_log, xla_pass_log)
+    env = {**os.environ, **logs} if logs else None
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     wall = time.monotonic() - t0
     if proc.returncode:
@@ -244,6 +310,10 @@ def run_one(spec: str, extra: list[str], cache_dir: str, xla_cpu_log: bool = Fal
   result["timings"] = summary.get("timings", {})
   if xla_cpu_log:
     result["xla_cpu"] = xla_cpu_compiles(proc.stderr, result["step_prefix"])
+  if xla_pass_log:
+    result["xla_passes"] = xla_passes(proc.stderr, result["step_prefix"])
+    if not result["xla_passes"]:  # a log format this parser does not know: keep a sample
+      result["xla_pass_log_sample"] = [l for l in proc.stderr.splitlines() if "pass" in l][-40:]
   return result
 
 
@@ -294,6 +364,26 @@ def xla_cpu_table(results: dict, top: int = 5) -> str:
   return "\n".join(lines)
 
 
+def xla_pass_table(results: dict, top: int = 5) -> str:
+  """The runs' HLO passes per program kind (`xla_passes`), the kinds with most XLA compile
+  first; `results`: {run: {cache: result}} as `main` builds it."""
+  lines = ["| run | cache | program kind | compile s (programs) | HLO passes s | "
+           "slowest passes (s / runs) |", "|---|---|---|---|---|---|"]
+  for name, by_cache in results.items():
+    for which, r in by_cache.items():
+      if "xla_passes" not in r:
+        continue
+      if not r["xla_passes"]:
+        lines.append(f"| {name} | {which} | (no HLO pass in its log) | | | |")
+      for kind, c in sorted(r["xla_passes"].items(),
+                            key=lambda kv: -r["seconds"].get(kv[0], kv[1]["passes_s"])):
+        passes = sorted(c["by_pass"].items(), key=lambda kv: -kv[1][0])[:top]
+        lines.append(f"| {name} | {which} | {kind} | {r['seconds'].get(kind, 0.0):.2f} "
+                     f"({r['programs'].get(kind, 0)}) | {c['passes_s']:.2f} | "
+                     + ", ".join(f"{k} {v[0]:.2f} / {v[1]}" for k, v in passes) + " |")
+  return "\n".join(lines)
+
+
 def main() -> None:
   if len(sys.argv) > 1 and sys.argv[1].startswith("--child="):
     rest = sys.argv[2:]
@@ -316,6 +406,9 @@ def main() -> None:
   ap.add_argument("--xla_cpu_log", default="false", choices=("true", "false"),
                   help="split the cold run's XLA:CPU compiles into HLO passes and code "
                        "generation per program kind, with the kernels generated")
+  ap.add_argument("--xla_pass_log", default="false", choices=("true", "false"),
+                  help="time the cold run's XLA compiles pass by pass (any backend: where an "
+                       "accelerator's compile goes), per program kind")
   ap.add_argument("--out", default=None, help="also write the results as JSON here")
   args = ap.parse_args(argv)
   names = [n for n in args.runs.split(",") if n]
@@ -328,7 +421,8 @@ def main() -> None:
   for name in names:
     with tempfile.TemporaryDirectory() as cache_dir:
       results[name] = {"cold": run_one(RUNS[name], extra, cache_dir,
-                                       xla_cpu_log=args.xla_cpu_log == "true")}
+                                       xla_cpu_log=args.xla_cpu_log == "true",
+                                       xla_pass_log=args.xla_pass_log == "true")}
       print(f"{name} cold: {results[name]['cold']['process_s']:.1f} s", file=sys.stderr,
             flush=True)
       if args.warm == "true":
@@ -343,6 +437,9 @@ def main() -> None:
   if args.xla_cpu_log == "true":
     print()
     print(xla_cpu_table(results))
+  if args.xla_pass_log == "true":
+    print()
+    print(xla_pass_table(results))
   if args.out:
     with open(args.out, "w") as f:
       json.dump({"runs": {n: RUNS[n] for n in names}, "extra": extra,

@@ -54,6 +54,16 @@ def test_the_table_gives_ratios_compiles_and_failures(table_lib):
                        "status 143.")
 
 
+def test_the_cold_runs_passes_are_tabled_when_logged(table_lib):
+  cold = dict(_ours(40.0, 30.0), programs={"eval": 5, "train": 5},
+              xla_passes={"eval": {"passes_s": 20.0, "by_pass": {"priority-fusion": [18.0, 5]}}})
+  results = dict(RESULTS, P4={"protocol": "P4", "cold": cold, "warm": _ours(16.0, 4.0, 40)})
+  lines = table_lib.table(results, "Some GPU").splitlines()
+  assert "| P4 | cold | eval | 7.50 (5) | 20.00 | priority-fusion 18.00 / 5 |" in lines
+  assert not any("| P3 | cold |" in line for line in lines)  # P3's were not logged
+  assert "pass by pass" not in table_lib.table(RESULTS, "Some GPU")
+
+
 def test_results_are_read_from_one_file_or_from_one_file_per_result(table_lib, tmp_path):
   one = tmp_path / "one"
   one.mkdir()
