@@ -345,43 +345,51 @@ def table(results: dict) -> str:
   return "\n".join(lines)
 
 
-def xla_cpu_table(results: dict, top: int = 5) -> str:
-  """The runs' XLA:CPU compiles per program kind (`xla_cpu_compiles`), largest first."""
-  lines = ["| run | cache | program kind | programs | HLO passes s | code generation s | "
-           "LLVM modules | their s by kind (s / modules) |", "|---|---|---|---|---|---|---|---|"]
+def _slowest(by: dict, top: int) -> str:
+  """"name s / count" of the `top` largest [seconds, count] entries of `by`."""
+  return ", ".join(f"{k} {v[0]:.2f} / {v[1]}"
+                   for k, v in sorted(by.items(), key=lambda kv: -kv[1][0])[:top])
+
+
+def _kind_rows(results: dict, field: str, nothing: str, order, cells) -> list[str]:
+  """Table rows per (run, cache, program kind) of the results that hold `field` (a dict per
+  kind), ordered by `order(result, kind, entry)`; `nothing`: the cells of a result whose log
+  had none; `cells(result, kind, entry)`: the cells after the kind."""
+  rows = []
   for name, by_cache in results.items():
     for which, r in by_cache.items():
-      if "xla_cpu" not in r:
+      if field not in r:
         continue
-      if not r["xla_cpu"]:
-        lines.append(f"| {name} | {which} | (no XLA:CPU compile in its log) | | | | | |")
-      for kind, c in sorted(r["xla_cpu"].items(),
-                            key=lambda kv: -(kv[1]["hlo_passes_s"] + kv[1]["codegen_s"])):
-        kinds = sorted(c["by_kernel"].items(), key=lambda kv: -kv[1][0])[:top]
-        lines.append(f"| {name} | {which} | {kind} | {c['programs']} | "
-                     f"{c['hlo_passes_s']:.2f} | {c['codegen_s']:.2f} | {c['kernels']} | "
-                     + ", ".join(f"{k} {v[0]:.2f} / {v[1]}" for k, v in kinds) + " |")
-  return "\n".join(lines)
+      if not r[field]:
+        rows.append(f"| {name} | {which} | {nothing} |")
+      for kind, c in sorted(r[field].items(), key=lambda kv, r=r: order(r, *kv)):
+        rows.append(f"| {name} | {which} | {kind} | {cells(r, kind, c)} |")
+  return rows
+
+
+def xla_cpu_table(results: dict, top: int = 5) -> str:
+  """The runs' XLA:CPU compiles per program kind (`xla_cpu_compiles`), largest first."""
+  return "\n".join(
+      ["| run | cache | program kind | programs | HLO passes s | code generation s | "
+       "LLVM modules | their s by kind (s / modules) |", "|---|---|---|---|---|---|---|---|"]
+      + _kind_rows(results, "xla_cpu", "(no XLA:CPU compile in its log) | | | | |",
+                   lambda r, kind, c: -(c["hlo_passes_s"] + c["codegen_s"]),
+                   lambda r, kind, c: (f"{c['programs']} | {c['hlo_passes_s']:.2f} | "
+                                       f"{c['codegen_s']:.2f} | {c['kernels']} | "
+                                       + _slowest(c["by_kernel"], top))))
 
 
 def xla_pass_table(results: dict, top: int = 5) -> str:
   """The runs' HLO passes per program kind (`xla_passes`), the kinds with most XLA compile
   first; `results`: {run: {cache: result}} as `main` builds it."""
-  lines = ["| run | cache | program kind | compile s (programs) | HLO passes s | "
-           "slowest passes (s / runs) |", "|---|---|---|---|---|---|"]
-  for name, by_cache in results.items():
-    for which, r in by_cache.items():
-      if "xla_passes" not in r:
-        continue
-      if not r["xla_passes"]:
-        lines.append(f"| {name} | {which} | (no HLO pass in its log) | | | |")
-      for kind, c in sorted(r["xla_passes"].items(),
-                            key=lambda kv: -r["seconds"].get(kv[0], kv[1]["passes_s"])):
-        passes = sorted(c["by_pass"].items(), key=lambda kv: -kv[1][0])[:top]
-        lines.append(f"| {name} | {which} | {kind} | {r['seconds'].get(kind, 0.0):.2f} "
-                     f"({r['programs'].get(kind, 0)}) | {c['passes_s']:.2f} | "
-                     + ", ".join(f"{k} {v[0]:.2f} / {v[1]}" for k, v in passes) + " |")
-  return "\n".join(lines)
+  return "\n".join(
+      ["| run | cache | program kind | compile s (programs) | HLO passes s | "
+       "slowest passes (s / runs) |", "|---|---|---|---|---|---|"]
+      + _kind_rows(results, "xla_passes", "(no HLO pass in its log) | | |",
+                   lambda r, kind, c: -r["seconds"].get(kind, c["passes_s"]),
+                   lambda r, kind, c: (f"{r['seconds'].get(kind, 0.0):.2f} "
+                                       f"({r['programs'].get(kind, 0)}) | {c['passes_s']:.2f} | "
+                                       + _slowest(c["by_pass"], top))))
 
 
 def main() -> None:
