@@ -165,7 +165,9 @@ def xla_passes(log: str, step_prefix: str) -> dict:
   """Per program kind, from XLA's HLO-pass log lines (`XLA_PASS_LOG`) in `log`: the seconds
   of its HLO passes ("passes_s", nested pipelines counted once, through their passes) and per
   pass name [seconds, runs] ("by_pass"). A pass line belongs to the module whose pipeline
-  last started on the same thread (threads are told apart by the log's thread id)."""
+  last started on the same thread (threads are told apart by the log's thread id). Modules
+  that XLA compiles inside a pass (an autotuner's candidate kernels) have names of their own:
+  their passes count under "other", and inside the pass that compiled them."""
   out: dict[str, dict] = {}
   module_of: dict[str, str] = {}  # thread -> module
   pipelines: dict[str, set] = collections.defaultdict(set)  # module -> its pipelines' names
