@@ -92,10 +92,12 @@ PHASES = ("jaxpr_trace_duration", "jaxpr_to_mlir_module_duration", "backend_comp
 # XLA:CPU's log lines of a compile: the HLO passes and the whole compile of a module (its name
 # as `jit_<function>`), and every LLVM kernel module compiled in between.
 XLA_CPU_LOG = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "cpu_compiler=2,ir_compiler=1"}
-_HLO_PASSES = re.compile(r"Running HLO passes on \[(\S+)\] for CPU time: ([0-9.]+) (s|ms|us) ")
-_COMPILED = re.compile(r"Compiling \[(\S+)\] for CPU using JIT time: ([0-9.]+) (s|ms|us) ")
-_KERNEL = re.compile(r"Compiled LLVM module: (\S+) time: ([0-9.]+) (s|ms|us) ")
-_UNIT = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+# XLA writes a duration in the unit that suits it: "840 us", "9.91 ms", "1.2 s", "1.5 min".
+_UNIT = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
+_TIME = r"([0-9.]+) (ns|us|ms|s|min|h)"
+_HLO_PASSES = re.compile(r"Running HLO passes on \[(\S+)\] for CPU time: " + _TIME + " ")
+_COMPILED = re.compile(r"Compiling \[(\S+)\] for CPU using JIT time: " + _TIME + " ")
+_KERNEL = re.compile(r"Compiled LLVM module: (\S+) time: " + _TIME + " ")
 
 
 def kernel_kind(name: str) -> str:
@@ -146,7 +148,7 @@ def xla_cpu_compiles(log: str, step_prefix: str) -> dict:
 XLA_PASS_LOG = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "hlo_pass_pipeline=1"}
 _LOG_THREAD = re.compile(r"^[IWEF]\d{4} \S+\s+(\d+) ")
 _PIPELINE = re.compile(r"Running HLO pass pipeline on module (\S+): (.+?)\s*$")
-_PASS = re.compile(r"HLO pass: (.+?) time: ([0-9.]+) (s|ms|us|ns)\b(?: \((\d+) us\))?")
+_PASS = re.compile(r"HLO pass: (.+?) time: " + _TIME + r"\b(?: \((\d+) us\))?")
 
 
 def log_env(xla_cpu_log: bool, xla_pass_log: bool) -> dict:
@@ -188,7 +190,7 @@ def xla_passes(log: str, step_prefix: str) -> dict:
     if m.group(1) in pipelines[module]:  # a nested pipeline: its passes are counted
       continue
     seconds = (int(m.group(4)) * 1e-6 if m.group(4)
-               else float(m.group(2)) * {**_UNIT, "ns": 1e-9}[m.group(3)])
+               else float(m.group(2)) * _UNIT[m.group(3)])
     kind = kind_of(re.sub(r"\.\d+$", "", module), step_prefix)
     entry = out.setdefault(kind, {"passes_s": 0.0, "by_pass": {}})
     entry["passes_s"] += seconds
