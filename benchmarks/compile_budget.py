@@ -282,6 +282,15 @@ def child(out_path: str, argv: list[str]) -> None:
 
 
 # -- the parent -----------------------------------------------------------------------------------
+_XLA_INFO = re.compile(r"^I\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] ")
+
+
+def error_tail(stderr: str, chars: int = 3000) -> str:
+  """The end of a failed run's stderr without XLA's informational log lines (which the XLA
+  logs asked for would otherwise fill it): the run's own error stays readable."""
+  return "\n".join(l for l in stderr.splitlines() if not _XLA_INFO.match(l))[-chars:]
+
+
 def run_one(spec: str, extra: list[str], cache_dir: str, xla_cpu_log: bool = False,
             xla_pass_log: bool = False) -> dict:
   """One process of run `spec` (a config and its overrides) with the cache `cache_dir`;
@@ -300,7 +309,7 @@ def run_one(spec: str, extra: list[str], cache_dir: str, xla_cpu_log: bool = Fal
     wall = time.monotonic() - t0
     if proc.returncode:
       raise SystemExit(f"compile_budget: {spec} failed (exit {proc.returncode}):\n"
-                       f"{proc.stderr[-3000:]}")
+                       f"{error_tail(proc.stderr)}")
     with open(out) as f:
       result = json.load(f)
     with open(os.path.join(workdir, "run", "summary.json")) as f:

@@ -177,6 +177,17 @@ def test_compile_budget_reads_xla_s_pass_log_per_program_kind():
                      "algsimp 0.00 / 2, dce 0.00 / 1 |")
 
 
+def test_a_failed_run_s_error_is_not_buried_under_xla_s_log():
+  from benchmarks import compile_budget  # pylint: disable=g-import-not-at-top
+  stderr = ("W1202 16:51:35.800000   32110 cpu_feature.cc:1] a warning stays\n"
+            + _XLA_PASS_LOG * 50 + "alma_jax: error: config.stream.wait=-1 is not allowed\n")
+  tail = compile_budget.error_tail(stderr)
+  assert tail == ("W1202 16:51:35.800000   32110 cpu_feature.cc:1] a warning stays\n"
+                  + "HLO pass: orphan time: 1 ms (1000 us)\n" * 50
+                  + "alma_jax: error: config.stream.wait=-1 is not allowed")[-3000:]
+  assert tail.endswith("is not allowed") and "hlo_pass_pipeline.cc" not in tail
+
+
 def test_xla_s_pass_log_of_a_real_compile_is_read():
   """The pass lines `compile_budget.py --xla_pass_log` reads are those this jaxlib writes, with
   both logs asked for in one process: the passes' seconds fit in XLA:CPU's own total of them
