@@ -146,7 +146,8 @@ def xla_cpu_compiles(log: str, step_prefix: str) -> dict:
 # starting on a module, and each pass's seconds. A pipeline nested in another is itself logged
 # as a pass of its parent, with its passes' time inside.
 XLA_PASS_LOG = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "hlo_pass_pipeline=1"}
-_LOG_THREAD = re.compile(r"^[IWEF]\d{4} \S+\s+(\d+) ")
+# absl's prefix of a log line: level, date, time, thread, file:line.
+_LOG_PREFIX = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+\s+(\d+) \S+:\d+\] ")
 _PIPELINE = re.compile(r"Running HLO pass pipeline on module (\S+): (.+?)\s*$")
 _PASS = re.compile(r"HLO pass: (.+?) time: " + _TIME + r"\b(?: \((\d+) us\))?")
 
@@ -176,8 +177,8 @@ def xla_passes(log: str, step_prefix: str) -> dict:
   for line in log.splitlines():
     if "HLO pass" not in line:
       continue
-    m = _LOG_THREAD.match(line)
-    thread = m.group(1) if m else ""
+    m = _LOG_PREFIX.match(line)
+    thread = m.group(2) if m else ""
     m = _PIPELINE.search(line)
     if m:
       module_of[thread] = m.group(1)
@@ -282,13 +283,13 @@ def child(out_path: str, argv: list[str]) -> None:
 
 
 # -- the parent -----------------------------------------------------------------------------------
-_XLA_INFO = re.compile(r"^I\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] ")
-
-
 def error_tail(stderr: str, chars: int = 3000) -> str:
   """The end of a failed run's stderr without XLA's informational log lines (which the XLA
   logs asked for would otherwise fill it): the run's own error stays readable."""
-  return "\n".join(l for l in stderr.splitlines() if not _XLA_INFO.match(l))[-chars:]
+  def info(line):
+    m = _LOG_PREFIX.match(line)
+    return m is not None and m.group(1) == "I"
+  return "\n".join(l for l in stderr.splitlines() if not info(l))[-chars:]
 
 
 def run_one(spec: str, extra: list[str], cache_dir: str, xla_cpu_log: bool = False,

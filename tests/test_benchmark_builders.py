@@ -188,22 +188,28 @@ def test_a_failed_run_s_error_is_not_buried_under_xla_s_log():
   assert tail.endswith("is not allowed") and "hlo_pass_pipeline.cc" not in tail
 
 
+def _probe_compile_log(log_env: dict) -> str:
+  """The stderr of a process that compiles one program, `jit(alma_step_probe)`, on the CPU
+  with the XLA log environment `log_env`."""
+  code = ("import jax, jax.numpy as jnp\n"
+          "def alma_step_probe(x):\n  return jnp.tanh(x) * 2 + jnp.sin(x).sum()\n"
+          "jax.jit(alma_step_probe)(jnp.ones((64, 64))).block_until_ready()\n")
+  env = {**os.environ, **log_env, "JAX_ENABLE_COMPILATION_CACHE": "false",
+         "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                        timeout=300, check=True).stderr
+
+
 def test_xla_s_pass_log_of_a_real_compile_is_read():
   """The pass lines `compile_budget.py --xla_pass_log` reads are those this jaxlib writes, with
   both logs asked for in one process: the passes' seconds fit in XLA:CPU's own total of them
   (the nesting of pipelines is the recorded log's test)."""
   from benchmarks import compile_budget  # pylint: disable=g-import-not-at-top
-  code = ("import jax, jax.numpy as jnp\n"
-          "def alma_step_probe(x):\n  return jnp.tanh(x) * 2 + jnp.sin(x).sum()\n"
-          "jax.jit(alma_step_probe)(jnp.ones((64, 64))).block_until_ready()\n")
-  env = {**os.environ, **compile_budget.log_env(True, True),
-         "JAX_ENABLE_COMPILATION_CACHE": "false", "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                        timeout=300, check=True)
-  probe = compile_budget.xla_passes(proc.stderr, "alma_step_")["probe"]
-  total = compile_budget.xla_cpu_compiles(proc.stderr, "alma_step_")["probe"]["hlo_passes_s"]
+  stderr = _probe_compile_log(compile_budget.log_env(True, True))
+  probe = compile_budget.xla_passes(stderr, "alma_step_")["probe"]
+  total = compile_budget.xla_cpu_compiles(stderr, "alma_step_")["probe"]["hlo_passes_s"]
   runs = sum(n for _, n in probe["by_pass"].values())
-  assert runs > 10 and "algsimp" in probe["by_pass"], proc.stderr[-3000:]
+  assert runs > 10 and "algsimp" in probe["by_pass"], stderr[-3000:]
   # Each pass's time is logged in whole microseconds, inside the passes' total.
   assert 0 < probe["passes_s"] <= total + runs * 1e-6, (probe["passes_s"], total)
 
@@ -211,13 +217,7 @@ def test_xla_s_pass_log_of_a_real_compile_is_read():
 def test_xla_cpu_s_log_of_a_real_compile_is_read():
   """The log lines `compile_budget.py --xla_cpu_log` reads are those this jaxlib writes."""
   from benchmarks import compile_budget  # pylint: disable=g-import-not-at-top
-  code = ("import jax, jax.numpy as jnp\n"
-          "def alma_step_probe(x):\n  return jnp.tanh(x) * 2 + jnp.sin(x).sum()\n"
-          "jax.jit(alma_step_probe)(jnp.ones((64, 64))).block_until_ready()\n")
-  env = {**os.environ, **compile_budget.XLA_CPU_LOG, "JAX_ENABLE_COMPILATION_CACHE": "false",
-         "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                        timeout=300, check=True)
-  probe = compile_budget.xla_cpu_compiles(proc.stderr, "alma_step_")["probe"]
-  assert probe["programs"] == 1 and probe["kernels"] >= 1, proc.stderr[-3000:]
+  stderr = _probe_compile_log(compile_budget.XLA_CPU_LOG)
+  probe = compile_budget.xla_cpu_compiles(stderr, "alma_step_")["probe"]
+  assert probe["programs"] == 1 and probe["kernels"] >= 1, stderr[-3000:]
   assert probe["hlo_passes_s"] > 0 and probe["codegen_s"] > 0 and probe["kernel_s"] > 0
