@@ -228,7 +228,9 @@ def step_call(programs: Any, learner: Any) -> tuple[Callable[[], Any], int]:
   """
   num = slots.leading_size(learner.params)
   batch = programs.timing_batch(num, programs.method.num_data_orders(learner.structure))
-  keys = jax.random.split(jax.random.key(0), num)
+  # The keys' values do not matter to a timing: made on the host, they build no program.
+  data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+  keys = jax.random.wrap_key_data(np.zeros((num,) + data.shape, data.dtype))
   box = {"state": programs.init_state(learner), "counter": 0}
 
   def call():

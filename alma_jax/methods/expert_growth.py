@@ -95,10 +95,12 @@ class OwnExperts:
     """Whether `learner`'s experts are in slots (its model state holds the active count)."""
     return self.backbone_class.ROUTING in learner.model_state
 
-  def routing(self, n: int) -> dict:
-    """The model state of `n` active experts in slots."""
+  def routing(self, n: int, host: bool = False) -> dict:
+    """The model state of `n` active experts in slots; `host`: its count made on the host and
+    put on the device (outside a trace: no conversion program of its own)."""
     cls = self.backbone_class
-    return {cls.ROUTING: {cls.ACTIVE: jnp.asarray(n, jnp.int32)}}
+    count = jax.device_put(np.asarray(n, np.int32)) if host else jnp.asarray(n, jnp.int32)
+    return {cls.ROUTING: {cls.ACTIVE: count}}
 
   def active_view(self, learner: base.Learner) -> base.Learner:
     """The learner without padding slots (structure `(E, E)`)."""
@@ -177,7 +179,8 @@ class OwnExperts:
     slotted = self.has_slots(learner)
     params = self.backbone_class.copy_experts(learner.params, experts, key, noise, active=n,
                                               num_slots=self.slots(n + k) if slotted else None)
-    state = {**learner.model_state, **self.routing(n + k)} if slotted else learner.model_state
+    state = ({**learner.model_state, **self.routing(n + k, host=True)} if slotted
+             else learner.model_state)
     return base.Learner(params=params, model_state=state, structure=(n + k,))
 
   def describe(self, learner: base.Learner) -> dict:

@@ -645,16 +645,21 @@ class Firefly(declared.FF, base.Method):
     return cands, jax.tree.map(jnp.add, sums, grads)
 
   def fit_indices(self, train_idx, key: jax.Array) -> np.ndarray:
-    """The stage's examples in a random order, at most `fit_examples` of them."""
+    """The stage's examples in a random order, at most `fit_examples` of them (the order
+    drawn by one compiled program per number of examples)."""
     idx = np.asarray(train_idx, np.int32)
-    idx = idx[np.asarray(jax.random.permutation(key, len(idx)))]
+    n = len(idx)
+
+    def order(key):
+      return jax.random.permutation(key, n)
+
+    idx = idx[np.asarray(self._compiled(("order", n), order)(key))]
     return idx[:self.opts.fit_examples] if self.opts.fit_examples else idx
 
   def plan_growth(self, learner: base.Learner, key: jax.Array, ctx) -> GrowthPlan:
     """Candidates fitted and scored on the stage's data (two `ctx.scan` passes), selected; the
     plan's candidates are in the learner's slots (`draw_in_slots`)."""
     o = self.opts
-    k_init, k_order = jax.random.split(key)
     widths = tuple(learner.structure)
     slots = layer_widths(self.layout, learner.params)
 
@@ -663,8 +668,14 @@ class Firefly(declared.FF, base.Method):
                             (o.split_init, o.new_in_init, o.new_out_init))
       return cands, self.fit_tx.init(cands)
 
-    draw_program = self._compiled(("draw", slots), fused_draws.fuse_draws(draw))
-    fitting = draw_program(learner.params, k_init, np.asarray(widths, np.int32))
+    fused = fused_draws.fuse_draws(draw)
+
+    def draw_and_order_key(params, key, widths):  # the key split in the program, not eagerly
+      k_init, k_order = jax.random.split(key)
+      return fused(params, k_init, widths), k_order
+
+    draw_program = self._compiled(("draw", slots), draw_and_order_key)
+    fitting, k_order = draw_program(learner.params, key, np.asarray(widths, np.int32))
     idx = self.fit_indices(ctx.train_idx, k_order)
     cands, _ = ctx.scan(self.fit_batch, fitting, learner, idx)
     _, sums = ctx.scan(self.score_batch, (cands, self.zero_scales(slots, host=True)),

@@ -15,7 +15,6 @@ from alma_jax import methods
 from alma_jax.configuration import config_lib
 from alma_jax.engine import accounting
 from alma_jax.engine import sharding
-from alma_jax.engine import timing
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
 from alma_jax.methods import gmoe
@@ -24,6 +23,7 @@ from alma_jax.stream import validation
 from alma_jax.models import switch
 from alma_jax.tasks import base as task_base
 from alma_jax.tasks import text as text_task
+from tests import helpers
 
 V = 50257  # GPT-2's vocabulary
 SMALL_V = 512  # where the vocabulary's size plays no part: smaller programs
@@ -316,19 +316,28 @@ def test_copy_experts_with_a_perturbation_changes_the_routing():
   assert float(jnp.max(jnp.abs(before - after))) > 1e-4
 
 
-@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
-def test_copies_of_other_experts_of_the_same_model_run_one_compiled_program(scan_layers):
+@pytest.mark.parametrize("scan_layers, slots", [(True, "pow2"), (False, "exact")],
+                         ids=["scanned-pow2", "unrolled-exact"])
+def test_copies_of_other_experts_of_the_same_model_run_one_compiled_program(scan_layers, slots):
   """The experts to copy and the key are arguments: the first copy compiles one program (no
-  eager operations), copies of other experts or with another key reuse it."""
-  method = gmoe_method(scan_layers=scan_layers, ffn_dim=40)  # shapes of this test alone
+  eager operations: JAX's in-process caches are cleared first, as in a new process, so that
+  no program compiled earlier hides one), copies of other experts or with another key reuse
+  it."""
+  method = gmoe_method(scan_layers=scan_layers, ffn_dim=40, slots=slots)  # its own shapes
   learner = method.init(jax.random.key(0))
+  # In slots, a copy also sets the count of active experts.
+  assert method.own.has_slots(learner) == (slots == "pow2")
   keys = [jax.random.key(k) for k in range(3)]
-  counts = [timing.compile_counts()["xla_programs"]]
+  jax.clear_caches()
+  built = []
   for experts, key in zip(([[1, 3], [0, 2]], [[0, 1], [2, 3]], [3, 2]), keys):
-    grown = method.own.copy(learner, experts, key)
-    counts.append(timing.compile_counts()["xla_programs"])
+    grown, names = helpers.compiled(
+        lambda experts=experts, key=key: method.own.copy(learner, experts, key))
+    built.append(names)
   assert grown.structure == (6,)
-  assert np.diff(counts).tolist() == [1, 0, 0], counts
+  assert built == [["jit(_copied)"], [], []], built
+  if slots == "pow2":
+    assert int(grown.model_state[switch.ROUTING][switch.ACTIVE]) == 6
 
 
 def test_copy_experts_rejects_bad_indices():
