@@ -133,6 +133,34 @@ def compiled(fn):
     jax.monitoring.unregister_event_duration_listener(listen)
 
 
+_IN_A_NEW_PROCESS = """
+import json
+import jax
+from alma_jax.runtime import caches
+caches.enable_compilation_cache()  # the session's, as in the suite's own process
+from tests import helpers
+{setup}
+_, names = helpers.compiled(lambda: exec({action!r}))
+print("PROGRAMS", json.dumps(names))
+"""
+
+
+def compiled_in_a_new_process(setup: str, action: str) -> list[str]:
+  """The names of the XLA programs built or loaded while the statements `action` run, in a
+  new process after the statements `setup` (their asserts hold there too). In this process a
+  program compiled earlier (by any test) would hide an eager operation: JAX compiles one
+  per operation and shapes, once per process."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import textwrap  # pylint: disable=g-import-not-at-top
+  script = _IN_A_NEW_PROCESS.format(setup=textwrap.dedent(setup),
+                                    action=textwrap.dedent(action))
+  proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (line,) = [l for l in proc.stdout.splitlines() if l.startswith("PROGRAMS ")]
+  return json.loads(line.split(" ", 1)[1])
+
+
 # The suite compiles with XLA:CPU's older fusion emitters (tests/conftest.py); a run compiles
 # with its MLIR fusion emitters, whose elementwise code does not depend on an array's length.
 RUN_EMITTERS = {"xla_cpu_use_fusion_emitters": True}

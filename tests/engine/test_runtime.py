@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from alma_jax.engine import population
 from alma_jax.engine import timing
 from tests import helpers
 
@@ -115,12 +114,13 @@ def test_candidates_are_timed_in_turns_each_round_reversing_the_order(monkeypatc
 
 def test_timing_a_step_builds_the_step_s_programs_alone():
   # The timed call's keys are made on the host: the call builds the train step and its
-  # start state, no eager operation of its own (JAX's in-process caches cleared first, as in
-  # a new process, so that nothing compiled earlier hides one).
-  ds = helpers.synthetic_dataset(n_train=64, n_test=16)
-  _, steps = helpers.make_steps(helpers.small_config(width=9, batch_size=16), ds)
-  learner = population.initial(steps.method, population.keys([0]), steps.programs.place)
-  jax.clear_caches()
-  seconds, names = helpers.compiled(lambda: steps.seconds_per_step(learner, repeats=1))
-  assert seconds > 0
+  # start state, no eager operation of its own.
+  names = helpers.compiled_in_a_new_process("""
+      from alma_jax.engine import population
+      ds = helpers.synthetic_dataset(n_train=64, n_test=16)
+      _, steps = helpers.make_steps(helpers.small_config(width=9, batch_size=16), ds)
+      learner = population.initial(steps.method, population.keys([0]), steps.programs.place)
+  """, """
+      assert steps.seconds_per_step(learner, repeats=1) > 0
+  """)
   assert "jit(alma_step_train)" in names and all(n.startswith("jit(alma_") for n in names), names

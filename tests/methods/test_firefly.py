@@ -277,18 +277,20 @@ def test_a_growth_runs_as_its_own_compiled_programs_alone():
   """A growth is five compiled programs: the candidates' draw (which also splits the key),
   the order of the fitting examples, the fit and score passes, and the growth itself. No JAX
   operation runs eagerly on the way (a key split, a permutation or an unstacking would each
-  build a program of its own). JAX's in-process caches are cleared first, as in a new
-  process, so that nothing compiled earlier in this process hides a program."""
-  ds = helpers.synthetic_dataset(n_train=96, n_test=16)
-  c = helpers.small_config(method="ff", width=7, epochs=1)
-  c.method.num_new = 2
-  method, steps = helpers.make_steps(c, ds)
-  ctx = helpers.context(2, steps=steps, train_idx=np.arange(64, dtype=np.int32),
-                        val_idx=np.arange(64, 96, dtype=np.int32))
-  learner, key = method.init(jax.random.key(0)), jax.random.key(3)
-  jax.clear_caches()
-  grown, names = helpers.compiled(lambda: method.before_stage(learner, key, ctx))
-  assert sum(grown.structure) == sum(learner.structure) + method.n_grow
+  build a program of its own)."""
+  names = helpers.compiled_in_a_new_process("""
+      import numpy as np
+      ds = helpers.synthetic_dataset(n_train=96, n_test=16)
+      c = helpers.small_config(method="ff", width=7, epochs=1)
+      c.method.num_new = 2
+      method, steps = helpers.make_steps(c, ds)
+      ctx = helpers.context(2, steps=steps, train_idx=np.arange(64, dtype=np.int32),
+                            val_idx=np.arange(64, 96, dtype=np.int32))
+      learner, key = method.init(jax.random.key(0)), jax.random.key(3)
+  """, """
+      grown = method.before_stage(learner, key, ctx)
+      assert sum(grown.structure) == sum(learner.structure) + method.n_grow
+  """)
   assert sorted(names) == sorted([
       "jit(draw_and_order_key)", "jit(order)", "jit(alma_step_scan_Firefly_fit_batch)",
       "jit(alma_step_scan_Firefly_score_batch)", "jit(grow)"]), names

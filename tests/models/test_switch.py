@@ -316,28 +316,27 @@ def test_copy_experts_with_a_perturbation_changes_the_routing():
   assert float(jnp.max(jnp.abs(before - after))) > 1e-4
 
 
-@pytest.mark.parametrize("scan_layers, slots", [(True, "pow2"), (False, "exact")],
-                         ids=["scanned-pow2", "unrolled-exact"])
-def test_copies_of_other_experts_of_the_same_model_run_one_compiled_program(scan_layers, slots):
+def test_copies_of_other_experts_of_the_same_model_run_one_compiled_program():
   """The experts to copy and the key are arguments: the first copy compiles one program (no
-  eager operations: JAX's in-process caches are cleared first, as in a new process, so that
-  no program compiled earlier hides one), copies of other experts or with another key reuse
-  it."""
-  method = gmoe_method(scan_layers=scan_layers, ffn_dim=40, slots=slots)  # its own shapes
-  learner = method.init(jax.random.key(0))
-  # In slots, a copy also sets the count of active experts.
-  assert method.own.has_slots(learner) == (slots == "pow2")
-  keys = [jax.random.key(k) for k in range(3)]
-  jax.clear_caches()
-  built = []
-  for experts, key in zip(([[1, 3], [0, 2]], [[0, 1], [2, 3]], [3, 2]), keys):
-    grown, names = helpers.compiled(
-        lambda experts=experts, key=key: method.own.copy(learner, experts, key))
-    built.append(names)
-  assert grown.structure == (6,)
-  assert built == [["jit(_copied)"], [], []], built
-  if slots == "pow2":
-    assert int(grown.model_state[switch.ROUTING][switch.ACTIVE]) == 6
+  eager operations; in slots it also sets the count of active experts), copies of other
+  experts or with another key reuse it. Scanned in slots and unrolled without."""
+  names = helpers.compiled_in_a_new_process("""
+      from alma_jax.models import switch
+      from tests.models import test_switch
+      models = [test_switch.gmoe_method(scan_layers=scan, slots=slots)
+                for scan, slots in ((True, "pow2"), (False, "exact"))]
+      learners = [m.init(jax.random.key(0)) for m in models]
+      assert [m.own.has_slots(l) for m, l in zip(models, learners)] == [True, False]
+      keys = [jax.random.key(k) for k in range(3)]
+  """, """
+      for method, learner in zip(models, learners):
+        for experts, key in zip(([[1, 3], [0, 2]], [[0, 1], [2, 3]], [3, 2]), keys):
+          grown = method.own.copy(learner, experts, key)
+        assert grown.structure == (6,)
+        if method.own.has_slots(grown):
+          assert int(grown.model_state[switch.ROUTING][switch.ACTIVE]) == 6
+  """)
+  assert names == ["jit(_copied)"] * 2, names
 
 
 def test_copy_experts_rejects_bad_indices():
