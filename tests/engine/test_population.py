@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import chex
 import jax
@@ -159,28 +157,17 @@ def test_keys_and_their_folds_are_those_of_one_key_at_a_time():
     assert rng.integers(1 << 30) == np.random.default_rng(expected[j].tolist()).integers(1 << 30)
 
 
-_NO_PROGRAM = """
-import jax, numpy as np
-from alma_jax.engine import population
-names = []
-def listen(event, duration, **kwargs):
-  if event == "/jax/core/compile/backend_compile_duration":
-    names.append(str(kwargs.get("fun_name")))
-keys = population.keys((3, 4))
-jax.random.fold_in(jax.random.key(0), np.asarray(1, np.uint32))  # the one single-key fold
-jax.monitoring.register_event_duration_secs_listener(listen)
-population.fold(keys, 5)
-population.stack_keys(population.member_keys(keys))
-print(names)
-"""
-
-
 def test_member_keys_and_folds_build_no_program_of_their_own():
-  # In a fresh process: this one may have compiled any small program before.
-  out = subprocess.run([sys.executable, "-c", _NO_PROGRAM], capture_output=True, text=True,
-                       check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
-                           os.path.abspath(__file__)))))
-  assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+  names = helpers.compiled_in_a_new_process("""
+      import numpy as np
+      from alma_jax.engine import population
+      keys = population.keys((3, 4))
+      jax.random.fold_in(jax.random.key(0), np.asarray(1, np.uint32))  # the one single-key fold
+  """, """
+      population.fold(keys, 5)
+      population.stack_keys(population.member_keys(keys))
+  """)
+  assert names == [], names
 
 
 @pytest.mark.parametrize("method_name", ["sm", "gmoe", "ens", "ff"])
