@@ -8,7 +8,9 @@ import gc
 import hashlib
 import json
 import os
+import subprocess
 import sys
+import textwrap
 import types
 
 import jax
@@ -150,8 +152,6 @@ def compiled_in_a_new_process(setup: str, action: str) -> list[str]:
   new process after the statements `setup` (their asserts hold there too). In this process a
   program compiled earlier (by any test) would hide an eager operation: JAX compiles one
   per operation and shapes, once per process."""
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import textwrap  # pylint: disable=g-import-not-at-top
   script = _IN_A_NEW_PROCESS.format(setup=textwrap.dedent(setup),
                                     action=textwrap.dedent(action))
   proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
