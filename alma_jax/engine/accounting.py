@@ -15,7 +15,9 @@ The paper's "training TFLOPs" are forward multiply-adds times the training
 examples processed; `Count.macs` of the training loss's forward pass gives
 that per example. `step_flops` counts a learner's train step, forward pass
 and prediction this way; `PassCosts` adds up the FLOPs and multiply-adds of
-the passes over data that growth runs (`alma_jax.engine.passes`).
+the passes over data that growth runs (`alma_jax.engine.passes`). A run traces
+both on its background thread (`alma_jax.runtime.background`): they build no
+program, and their values are needed only when a stage's records are made.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from alma_jax.engine.programs import Batch, Programs, TrainState
 from alma_jax.methods.base import Learner
 from alma_jax.models import conv
 from alma_jax.models import switch
+from alma_jax.runtime import background
 from alma_jax.runtime import executables
 
 ELEMENTWISE = frozenset({
@@ -214,30 +217,62 @@ class PassCosts:
   `total_macs` (multiply-adds) are the sums over every batch run so far of
   that cost times the fraction of the batch that holds real examples
   (padding, e.g. of a validation set smaller than an evaluation batch, is not
-  counted).
+  counted). A new cost is counted on the background thread
+  (`alma_jax.runtime.background`) while the run goes on; reading a total waits for the
+  counts it needs, and adds the batches in the order they ran.
   """
 
   def __init__(self, method, data):
     self.method, self.data = method, data
-    self._per_batch: dict[tuple, Count] = {}
-    self.total = 0.0
-    self.total_macs = 0.0
+    self._per_batch: dict[tuple, Any] = {}  # key -> Count, or a Pending one
+    self._unadded: list[tuple[tuple, float]] = []  # (key, real fraction), in order
+    self._total = 0.0
+    self._total_macs = 0.0
 
   def add(self, kind: str, fn: Callable, learner: Learner, build: Callable, batch: Batch,
           carry: Any = ()) -> None:
     """Adds one batch of the pass `kind` of `fn`; `build(structure)` is the pass's body."""
     key = (kind, fn, learner.structure)
     if key not in self._per_batch:
-      with timing.counting():
-        view = jax.eval_shape(self.method.active_view, learner)
-        structure = self.method.program_structure(view.structure)
-        args = (view.params, view.model_state, self.data, batch) + ((carry,) if kind == "scan"
-                                                                     else ())
-        counted = executables.remembered(
-            "pass_cost", (kind, executables.site_of(fn), structure, executables.shapes(args)),
-            lambda: dataclasses.astuple(count(build(structure), *args)))
-        self._per_batch[key] = Count(*counted)
+      # Shapes alone: the count needs no values, and keeps no arrays alive until it runs.
+      args = _abstract((learner, batch) + ((carry,) if kind == "scan" else ()))
+      self._per_batch[key] = background.later(self._count, kind, fn, build, *args)
     mask = np.asarray(batch.mask)
-    real = float(np.count_nonzero(mask)) / mask.size
-    self.total += self._per_batch[key].flops * real
-    self.total_macs += self._per_batch[key].macs * real
+    self._unadded.append((key, float(np.count_nonzero(mask)) / mask.size))
+
+  def _count(self, kind: str, fn: Callable, build: Callable, learner: Learner, batch: Batch,
+             *carry) -> Count:
+    with timing.counting():
+      view = jax.eval_shape(self.method.active_view, learner)
+      structure = self.method.program_structure(view.structure)
+      args = (view.params, view.model_state, self.data, batch) + carry
+      counted = executables.remembered(
+          "pass_cost", (kind, executables.site_of(fn), structure, executables.shapes(args)),
+          lambda: dataclasses.astuple(count(build(structure), *args)))
+      return Count(*counted)
+
+  def _add_counted(self) -> None:
+    for key, real in self._unadded:
+      cost = self._per_batch[key] = background.value(self._per_batch[key])
+      self._total += cost.flops * real
+      self._total_macs += cost.macs * real
+    self._unadded = []
+
+  @property
+  def total(self) -> float:
+    self._add_counted()
+    return self._total
+
+  @property
+  def total_macs(self) -> float:
+    self._add_counted()
+    return self._total_macs
+
+
+def _abstract(tree: Any) -> Any:
+  """`tree` with each array (on a device or the host) as its `jax.ShapeDtypeStruct`."""
+  def one(x):
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+      return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False))
+    return x
+  return jax.tree.map(one, tree)

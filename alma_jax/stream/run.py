@@ -185,11 +185,13 @@ def _begin(setup: Setup, state: RunState, snapshot, clock: Clock,
     t0 = time.monotonic()
     state = dataclasses.replace(state, learner=setup.initial_learner())
     meter.compiled("the initial parameters", time.monotonic() - t0)
+    setup.count_ahead(state.learner)  # while the first programs compile
     if jax.default_backend() == "cpu":
       with clock.timer("train_s"):  # compiles the train step the first stage will use
         setup.log_estimate(state.learner)
     return state
   memo = snapshot.extra.get(ckpt_obs.POLICY_MEMO)
+  setup.count_ahead(snapshot.learner)
   return dataclasses.replace(
       state, learner=snapshot.learner, policy_memo=None if memo is None else tuple(memo),
       opt_state=snapshot.opt_state if setup.config.train.keep_optimizer_state else None,
@@ -285,6 +287,7 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
                                                    state.policy_memo)
   if not keep:
     opt_state = None
+  setup.count_ahead(learner)  # the trained structure's FLOPs, counted while it trains
   signals.check()
 
   store = checkpoints.stage(t, learner.structure)

@@ -41,6 +41,7 @@ from alma_jax.errors import ConfigError
 from alma_jax.outputs import checkpoint as ckpt_lib
 from alma_jax.outputs import workdir as wd
 from alma_jax.policies import schedule
+from alma_jax.runtime import background
 from alma_jax.runtime import multihost
 from alma_jax.stream import validation
 from alma_jax.tuning import tune
@@ -180,9 +181,17 @@ class Setup:
   def flops(self, learner) -> dict[str, float]:
     """`Steps.flops` of one (unstacked, or abstract) learner, counted once per structure (and
     kept across processes while programs are: `accounting.step_flops`)."""
-    if learner.structure not in self._flops:
-      self._flops[learner.structure] = self.steps.flops(learner)
-    return self._flops[learner.structure]
+    counted = self._flops.get(learner.structure)  # counted, being counted (`count_ahead`) or not
+    counted = background.value(self.steps.flops(learner) if counted is None else counted)
+    self._flops[learner.structure] = counted
+    return counted
+
+  def count_ahead(self, learners) -> None:
+    """Starts `seed_flops(learners)` on the background thread (`alma_jax.runtime.background`),
+    for a structure about to train: its traces go on while the stage compiles and trains."""
+    member = population.abstract_member(learners)
+    if member.structure not in self._flops:
+      self._flops[member.structure] = background.later(self.steps.flops, member)
 
   def seed_flops(self, learners) -> dict[str, float]:
     """`flops` of a learner of the stacked `learners` (of its shapes: counting needs no

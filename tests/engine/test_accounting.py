@@ -1,6 +1,7 @@
 """Tests of FLOP and multiply-add counting (alma_jax/engine/accounting.py, Steps.flops, comp_paper)."""
 
 import json
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from alma_jax.engine.programs import Batch
 from alma_jax.methods import firefly
 from alma_jax.methods import gmoe
 from alma_jax.methods.base import Learner
+from alma_jax.runtime import background
 from alma_jax.runtime import executables
 from alma_jax.stream import run as run_lib
 from tests import helpers
@@ -186,10 +188,19 @@ def _read(path):
 
 
 @requires_mnist
-def test_comp_paper_is_forward_multiply_adds_times_examples(tmp_path):
+def test_comp_paper_is_forward_multiply_adds_times_examples(tmp_path, monkeypatch):
   # P3 smoke: 1000 training images in B=10 mega-batches of 100 (10 validation, 90 training
   # each), one epoch per stage: 900 examples through the 784-64-64-10 MLP.
+  counted_on, step_flops = [], accounting.step_flops
+
+  def recorded(*args):
+    counted_on.append(threading.get_ident())
+    return step_flops(*args)
+
+  monkeypatch.setattr(accounting, "step_flops", recorded)
   helpers.run_config("configs/bench/p3_mnist_sm.py:smoke", tmp_path)
+  # One structure, counted once, while its first stage trained.
+  assert len(counted_on) == 1 and counted_on[0] != threading.get_ident()
   summary = _read(str(tmp_path / "summary.json"))
   records = _read(str(tmp_path / "log.jsonl"))
   macs = 784 * 64 + 64 * 64 + 64 * 10
@@ -243,6 +254,30 @@ def test_growth_passes_count_only_the_real_examples_of_a_padded_batch():
   costs.add("reduce", build, learner, build, padded)
   assert costs.total == (8 + 3) * per_example  # exact: small integers in float64
   assert costs.total_macs == (8 + 3) * 5 * 7
+
+
+def test_growth_pass_costs_are_counted_on_the_background_thread_and_added_in_order():
+  data = jnp.ones((20, 5))
+  learner = Learner(params=jnp.ones((5, 7)), model_state={}, structure=())
+  traced_on, gate = [], threading.Event()
+
+  def build(structure):
+    def body(params, model_state, data, batch, carry):
+      traced_on.append(threading.get_ident())
+      return carry + data[batch.idx] @ params
+    return body
+
+  costs = accounting.PassCosts(_WholeLearner(), data)
+  background.later(gate.wait, 30)  # the thread is busy: the batches below are not counted yet
+  carry = jnp.zeros((8, 7))
+  for n in (8, 3):
+    costs.add("scan", build, learner, build, Batch(np.arange(8, dtype=np.int32),
+                                                  np.arange(8) < n), carry)
+  assert traced_on == []
+  gate.set()
+  # per example: a row of the product (2 x 5 x 7) and the sum with the carry (7)
+  assert costs.total == (8 + 3) * (2 * 5 * 7 + 7) and costs.total_macs == (8 + 3) * 5 * 7
+  assert len(traced_on) == 1 and traced_on[0] != threading.get_ident()
 
 
 # -- Comp counts the learning algorithm, not how it was executed ----------------------------------
