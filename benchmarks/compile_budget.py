@@ -60,7 +60,9 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LM = ("configs/lm_sm.py:smoke,{preset} --config.data.seq_len=512 --config.train.batch_size=2 "
@@ -211,11 +213,64 @@ def kind_of(fun_name: str, step_prefix: str) -> str:
 
 
 # -- the child: alma_jax.main with listeners ------------------------------------------------------
+class Tally:
+  """What a child process compiled, per program kind, kept in `out_path` (JSON) as it goes.
+
+  `kind_of_event(fun_name)` names an event's program kind; `backend_compile` is the event
+  that builds or loads an executable (one per XLA program). The run traces its FLOP counts on
+  a background thread (`alma_jax.runtime.background`): events arrive from both threads, and
+  one thread at a time updates the tallies and rewrites the file.
+  """
+
+  def __init__(self, out_path: str, step_prefix: str, kind_of_event: Callable[[str], str],
+               backend_compile: str):
+    self.out_path, self.step_prefix, self.kind_of_event = out_path, step_prefix, kind_of_event
+    self.backend_compile = backend_compile
+    self.t0 = time.monotonic()
+    self.seconds, self.programs, self.names, self.phases = (
+        collections.Counter(), collections.Counter(), collections.Counter(),
+        collections.Counter())
+    self.cache = {"hits": [], "misses": [], "not_written": []}
+    self.slow = []  # (seconds since start, function, phase, duration) of each phase over 0.5 s
+    self._lock = threading.RLock()
+
+  def duration(self, event: str, duration: float, **kwargs) -> None:
+    """One compile-path event of `duration` seconds."""
+    fun_name = str(kwargs.get("fun_name", ""))
+    with self._lock:
+      kind = self.kind_of_event(fun_name)
+      self.seconds[kind] += duration
+      if kind != ACCOUNTING:
+        self.phases[event.rsplit("/", 1)[1]] += duration
+      if duration > 0.5:
+        self.slow.append((round(time.monotonic() - self.t0, 1), fun_name or kind,
+                          event.rsplit("/", 1)[1], round(duration, 2)))
+      if event == self.backend_compile:
+        self.programs[kind] += 1
+        self.names[fun_name] += 1
+      if duration > 0.5 or event == self.backend_compile:
+        self.write()  # what a run cut short had compiled so far stays readable
+
+  def note(self, key: str, text: str) -> None:
+    """A persistent-cache note (`key`: hits, misses or not_written) about a program."""
+    with self._lock:
+      self.cache[key].append(text)
+
+  def write(self) -> None:
+    with self._lock:
+      with open(self.out_path + ".tmp", "w") as f:
+        json.dump({"wall_s": time.monotonic() - self.t0, "step_prefix": self.step_prefix,
+                   "seconds": dict(self.seconds),
+                   "programs": dict(self.programs), "names": dict(self.names.most_common()),
+                   "phases": dict(self.phases),
+                   "slow_phases": self.slow, **self.cache}, f)
+      os.replace(self.out_path + ".tmp", self.out_path)
+
+
 def child(out_path: str, argv: list[str]) -> None:
   """Runs `alma_jax.main` with `argv`, writing what compilation cost to `out_path` at exit."""
   import atexit  # pylint: disable=g-import-not-at-top
   import logging  # pylint: disable=g-import-not-at-top
-  import re  # pylint: disable=g-import-not-at-top
   # This checkout's package, not the installed one: run from a worktree, the script measures
   # the worktree's code.
   sys.path.insert(0, ROOT)
@@ -223,28 +278,14 @@ def child(out_path: str, argv: list[str]) -> None:
   from alma_jax.engine import timing  # pylint: disable=g-import-not-at-top
   from jax import monitoring  # pylint: disable=g-import-not-at-top
 
-  t0 = time.monotonic()
-  seconds, programs, names, phases = (collections.Counter(), collections.Counter(),
-                                     collections.Counter(), collections.Counter())
-  cache = {"hits": [], "misses": [], "not_written": []}
-
-  slow = []  # (seconds since start, function, phase, duration) of every phase over 0.5 s
+  tally = Tally(out_path, timing.STEP_PREFIX,
+                lambda fun_name: (ACCOUNTING if timing.counting_now()
+                                  else kind_of(fun_name, timing.STEP_PREFIX)),
+                timing.BACKEND_COMPILE)
 
   def on_duration(event: str, duration: float, **kwargs) -> None:
     if event in timing.COMPILE_EVENTS:
-      kind = (ACCOUNTING if timing.counting_now()
-              else kind_of(kwargs.get("fun_name", ""), timing.STEP_PREFIX))
-      seconds[kind] += duration
-      if kind != ACCOUNTING:
-        phases[event.rsplit("/", 1)[1]] += duration
-      if duration > 0.5:
-        slow.append((round(time.monotonic() - t0, 1), str(kwargs.get("fun_name", kind)),
-                     event.rsplit("/", 1)[1], round(duration, 2)))
-      if event == timing.BACKEND_COMPILE:
-        programs[kind] += 1
-        names[str(kwargs.get("fun_name", ""))] += 1
-      if duration > 0.5 or event == timing.BACKEND_COMPILE:
-        write()  # what a run cut short had compiled so far stays readable
+      tally.duration(event, duration, **kwargs)
 
   monitoring.register_event_duration_secs_listener(on_duration)
   patterns = (("hits", re.compile(r"(?:Persistent compilation cache hit|Kept program loaded) "
@@ -259,8 +300,8 @@ def child(out_path: str, argv: list[str]) -> None:
       for key, pattern in patterns:
         m = pattern.search(text)
         if m:
-          cache[key].append(m.group(1) if key != "not_written" else f"{m.group(1)}: "
-                            f"{m.group(2)}")
+          tally.note(key, m.group(1) if key != "not_written" else f"{m.group(1)}: "
+                     f"{m.group(2)}")
 
   for source in ("jax._src.compiler", "alma_jax.runtime.executables"):
     compiler_log = logging.getLogger(source)
@@ -268,16 +309,7 @@ def child(out_path: str, argv: list[str]) -> None:
     compiler_log.propagate = False  # its debug lines stay out of the run's output
     compiler_log.addHandler(Notes())
 
-  def write():
-    with open(out_path + ".tmp", "w") as f:
-      json.dump({"wall_s": time.monotonic() - t0, "step_prefix": timing.STEP_PREFIX,
-                 "seconds": dict(seconds),
-                 "programs": dict(programs), "names": dict(names.most_common()),
-                 "phases": dict(phases),
-                 "slow_phases": slow, **cache}, f)
-    os.replace(out_path + ".tmp", out_path)
-
-  atexit.register(write)
+  atexit.register(tally.write)
   sys.argv = ["alma_jax.main", *argv]
   alma_main.console()
 

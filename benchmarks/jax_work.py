@@ -18,6 +18,7 @@ import glob
 import json
 import os
 import sys
+import threading
 
 _EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "traces",
            "/jax/core/compile/jaxpr_to_mlir_module_duration": "lowerings",
@@ -29,17 +30,20 @@ def _install(out: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
 
   counts = collections.Counter()
+  lock = threading.Lock()  # a run's FLOP counts trace on its background thread too
 
   def duration(event, seconds, **kwargs):
     del kwargs
     if event in _EVENTS:
-      counts[_EVENTS[event]] += 1
-      counts[_EVENTS[event] + "_s"] += seconds
+      with lock:
+        counts[_EVENTS[event]] += 1
+        counts[_EVENTS[event] + "_s"] += seconds
 
   def plain(event, **kwargs):
     del kwargs
     if event == _KEPT:
-      counts["kept_loaded"] += 1
+      with lock:
+        counts["kept_loaded"] += 1
 
   jax.monitoring.register_event_duration_secs_listener(duration)
   jax.monitoring.register_event_listener(plain)

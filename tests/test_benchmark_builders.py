@@ -3,9 +3,11 @@ benchmarks/torch_reference.py uses, and benchmarks/ensemble_strategy.py) build i
 config whose open fields the rules decide."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -99,6 +101,38 @@ def test_compile_budget_s_next_runs_run_on_the_same_cache_and_list_their_misses(
   assert rows[compile_budget.NEXT_SEED].rstrip().endswith("| jit_alma_utility_keys |")
   assert rows[compile_budget.NEXT].rstrip().endswith("| jit_alma_step_eval |")
   assert rows["warm"].rstrip().endswith("| none |")
+
+
+def test_compile_budget_s_tally_takes_events_from_several_threads(tmp_path):
+  """The run traces its FLOP counts on a background thread: events of both threads (each
+  rewriting the file as it goes) are all counted, and the file stays whole."""
+  from benchmarks import compile_budget  # pylint: disable=g-import-not-at-top
+  out = str(tmp_path / "compile.json")
+  tally = compile_budget.Tally(out, "alma_step_",
+                               lambda name: compile_budget.kind_of(name, "alma_step_"),
+                               "/jax/core/compile/backend_compile_duration")
+  threads, per_thread = 4, 200
+  start = threading.Barrier(threads)
+
+  def events(i):
+    start.wait()
+    for _ in range(per_thread):
+      tally.duration("/jax/core/compile/backend_compile_duration", 0.25,
+                     fun_name=f"jit(alma_step_kind{i})")
+      tally.note("hits", f"jit_alma_step_kind{i}")
+
+  workers = [threading.Thread(target=events, args=(i,)) for i in range(threads)]
+  for w in workers:
+    w.start()
+  for w in workers:
+    w.join()
+  tally.write()
+  with open(out) as f:
+    written = json.load(f)
+  assert written["programs"] == {f"kind{i}": per_thread for i in range(threads)}
+  assert written["seconds"] == {f"kind{i}": 0.25 * per_thread for i in range(threads)}
+  assert len(written["hits"]) == threads * per_thread
+  assert not os.path.exists(out + ".tmp")
 
 
 # XLA:CPU's log lines of two compiles, as jaxlib 0.10 writes them (abridged; the kernel
