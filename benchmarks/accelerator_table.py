@@ -24,6 +24,19 @@ per program kind: its slowest XLA passes).
   python benchmarks/accelerator_table.py --only=P4 --xla_dump='.*step_eval.*' --out_dir=/tmp/p4
   python benchmarks/accelerator_table.py --from_dir=/tmp/table
 
+`--deadline_s=S` fits the table into S seconds of machine time (a lent
+accelerator's session is short): every process is stopped at the deadline
+(SIGTERM, then killed), a run stopped so is a row "> N s" with what it had
+compiled by then, and what has not started with `MIN_START_S` left is listed
+as not started. `--continue_from=DIR` keeps the complete results of an
+earlier `--out_dir` on the same device and measures only the rest, so that a
+table longer than one session's command limit is finished by a second
+command:
+
+  python benchmarks/accelerator_table.py --deadline_s=480 --out_dir=$OUT/table ...
+  python benchmarks/accelerator_table.py --deadline_s=480 --out_dir=$OUT/table \\
+      --continue_from=.gpu_carry/table_before ...
+
 Anything after `--` is passed to every alma_jax run. On a CPU it runs the same
 way (the released code through `../shared/peer/run_peer.sh --repeat 1`).
 """
@@ -48,6 +61,27 @@ import compile_budget  # pylint: disable=wrong-import-position
 import peer  # pylint: disable=wrong-import-position
 
 ROOT = compile_budget.ROOT
+# Under `--deadline_s`, a measurement does not start with less than this many seconds left.
+MIN_START_S = 30.0
+
+
+class Deadline:
+  """The seconds left before a deadline `seconds` from now (None: no deadline)."""
+
+  def __init__(self, seconds: float | None, clock=time.monotonic):
+    self._clock = clock
+    self._end = clock() + seconds if seconds else None
+
+  def left(self) -> float | None:
+    return None if self._end is None else max(0.0, self._end - self._clock())
+
+  def allows(self, seconds: float = MIN_START_S) -> bool:
+    """Whether `seconds` are left (always, without a deadline)."""
+    left = self.left()
+    return left is None or left >= seconds
+
+
+NO_DEADLINE = Deadline(None)
 
 
 def device_name() -> str:
@@ -86,39 +120,83 @@ def read_results(out_dir: str) -> dict:
   return results
 
 
+def kept_results(folder: str, device: str) -> dict:
+  """The complete results (`complete`) of an earlier `--out_dir` `folder`, refused unless
+  they were measured on `device`."""
+  if not os.path.isdir(folder):
+    raise SystemExit(f"accelerator_table: error: --continue_from={folder}: no such folder")
+  before = read_results(folder)
+  theirs = before.get("device", {}).get("name")
+  if theirs != device:
+    raise SystemExit(f"accelerator_table: error: --continue_from={folder} was measured on "
+                     f"{theirs!r}, not on this machine's {device!r}: its times do not compare")
+  return {name: r for name, r in before.items()
+          if name not in ("device", "not_started") and complete(r)}
+
+
 def dump_flags(out_dir: str, regex: str) -> str:
   """`XLA_FLAGS` with XLA's HLO dump of the modules matching `regex` into out_dir/xla_dump."""
   return " ".join([os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={out_dir}/xla_dump",
                    f"--xla_dump_hlo_module_re={regex}", "--xla_dump_hlo_as_text"]).strip()
 
 
-def _ours(spec: str, extra: list[str], cache_dir: str, xla_pass_log: bool = False) -> dict:
+def _not_started() -> dict:
+  return {"error": "not started: the deadline was near", "not_started": True}
+
+
+def _ours(spec: str, extra: list[str], cache_dir: str, xla_pass_log: bool = False,
+          deadline: Deadline = NO_DEADLINE) -> dict:
+  if not deadline.allows():
+    return _not_started()
   try:
-    return compile_budget.run_one(spec, extra, cache_dir, xla_pass_log=xla_pass_log)
+    return compile_budget.run_one(spec, extra, cache_dir, xla_pass_log=xla_pass_log,
+                                  timeout=deadline.left())
   except SystemExit as e:  # a failed run is a row with its error, not the end of the table
     return {"error": str(e)[-1500:]}
 
 
+def _released(peer_cmd: str, protocol: str, deadline: Deadline) -> dict:
+  """The released code's result line on `protocol` (an error row if it has none)."""
+  if not deadline.allows():
+    return _not_started()
+  timeout = deadline.left()
+  rc, out, err, timed_out = compile_budget.run_child(shlex.split(peer_cmd) + [protocol], None,
+                                                     timeout)
+  if timed_out:
+    return {"error": f"timed out after {timeout:.0f} s", "timed_out_s": timeout}
+  lines = [l for l in peer.parse_peer_lines(out) if "wall_s" in l or "error" in l]
+  return lines[-1] if lines else {"error": f"no result (exit {rc}): {err[-1500:]}"}
+
+
 def measure_protocol(protocol: str, peer_cmd: str, extra: list[str],
-                     xla_pass_log: bool = False) -> dict:
+                     xla_pass_log: bool = False, deadline: Deadline = NO_DEADLINE) -> dict:
   """alma_jax cold and warm on one fresh cache, then the released code once; `xla_pass_log`:
-  the cold run's XLA compiles timed pass by pass (`compile_budget.xla_passes`)."""
+  the cold run's XLA compiles timed pass by pass (`compile_budget.xla_passes`). Each process
+  ends by the `deadline`; a warm run after a cold one that did not finish is not started
+  (its cache would be partly cold)."""
   spec = compile_budget.RUNS[protocol.lower()]
   result = {"protocol": protocol}
   with tempfile.TemporaryDirectory() as cache_dir:
-    result["cold"] = _ours(spec, extra, cache_dir, xla_pass_log)
-    result["warm"] = _ours(spec, extra, cache_dir)
+    result["cold"] = _ours(spec, extra, cache_dir, xla_pass_log, deadline)
+    result["warm"] = (_ours(spec, extra, cache_dir, deadline=deadline)
+                      if "error" not in result["cold"] else
+                      {"error": "not started: the cold run did not finish", "not_started": True})
   if peer_cmd:
-    proc = subprocess.run(shlex.split(peer_cmd) + [protocol], capture_output=True, text=True,
-                          check=False)
-    lines = [l for l in peer.parse_peer_lines(proc.stdout) if "wall_s" in l or "error" in l]
-    result["released"] = lines[-1] if lines else {
-        "error": f"no result (exit {proc.returncode}): {proc.stderr[-1500:]}"}
+    result["released"] = _released(peer_cmd, protocol, deadline)
   return result
 
 
-def measure_interrupt(seconds: float, extra: list[str]) -> dict:
-  """A cold base Switch Transformer run sent SIGTERM after `seconds`: exit delay and status."""
+def complete(result) -> bool:
+  """Whether an item of a results file was measured whole (no part failed, timed out or was
+  left out)."""
+  if not isinstance(result, dict) or "error" in result:
+    return False
+  return all(complete(result[k]) for k in ("cold", "warm", "released") if k in result)
+
+
+def measure_interrupt(seconds: float, extra: list[str], wait_s: float = 300.0) -> dict:
+  """A cold base Switch Transformer run sent SIGTERM after `seconds`: exit delay and status
+  (killed if it has not ended `wait_s` seconds after the signal)."""
   parts = shlex.split(compile_budget.RUNS["lm_base"]) + list(extra)
   with tempfile.TemporaryDirectory() as tmp:
     cmd = [sys.executable, "-m", "alma_jax.main", f"--config={parts[0]}",
@@ -130,7 +208,7 @@ def measure_interrupt(seconds: float, extra: list[str]) -> dict:
       t0 = time.monotonic()
       proc.send_signal(signal.SIGTERM)
       try:
-        rc = proc.wait(timeout=300)
+        rc = proc.wait(timeout=wait_s)
       except subprocess.TimeoutExpired:
         proc.kill()
         rc = proc.wait()
@@ -141,14 +219,18 @@ def measure_interrupt(seconds: float, extra: list[str]) -> dict:
 
 
 def _wall(r: dict | None, key: str = "process_s") -> str:
-  if not r:
+  if not r or r.get("not_started"):
     return "-"
+  if "timed_out_s" in r:
+    return f"> {r['timed_out_s']:.0f}"
   if "error" in r:
     return "failed"
   return f"{r[key]:.1f}"
 
 
 def _compile(r: dict | None) -> str:
+  if r and "so_far" in r:  # stopped at its time limit: what it had compiled by then
+    return f" (compile >= {r['so_far']['compile_s']:.1f}, {r['so_far']['xla_programs']} programs)"
   return f" ({r['compile_s']:.1f})" if r and "error" not in r else ""
 
 
@@ -156,6 +238,16 @@ def _ratio(theirs: dict | None, ours: dict | None) -> str:
   if not theirs or not ours or "error" in theirs or "error" in ours:
     return "-"
   return f"{theirs['wall_s'] / ours['process_s']:.2f}x"
+
+
+def _progress(r: dict) -> str:
+  """One item's line on stderr as it is measured."""
+  if "protocol" in r:
+    return (f"cold {_wall(r['cold'])} s, warm {_wall(r['warm'])} s, released "
+            f"{_wall(r.get('released'), 'wall_s')} s")
+  if "sigterm_at_s" in r:
+    return f"SIGTERM at {r['sigterm_at_s']:.0f} s, exit {r['exit_after_s']:.1f} s later"
+  return f"cold {_wall(r)} s"
 
 
 def table(results: dict[str, dict], device: str) -> str:
@@ -184,7 +276,7 @@ def table(results: dict[str, dict], device: str) -> str:
               "evaluation compile s | XLA programs |", "|---|---|---|---|---|---|"]
     for name, r in sorted(lm.items()):
       if "error" in r:
-        lines.append(f"| {name} | failed | | | | |")
+        lines.append(f"| {name} | {_wall(r)}{_compile(r)} | | | | |")
         continue
       sec = r["seconds"]
       lines.append(f"| {name} | {r['process_s']:.1f} | {r['compile_s']:.1f} | "
@@ -196,10 +288,13 @@ def table(results: dict[str, dict], device: str) -> str:
     lines += ["", "Where the cold runs' XLA compiles go, pass by pass:", "",
               compile_budget.xla_pass_table(passes)]
   stop = results.get("interrupt")
-  if stop:
+  if stop and "error" not in stop:
     lines += ["", f"SIGTERM {stop['sigterm_at_s']:.0f} s into a cold lm_base run"
               f"{' (it had already ended)' if stop['finished_before_signal'] else ''}: exited "
               f"{stop['exit_after_s']:.1f} s later with status {stop['rc']}."]
+  left = results.get("not_started")
+  if left:
+    lines += ["", f"Not started before the deadline: {', '.join(left)}."]
   return "\n".join(lines)
 
 
@@ -222,7 +317,16 @@ def main(argv=None) -> int:
                   help="time alma_jax's cold compiles pass by pass (XLA's own log)")
   ap.add_argument("--xla_dump", default="",
                   help="dump the HLO of alma_jax's programs matching this into xla_dump.tgz")
+  ap.add_argument("--deadline_s", type=float, default=0.0,
+                  help="end every process within this many seconds; what cannot start with "
+                       f"{MIN_START_S:.0f} s left is listed as not started (0: no deadline)")
+  ap.add_argument("--continue_from", default="",
+                  help="an earlier --out_dir on this device: its complete results are kept, "
+                       "the rest measured")
   args = ap.parse_args(argv)
+  if args.deadline_s < 0:
+    raise SystemExit(f"accelerator_table: error: --deadline_s={args.deadline_s:g} must be >= 0")
+  deadline = Deadline(args.deadline_s)
   if args.from_dir:
     results = read_results(args.from_dir)
     print(table(results, results.get("device", {}).get("name", "unknown device")))
@@ -238,23 +342,43 @@ def main(argv=None) -> int:
   os.makedirs(out_dir, exist_ok=True)
   device = device_name()
   results = {"device": {"name": device}}
+  kept = kept_results(args.continue_from, device) if args.continue_from else {}
   if args.xla_dump:  # alma_jax's processes inherit it (the released code has no XLA)
     os.environ["XLA_FLAGS"] = dump_flags(out_dir, args.xla_dump)
   _save(out_dir, results)
-  for p in protocols:
-    results[p] = measure_protocol(p, args.peer_cmd, extra, args.xla_pass_log == "true")
+
+  def measured(name: str, measure, needs: float = MIN_START_S) -> None:
+    """`results[name]`: kept from `--continue_from`, or measured now if `needs` seconds are
+    left before the deadline."""
+    if name in kept and not (args.peer_cmd and "protocol" in kept[name]
+                             and "released" not in kept[name]):
+      results[name] = kept[name]
+      print(f"{name}: kept from {args.continue_from}", file=sys.stderr, flush=True)
+      return
+    if deadline.allows(needs):
+      results[name] = measure()
+      print(f"{name}: {_progress(results[name])}", file=sys.stderr, flush=True)
+    else:
+      results.setdefault("not_started", []).append(name)
     _save(out_dir, results)
-    print(f"{p}: cold {_wall(results[p]['cold'])} s, warm {_wall(results[p]['warm'])} s, "
-          f"released {_wall(results[p].get('released'), 'wall_s')} s", file=sys.stderr, flush=True)
-  for name in lms:
+
+  def lm_run(name: str) -> dict:
     with tempfile.TemporaryDirectory() as cache_dir:
-      results[name] = _ours(compile_budget.RUNS[name], extra, cache_dir,
-                            args.xla_pass_log == "true")
-    _save(out_dir, results)
-    print(f"{name}: cold {_wall(results[name])} s", file=sys.stderr, flush=True)
+      return _ours(compile_budget.RUNS[name], extra, cache_dir, args.xla_pass_log == "true",
+                   deadline)
+
+  def interrupt() -> dict:
+    left = deadline.left()
+    return measure_interrupt(args.interrupt_at, extra,
+                             300.0 if left is None else max(1.0, left - args.interrupt_at))
+
+  for p in protocols:
+    measured(p, lambda p=p: measure_protocol(p, args.peer_cmd, extra,
+                                             args.xla_pass_log == "true", deadline))
+  for name in lms:
+    measured(name, lambda name=name: lm_run(name))
   if args.interrupt_at > 0:
-    results["interrupt"] = measure_interrupt(args.interrupt_at, extra)
-    _save(out_dir, results)
+    measured("interrupt", interrupt, args.interrupt_at + MIN_START_S)
   if args.xla_dump and os.path.isdir(os.path.join(out_dir, "xla_dump")):
     subprocess.run(["tar", "-czf", "xla_dump.tgz", "xla_dump"], cwd=out_dir, check=False)
     shutil.rmtree(os.path.join(out_dir, "xla_dump"), ignore_errors=True)

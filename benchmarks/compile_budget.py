@@ -57,6 +57,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -324,11 +325,60 @@ def error_tail(stderr: str, chars: int = 3000) -> str:
   return "\n".join(l for l in stderr.splitlines() if not info(l))[-chars:]
 
 
+# A process past its time limit is sent SIGTERM (a run then saves what it has and exits) and is
+# killed if it has not ended this many seconds later.
+STOP_GRACE_S = 15.0
+
+
+def run_child(cmd: list[str], env: dict | None, timeout: float | None
+              ) -> tuple[int, str, str, bool]:
+  """Runs `cmd` from the repository root in a process group of its own: (exit status, stdout,
+  stderr, whether it ran past `timeout` seconds and was stopped: SIGTERM to the group, then
+  SIGKILL `STOP_GRACE_S` later, so that no process it started outlives it). None: no limit."""
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env, start_new_session=True)
+  try:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err, False
+  except subprocess.TimeoutExpired:
+    _signal_group(proc, signal.SIGTERM)
+    try:
+      out, err = proc.communicate(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+      _signal_group(proc, signal.SIGKILL)
+      out, err = proc.communicate()
+    _signal_group(proc, signal.SIGKILL)  # whatever it started and left behind
+    return proc.returncode, out, err, True
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+  try:
+    os.killpg(proc.pid, sig)
+  except (ProcessLookupError, PermissionError):
+    pass
+
+
+def _tally_so_far(out: str, timeout: float) -> dict:
+  """The row of a run stopped at its time limit: what its child had tallied by then."""
+  row = {"error": f"timed out after {timeout:.0f} s", "timed_out_s": timeout}
+  try:
+    with open(out) as f:
+      partial = json.load(f)
+  except (OSError, ValueError):
+    return row
+  partial["compile_s"] = sum(v for k, v in partial["seconds"].items() if k != ACCOUNTING)
+  partial["xla_programs"] = sum(partial["programs"].values())
+  row["so_far"] = partial
+  return row
+
+
 def run_one(spec: str, extra: list[str], cache_dir: str, xla_cpu_log: bool = False,
-            xla_pass_log: bool = False) -> dict:
+            xla_pass_log: bool = False, timeout: float | None = None) -> dict:
   """One process of run `spec` (a config and its overrides) with the cache `cache_dir`;
   `xla_cpu_log`: with XLA:CPU's compile log, read into `xla_cpu` (`xla_cpu_compiles`);
-  `xla_pass_log`: with XLA's HLO-pass log (any backend), read into `xla_passes`."""
+  `xla_pass_log`: with XLA's HLO-pass log (any backend), read into `xla_passes`.
+  `timeout`: seconds after which the process is stopped; its row is then an error with
+  `timed_out_s` and, under `so_far`, the compile seconds and programs it had tallied."""
   parts = shlex.split(spec) + list(extra)
   with tempfile.TemporaryDirectory() as workdir:
     out = os.path.join(workdir, "compile.json")
@@ -338,11 +388,13 @@ def run_one(spec: str, extra: list[str], cache_dir: str, xla_cpu_log: bool = Fal
     t0 = time.monotonic()
     logs = log_env(xla_cpu_log, xla_pass_log)
     env = {**os.environ, **logs} if logs else None
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    returncode, _, stderr, timed_out = run_child(cmd, env, timeout)
     wall = time.monotonic() - t0
-    if proc.returncode:
-      raise SystemExit(f"compile_budget: {spec} failed (exit {proc.returncode}):\n"
-                       f"{error_tail(proc.stderr)}")
+    if timed_out:
+      return _tally_so_far(out, timeout)
+    if returncode:
+      raise SystemExit(f"compile_budget: {spec} failed (exit {returncode}):\n"
+                       f"{error_tail(stderr)}")
     with open(out) as f:
       result = json.load(f)
     with open(os.path.join(workdir, "run", "summary.json")) as f:
@@ -355,11 +407,11 @@ def run_one(spec: str, extra: list[str], cache_dir: str, xla_cpu_log: bool = Fal
   result["final_error"] = summary.get("final_error")
   result["timings"] = summary.get("timings", {})
   if xla_cpu_log:
-    result["xla_cpu"] = xla_cpu_compiles(proc.stderr, result["step_prefix"])
+    result["xla_cpu"] = xla_cpu_compiles(stderr, result["step_prefix"])
   if xla_pass_log:
-    result["xla_passes"] = xla_passes(proc.stderr, result["step_prefix"])
+    result["xla_passes"] = xla_passes(stderr, result["step_prefix"])
     if not result["xla_passes"]:  # a log format this parser does not know: keep a sample
-      result["xla_pass_log_sample"] = [l for l in proc.stderr.splitlines() if "pass" in l][-40:]
+      result["xla_pass_log_sample"] = [l for l in stderr.splitlines() if "pass" in l][-40:]
   return result
 
 
