@@ -120,9 +120,10 @@ def read_results(out_dir: str) -> dict:
   return results
 
 
-def kept_results(folder: str, device: str) -> dict:
+def kept_results(folder: str, device: str, released: bool) -> dict:
   """The complete results (`complete`) of an earlier `--out_dir` `folder`, refused unless
-  they were measured on `device`."""
+  they were measured on `device`; `released`: a protocol without the released code's time
+  is not complete."""
   if not os.path.isdir(folder):
     raise SystemExit(f"accelerator_table: error: --continue_from={folder}: no such folder")
   before = read_results(folder)
@@ -131,7 +132,8 @@ def kept_results(folder: str, device: str) -> dict:
     raise SystemExit(f"accelerator_table: error: --continue_from={folder} was measured on "
                      f"{theirs!r}, not on this machine's {device!r}: its times do not compare")
   return {name: r for name, r in before.items()
-          if name not in ("device", "not_started") and complete(r)}
+          if name not in ("device", "not_started") and complete(r)
+          and not (released and "protocol" in r and "released" not in r)}
 
 
 def dump_flags(out_dir: str, regex: str) -> str:
@@ -140,8 +142,8 @@ def dump_flags(out_dir: str, regex: str) -> str:
                    f"--xla_dump_hlo_module_re={regex}", "--xla_dump_hlo_as_text"]).strip()
 
 
-def _not_started() -> dict:
-  return {"error": "not started: the deadline was near", "not_started": True}
+def _not_started(why: str = "the deadline was near") -> dict:
+  return {"error": f"not started: {why}", "not_started": True}
 
 
 def _ours(spec: str, extra: list[str], cache_dir: str, xla_pass_log: bool = False,
@@ -163,7 +165,7 @@ def _released(peer_cmd: str, protocol: str, deadline: Deadline) -> dict:
   rc, out, err, timed_out = compile_budget.run_child(shlex.split(peer_cmd) + [protocol], None,
                                                      timeout)
   if timed_out:
-    return {"error": f"timed out after {timeout:.0f} s", "timed_out_s": timeout}
+    return compile_budget.timed_out_row(timeout)
   lines = [l for l in peer.parse_peer_lines(out) if "wall_s" in l or "error" in l]
   return lines[-1] if lines else {"error": f"no result (exit {rc}): {err[-1500:]}"}
 
@@ -180,7 +182,7 @@ def measure_protocol(protocol: str, peer_cmd: str, extra: list[str],
     result["cold"] = _ours(spec, extra, cache_dir, xla_pass_log, deadline)
     result["warm"] = (_ours(spec, extra, cache_dir, deadline=deadline)
                       if "error" not in result["cold"] else
-                      {"error": "not started: the cold run did not finish", "not_started": True})
+                      _not_started("the cold run did not finish"))
   if peer_cmd:
     result["released"] = _released(peer_cmd, protocol, deadline)
   return result
@@ -342,7 +344,8 @@ def main(argv=None) -> int:
   os.makedirs(out_dir, exist_ok=True)
   device = device_name()
   results = {"device": {"name": device}}
-  kept = kept_results(args.continue_from, device) if args.continue_from else {}
+  kept = (kept_results(args.continue_from, device, bool(args.peer_cmd)) if args.continue_from
+          else {})
   if args.xla_dump:  # alma_jax's processes inherit it (the released code has no XLA)
     os.environ["XLA_FLAGS"] = dump_flags(out_dir, args.xla_dump)
   _save(out_dir, results)
@@ -350,8 +353,7 @@ def main(argv=None) -> int:
   def measured(name: str, measure, needs: float = MIN_START_S) -> None:
     """`results[name]`: kept from `--continue_from`, or measured now if `needs` seconds are
     left before the deadline."""
-    if name in kept and not (args.peer_cmd and "protocol" in kept[name]
-                             and "released" not in kept[name]):
+    if name in kept:
       results[name] = kept[name]
       print(f"{name}: kept from {args.continue_from}", file=sys.stderr, flush=True)
       return

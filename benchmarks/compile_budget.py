@@ -358,17 +358,28 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     pass
 
 
+def timed_out_row(timeout: float) -> dict:
+  """The row of a process stopped at its time limit of `timeout` seconds."""
+  return {"error": f"timed out after {timeout:.0f} s", "timed_out_s": timeout}
+
+
+def _with_totals(tally: dict) -> dict:
+  """A child's tally with its totals: FLOP-counting seconds apart (`counting_s`), compile
+  seconds and XLA programs summed over the program kinds."""
+  tally["counting_s"] = tally["seconds"].pop(ACCOUNTING, 0.0)
+  tally["compile_s"] = sum(tally["seconds"].values())
+  tally["xla_programs"] = sum(tally["programs"].values())
+  return tally
+
+
 def _tally_so_far(out: str, timeout: float) -> dict:
   """The row of a run stopped at its time limit: what its child had tallied by then."""
-  row = {"error": f"timed out after {timeout:.0f} s", "timed_out_s": timeout}
+  row = timed_out_row(timeout)
   try:
     with open(out) as f:
-      partial = json.load(f)
+      row["so_far"] = _with_totals(json.load(f))
   except (OSError, ValueError):
-    return row
-  partial["compile_s"] = sum(v for k, v in partial["seconds"].items() if k != ACCOUNTING)
-  partial["xla_programs"] = sum(partial["programs"].values())
-  row["so_far"] = partial
+    pass
   return row
 
 
@@ -399,10 +410,8 @@ def run_one(spec: str, extra: list[str], cache_dir: str, xla_cpu_log: bool = Fal
       result = json.load(f)
     with open(os.path.join(workdir, "run", "summary.json")) as f:
       summary = json.load(f)
+  result = _with_totals(result)
   result["process_s"] = wall
-  result["counting_s"] = result["seconds"].pop(ACCOUNTING, 0.0)
-  result["compile_s"] = sum(result["seconds"].values())
-  result["xla_programs"] = sum(result["programs"].values())
   result["num_compilations"] = summary.get("num_compilations")
   result["final_error"] = summary.get("final_error")
   result["timings"] = summary.get("timings", {})
