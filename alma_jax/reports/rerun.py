@@ -1,0 +1,232 @@
+"""A rerun of a grid against the results it repeats: is every difference within the seeds' spread?
+
+Floating-point summation order differs between CPUs and between versions of
+the code, and the difference compounds over hundreds of stages, so a rerun
+of a grid on another host or at another commit does not give the same
+digits. What it should give is values within the seeds' spread. This module
+reads two `results.csv` files written by the report (one row per run and
+seed), matches their groups (the runs that differ only by their seed) by the
+config fields that tell the groups of either file apart, and compares each
+metric of each matched group: the mean ± sample standard deviation (ddof=1)
+over the finished seeds on each side, and Welch's t of the difference
+(`findings.welch_t`; positive when `--results` is higher). A difference is
+called clear when |t| > `findings.CLEAR_T`, the rule of the findings. With
+three seeds a side, |t| > 3 happens by chance alone in one comparison in
+twenty-five (equal spreads: 4 degrees of freedom) to one in ten (very
+unequal ones: 2), so a few clear differences in a large table are expected; a
+clear difference in a field that no float order changes (Mem, or Comp when
+the growth is the same) is not.
+
+  python -m alma_jax.reports.rerun --results=new/results.csv --against=old/results.csv
+
+prints a Markdown table of every matched group and metric, a count of the
+clear differences, the groups found in only one file, and the config fields
+whose value differs between the files but is the same within each (a
+field's new default, other epochs: not used to match, so read them). Fields
+that change no record (`config_lib.resumable_paths`: data paths, progress,
+checkpointing) are left out, as the report's groups leave them out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from typing import Mapping, Sequence
+
+from alma_jax.configuration import config_lib
+from alma_jax.reports import findings as findings_lib
+from alma_jax.reports import report as report_lib
+
+DEFAULT_METRICS = ("cer_percent", "final_error", "final_perplexity", "mem", "comp_paper_total")
+IDENTICAL, CLEAR = "identical", "clear"
+
+
+class RerunError(ValueError):
+  """The two results cannot be compared (no groups, an unknown metric)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One metric of one matched group on both sides."""
+
+  group: str
+  metric: str
+  earlier: findings_lib.Side
+  this: findings_lib.Side
+  t: float
+  outcome: str  # IDENTICAL, CLEAR or ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+  rows: tuple[Row, ...]
+  only_this: tuple[str, ...]
+  only_earlier: tuple[str, ...]
+  set_apart: tuple[tuple[str, str, str], ...]  # (field, value in --against, value in --results)
+
+
+def _config_fields(columns: Sequence[str]) -> list[str]:
+  sections = set(config_lib.base_config("mnist", "sm").keys())
+  ignore = set(report_lib.SEED_FIELDS) | set(config_lib.resumable_paths())
+  return [c for c in columns if c.split(".")[0] in sections and c not in ignore]
+
+
+def _values(rows, field: str) -> set:
+  return {findings_lib._norm(r.get(field, "")) for r in rows}  # pylint: disable=protected-access
+
+
+def _key_fields(this, earlier) -> tuple[list[str], list[tuple[str, str, str]]]:
+  """The config fields that tell groups apart (those whose value varies within either file),
+  and those that are constant within each file but differ between them."""
+  common = [c for c in _config_fields(list(this[0])) if c in earlier[0]]
+  keys, apart = [], []
+  for c in common:
+    a, b = _values(earlier, c), _values(this, c)
+    if len(a) > 1 or len(b) > 1:
+      keys.append(c)
+    elif a != b:
+      apart.append((c, earlier[0].get(c, ""), this[0].get(c, "")))
+  return keys, apart
+
+
+def _labels(groups: Mapping[tuple, list], keys: Sequence[str]) -> dict[tuple, str]:
+  """A short label per group: its data and method, then the key fields that differ among the
+  groups of that data and method (the others are their settings, the same in each)."""
+  kind = {k: (rows[0].get("data.name", ""), rows[0].get("method.name", ""))
+          for k, rows in groups.items()}
+  shown = {}
+  for which in set(kind.values()):
+    alike = [k for k in groups if kind[k] == which]
+    shown[which] = [f for i, f in enumerate(keys) if f not in ("data.name", "method.name")
+                    and len({k[i] for k in alike}) > 1]
+  out = {}
+  for k, rows in groups.items():
+    first = rows[0]
+    parts = list(kind[k]) + [f"{f.split('.')[-1]}={first.get(f, '')}" for f in shown[kind[k]]]
+    out[k] = " ".join(p for p in parts if p)
+  return out
+
+
+def _by_key(rows, keys) -> dict[tuple, list]:
+  out: dict[tuple, list] = {}
+  for group in findings_lib._groups(rows).values():  # pylint: disable=protected-access
+    key = tuple(findings_lib._norm(group[0].get(k, "")) for k in keys)  # pylint: disable=protected-access
+    out.setdefault(key, []).extend(group)
+  return out
+
+
+def _side(rows, metric: str, label: str) -> findings_lib.Side:
+  done = [r for r in rows if str(r.get("finished")) == "True" and r.get(metric) not in ("", None)]
+  return findings_lib.Side(label, tuple(float(r[metric]) for r in sorted(done, key=_seed)))
+
+
+def _seed(r) -> float:
+  return float(r.get("seed") or 0)
+
+
+def _same_values(a, b, metric: str) -> bool:
+  """Every seed present on both sides, with the same value of `metric` on each."""
+  va = {_seed(r): r.get(metric) for r in a if str(r.get("finished")) == "True"}
+  vb = {_seed(r): r.get(metric) for r in b if str(r.get("finished")) == "True"}
+  return bool(va) and va.keys() == vb.keys() and all(
+      float(va[s]) == float(vb[s]) for s in va)
+
+
+def compare(this: Sequence[Mapping[str, str]], earlier: Sequence[Mapping[str, str]],
+            metrics: Sequence[str] | None = None) -> Comparison:
+  """Every metric of every group found in both `this` and `earlier` (rows of results.csv);
+  `metrics`: the summary columns to compare (None: those of `DEFAULT_METRICS` either has)."""
+  if not this or not earlier:
+    raise RerunError("both results.csv files need at least one row")
+  known = set(this[0]) | set(earlier[0])
+  if metrics is None:
+    metrics = [m for m in DEFAULT_METRICS if m in known]
+  unknown = [m for m in metrics if m not in known]
+  if unknown:
+    numeric = sorted(c for c in known if c not in _config_fields(sorted(known)))
+    raise RerunError(f"--metrics: {unknown} is in neither results.csv; its columns include "
+                     f"{numeric}")
+  keys, apart = _key_fields(this, earlier)
+  ours, theirs = _by_key(this, keys), _by_key(earlier, keys)
+  labels = _labels({**theirs, **ours}, keys)
+  rows = []
+  for key, mine in ours.items():
+    if key not in theirs:
+      continue
+    label = labels[key]
+    for metric in metrics:
+      a, b = _side(theirs[key], metric, "earlier"), _side(mine, metric, "this")
+      if not a.values or not b.values:
+        continue
+      if _same_values(theirs[key], mine, metric):
+        rows.append(Row(label, metric, a, b, 0.0, IDENTICAL))
+        continue
+      # welch_t(better, worse) is (mean(worse) - mean(better)) / se: positive when this is higher.
+      t = findings_lib.welch_t(a.values, b.values)
+      rows.append(Row(label, metric, a, b, t,
+                      CLEAR if abs(t) > findings_lib.CLEAR_T else ""))
+  only_this = tuple(labels[k] for k in ours if k not in theirs)
+  only_earlier = tuple(labels[k] for k in theirs if k not in ours)
+  return Comparison(tuple(rows), only_this, only_earlier, tuple(apart))
+
+
+def _num(v: float) -> str:
+  return f"{v:,.4g}" if math.isfinite(v) else "–"
+
+
+def _side_text(s: findings_lib.Side) -> str:
+  spread = f" ± {_num(s.std)}" if s.n > 1 else ""
+  return f"{_num(s.mean)}{spread} (n={s.n})"
+
+
+def table(c: Comparison, earlier_name: str = "--against", this_name: str = "--results") -> str:
+  """The Markdown text of a comparison."""
+  lines = [f"| group | metric | {earlier_name} | {this_name} | Welch t | |",
+           "|---|---|---|---|---|---|"]
+  for r in c.rows:
+    t = "–" if r.outcome == IDENTICAL else findings_lib._t_text(r.t)  # pylint: disable=protected-access
+    lines.append(f"| {r.group} | {r.metric} | {_side_text(r.earlier)} | {_side_text(r.this)} "
+                 f"| {t} | {r.outcome} |")
+  lines.append("")
+  groups = len({r.group for r in c.rows})
+  clear = [r for r in c.rows if r.outcome == CLEAR]
+  same = sum(r.outcome == IDENTICAL for r in c.rows)
+  lines.append(f"{groups} groups in both files, {len(c.rows)} comparisons: {same} identical, "
+               f"{len(clear)} clearly different (|t| > {findings_lib.CLEAR_T:g})"
+               + (": " + "; ".join(f"{r.group} {r.metric} t = {findings_lib._t_text(r.t)}"  # pylint: disable=protected-access
+                                   for r in clear) if clear else "") + ".")
+  if c.only_this:
+    lines.append(f"Only in {this_name}: {'; '.join(c.only_this)}.")
+  if c.only_earlier:
+    lines.append(f"Only in {earlier_name}: {'; '.join(c.only_earlier)}.")
+  if c.set_apart:
+    lines.append("The same within each file, different between them (not used to match): "
+                 + "; ".join(f"{f} {a!r} -> {b!r}" for f, a, b in c.set_apart) + ".")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  p.add_argument("--results", required=True, help="the rerun's results.csv")
+  p.add_argument("--against", required=True, help="the results.csv it repeats")
+  p.add_argument("--metrics", default=None,
+                 help="comma-separated summary columns to compare (default: those of "
+                      f"{','.join(DEFAULT_METRICS)} that the files have)")
+  args = p.parse_args(argv)
+  metrics = [m for m in args.metrics.split(",") if m] if args.metrics else None
+  try:
+    with open(args.results) as f:
+      this = findings_lib.read_rows(f.read())
+    with open(args.against) as f:
+      earlier = findings_lib.read_rows(f.read())
+    print(table(compare(this, earlier, metrics)), end="")
+  except (OSError, RerunError, findings_lib.FindingsError) as e:
+    print(f"rerun: error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,111 @@
+"""Tests of the comparison of a rerun with the results it repeats (alma_jax/reports/rerun.py)."""
+
+import csv
+import io
+import math
+
+import pytest
+
+from alma_jax.reports import findings as F
+from alma_jax.reports import rerun as R
+
+
+def _csv_text(rows):
+  text = io.StringIO()
+  writer = csv.DictWriter(text, sorted(set().union(*rows)), lineterminator="\n")
+  writer.writeheader()
+  writer.writerows(rows)
+  return text.getvalue()
+
+
+def _rows(groups, common=None):
+  """results.csv rows, through the CSV text as the report writes it: {group id: (config fields,
+  {metric: [value per seed]})}; `common`: config fields of every row."""
+  rows = []
+  for gid, (fields, metrics) in groups.items():
+    for seed in range(len(next(iter(metrics.values())))):
+      row = {"workdir": f"/runs/{gid}/seed_{seed}", "finished": "True", "group": gid,
+             "seed": str(seed), "provenance.commit": gid}
+      row.update({k: str(v) for k, v in {**(common or {}), **fields}.items()})
+      row.update({m: repr(v[seed]) for m, v in metrics.items()})
+      rows.append(row)
+  return F.read_rows(_csv_text(rows))
+
+
+def _sm(width, wait=10):
+  return {"data.name": "mnist", "method.name": "sm", "model.width": width, "stream.wait": wait}
+
+
+def test_groups_match_by_the_fields_that_set_them_apart_whatever_their_ids_and_paths():
+  earlier = _rows({"e1": (_sm(4), {"cer_percent": [10.0, 11.0, 12.0], "mem": [5.0] * 3}),
+                   "e2": (_sm(64), {"cer_percent": [3.0, 3.1, 2.9], "mem": [9.0] * 3}),
+                   "e3": (_sm(64, wait=50), {"cer_percent": [6.0, 6.1, 5.9], "mem": [9.0] * 3})},
+                  common={"data.data_dir": "/old/tfds", "train.epochs": "20"})
+  # The rerun: other group ids and data path (which changes no record), other epochs in every
+  # run, a config field the earlier code did not have, and a point the earlier grid did not run.
+  this = _rows({"n1": (_sm(4), {"cer_percent": [10.5, 11.5, 12.5], "mem": [5.0] * 3}),
+                "n2": (_sm(64), {"cer_percent": [4.0, 4.1, 3.9], "mem": [9.0] * 3}),
+                "n4": (_sm(16), {"cer_percent": [5.0, 5.1, 4.9], "mem": [7.0] * 3})},
+               common={"data.data_dir": "/new/tfds", "train.epochs": "10",
+                       "model.scan_layers": "True"})
+  got = R.compare(this, earlier)
+  by = {(r.group, r.metric): r for r in got.rows}
+  # Labelled by the fields that differ among the groups of one data and method.
+  small, wide = "mnist sm width=4 wait=10", "mnist sm width=64 wait=10"
+  assert sorted(by) == [(small, "cer_percent"), (small, "mem"), (wide, "cer_percent"),
+                        (wide, "mem")]
+  # Welch's t of (this - earlier): the same spread (sd 1) on both sides, means 0.5 apart.
+  row = by[(small, "cer_percent")]
+  assert row.t == pytest.approx(0.5 / math.sqrt(2 / 3)) and row.outcome == ""
+  assert (row.earlier.mean, row.this.mean) == (11.0, 11.5)
+  # Means 1.0 apart with sd 0.1: t = 1 / sqrt(0.02 / 3) = 12.2, clear.
+  row = by[(wide, "cer_percent")]
+  assert row.t == pytest.approx(1.0 / math.sqrt(0.02 / 3)) and row.outcome == R.CLEAR
+  assert by[(small, "mem")].outcome == R.IDENTICAL
+  assert got.only_this == ("mnist sm width=16 wait=10",)
+  assert got.only_earlier == ("mnist sm width=64 wait=50",)
+  assert got.set_apart == (("train.epochs", "20", "10"),)
+  text = R.table(got)
+  assert f"| {wide} | cer_percent | 3 ± 0.1 (n=3) | 4 ± 0.1 (n=3) | +12.2 | clear |" in text
+  assert ("2 groups in both files, 4 comparisons: 2 identical, 1 clearly different (|t| > 3): "
+          f"{wide} cer_percent t = +12.2.") in text
+  assert "Only in --results: mnist sm width=16 wait=10." in text
+  assert ("The same within each file, different between them (not used to match): "
+          "train.epochs '20' -> '10'.") in text
+
+
+def test_a_lower_rerun_has_a_negative_t_and_unfinished_seeds_are_left_out():
+  earlier = _rows({"a": (_sm(4), {"cer_percent": [2.0, 2.1, 1.9, 99.0]})})
+  this = _rows({"b": (_sm(4), {"cer_percent": [1.0, 1.1, 0.9, 0.0]})})
+  earlier[3]["finished"] = this[3]["finished"] = "False"
+  (row,) = R.compare(this, earlier, ["cer_percent"]).rows
+  assert (row.earlier.n, row.this.n) == (3, 3)
+  assert row.t == pytest.approx(-1.0 / math.sqrt(0.02 / 3)) and row.outcome == R.CLEAR
+
+
+def test_identical_means_every_seed_the_same_not_only_the_mean():
+  earlier = _rows({"a": (_sm(4), {"cer_percent": [1.0, 2.0, 3.0]})})
+  swapped = _rows({"a": (_sm(4), {"cer_percent": [2.0, 1.0, 3.0]})})
+  (row,) = R.compare(swapped, earlier).rows
+  assert row.outcome == "" and row.t == 0.0
+  (row,) = R.compare(earlier, earlier).rows
+  assert row.outcome == R.IDENTICAL
+
+
+def test_default_metrics_are_those_the_files_have_and_an_unknown_one_is_named(tmp_path, capsys):
+  earlier = _rows({"a": (_sm(4), {"cer_percent": [1.0, 2.0, 3.0], "final_error": [.25] * 3})})
+  this = _rows({"a": (_sm(4), {"cer_percent": [1.0, 2.0, 3.5], "final_error": [.25] * 3})})
+  assert [r.metric for r in R.compare(this, earlier).rows] == ["cer_percent", "final_error"]
+  with pytest.raises(R.RerunError, match=r"--metrics: \['perplexity'\] is in neither"):
+    R.compare(this, earlier, ["perplexity"])
+  paths = {}
+  for name, rows in (("this", this), ("earlier", earlier)):
+    paths[name] = tmp_path / f"{name}.csv"
+    paths[name].write_text(_csv_text(rows))
+  assert R.main([f"--results={paths['this']}", f"--against={paths['earlier']}"]) == 0
+  out = capsys.readouterr().out
+  assert "| mnist sm | final_error | 0.25 ± 0 (n=3) | 0.25 ± 0 (n=3) | – | identical |" in out
+  assert R.main([f"--results={paths['this']}", f"--against={tmp_path / 'none.csv'}"]) == 2
+  assert R.main([f"--results={paths['this']}", f"--against={paths['earlier']}",
+                 "--metrics=cer_percent,wall"]) == 2
+  assert "rerun: error: --metrics: ['wall']" in capsys.readouterr().err
