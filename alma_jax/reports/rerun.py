@@ -13,9 +13,10 @@ over the finished seeds on each side, and Welch's t of the difference
 called clear when |t| > `findings.CLEAR_T`, the rule of the findings. With
 three seeds a side, |t| > 3 happens by chance alone in one comparison in
 twenty-five (equal spreads: 4 degrees of freedom) to one in ten (very
-unequal ones: 2), so a few clear differences in a large table are expected; a
-clear difference in a field that no float order changes (Mem, or Comp when
-the growth is the same) is not.
+unequal ones: 2), so a few clear differences in a large table are expected.
+Mem does not depend on float order where the growth does not (it is then
+identical); Comp counts the epochs that early stopping picks, so it moves
+with the validation curve, as the errors do.
 
   python -m alma_jax.reports.rerun --results=new/results.csv --against=old/results.csv
 
