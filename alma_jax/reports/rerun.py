@@ -118,21 +118,18 @@ def _by_key(rows, keys) -> dict[tuple, list]:
   return out
 
 
-def _side(rows, metric: str, label: str) -> findings_lib.Side:
-  done = [r for r in rows if str(r.get("finished")) == "True" and r.get(metric) not in ("", None)]
-  return findings_lib.Side(label, tuple(float(r[metric]) for r in sorted(done, key=_seed)))
-
-
 def _seed(r) -> float:
   return float(r.get("seed") or 0)
 
 
-def _same_values(a, b, metric: str) -> bool:
-  """Every seed present on both sides, with the same value of `metric` on each."""
-  va = {_seed(r): r.get(metric) for r in a if str(r.get("finished")) == "True"}
-  vb = {_seed(r): r.get(metric) for r in b if str(r.get("finished")) == "True"}
-  return bool(va) and va.keys() == vb.keys() and all(
-      float(va[s]) == float(vb[s]) for s in va)
+def _by_seed(rows, metric: str) -> dict[float, float]:
+  """Seed -> value of `metric`, over the finished runs that have one."""
+  return {_seed(r): float(r[metric]) for r in rows
+          if str(r.get("finished")) == "True" and r.get(metric) not in ("", None)}
+
+
+def _side(values: Mapping[float, float], label: str) -> findings_lib.Side:
+  return findings_lib.Side(label, tuple(values[s] for s in sorted(values)))
 
 
 def compare(this: Sequence[Mapping[str, str]], earlier: Sequence[Mapping[str, str]],
@@ -158,10 +155,11 @@ def compare(this: Sequence[Mapping[str, str]], earlier: Sequence[Mapping[str, st
       continue
     label = labels[key]
     for metric in metrics:
-      a, b = _side(theirs[key], metric, "earlier"), _side(mine, metric, "this")
-      if not a.values or not b.values:
+      by_a, by_b = _by_seed(theirs[key], metric), _by_seed(mine, metric)
+      if not by_a or not by_b:
         continue
-      if _same_values(theirs[key], mine, metric):
+      a, b = _side(by_a, "earlier"), _side(by_b, "this")
+      if by_a == by_b:  # every seed on both sides, with the same value
         rows.append(Row(label, metric, a, b, 0.0, IDENTICAL))
         continue
       # welch_t(better, worse) is (mean(worse) - mean(better)) / se: positive when this is higher.
