@@ -6,9 +6,11 @@ of a grid on another host or at another commit does not give the same
 digits. What it should give is values within the seeds' spread. This module
 reads two `results.csv` files written by the report (one row per run and
 seed), matches their groups (the runs that differ only by their seed) by the
-config fields that tell the groups of either file apart, and compares each
-metric of each matched group: the mean ± sample standard deviation (ddof=1)
-over the finished seeds on each side, and Welch's t of the difference
+config fields that tell the groups of either file apart (groups of one file
+that differ only in fields the other lacks cannot be matched: an error
+naming them), and compares each metric of each matched group: the mean ±
+sample standard deviation (ddof=1) over the finished seeds on each side,
+and Welch's t of the difference
 (`findings.welch_t`; positive when `--results` is higher). A difference is
 called clear when |t| > `findings.CLEAR_T`, the rule of the findings. With
 three seeds a side, |t| > 3 happens by chance alone in one comparison in
@@ -110,11 +112,20 @@ def _labels(groups: Mapping[tuple, list], keys: Sequence[str]) -> dict[tuple, st
   return out
 
 
-def _by_key(rows, keys) -> dict[tuple, list]:
+def _by_key(rows, keys, name: str) -> dict[tuple, list]:
+  """The groups of `rows` by their values of `keys`; two groups with the same values differ
+  only in fields that the other file lacks, and cannot be matched (an error)."""
   out: dict[tuple, list] = {}
   for group in findings_lib._groups(rows).values():  # pylint: disable=protected-access
     key = tuple(findings_lib._norm(group[0].get(k, "")) for k in keys)  # pylint: disable=protected-access
-    out.setdefault(key, []).extend(group)
+    if key in out:
+      other = out[key][0]
+      differ = sorted(c for c in _config_fields(list(group[0]))
+                      if len(_values([group[0], other], c)) > 1)
+      raise RerunError(f"{name}: groups differ in {differ}, which the other results.csv does "
+                       "not have: they cannot be matched to its groups; compare a results.csv "
+                       "that holds one value of these fields")
+    out[key] = list(group)
   return out
 
 
@@ -147,7 +158,7 @@ def compare(this: Sequence[Mapping[str, str]], earlier: Sequence[Mapping[str, st
     raise RerunError(f"--metrics: {unknown} is in neither results.csv; its columns include "
                      f"{numeric}")
   keys, apart = _key_fields(this, earlier)
-  ours, theirs = _by_key(this, keys), _by_key(earlier, keys)
+  ours, theirs = _by_key(this, keys, "--results"), _by_key(earlier, keys, "--against")
   labels = _labels({**theirs, **ours}, keys)
   rows = []
   for key, mine in ours.items():

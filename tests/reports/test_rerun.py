@@ -109,3 +109,14 @@ def test_default_metrics_are_those_the_files_have_and_an_unknown_one_is_named(tm
   assert R.main([f"--results={paths['this']}", f"--against={paths['earlier']}",
                  "--metrics=cer_percent,wall"]) == 2
   assert "rerun: error: --metrics: ['wall']" in capsys.readouterr().err
+
+
+def test_groups_that_differ_only_in_a_field_the_other_file_lacks_are_an_error():
+  earlier = _rows({"a": (_sm(4), {"cer_percent": [1.0, 2.0, 3.0]})})
+  this = _rows({"s": ({**_sm(4), "model.scan_layers": True}, {"cer_percent": [1.0, 2.0, 3.0]}),
+                "u": ({**_sm(4), "model.scan_layers": False}, {"cer_percent": [1.5, 2.5, 3.5]})})
+  with pytest.raises(R.RerunError, match=r"--results: groups differ in \['model.scan_layers'\]"):
+    R.compare(this, earlier)
+  # With one value of the field, the groups match.
+  (row,) = R.compare(this[:3], earlier).rows
+  assert row.outcome == R.IDENTICAL
