@@ -25,7 +25,8 @@ check). `--status` (with the sweep's own flags) prints a table of the
 points instead: done, running (another live process holds the workdir),
 failed (the last run of this sweep failed: its exit is kept in
 <root>/logs/<workdir name>.failed.json until a run succeeds) or to run, with
-their folders; it starts nothing.
+their folders, and, from a grid file's `run_seconds`, the time the points not
+done should take at the pace of the done ones; it starts nothing.
 
 The grid comes from `--grid=field=v1,v2,...` flags, from a Python file
 (`--grid_file=F`) that defines GRID, or both: GRID is a dict of field -> list
@@ -50,7 +51,10 @@ be a directory every worker sees, mounted at the same path where the sweep
 runs for the report). When the runs are over, the report
 (`python -m alma_jax.reports.report`) of every grid point's workdir is written to
 `--report_dir` (default <root>/report), with the verdicts of the grid file's
-FINDINGS (`alma_jax.reports.findings`) when it names them; `--no-report` skips it. SIGINT
+FINDINGS (`alma_jax.reports.findings`) when it names them; `--no-report` skips it. After
+each run the sweep prints its ETA: from the grid file's `run_seconds(config)` (one run's
+seconds where they were measured), scaled to this host by the runs that ended, when the file
+defines it, or else from the mean run. SIGINT
 (Ctrl-C), SIGTERM or SIGHUP is passed on to the runs in progress (which stop
 at a safe point); the sweep then names them with their exit codes, prints its
 own command line to resume, and exits with 128 + the signal number.
@@ -90,6 +94,7 @@ from __future__ import annotations
 import argparse
 import ast
 import itertools
+import math
 import os
 import shlex
 import signal
@@ -162,8 +167,8 @@ def grid_path(value: str) -> str:
                    f"(names: {', '.join(names) or 'none'})")
 
 
-def load_grid_file(path: str) -> list[list[tuple[str, list[str]]]]:
-  """The grids of the GRID of a Python file (a dict of field -> values, or a list of them)."""
+def _grid_scope(path: str) -> dict:
+  """The names a grid file defines (its code run once)."""
   scope = {"__file__": path, "__name__": "grid_file"}
   try:
     with open(path) as f:
@@ -171,7 +176,12 @@ def load_grid_file(path: str) -> list[list[tuple[str, list[str]]]]:
   except Exception as e:  # pylint: disable=broad-except  (its code may raise anything)
     what = errors.located(e, path) or errors.one_line(e)
     raise SystemExit(f"sweep: error: --grid_file={path}: {what}") from e
-  grid = scope.get("GRID")
+  return scope
+
+
+def load_grid_file(path: str) -> list[list[tuple[str, list[str]]]]:
+  """The grids of the GRID of a Python file (a dict of field -> values, or a list of them)."""
+  grid = _grid_scope(path).get("GRID")
   grids = [grid] if isinstance(grid, dict) else grid
   if not isinstance(grids, (list, tuple)) or not grids or not all(
       isinstance(g, dict) and all(isinstance(v, (list, tuple)) and v for v in g.values())
@@ -180,6 +190,90 @@ def load_grid_file(path: str) -> list[list[tuple[str, list[str]]]]:
                      "field -> non-empty list of values (or a list of such dicts); got "
                      f"{type(grid).__name__ if grid is not None else 'no GRID'}")
   return [[(str(f), [_value(v) for v in vals]) for f, vals in g.items()] for g in grids]
+
+
+def load_run_seconds(path: str):
+  """The grid file's `run_seconds(config)`, or None when it defines none."""
+  fn = _grid_scope(path).get("run_seconds")
+  if fn is not None and not callable(fn):
+    raise SystemExit(f"sweep: error: --grid_file={path}: run_seconds must be a function of a "
+                     f"point's resolved config (a nested dict); got {type(fn).__name__}")
+  return fn
+
+
+def run_estimates(grid_file: str | None, todo) -> dict[str, float]:
+  """{workdir: seconds} of the runs of `todo` ((index, command, workdir, resolved config)) by the
+  grid file's `run_seconds(config)` (the resolved config as a nested dict, as a run's
+  config.json holds it): one run's seconds on the host they were measured on, of
+  which the ETA uses only the ratios. Empty when the file defines no `run_seconds`, or when it
+  has no estimate (None) for a run: then the ETA counts every run as the mean of those that
+  ended. A `run_seconds` that fails or returns anything else is an error before any run."""
+  fn = load_run_seconds(grid_file) if grid_file else None
+  if fn is None:
+    return {}
+  out = {}
+  for i, _, workdir, resolved in todo:
+    where = f"--grid_file={grid_file}: run_seconds of point [{i}] {os.path.basename(workdir)}"
+    try:
+      seconds = fn(resolved)
+    except Exception as e:  # pylint: disable=broad-except  (its code may raise anything)
+      raise SystemExit(f"sweep: error: {where} failed: {errors.one_line(e)}") from e
+    if seconds is None:
+      print(f"sweep: {where} is None (no estimate); the ETA counts every run as the mean of "
+            "those that ended", file=sys.stderr)
+      return {}
+    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+        or not math.isfinite(seconds) or seconds <= 0):
+      raise SystemExit(f"sweep: error: {where} returned {seconds!r}; it must return seconds "
+                       "> 0, or None where it has no estimate")
+    out[workdir] = float(seconds)
+  return out
+
+
+def sweep_eta(ended, pending, running, parallel: int) -> tuple[float, float | None]:
+  """(seconds until the sweep ends, the factor from the grid's estimates to this host's times,
+  or None where they are not used).
+
+  ended: (seconds, estimate) of each run that ended here; pending: the estimates of the runs
+  not started; running: (seconds so far, estimate) of each run in progress. With an estimate
+  (`run_estimates`) for every run, the runs left take their estimates times the ratio of the
+  ended runs' time to their estimates (less the time a running one has had); otherwise each
+  counts as the mean of the ended runs. The runs left go `parallel` at a time."""
+  estimates = [e for _, e in ended] + list(pending) + [e for _, e in running]
+  if ended and all(e is not None for e in estimates):
+    scale = sum(t for t, _ in ended) / sum(e for _, e in ended)
+    left = scale * sum(pending) + sum(max(0.0, scale * e - t) for t, e in running)
+    return left / parallel, scale
+  mean = sum(t for t, _ in ended) / len(ended)
+  return mean * (len(pending) + len(running)) / parallel, None
+
+
+def time_left(runs, estimates: dict[str, float]) -> str | None:
+  """The line of `--status` that says how long the points not done should take, one after
+  another, by the grid's `estimates` ({workdir: seconds}): scaled to the pace of the done runs
+  (their summaries' `wall_s` against their estimates) where there are; None when every point
+  is done or refused."""
+  done, left = [], []
+  for _, workdir, resolved in runs:
+    state, _ = status(workdir, resolved, any_host=True)
+    if state == "done":
+      try:
+        wall = io_utils.read_json(os.path.join(workdir, "summary.json")).get("wall_s")
+      except (OSError, ValueError, AttributeError):
+        wall = None
+      if isinstance(wall, (int, float)) and wall > 0:
+        done.append((float(wall), estimates[workdir]))
+    elif state != "refuse":
+      left.append(estimates[workdir])
+  if not left:
+    return None
+  if not done:
+    return (f"time left: {meter.duration(sum(left))} for {len(left)} point(s), one after "
+            "another, by the grid file's run_seconds (on the host it was measured on; no run "
+            "done here to scale it by)")
+  eta, scale = sweep_eta(done, left, [], 1)
+  return (f"time left: {meter.duration(eta)} for {len(left)} point(s), one after another, by "
+          f"the grid file's run_seconds x {scale:.3g} (the pace of the {len(done)} done)")
 
 
 def combine(file_grids, flag_grid):
@@ -454,10 +548,12 @@ def _start(cmd: list[str], log: str | None, resume_command: str):
                             start_new_session=True)
 
 
-def _launch(todo, args, total: int, signals, resume_command: str) -> tuple[int, int]:
+def _launch(todo, args, total: int, signals, resume_command: str,
+            estimates: dict[str, float]) -> tuple[int, int]:
   """Runs the (index, command, workdir, resolved config) of `todo`, `args.parallel` at a time
   (with P > 1 each one's output goes to <root>/logs/<workdir name>.log), until they are over or
-  `signals` receives one, which is passed on to the runs in progress.
+  `signals` receives one, which is passed on to the runs in progress. After each run it prints
+  the sweep's ETA (`sweep_eta`, with the runs' `estimates` by workdir where there are).
 
   Each point's status is checked again just before it starts, and after its run was refused:
   a point that another process (another sweep on the same root) ran meanwhile, or runs, is
@@ -467,14 +563,21 @@ def _launch(todo, args, total: int, signals, resume_command: str) -> tuple[int, 
     (runs that failed, points left to another process that runs them).
   """
   pending, running, failed, elsewhere = list(todo), {}, 0, 0
-  started, took = {}, []  # when each run began; how long each finished one took
+  started, ended = {}, []  # when each run began; (seconds, estimate) of each finished one
   while (pending or running) and not signals.received:
     for p, (i, _, workdir, resolved, log) in list(running.items()):
       if p.poll() is None:
         continue
       del running[p]
-      took.append(time.monotonic() - started.pop(p))
-      _tell_progress(i, total, took, len(pending) + len(running), args.parallel)
+      now = time.monotonic()
+      ended.append((now - started.pop(p), estimates.get(workdir)))
+      eta, scale = sweep_eta(ended, [estimates.get(w) for _, _, w, _ in pending],
+                             [(now - started[q], estimates.get(r[2])) for q, r in running.items()],
+                             args.parallel)
+      by = f" (the grid file's run_seconds x {scale:.3g})" if scale is not None else ""
+      print(f"sweep: [{i}/{total}] ended after {meter.duration(ended[-1][0])}; {len(ended)} "
+            f"ended here, {len(pending) + len(running)} to go, sweep_eta={meter.duration(eta)}"
+            f"{by}", file=sys.stderr, flush=True)
       where = f"; its output: {log}" if log else ""
       # Refused: the workdir may be another process's (there, of another host too).
       state, why = (status(workdir, resolved, any_host=True) if p.returncode == REFUSED
@@ -512,14 +615,6 @@ def _launch(todo, args, total: int, signals, resume_command: str) -> tuple[int, 
   if signals.received:
     _stop(running, total, len(pending), signals)
   return failed, elsewhere
-
-
-def _tell_progress(i: int, total: int, took: list[float], left: int, parallel: int) -> None:
-  """After a run ends: how long it took and when the sweep should end, from the mean time of
-  the runs that ended so far (the points left, `parallel` at a time)."""
-  eta = sum(took) / len(took) * left / parallel
-  print(f"sweep: [{i}/{total}] ended after {meter.duration(took[-1])}; {len(took)} ended here, "
-        f"{left} to go, sweep_eta={meter.duration(eta)}", file=sys.stderr, flush=True)
 
 
 def _stop(running: dict, total: int, left: int, signals) -> None:
@@ -586,7 +681,13 @@ def main(argv=None):
   made = plan(args)
   runs = [m[:3] for m in made.values()]
   if args.status:
-    return sweep_state.print_status(args.root, runs)
+    sweep_state.print_status(args.root, runs)
+    estimates = run_estimates(args.grid_file, [(i + 1, c, w, r) for i, (c, w, r) in
+                                               enumerate(runs)])
+    line = time_left(runs, estimates) if estimates else None
+    if line:
+      print(line)
+    return 0
   invalid = (sweep_state.invalid_points(runs, [m[3] for m in made.values()],
                                          bool(args.slurm or args.tpu)) if args.validate else [])
   if invalid:
@@ -615,9 +716,15 @@ def main(argv=None):
                           steps=["copy", "install"], dry_run=args.dry_run):
       print("sweep: the TPU setup failed; no point was run", file=sys.stderr)
       return 1
+  estimates = run_estimates(args.grid_file, todo) if todo else {}
+  if estimates:
+    print(f"sweep: {len(todo)} run(s) to go, {meter.duration(sum(estimates.values()))} one after "
+          "another by the grid file's run_seconds (on the host it was measured on; after each "
+          "run the ETA scales it to this one)", file=sys.stderr, flush=True)
   resume_command = local.own_command(argv, __file__)
   with local.StopSignals() as signals:
-    failed_here, elsewhere_here = _launch(todo, args, len(runs), signals, resume_command)
+    failed_here, elsewhere_here = _launch(todo, args, len(runs), signals, resume_command,
+                                          estimates)
   if signals.received:
     print(f"sweep: to resume, run the same command again: {resume_command}", file=sys.stderr)
     return 128 + signals.received[0]

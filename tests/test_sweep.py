@@ -689,6 +689,28 @@ def test_status_is_a_table_of_the_points_and_starts_nothing(tmp_path, monkeypatc
   assert not os.path.exists(tmp_path / "logs")
 
 
+def test_status_says_the_time_left_at_the_pace_of_the_done_runs(tmp_path, monkeypatch, capsys):
+  path = _grid_file(tmp_path, 'GRID = {"model.width": [4, 8, 16], "seed": [0]}\n'
+                    'def run_seconds(config):\n  return 15 * config["model"]["width"]\n')
+  flags = [f"--config={SMOKE}", f"--root={tmp_path / 'r'}", f"--grid_file={path}", "--status"]
+  monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("ran a command"))
+  assert sweep.main(flags) == 0
+  assert capsys.readouterr().out.splitlines()[-1] == (
+      "time left: 7m00s for 3 point(s), one after another, by the grid file's run_seconds (on "
+      "the host it was measured on; no run done here to scale it by)")
+  # Width 4 (60 s by the estimate) took 180 s here: the 360 s left take 3x that.
+  made = sweep.plan(sweep._args(flags))
+  workdir, resolved = next((w, r) for _, w, r, _ in made.values() if r["model"]["width"] == 4)
+  _done(workdir, resolved)
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump({"wall_s": 180.0}, f)
+  assert sweep.main(flags) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[-2] == "1 done, 2 to run"
+  assert out[-1] == ("time left: 18m00s for 2 point(s), one after another, by the grid file's "
+                     "run_seconds x 3 (the pace of the 1 done)")
+
+
 def test_every_point_is_checked_before_any_run(tmp_path, monkeypatch, capsys):
   # The smoke config has B=4 mega-batches: waits 3 and 5 are invalid, and the data set name.
   monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("ran a command"))
@@ -789,3 +811,93 @@ def test_a_sequential_sweep_says_after_each_run_how_long_it_took_and_the_sweep_s
   assert [l.split(" ended")[0] for l in lines] == ["sweep: [1/3]", "sweep: [2/3]", "sweep: [3/3]"]
   assert lines[0].endswith("1 ended here, 2 to go, sweep_eta=<1s")  # two runs of 0.2 s
   assert lines[-1].endswith("3 ended here, 0 to go, sweep_eta=0s")
+
+
+def test_the_eta_scales_the_grid_s_estimates_by_the_runs_that_ended():
+  # Two runs ended in 2 + 4 s against estimates of 1 + 2: this host takes 2x the estimates.
+  ended = [(2.0, 1.0), (4.0, 2.0)]
+  # Left: two runs of estimates 3 and 1 (6 + 2 s) and one of estimate 2 running for 1 s (3 s).
+  assert sweep.sweep_eta(ended, [3.0, 1.0], [(1.0, 2.0)], parallel=1) == (11.0, 2.0)
+  assert sweep.sweep_eta(ended, [3.0, 1.0], [(1.0, 2.0)], parallel=2) == (5.5, 2.0)
+  # A running run past its scaled estimate counts as ending now.
+  assert sweep.sweep_eta(ended, [], [(9.0, 2.0)], parallel=1) == (0.0, 2.0)
+  # A run without an estimate: every run left counts as the mean of the ended ones (3 s).
+  assert sweep.sweep_eta(ended, [3.0, None], [(1.0, 2.0)], parallel=1) == (9.0, None)
+  assert sweep.sweep_eta([(2.0, None)], [None], [], parallel=1) == (2.0, None)
+
+
+def test_a_grid_file_s_run_seconds_gives_the_sweep_its_estimate_and_its_eta(
+    tmp_path, monkeypatch, capsys):
+  _fake_runs(monkeypatch, seconds=0.1)
+  path = _grid_file(tmp_path, 'GRID = {"model.width": [4, 8, 16], "seed": [0]}\n'
+                    'def run_seconds(config):\n  return 15 * config["model"]["width"]\n')
+  base = [f"--config={SMOKE}", f"--grid_file={path}", "--no-report"]
+  assert sweep.main(base + [f"--root={tmp_path / 'a'}"]) == 0
+  err = capsys.readouterr().err.splitlines()
+  assert ("sweep: 3 run(s) to go, 7m00s one after another by the grid file's run_seconds (on "
+          "the host it was measured on; after each run the ETA scales it to this one)") in err
+  lines = [l for l in err if l.startswith("sweep: [")]
+  assert len(lines) == 3
+  assert all(re.search(r"sweep_eta=\S+ \(the grid file's run_seconds x [0-9.e-]+\)$", l)
+             for l in lines), lines
+  assert "3 ended here, 0 to go, sweep_eta=0s (" in lines[-1]
+  # No estimate for one point: the mean of the ended runs, and a note that says why.
+  none = _grid_file(tmp_path, 'GRID = {"model.width": [4, 8], "seed": [0]}\n'
+                    'def run_seconds(config):\n  return {4: 60}.get(config["model"]["width"])\n')
+  assert sweep.main([f"--config={SMOKE}", f"--grid_file={none}", "--no-report",
+                     f"--root={tmp_path / 'b'}"]) == 0
+  err = capsys.readouterr().err
+  assert re.search(r"run_seconds of point \[2\] \S*width-8\S* is None \(no estimate\); the "
+                   "ETA counts every run as the mean of those that ended", err), err
+  assert "one after another" not in err and "run_seconds x" not in err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("def run_seconds(config):\n  return 1 / 0\n",
+     r"run_seconds of point \[1\] \S+ failed: ZeroDivisionError: division by zero$"),
+    ("def run_seconds(config):\n  return -1\n",
+     r"run_seconds of point \[1\] \S+ returned -1; it must return seconds > 0, or None where "
+     "it has no estimate$"),
+    ("def run_seconds(config):\n  return '60'\n",
+     r"run_seconds of point \[1\] \S+ returned '60'; it must return seconds > 0"),
+    ("run_seconds = 60\n", r"run_seconds must be a function of a point's resolved config "
+     r"\(a nested dict\); got int$"),
+])
+def test_a_bad_run_seconds_is_an_error_before_any_run(tmp_path, monkeypatch, text, message):
+  calls, _ = _fake_runs(monkeypatch)
+  path = _grid_file(tmp_path, 'GRID = {"model.width": [4], "seed": [0]}\n' + text)
+  with pytest.raises(SystemExit, match=rf"^sweep: error: --grid_file=\S+grid\.py: {message}"):
+    sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", f"--grid_file={path}", "--no-report"])
+  assert not calls
+
+
+@pytest.mark.parametrize("path, runs", [("launch/grids/findings.py", 34),
+                                        ("launch/grids/findings_cifar.py", 57),
+                                        ("launch/grids/beyond.py", 66)])
+def test_the_findings_grids_estimate_every_run_from_their_time_tables(tmp_path, path, runs):
+  # run_seconds names every run of the grid (its TIME_S), so the sweep's ETA uses it throughout.
+  made = sweep.plan(sweep._args([f"--root={tmp_path}", f"--grid_file={path}"]))
+  todo = [(i + 1, cmd, w, r) for i, (cmd, w, r, _) in enumerate(made.values())]
+  estimates = sweep.run_estimates(path, todo)
+  assert len(todo) == runs and len(estimates) == runs
+
+  def by(**fields):  # the estimates of the runs with these fields (section__name=value)
+    return [estimates[w] for _, _, w, r in todo
+            if all(r.get(k.split("__")[0]).get(k.split("__")[1]) == v for k, v in fields.items())]
+
+  if path.endswith("findings_cifar.py"):  # three seeds of each point's TIME_S, one run each
+    scope = {}
+    exec(open(path).read(), scope)  # pylint: disable=exec-used
+    assert sum(estimates.values()) == 3 * sum(scope["TIME_S"].values())
+    assert by(method__name="gmoe") == [221] * 3
+    assert by(method__name="ens", stream__replay=1.0) == [247] * 3
+  elif path.endswith("beyond.py"):  # MNIST's seeds in one run, but for the triggered waits
+    assert by(data__name="cifar10", stream__warm_start="scratch") == [224] * 3
+    assert by(model__width=4, stream__wait_policy="triggered", stream__trigger_fraction=0.1
+              ) == [29] * 3
+    assert by(model__width=64, stream__wait_policy="geometric", stream__geometric_w0=10.0
+              ) == [35]
+  else:  # the seeds of a point in one run, but for gMoE and Firefly
+    assert by(method__name="lm_ens", stream__num_megabatches=4, stream__iid=False) == [1407]
+    assert by(method__name="gmoe", method__tree=False) == [84] * 3
+    assert by(method__name="sm", model__width=64, stream__wait=50, stream__replay=1.0) == [193]

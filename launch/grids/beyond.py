@@ -36,7 +36,8 @@ mega-batches, early stopping with patience 2 within 8 epochs, 2,000 test images)
 warm starts above with their settings, seeds 0-2, each seed its own run (the VGG on a CPU).
 
 The points are chosen to fit about 90 minutes on an idle 2-core CPU (seeds are kept,
-points are trimmed).
+points are trimmed). TIME_S (at the end) holds each run's measured time, which the sweep's
+ETA scales to the host it runs on (`run_seconds`).
 
 FINDINGS (`alma_jax.reports.findings`) are the claims of the literature that the grid
 tests, each against fine-tuning at the same data set, width and w (B1-B6), and whether a
@@ -129,3 +130,66 @@ FINDINGS = [
                                  "stream.wait_policy": "geometric", "stream.geometric_w0": 1.0},
                       "worse": _warm(h, w)} for h in _H for w in (1, 5, 10)]},
 ]
+
+# Wall seconds of each point's run (three seeds in one run on MNIST; the mean of the runs of one
+# seed for the triggered waits and on CIFAR-10) on a 2-core Intel Xeon (family 6, model 207),
+# two runs at a time, at commits 49aa9a0 (MNIST) and 06eb48c (CIFAR-10) (`wall_s` of
+# docs/reproduction/beyond/results.csv), keyed by (data set, width, w, warm start, waiting
+# policy, its w0 or unseen fraction). The sweep's ETA scales them to its host.
+TIME_S = {
+    ('mnist', 4, 1, 'continual_backprop', 'fixed', None): 132,
+    ('mnist', 4, 1, 'finetune', 'fixed', None): 115,
+    ('mnist', 4, 1, 'l2_init', 'fixed', None): 105,
+    ('mnist', 4, 1, 'redo', 'fixed', None): 146,
+    ('mnist', 4, 1, 'scratch', 'fixed', None): 118,
+    ('mnist', 4, 1, 'shrink_perturb', 'fixed', None): 108,
+    ('mnist', 4, 5, 'finetune', 'fixed', None): 46,
+    ('mnist', 4, 10, 'continual_backprop', 'fixed', None): 17,
+    ('mnist', 4, 10, 'finetune', 'fixed', None): 19,
+    ('mnist', 4, 10, 'l2_init', 'fixed', None): 22,
+    ('mnist', 4, 10, 'redo', 'fixed', None): 24,
+    ('mnist', 4, 10, 'scratch', 'fixed', None): 22,
+    ('mnist', 4, 10, 'shrink_perturb', 'fixed', None): 20,
+    ('mnist', 4, 25, 'finetune', 'fixed', None): 16,
+    ('mnist', 4, 50, 'finetune', 'fixed', None): 16,
+    ('mnist', 4, 250, 'finetune', 'fixed', None): 19,
+    ('mnist', 64, 1, 'continual_backprop', 'fixed', None): 172,
+    ('mnist', 64, 1, 'finetune', 'fixed', None): 163,
+    ('mnist', 64, 1, 'l2_init', 'fixed', None): 142,
+    ('mnist', 64, 1, 'redo', 'fixed', None): 183,
+    ('mnist', 64, 1, 'scratch', 'fixed', None): 196,
+    ('mnist', 64, 1, 'shrink_perturb', 'fixed', None): 189,
+    ('mnist', 64, 5, 'finetune', 'fixed', None): 53,
+    ('mnist', 64, 10, 'continual_backprop', 'fixed', None): 32,
+    ('mnist', 64, 10, 'finetune', 'fixed', None): 38,
+    ('mnist', 64, 10, 'l2_init', 'fixed', None): 39,
+    ('mnist', 64, 10, 'redo', 'fixed', None): 38,
+    ('mnist', 64, 10, 'scratch', 'fixed', None): 44,
+    ('mnist', 64, 10, 'shrink_perturb', 'fixed', None): 42,
+    ('mnist', 64, 25, 'finetune', 'fixed', None): 35,
+    ('mnist', 64, 50, 'finetune', 'fixed', None): 32,
+    ('mnist', 64, 250, 'finetune', 'fixed', None): 37,
+    ('mnist', 4, 1, 'finetune', 'geometric', 1.0): 26,
+    ('mnist', 4, 1, 'finetune', 'geometric', 10.0): 25,
+    ('mnist', 64, 1, 'finetune', 'geometric', 1.0): 38,
+    ('mnist', 64, 1, 'finetune', 'geometric', 10.0): 35,
+    ('mnist', 4, 1, 'finetune', 'triggered', 0.1): 29,
+    ('mnist', 4, 1, 'finetune', 'triggered', 0.5): 15,
+    ('mnist', 64, 1, 'finetune', 'triggered', 0.1): 35,
+    ('mnist', 64, 1, 'finetune', 'triggered', 0.5): 19,
+    ('cifar10', 16, 1, 'continual_backprop', 'fixed', None): 145,
+    ('cifar10', 16, 1, 'finetune', 'fixed', None): 158,
+    ('cifar10', 16, 1, 'l2_init', 'fixed', None): 146,
+    ('cifar10', 16, 1, 'redo', 'fixed', None): 167,
+    ('cifar10', 16, 1, 'scratch', 'fixed', None): 224,
+    ('cifar10', 16, 1, 'shrink_perturb', 'fixed', None): 197,
+}
+
+
+def run_seconds(config) -> float | None:
+  """One run's seconds by TIME_S, for the sweep's ETA; None for a point TIME_S does not name.
+  `config`: the point's resolved config, a nested dict."""
+  s = config["stream"]
+  extra = {"geometric": s.get("geometric_w0"), "triggered": s.get("trigger_fraction")}
+  return TIME_S.get((config["data"]["name"], config["model"]["width"], s["wait"],
+                     s["warm_start"], s["wait_policy"], extra.get(s["wait_policy"])))

@@ -10,7 +10,8 @@ one run per seed where growth depends on the seed).
 
 FINDINGS names, next to the points, what each finding compares; the report
 (`alma_jax.reports.findings`) computes every verdict from the sweep's
-`results.csv`.
+`results.csv`. TIME_S (at the end) holds each run's measured time, which the
+sweep's ETA scales to the host it runs on (`run_seconds`).
 """
 
 _SEEDS = [0, 1, 2]
@@ -99,3 +100,33 @@ FINDINGS = [
      "comparisons": [{"better": _GMOE_TREE, "worse": _mnist("gmoe", **{"method.tree": False}),
                       "metric": m} for m in ("cer_percent", "final_error")]},
 ]
+
+# Wall seconds of each point's run (three seeds in one run; gMoE and Firefly: the mean of their
+# runs of one seed) on a 2-core AMD EPYC (family 25), two runs at a time, at commit 5ab70ee
+# (`wall_s` of docs/reproduction/mnist/results.csv). The sweep's ETA scales them to its host.
+TIME_S = [
+    (_sm(4), 44), (_sm(16), 50), (_sm(64), 47), (_sm(256), 119),
+    (_mnist("ens", 4), 129), (_mnist("ens", 64), 209),
+    (_mnist("umix", 4), 66), (_mnist("umix", 64), 146),
+    (_sm(4, 1), 125), (_sm(4, 25), 22), (_sm(4, 50), 20), (_sm(4, 250), 19), (_sm(4, 500), 17),
+    (_sm(64, 1), 155), (_sm(64, 25), 38), (_sm(64, 50), 30), (_sm(64, 250), 43),
+    (_sm(64, 500), 43),
+    (_sm(4, 50, 1.0), 46), (_sm(64, 50, 1.0), 193),
+    (_mnist("gens"), 508), (_mnist("ff"), 245),
+    (_GMOE_TREE, 79), (_mnist("gmoe", **{"method.tree": False}), 84),
+    (_lm(4, False), 1407), (_lm(3, False), 746), (_lm(4, True), 1194), (_lm(3, True), 634),
+]
+
+
+def _field(config: dict, path: str):
+  """The value of a dotted field of `config` (a nested dict), or None where it has none."""
+  for name in path.split("."):
+    config = config.get(name) if isinstance(config, dict) else None
+  return config
+
+
+def run_seconds(config) -> float | None:
+  """One run's seconds by TIME_S, for the sweep's ETA; None for a point TIME_S does not name.
+  `config`: the point's resolved config, a nested dict."""
+  return next((s for fields, s in TIME_S
+               if all(_field(config, k) == v for k, v in fields.items())), None)

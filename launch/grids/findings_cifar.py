@@ -32,7 +32,8 @@ command again after an interruption and it skips the finished runs.
 `TIME_S` below holds the measured wall time of every point's seed 0 on an idle
 2-core CPU, and `python launch/grids/findings_cifar.py` prints the grid's
 estimate from it: 84 minutes, over the 75 it was sized for (Ens with replay
-alone takes 4 minutes a seed).
+alone takes 4 minutes a seed). The sweep's ETA uses these times through
+`run_seconds`, scaled to the host it runs on by the runs that ended.
 """
 
 _SEEDS = [0, 1, 2]
@@ -143,6 +144,14 @@ TIME_S = {
     'gens C=4 w=2 replay': 118,
     'ens C=4 w=2 replay': 247,
 }
+
+
+def run_seconds(config) -> float | None:
+  """One run's seconds by TIME_S, for the sweep's ETA (which scales them to the host it runs
+  on); None for a point TIME_S does not name. `config`: the point's resolved config, a nested
+  dict."""
+  label = f"{config['method']['name']} C={config['model']['width']} w={config['stream']['wait']}"
+  return TIME_S.get(label + (" replay" if config["stream"]["replay"] else ""))
 
 
 def estimate() -> str:
