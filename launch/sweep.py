@@ -248,6 +248,16 @@ def sweep_eta(ended, pending, running, parallel: int) -> tuple[float, float | No
   return mean * (len(pending) + len(running)) / parallel, None
 
 
+def run_wall_s(workdir: str) -> float | None:
+  """The wall seconds of a finished run by its summary (all its processes, when it was
+  resumed), or None where it has none."""
+  try:
+    wall = io_utils.read_json(os.path.join(workdir, "summary.json")).get("wall_s")
+  except (OSError, ValueError, AttributeError):
+    return None
+  return float(wall) if isinstance(wall, (int, float)) and wall > 0 else None
+
+
 def time_left(runs, estimates: dict[str, float]) -> str | None:
   """The line of `--status` that says how long the points not done should take, one after
   another, by the grid's `estimates` ({workdir: seconds}): scaled to the pace of the done runs
@@ -257,12 +267,9 @@ def time_left(runs, estimates: dict[str, float]) -> str | None:
   for _, workdir, resolved in runs:
     state, _ = status(workdir, resolved, any_host=True)
     if state == "done":
-      try:
-        wall = io_utils.read_json(os.path.join(workdir, "summary.json")).get("wall_s")
-      except (OSError, ValueError, AttributeError):
-        wall = None
-      if isinstance(wall, (int, float)) and wall > 0:
-        done.append((float(wall), estimates[workdir]))
+      wall = run_wall_s(workdir)
+      if wall is not None:
+        done.append((wall, estimates[workdir]))
     elif state != "refuse":
       left.append(estimates[workdir])
   if not left:
@@ -570,12 +577,15 @@ def _launch(todo, args, total: int, signals, resume_command: str,
         continue
       del running[p]
       now = time.monotonic()
-      ended.append((now - started.pop(p), estimates.get(workdir)))
+      took = now - started.pop(p)
+      # A resumed run's own time counts its earlier processes too (its summary's wall_s).
+      whole = run_wall_s(workdir) if p.returncode == 0 else None
+      ended.append((max(took, whole or 0.0), estimates.get(workdir)))
       eta, scale = sweep_eta(ended, [estimates.get(w) for _, _, w, _ in pending],
                              [(now - started[q], estimates.get(r[2])) for q, r in running.items()],
                              args.parallel)
       by = f" (the grid file's run_seconds x {scale:.3g})" if scale is not None else ""
-      print(f"sweep: [{i}/{total}] ended after {meter.duration(ended[-1][0])}; {len(ended)} "
+      print(f"sweep: [{i}/{total}] ended after {meter.duration(took)}; {len(ended)} "
             f"ended here, {len(pending) + len(running)} to go, sweep_eta={meter.duration(eta)}"
             f"{by}", file=sys.stderr, flush=True)
       where = f"; its output: {log}" if log else ""

@@ -852,6 +852,25 @@ def test_a_grid_file_s_run_seconds_gives_the_sweep_its_estimate_and_its_eta(
   assert "one after another" not in err and "run_seconds x" not in err
 
 
+def test_a_resumed_run_counts_in_the_eta_with_its_whole_time(tmp_path, monkeypatch, capsys):
+  # The run of width 4 ends 0.1 s after it started here, but its summary says it took 180 s in
+  # all (an earlier process ran most of it): the pace is 180 s for its 60 s estimate.
+  def resumed(cmd):
+    workdir = next(a.split("=", 1)[1] for a in cmd if a.startswith("--workdir="))
+    if "width-4" in workdir:
+      os.makedirs(workdir, exist_ok=True)
+      with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump({"wall_s": 180.0}, f)
+  _fake_runs(monkeypatch, seconds=0.1, on_start=resumed)
+  path = _grid_file(tmp_path, 'GRID = {"model.width": [4, 8], "seed": [0]}\n'
+                    'def run_seconds(config):\n  return 15 * config["model"]["width"]\n')
+  assert sweep.main([f"--config={SMOKE}", f"--grid_file={path}", "--no-report",
+                     f"--root={tmp_path / 'r'}"]) == 0
+  first = next(l for l in capsys.readouterr().err.splitlines() if l.startswith("sweep: [1/2]"))
+  assert first.startswith("sweep: [1/2] ended after <1s; ")
+  assert first.endswith("1 to go, sweep_eta=6m00s (the grid file's run_seconds x 3)")
+
+
 @pytest.mark.parametrize("text, message", [
     ("def run_seconds(config):\n  return 1 / 0\n",
      r"run_seconds of point \[1\] \S+ failed: ZeroDivisionError: division by zero$"),
