@@ -258,14 +258,13 @@ def run_wall_s(workdir: str) -> float | None:
   return float(wall) if isinstance(wall, (int, float)) and wall > 0 else None
 
 
-def time_left(runs, estimates: dict[str, float]) -> str | None:
+def time_left(runs, states, estimates: dict[str, float]) -> str | None:
   """The line of `--status` that says how long the points not done should take, one after
   another, by the grid's `estimates` ({workdir: seconds}): scaled to the pace of the done runs
   (their summaries' `wall_s` against their estimates) where there are; None when every point
-  is done or refused."""
+  is done or refused. `states`: the (state, detail) of each point, as the table showed them."""
   done, left = [], []
-  for _, workdir, resolved in runs:
-    state, _ = status(workdir, resolved, any_host=True)
+  for (_, workdir, _), (state, _) in zip(runs, states):
     if state == "done":
       wall = run_wall_s(workdir)
       if wall is not None:
@@ -691,10 +690,10 @@ def main(argv=None):
   made = plan(args)
   runs = [m[:3] for m in made.values()]
   if args.status:
-    sweep_state.print_status(args.root, runs)
+    states = sweep_state.print_status(args.root, runs)
     estimates = run_estimates(args.grid_file, [(i + 1, c, w, r) for i, (c, w, r) in
                                                enumerate(runs)])
-    line = time_left(runs, estimates) if estimates else None
+    line = time_left(runs, states, estimates) if estimates else None
     if line:
       print(line)
     return 0

@@ -131,8 +131,9 @@ def point_state(workdir: str, resolved: dict) -> tuple[str, str]:
   return "run", "resumes from its records" if has_records(workdir) else ""
 
 
-def print_status(root: str, runs) -> int:
-  """Prints a table of the points' states and folders; starts nothing."""
+def print_status(root: str, runs) -> list[tuple[str, str]]:
+  """Prints a table of the points' states and folders; starts nothing. Returns the (state,
+  detail) of each point (`point_state`)."""
   states = [point_state(w, r) for _, w, r in runs]
   head = ("#", "state", "folder", "detail")
   rows = [head] + [(str(i + 1), STATE_NAMES[state], os.path.relpath(w, root), detail)
@@ -143,7 +144,7 @@ def print_status(root: str, runs) -> int:
     print(f"{r[0]:>{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}".rstrip())
   counts = collections.Counter(state for state, _ in states)
   print(", ".join(f"{counts[s]} {name}" for s, name in STATE_NAMES.items() if counts[s]))
-  return 0
+  return states
 
 
 def check_point(config_arg: str, flags: list[str], remote: bool) -> str | None:
