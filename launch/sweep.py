@@ -53,8 +53,8 @@ runs for the report). When the runs are over, the report
 `--report_dir` (default <root>/report), with the verdicts of the grid file's
 FINDINGS (`alma_jax.reports.findings`) when it names them; `--no-report` skips it. After
 each run the sweep prints its ETA: from the grid file's `run_seconds(config)` (one run's
-seconds where they were measured), scaled to this host by the runs that ended, when the file
-defines it, or else from the mean run. SIGINT
+seconds where they were measured), scaled to this host by the runs that finished, when the
+file defines it, or else from the mean finished run (a failed or refused run sets no pace). SIGINT
 (Ctrl-C), SIGTERM or SIGHUP is passed on to the runs in progress (which stop
 at a safe point); the sweep then names them with their exit codes, prints its
 own command line to resume, and exits with 128 + the signal number.
@@ -230,20 +230,24 @@ def run_estimates(grid_file: str | None, todo) -> dict[str, float]:
   return out
 
 
-def sweep_eta(ended, pending, running, parallel: int) -> tuple[float, float | None]:
-  """(seconds until the sweep ends, the factor from the grid's estimates to this host's times,
-  or None where they are not used).
+def sweep_eta(ended, pending, running, parallel: int) -> tuple[float | None, float | None]:
+  """(seconds until the sweep ends, or None where nothing gives a pace; the factor from the
+  grid's estimates to this host's times, or None where they are not used).
 
-  ended: (seconds, estimate) of each run that ended here; pending: the estimates of the runs
+  ended: (seconds, estimate) of each run that finished here (a failed or refused run ends
+  early, so it says nothing of the pace and is left out); pending: the estimates of the runs
   not started; running: (seconds so far, estimate) of each run in progress. With an estimate
   (`run_estimates`) for every run, the runs left take their estimates times the ratio of the
-  ended runs' time to their estimates (less the time a running one has had); otherwise each
-  counts as the mean of the ended runs. The runs left go `parallel` at a time."""
+  ended runs' time to their estimates (less the time a running one has had), or the estimates
+  as they are (factor 1) before any run finished; otherwise each counts as the mean of the
+  ended runs. The runs left go `parallel` at a time."""
   estimates = [e for _, e in ended] + list(pending) + [e for _, e in running]
-  if ended and all(e is not None for e in estimates):
-    scale = sum(t for t, _ in ended) / sum(e for _, e in ended)
+  if all(e is not None for e in estimates):
+    scale = sum(t for t, _ in ended) / sum(e for _, e in ended) if ended else 1.0
     left = scale * sum(pending) + sum(max(0.0, scale * e - t) for t, e in running)
     return left / parallel, scale
+  if not ended:
+    return None, None
   mean = sum(t for t, _ in ended) / len(ended)
   return mean * (len(pending) + len(running)) / parallel, None
 
@@ -569,7 +573,9 @@ def _launch(todo, args, total: int, signals, resume_command: str,
     (runs that failed, points left to another process that runs them).
   """
   pending, running, failed, elsewhere = list(todo), {}, 0, 0
-  started, ended = {}, []  # when each run began; (seconds, estimate) of each finished one
+  # When each run began; (seconds, estimate) of each run that finished (the ETA's pace); how
+  # many ended in all, failed and refused ones included.
+  started, finished, ended = {}, [], 0
   while (pending or running) and not signals.received:
     for p, (i, _, workdir, resolved, log) in list(running.items()):
       if p.poll() is None:
@@ -577,16 +583,23 @@ def _launch(todo, args, total: int, signals, resume_command: str,
       del running[p]
       now = time.monotonic()
       took = now - started.pop(p)
-      # A resumed run's own time counts its earlier processes too (its summary's wall_s).
-      whole = run_wall_s(workdir) if p.returncode == 0 else None
-      ended.append((max(took, whole or 0.0), estimates.get(workdir)))
-      eta, scale = sweep_eta(ended, [estimates.get(w) for _, _, w, _ in pending],
+      ended += 1
+      if p.returncode == 0:
+        # A resumed run's own time counts its earlier processes too (its summary's wall_s).
+        finished.append((max(took, run_wall_s(workdir) or 0.0), estimates.get(workdir)))
+      eta, scale = sweep_eta(finished, [estimates.get(w) for _, _, w, _ in pending],
                              [(now - started[q], estimates.get(r[2])) for q, r in running.items()],
                              args.parallel)
-      by = f" (the grid file's run_seconds x {scale:.3g})" if scale is not None else ""
-      print(f"sweep: [{i}/{total}] ended after {meter.duration(took)}; {len(ended)} "
-            f"ended here, {len(pending) + len(running)} to go, sweep_eta={meter.duration(eta)}"
-            f"{by}", file=sys.stderr, flush=True)
+      if eta is None:
+        eta_text = "sweep_eta=? (no run finished yet)"
+      elif scale is not None and not finished:
+        eta_text = (f"sweep_eta={meter.duration(eta)} (the grid file's run_seconds; no run "
+                    "finished yet to scale it)")
+      else:
+        by = f" (the grid file's run_seconds x {scale:.3g})" if scale is not None else ""
+        eta_text = f"sweep_eta={meter.duration(eta)}{by}"
+      print(f"sweep: [{i}/{total}] ended after {meter.duration(took)}; {ended} ended here, "
+            f"{len(pending) + len(running)} to go, {eta_text}", file=sys.stderr, flush=True)
       where = f"; its output: {log}" if log else ""
       # Refused: the workdir may be another process's (there, of another host too).
       state, why = (status(workdir, resolved, any_host=True) if p.returncode == REFUSED

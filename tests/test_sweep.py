@@ -23,8 +23,9 @@ SMOKE = "configs/mnist_sm.py:smoke"
 
 def _fake_runs(monkeypatch, seconds=0.0, output="", on_start=None, exit_code=0):
   """Replaces subprocess.Popen by runs that record their command, call `on_start` with it,
-  write `output` to their stdout file (if any), last `seconds` and exit with `exit_code`;
-  returns the commands and a list holding the most runs in progress at once."""
+  write `output` to their stdout file (if any), last `seconds` and exit with `exit_code` (each
+  either a value or a function of the command); returns the commands and a list holding the
+  most runs in progress at once."""
   calls, peak, started = [], [0], []
 
   class Run:
@@ -33,7 +34,8 @@ def _fake_runs(monkeypatch, seconds=0.0, output="", on_start=None, exit_code=0):
     def __init__(self, cmd, stdout=None, **kwargs):
       del kwargs
       self.args, self.pid, self.returncode = cmd, 0, None
-      self._end = time.monotonic() + seconds
+      self._end = time.monotonic() + (seconds(cmd) if callable(seconds) else seconds)
+      self._exit = exit_code(cmd) if callable(exit_code) else exit_code
       calls.append(cmd)
       if on_start:
         on_start(cmd)
@@ -45,7 +47,7 @@ def _fake_runs(monkeypatch, seconds=0.0, output="", on_start=None, exit_code=0):
 
     def poll(self):
       if self.returncode is None and time.monotonic() >= self._end:
-        self.returncode = exit_code
+        self.returncode = self._exit
       return self.returncode
 
     def wait(self, timeout=None):
@@ -824,6 +826,41 @@ def test_the_eta_scales_the_grid_s_estimates_by_the_runs_that_ended():
   # A run without an estimate: every run left counts as the mean of the ended ones (3 s).
   assert sweep.sweep_eta(ended, [3.0, None], [(1.0, 2.0)], parallel=1) == (9.0, None)
   assert sweep.sweep_eta([(2.0, None)], [None], [], parallel=1) == (2.0, None)
+  # No run finished yet: the estimates as they are (factor 1), or no ETA without them.
+  assert sweep.sweep_eta([], [3.0, 1.0], [(1.0, 2.0)], parallel=1) == (5.0, 1.0)
+  assert sweep.sweep_eta([], [None], [(1.0, None)], parallel=1) == (None, None)
+
+
+def test_a_failed_run_sets_no_pace_for_the_eta(tmp_path, monkeypatch, capsys):
+  # Width 4 fails at once; widths 8 and 16 take 0.3 s (with estimates: 120 and 240 s).
+  def width(cmd):
+    return next(int(a.split("=")[1]) for a in cmd if a.startswith("--config.model.width="))
+  _fake_runs(monkeypatch, seconds=lambda cmd: 0.0 if width(cmd) == 4 else 0.3,
+             exit_code=lambda cmd: 3 if width(cmd) == 4 else 0)
+  path = _grid_file(tmp_path, 'GRID = {"model.width": [4, 8, 16], "seed": [0]}\n'
+                    'def run_seconds(config):\n'
+                    '  return {4: 6000, 8: 120, 16: 240}[config["model"]["width"]]\n')
+  assert sweep.main([f"--config={SMOKE}", f"--grid_file={path}", "--no-report",
+                     f"--root={tmp_path / 'a'}"]) == 1
+  lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("sweep: [")]
+  assert len(lines) == 3, lines
+  # After the failure: the estimates left as they are (120 + 240 s), not scaled by its 0 s.
+  assert lines[0].endswith("1 ended here, 2 to go, sweep_eta=6m00s (the grid file's "
+                           "run_seconds; no run finished yet to scale it)"), lines[0]
+  # Then the pace of width 8 alone: its time (>= 0.3 s) over its 120 s, where counting the
+  # failed run would give that time over 6120 s.
+  assert "2 ended here, 1 to go, sweep_eta=" in lines[1], lines[1]
+  factor = float(re.search(r"run_seconds x ([0-9.e-]+)\)$", lines[1]).group(1))
+  assert 0.3 / 120 * 0.999 <= factor < 30 / 120, lines[1]  # 3 significant digits printed
+  # Without estimates: no ETA until a run finished, then the mean of the finished runs only
+  # (1.5 s and more, where counting the failed run would halve it).
+  _fake_runs(monkeypatch, seconds=lambda cmd: 0.0 if width(cmd) == 4 else 1.5,
+             exit_code=lambda cmd: 3 if width(cmd) == 4 else 0)
+  assert sweep.main([f"--config={SMOKE}", "--grid=model.width=4,8,16", "--grid=seed=0",
+                     "--no-report", f"--root={tmp_path / 'b'}"]) == 1
+  lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("sweep: [")]
+  assert lines[0].endswith("1 ended here, 2 to go, sweep_eta=? (no run finished yet)"), lines
+  assert re.search(r"2 ended here, 1 to go, sweep_eta=([2-9]|[1-9][0-9])s$", lines[1]), lines
 
 
 def test_a_grid_file_s_run_seconds_gives_the_sweep_its_estimate_and_its_eta(
