@@ -10,8 +10,10 @@
   order of the values; replay draws it hollow, its line dashed. Series whose
   points share an x are drawn a few points apart on the page (`dodge`), so
   that no marker hides another; the shift is in display space, the same
-  however far the axis is zoomed, and the data (and the axis limits) stay
-  exact. An axis with one x value only is never dodged.
+  however far the axis is zoomed, and the data stay exact. The x axis keeps
+  room at both ends for the widest shift, so that a dodged marker at the
+  first or last x is not cut off (`dodge_margin`). An axis with one x value
+  only is never dodged.
 * An axis of CER, test error or perplexity is logarithmic where its values
   span more than `LOG_SPAN` times, or more than `SQUASH_SPAN` times with most
   of them in the bottom fifth of a linear axis (`axis_scale`), linear
@@ -49,6 +51,7 @@ SPARE_COLORS = ("#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 # Shades of a method's variants: the colour mixed with white (> 0) or black (< 0).
 SHADES = (0.0, 0.45, -0.35, 0.7, -0.55)
 DODGE_PT = 3.0  # the shift between two dodged series, in points on the page
+AXES_SHARE = 0.7  # the least share of a panel's width that its axes take
 # Fields that have a look of their own (colour family, marker, fill): not variants.
 OWN_LOOK_FIELDS = ("method.name", "model.width", "stream.wait", "stream.replay")
 
@@ -231,6 +234,20 @@ def dodge(series: Sequence[Series], log: bool = True) -> list[float]:
   return out
 
 
+def dodge_margin(shifts: Sequence[float], width_in: float = PANEL_W) -> float:
+  """The x margin (matplotlib's fraction of the data's span, each side) that keeps a marker
+  shifted by up to max |shifts| points inside an axes of a panel `width_in` inches wide,
+  0 where nothing is shifted. The axes take at least `AXES_SHARE` of the panel's width (the
+  rest: the y axis' ticks and label); a margin m leaves m / (1 + 2m) of the axes' width at
+  each end, which must hold the shift and the marker's half width."""
+  widest = max((abs(p) for p in shifts), default=0.0)
+  if not widest:
+    return 0.0
+  need = widest + MARKER_SIZE / 2 + 1.0  # points: the shift, half the marker, its edge
+  axes_pt = AXES_SHARE * width_in * 72.0
+  return need / (axes_pt - 2 * need)
+
+
 def _shifted(ax, artists, points: float) -> None:
   """Draws `artists` (data coordinates) `points` to the right on the page."""
   if not points:
@@ -246,7 +263,8 @@ def draw_points(ax, series: Sequence[Series], xlabel: str, ylabel: str, title: s
                 logx: bool = True, engineering: bool = False) -> None:
   """Markers with error bars, a line through each series' points (dashed with replay; a
   segment's hollow ends drawn hollow); log x (tidy ticks), y log where it spans > LOG_SPAN."""
-  for s, points in zip(series, dodge(series, logx)):
+  shifts = dodge(series, logx)
+  for s, points in zip(series, shifts):
     x = np.asarray(s["x"], np.float64)
     filled = s.get("filled", True)
     hollow = s.get("hollow", [not filled] * len(x))
@@ -264,6 +282,10 @@ def draw_points(ax, series: Sequence[Series], xlabel: str, ylabel: str, title: s
     ax.plot([], [], color=s["color"], marker=s["marker"], markersize=MARKER_SIZE,
             linestyle="-" if filled else "--", markerfacecolor=s["color"] if filled else "white",
             label=s["label"])
+  grid = ax.get_gridspec()
+  margin = dodge_margin(shifts, ax.figure.get_figwidth() / (grid.ncols if grid else 1))
+  if margin > ax.margins()[0]:
+    ax.set_xmargin(margin)
   _scales(ax, series, logx, engineering)
   finish(ax, xlabel, ylabel, title)
 

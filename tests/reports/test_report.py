@@ -728,6 +728,25 @@ def test_series_that_share_an_x_are_drawn_apart_on_the_page_with_exact_data():
     assert lo < xs[0] and hi > xs[1]
 
 
+def test_a_dodged_marker_at_either_end_of_the_axis_stays_inside_it():
+  # Eight series that share their smallest and largest x (as the methods of one width share
+  # Mem): the outermost are shifted by 3.5 x DODGE_PT, the tradeoffs figure's worst case.
+  series = [{"label": f"s{i}", "color": "#1f77b4", "marker": "o", "x": [2.7e4, 1e5, 1.2e6],
+             "y": [900.0 - i, 800.0, 650.0 + i], "yerr": [5.0] * 3} for i in range(8)]
+  assert max(plot_style.dodge(series)) == 3.5 * plot_style.DODGE_PT
+  fig = plots.tradeoffs_figure({"comp": series, "mem": series}, "cifar10")
+  _canvas(fig)
+  for ax in fig.axes:
+    box = ax.get_window_extent()
+    radius = plot_style.MARKER_SIZE / 2 * fig.dpi / 72.0
+    for line in ax.get_lines():
+      if len(line.get_xdata()) and str(line.get_marker()) not in ("None", "none", ""):
+        pts = line.get_transform().transform(np.column_stack([
+            np.asarray(line.get_xdata(), np.float64), np.asarray(line.get_ydata(), np.float64)]))
+        assert np.all(pts[:, 0] - radius >= box.x0), (ax.get_xlabel(), pts[:, 0], box)
+        assert np.all(pts[:, 0] + radius <= box.x1), (ax.get_xlabel(), pts[:, 0], box)
+
+
 def _lm_run(tmp_path, name, iid, seed, ppl):
   c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
   c.seed, c.stream.num_megabatches, c.stream.iid = seed, 4, iid
