@@ -277,13 +277,11 @@ def time_left(runs, states, estimates: dict[str, float]) -> str | None:
       left.append(estimates[workdir])
   if not left:
     return None
-  if not done:
-    return (f"time left: {meter.duration(sum(left))} for {len(left)} point(s), one after "
-            "another, by the grid file's run_seconds (on the host it was measured on; no run "
-            "done here to scale it by)")
-  eta, scale = sweep_eta(done, left, [], 1)
+  eta, scale = sweep_eta(done, left, [], 1)  # no run done: the estimates as they are
+  by = (f" x {scale:.3g} (the pace of the {len(done)} done)" if done else
+        " (on the host it was measured on; no run done here to scale it by)")
   return (f"time left: {meter.duration(eta)} for {len(left)} point(s), one after another, by "
-          f"the grid file's run_seconds x {scale:.3g} (the pace of the {len(done)} done)")
+          f"the grid file's run_seconds{by}")
 
 
 def combine(file_grids, flag_grid):
