@@ -100,7 +100,8 @@ class Summary(Observer):
         if len(s.seeds) > 1:
           for out, summary in zip(s.out_dirs, per_seed):
             io_utils.write_json_atomic(os.path.join(out, wd.SUMMARY_FILE),
-                                       dict(summary, provenance=extra["provenance"]))
+                                       dict(summary, choices=extra["choices"],
+                                            provenance=extra["provenance"]))
         io_utils.write_json_atomic(os.path.join(s.workdir, wd.SUMMARY_FILE), top)
     if self.draws:
       self._plot_errors(state)

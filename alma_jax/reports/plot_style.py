@@ -37,6 +37,8 @@ from alma_jax.outputs import io_utils
 
 Series = dict[str, Any]
 FONT_PT = 8
+LEGEND_HANDLE_PT = 40.0  # a legend entry's marker, line and padding, in points
+LEGEND_LINE_IN = 0.15  # the height of a legend label's line, in inches
 LABEL_PT = 9
 LOG_SPAN = 10.0
 SQUASH_SPAN = 3.0
@@ -215,8 +217,34 @@ def legend(fig, axes) -> None:
     for h, l in zip(*ax.get_legend_handles_labels()):
       seen.setdefault(l, h)
   if seen:
-    fig.legend(list(seen.values()), list(seen), fontsize=FONT_PT, loc="outside lower center",
-               ncols=legend_columns(len(seen)), frameon=False)
+    cols = legend_columns(len(seen))
+    room = fig.get_figwidth() * 72 / cols - LEGEND_HANDLE_PT
+    labels = [fit_label(label, room) for label in seen]
+    # The figure was sized for a line per legend row: it grows by the lines added.
+    rows = math.ceil(len(labels) / cols)
+    added = max(sum(1 + l.count("\n") for l in labels[c * rows:(c + 1) * rows])
+                for c in range(cols)) - rows
+    fig.set_figheight(fig.get_figheight() + LEGEND_LINE_IN * added)
+    fig.legend(list(seen.values()), labels, fontsize=FONT_PT, loc="outside lower center",
+               ncols=cols, frameon=False)
+
+
+def text_width_pt(text: str, size: float = FONT_PT) -> float:
+  """The width of `text` set in the figures' font at `size` points, in points."""
+  from matplotlib.textpath import TextPath  # pylint: disable=g-import-not-at-top
+  return TextPath((0, 0), text, size=size).get_extents().width if text.strip() else 0.0
+
+
+def fit_label(label: str, room_pt: float) -> str:
+  """`label` broken at spaces into lines of at most `room_pt` points each (a word wider than
+  that keeps a line of its own)."""
+  lines: list[str] = []
+  for word in label.split(" "):
+    if lines and text_width_pt(f"{lines[-1]} {word}") <= room_pt:
+      lines[-1] = f"{lines[-1]} {word}"
+    else:
+      lines.append(word)
+  return "\n".join(lines)
 
 
 def dodge(series: Sequence[Series], log: bool = True) -> list[float]:

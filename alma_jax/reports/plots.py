@@ -25,6 +25,7 @@ import math
 import os
 import subprocess
 import sys
+import zlib
 from typing import Sequence
 
 import numpy as np
@@ -73,7 +74,7 @@ def tradeoff_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   out = {"comp": [], "mem": []}
   for members in lines.values():
     members = sorted(members, key=lambda g: float(g.get("model.width") or 0))
-    look = dict(looks.of(members[0]), label=members[0].label(line_fields),
+    look = dict(looks.of(members[0]), label=series_label(members[0], groups, line_fields),
                 widths=[m.get("model.width") for m in members])
     out["comp"].append(dict(look, **_stat_points(members, COMP_AXIS, "cer_percent", TERA)))
     out["mem"].append(dict(look, **_stat_points(members, "mem", "cer_percent", 1.0)))
@@ -98,7 +99,7 @@ def replay_series(groups, fields: Sequence[str]) -> list[Series]:
   looks = style.Looks(groups, fields)
   others, lines = _lines_over(groups, fields, "stream.replay")
   return [dict(_stat_points(members, COMP_AXIS, "cer_percent", TERA),
-               **looks.of(members[0]), label=members[0].label(others),
+               **looks.of(members[0]), label=series_label(members[0], groups, others),
                replay=[g.get("stream.replay") for g in members],
                hollow=[bool(g.get("stream.replay")) for g in members]) for members in lines]
 
@@ -112,7 +113,8 @@ def wait_series(groups, fields: Sequence[str]) -> list[Series]:
   for members in lines:
     cer = [g.stat("cer_percent") for g in members]
     first = members[0]
-    out.append(dict(looks.of(first), marker=looks.width_marker(first), label=first.label(others),
+    out.append(dict(looks.of(first), marker=looks.width_marker(first),
+                    label=series_label(first, groups, others),
                     x=[float(g.get("stream.wait")) for g in members],
                     y=[m for m, _ in cer], yerr=[s for _, s in cer]))
   return out
@@ -127,16 +129,95 @@ def _plain(g) -> bool:
   return all(g.get(f) in values for f, values in PLAIN_POLICIES.items())
 
 
+def _value(v) -> str:
+  return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+# A policy's colour, the same in every figure: the spare colours, then the methods' with SM's last
+# (the fixed waits' line of SM, the usual baseline, keeps its blue to itself).
+POLICY_PALETTE = (style.SPARE_COLORS + tuple(c for m, c in style.METHOD_COLORS.items() if m != "sm")
+                  + (style.METHOD_COLORS["sm"],))
+
+
+def policy_color(kind: str) -> str:
+  """The colour of a warm start or waiting policy other than the paper's (`kind`, its name), by
+  its place among the declared policies; a pair of them (`"redo + geometric"`) by its name."""
+  names = [n for f, table in (("stream.warm_start", plugins.STAGE_POLICIES),
+                              ("stream.wait_policy", plugins.WAIT_POLICIES))
+           for n in table if n not in PLAIN_POLICIES[f]]
+  if kind in names:
+    return POLICY_PALETTE[names.index(kind) % len(POLICY_PALETTE)]
+  return POLICY_PALETTE[zlib.crc32(kind.encode()) % (len(POLICY_PALETTE) - 1)]
+
+
+def _policy_names(g) -> list[str]:
+  """The policies of `g` other than the paper's (its warm start, then its waiting policy)."""
+  return [str(g.get(f)) for f, plain in PLAIN_POLICIES.items() if g.get(f) not in plain]
+
+
+_POLICY_TABLES = {"stream.warm_start": plugins.STAGE_POLICIES,
+                  "stream.wait_policy": plugins.WAIT_POLICIES}
+
+
+def _policy_fields() -> set[str]:
+  """The fields that name a policy or set one, and `stream.init_from_scratch` (the older
+  spelling of the warm start `scratch`)."""
+  return ({p for table in _POLICY_TABLES.values() for c in table.values() for p in c.paths()}
+          | set(_POLICY_TABLES) | {"stream.init_from_scratch"})
+
+
+def _policy_parts(g, groups) -> list[str]:
+  """`g`'s policies other than the paper's, by name, each with those of its own fields that are
+  not at their defaults or whose values differ among the `groups` that use it (the fields of
+  policies `g` does not use stay at their defaults and are left out)."""
+  parts = []
+  for field, table in _POLICY_TABLES.items():
+    name = str(g.get(field) or PLAIN_POLICIES[field][1])
+    if name in PLAIN_POLICIES[field]:
+      continue
+    users = [o for o in groups if str(o.get(field)) == name]
+    own = [f.path for f in (table[name].FIELDS if name in table else ())
+           if _differs(f.path, users) or g.get(f.path) not in (None, f.default)]
+    parts.append(" ".join([name] + [f"{p.split('.')[-1]}={_value(g.get(p))}" for p in own]))
+  return parts
+
+
+def _fixed_wait(g) -> bool:
+  return str(g.get("stream.wait_policy") or "fixed") == "fixed"
+
+
+def series_label(g, groups, fields: Sequence[str]) -> str:
+  """`g`'s label among `groups`: its values of `fields` (`Group.label`), its policies named as
+  `_policy_parts` does instead of every policy's fields, and no wait under a waiting policy
+  (the run's w is not what it waited)."""
+  policy = _policy_fields()
+  keep = [f for f in fields if f not in policy and (_fixed_wait(g) or f != "stream.wait")]
+  return ", ".join(x for x in [g.label(keep), *_policy_parts(g, groups)] if x)
+
+
+def _policy_label(g, groups, fields: Sequence[str]) -> str:
+  """`g`'s label in the policies figure: its policies (`_policy_parts`), then `w=<wait>` under
+  a fixed wait and the other `fields` that differ among the `groups` but the width."""
+  parts = _policy_parts(g, groups)
+  if _fixed_wait(g):
+    parts.append(f"w={_value(g.get('stream.wait'))}")
+  rest = [f for f in fields if f not in _policy_fields() | {"model.width", "stream.wait"}
+          and _differs(f, groups)]
+  return ", ".join(parts + ([g.label(rest)] if g.label(rest) else []))
+
+
 def policy_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   """{"width=<w>": series} when a group uses another waiting or warm-start policy than the
   paper's: first each method's frontier of the fixed waits (fine-tuned, without replay, joined
-  in order of compute), then one point per other config; CER against compute (finished runs
-  only)."""
+  in order of compute), then one point per other config, labelled by its policies and their
+  settings (`_policy_label`), a colour per policy and a marker per setting; CER against compute
+  (finished runs only)."""
   groups = [g for g in groups if g.finished and not g.get("stream.replay")]
   if all(_plain(g) for g in groups):
     return {}
   looks = style.Looks(groups, fields)
-  others = [f for f in fields if f != "model.width"]
+  others = [g for g in groups if not _plain(g)]
+  labels = {id(g): _policy_label(g, others, fields) for g in others}
   out: dict[str, list[Series]] = {}
   for width in sorted({g.get("model.width") for g in groups}, key=lambda w: float(w or 0)):
     same = [g for g in groups if g.get("model.width") == width]
@@ -147,9 +228,14 @@ def policy_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
       waits = ", ".join(str(g.get("stream.wait")) for g in fixed)
       series.append(dict(looks.of(fixed[0]), label=f"{method} fixed waits w = {waits} (finetune)",
                          **_stat_points(fixed, COMP_AXIS, "cer_percent", TERA)))
-    series += [dict(looks.of(g), label=g.label(others),
-                    **_stat_points([g], COMP_AXIS, "cer_percent", TERA))
-               for g in same if not _plain(g)]
+    for g in same:
+      if _plain(g):
+        continue
+      kind = " + ".join(_policy_names(g))
+      settings = sorted({labels[id(o)] for o in others if " + ".join(_policy_names(o)) == kind})
+      series.append(dict(color=policy_color(kind), filled=True,
+                         marker=style.MARKERS[settings.index(labels[id(g)]) % len(style.MARKERS)],
+                         label=labels[id(g)], **_stat_points([g], COMP_AXIS, "cer_percent", TERA)))
     out[f"width={width}"] = series
   return out
 
@@ -163,7 +249,8 @@ def error_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   for g in sorted(groups, key=lambda g: float(g.get("model.width") or 0)):
     t, mean, std = g.curve("test_error")
     out.setdefault(f"width={g.get('model.width')}", []).append(
-        dict(looks.of(g), label=g.label(others), x=t.tolist(), y=(100 * mean).tolist(),
+        dict(looks.of(g), label=series_label(g, groups, others), x=t.tolist(),
+             y=(100 * mean).tolist(),
              yerr=(100 * std).tolist()))
   return out
 
@@ -307,6 +394,8 @@ def lm_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
 # -- the figures -----------------------------------------------------------------------------------
 CER = "CER (%)"
 TFLOPS = "TFLOPs, paper count (training, growth, waiting policy)"
+# The same on two lines: wider than a panel, it would run off a figure's right-hand panel.
+TFLOPS_2 = TFLOPS.replace(" (", "\n(")
 
 
 def tradeoffs_figure(trade: dict[str, list[Series]], data: str):
@@ -356,7 +445,7 @@ def policy_figure(panels: dict[str, list[Series]], data: str):
   fig, axes = subplots(len(panels), legend_entries=len({s["label"] for v in panels.values()
                                                        for s in v}))
   for ax, (panel, series) in zip(axes, panels.items()):
-    style.draw_points(ax, series, TFLOPS, CER, f"{data} {panel}: policies vs fixed waits")
+    style.draw_points(ax, series, TFLOPS_2, CER, f"{data} {panel}: policies vs fixed waits")
   style.legend(fig, axes)
   return fig
 

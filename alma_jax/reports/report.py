@@ -172,6 +172,23 @@ def _check_seed(path: str, config: dict, records, summary) -> None:
                       "not a number")
 
 
+# Fields of a several-seed run's own summary that hold for each of its seeds: the speed choices
+# made once for the programs that trained them all. (Its timings are the process's, not a seed's.)
+_RUN_FIELDS = ("choices",)
+
+
+def _with_run_fields(seed: Run, run_path: str) -> Run:
+  """`seed`, a seed of the several-seed run in `run_path`, with the `_RUN_FIELDS` of the run's
+  summary where its own summary lacks them (seeds' summaries written before they carried
+  them)."""
+  path = os.path.join(run_path, wd.SUMMARY_FILE)
+  if seed.summary is None or not os.path.exists(path):
+    return seed
+  run_summary = _read_json(path)
+  missing = {k: run_summary[k] for k in _RUN_FIELDS if k in run_summary and k not in seed.summary}
+  return dataclasses.replace(seed, summary=dict(seed.summary, **missing)) if missing else seed
+
+
 def _read_seed(path: str) -> Run:
   config = _read_json(os.path.join(path, wd.CONFIG_FILE))
   try:
@@ -191,7 +208,7 @@ def load_runs(path: str) -> list[Run]:
     raise ReportError(f"--workdirs: {path} is not a directory")
   seeds = wd.output_dirs(path)[1:]
   if seeds and os.path.exists(os.path.join(path, wd.CONFIG_FILE)):
-    return [_read_seed(s) for s in seeds]
+    return [_with_run_fields(_read_seed(s), path) for s in seeds]
   missing = [n for n in (wd.CONFIG_FILE, wd.LOG_FILE) if not os.path.exists(os.path.join(path, n))]
   if missing:
     raise ReportError(f"--workdirs: {path} is not a run's workdir: it lacks {' and '.join(missing)}"

@@ -105,6 +105,9 @@ def test_two_seeds_end_to_end_match_separate_runs_and_resume(tmp_path):
   for seed in (5, 6):
     check_outputs(str(both / f"seed_{seed}"), 4)
     assert _read(str(both / f"seed_{seed}" / "config.json"))["seed"] == seed
+    # The speed choices trained every seed: each seed's summary names them.
+    assert _read(str(both / f"seed_{seed}" / "summary.json"))["choices"] == top["choices"]
+  assert top["choices"]
   # The second seed is what a separate run with that seed gives.
   for seed in (6,):
     sep = tmp_path / f"sep{seed}"

@@ -603,6 +603,27 @@ def test_results_csv_has_a_row_per_run_and_seed_with_config_fields_and_metrics(r
   assert "results.csv" in (tmp_path / "out" / "report.md").read_text()
 
 
+def test_the_seeds_of_a_num_seeds_run_carry_its_speed_choices_in_results_csv(tmp_path):
+  """Seeds' summaries written before they held the run's `choices` get them from the run's
+  summary; its timings, which are the whole process's, stay out of the seeds' rows."""
+  import csv  # pylint: disable=g-import-not-at-top
+  ens = tmp_path / "ens"
+  _write(ens, _config("ens", num_seeds=2), [], finished=False)
+  with open(ens / wd.SUMMARY_FILE, "w") as f:
+    json.dump({"cer": 1.0, "choices": {"train.step_fusion": "no_ynn", "train.steps_per_call": 1},
+               "timings": {"train_s": 7.0}}, f)
+  _write(ens / "seed_0", _config("ens", seed=0), _records([0.8, 0.4, 0.2, 0.2, 0.2]))
+  _write(ens / "seed_1", _config("ens", seed=1), _records([0.8, 0.2, 0.2, 0.2, 0.0]),
+         summary_extra={"choices": {"train.step_fusion": "same"}})  # its own: kept
+  report.write_report([str(ens)], str(tmp_path / "out"), gating=False)
+  with open(tmp_path / "out" / "results.csv", newline="") as f:
+    rows = {r["seed"]: r for r in csv.DictReader(f)}
+  assert rows["0"]["choices.train.step_fusion"] == "no_ynn"
+  assert rows["0"]["choices.train.steps_per_call"] == "1"
+  assert rows["1"]["choices.train.step_fusion"] == "same"
+  assert "timings.train_s" not in rows["0"]
+
+
 def test_results_csv_reads_into_pandas(runs, tmp_path):
   import pandas as pd  # pylint: disable=g-import-not-at-top
   report.write_report(runs, str(tmp_path / "out"), gating=False)
@@ -817,15 +838,24 @@ def test_the_policies_figure_sets_each_policy_against_the_frontier_of_fixed_wait
   assert frontier["label"] == "sm fixed waits w = 2, 1 (finetune)"
   np.testing.assert_allclose(frontier["x"], [4.0, 8.0])
   np.testing.assert_allclose(frontier["y"], [250.0, 270.0])
+  # Each other point is named by its policies with their settings off the defaults (no wait
+  # under a waiting policy), and drawn in its policy's colour, the same in every figure.
   by = {s["label"]: s for s in others}
-  assert set(by) == {"sm wait=1 replay=0 geometric_ratio=3 wait_policy=geometric "
-                     "warm_start=finetune",
-                     "sm wait=2 replay=0 geometric_ratio=2 wait_policy=fixed "
-                     "warm_start=scratch"}, set(by)
-  np.testing.assert_allclose(by["sm wait=1 replay=0 geometric_ratio=3 wait_policy=geometric "
-                                "warm_start=finetune"]["x"], [8.0])
+  assert set(by) == {"geometric geometric_ratio=3", "scratch, w=2"}, set(by)
+  np.testing.assert_allclose(by["geometric geometric_ratio=3"]["x"], [8.0])
+  assert by["geometric geometric_ratio=3"]["color"] == plots.policy_color("geometric")
+  assert by["scratch, w=2"]["color"] == plots.policy_color("scratch")
+  assert len({plots.policy_color(p) for p in ("scratch", "shrink_perturb", "redo",
+                                               "continual_backprop", "l2_init", "geometric",
+                                               "triggered")} | {frontier["color"]}) == 8
   assert [s["label"] for s in panels["width=16"]] == ["sm fixed waits w = 1 (finetune)"]
   assert (tmp_path / "out" / "policies_mnist.png").stat().st_size > 1000
+  # The other figures name a policy the same way, with the rest of the label; the fields of
+  # the policies a run does not use, and the wait under a waiting policy, are left out.
+  labels = {s["label"] for s in figs["tradeoffs_mnist"]["comp"]}
+  assert {"sm replay=0, geometric geometric_ratio=3", "sm wait=2 replay=0, scratch",
+          "sm wait=2 replay=0", "sm wait=1 replay=0"} <= labels, labels
+  assert not any("wait_policy" in l or "warm_start" in l for l in labels), labels
 
 
 def test_the_report_computes_the_findings_verdicts_from_its_results_csv(runs, tmp_path):
@@ -908,3 +938,28 @@ def test_the_wait_figure_has_a_tick_at_every_plotted_wait_and_its_legend_inside(
   (legend,) = fig.legends
   box, page = legend.get_window_extent(renderer), fig.bbox
   assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
+
+
+def test_a_legend_of_long_labels_stays_inside_its_figure():
+  """Labels wider than a legend column are broken at spaces, and the figure grows by the lines
+  added, so that no label runs off the page."""
+  words = "sm wait=10 replay=0, shrink_perturb shrink=0.6 perturb=0.8 trigger_fraction=0.5"
+  # One panel, two columns; two panels, two columns: broken. Two panels, one column: it fits.
+  for panels, entries, broken in ((1, 4, True), (2, 6, True), (2, 2, False)):
+    fig, axes = plot_style.subplots(panels, legend_entries=entries)
+    height = fig.get_figheight()
+    for i in range(entries):
+      axes[i % panels].plot([1, 2], [i, i + 1], label=f"{words} {i}")
+    plot_style.legend(fig, axes)
+    fig.canvas.draw()
+    (legend,) = fig.legends
+    box, page = legend.get_window_extent(), fig.bbox
+    assert page.x0 <= box.x0 and box.x1 <= page.x1, (panels, box, page)
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert sorted(t.replace("\n", " ") for t in texts) == [f"{words} {i}" for i in range(entries)]
+    added = max(t.count("\n") for t in texts)
+    assert (added > 0) == broken and (fig.get_figheight() > height) == broken
+  room = 120.0
+  fitted = plot_style.fit_label(words, room)
+  assert all(plot_style.text_width_pt(line) <= room for line in fitted.split("\n"))
+  assert plot_style.fit_label("short", room) == "short"
