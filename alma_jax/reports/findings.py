@@ -29,12 +29,15 @@ positive when the paper's direction holds. It is *clear* when |t| > 3. A
 finding's verdict, from its comparisons:
 
 * `reproduced`: every comparison clear in the paper's direction;
-* `partly`: some clear in its direction, none clear against, the rest in its
-  direction without being clear;
+* `partly`: some clear in its direction, none against, the rest in its
+  direction without being clear, equal or missing;
 * `not reproduced`: some clear in its direction, and others against it
   (clear or not);
 * `against`: some clear against the paper, none clear in its direction;
 * `not shown`: no clear difference (or groups missing from the results).
+
+A comparison whose two means are equal (both sides without spread, e.g. no
+dormant unit left under either) is `equal`: neither for the paper nor against.
 
   python -m alma_jax.reports.findings --results=results.csv --grid_file=launch/grids/findings.py
 
@@ -55,9 +58,9 @@ from typing import Any, Iterable, Mapping, Sequence
 CLEAR_T = 3.0
 VERDICTS = ("reproduced", "partly", "not reproduced", "against", "not shown")
 # Outcomes of one comparison.
-CLEAR_FOR, FOR, AGAINST, CLEAR_AGAINST, MISSING = (
+CLEAR_FOR, FOR, AGAINST, CLEAR_AGAINST, EQUAL, MISSING = (
     "clear, as the paper", "as the paper, not clear", "against, not clear",
-    "clear, against the paper", "missing")
+    "clear, against the paper", "equal", "missing")
 GROUP_COLUMN = "group"
 
 
@@ -131,6 +134,8 @@ def welch_t(better: Sequence[float], worse: Sequence[float]) -> float:
 
 def outcome(t: float, better: Side, worse: Side) -> str:
   """The comparison's outcome; with too few seeds for t, the sign of the mean difference."""
+  if worse.mean == better.mean:
+    return EQUAL
   if math.isnan(t):
     return FOR if worse.mean > better.mean else AGAINST
   if t > CLEAR_T:

@@ -52,6 +52,8 @@ def _one(values_better, values_worse, metric="cer_percent"):
     ([1.0, 1.5, 0.5], [1.5, 2.0, 1.0], F.FOR),             # t = 1.22
     ([1.5, 2.0, 1.0], [1.0, 1.5, 0.5], F.AGAINST),         # t = -1.22
     ([2.0, 2.1, 1.9], [1.0, 1.1, 0.9], F.CLEAR_AGAINST),   # t = -12.2
+    ([0.0, 0.0, 0.0], [0.0, 0.0, 0.0], F.EQUAL),           # t = 0, no spread, no difference
+    ([1.0, 2.0, 3.0], [3.0, 2.0, 1.0], F.EQUAL),           # t = 0, equal means
 ])
 def test_the_outcome_of_one_comparison(better, worse, expected_outcome):
   found = _one(better, worse)
@@ -65,6 +67,9 @@ def test_the_outcome_of_one_comparison(better, worse, expected_outcome):
     ([F.CLEAR_FOR, F.CLEAR_FOR], "reproduced"),
     ([F.CLEAR_FOR, F.FOR], "partly"),
     ([F.CLEAR_FOR, F.MISSING], "partly"),
+    ([F.CLEAR_FOR, F.EQUAL, F.FOR], "partly"),
+    ([F.EQUAL, F.FOR], "not shown"),
+    ([F.EQUAL, F.CLEAR_AGAINST], "against"),
     ([F.CLEAR_FOR, F.AGAINST], "not reproduced"),
     ([F.CLEAR_FOR, F.CLEAR_AGAINST], "not reproduced"),
     ([F.CLEAR_AGAINST, F.FOR], "against"),
