@@ -231,6 +231,7 @@ class Tally:
     self.seconds, self.programs, self.names, self.phases = (
         collections.Counter(), collections.Counter(), collections.Counter(),
         collections.Counter())
+    self.name_seconds = collections.Counter()  # a program's tracing, lowering and compile
     self.cache = {"hits": [], "misses": [], "not_written": []}
     self.slow = []  # (seconds since start, function, phase, duration) of each phase over 0.5 s
     self._lock = threading.RLock()
@@ -243,6 +244,7 @@ class Tally:
       self.seconds[kind] += duration
       if kind != ACCOUNTING:
         self.phases[event.rsplit("/", 1)[1]] += duration
+        self.name_seconds[fun_name] += duration
       if duration > 0.5:
         self.slow.append((round(time.monotonic() - self.t0, 1), fun_name or kind,
                           event.rsplit("/", 1)[1], round(duration, 2)))
@@ -263,6 +265,7 @@ class Tally:
         json.dump({"wall_s": time.monotonic() - self.t0, "step_prefix": self.step_prefix,
                    "seconds": dict(self.seconds),
                    "programs": dict(self.programs), "names": dict(self.names.most_common()),
+                   "name_seconds": {n: round(s, 3) for n, s in self.name_seconds.most_common()},
                    "phases": dict(self.phases),
                    "slow_phases": self.slow, **self.cache}, f)
       os.replace(self.out_path + ".tmp", self.out_path)

@@ -131,6 +131,8 @@ def test_compile_budget_s_tally_takes_events_from_several_threads(tmp_path):
     written = json.load(f)
   assert written["programs"] == {f"kind{i}": per_thread for i in range(threads)}
   assert written["seconds"] == {f"kind{i}": 0.25 * per_thread for i in range(threads)}
+  assert written["name_seconds"] == {f"jit(alma_step_kind{i})": 0.25 * per_thread
+                                     for i in range(threads)}
   assert len(written["hits"]) == threads * per_thread
   assert not os.path.exists(out + ".tmp")
 
