@@ -65,7 +65,7 @@ def _line_key(g, fields: Sequence[str]) -> tuple:
 
 def tradeoff_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   """{"comp": ..., "mem": ...}: one series per config across widths (finished runs only)."""
-  looks = style.Looks(groups, fields)
+  looks = Looks(groups, fields)
   groups = [g for g in groups if g.finished]
   line_fields = [f for f in fields if f != "model.width"]
   lines: dict[tuple, list] = {}
@@ -96,7 +96,7 @@ def _lines_over(groups, fields: Sequence[str], field: str):
 def replay_series(groups, fields: Sequence[str]) -> list[Series]:
   """Segments from each config without replay to the same config with replay (its end
   hollow)."""
-  looks = style.Looks(groups, fields)
+  looks = Looks(groups, fields)
   others, lines = _lines_over(groups, fields, "stream.replay")
   return [dict(_stat_points(members, COMP_AXIS, "cer_percent", TERA),
                **looks.of(members[0]), label=series_label(members[0], groups, others),
@@ -107,7 +107,7 @@ def replay_series(groups, fields: Sequence[str]) -> list[Series]:
 def wait_series(groups, fields: Sequence[str]) -> list[Series]:
   """CER against the waiting time w: one series per config over its waits (two or more),
   a marker per width."""
-  looks = style.Looks(groups, fields)
+  looks = Looks(groups, fields)
   others, lines = _lines_over(groups, fields, "stream.wait")
   out = []
   for members in lines:
@@ -206,6 +206,35 @@ def _policy_label(g, groups, fields: Sequence[str]) -> str:
   return ", ".join(parts + ([g.label(rest)] if g.label(rest) else []))
 
 
+class Looks(style.Looks):
+  """`plot_style.Looks`, but a config with another warm start or waiting policy than the
+  paper's takes its policy's colour (`policy_color`), lighter or darker per setting
+  (`_policy_parts`), and the paper's configs keep their method's colour and shades among
+  themselves: a grid of policies reads by colour in every figure, not by label alone."""
+
+  def __init__(self, groups, fields: Sequence[str]):
+    super().__init__(groups, fields)
+    plain = [g for g in groups if _plain(g)]
+    variants: dict[str, set] = {}
+    for g in plain:
+      variants.setdefault(str(g.get("method.name")), set()).add(self._variant(g))
+    self.variants.update({m: sorted(v) for m, v in variants.items()})
+    self.settings: dict[str, list[str]] = {}
+    for g in groups:
+      if not _plain(g):
+        self.settings.setdefault(" + ".join(_policy_names(g)), []).append(
+            ", ".join(_policy_parts(g, groups)))
+    self.settings = {k: sorted(set(v)) for k, v in self.settings.items()}
+    self.groups = groups
+
+  def color(self, g) -> str:
+    if _plain(g):
+      return super().color(g)
+    kind = " + ".join(_policy_names(g))
+    return style.shade(policy_color(kind),
+                       self.settings[kind].index(", ".join(_policy_parts(g, self.groups))))
+
+
 def policy_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   """{"width=<w>": series} when a group uses another waiting or warm-start policy than the
   paper's: first each method's frontier of the fixed waits (fine-tuned, without replay, joined
@@ -215,7 +244,7 @@ def policy_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   groups = [g for g in groups if g.finished and not g.get("stream.replay")]
   if all(_plain(g) for g in groups):
     return {}
-  looks = style.Looks(groups, fields)
+  looks = Looks(groups, fields)
   others = [g for g in groups if not _plain(g)]
   labels = {id(g): _policy_label(g, others, fields) for g in others}
   out: dict[str, list[Series]] = {}
@@ -243,7 +272,7 @@ def policy_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
 # -- error over time (Fig. 1/3) --------------------------------------------------------------------
 def error_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   """{"width=<w>": one series per config}: mean test error (%) over t, std over seeds."""
-  looks = style.Looks(groups, fields)
+  looks = Looks(groups, fields)
   others = [f for f in fields if f != "model.width"]
   out: dict[str, list[Series]] = {}
   for g in sorted(groups, key=lambda g: float(g.get("model.width") or 0)):

@@ -856,6 +856,11 @@ def test_the_policies_figure_sets_each_policy_against_the_frontier_of_fixed_wait
   assert {"sm replay=0, geometric geometric_ratio=3", "sm wait=2 replay=0, scratch",
           "sm wait=2 replay=0", "sm wait=1 replay=0"} <= labels, labels
   assert not any("wait_policy" in l or "warm_start" in l for l in labels), labels
+  # ... and colour it as the policies figure does; the paper's configs keep their method's.
+  colors = {s["label"]: s["color"] for s in figs["tradeoffs_mnist"]["comp"]}
+  assert colors["sm wait=2 replay=0, scratch"] == plots.policy_color("scratch")
+  assert colors["sm replay=0, geometric geometric_ratio=3"] == plots.policy_color("geometric")
+  assert colors["sm wait=1 replay=0"] == plot_style.method_color("sm")
 
 
 def test_the_report_computes_the_findings_verdicts_from_its_results_csv(runs, tmp_path):
