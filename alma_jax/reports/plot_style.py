@@ -95,9 +95,13 @@ class Looks:
     self.waits = _order(g.get("stream.wait") for g in groups)
     self.widths = _order(g.get("model.width") for g in groups)
     variants: dict[str, set] = {}
-    for g in groups:
+    for g in self._variant_groups(groups):
       variants.setdefault(str(g.get("method.name")), set()).add(self._variant(g))
     self.variants = {m: sorted(v) for m, v in variants.items()}
+
+  def _variant_groups(self, groups):
+    """The groups whose variants share out their method's shades (all of them here)."""
+    return groups
 
   def _variant(self, g) -> str:
     return g.label(self.variant_fields)

@@ -150,9 +150,10 @@ def policy_color(kind: str) -> str:
   return POLICY_PALETTE[zlib.crc32(kind.encode()) % (len(POLICY_PALETTE) - 1)]
 
 
-def _policy_names(g) -> list[str]:
-  """The policies of `g` other than the paper's (its warm start, then its waiting policy)."""
-  return [str(g.get(f)) for f, plain in PLAIN_POLICIES.items() if g.get(f) not in plain]
+def _policy_kind(g) -> str:
+  """The policies of `g` other than the paper's, its warm start then its waiting policy, joined
+  by " + " (`"redo"`, `"redo + geometric"`; "" for the paper's learner)."""
+  return " + ".join(str(g.get(f)) for f, plain in PLAIN_POLICIES.items() if g.get(f) not in plain)
 
 
 _POLICY_TABLES = {"stream.warm_start": plugins.STAGE_POLICIES,
@@ -214,25 +215,24 @@ class Looks(style.Looks):
 
   def __init__(self, groups, fields: Sequence[str]):
     super().__init__(groups, fields)
-    plain = [g for g in groups if _plain(g)]
-    variants: dict[str, set] = {}
-    for g in plain:
-      variants.setdefault(str(g.get("method.name")), set()).add(self._variant(g))
-    self.variants.update({m: sorted(v) for m, v in variants.items()})
-    self.settings: dict[str, list[str]] = {}
+    self.groups = groups
+    settings: dict[str, set] = {}
     for g in groups:
       if not _plain(g):
-        self.settings.setdefault(" + ".join(_policy_names(g)), []).append(
-            ", ".join(_policy_parts(g, groups)))
-    self.settings = {k: sorted(set(v)) for k, v in self.settings.items()}
-    self.groups = groups
+        settings.setdefault(_policy_kind(g), set()).add(self._setting(g))
+    self.settings = {k: sorted(v) for k, v in settings.items()}
+
+  def _variant_groups(self, groups):
+    return [g for g in groups if _plain(g)]
+
+  def _setting(self, g) -> str:
+    return ", ".join(_policy_parts(g, self.groups))
 
   def color(self, g) -> str:
     if _plain(g):
       return super().color(g)
-    kind = " + ".join(_policy_names(g))
-    return style.shade(policy_color(kind),
-                       self.settings[kind].index(", ".join(_policy_parts(g, self.groups))))
+    kind = _policy_kind(g)
+    return style.shade(policy_color(kind), self.settings[kind].index(self._setting(g)))
 
 
 def policy_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
@@ -247,6 +247,11 @@ def policy_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   looks = Looks(groups, fields)
   others = [g for g in groups if not _plain(g)]
   labels = {id(g): _policy_label(g, others, fields) for g in others}
+  settings: dict[str, set] = {}  # each policy's settings (their labels), a marker each
+  for g in others:
+    settings.setdefault(_policy_kind(g), set()).add(labels[id(g)])
+  markers = {label: style.MARKERS[i % len(style.MARKERS)]
+             for kind_labels in settings.values() for i, label in enumerate(sorted(kind_labels))}
   out: dict[str, list[Series]] = {}
   for width in sorted({g.get("model.width") for g in groups}, key=lambda w: float(w or 0)):
     same = [g for g in groups if g.get("model.width") == width]
@@ -260,11 +265,9 @@ def policy_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
     for g in same:
       if _plain(g):
         continue
-      kind = " + ".join(_policy_names(g))
-      settings = sorted({labels[id(o)] for o in others if " + ".join(_policy_names(o)) == kind})
-      series.append(dict(color=policy_color(kind), filled=True,
-                         marker=style.MARKERS[settings.index(labels[id(g)]) % len(style.MARKERS)],
-                         label=labels[id(g)], **_stat_points([g], COMP_AXIS, "cer_percent", TERA)))
+      series.append(dict(color=policy_color(_policy_kind(g)), filled=True,
+                         marker=markers[labels[id(g)]], label=labels[id(g)],
+                         **_stat_points([g], COMP_AXIS, "cer_percent", TERA)))
     out[f"width={width}"] = series
   return out
 

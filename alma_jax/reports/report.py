@@ -177,14 +177,12 @@ def _check_seed(path: str, config: dict, records, summary) -> None:
 _RUN_FIELDS = ("choices",)
 
 
-def _with_run_fields(seed: Run, run_path: str) -> Run:
-  """`seed`, a seed of the several-seed run in `run_path`, with the `_RUN_FIELDS` of the run's
-  summary where its own summary lacks them (seeds' summaries written before they carried
-  them)."""
-  path = os.path.join(run_path, wd.SUMMARY_FILE)
-  if seed.summary is None or not os.path.exists(path):
+def _with_run_fields(seed: Run, run_summary: dict | None) -> Run:
+  """`seed`, a seed of a several-seed run whose own summary is `run_summary` (None: not
+  written), with the `_RUN_FIELDS` of that summary where the seed's lacks them (seeds'
+  summaries written before they carried them)."""
+  if seed.summary is None or run_summary is None:
     return seed
-  run_summary = _read_json(path)
   missing = {k: run_summary[k] for k in _RUN_FIELDS if k in run_summary and k not in seed.summary}
   return dataclasses.replace(seed, summary=dict(seed.summary, **missing)) if missing else seed
 
@@ -208,7 +206,9 @@ def load_runs(path: str) -> list[Run]:
     raise ReportError(f"--workdirs: {path} is not a directory")
   seeds = wd.output_dirs(path)[1:]
   if seeds and os.path.exists(os.path.join(path, wd.CONFIG_FILE)):
-    return [_with_run_fields(_read_seed(s), path) for s in seeds]
+    summary_path = os.path.join(path, wd.SUMMARY_FILE)
+    run_summary = _read_json(summary_path) if os.path.exists(summary_path) else None
+    return [_with_run_fields(_read_seed(s), run_summary) for s in seeds]
   missing = [n for n in (wd.CONFIG_FILE, wd.LOG_FILE) if not os.path.exists(os.path.join(path, n))]
   if missing:
     raise ReportError(f"--workdirs: {path} is not a run's workdir: it lacks {' and '.join(missing)}"

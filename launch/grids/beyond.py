@@ -134,8 +134,8 @@ FINDINGS = [
 # Wall seconds of each point's run (three seeds in one run on MNIST; the mean of the runs of one
 # seed for the triggered waits and on CIFAR-10) on a 2-core Intel Xeon (family 6, model 207),
 # two runs at a time, at commits 49aa9a0 (MNIST) and 06eb48c (CIFAR-10) (`wall_s` of
-# docs/reproduction/beyond/earlier_49aa9a0/results.csv), keyed by (data set, width, w, warm start, waiting
-# policy, its w0 or unseen fraction). The sweep's ETA scales them to its host.
+# docs/reproduction/beyond/earlier_49aa9a0/results.csv), keyed by (data set, width, w, warm
+# start, waiting policy, its w0 or unseen fraction). The sweep's ETA scales them to its host.
 TIME_S = {
     ('mnist', 4, 1, 'continual_backprop', 'fixed', None): 132,
     ('mnist', 4, 1, 'finetune', 'fixed', None): 115,
