@@ -298,7 +298,9 @@ def plasticity_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   against t (std over seeds as error bars); empty when no run recorded plasticity
   diagnostics. When the configs differ in their warm start, only the fixed-wait runs at the
   smallest wait that another warm start than finetune uses are drawn (the comparison of
-  warm starts; the other waits would bury it)."""
+  warm starts; the other waits would bury it). A config has the colour it has in every figure
+  of the data set (`Looks` over all `groups`) and the label of its policies (`series_label`),
+  and each drawn config a marker of its own."""
   drawn = [g for g in groups if len(g.curve(PLASTICITY_PANELS[0][0])[0])
            or len(g.curve(PLASTICITY_PANELS[-1][0])[0])]
   others = [g for g in drawn if (g.get("stream.warm_start") or "finetune") != "finetune"]
@@ -306,23 +308,22 @@ def plasticity_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
     wait = min(int(g.get("stream.wait") or 1) for g in others)
     drawn = [g for g in drawn if (g.get("stream.wait_policy") or "fixed") == "fixed"
              and int(g.get("stream.wait") or 1) == wait]
-  # A warm start is named by its policy alone (its own fields and the older spelling
-  # stream.init_from_scratch follow from it) and gets a colour and marker of its own.
-  own = {p for c in plugins.STAGE_POLICIES.values() for p in c.paths()}
-  labels = [f for f in fields if f not in own | {"model.width", "stream.init_from_scratch"}
-            and _differs(f, drawn)]
-  palette = list(style.METHOD_COLORS.values()) + list(style.SPARE_COLORS)
-  kinds = sorted({g.label(labels) for g in drawn})
+  differ = [f for f in fields if f != "model.width" and _differs(f, drawn)]
+  looks = Looks(groups, fields)
+
+  def label(g) -> str:  # the fine-tuned config, named by nothing else, is named by its policy
+    return series_label(g, groups, differ) or PLAIN_POLICIES["stream.warm_start"][1]
+
+  kinds = sorted({label(g) for g in drawn})
   out: dict[str, list[Series]] = {}
   for field, _, scale in PLASTICITY_PANELS:
     for g in sorted(drawn, key=lambda g: float(g.get("model.width") or 0)):
       t, mean, std = g.curve(field)
       if len(t):
-        k = kinds.index(g.label(labels))
         out.setdefault(f"{field} width={g.get('model.width')}", []).append(
-            dict(color=palette[k % len(palette)], marker=style.MARKERS[k % len(style.MARKERS)],
-                 filled=True, label=g.label(labels), x=t.tolist(), y=(scale * mean).tolist(),
-                 yerr=(scale * std).tolist()))
+            dict(color=looks.color(g), marker=style.MARKERS[kinds.index(label(g)) % len(
+                style.MARKERS)], filled=True, label=label(g), x=t.tolist(),
+                 y=(scale * mean).tolist(), yerr=(scale * std).tolist()))
   return out
 
 

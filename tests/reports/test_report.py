@@ -169,12 +169,17 @@ def test_the_plasticity_figure_compares_warm_starts_at_their_wait(tmp_path):
   # The fixed-wait runs at w = 1, the wait of the other warm start; not the w = 2 runs, nor
   # the run without diagnostics.
   by = {s["label"]: s for s in panels["dormant_fraction width=4"]}
-  assert set(by) == {"warm_start=finetune", "warm_start=redo"}
-  np.testing.assert_allclose(by["warm_start=finetune"]["y"], [0, 10, 20, 30, 5])
-  np.testing.assert_allclose(by["warm_start=finetune"]["yerr"][-1], 100 * np.std(
-      [0.0, 0.1], ddof=1))
-  np.testing.assert_allclose(by["warm_start=redo"]["y"], [0] * 5)
-  assert [s["label"] for s in panels["feature_rank width=8"]] == ["warm_start=finetune"]
+  assert set(by) == {"finetune", "redo"}
+  np.testing.assert_allclose(by["finetune"]["y"], [0, 10, 20, 30, 5])
+  np.testing.assert_allclose(by["finetune"]["yerr"][-1], 100 * np.std([0.0, 0.1], ddof=1))
+  np.testing.assert_allclose(by["redo"]["y"], [0] * 5)
+  assert [s["label"] for s in panels["feature_rank width=8"]] == ["finetune"]
+  # Each config has the colour it has in the other figures: its policy's, or its method's shade.
+  errors = {s["label"]: s["color"] for s in figs["error_mnist"]["width=4"]}
+  assert by["redo"]["color"] == plots.policy_color("redo") == errors[
+      "sm wait=1 replay=0 plasticity=True, redo"]
+  assert by["finetune"]["color"] == errors["sm wait=1 replay=0 plasticity=True"]
+  assert by["finetune"]["marker"] != by["redo"]["marker"]
   assert (tmp_path / "out" / "plasticity_mnist.png").stat().st_size > 1000
 
 
