@@ -288,9 +288,10 @@ def error_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
 
 
 # -- plasticity diagnostics over time (`log.plasticity`) -------------------------------------------
+# Axis labels on two lines where one would be longer than a panel is high.
 PLASTICITY_PANELS = (("dormant_fraction", "dormant units (%)", 100.0),
-                     ("feature_rank", "effective rank of the last hidden layer", 1.0),
-                     ("init_distance", "distance from the initial parameters", 1.0))
+                     ("feature_rank", "effective rank of the\nlast hidden layer", 1.0),
+                     ("init_distance", "distance from the\ninitial parameters", 1.0))
 
 
 def plasticity_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
