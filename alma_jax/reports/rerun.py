@@ -203,15 +203,20 @@ def table(c: Comparison, earlier_name: str = "--against", this_name: str = "--re
   groups = len({r.group for r in c.rows})
   clear = [r for r in c.rows if r.outcome == CLEAR]
   same = sum(r.outcome == IDENTICAL for r in c.rows)
-  lines.append(f"{groups} groups in both files, {len(c.rows)} comparisons: {same} identical, "
+  lines.append(f"{groups} group{'s' if groups != 1 else ''} in both files, "
+               f"{len(c.rows)} comparison{'s' if len(c.rows) != 1 else ''}: {same} identical, "
                f"{len(clear)} clearly different (|t| > {findings_lib.CLEAR_T:g})"
                + (": " + "; ".join(f"{r.group} {r.metric} t = {findings_lib._t_text(r.t)}"  # pylint: disable=protected-access
                                    for r in clear) if clear else "") + ".")
-  if c.only_this:
-    lines.append(f"Only in {this_name}: {'; '.join(c.only_this)}.")
-  if c.only_earlier:
-    lines.append(f"Only in {earlier_name}: {'; '.join(c.only_earlier)}.")
+  listed = False
+  for name, only in ((this_name, c.only_this), (earlier_name, c.only_earlier)):
+    if only:  # a list, one group a line: a rerun of part of a grid leaves out many
+      lines += ["", f"Only in {name} ({len(only)} group{'s' if len(only) > 1 else ''}):", ""]
+      lines += [f"- {g}" for g in only]
+      listed = True
   if c.set_apart:
+    if listed:  # a paragraph of its own after a list
+      lines.append("")
     lines.append("The same within each file, different between them (not used to match): "
                  + "; ".join(f"{f} {a!r} -> {b!r}" for f, a, b in c.set_apart) + ".")
   return "\n".join(lines) + "\n"

@@ -69,7 +69,8 @@ def test_groups_match_by_the_fields_that_set_them_apart_whatever_their_ids_and_p
   assert f"| {wide} | cer_percent | 3 ± 0.1 (n=3) | 4 ± 0.1 (n=3) | +12.2 | clear |" in text
   assert ("2 groups in both files, 4 comparisons: 2 identical, 1 clearly different (|t| > 3): "
           f"{wide} cer_percent t = +12.2.") in text
-  assert "Only in --results: mnist sm width=16 wait=10." in text
+  assert "\n\nOnly in --results (1 group):\n\n- mnist sm width=16 wait=10\n" in text
+  assert "\n\nOnly in --against (1 group):\n\n- mnist sm width=64 wait=50\n" in text
   assert ("The same within each file, different between them (not used to match): "
           "train.epochs '20' -> '10'.") in text
 
@@ -88,8 +89,10 @@ def test_identical_means_every_seed_the_same_not_only_the_mean():
   swapped = _rows({"a": (_sm(4), {"cer_percent": [2.0, 1.0, 3.0]})})
   (row,) = R.compare(swapped, earlier).rows
   assert row.outcome == "" and row.t == 0.0
-  (row,) = R.compare(earlier, earlier).rows
+  same = R.compare(earlier, earlier)
+  (row,) = same.rows
   assert row.outcome == R.IDENTICAL
+  assert "\n1 group in both files, 1 comparison: 1 identical," in R.table(same)
 
 
 def test_default_metrics_are_those_the_files_have_and_an_unknown_one_is_named(tmp_path, capsys):
