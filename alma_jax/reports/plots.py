@@ -316,15 +316,15 @@ def plasticity_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
     return series_label(g, groups, differ) or PLAIN_POLICIES["stream.warm_start"][1]
 
   kinds = sorted({label(g) for g in drawn})
+  markers = {k: style.MARKERS[i % len(style.MARKERS)] for i, k in enumerate(kinds)}
   out: dict[str, list[Series]] = {}
   for field, _, scale in PLASTICITY_PANELS:
     for g in sorted(drawn, key=lambda g: float(g.get("model.width") or 0)):
       t, mean, std = g.curve(field)
       if len(t):
         out.setdefault(f"{field} width={g.get('model.width')}", []).append(
-            dict(color=looks.color(g), marker=style.MARKERS[kinds.index(label(g)) % len(
-                style.MARKERS)], filled=True, label=label(g), x=t.tolist(),
-                 y=(scale * mean).tolist(), yerr=(scale * std).tolist()))
+            dict(color=looks.color(g), marker=markers[label(g)], filled=True, label=label(g),
+                 x=t.tolist(), y=(scale * mean).tolist(), yerr=(scale * std).tolist()))
   return out
 
 
