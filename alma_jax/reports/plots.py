@@ -202,8 +202,8 @@ def _policy_label(g, groups, fields: Sequence[str]) -> str:
   parts = _policy_parts(g, groups)
   if _fixed_wait(g):
     parts.append(f"w={_value(g.get('stream.wait'))}")
-  rest = [f for f in fields if f not in _policy_fields() | {"model.width", "stream.wait"}
-          and _differs(f, groups)]
+  skip = _policy_fields() | {"model.width", "stream.wait"}
+  rest = [f for f in fields if f not in skip and _differs(f, groups)]
   return ", ".join(parts + ([g.label(rest)] if g.label(rest) else []))
 
 
@@ -312,18 +312,19 @@ def plasticity_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   differ = [f for f in fields if f != "model.width" and _differs(f, drawn)]
   looks = Looks(groups, fields)
 
-  def label(g) -> str:  # the fine-tuned config, named by nothing else, is named by its policy
-    return series_label(g, groups, differ) or PLAIN_POLICIES["stream.warm_start"][1]
-
-  kinds = sorted({label(g) for g in drawn})
-  markers = {k: style.MARKERS[i % len(style.MARKERS)] for i, k in enumerate(kinds)}
+  # The fine-tuned config, named by nothing else, is named by its policy.
+  labels = {id(g): series_label(g, groups, differ) or PLAIN_POLICIES["stream.warm_start"][1]
+            for g in drawn}
+  markers = {k: style.MARKERS[i % len(style.MARKERS)]
+             for i, k in enumerate(sorted(set(labels.values())))}
   out: dict[str, list[Series]] = {}
   for field, _, scale in PLASTICITY_PANELS:
     for g in sorted(drawn, key=lambda g: float(g.get("model.width") or 0)):
       t, mean, std = g.curve(field)
       if len(t):
+        label = labels[id(g)]
         out.setdefault(f"{field} width={g.get('model.width')}", []).append(
-            dict(color=looks.color(g), marker=markers[label(g)], filled=True, label=label(g),
+            dict(color=looks.color(g), marker=markers[label], filled=True, label=label,
                  x=t.tolist(), y=(scale * mean).tolist(), yerr=(scale * std).tolist()))
   return out
 
