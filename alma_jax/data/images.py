@@ -23,6 +23,7 @@ from absl import logging
 
 from alma_jax.data import tfrecord
 from alma_jax.outputs import io_utils
+from alma_jax.runtime import caches
 from alma_jax.runtime.caches import default_cache_dir
 
 CACHE_FORMAT = 2
@@ -375,26 +376,45 @@ def load_image_dataset(name: str, *, data_dir: str | None = None, cache_dir: str
   if download not in DOWNLOAD_CHOICES:
     raise ValueError(f"download={download!r} is not valid; valid values: {list(DOWNLOAD_CHOICES)}")
   t0 = time.monotonic()
+  if not use_cache:
+    arrays, info, source = _decode(name, data_dir, download)
+    return _make(arrays, info, {"load_s": time.monotonic() - t0, "source": source})
   cache_dir = cache_dir or default_cache_dir()
-  if use_cache:
-    remove_stale_temporaries(cache_dir, name)
-    prepared = _prepared_versions(name, data_dir)
-    cached = _cached_versions(name, cache_dir)
-    candidates = [v for v in cached if v in prepared] if prepared else (cached if len(cached) == 1 else [])
-    if candidates:
-      folder = os.path.join(cache_dir, name, candidates[-1])
-      try:
-        arrays, meta = _read_cache(folder)
-        return _make(arrays, meta, {"load_s": time.monotonic() - t0, "source": "cache"})
-      except ValueError as e:
-        logging.warning("decoded cache %s is stale or corrupt (%s); decoding the data set again", folder, e)
-  arrays, info, source = _decode(name, data_dir, download)
-  if use_cache:
+  remove_stale_temporaries(cache_dir, name)
+  found = _from_cache(name, data_dir, cache_dir, t0, warn=True)
+  if found is not None:
+    return found
+  # One process decodes; another that needs the data meanwhile waits and reads its copy.
+  with caches.exclusive(caches.lock_file(cache_dir, f"decode_{name}"), f"the decoding of {name}"):
+    found = _from_cache(name, data_dir, cache_dir, t0, warn=False)
+    if found is not None:
+      return found
+    arrays, info, source = _decode(name, data_dir, download)
     try:
       _write_cache(os.path.join(cache_dir, name, info["version"]), arrays, info)
     except OSError as e:
       logging.warning("could not write the decoded cache under %s: %s", cache_dir, e)
   return _make(arrays, info, {"load_s": time.monotonic() - t0, "source": source})
+
+
+def _from_cache(name: str, data_dir: str | None, cache_dir: str, t0: float,
+                warn: bool) -> ImageDataset | None:
+  """The data set from its decoded cache (the version of the prepared copy, or the only one
+  cached); None if there is none, or it is stale or damaged (`warn`: say so)."""
+  prepared = _prepared_versions(name, data_dir)
+  cached = _cached_versions(name, cache_dir)
+  candidates = [v for v in cached if v in prepared] if prepared else (cached if len(cached) == 1 else [])
+  if not candidates:
+    return None
+  folder = os.path.join(cache_dir, name, candidates[-1])
+  try:
+    arrays, meta = _read_cache(folder)
+  except ValueError as e:
+    if warn:
+      logging.warning("decoded cache %s is stale or corrupt (%s); decoding the data set again",
+                      folder, e)
+    return None
+  return _make(arrays, meta, {"load_s": time.monotonic() - t0, "source": "cache"})
 
 
 # The cache and tfds helpers that other corpora (alma_jax.data.text) share.

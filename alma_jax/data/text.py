@@ -38,6 +38,7 @@ from absl import logging
 
 from alma_jax.configuration.plugins import tasks as declared_tasks
 from alma_jax.data import images
+from alma_jax.runtime import caches
 
 BPE_FILES = ("encoder.json", "vocab.bpe")
 BPE_DIR_ENV = "ALMA_JAX_BPE_DIR"
@@ -264,14 +265,42 @@ def load_corpus(*, name: str, text_file: str | None, bpe_folder: str | None,
   folder, label = token_cache(name=name, text_file=text_file, bpe_folder=bpe_folder,
                               data_dir=data_dir, cache_dir=cache_dir, text_feature=text_feature,
                               test_fraction=test_fraction)
-  if use_cache and has_cache(folder):
-    try:
-      arrays, meta = images.read_cache(folder)
-      return TextCorpus(label, arrays["train"], arrays["test"], arrays["test_bytes"],
-                        int(meta["vocab_size"]), {"load_s": time.monotonic() - t0,
-                                                  "source": "cache"})
-    except ValueError as e:
+  if not use_cache:
+    return _tokenised(name, label, text_file, bpe_folder, folder, data_dir, text_feature,
+                      test_fraction, download, t0, write=False)
+  found = _from_token_cache(folder, label, t0, warn=True)
+  if found is not None:
+    return found
+  # One process tokenises; another that needs the corpus meanwhile waits and reads its copy.
+  lock = caches.lock_file(os.path.dirname(os.path.dirname(folder)),  # <cache>/text/<folder>
+                          f"tokens_{os.path.basename(folder)}")
+  with caches.exclusive(lock, f"the tokenisation of {label}"):
+    found = _from_token_cache(folder, label, t0, warn=False)
+    if found is not None:
+      return found
+    return _tokenised(name, label, text_file, bpe_folder, folder, data_dir, text_feature,
+                      test_fraction, download, t0, write=True)
+
+
+def _from_token_cache(folder: str, label: str, t0: float, warn: bool) -> TextCorpus | None:
+  """The corpus from its token cache; None if there is none, or it is stale or damaged
+  (`warn`: say so)."""
+  if not has_cache(folder):
+    return None
+  try:
+    arrays, meta = images.read_cache(folder)
+  except ValueError as e:
+    if warn:
       logging.warning("token cache %s is stale or corrupt (%s); tokenising again", folder, e)
+    return None
+  return TextCorpus(label, arrays["train"], arrays["test"], arrays["test_bytes"],
+                    int(meta["vocab_size"]), {"load_s": time.monotonic() - t0,
+                                              "source": "cache"})
+
+
+def _tokenised(name, label, text_file, bpe_folder, folder, data_dir, text_feature,
+               test_fraction, download, t0, write: bool) -> TextCorpus:
+  """The corpus read and tokenised (`write`: and its token cache written to `folder`)."""
   if bpe_folder is None:
     raise TokenizerUnavailableError(
         f"no usable token cache of {label!r} in {os.path.dirname(folder)}, and the GPT-2 BPE "
@@ -284,7 +313,7 @@ def load_corpus(*, name: str, text_file: str | None, bpe_folder: str | None,
   enc = load_tokenizer(bpe_folder)
   arrays = {"train": encode(enc, train_text), "test": encode(enc, test_text)}
   arrays["test_bytes"] = token_bytes(enc)[arrays["test"]]
-  if use_cache:
+  if write:
     try:
       images.write_cache(folder, arrays, {"name": label, "vocab_size": int(enc.n_vocab)})
     except OSError as e:

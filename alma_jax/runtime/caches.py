@@ -10,11 +10,29 @@ compiled, unless $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise.
 A run of `alma_jax.main` also keeps its whole compiled programs in that
 folder's `alma_jax_programs` (`kept_programs_dir`), found again without
 tracing by a later run of the same config, data and code.
+
+A data set is decoded (or a corpus tokenised) into the cache by one process at a
+time (`exclusive`): runs that start together on a fresh cache (a sweep's
+parallel runs, a cluster's array job) wait for the first one's copy and read
+it instead of each decoding, downloading or tokenising the data again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import time
+from typing import Iterator
+
+from absl import logging
+
+try:
+  import fcntl
+except ImportError:  # not a POSIX system: no locks
+  fcntl = None
+
+_BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 
 
 def default_cache_dir() -> str:
@@ -55,3 +73,53 @@ def kept_programs_dir() -> str | None:
 
   path = jax.config.jax_compilation_cache_dir
   return os.path.join(path, "alma_jax_programs") if path else None
+
+
+LOCKS = ".locks"  # the cache folder's folder of lock files (`lock_file`)
+
+
+def lock_file(cache_dir: str, key: str) -> str:
+  """The lock file of `key` (what one process at a time makes in `cache_dir`): in the cache
+  folder's `.locks`, apart from the data, whose folders hold only what a load reads."""
+  return os.path.join(cache_dir, LOCKS, f"{key}.lock")
+
+
+@contextlib.contextmanager
+def exclusive(path: str, what: str, poll_s: float = 0.2) -> Iterator[bool]:
+  """The block runs while this process holds an exclusive lock (`flock`) on the file `path`,
+  created if missing; another process in the same block meanwhile waits (saying so once, in
+  the log, with `what`: what it waits for). The OS releases the lock of a process that dies.
+  Where the file cannot be created or the file system has no `flock` (some network file
+  systems), the block runs without a lock. Yields whether the lock is held."""
+  fd = None
+  if fcntl is not None:
+    try:
+      os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+      fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+                   | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    except OSError:
+      fd = None
+  waiting = False
+  try:
+    while fd is not None:
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        break
+      except OSError as e:
+        if e.errno not in _BUSY:  # no flock here: unlocked
+          os.close(fd)
+          fd = None
+          break
+      if not waiting:
+        logging.info("waiting for %s in another process (lock %s)", what, path)
+        waiting = True
+      time.sleep(poll_s)  # in steps, so that a signal's handler runs
+  except BaseException:
+    if fd is not None:
+      os.close(fd)
+    raise
+  try:
+    yield fd is not None
+  finally:
+    if fd is not None:
+      os.close(fd)  # releases the lock; the file stays, for the next process

@@ -228,3 +228,43 @@ def test_a_mistyped_name_gets_the_name_it_is_close_to(tmp_path):
                      r"'mnist'\?$"):
     images.load_image_dataset("mnsit", data_dir=str(tmp_path), cache_dir=str(tmp_path / "c"),
                               download="no")
+
+
+def test_loads_that_start_together_decode_a_data_set_once(tmp_path, monkeypatch):
+  """Two loads on a fresh cache (a sweep's parallel runs): one decodes and writes the cache,
+  the other waits for it and reads it. Threads stand for processes: each load opens the lock
+  file anew, and flock locks belong to an open file."""
+  import threading  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(0)
+  arrays = {"train_x": rng.integers(0, 256, (20, 4, 4, 1), dtype=np.uint8),
+            "train_y": rng.integers(0, 3, 20).astype(np.int32),
+            "test_x": rng.integers(0, 256, (10, 4, 4, 1), dtype=np.uint8),
+            "test_y": rng.integers(0, 3, 10).astype(np.int32)}
+  calls = []
+
+  def decode(name, data_dir, download):
+    del data_dir, download
+    calls.append(name)
+    time.sleep(0.5)  # long enough for the other load to reach the lock
+    return dict(arrays), images._info(name, "1.0.0", 3, arrays["train_x"]), "decoded"  # pylint: disable=protected-access
+
+  monkeypatch.setattr(images, "_decode", decode)
+  cache, results = str(tmp_path / "cache"), [None, None]
+
+  def load(i):
+    results[i] = images.load_image_dataset("tiny", data_dir=str(tmp_path / "none"),
+                                           cache_dir=cache, download="no")
+
+  threads = [threading.Thread(target=load, args=(i,)) for i in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert calls == ["tiny"]
+  assert sorted(r.timings["source"] for r in results) == ["cache", "decoded"]
+  assert_same(results[0], results[1])
+  np.testing.assert_array_equal(results[0].train_x, arrays["train_x"])
+  assert os.listdir(os.path.join(cache, "tiny")) == ["1.0.0"]  # the lock is apart
+  assert os.listdir(os.path.join(cache, ".locks")) == ["decode_tiny.lock"]

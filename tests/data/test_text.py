@@ -376,3 +376,43 @@ def test_offline_without_files_the_error_says_where_to_get_them(tmp_path, monkey
       f.write("{}")
   with pytest.raises(text_data.TokenizerUnavailableError, match="not in its cache"):
     text_data.bpe_dir(None)
+
+
+@requires_bpe
+def test_loads_that_start_together_tokenise_a_corpus_once(tmp_path, monkeypatch):
+  """Two loads of one corpus on a fresh cache: one tokenises and writes the token cache, the
+  other waits for it and reads it (threads stand for processes: flock locks belong to an
+  open file, which each load opens anew)."""
+  import threading  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+
+  path = tmp_path / "corpus.txt"
+  path.write_text("".join(f"Line {i}: a few words of text.\n" for i in range(200)),
+                  encoding="utf-8")
+  read, calls = text_data._file_text, []  # pylint: disable=protected-access
+
+  def slow_read(p):
+    calls.append(p)
+    time.sleep(0.5)  # long enough for the other load to reach the lock
+    return read(p)
+
+  monkeypatch.setattr(text_data, "_file_text", slow_read)
+  cache, results = str(tmp_path / "cache"), [None, None]
+
+  def load(i):
+    results[i] = text_data.load_corpus(name="corpus", text_file=str(path), bpe_folder=BPE,
+                                       cache_dir=cache)
+
+  threads = [threading.Thread(target=load, args=(i,)) for i in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert calls == [str(path)]
+  assert sorted(r.timings["source"] for r in results) == ["cache", "tokenised"]
+  for f in ("train_tokens", "test_tokens", "test_bytes"):
+    np.testing.assert_array_equal(getattr(results[0], f), getattr(results[1], f))
+  assert len(results[0].train_tokens) > 0
+  [lock] = os.listdir(os.path.join(cache, ".locks"))  # apart from the token caches
+  assert lock.startswith("tokens_file_") and lock.endswith(".lock")
+  assert not any(n.endswith(".lock") for n in os.listdir(os.path.join(cache, "text")))

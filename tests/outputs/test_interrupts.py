@@ -392,3 +392,37 @@ def test_the_initial_parameters_compile_as_an_announced_program(tmp_path, monkey
   monkeypatch.setattr(run_setup.Setup, "initial_learner", spy)
   run.run(helpers.smoke(stream__num_megabatches=2), str(tmp_path / "wd"))
   assert seen[:1] == [True] and not meters[-1].is_compiling()
+
+
+@requires_mnist
+def test_a_run_waiting_for_another_process_s_decoding_stops_at_once_on_ctrl_c(tmp_path):
+  """While another process decodes the data set into the cache (here: this one, holding its
+  lock), a run waits; Ctrl-C then ends it at once, in one line, exit code 130."""
+  from alma_jax.runtime import caches  # pylint: disable=g-import-not-at-top
+
+  cache = str(tmp_path / "cache")
+  env = kill_points.env(dict(os.environ, ALMA_JAX_CACHE_DIR=cache))
+  with caches.exclusive(caches.lock_file(cache, "decode_mnist"), "the test") as held:
+    assert held
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "alma_jax.main", "--config=configs/mnist_sm.py:smoke",
+         f"--workdir={tmp_path}/wd", "--config.train.autotune=rules"],
+        cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True, preexec_fn=_default_signals)
+    lines = []
+    for line in proc.stderr:  # until it says that it waits
+      lines.append(line)
+      if "waiting for the decoding of mnist in another process" in line:
+        break
+    else:
+      pytest.fail(f"the run did not wait: {''.join(lines)[-3000:]}")
+    proc.send_signal(signal.SIGINT)
+    try:
+      rest = proc.communicate(timeout=60)[1]
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      pytest.fail("the run was still waiting a minute after Ctrl-C")
+  assert proc.returncode == 130, rest[-3000:]
+  assert "Traceback" not in rest
+  assert rest.rstrip("\n").splitlines()[-1].startswith(
+      "alma_jax: error: interrupted by SIGINT; "), rest[-3000:]
+  assert not os.path.exists(os.path.join(cache, "mnist"))  # nothing decoded meanwhile

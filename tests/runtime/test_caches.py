@@ -33,3 +33,64 @@ def test_the_compilation_cache_is_the_flag_then_its_variable_then_the_cache_fold
   assert caches.compilation_cache_dir("None") is None
   environ.setenv("ALMA_JAX_COMPILATION_CACHE_DIR", "none")
   assert caches.compilation_cache_dir() is None
+
+
+# -- one process at a time -------------------------------------------------------------------------
+# Each `exclusive` opens the lock file anew, and flock locks belong to an open file, so two
+# threads of one process exclude each other as two processes do.
+def test_exclusive_lets_one_holder_in_at_a_time_and_the_other_waits(tmp_path, caplog):
+  import logging  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+
+  caplog.set_level(logging.INFO)
+  path = str(tmp_path / "sub" / "x.lock")  # its folder is made
+  inside, order = threading.Event(), []
+
+  def first():
+    with caches.exclusive(path, "the first") as held:
+      order.append(("first in", held))
+      inside.set()
+      time.sleep(0.6)
+      order.append(("first out", held))
+
+  thread = threading.Thread(target=first)
+  thread.start()
+  inside.wait(10)
+  with caches.exclusive(path, "the decoding of x", poll_s=0.05) as held:
+    order.append(("second in", held))
+  thread.join()
+  assert order == [("first in", True), ("first out", True), ("second in", True)]
+  waits = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+  assert waits == [f"waiting for the decoding of x in another process (lock {path})"]
+  assert os.path.isfile(path)  # left for the next process
+
+
+def test_exclusive_runs_unlocked_where_the_file_system_has_no_flock(tmp_path, monkeypatch):
+  import errno  # pylint: disable=g-import-not-at-top
+
+  def no_flock(fd, op):
+    raise OSError(errno.ENOLCK, "No locks available")
+
+  monkeypatch.setattr(caches.fcntl, "flock", no_flock)
+  ran = []
+  with caches.exclusive(str(tmp_path / "x.lock"), "x") as held:
+    ran.append(held)
+  assert ran == [False]
+
+
+def test_exclusive_runs_unlocked_where_the_lock_file_cannot_be_made(tmp_path):
+  (tmp_path / "file").write_text("")
+  ran = []
+  with caches.exclusive(str(tmp_path / "file" / "x.lock"), "x") as held:  # a file as folder
+    ran.append(held)
+  assert ran == [False]
+
+
+def test_an_error_in_the_block_releases_the_lock(tmp_path):
+  path = str(tmp_path / "x.lock")
+  with pytest.raises(RuntimeError, match="boom"):
+    with caches.exclusive(path, "x"):
+      raise RuntimeError("boom")
+  with caches.exclusive(path, "x", poll_s=60.0) as held:  # would wait a minute if still held
+    assert held
