@@ -5,6 +5,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -234,9 +236,6 @@ def test_loads_that_start_together_decode_a_data_set_once(tmp_path, monkeypatch)
   """Two loads on a fresh cache (a sweep's parallel runs): one decodes and writes the cache,
   the other waits for it and reads it. Threads stand for processes: each load opens the lock
   file anew, and flock locks belong to an open file."""
-  import threading  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
-
   rng = np.random.default_rng(0)
   arrays = {"train_x": rng.integers(0, 256, (20, 4, 4, 1), dtype=np.uint8),
             "train_y": rng.integers(0, 3, 20).astype(np.int32),

@@ -5,6 +5,8 @@ import json
 import math
 import os
 import re
+import threading
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -383,9 +385,6 @@ def test_loads_that_start_together_tokenise_a_corpus_once(tmp_path, monkeypatch)
   """Two loads of one corpus on a fresh cache: one tokenises and writes the token cache, the
   other waits for it and reads it (threads stand for processes: flock locks belong to an
   open file, which each load opens anew)."""
-  import threading  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
-
   path = tmp_path / "corpus.txt"
   path.write_text("".join(f"Line {i}: a few words of text.\n" for i in range(200)),
                   encoding="utf-8")

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from alma_jax.outputs import interrupts
+from alma_jax.runtime import caches
 from tests.conftest import requires_mnist
 from tests import helpers
 from tests import kill_points
@@ -398,8 +399,6 @@ def test_the_initial_parameters_compile_as_an_announced_program(tmp_path, monkey
 def test_a_run_waiting_for_another_process_s_decoding_stops_at_once_on_ctrl_c(tmp_path):
   """While another process decodes the data set into the cache (here: this one, holding its
   lock), a run waits; Ctrl-C then ends it at once, in one line, exit code 130."""
-  from alma_jax.runtime import caches  # pylint: disable=g-import-not-at-top
-
   cache = str(tmp_path / "cache")
   env = kill_points.env(dict(os.environ, ALMA_JAX_CACHE_DIR=cache))
   with caches.exclusive(caches.lock_file(cache, "decode_mnist"), "the test") as held:

@@ -1,6 +1,11 @@
-"""Tests of where runs keep their caches: the cache folder and the compilation cache in it."""
+"""Tests of where runs keep their caches: the cache folder, the compilation cache in it, and the
+locks that let one process at a time fill it."""
 
+import errno
+import logging
 import os
+import threading
+import time
 
 import pytest
 
@@ -39,10 +44,6 @@ def test_the_compilation_cache_is_the_flag_then_its_variable_then_the_cache_fold
 # Each `exclusive` opens the lock file anew, and flock locks belong to an open file, so two
 # threads of one process exclude each other as two processes do.
 def test_exclusive_lets_one_holder_in_at_a_time_and_the_other_waits(tmp_path, caplog):
-  import logging  # pylint: disable=g-import-not-at-top
-  import threading  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
-
   caplog.set_level(logging.INFO)
   path = str(tmp_path / "sub" / "x.lock")  # its folder is made
   inside, order = threading.Event(), []
@@ -67,8 +68,6 @@ def test_exclusive_lets_one_holder_in_at_a_time_and_the_other_waits(tmp_path, ca
 
 
 def test_exclusive_runs_unlocked_where_the_file_system_has_no_flock(tmp_path, monkeypatch):
-  import errno  # pylint: disable=g-import-not-at-top
-
   def no_flock(fd, op):
     raise OSError(errno.ENOLCK, "No locks available")
 
