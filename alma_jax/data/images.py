@@ -376,25 +376,25 @@ def load_image_dataset(name: str, *, data_dir: str | None = None, cache_dir: str
   if download not in DOWNLOAD_CHOICES:
     raise ValueError(f"download={download!r} is not valid; valid values: {list(DOWNLOAD_CHOICES)}")
   t0 = time.monotonic()
-  if not use_cache:
-    arrays, info, source = _decode(name, data_dir, download)
-    return _make(arrays, info, {"load_s": time.monotonic() - t0, "source": source})
   cache_dir = cache_dir or default_cache_dir()
-  remove_stale_temporaries(cache_dir, name)
-  found = _from_cache(name, data_dir, cache_dir, t0, warn=True)
-  if found is not None:
-    return found
-  # One process decodes; another that needs the data meanwhile waits and reads its copy.
-  with caches.exclusive(caches.lock_file(cache_dir, f"decode_{name}"), f"the decoding of {name}"):
-    found = _from_cache(name, data_dir, cache_dir, t0, warn=False)
-    if found is not None:
-      return found
+
+  def decode(write: bool) -> ImageDataset:
     arrays, info, source = _decode(name, data_dir, download)
-    try:
-      _write_cache(os.path.join(cache_dir, name, info["version"]), arrays, info)
-    except OSError as e:
-      logging.warning("could not write the decoded cache under %s: %s", cache_dir, e)
-  return _make(arrays, info, {"load_s": time.monotonic() - t0, "source": source})
+    if write:
+      try:
+        _write_cache(os.path.join(cache_dir, name, info["version"]), arrays, info)
+      except OSError as e:
+        logging.warning("could not write the decoded cache under %s: %s", cache_dir, e)
+    return _make(arrays, info, {"load_s": time.monotonic() - t0, "source": source})
+
+  if not use_cache:
+    return decode(write=False)
+  remove_stale_temporaries(cache_dir, name)
+  # One process decodes; another that needs the data meanwhile waits and reads its copy.
+  return caches.read_or_make(caches.lock_file(cache_dir, f"decode_{name}"),
+                             f"the decoding of {name}",
+                             lambda warn: _from_cache(name, data_dir, cache_dir, t0, warn),
+                             lambda: decode(write=True))
 
 
 def _from_cache(name: str, data_dir: str | None, cache_dir: str, t0: float,

@@ -265,21 +265,36 @@ def load_corpus(*, name: str, text_file: str | None, bpe_folder: str | None,
   folder, label = token_cache(name=name, text_file=text_file, bpe_folder=bpe_folder,
                               data_dir=data_dir, cache_dir=cache_dir, text_feature=text_feature,
                               test_fraction=test_fraction)
+
+  def tokenise(write: bool) -> TextCorpus:
+    if bpe_folder is None:
+      raise TokenizerUnavailableError(
+          f"no usable token cache of {label!r} in {os.path.dirname(folder)}, and the GPT-2 BPE "
+          f"files to make one are not at hand; {_how_to_get_files()}")
+    if text_file:
+      train_text, test_text = split_text(_file_text(text_file), test_fraction)
+    else:
+      splits = _tfds_text(name, data_dir, text_feature, download)
+      train_text, test_text = splits["train"], splits["test"]
+    enc = load_tokenizer(bpe_folder)
+    arrays = {"train": encode(enc, train_text), "test": encode(enc, test_text)}
+    arrays["test_bytes"] = token_bytes(enc)[arrays["test"]]
+    if write:
+      try:
+        images.write_cache(folder, arrays, {"name": label, "vocab_size": int(enc.n_vocab)})
+      except OSError as e:
+        logging.warning("could not write the token cache under %s: %s", folder, e)
+    return TextCorpus(label, arrays["train"], arrays["test"], arrays["test_bytes"],
+                      int(enc.n_vocab), {"load_s": time.monotonic() - t0, "source": "tokenised"})
+
   if not use_cache:
-    return _tokenised(name, label, text_file, bpe_folder, folder, data_dir, text_feature,
-                      test_fraction, download, t0, write=False)
-  found = _from_token_cache(folder, label, t0, warn=True)
-  if found is not None:
-    return found
+    return tokenise(write=False)
   # One process tokenises; another that needs the corpus meanwhile waits and reads its copy.
   lock = caches.lock_file(os.path.dirname(os.path.dirname(folder)),  # <cache>/text/<folder>
                           f"tokens_{os.path.basename(folder)}")
-  with caches.exclusive(lock, f"the tokenisation of {label}"):
-    found = _from_token_cache(folder, label, t0, warn=False)
-    if found is not None:
-      return found
-    return _tokenised(name, label, text_file, bpe_folder, folder, data_dir, text_feature,
-                      test_fraction, download, t0, write=True)
+  return caches.read_or_make(lock, f"the tokenisation of {label}",
+                             lambda warn: _from_token_cache(folder, label, t0, warn),
+                             lambda: tokenise(write=True))
 
 
 def _from_token_cache(folder: str, label: str, t0: float, warn: bool) -> TextCorpus | None:
@@ -296,30 +311,6 @@ def _from_token_cache(folder: str, label: str, t0: float, warn: bool) -> TextCor
   return TextCorpus(label, arrays["train"], arrays["test"], arrays["test_bytes"],
                     int(meta["vocab_size"]), {"load_s": time.monotonic() - t0,
                                               "source": "cache"})
-
-
-def _tokenised(name, label, text_file, bpe_folder, folder, data_dir, text_feature,
-               test_fraction, download, t0, write: bool) -> TextCorpus:
-  """The corpus read and tokenised (`write`: and its token cache written to `folder`)."""
-  if bpe_folder is None:
-    raise TokenizerUnavailableError(
-        f"no usable token cache of {label!r} in {os.path.dirname(folder)}, and the GPT-2 BPE "
-        f"files to make one are not at hand; {_how_to_get_files()}")
-  if text_file:
-    train_text, test_text = split_text(_file_text(text_file), test_fraction)
-  else:
-    splits = _tfds_text(name, data_dir, text_feature, download)
-    train_text, test_text = splits["train"], splits["test"]
-  enc = load_tokenizer(bpe_folder)
-  arrays = {"train": encode(enc, train_text), "test": encode(enc, test_text)}
-  arrays["test_bytes"] = token_bytes(enc)[arrays["test"]]
-  if write:
-    try:
-      images.write_cache(folder, arrays, {"name": label, "vocab_size": int(enc.n_vocab)})
-    except OSError as e:
-      logging.warning("could not write the token cache under %s: %s", folder, e)
-  return TextCorpus(label, arrays["train"], arrays["test"], arrays["test_bytes"], int(enc.n_vocab),
-                    {"load_s": time.monotonic() - t0, "source": "tokenised"})
 
 
 def frequent_tokens(tokens: np.ndarray, vocab_size: int, size: int) -> np.ndarray:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
 import json
 import os
 import socket
@@ -54,9 +53,6 @@ except ImportError:  # not a POSIX system: only the fallback works
 from alma_jax.outputs import io_utils
 
 LOCK_FILE = ".lock"
-# errno values of flock on a file system that does not support it.
-_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
-_BUSY = {errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES}
 # An empty or unreadable fallback lock file older than this is stale (its
 # holder writes it right after creating it).
 _EMPTY_STALE_S = 60.0
@@ -129,9 +125,9 @@ def _acquire_flock(workdir: str, path: str) -> int:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
       os.close(fd)
-      if e.errno in _BUSY:
+      if e.errno in io_utils.FLOCK_BUSY:
         raise _locked_error(workdir, _read(path)) from None
-      if e.errno in _NO_FLOCK:
+      if e.errno in io_utils.FLOCK_UNSUPPORTED:
         raise _FlockUnsupported() from e
       raise
     try:

@@ -20,19 +20,20 @@ it instead of each decoding, downloading or tokenising the data again.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import time
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 from absl import logging
+
+from alma_jax.outputs import io_utils
 
 try:
   import fcntl
 except ImportError:  # not a POSIX system: no locks
   fcntl = None
 
-_BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+T = TypeVar("T")
 
 
 def default_cache_dir() -> str:
@@ -95,9 +96,8 @@ def exclusive(path: str, what: str, poll_s: float = 0.2) -> Iterator[bool]:
   if fcntl is not None:
     try:
       os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-      fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-                   | getattr(os, "O_NOFOLLOW", 0), 0o666)
-    except OSError:
+      fd = io_utils.open_regular_fd(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, io_utils.NotRegularFileError):  # a link or a folder there: unlocked
       fd = None
   waiting = False
   try:
@@ -106,7 +106,7 @@ def exclusive(path: str, what: str, poll_s: float = 0.2) -> Iterator[bool]:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         break
       except OSError as e:
-        if e.errno not in _BUSY:  # no flock here: unlocked
+        if e.errno not in io_utils.FLOCK_BUSY:  # no flock here: unlocked
           os.close(fd)
           fd = None
           break
@@ -123,3 +123,18 @@ def exclusive(path: str, what: str, poll_s: float = 0.2) -> Iterator[bool]:
   finally:
     if fd is not None:
       os.close(fd)  # releases the lock; the file stays, for the next process
+
+
+def read_or_make(lock: str, what: str, read: Callable[[bool], T | None],
+                 make: Callable[[], T]) -> T:
+  """`read(warn)` of a cache, else `make()`, which fills it, by one process at a time: a
+  process that finds no cache takes the lock file `lock` (`exclusive`; `what`: what the
+  others wait for), reads again (another process may have filled it meanwhile; a damaged
+  cache was reported by the first read: `warn` False) and makes it only if it is still
+  missing."""
+  found = read(True)
+  if found is not None:
+    return found
+  with exclusive(lock, what):
+    found = read(False)
+    return make() if found is None else found
