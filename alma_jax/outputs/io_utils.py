@@ -264,13 +264,6 @@ class LogOrderError(RuntimeError):
   """A record that does not follow the log's last record (t = last t + 1)."""
 
 
-# errno values of `fcntl.flock(..., LOCK_NB)`: another holds the lock, or the file system does
-# not support flock (some network file systems).
-FLOCK_BUSY = frozenset({errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES})
-FLOCK_UNSUPPORTED = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS,
-                               errno.EINVAL})
-
-
 def open_regular_fd(path: str, flags: int) -> int:
   """`os.open(path, flags)` of a regular file that is neither a symbolic link nor a hard link
   (a file with another name elsewhere); raises `NotRegularFileError` otherwise (a run writes

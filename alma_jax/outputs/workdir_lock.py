@@ -51,6 +51,7 @@ except ImportError:  # not a POSIX system: only the fallback works
   fcntl = None
 
 from alma_jax.outputs import io_utils
+from alma_jax.runtime import caches
 
 LOCK_FILE = ".lock"
 # An empty or unreadable fallback lock file older than this is stale (its
@@ -125,9 +126,9 @@ def _acquire_flock(workdir: str, path: str) -> int:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
       os.close(fd)
-      if e.errno in io_utils.FLOCK_BUSY:
+      if e.errno in caches.FLOCK_BUSY:
         raise _locked_error(workdir, _read(path)) from None
-      if e.errno in io_utils.FLOCK_UNSUPPORTED:
+      if e.errno in caches.FLOCK_UNSUPPORTED:
         raise _FlockUnsupported() from e
       raise
     try:

@@ -20,13 +20,12 @@ it instead of each decoding, downloading or tokenising the data again.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import time
 from typing import Callable, Iterator, TypeVar
 
 from absl import logging
-
-from alma_jax.outputs import io_utils
 
 try:
   import fcntl
@@ -34,6 +33,11 @@ except ImportError:  # not a POSIX system: no locks
   fcntl = None
 
 T = TypeVar("T")
+# errno values of `fcntl.flock(..., LOCK_NB)`: another holds the lock, or the file system does
+# not support flock (some network file systems; `alma_jax.outputs.workdir_lock` too).
+FLOCK_BUSY = frozenset({errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES})
+FLOCK_UNSUPPORTED = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS,
+                               errno.EINVAL})
 
 
 def default_cache_dir() -> str:
@@ -96,8 +100,9 @@ def exclusive(path: str, what: str, poll_s: float = 0.2) -> Iterator[bool]:
   if fcntl is not None:
     try:
       os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-      fd = io_utils.open_regular_fd(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0))
-    except (OSError, io_utils.NotRegularFileError):  # a link or a folder there: unlocked
+      fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+                   | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    except OSError:  # a link or a folder there, or a read-only cache: unlocked
       fd = None
   waiting = False
   try:
@@ -106,7 +111,7 @@ def exclusive(path: str, what: str, poll_s: float = 0.2) -> Iterator[bool]:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         break
       except OSError as e:
-        if e.errno not in io_utils.FLOCK_BUSY:  # no flock here: unlocked
+        if e.errno not in FLOCK_BUSY:  # no flock here: unlocked
           os.close(fd)
           fd = None
           break
