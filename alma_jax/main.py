@@ -198,6 +198,32 @@ def _parse_flags(argv):
           f"{config_resolve.override_error(config_arg, argv, e)} (see --helpfull)", 2)
 
 
+def _check_config() -> None:
+  """Reports a config that loads but is invalid (its overrides contradicting each other, a
+  field or rule broken, its data missing) before anything slow: before the speed settings,
+  which may be measured for minutes. The checks that start JAX's backend come with the
+  run's; a config that fails to load is reported later, with its file and line."""
+  try:
+    config = _CONFIG.value
+    config.get("seed")
+  except Exception:  # pylint: disable=broad-except
+    return
+  from alma_jax.stream import config_resolve  # pylint: disable=g-import-not-at-top
+  from alma_jax.stream import validation  # pylint: disable=g-import-not-at-top
+  try:
+    config_resolve.check_overrides(sys.argv[1:])
+  except ValueError as e:
+    if _DEBUG.value:
+      raise
+    _fail(str(e), 2)
+  try:
+    validation.validate(config, backend=False)
+  except Exception as e:  # pylint: disable=broad-except
+    if _DEBUG.value:
+      raise
+    _fail(*errors.cli_error(e))
+
+
 def _choose_cpu_fusion(multiprocess: bool) -> None:
   """Sets XLA_FLAGS for `config.train.cpu_fusion` (`alma_jax.tuning.tune.process_flags`); a
   config that fails to load is reported later, by the run."""
@@ -270,6 +296,7 @@ def main(argv):
   except Exception:  # pylint: disable=broad-except
     setting = "auto"  # a config that fails to load is reported below
   start, why = multihost.wanted(setting, _DISTRIBUTED.value)
+  _check_config()
   _choose_cpu_fusion(multiprocess=start)  # before JAX starts its backend
   from alma_jax.outputs import interrupts  # pylint: disable=g-import-not-at-top
   if start:
@@ -292,13 +319,6 @@ def main(argv):
     config_arg = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--config=")), "")
     _fail(f"--config: {errors.located(e, config_arg.partition(':')[0]) or errors.flag_error(e)}",
           2)
-  from alma_jax.stream import config_resolve  # pylint: disable=g-import-not-at-top
-  try:
-    config_resolve.check_overrides(sys.argv[1:])
-  except ValueError as e:
-    if _DEBUG.value:
-      raise
-    _fail(str(e), 2)
   if jax.process_count() == 1:  # a signal during a long compile: out at once, not after it
 
     def stop_while_compiling(signum, last_checkpoint):

@@ -39,8 +39,9 @@ OPTIMIZER_KWARG_CHECKS = {
 }
 
 
-def _check_rules(config) -> None:
-  """The checks that tie several fields together."""
+def _check_rules(config, backend: bool = True) -> None:
+  """The checks that tie several fields together (`backend`: with those of the devices
+  visible, which start JAX's backend)."""
   dataset = fields.lookup(config, "data.name", "")
   policies.check_wait(config, lambda p: fields.declared(p).default_for(dataset))
   policies.check_stage(config)
@@ -72,6 +73,8 @@ def _check_rules(config) -> None:
     optim.from_config(config)
   except (TypeError, ValueError) as e:
     raise ConfigError(f"config.optimizer: {e}") from e
+  if not backend:
+    return
   visible = jax.device_count()
   if config.mesh.num_devices > visible:
     raise ConfigError(f"config.mesh.num_devices={config.mesh.num_devices} but only {visible} "
@@ -106,10 +109,14 @@ def value_error(path: str, value) -> str | None:
   return messages.pop() if len(messages) == 1 else None
 
 
-def validate(config):
+def validate(config, *, backend: bool = True):
   """Checks the config's fields; raises `ConfigError` naming the first bad one.
 
   Returns the config completed with the defaults of the fields it lacks.
+  `backend=False` leaves out the checks that start JAX's backend (the devices
+  visible; the method built, whose backbone may ask for the backend's name): a
+  process checks its config that way before it chooses its XLA flags, which the
+  backend reads when it starts, and fully once they are set.
   """
   fields.check_all(config, config_lib.base_fields())
   config = complete(config)
@@ -117,10 +124,10 @@ def validate(config):
   fields.check_all(config, plugins.task(config).FIELDS)
   o = options.of(config)  # what the checks below (and everything a run builds) read
   task = tasks.task_class(o)
-  _check_rules(o)
+  _check_rules(o, backend)
   tasks.check(o)
   shape = task.known_shape(o)
-  if shape is not None:
+  if shape is not None and backend:
     methods.make(o, *shape)
   task.check_available(o)
   return config

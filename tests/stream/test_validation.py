@@ -198,6 +198,30 @@ def test_every_config_file_and_variant_validates_and_builds_its_method(path):
       methods.make(c, (c.data.seq_len,), text_data.VOCAB_SIZE)
 
 
+_BACKEND_PROBE = """
+import glob, os, sys
+from jax._src import xla_bridge
+from alma_jax.stream import config_resolve, validation
+for path in sorted(glob.glob("configs/*.py") + glob.glob("configs/bench/*.py")):
+  c = config_resolve.resolve(path)
+  c.data.download = "yes"  # the data need not be here
+  validation.validate(c, backend=False)
+  if xla_bridge.backends_are_initialized():
+    sys.exit(f"validating {path} started the backend")
+print("checked", len(glob.glob("configs/*.py") + glob.glob("configs/bench/*.py")))
+"""
+
+
+def test_validation_without_the_backend_does_not_start_it():
+  # A process checks its config this way before it sets the XLA flags that the backend reads
+  # when it starts (alma_jax.main); the backend must still be free to start with them after.
+  proc = subprocess.run([sys.executable, "-c", _BACKEND_PROBE], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300, check=False,
+                        env=dict(os.environ, PYTHONPATH=ROOT))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert int(proc.stdout.split()[-1]) >= 18, proc.stdout
+
+
 # -- inputs that need the data or a workdir ------------------------------------------------------
 @requires_mnist
 @pytest.mark.parametrize("fields, pattern", [
@@ -374,6 +398,27 @@ def _check_one_line(proc, code, pattern):
 def test_command_line_errors_are_one_line(args, code, pattern, tmp_path):
   proc = _main(["--config=configs/mnist_sm.py:smoke", f"--workdir={tmp_path}/wd"] + args)
   _check_one_line(proc, code, pattern)
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["--config=configs/cifar_sm.py:smoke", "--config.stream.wait=3"],
+     r"config\.stream\.wait=3 does not divide config\.stream\.num_megabatches=4"),
+    (["--config=configs/cifar_ff.py:smoke", "--config.num_seeds=2"],
+     r"config\.num_seeds=2 needs a method whose growth is the same for every seed; "
+     r"config\.method\.name='ff' is not one"),
+], ids=["wait", "seeds_of_a_growing_method"])
+def test_a_broken_rule_is_reported_before_the_speed_settings_are_measured(args, pattern,
+                                                                         tmp_path):
+  # A fresh cache, where a convolution run first measures XLA:CPU's fusion settings in child
+  # processes (minutes); an invalid config is refused before that, not after.
+  env = dict(os.environ, PYTHONPATH=ROOT, ALMA_JAX_CACHE_DIR=str(tmp_path / "cache"))
+  proc = subprocess.run([sys.executable, "-m", "alma_jax.main", args[0], f"--workdir={tmp_path}/wd",
+                         "--config.train.cpu_fusion=auto", "--config.train.autotune=measure"]
+                        + args[1:], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=90, check=False)
+  _check_one_line(proc, 2, pattern)
+  assert "measuring train.cpu_fusion" not in proc.stderr
+  assert not os.path.exists(tmp_path / "wd")
 
 
 _UNCLOSED = "def get_config(arg=None):\n  return dict(\n"
