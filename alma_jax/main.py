@@ -200,9 +200,11 @@ def _parse_flags(argv):
 
 def _check_config() -> None:
   """Reports a config that loads but is invalid (its overrides contradicting each other, a
-  field or rule broken, its data missing) before anything slow: before the speed settings,
-  which may be measured for minutes. The checks that start JAX's backend come with the
-  run's; a config that fails to load is reported later, with its file and line."""
+  field or rule broken, its data missing), a workdir that cannot be written, or one that
+  holds another config's run, before anything slow: before the speed settings, which may
+  be measured for minutes. The checks that start JAX's backend come with the run's, as do
+  the workdir's lock and the outputs found there; a config that fails to load is reported
+  later, with its file and line."""
   try:
     config = _CONFIG.value
     config.get("seed")
@@ -216,8 +218,13 @@ def _check_config() -> None:
     if _DEBUG.value:
       raise
     _fail(str(e), 2)
+  from alma_jax.outputs import workdir as wd  # pylint: disable=g-import-not-at-top
   try:
-    validation.validate(config, backend=False)
+    config = validation.validate(config, backend=False)
+    if _WORKDIR.value:
+      wd.check_writable(_WORKDIR.value)
+      if not _OVERWRITE.value:
+        wd.check_resume(_WORKDIR.value, config)
   except Exception as e:  # pylint: disable=broad-except
     if _DEBUG.value:
       raise

@@ -409,16 +409,43 @@ def test_command_line_errors_are_one_line(args, code, pattern, tmp_path):
 ], ids=["wait", "seeds_of_a_growing_method"])
 def test_a_broken_rule_is_reported_before_the_speed_settings_are_measured(args, pattern,
                                                                          tmp_path):
-  # A fresh cache, where a convolution run first measures XLA:CPU's fusion settings in child
-  # processes (minutes); an invalid config is refused before that, not after.
-  env = dict(os.environ, PYTHONPATH=ROOT, ALMA_JAX_CACHE_DIR=str(tmp_path / "cache"))
-  proc = subprocess.run([sys.executable, "-m", "alma_jax.main", args[0], f"--workdir={tmp_path}/wd",
-                         "--config.train.cpu_fusion=auto", "--config.train.autotune=measure"]
-                        + args[1:], cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=90, check=False)
+  proc = _main_measuring(args[0], f"{tmp_path}/wd", args[1:], tmp_path)
   _check_one_line(proc, 2, pattern)
-  assert "measuring train.cpu_fusion" not in proc.stderr
   assert not os.path.exists(tmp_path / "wd")
+
+
+def _main_measuring(config, workdir, args, tmp_path):
+  """`alma_jax.main` on a fresh cache, where a convolution run first measures XLA:CPU's
+  fusion settings in child processes (minutes): an input it refuses is refused before that,
+  not after (a child's measurement that started fails the test by its time limit)."""
+  env = dict(os.environ, PYTHONPATH=ROOT, ALMA_JAX_CACHE_DIR=str(tmp_path / "cache"))
+  proc = subprocess.run([sys.executable, "-m", "alma_jax.main", config, f"--workdir={workdir}",
+                         "--config.train.cpu_fusion=auto", "--config.train.autotune=measure"]
+                        + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90,
+                        check=False)
+  assert "measuring train.cpu_fusion" not in proc.stderr
+  return proc
+
+
+def test_a_workdir_that_cannot_hold_the_run_is_reported_before_the_speed_settings_are_measured(
+    tmp_path):
+  config = "--config=configs/cifar_sm.py:smoke"
+  blocker = tmp_path / "a_file"
+  blocker.write_text("x")
+  proc = _main_measuring(config, str(blocker), [], tmp_path)
+  _check_one_line(proc, 2, r"--workdir=.*a_file exists and is not a directory")
+  # A workdir with another config's run (its config.json, and a record).
+  wd = tmp_path / "wd"
+  printed = _main([config, "--print_config", "--config.model.width=9"])
+  assert printed.returncode == 0, printed.stderr[-2000:]
+  wd.mkdir()
+  (wd / "config.json").write_text(printed.stdout)
+  (wd / "log.jsonl").write_text('{"t": 1}\n')
+  before = helpers.tree_digest(str(wd))
+  proc = _main_measuring(config, str(wd), [], tmp_path)
+  _check_one_line(proc, 2, r"--workdir=.*wd holds a run with a different config: .*"
+                           r"config\.model\.width: 9 → 4")
+  assert helpers.tree_digest(str(wd)) == before
 
 
 _UNCLOSED = "def get_config(arg=None):\n  return dict(\n"
