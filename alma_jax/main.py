@@ -198,12 +198,13 @@ def _parse_flags(argv):
           f"{config_resolve.override_error(config_arg, argv, e)} (see --helpfull)", 2)
 
 
-def _check_config() -> None:
+def _check_config(multiprocess: bool) -> None:
   """Reports a config that loads but is invalid (its overrides contradicting each other, a
-  field or rule broken, its data missing), a workdir that cannot be written, or one that
-  holds another config's run, before anything slow: before the speed settings, which may
-  be measured for minutes. The checks that start JAX's backend come with the run's, as do
-  the workdir's lock and the outputs found there; a config that fails to load is reported
+  field or rule broken, its data missing), a workdir that cannot be written, holds another
+  config's run or is in use by a running process, before anything slow: before the speed
+  settings, which may be measured for minutes. The checks that start JAX's backend come
+  with the run's, as do the outputs found in the workdir, and the lock that the run holds
+  (here only tried, in a run of one process); a config that fails to load is reported
   later, with its file and line."""
   try:
     config = _CONFIG.value
@@ -219,10 +220,14 @@ def _check_config() -> None:
       raise
     _fail(str(e), 2)
   from alma_jax.outputs import workdir as wd  # pylint: disable=g-import-not-at-top
+  from alma_jax.outputs import workdir_lock  # pylint: disable=g-import-not-at-top
   try:
     config = validation.validate(config, backend=False)
     if _WORKDIR.value:
       wd.check_writable(_WORKDIR.value)
+      if not multiprocess:
+        with workdir_lock.hold(_WORKDIR.value):
+          pass
       if not _OVERWRITE.value:
         wd.check_resume(_WORKDIR.value, config)
   except Exception as e:  # pylint: disable=broad-except
@@ -303,7 +308,7 @@ def main(argv):
   except Exception:  # pylint: disable=broad-except
     setting = "auto"  # a config that fails to load is reported below
   start, why = multihost.wanted(setting, _DISTRIBUTED.value)
-  _check_config()
+  _check_config(multiprocess=start)
   _choose_cpu_fusion(multiprocess=start)  # before JAX starts its backend
   from alma_jax.outputs import interrupts  # pylint: disable=g-import-not-at-top
   if start:

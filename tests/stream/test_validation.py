@@ -16,6 +16,7 @@ from alma_jax.data import text as text_data
 from alma_jax.errors import ConfigError, DivergenceError
 from alma_jax.outputs import checkpoint
 from alma_jax.outputs import io_utils
+from alma_jax.outputs import workdir_lock
 from alma_jax.stream import config_resolve
 from alma_jax.stream import run
 from alma_jax.stream import validation
@@ -446,6 +447,13 @@ def test_a_workdir_that_cannot_hold_the_run_is_reported_before_the_speed_setting
   _check_one_line(proc, 2, r"--workdir=.*wd holds a run with a different config: .*"
                            r"config\.model\.width: 9 → 4")
   assert helpers.tree_digest(str(wd)) == before
+  # A workdir in use by a running process (here, the lock held by this one).
+  busy = tmp_path / "busy"
+  busy.mkdir()
+  with workdir_lock.hold(str(busy)):
+    proc = _main_measuring(config, str(busy), [], tmp_path)
+  _check_one_line(proc, 2, rf"--workdir={re.escape(str(busy))} is in use by the run with pid "
+                           rf"{os.getpid()} ")
 
 
 _UNCLOSED = "def get_config(arg=None):\n  return dict(\n"
