@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -182,6 +182,8 @@ class BackboneSpec:
       None: its width cannot grow.
     mixture: `mixture(config.model, num_classes)`, its `Mixture` for gMoE; None: it has no
       mixture-of-experts version.
+    side_multiple: the height and width of the images it takes are multiples of this
+      (e.g. 2**k for k 2x2 max-pools that halve them exactly); 1: images of any size.
   """
 
   name: str
@@ -190,6 +192,7 @@ class BackboneSpec:
   conv_heavy: bool = False
   width_layout: Callable[[ModelConfig, int], WidthLayout] | None = None
   mixture: Callable[[ModelConfig, int], Mixture] | None = None
+  side_multiple: int = 1
 
 
 # What each optional capability is, for the error of a method that needs it.
@@ -242,6 +245,25 @@ def check_task(name: str, task: str) -> None:
   if task not in spec(name).tasks:
     raise ConfigError(f"config.model.name={name!r} cannot model {task}; valid names: "
                       f"{names(lambda s: task in s.tasks)}")
+
+
+def takes(spec_: BackboneSpec, input_shape: Sequence[int]) -> bool:
+  """Whether the backbone of `spec_` takes inputs of `input_shape` (one example's)."""
+  m = spec_.side_multiple
+  return len(input_shape) != 3 or (input_shape[0] % m == 0 and input_shape[1] % m == 0)
+
+
+def check_input_shape(name: str, input_shape: Sequence[int], data: str) -> None:
+  """Raises `ConfigError` unless backbone `name` takes images of `input_shape` (HWC), those
+  of `data` (named in the message)."""
+  backbone = spec(name)
+  if takes(backbone, input_shape):
+    return
+  h, w = input_shape[:2]
+  able = names(lambda s: "images" in s.tasks and takes(s, input_shape))
+  raise ConfigError(f"config.model.name={name!r} needs images whose height and width are "
+                    f"multiples of {backbone.side_multiple}; {data} has {h}x{w} images; valid "
+                    f"names for them: {able}")
 
 
 def capability(name: str, field: str, method: str):

@@ -160,4 +160,5 @@ def mixture(model_config, num_classes: int) -> registry.Mixture:
 
 
 SPEC = registry.BackboneSpec("vgg", VGG.from_config, conv_heavy=True,
-                             width_layout=width_layout, mixture=mixture)
+                             width_layout=width_layout, mixture=mixture,
+                             side_multiple=2 ** len(BLOCKS))  # a 2x2 max-pool per block

@@ -291,6 +291,7 @@ def build(config, workdir: str) -> Setup:
              for sd in seeds]
   validation.validate_data(c, n_train, streams[0])
   shape, data = ds.train_x.shape[1:], task.device_data(ds)
+  validation.check_input_shape(c, shape)
   inputs = fingerprint(data)
 
   built: dict[tuple, Steps] = {}  # a measured candidate's programs serve the run

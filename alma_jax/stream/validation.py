@@ -27,6 +27,7 @@ from alma_jax.configuration import plugins
 from alma_jax.engine import optim
 from alma_jax.engine import sharding
 from alma_jax.errors import ConfigError
+from alma_jax.models import registry as backbones
 
 # Input shape and number of classes of common image data sets (`ImageTask.known_shape`).
 KNOWN_SHAPES = tasks.images.KNOWN_SHAPES
@@ -127,10 +128,19 @@ def validate(config, *, backend: bool = True):
   _check_rules(o, backend)
   tasks.check(o)
   shape = task.known_shape(o)
-  if shape is not None and backend:
-    methods.make(o, *shape)
+  if shape is not None:
+    check_input_shape(o, shape[0])
+    if backend:
+      methods.make(o, *shape)
   task.check_available(o)
   return config
+
+
+def check_input_shape(config, input_shape) -> None:
+  """Raises `ConfigError` unless the backbone takes inputs of `input_shape` (one example's:
+  the data set's, known before it loads or read from it)."""
+  backbones.check_input_shape(config.model.name, tuple(input_shape),
+                              f"config.data.name={config.data.name!r}")
 
 
 def validate_data(config, num_train: int, stream) -> None:

@@ -30,6 +30,9 @@ ROOT = helpers.ROOT
 
 # (case id, {field__path: bad value}, expected message regex). All names the field.
 CONFIG_CASES = [
+    ("vgg_on_28x28_images", {"model__name": "vgg"},
+     r"^config\.model\.name='vgg' needs images whose height and width are multiples of 32; "
+     r"config\.data\.name='mnist' has 28x28 images; valid names for them: \['mlp', 'resnet'\]$"),
     ("wait_not_divisor", {"stream__num_megabatches": 10, "stream__wait": 3},
      r"^config\.stream\.wait=3 does not divide config\.stream\.num_megabatches=10; "
      r"allowed values: \[1, 2, 5, 10\]$"),
@@ -165,6 +168,29 @@ def test_bad_config_fields(case, tmp_path):
   assert "\n" not in errors.one_line(info.value)
   assert errors.exit_code(info.value) == 2
   assert helpers.tree_digest(wd) == before  # nothing written, nothing removed
+
+
+def test_the_input_shape_read_from_the_data_is_checked_too():
+  # A data set whose shape is known only once it loads (not in KNOWN_SHAPES): the set-up
+  # checks the shape it read with the same function.
+  c = config_lib.apply_variant(config_lib.base_config("cifar10", "sm"), "smoke")
+  for shape in ((32, 32, 3), (64, 96, 1), (28, 28)):
+    validation.check_input_shape(c, shape)
+  with pytest.raises(ConfigError, match=r"^config\.model\.name='vgg' needs images whose height "
+                                        r"and width are multiples of 32; config\.data\.name="
+                                        r"'cifar10' has 48x40 images; valid names for them: "
+                                        r"\['mlp', 'resnet'\]$"):
+    validation.check_input_shape(c, (48, 40, 3))
+
+
+@requires_mnist
+def test_a_run_checks_the_input_shape_it_loads(monkeypatch, tmp_path):
+  # MNIST as a data set whose shape is not known before it loads.
+  monkeypatch.delitem(validation.KNOWN_SHAPES, "mnist")
+  with pytest.raises(ConfigError, match=r"^config\.model\.name='vgg' needs images whose height "
+                                        r"and width are multiples of 32; config\.data\.name="
+                                        r"'mnist' has 28x28 images"):
+    run.run(helpers.smoke(model__name="vgg"), str(tmp_path / "wd"))
 
 
 def test_at_least_thirty_distinct_bad_inputs():
