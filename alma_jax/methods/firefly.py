@@ -56,6 +56,7 @@ slots.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Hashable, Sequence
 
 import jax
@@ -65,6 +66,7 @@ import optax
 
 from alma_jax import models
 from alma_jax.configuration.plugins import methods as declared
+from alma_jax.errors import ConfigError
 from alma_jax.methods import base
 from alma_jax.methods.registry import register
 from alma_jax.models import registry as backbones
@@ -476,6 +478,15 @@ class Firefly(declared.FF, base.Method):
     self.layout: Layout = models.capability(config.model.name, "width_layout", self.name)(
         config.model, num_classes)
     self.num_layers = self.layout.num_layers
+    if self.opts.growth_rate > 0 and self.n_grow == 0:
+      total = sum(self.initial_structure())
+      raise ConfigError(
+          f"config.method.growth_rate={self.opts.growth_rate} adds int("
+          f"{self.opts.growth_rate} x {total}) = 0 neurons per growth to the initial total "
+          f"width {total} (config.model.width={self.config.model.width} x {self.num_layers} "
+          f"layers), so Firefly would never grow; allowed values: >= {math.ceil(1e6 / total) / 1e6:g}"
+          " at this "
+          "width, or 0 for no growth")
     self.fit_tx = optax.rmsprop(self.opts.fit_lr, decay=0.9, eps=1e-8, eps_in_sqrt=False,
                                 momentum=0.1)
     self._modules: dict[tuple[int, ...], Any] = {}

@@ -317,6 +317,25 @@ def test_bad_fields_give_clear_errors(field, value, message):
     methods.make(c, MNIST, 10)
 
 
+@pytest.mark.parametrize("width, rate, bound", [(1, 0.25, "0.5"), (1, 0.499, "0.5"),
+                                               (3, 0.16, "0.166667")])
+def test_a_growth_rate_that_adds_no_neuron_is_refused_with_the_least_that_adds_one(
+    width, rate, bound):
+  # The MLP's two layers: an initial total width of 2 x width.
+  c = helpers.small_config(method="ff", width=width)
+  c.method.growth_rate = rate
+  with pytest.raises(ConfigError, match=(
+      rf"^config\.method\.growth_rate={rate} adds int\({rate} x {2 * width}\) = 0 neurons per "
+      rf"growth to the initial total width {2 * width} \(config\.model\.width={width} x 2 "
+      rf"layers\), so Firefly would never grow; allowed values: >= {bound} at this width, or 0 "
+      r"for no growth$")):
+    methods.make(c, MNIST, 10)
+  c.method.growth_rate = float(bound)  # the least value named adds a neuron
+  assert methods.make(c, MNIST, 10).n_grow == 1
+  c.method.growth_rate = 0.0  # no growth, as asked
+  assert methods.make(c, MNIST, 10).n_grow == 0
+
+
 def test_keeping_the_optimizer_state_across_growth_is_refused():
   c = helpers.small_config(method="ff", keep_optimizer_state=True)
   with pytest.raises(ConfigError, match=r"config\.train\.keep_optimizer_state=True"):
