@@ -413,6 +413,16 @@ def growth_indices(widths: Sequence[int], split, new, old_slots: Sequence[int],
   return out
 
 
+def _take_new(x, idx, axis: int):
+  """`jnp.take(x, idx, axis)` of the new neurons' candidates; zeros where there are none
+  (`num_new` = 0: no slot takes one, and `take` refuses an empty axis)."""
+  if x.shape[axis] == 0:
+    shape = list(x.shape)
+    shape[axis] = idx.shape[0]
+    return jnp.zeros(shape, x.dtype)
+  return jnp.take(x, idx, axis=axis)
+
+
 def grow_in_slots(layout: Layout, params: PyTree, model_state: PyTree, indices: list[dict],
                   candidates: Sequence[dict], eps) -> tuple[PyTree, PyTree]:
   """(params, model_state) of `grow_width` for a learner whose candidates (`draw_in_slots`)
@@ -428,14 +438,14 @@ def grow_in_slots(layout: Layout, params: PyTree, model_state: PyTree, indices: 
     if l < num:  # the layer's outputs (as `_grow_columns`)
       g, cand = indices[l], candidates[l]
       wg, vg = jnp.take(w, pick(g), axis=-1), jnp.take(cand["v"], pick(g), axis=-1)
-      added = jnp.take(cand["a"], jnp.where(g["kind"] == NEW, g["src"], 0), axis=-1)
+      added = _take_new(cand["a"], jnp.where(g["kind"] == NEW, g["src"], 0), -1)
       w = jnp.where(g["kind"] == KEEP, wg + vg * (g["chosen"] * eps),
                     jnp.where(g["kind"] == SPLIT, wg - vg * eps,
                               jnp.where(g["kind"] == NEW, added, jnp.zeros((), w.dtype))))
     if l > 0:  # the previous layer's outputs, this kernel's inputs (as `_grow_rows`)
       g, b = indices[l - 1], candidates[l - 1]["b"]
       rows = jnp.take(w * g["half"][:, None], pick(g), axis=-2)
-      b = jnp.take(b, jnp.where(g["kind"] == NEW, g["src"], 0), axis=-2) * eps
+      b = _take_new(b, jnp.where(g["kind"] == NEW, g["src"], 0), -2) * eps
       if l < num:  # b's columns: the grown outputs, [old slots | K new] in b
         c = indices[l]
         old = b.shape[-1] - candidates[l]["a"].shape[-1]

@@ -283,16 +283,17 @@ def test_ff_growth_inside_the_slots_keeps_shapes_programs_and_function():
         ff.grow_width(grown_tight, ff_plan(exact, grown_tight, eps=0.01), exact.layout))
 
 
-@pytest.mark.parametrize("dataset,mode,growths", [("mnist", "pow2", 3), ("mnist", "exact", 2),
-                                                   ("cifar10", "pow2", 1)])
-def test_ff_draw_and_growth_in_slots_are_the_exact_computation(dataset, mode, growths):
+@pytest.mark.parametrize("dataset,mode,growths,k", [
+    ("mnist", "pow2", 3, 3), ("mnist", "exact", 2, 3), ("cifar10", "pow2", 1, 3),
+    ("mnist", "pow2", 2, 0)])  # k = method.num_new = 0: splits only
+def test_ff_draw_and_growth_in_slots_are_the_exact_computation(dataset, mode, growths, k):
   # The programs of the slots (widths and plan as arrays) give bitwise the values of drawing
   # on the active channels and growing them (`init_candidates`, `grow_width`, compiled as the
   # method ran them) then moving the result into the slots: padded learners, uneven widths
   # and plans, a growth into larger slots (6 -> 10 of 16) and within them, and exact learners
   # (slots = widths).
   method = ff_methods(dataset)[0 if mode == "pow2" else 1]
-  k, scales = 3, (0.1, 0.1, 0.01)
+  scales = (0.1, 0.1, 0.01)
   rng = np.random.default_rng(0)
   learner, moves = method.init(jax.random.key(0)), []
   for step in range(growths):
@@ -310,7 +311,8 @@ def test_ff_draw_and_growth_in_slots_are_the_exact_computation(dataset, mode, gr
                            w, k, scales), w, sl))(learner.params, learner.model_state, key)
     chex.assert_trees_all_equal(got, want)
     split = tuple(np.sort(rng.choice(c, size=2 + step % 2, replace=False)) for c in widths)
-    new = tuple(np.sort(rng.choice(k, size=2 - step % 2, replace=False)) for _ in widths)
+    new = tuple(np.sort(rng.choice(k, size=min(k, 2 - step % 2), replace=False))
+                for _ in widths)
     cands = tuple(ff.resize_candidates(want, slots, widths))
     grown = tuple(c + len(a) + len(b) for c, a, b in zip(widths, split, new))
     new_slots = method.slots(grown)
@@ -329,8 +331,9 @@ def test_ff_draw_and_growth_in_slots_are_the_exact_computation(dataset, mode, gr
     chex.assert_trees_all_equal(out, reference)
     learner = learner.replace(params=out[0], model_state=out[1], structure=grown)
   # pow2: 6 -> 10 channels (past 8 slots, into 16), then within 16 slots; exact: new shapes.
-  # (The VGG case, 4-d kernels, grows once.)
-  assert moves == ([False, True, False][:growths] if mode == "pow2" else [False] * growths)
+  # (The VGG case, 4-d kernels, grows once.) Splits only: 6 -> 8 within 8 slots, then 11.
+  expected = [False, True, False] if k else [True, False]
+  assert moves == (expected[:growths] if mode == "pow2" else [False] * growths)
 
 
 def test_ff_growth_indices_refuse_a_plan_that_does_not_fit_the_slots():
