@@ -489,14 +489,13 @@ class Firefly(declared.FF, base.Method):
         config.model, num_classes)
     self.num_layers = self.layout.num_layers
     if self.opts.growth_rate > 0 and self.n_grow == 0:
-      total = sum(self.initial_structure())
+      rate, total = self.opts.growth_rate, sum(self.initial_structure())
+      least = math.ceil(1e6 / total) / 1e6  # printed as is, and adds one neuron
       raise ConfigError(
-          f"config.method.growth_rate={self.opts.growth_rate} adds int("
-          f"{self.opts.growth_rate} x {total}) = 0 neurons per growth to the initial total "
-          f"width {total} (config.model.width={self.config.model.width} x {self.num_layers} "
-          f"layers), so Firefly would never grow; allowed values: >= {math.ceil(1e6 / total) / 1e6:g}"
-          " at this "
-          "width, or 0 for no growth")
+          f"config.method.growth_rate={rate} adds int({rate} x {total}) = 0 neurons per growth "
+          f"to the initial total width {total} (config.model.width={self.config.model.width} "
+          f"x {self.num_layers} layers), so Firefly would never grow; allowed values: "
+          f">= {least:g} at this width, or 0 for no growth")
     self.fit_tx = optax.rmsprop(self.opts.fit_lr, decay=0.9, eps=1e-8, eps_in_sqrt=False,
                                 momentum=0.1)
     self._modules: dict[tuple[int, ...], Any] = {}
