@@ -219,17 +219,23 @@ def _check_config(multiprocess: bool) -> None:
     if _DEBUG.value:
       raise
     _fail(str(e), 2)
+  from alma_jax.outputs import interrupts  # pylint: disable=g-import-not-at-top
   from alma_jax.outputs import workdir as wd  # pylint: disable=g-import-not-at-top
   from alma_jax.outputs import workdir_lock  # pylint: disable=g-import-not-at-top
   try:
-    config = validation.validate(config, backend=False)
-    if _WORKDIR.value:
-      wd.check_writable(_WORKDIR.value)
-      if not multiprocess:
-        with workdir_lock.hold(_WORKDIR.value):
-          pass
-      if not _OVERWRITE.value:
-        wd.check_resume(_WORKDIR.value, config)
+    with interrupts.Signals():  # a signal: one line and 128 + its number, as later
+      config = validation.validate(config, backend=False)
+      if _WORKDIR.value:
+        wd.check_writable(_WORKDIR.value)
+        if not multiprocess:
+          with workdir_lock.hold(_WORKDIR.value):
+            pass
+        if not _OVERWRITE.value:
+          wd.check_resume(_WORKDIR.value, config)
+  except interrupts.RunInterrupted as e:
+    _exit_now(f"interrupted by {signal.Signals(e.signum).name} while checking the config and "
+              f"the workdir, before the run; to start it, run the same command again: "
+              f"{_resume_command()}", e.exit_code)
   except Exception as e:  # pylint: disable=broad-except
     if _DEBUG.value:
       raise

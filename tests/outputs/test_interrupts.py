@@ -243,6 +243,39 @@ def test_an_interrupted_run_exits_at_once_though_native_work_goes_on(tmp_path):
                          "--config=configs/mnist_sm.py:smoke"), last
 
 
+# Runs the entry point with a SIGTERM while it checks the config, before the speed settings.
+_SIGNAL_IN_THE_CHECK = """
+import os, runpy, signal, sys, time
+from alma_jax.stream import validation
+
+validate = validation.validate
+
+def checked(config, **kwargs):
+  if kwargs.get("backend") is False:  # the command line's early check
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(600)
+  return validate(config, **kwargs)
+
+validation.validate = checked
+sys.argv = ["alma_jax.main"] + sys.argv[1:]
+runpy.run_module("alma_jax.main", run_name="__main__")
+"""
+
+
+def test_a_signal_while_the_config_is_checked_is_one_line_and_128_plus_its_number(tmp_path):
+  proc = _script(_SIGNAL_IN_THE_CHECK, "--config=configs/mnist_sm.py:smoke",
+                 f"--workdir={tmp_path}/wd")
+  assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr
+  lines = proc.stderr.rstrip("\n").splitlines()
+  assert lines[-1].startswith(
+      "alma_jax: error: interrupted by SIGTERM while checking the config and the workdir, "
+      "before the run; to start it, run the same command again: python -m alma_jax.main "
+      "--config=configs/mnist_sm.py:smoke"), proc.stderr[-3000:]
+  assert sum(l.startswith("alma_jax: error: ") for l in lines) == 1
+  assert not os.path.exists(tmp_path / "wd")
+
+
 @pytest.mark.parametrize("module, message", [
     ("ml_collections", "interrupted by SIGINT while starting, before the run; run the same "
                        "command again to start it"),
