@@ -229,13 +229,14 @@ _BACKEND_PROBE = """
 import glob, os, sys
 from jax._src import xla_bridge
 from alma_jax.stream import config_resolve, validation
-for path in sorted(glob.glob("configs/*.py") + glob.glob("configs/bench/*.py")):
+paths = sorted(glob.glob("configs/*.py") + glob.glob("configs/bench/*.py"))
+for path in paths:
   c = config_resolve.resolve(path)
   c.data.download = "yes"  # the data need not be here
   validation.validate(c, backend=False)
   if xla_bridge.backends_are_initialized():
     sys.exit(f"validating {path} started the backend")
-print("checked", len(glob.glob("configs/*.py") + glob.glob("configs/bench/*.py")))
+print("checked", len(paths))
 """
 
 
