@@ -203,9 +203,10 @@ def _check_config(multiprocess: bool) -> None:
   field or rule broken, its data missing), a workdir that cannot be written, holds another
   config's run or is in use by a running process, before anything slow: before the speed
   settings, which may be measured for minutes. The checks that start JAX's backend come
-  with the run's, as do the outputs found in the workdir, and the lock that the run holds
-  (here only tried, in a run of one process); a config that fails to load is reported
-  later, with its file and line."""
+  with the run's (except the mesh's fields against a CPU backend's devices, whose count is
+  known before it starts), as do the outputs found in the workdir, and the lock that the
+  run holds (here only tried, in a run of one process); a config that fails to load is
+  reported later, with its file and line."""
   try:
     config = _CONFIG.value
     config.get("seed")
@@ -222,9 +223,11 @@ def _check_config(multiprocess: bool) -> None:
   from alma_jax.outputs import interrupts  # pylint: disable=g-import-not-at-top
   from alma_jax.outputs import workdir as wd  # pylint: disable=g-import-not-at-top
   from alma_jax.outputs import workdir_lock  # pylint: disable=g-import-not-at-top
+  from alma_jax.tuning import cpu_fusion  # pylint: disable=g-import-not-at-top
   try:
     with interrupts.Signals():  # a signal: one line and 128 + its number, as later
-      config = validation.validate(config, backend=False)
+      devices = None if multiprocess else cpu_fusion.cpu_devices_expected()
+      config = validation.validate(config, backend=False, devices=devices)
       if _WORKDIR.value:
         wd.check_writable(_WORKDIR.value)
         if not multiprocess:

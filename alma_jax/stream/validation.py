@@ -40,9 +40,9 @@ OPTIMIZER_KWARG_CHECKS = {
 }
 
 
-def _check_rules(config, backend: bool = True) -> None:
+def _check_rules(config, backend: bool = True, devices: int | None = None) -> None:
   """The checks that tie several fields together (`backend`: with those of the devices
-  visible, which start JAX's backend)."""
+  visible, which start JAX's backend; else with `devices` CPU devices, where known)."""
   dataset = fields.lookup(config, "data.name", "")
   policies.check_wait(config, lambda p: fields.declared(p).default_for(dataset))
   policies.check_stage(config)
@@ -74,14 +74,19 @@ def _check_rules(config, backend: bool = True) -> None:
     optim.from_config(config)
   except (TypeError, ValueError) as e:
     raise ConfigError(f"config.optimizer: {e}") from e
-  if not backend:
-    return
-  visible = jax.device_count()
+  sharding.check_rules(dict(config.mesh.rules.items()))
+  if backend:
+    _check_mesh(config, jax.device_count(), jax.default_backend())
+  elif devices is not None:
+    _check_mesh(config, devices, "cpu")
+
+
+def _check_mesh(config, visible: int, platform: str) -> None:
+  """The mesh's fields against the `visible` devices of `platform`."""
   if config.mesh.num_devices > visible:
     raise ConfigError(f"config.mesh.num_devices={config.mesh.num_devices} but only {visible} "
-                      f"{jax.default_backend()} devices are visible; use 0 for all of them")
+                      f"{platform} devices are visible; use 0 for all of them")
   sharding.mesh_shape(config.mesh.num_devices, config.mesh.data, config.mesh.model, visible)
-  sharding.check_rules(dict(config.mesh.rules.items()))
 
 
 def value_error(path: str, value) -> str | None:
@@ -110,14 +115,16 @@ def value_error(path: str, value) -> str | None:
   return messages.pop() if len(messages) == 1 else None
 
 
-def validate(config, *, backend: bool = True):
+def validate(config, *, backend: bool = True, devices: int | None = None):
   """Checks the config's fields; raises `ConfigError` naming the first bad one.
 
   Returns the config completed with the defaults of the fields it lacks.
   `backend=False` leaves out the checks that start JAX's backend (the devices
   visible; the method built, whose backbone may ask for the backend's name): a
   process checks its config that way before it chooses its XLA flags, which the
-  backend reads when it starts, and fully once they are set.
+  backend reads when it starts, and fully once they are set. There `devices`, the
+  CPU devices the backend will have where that is known before it starts
+  (`cpu_fusion.cpu_devices_expected`), checks the mesh's fields.
   """
   fields.check_all(config, config_lib.base_fields())
   config = complete(config)
@@ -125,7 +132,7 @@ def validate(config, *, backend: bool = True):
   fields.check_all(config, plugins.task(config).FIELDS)
   o = options.of(config)  # what the checks below (and everything a run builds) read
   task = tasks.task_class(o)
-  _check_rules(o, backend)
+  _check_rules(o, backend, devices)
   tasks.check(o)
   shape = task.known_shape(o)
   if shape is not None:

@@ -95,6 +95,22 @@ def accelerator_expected() -> bool:
   return any(importlib.util.find_spec(m) is not None for m in _ACCELERATOR_PLUGINS)
 
 
+def cpu_devices_expected() -> int | None:
+  """How many devices a CPU backend of this process will have, known without starting it
+  (`jax_num_cpu_devices`, else XLA_FLAGS' `--xla_force_host_platform_device_count`, else 1);
+  None where an accelerator backend is expected or the count cannot be read."""
+  if accelerator_expected():
+    return None
+  count = jax.config.jax_num_cpu_devices
+  if count >= 0:
+    return count or None
+  flag = "--xla_force_host_platform_device_count="
+  values = [f[len(flag):] for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith(flag)]
+  if not values:
+    return 1
+  return int(values[-1]) if values[-1].isdigit() and int(values[-1]) > 0 else None
+
+
 def process_key(config, input_shape) -> str:
   """What the choice depends on, known before JAX starts: this CPU, the step's shapes."""
   facts = dict(autotune.step_facts(config, input_shape, FIELD), cpu=host.cpu_name(),

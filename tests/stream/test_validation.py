@@ -434,7 +434,11 @@ def test_command_line_errors_are_one_line(args, code, pattern, tmp_path):
     (["--config=configs/cifar_ff.py:smoke", "--config.num_seeds=2"],
      r"config\.num_seeds=2 needs a method whose growth is the same for every seed; "
      r"config\.method\.name='ff' is not one"),
-], ids=["wait", "seeds_of_a_growing_method"])
+    (["--config=configs/cifar_sm.py:smoke", "--config.mesh.num_devices=4096"],
+     r"config\.mesh\.num_devices=4096 but only \d+ cpu devices are visible; use 0 for all"),
+    (["--config=configs/cifar_sm.py:smoke", "--config.mesh.model=4096"],
+     r"config\.mesh\.model=4096 does not divide the \d+ devices of the mesh"),
+], ids=["wait", "seeds_of_a_growing_method", "mesh_devices", "mesh_model"])
 def test_a_broken_rule_is_reported_before_the_speed_settings_are_measured(args, pattern,
                                                                          tmp_path):
   proc = _main_measuring(args[0], f"{tmp_path}/wd", args[1:], tmp_path)

@@ -3,6 +3,8 @@
 import json
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -12,6 +14,7 @@ from alma_jax.models import conv
 from alma_jax.stream import validation
 from alma_jax.tuning import autotune
 from alma_jax.tuning import cpu_fusion
+from tests import helpers
 
 CIFAR = validation.KNOWN_SHAPES["cifar10"]
 
@@ -162,6 +165,36 @@ def test_flags_keep_the_others_and_apply_sets_the_environment(monkeypatch):
   assert cpu_fusion.flags_with("ynn_onednn", other) == both
   assert cpu_fusion.flags_with("onednn", both) == f"{other} {cpu_fusion.ONEDNN_FLAG}"
   assert cpu_fusion.flags_with("none", f"--xla_cpu_use_onednn=false {other}") == other
+
+
+_COUNT = ("import jax; from alma_jax.tuning import cpu_fusion; "
+          "print(cpu_fusion.cpu_devices_expected()); print(jax.device_count())")
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, 1),
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}, 3),
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=3 "
+                   "--xla_force_host_platform_device_count=2"}, 2),
+    ({"JAX_NUM_CPU_DEVICES": "5", "XLA_FLAGS": "--xla_force_host_platform_device_count=3"}, 5),
+], ids=["default", "xla_flag", "last_flag", "jax_option"])
+def test_the_cpu_devices_expected_before_the_backend_starts_are_those_it_starts(env, expected):
+  """The count read from the options before JAX starts its backend is the count that the
+  backend then has, in a process of its own."""
+  proc = subprocess.run([sys.executable, "-c", _COUNT], capture_output=True, text=True,
+                        check=False, timeout=120, cwd=helpers.ROOT,
+                        env={**{k: v for k, v in os.environ.items()
+                                if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")},
+                             "JAX_PLATFORMS": "cpu", "PYTHONPATH": helpers.ROOT, **env})
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.split() == [str(expected), str(expected)]
+
+
+def test_no_cpu_devices_are_expected_where_an_accelerator_may_start(monkeypatch):
+  monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+  assert cpu_fusion.cpu_devices_expected() is None
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  assert cpu_fusion.cpu_devices_expected() == 8  # this process's option (tests/conftest.py)
 
 
 # A whole run that applies a remembered choice: tests/test_main_e2e.py (the CIFAR run).
