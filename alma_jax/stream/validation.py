@@ -170,6 +170,27 @@ def validate_data(config, num_train: int, stream) -> None:
                     "without replay (%d examples: %s, config.stream.wait=%d); each epoch of "
                     "such a stage is a single partial batch", b, smallest * config.stream.wait,
                     where, config.stream.wait)
+  warn_if_it_never_grows(config, stream.num_megabatches)
+
+
+def warn_if_it_never_grows(config, num_megabatches: int) -> None:
+  """Logs a warning when a growing method's `method.grow_every` leaves no stage to grow
+  before: its first growth comes before stage `grow_every` + 1 (or 2, for gMoE's automatic
+  period), and the waiting policy plans fewer stages than that."""
+  every = fields.lookup(config, "method.grow_every", None)
+  if (every is None or not fields.lookup(config, "method.grow", True)
+      or fields.lookup(config, "method.growth_rate", 1.0) == 0):
+    return  # a method that does not grow, or one asked not to
+  policy = config.stream.wait_policy
+  planned = len(policies.make_wait(config).planned_times(num_megabatches))
+  first = (every or 1) + 1
+  if planned < first:
+    logging.warning(
+        "config.method.name=%r will not grow: its first growth comes before stage %d "
+        "(config.method.grow_every=%d) and config.stream.wait_policy=%r plans %d training "
+        "stage(s) over config.stream.num_megabatches=%d%s", config.method.name, first, every,
+        policy, planned, num_megabatches,
+        " (the error may add more)" if policy == "triggered" else "")
 
 
 def complete(config):

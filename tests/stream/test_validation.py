@@ -587,6 +587,38 @@ def test_batch_larger_than_a_stage_is_a_warning_not_an_error(caplog):
   assert "batch_size" not in caplog.text
 
 
+@pytest.mark.parametrize("method, fields, warned", [
+    ("gmoe", {"method.grow_every": 4}, "its first growth comes before stage 5 "
+     "(config.method.grow_every=4) and config.stream.wait_policy='fixed' plans 4 training "
+     "stage(s) over config.stream.num_megabatches=4"),
+    ("gmoe", {"method.grow_every": 3}, None),
+    ("gmoe", {"method.grow_every": 0, "stream.wait": 4}, "before stage 2 "
+     "(config.method.grow_every=0) and config.stream.wait_policy='fixed' plans 1 training"),
+    ("gmoe", {"method.grow": False, "stream.wait": 4}, None),
+    ("ff", {"method.grow_every": 2, "stream.wait": 2}, "before stage 3"),
+    ("ff", {"method.growth_rate": 0.0, "stream.wait": 4}, None),
+    ("gens", {"stream.wait": 4}, None),
+    ("gmoe", {"method.grow_every": 4, "stream.wait_policy": "triggered"},
+     "wait_policy='triggered' plans 3 training stage(s) over "
+     "config.stream.num_megabatches=4 (the error may add more)"),
+], ids=["gmoe_every_4", "gmoe_every_3", "gmoe_auto_one_stage", "gmoe_fixed", "ff_every_2",
+        "ff_no_rate", "gens", "triggered"])
+def test_a_growing_method_that_will_not_grow_is_a_warning(method, fields, warned, caplog):
+  from alma_jax.data import stream as stream_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.base_config("mnist", method)
+  c.stream.num_megabatches, c.stream.wait = 4, 1
+  for path, value in fields.items():
+    section, name = path.split(".")
+    c[section][name] = value
+  with caplog.at_level("WARNING"):
+    validation.validate_data(c, 2000, stream_lib.make_stream(2000, 4, 0.1, 0))
+  if warned is None:
+    assert "will not grow" not in caplog.text
+  else:
+    assert f"config.method.name={method!r} will not grow: its first growth comes " in caplog.text
+    assert warned in caplog.text
+
+
 @requires_mnist
 def test_a_mistyped_data_set_name_is_refused_with_the_name_it_is_close_to():
   with pytest.raises(ValueError, match=r"config\.data\.name='mnsit' is not available offline.*"
