@@ -20,10 +20,11 @@ is checked again just before its run starts.
 Before any run starts, every point's config is checked as the run checks it
 (`alma_jax.stream.validation.validate`, which loads no data; for SLURM and TPU runs
 the mesh is left to their machines): invalid points are named with their
-one-line errors and nothing runs (exit code 2; `--no-validate` skips the
-check). `--status` (with the sweep's own flags) prints a table of the
-points instead: done, running (another live process holds the workdir),
-failed (the last run of this sweep failed: its exit is kept in
+one-line errors and nothing runs (exit code 2, as for a flag or grid the
+sweep refuses; `--no-validate` skips the check). `--status` (with the
+sweep's own flags) prints a table of the points instead: done, running
+(another live process holds the workdir), failed (the last run of this
+sweep failed: its exit is kept in
 <root>/logs/<workdir name>.failed.json until a run succeeds) or to run, with
 their folders, and, from a grid file's `run_seconds`, the time the points not
 done should take at the pace of the done ones; it starts nothing.
