@@ -184,13 +184,15 @@ def test_a_refused_flag_is_one_line_and_exit_code_2_as_for_argparse(tmp_path):
   """A sweep's bad flag or grid exits as argparse's refusals do (2), not as a failed run (1)."""
   script = os.path.join(ROOT, "launch", "sweep.py")
   for args, line in [(["--grid=seed"], "sweep: error: --grid='seed' must look like field=v1,v2,..."),
-                     (["--grid=seed=0", "--parallel=0"], "sweep: error: --parallel=0 must be >= 1"),
                      (["--no_such_flag"], "sweep.py: error: unrecognized arguments: --no_such_flag")]:
     proc = subprocess.run([sys.executable, script, f"--config={SMOKE}", f"--root={tmp_path}",
                            *args], capture_output=True, text=True, timeout=120, check=False,
                           env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 2, (args, proc.returncode, proc.stderr[-2000:])
     assert proc.stderr.strip().splitlines()[-1] == line
+  with pytest.raises(sweep.UsageError, match="^sweep: error: --parallel=0 must be >= 1$") as info:
+    sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=seed=0", "--parallel=0"])
+  assert info.value.code == 2
 
 
 def test_config_that_does_not_load():
