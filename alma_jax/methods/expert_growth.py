@@ -34,6 +34,7 @@ import numpy as np
 
 from alma_jax import models
 from alma_jax.configuration.plugins import backbones as declared_backbones
+from alma_jax.configuration.plugins import methods as declared_methods
 from alma_jax.methods import base
 from alma_jax.models import slots as slots_lib
 from alma_jax.tasks import base as task_base
@@ -153,7 +154,7 @@ class OwnExperts:
   def growth(self, stage: int, num_experts: int) -> int:
     """How many experts to copy before training stage number `stage` (1 = the first)."""
     o = self.opts
-    if stage <= 1 or (stage - 1) % o.grow_every:
+    if not declared_methods.grows_before(stage, o.grow_every):
       return 0
     i = (stage - 1) // o.grow_every - 1  # 0 for the first growth
     k = o.grow_schedule[i] if i < len(o.grow_schedule) else o.grow_by

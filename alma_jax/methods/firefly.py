@@ -605,8 +605,7 @@ class Firefly(declared.FF, base.Method):
 
   # -- growth ---------------------------------------------------------------------------------------
   def should_grow(self, ctx) -> bool:
-    return (not ctx.is_first and self.n_grow > 0
-            and (ctx.stage - 1) % self.opts.grow_every == 0)
+    return self.n_grow > 0 and declared.grows_before(ctx.stage, self.opts.grow_every)
 
   def candidate_logits(self, structure, params, model_state, candidates, scales, x):
     """Logits of the candidate network: every candidate taken, at size 1 + its scale (in

@@ -489,17 +489,16 @@ class GrowingMoE(declared.GMoE, base.Method):
     return logp, logp[None], [expert_scores(w, nll, mask, self.opts.split_by) for w in weights]
 
   @property
-  def grow_period(self) -> int:
-    """Stages between growths (`grow_every`, or its automatic value)."""
-    if self.opts.grow_every:
-      return self.opts.grow_every
+  def grow_period(self) -> int | None:
+    """Stages between growths (`grow_every`, or its automatic value; None: no growth)."""
     stream = self.config.stream
     stages = len(policies.make_wait(self.config).planned_times(stream.num_megabatches))
-    return max(1, stages // 10)
+    return self.growth_period(self.config, stages)
 
   def should_grow(self, stage: int) -> bool:
     """Whether to grow before training stage number `stage` (1 = the first: never)."""
-    return self.opts.grow and stage > 1 and (stage - 1) % self.grow_period == 0
+    period = self.grow_period
+    return period is not None and declared.grows_before(stage, period)
 
   def grow_learner(self, learner: base.Learner, scores, key: jax.Array) -> base.Learner:
     """Splits the losing expert (arg-max of `scores[l]`) of every layer below `max_experts`."""

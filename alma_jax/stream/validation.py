@@ -174,23 +174,21 @@ def validate_data(config, num_train: int, stream) -> None:
 
 
 def warn_if_it_never_grows(config, num_megabatches: int) -> None:
-  """Logs a warning when a growing method's `method.grow_every` leaves no stage to grow
-  before: its first growth comes before stage `grow_every` + 1 (or 2, for gMoE's automatic
-  period), and the waiting policy plans fewer stages than that."""
-  every = fields.lookup(config, "method.grow_every", None)
-  if (every is None or not fields.lookup(config, "method.grow", True)
-      or fields.lookup(config, "method.growth_rate", 1.0) == 0):
-    return  # a method that does not grow, or one asked not to
+  """Logs a warning when a growing method leaves no stage to grow before: it first grows
+  before stage 1 + its growth period (`Declaration.growth_period`), and the waiting policy
+  plans no more stages than that period."""
   policy = config.stream.wait_policy
   planned = len(policies.make_wait(config).planned_times(num_megabatches))
-  first = (every or 1) + 1
-  if planned < first:
-    logging.warning(
-        "config.method.name=%r will not grow: its first growth comes before stage %d "
-        "(config.method.grow_every=%d) and config.stream.wait_policy=%r plans %d training "
-        "stage(s) over config.stream.num_megabatches=%d%s", config.method.name, first, every,
-        policy, planned, num_megabatches,
-        " (the error may add more)" if policy == "triggered" else "")
+  period = plugins.method(config.method.name).growth_period(config, planned)
+  if period is None or planned > period:
+    return  # a method that does not grow, was asked not to, or will
+  every = fields.lookup(config, "method.grow_every", None)
+  logging.warning(
+      "config.method.name=%r will not grow: its first growth comes before stage %d%s and "
+      "config.stream.wait_policy=%r plans %d training stage(s) over "
+      "config.stream.num_megabatches=%d%s", config.method.name, period + 1,
+      "" if every is None else f" (config.method.grow_every={every})", policy, planned,
+      num_megabatches, " (the error may add more)" if policy == "triggered" else "")
 
 
 def complete(config):

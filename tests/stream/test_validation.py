@@ -6,12 +6,14 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 
 from alma_jax import errors
 from alma_jax import methods
 from alma_jax.configuration import config_lib
+from alma_jax.configuration.plugins import methods as declared_methods
 from alma_jax.data import text as text_data
 from alma_jax.errors import ConfigError, DivergenceError
 from alma_jax.outputs import checkpoint
@@ -597,12 +599,15 @@ def test_batch_larger_than_a_stage_is_a_warning_not_an_error(caplog):
     ("gmoe", {"method.grow": False, "stream.wait": 4}, None),
     ("ff", {"method.grow_every": 2, "stream.wait": 2}, "before stage 3"),
     ("ff", {"method.growth_rate": 0.0, "stream.wait": 4}, None),
-    ("gens", {"stream.wait": 4}, None),
+    ("gens", {"stream.wait": 4}, "before stage 2 and config.stream.wait_policy='fixed' plans 1 "
+     "training stage(s)"),
+    ("gens", {"stream.wait": 2}, None),
+    ("ens", {"stream.wait": 4}, None),
     ("gmoe", {"method.grow_every": 4, "stream.wait_policy": "triggered"},
      "wait_policy='triggered' plans 3 training stage(s) over "
      "config.stream.num_megabatches=4 (the error may add more)"),
 ], ids=["gmoe_every_4", "gmoe_every_3", "gmoe_auto_one_stage", "gmoe_fixed", "ff_every_2",
-        "ff_no_rate", "gens", "triggered"])
+        "ff_no_rate", "gens_one_stage", "gens_two_stages", "ens", "triggered"])
 def test_a_growing_method_that_will_not_grow_is_a_warning(method, fields, warned, caplog):
   from alma_jax.data import stream as stream_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.base_config("mnist", method)
@@ -617,6 +622,31 @@ def test_a_growing_method_that_will_not_grow_is_a_warning(method, fields, warned
   else:
     assert f"config.method.name={method!r} will not grow: its first growth comes " in caplog.text
     assert warned in caplog.text
+
+
+@pytest.mark.parametrize("method, fields, grows_before", [
+    ("gmoe", {"method.grow_every": 3}, (4, 7)),
+    ("gmoe", {"method.grow_every": 0, "stream.num_megabatches": 40}, (5, 9)),  # 40 // 10
+    ("gmoe", {"method.grow": False}, ()),
+    ("ff", {"method.grow_every": 2}, (3, 5, 7, 9)),
+    ("ff", {"method.growth_rate": 0.0}, ()),
+], ids=["gmoe_every_3", "gmoe_auto", "gmoe_fixed", "ff_every_2", "ff_no_rate"])
+def test_a_method_grows_before_the_stages_its_declared_period_gives(method, fields,
+                                                                      grows_before):
+  c = helpers.small_config("mnist", method)
+  c.stream.num_megabatches, c.stream.wait = 10, 1
+  for path, value in fields.items():
+    section, name = path.split(".")
+    c[section][name] = value
+  c = validation.validate(c)
+  m = methods.make(c, *validation.KNOWN_SHAPES["mnist"])
+  period = m.growth_period(c, c.stream.num_megabatches // c.stream.wait)
+  stages = range(1, 10)
+  declared = [s for s in stages if period is not None and declared_methods.grows_before(s, period)]
+  assert declared == list(grows_before)
+  ask = (lambda s: m.should_grow(s)) if method == "gmoe" else (
+      lambda s: m.should_grow(types.SimpleNamespace(stage=s)))
+  assert [s for s in stages if ask(s)] == declared
 
 
 @requires_mnist

@@ -29,6 +29,12 @@ STRATEGY = F.Field("method.strategy", "auto", F.choice(("auto", "loop", "vmap"))
 MIXTURE_UNITS = "mixture"
 
 
+def grows_before(stage: int, period: int) -> bool:
+  """Whether a method that grows every `period` training stages grows before stage number
+  `stage`: never before the first (1), then before stages 1 + period, 1 + 2 period, ..."""
+  return stage > 1 and (stage - 1) % period == 0
+
+
 class Declaration:
   """A method's name and config fields (paths "method.<name>")."""
 
@@ -44,6 +50,14 @@ class Declaration:
     """The method's config fields for `config` (by default `FIELDS`)."""
     del config
     return cls.FIELDS
+
+  @classmethod
+  def growth_period(cls, config, planned_stages: int) -> int | None:
+    """Training stages between the method's growths under `config` (see `grows_before`), given
+    the `planned_stages` its waiting policy plans; None: it does not grow, or was asked not
+    to."""
+    del config, planned_stages
+    return None
 
 
 class SM(Declaration):
@@ -68,6 +82,11 @@ class UMix(Ens):
 
 class GEns(Ens):
   name = "gens"
+
+  @classmethod
+  def growth_period(cls, config, planned_stages: int) -> int | None:
+    del config, planned_stages
+    return 1  # `grow_by` >= 1 members before every later stage
   HIDDEN_UNITS = True  # members in slots: `Method.unit_active` says which are the learner's
   FIELDS = (F.Field("method.initial_members", 1, F.integer(1),
                     "members at the start, all trained at the first stage"),
@@ -142,6 +161,14 @@ class GMoE(Declaration):
     """`FIELDS`, or `EXPERT_GROWTH_FIELDS` on a backbone with experts of its own."""
     return EXPERT_GROWTH_FIELDS if backbones.own_experts(config.model.name) else cls.FIELDS
 
+  @classmethod
+  def growth_period(cls, config, planned_stages: int) -> int | None:
+    """`grow_every`, or its automatic value: about 10 growths over the planned stages
+    (`method.grow` is not a field of the expert growth, which always grows)."""
+    if not F.lookup(config, "method.grow", True):
+      return None
+    return F.lookup(config, "method.grow_every", 0) or max(1, planned_stages // 10)
+
 
 class FF(Declaration):
   name = "ff"
@@ -180,6 +207,13 @@ class FF(Declaration):
               "from the start: fewer structures to compile (a first run on a cold "
               "compilation cache), more padding computed by every step; 0: none"),
   )
+
+  @classmethod
+  def growth_period(cls, config, planned_stages: int) -> int | None:
+    del planned_stages
+    if F.lookup(config, "method.growth_rate", 0.25) == 0:
+      return None
+    return F.lookup(config, "method.grow_every", 1)
 
 
 DECLARED = (SM, Ens, UMix, GEns, GMoE, FF)
