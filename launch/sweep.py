@@ -135,9 +135,11 @@ class UsageError(SystemExit):
   """A flag or grid that the sweep refuses: its one-line message on stderr and exit code
   `REFUSED`, as for a flag that argparse refuses (a run that fails exits with 1)."""
 
+  PREFIX = "sweep: error: "  # as argparse begins its own refusals
+
   def __init__(self, message: str):
     super().__init__(REFUSED)
-    self.message = message
+    self.message = self.PREFIX + message
 
   def __str__(self) -> str:
     return self.message
@@ -151,11 +153,11 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
   grid = []
   for item in items:
     if "=" not in item:
-      raise UsageError(f"sweep: error: --grid={item!r} must look like field=v1,v2,...")
+      raise UsageError(f"--grid={item!r} must look like field=v1,v2,...")
     field, values = item.split("=", 1)
     vals = [v for v in values.split(",") if v]
     if not vals:
-      raise UsageError(f"sweep: error: --grid={item!r} has no values")
+      raise UsageError(f"--grid={item!r} has no values")
     grid.append((field, vals))
   return grid
 
@@ -178,7 +180,7 @@ def grid_path(value: str) -> str:
     return shipped
   names = sorted(n[:-3] for n in os.listdir(GRIDS_DIR) if n.endswith(".py")) if os.path.isdir(
       GRIDS_DIR) else []
-  raise UsageError(f"sweep: error: --grid_file={value}: no such file, nor a grid of alma_jax's "
+  raise UsageError(f"--grid_file={value}: no such file, nor a grid of alma_jax's "
                    f"(names: {', '.join(names) or 'none'})")
 
 
@@ -190,7 +192,7 @@ def _grid_scope(path: str) -> dict:
       exec(compile(f.read(), path, "exec"), scope)  # pylint: disable=exec-used
   except Exception as e:  # pylint: disable=broad-except  (its code may raise anything)
     what = errors.located(e, path) or errors.one_line(e)
-    raise UsageError(f"sweep: error: --grid_file={path}: {what}") from e
+    raise UsageError(f"--grid_file={path}: {what}") from e
   return scope
 
 
@@ -201,7 +203,7 @@ def load_grid_file(path: str) -> list[list[tuple[str, list[str]]]]:
   if not isinstance(grids, (list, tuple)) or not grids or not all(
       isinstance(g, dict) and all(isinstance(v, (list, tuple)) and v for v in g.values())
       for g in grids):
-    raise UsageError(f"sweep: error: --grid_file={path} must define GRID, a dict of "
+    raise UsageError(f"--grid_file={path} must define GRID, a dict of "
                      "field -> non-empty list of values (or a list of such dicts); got "
                      f"{type(grid).__name__ if grid is not None else 'no GRID'}")
   return [[(str(f), [_value(v) for v in vals]) for f, vals in g.items()] for g in grids]
@@ -211,7 +213,7 @@ def load_run_seconds(path: str):
   """The grid file's `run_seconds(config)`, or None when it defines none."""
   fn = _grid_scope(path).get("run_seconds")
   if fn is not None and not callable(fn):
-    raise UsageError(f"sweep: error: --grid_file={path}: run_seconds must be a function of a "
+    raise UsageError(f"--grid_file={path}: run_seconds must be a function of a "
                      f"point's resolved config (a nested dict); got {type(fn).__name__}")
   return fn
 
@@ -232,14 +234,14 @@ def run_estimates(grid_file: str | None, todo) -> dict[str, float]:
     try:
       seconds = fn(resolved)
     except Exception as e:  # pylint: disable=broad-except  (its code may raise anything)
-      raise UsageError(f"sweep: error: {where} failed: {errors.one_line(e)}") from e
+      raise UsageError(f"{where} failed: {errors.one_line(e)}") from e
     if seconds is None:
       print(f"sweep: {where} is None (no estimate); the ETA counts every run as the mean of "
             "those that ended", file=sys.stderr)
       return {}
     if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
         or not math.isfinite(seconds) or seconds <= 0):
-      raise UsageError(f"sweep: error: {where} returned {seconds!r}; it must return seconds "
+      raise UsageError(f"{where} returned {seconds!r}; it must return seconds "
                        "> 0, or None where it has no estimate")
     out[workdir] = float(seconds)
   return out
@@ -383,12 +385,12 @@ def point_args(config: str | None, point, extra: list[str]) -> tuple[str, list[s
   field, if any, replaces the sweep's `--config`."""
   config = dict(point).get(CONFIG_FIELD, config)
   if not config:
-    raise UsageError("sweep: error: --config is required unless every grid names its "
+    raise UsageError("--config is required unless every grid names its "
                      f"`{CONFIG_FIELD}` (a list of config files)")
   try:  # a config's name (mnist_sm:quick), or a grid's configs/<file> from another folder
     config = config_files.resolve(config)
   except config_files.UnknownConfigError as e:
-    raise UsageError(f"sweep: error: {e}") from e
+    raise UsageError(f"{e}") from e
   flags = [f"--config.{f}={v}" for f, v in point if f != CONFIG_FIELD] + extra
   return config, flags
 
@@ -427,7 +429,7 @@ def command(config: str | None, root: str, point, extra: list[str]) -> tuple[lis
   try:
     resolved = config_resolve.resolved_dict(config_file, flags)
   except config_resolve.ConfigResolveError as e:
-    raise UsageError(f"sweep: error: {e}") from e
+    raise UsageError(f"{e}") from e
   point = canonical_point(point, resolved)
   config, flags = point_args(config, point, extra)
   workdir = find_workdir(root, workdir_name(point), config_resolve.config_hash(resolved), resolved)
@@ -508,21 +510,21 @@ def _args(argv):
   if args.grid_file:
     args.grid_file = grid_path(args.grid_file)
   if os.path.exists(args.root) and not os.path.isdir(args.root):
-    raise UsageError(f"sweep: error: --root={args.root} exists and is not a directory; give a "
+    raise UsageError(f"--root={args.root} exists and is not a directory; give a "
                      "directory (existing or new) to hold the points' workdirs")
   if args.parallel < 1:
-    raise UsageError(f"sweep: error: --parallel={args.parallel} must be >= 1")
+    raise UsageError(f"--parallel={args.parallel} must be >= 1")
   if args.tpu:
     if not args.tpu_zone:
-      raise UsageError("sweep: error: --tpu needs --tpu_zone")
+      raise UsageError("--tpu needs --tpu_zone")
     if not os.path.isabs(args.root):
-      raise UsageError(f"sweep: error: --root={args.root}: with --tpu it must be an absolute "
+      raise UsageError(f"--root={args.root}: with --tpu it must be an absolute "
                        "path that every TPU worker sees (a shared mount)")
     if args.slurm or args.parallel != 1:
-      raise UsageError("sweep: error: --tpu runs the points one after another on the pod "
+      raise UsageError("--tpu runs the points one after another on the pod "
                        "slice; it takes neither --slurm nor --parallel")
   elif args.tpu_zone or args.tpu_project:
-    raise UsageError("sweep: error: --tpu_zone and --tpu_project go with --tpu")
+    raise UsageError("--tpu_zone and --tpu_project go with --tpu")
   return args
 
 
