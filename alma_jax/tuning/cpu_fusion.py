@@ -54,6 +54,7 @@ from alma_jax import models
 from alma_jax.configuration import fields as F
 from alma_jax.models import conv
 from alma_jax.runtime import host
+from alma_jax.runtime import xla_flags
 from alma_jax.tuning import autotune
 
 FLAG = "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce"
@@ -104,8 +105,7 @@ def cpu_devices_expected() -> int | None:
   count = jax.config.jax_num_cpu_devices
   if count >= 0:
     return count or None
-  flag = "--xla_force_host_platform_device_count="
-  values = [f[len(flag):] for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith(flag)]
+  values = xla_flags.values("--xla_force_host_platform_device_count")
   if not values:
     return 1
   return int(values[-1]) if values[-1].isdigit() and int(values[-1]) > 0 else None
@@ -120,19 +120,18 @@ def process_key(config, input_shape) -> str:
 
 def _sets_a_flag(flags: str) -> bool:
   """Whether `flags` (an `XLA_FLAGS` value) sets one of the settings' flags."""
-  return any(f.split("=", 1)[0] in _FLAG_NAMES for f in flags.split())
+  return any(xla_flags.values(name, flags) for name in _FLAG_NAMES)
 
 
 def flags_with(value: str, current: str) -> str:
   """`XLA_FLAGS` for the setting `value`, keeping the other flags of `current`."""
-  kept = [f for f in current.split() if f.split("=", 1)[0] not in _FLAG_NAMES]
-  return " ".join(kept + list(SETTING_FLAGS[value]))
+  return xla_flags.replaced(current, _FLAG_NAMES, SETTING_FLAGS[value])
 
 
 def apply(value: str) -> None:
   """Sets this process's `XLA_FLAGS` for `value`; must run before JAX starts its backend."""
   if value in SETTINGS:
-    os.environ["XLA_FLAGS"] = flags_with(value, os.environ.get("XLA_FLAGS", ""))
+    xla_flags.replace(_FLAG_NAMES, SETTING_FLAGS[value])
 
 
 def measured_with_flags() -> dict[str, tuple[Any, str]]:

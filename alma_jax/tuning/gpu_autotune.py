@@ -27,9 +27,9 @@ level is a speed choice: the learned function is the same, only the kernels
 from __future__ import annotations
 
 import math
-import os
 
 from alma_jax.configuration import config_lib
+from alma_jax.runtime import xla_flags
 from alma_jax.configuration import fields as F
 
 FIELD = "train.gpu_autotune"
@@ -68,10 +68,9 @@ def planned_steps(config) -> int | None:
 def choose(config, accelerator: bool) -> tuple[str | None, str]:
   """(level, how it was decided) for `config`; level None: `XLA_FLAGS` stays as it is (no
   accelerator expected)."""
-  current = os.environ.get("XLA_FLAGS", "")
-  given = [f.split("=", 1)[1] for f in current.split() if f.startswith(FLAG + "=")]
+  given = [v for v in xla_flags.values(FLAG) if v]
   if given:
-    return given[-1], f"set in XLA_FLAGS ({current})"
+    return given[-1], f"set in XLA_FLAGS ({xla_flags.current()})"
   if not accelerator:
     return None, "not set (no accelerator expected)"
   setting = F.get(config.train, FIELD)
@@ -87,11 +86,10 @@ def choose(config, accelerator: bool) -> tuple[str | None, str]:
 
 def flags_with(level: str, current: str) -> str:
   """`XLA_FLAGS` with the autotuning `level`, the other flags of `current` kept."""
-  kept = [f for f in current.split() if f.split("=", 1)[0] != FLAG]
-  return " ".join(kept + [f"{FLAG}={level}"])
+  return xla_flags.replaced(current, (FLAG,), (f"{FLAG}={level}",))
 
 
 def apply(level: str) -> None:
   """Sets this process's `XLA_FLAGS` for `level`; must run before JAX starts its backend."""
   if level in LEVELS:
-    os.environ["XLA_FLAGS"] = flags_with(level, os.environ.get("XLA_FLAGS", ""))
+    xla_flags.replace((FLAG,), (f"{FLAG}={level}",))
