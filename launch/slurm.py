@@ -26,14 +26,38 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
+import shutil
 import subprocess
 import sys
+
+import run_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SETUP = "if [ -f .venv/bin/activate ]; then source .venv/bin/activate; fi"
 # Seconds before the time limit at which a run is told to save and stop.
 SIGNAL_S = 120
+
+
+def time_limit_s(text: str) -> int | None:
+  """The seconds of a SLURM time limit (`--time`: minutes, minutes:seconds,
+  hours:minutes:seconds, days-hours, days-hours:minutes or days-hours:minutes:seconds);
+  None for no limit (0, UNLIMITED, INFINITE). Raises ValueError for another text."""
+  if text.upper() in ("UNLIMITED", "INFINITE"):
+    return None
+  m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text)
+  if m is None:
+    raise ValueError(text)
+  days, first, second, third = m.groups()
+  if days is not None:  # days-hours[:minutes[:seconds]]
+    hours, minutes, seconds = first, second or 0, third or 0
+  elif third is not None:  # hours:minutes:seconds
+    hours, minutes, seconds = first, second, third
+  else:  # minutes[:seconds]
+    hours, minutes, seconds = 0, first, second or 0
+  total = ((int(days or 0) * 24 + int(hours)) * 60 + int(minutes)) * 60 + int(seconds)
+  return total or None
 
 
 def requeue_options(signal_s: int = SIGNAL_S) -> list[str]:
@@ -89,6 +113,44 @@ def script(flags: list[str], *, nodes: int, gpus_per_node: int, cpus_per_task: i
   return "\n".join(lines) + "\n"
 
 
+def _refusal(a) -> str | None:
+  """Why the flags `a` cannot make a script that runs (one line), or None."""
+  for name in ("nodes", "gpus_per_node", "cpus_per_task"):
+    if getattr(a, name) < 1:
+      return f"--{name}={getattr(a, name)} must be >= 1"
+  limit = None
+  if a.time:
+    try:
+      limit = time_limit_s(a.time)
+    except ValueError:
+      return (f"--time={a.time} is not a SLURM time limit; allowed: minutes, minutes:seconds, "
+              "hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds "
+              "or UNLIMITED")
+  if not 0 <= a.signal_s <= 65535:
+    return f"--signal_s={a.signal_s} must be from 0 to 65535 seconds (SLURM's range)"
+  if limit is not None and a.signal_s >= limit:
+    return (f"--signal_s={a.signal_s} must be below the time limit --time={a.time} ({limit} s): "
+            "the run is told to save and stop that long before it")
+  for name in ("job_name", "partition"):
+    if any(c.isspace() for c in getattr(a, name)):
+      return f"--{name}={getattr(a, name)!r} must not contain spaces"
+  for option in a.option:
+    if not option.startswith("-") or "\n" in option:
+      return f"--option={option!r} must be one sbatch option, e.g. --option=--account=abc"
+  found = run_flags.problem(a.flags)
+  if found:
+    return found
+  folder = os.path.dirname(os.path.abspath(a.script))
+  if not os.path.isdir(folder):
+    return f"--script={a.script}: its folder {folder} does not exist"
+  if os.path.isdir(a.script):
+    return f"--script={a.script} is a directory; give the batch script's file name"
+  if a.submit and shutil.which("sbatch") is None:
+    return ("--submit: sbatch is not on this machine's PATH; write the script without --submit "
+            "and submit it where SLURM runs")
+  return None
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -107,8 +169,9 @@ def main(argv=None) -> int:
   p.add_argument("--submit", action="store_true", help="submit it with sbatch")
   p.add_argument("flags", nargs="+", help="the flags of alma_jax.main (after --)")
   a = p.parse_args(argv)
-  if a.nodes < 1 or a.gpus_per_node < 1:
-    p.error("--nodes and --gpus_per_node must be >= 1")
+  refused = _refusal(a)
+  if refused:
+    p.error(refused)
   text = script(a.flags, nodes=a.nodes, gpus_per_node=a.gpus_per_node,
                 cpus_per_task=a.cpus_per_task, time=a.time, partition=a.partition,
                 job_name=a.job_name, setup=a.setup, options=a.option, signal_s=a.signal_s)

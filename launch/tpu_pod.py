@@ -23,10 +23,13 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+
+import run_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = ("copy", "install", "run")
@@ -106,6 +109,13 @@ def main(argv=None) -> int:
   steps = [s for s in a.steps.split(",") if s]
   if not set(steps) <= set(STEPS):
     p.error(f"--steps={a.steps}: valid steps are {','.join(STEPS)}")
+  if "run" in steps:
+    found = run_flags.problem(a.flags, shared_workdir_absolute=True)
+    if found:
+      p.error(found)
+  if not a.dry_run and shutil.which("gcloud") is None:
+    p.error("gcloud is not on this machine's PATH (the Google Cloud CLI runs the steps); "
+            "--dry_run prints the commands")
   return execute(a.flags, tpu=a.tpu, zone=a.zone, project=a.project, steps=steps,
                  dry_run=a.dry_run)
 

@@ -235,3 +235,106 @@ def test_local_launcher_refuses_counts_that_start_nothing(flag, message, capsys)
     local.main([flag, "--", "--config=configs/mnist_sm.py:smoke", "--workdir=/nonexistent"])
   assert info.value.code == 2
   assert message in capsys.readouterr().err
+
+
+# -- a batch script or a pod run that would fail is refused before it is written or started --
+import run_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+OK = ["--config=configs/mnist_sm.py", "--workdir=/shared/runs/a"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "the flags after -- must give --config=<config file or name>"),
+    (["--workdir=/x"], "the flags after -- must give --config=<config file or name>"),
+    (["--config=mnist_sm"], "the flags after -- must give --workdir=<folder>"),
+    (["--config=mnsit_sm", "--workdir=/x"],
+     "--config=mnsit_sm: no config file or name 'mnsit_sm'; did you mean 'mnist_sm'?"),
+    (["--config", "mnist_sm:smok", "--workdir", "/x"],
+     "--config=mnist_sm:smok: flag --config=mnist_sm:smok: Error whilst parsing config file: "
+     "ValueError: config variant 'smok' is unknown; valid: ['paper', 'smoke', 'quick']"),
+    (OK + ["--config.stream.wiat=2"], "--config=configs/mnist_sm.py: --config.stream.wiat: "
+     "stream has no field 'wiat' in configs/mnist_sm.py"),
+    (OK + ["--config.stream.wait=7"],
+     "config.stream.wait=7 does not divide config.stream.num_megabatches=500"),
+    (OK + ["--config.model.width=0"], "config.model.width=0"),
+], ids=["nothing", "no_config", "no_workdir", "unknown_name", "unknown_variant",
+        "unknown_field", "broken_rule", "bad_value"])
+def test_flags_that_cannot_start_a_run_are_named_before_the_launch(flags, message):
+  found = run_flags.problem(flags)
+  assert found is not None and found.startswith(message), found
+  assert "\n" not in found
+
+
+def test_flags_of_a_valid_run_pass_whatever_this_machine_holds(monkeypatch, tmp_path):
+  # Checked from the repository's folder, by name or path, without the data (which the
+  # run's machines hold): a data folder with nothing in it changes nothing.
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path))
+  (tmp_path / "configs").mkdir()  # not the file the run reads: the repository's is
+  (tmp_path / "configs" / "mnist_sm.py").write_text("raise RuntimeError('not this one')\n")
+  for flags in (OK, ["--config=mnist_gmoe:quick", "--workdir=rel", "--config.method.grow_every=2"],
+                ["-config", "lm_gmoe:smoke", "-workdir", "/x", "--overwrite"]):
+    assert run_flags.problem(flags) is None, flags
+  assert run_flags.problem(["--config=mnist_sm", "--workdir=rel"],
+                           shared_workdir_absolute=True).startswith(
+                               "--workdir=rel must be an absolute path to a folder that every "
+                               "worker sees")
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("30", 1800), ("30:15", 1815), ("2:00:00", 7200), ("1-12", 129600), ("1-12:30", 131400),
+    ("1-0:0:5", 86405), ("0", None), ("UNLIMITED", None), ("infinite", None)])
+def test_slurm_time_limits_in_every_format_slurm_takes(text, seconds):
+  assert slurm.time_limit_s(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["abc", "1:2:3:4", "-5", "1-", "2h", ""])
+def test_slurm_time_limit_that_is_none_of_slurm_s_formats(text):
+  with pytest.raises(ValueError):
+    slurm.time_limit_s(text)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes=0"], "--nodes=0 must be >= 1"),
+    (["--gpus_per_node=0"], "--gpus_per_node=0 must be >= 1"),
+    (["--cpus_per_task=0"], "--cpus_per_task=0 must be >= 1"),
+    (["--time=2h"], "--time=2h is not a SLURM time limit; allowed: minutes, minutes:seconds,"),
+    (["--signal_s=-5"], "--signal_s=-5 must be from 0 to 65535 seconds"),
+    (["--time=1:00"], "--signal_s=120 must be below the time limit --time=1:00 (60 s)"),
+    (["--job_name=a b"], "--job_name='a b' must not contain spaces"),
+    (["--option=account=abc"], "--option='account=abc' must be one sbatch option"),
+    (["--script={tmp}/missing/run.sbatch"], "--script={tmp}/missing/run.sbatch: its folder "
+     "{tmp}/missing does not exist"),
+    (["--script={tmp}"], "--script={tmp} is a directory"),
+    (["--submit"], "--submit: sbatch is not on this machine's PATH"),
+    (["--", "--config=configs/mnist_sm.py"], "the flags after -- must give --workdir="),
+], ids=["nodes", "gpus", "cpus", "time", "signal_range", "signal_past_limit", "job_name",
+        "option", "script_folder", "script_dir", "no_sbatch", "run_flags"])
+def test_slurm_refuses_a_script_that_would_not_run_and_writes_nothing(args, message, tmp_path,
+                                                                      capsys, monkeypatch):
+  monkeypatch.setattr(slurm.shutil, "which", lambda name: None)  # no SLURM here
+  args = [a.format(tmp=tmp_path) for a in args]
+  script = [] if any(a.startswith("--script") for a in args) else [f"--script={tmp_path}/r.sb"]
+  flags = [] if "--" in args else ["--", *OK]
+  with pytest.raises(SystemExit) as info:
+    slurm.main(script + args + flags)
+  assert info.value.code == 2
+  err = capsys.readouterr().err
+  assert f": error: {message.format(tmp=tmp_path)}" in err, err
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("flags, path, message", [
+    (["--config=mnist_sm", "--workdir=runs/a"], "/usr/bin", "--workdir=runs/a must be an "
+     "absolute path to a folder that every worker sees"),
+    (["--config=mnist_sm:smok", "--workdir=/x"], "/usr/bin", "config variant 'smok' is unknown"),
+    (["--config=mnist_sm", "--workdir=/x"], "", "gcloud is not on this machine's PATH"),
+], ids=["relative_workdir", "bad_config", "no_gcloud"])
+def test_tpu_pod_refuses_a_run_that_would_fail_before_copying_anything(flags, path, message,
+                                                                       capsys, monkeypatch):
+  monkeypatch.setattr(tpu_pod.shutil, "which", lambda name: f"{path}/{name}" if path else None)
+  monkeypatch.setattr(tpu_pod, "execute", lambda *a, **k: pytest.fail("started"))
+  with pytest.raises(SystemExit) as info:
+    tpu_pod.main(["--tpu=t", "--zone=z", "--", *flags])
+  assert info.value.code == 2
+  assert message in capsys.readouterr().err

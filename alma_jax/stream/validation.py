@@ -115,7 +115,7 @@ def value_error(path: str, value) -> str | None:
   return messages.pop() if len(messages) == 1 else None
 
 
-def validate(config, *, backend: bool = True, devices: int | None = None):
+def validate(config, *, backend: bool = True, devices: int | None = None, data: bool = True):
   """Checks the config's fields; raises `ConfigError` naming the first bad one.
 
   Returns the config completed with the defaults of the fields it lacks.
@@ -124,7 +124,9 @@ def validate(config, *, backend: bool = True, devices: int | None = None):
   process checks its config that way before it chooses its XLA flags, which the
   backend reads when it starts, and fully once they are set. There `devices`, the
   CPU devices the backend will have where that is known before it starts
-  (`cpu_fusion.cpu_devices_expected`), checks the mesh's fields.
+  (`cpu_fusion.cpu_devices_expected`), checks the mesh's fields. `data=False` leaves out
+  the check that the data set is available here: a launcher checks a config on a machine
+  other than the run's.
   """
   fields.check_all(config, config_lib.base_fields())
   config = complete(config)
@@ -139,7 +141,8 @@ def validate(config, *, backend: bool = True, devices: int | None = None):
     check_input_shape(o, shape[0])
     if backend:
       methods.make(o, *shape)
-  task.check_available(o)
+  if data:
+    task.check_available(o)
   return config
 
 
