@@ -114,6 +114,7 @@ from alma_jax.engine import meter  # pylint: disable=g-import-not-at-top,wrong-i
 from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import workdir as wd  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.reports import findings  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.reports import grid_files  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.reports import report  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.stream import config_resolve  # pylint: disable=g-import-not-at-top,wrong-import-position
 import local  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -166,34 +167,21 @@ def _value(v) -> str:
   return v if isinstance(v, str) else repr(v)
 
 
-GRIDS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grids")
-
-
 def grid_path(value: str) -> str:
   """`--grid_file`: a file's path, or the name of a grid shipped with alma_jax
-  (`findings`, `findings_cifar`, ... in `launch/grids/`, installed as `alma_jax/launch/grids`)."""
-  if os.path.exists(value):
-    return value
-  name = os.path.basename(value).removesuffix(".py")
-  shipped = os.path.join(GRIDS_DIR, name + ".py")
-  if os.sep not in value.rstrip(os.sep).removeprefix("launch/grids/") and os.path.isfile(shipped):
-    return shipped
-  names = sorted(n[:-3] for n in os.listdir(GRIDS_DIR) if n.endswith(".py")) if os.path.isdir(
-      GRIDS_DIR) else []
-  raise UsageError(f"--grid_file={value}: no such file, nor a grid of alma_jax's "
-                   f"(names: {', '.join(names) or 'none'})")
+  (`grid_files.path`)."""
+  try:
+    return grid_files.path(value)
+  except grid_files.GridFileError as e:
+    raise UsageError(str(e)) from e
 
 
 def _grid_scope(path: str) -> dict:
   """The names a grid file defines (its code run once)."""
-  scope = {"__file__": path, "__name__": "grid_file"}
   try:
-    with open(path) as f:
-      exec(compile(f.read(), path, "exec"), scope)  # pylint: disable=exec-used
-  except Exception as e:  # pylint: disable=broad-except  (its code may raise anything)
-    what = errors.located(e, path) or errors.one_line(e)
-    raise UsageError(f"--grid_file={path}: {what}") from e
-  return scope
+    return grid_files.scope(path)
+  except grid_files.GridFileError as e:
+    raise UsageError(str(e)) from e
 
 
 def load_grid_file(path: str) -> list[list[tuple[str, list[str]]]]:

@@ -55,6 +55,9 @@ import math
 import sys
 from typing import Any, Iterable, Mapping, Sequence
 
+from alma_jax import errors
+from alma_jax.reports import grid_files
+
 CLEAR_T = 3.0
 VERDICTS = ("reproduced", "partly", "not reproduced", "against", "not shown")
 # Outcomes of one comparison.
@@ -330,18 +333,30 @@ def table(found: Sequence[Finding]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def load_findings(path: str) -> list[dict]:
-  """The FINDINGS of a grid file (an empty list when it defines none)."""
-  scope = {"__file__": path, "__name__": "grid_file"}
+def load_findings(path: str, flag: str = "--grid_file") -> list[dict]:
+  """The FINDINGS of the grid file that `flag=path` names (`grid_files.path`: a path, or a
+  shipped grid's name); an empty list when it defines none."""
   try:
-    with open(path) as f:
-      exec(compile(f.read(), path, "exec"), scope)  # pylint: disable=exec-used
-  except (OSError, SyntaxError) as e:
-    raise FindingsError(f"--grid_file={path}: {e}") from e
-  found = scope.get("FINDINGS", [])
+    found = grid_files.scope(grid_files.path(path, flag), flag).get("FINDINGS", [])
+  except grid_files.GridFileError as e:
+    raise FindingsError(str(e)) from e
   if not isinstance(found, (list, tuple)) or not all(isinstance(f, dict) for f in found):
-    raise FindingsError(f"--grid_file={path}: FINDINGS must be a list of dicts")
+    raise FindingsError(f"{flag}={path}: FINDINGS must be a list of dicts")
   return list(found)
+
+
+def read_results(path: str, flag: str = "--results") -> list[dict]:
+  """The rows of the `results.csv` that `flag=path` names; a `FindingsError` naming the flag
+  for a file that cannot be read as one, or that has no rows."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      rows = read_rows(f.read())
+  except (OSError, UnicodeDecodeError, csv.Error) as e:
+    raise FindingsError(f"{flag}={path}: {errors.one_line(e)}") from e
+  if not rows:
+    raise FindingsError(f"{flag}={path} has no rows: a results.csv that the report wrote has "
+                        "a row per seed of every run")
+  return rows
 
 
 def main(argv=None) -> int:
@@ -350,10 +365,9 @@ def main(argv=None) -> int:
   p.add_argument("--grid_file", required=True, help="a grid file that defines FINDINGS")
   args = p.parse_args(argv)
   try:
-    with open(args.results) as f:
-      rows = read_rows(f.read())
+    rows = read_results(args.results)
     print(table(evaluate(rows, load_findings(args.grid_file))), end="")
-  except (OSError, FindingsError) as e:
+  except FindingsError as e:
     print(f"findings: error: {e}", file=sys.stderr)
     return 2
   return 0

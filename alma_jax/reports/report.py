@@ -538,7 +538,7 @@ def main(argv):
   if not workdirs or FLAGS.out is None:
     _fail("give --workdirs=DIR[,DIR...] (or directories as arguments) and --out=DIR")
   try:
-    found = findings_lib.load_findings(FLAGS.findings) if FLAGS.findings else ()
+    found = findings_lib.load_findings(FLAGS.findings, "--findings") if FLAGS.findings else ()
     figures = write_report(workdirs, FLAGS.out, gating=FLAGS.gating, findings=found)
   except (ReportError, findings_lib.FindingsError) as e:
     _fail(str(e))

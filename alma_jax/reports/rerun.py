@@ -232,12 +232,10 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   metrics = [m for m in args.metrics.split(",") if m] if args.metrics else None
   try:
-    with open(args.results) as f:
-      this = findings_lib.read_rows(f.read())
-    with open(args.against) as f:
-      earlier = findings_lib.read_rows(f.read())
+    this = findings_lib.read_results(args.results, "--results")
+    earlier = findings_lib.read_results(args.against, "--against")
     print(table(compare(this, earlier, metrics)), end="")
-  except (OSError, RerunError, findings_lib.FindingsError) as e:
+  except (RerunError, findings_lib.FindingsError) as e:
     print(f"rerun: error: {e}", file=sys.stderr)
     return 2
   return 0

@@ -204,3 +204,33 @@ def test_the_command_prints_the_table(tmp_path, capsys):
   grid.write_text("FINDINGS = 3\n")
   assert F.main([f"--results={results}", f"--grid_file={grid}"]) == 2
   assert "FINDINGS must be a list of dicts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, r"^--results=\S+: FileNotFoundError: \[Errno 2\] No such file or directory"),
+    ("dir", r"^--results=\S+: IsADirectoryError: \[Errno 21\] Is a directory"),
+    (b"\xff\xfe\x00", r"^--results=\S+: 'utf-8' codec can't decode byte 0xff in position 0"),
+    (b"", r"^--results=\S+ has no rows: a results.csv that the report wrote has a row per seed"),
+    (b"group,cer_percent\n", r"^--results=\S+ has no rows"),
+], ids=["missing", "directory", "not_text", "empty", "header_only"])
+def test_a_results_file_that_is_not_one_is_named_by_its_flag(content, message, tmp_path):
+  path = tmp_path / "results.csv"
+  if content == "dir":
+    path.mkdir()
+  elif content is not None:
+    path.write_bytes(content)
+  with pytest.raises(F.FindingsError, match=message) as info:
+    F.read_results(str(path))
+  assert "\n" not in str(info.value)
+
+
+def test_findings_of_a_shipped_grid_by_name_and_a_grid_that_fails_by_its_line(tmp_path):
+  assert F.load_findings("findings") == F.load_findings("launch/grids/findings.py") != []
+  with pytest.raises(F.FindingsError, match=r"^--findings=findngs: no such file, nor a grid of "
+                                            r"alma_jax's \(names: .*findings, findings_cifar"):
+    F.load_findings("findngs", "--findings")
+  grid = tmp_path / "grid.py"
+  grid.write_text("GRID = {}\nFINDINGS = [x]\n")
+  with pytest.raises(F.FindingsError, match=rf"^--grid_file={grid}: {grid}, line 2: NameError: "
+                                            "name 'x' is not defined$"):
+    F.load_findings(str(grid))
