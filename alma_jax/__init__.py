@@ -28,11 +28,22 @@ def load_config(spec: str):
 
   Raises:
     ValueError: no such config file or name (the message lists the names), or a file that
-      fails to load.
+      fails to load (the message names the config as `spec` gives it).
+    TypeError: `spec` is not a string.
   """
+  if not isinstance(spec, str):
+    raise TypeError(f"load_config(spec): spec must be a config's name or path as a string, "
+                    f"e.g. 'mnist_sm:quick'; got {type(spec).__name__} {spec!r}")
   from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top
   from alma_jax.stream import config_resolve  # pylint: disable=g-import-not-at-top
-  return config_resolve.resolve(config_files.resolve(spec))
+  resolved = config_files.resolve(spec)
+  try:
+    return config_resolve.resolve(resolved)
+  except config_resolve.ConfigResolveError as e:
+    if resolved == spec:
+      raise
+    # The config as the caller named it, not the file its name stands for.
+    raise config_resolve.ConfigResolveError(str(e).replace(resolved, spec)) from e
 
 
 def run(config, workdir: str, *, overwrite: bool = False, log: bool = True) -> dict:
@@ -44,10 +55,17 @@ def run(config, workdir: str, *, overwrite: bool = False, log: bool = True) -> d
   logging already shows INFO messages (e.g. `logging.basicConfig(level=logging.INFO)`,
   or absl's flags parsed) or passes `log=False`. Errors name this function's arguments
   (`overwrite=True`, `workdir`, `config.<field>`) where the command line's
-  name its flags; see `alma_jax.stream.run.run` for the errors it raises.
+  name its flags; see `alma_jax.stream.run.run` for the errors it raises. `config` is a
+  config (`load_config`, then edited) or the spec that `load_config` takes.
   """
   import contextlib  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
   from alma_jax.stream import run as run_lib  # pylint: disable=g-import-not-at-top
+  if isinstance(config, str):
+    config = load_config(config)
+  elif not isinstance(config, ml_collections.ConfigDict):
+    raise TypeError(f"run(config, workdir): config must be a config (load_config's) or a "
+                    f"config's name or path, e.g. 'mnist_sm:quick'; got {type(config).__name__}")
   with (_progress_to_stderr() if log else contextlib.nullcontext()):
     try:
       return run_lib.run(config, workdir, overwrite=overwrite)
@@ -60,6 +78,7 @@ def run(config, workdir: str, *, overwrite: bool = False, log: bool = True) -> d
 
 # The command line's words for the arguments of `run`, in the order they are replaced.
 _API_TERMS = (("pass --overwrite", "pass overwrite=True"), ("--overwrite", "overwrite=True"),
+              ("--workdirs:", "workdir:"),
               ("another --workdir", "another workdir"), ("--workdir", "workdir"),
               ("--config.", "config."))
 
@@ -114,4 +133,10 @@ def read_results(workdir: str) -> list:
   `config`, `records` (the log, one dict per time step), `summary` (None until
   the run finishes) and `curve(field)`."""
   from alma_jax.reports import report  # pylint: disable=g-import-not-at-top
-  return report.load_runs(workdir)
+  try:
+    return report.load_runs(workdir)
+  except report.ReportError as e:
+    translated = _in_api_terms(e)
+    if translated is None:
+      raise
+    raise translated from e

@@ -98,6 +98,29 @@ def test_load_config_takes_a_name_or_a_path_with_a_variant():
   assert by_name.to_dict() != alma_jax.load_config("mnist_sm").to_dict()
   with pytest.raises(ValueError, match="mnist_sm"):
     alma_jax.load_config("mnsit_sm")
+  # An error names the config as the caller did, not the file its name stands for.
+  with pytest.raises(ValueError, match=r"^--config=mnist_sm:smok: .*config variant 'smok' is "
+                                       r"unknown; valid: \['paper', 'smoke', 'quick'\]"):
+    alma_jax.load_config("mnist_sm:smok")
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: alma_jax.load_config(None), r"^load_config\(spec\): spec must be a config's name "
+     r"or path as a string, e.g. 'mnist_sm:quick'; got NoneType None$"),
+    (lambda: alma_jax.run({"seed": 0}, "/nonexistent"), r"^run\(config, workdir\): config must "
+     r"be a config \(load_config's\) or a config's name or path, e.g. 'mnist_sm:quick'; got dict$"),
+], ids=["load_config", "run"])
+def test_the_api_refuses_an_argument_of_another_type_by_its_name(call, message):
+  with pytest.raises(TypeError, match=message):
+    call()
+
+
+def test_the_api_takes_a_config_s_name_and_its_errors_name_its_arguments(tmp_path):
+  with pytest.raises(ValueError, match=r"^--config=mnist_sm:smok: "):
+    alma_jax.run("mnist_sm:smok", str(tmp_path))
+  with pytest.raises(ValueError, match=r"^workdir: .* is not a run's workdir: it lacks "
+                                       r"config\.json and log\.jsonl"):
+    alma_jax.read_results(str(tmp_path))
 
 
 # Below the run's set-up, code reads the run's frozen options (`configuration/options.py`).
