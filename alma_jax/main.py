@@ -364,10 +364,16 @@ def main(argv):
   _finished()
 
 
-# `alma-jax sweep ...` and `alma-jax report ...`: the sweep launcher and the report, from any
-# folder and with the installed package alone.
+# `alma-jax sweep ...`, `alma-jax report ...` and the like: the sweep launcher and the reports'
+# commands, from any folder and with the installed package alone.
 SUBCOMMANDS = {"sweep": "run a grid of configs (launch/sweep.py; --help lists its flags)",
-               "report": "the report of finished runs (alma_jax.reports.report; --helpshort)"}
+               "report": "the report of finished runs (alma_jax.reports.report; --helpshort)",
+               "findings": "the verdicts on the paper's findings from a results.csv "
+                           "(alma_jax.reports.findings; --help)",
+               "rerun": "a grid's rerun against the results.csv it repeats "
+                        "(alma_jax.reports.rerun; --help)"}
+_SUBCOMMAND_MODULES = {"report": "alma_jax.reports.report",
+                       "findings": "alma_jax.reports.findings", "rerun": "alma_jax.reports.rerun"}
 
 
 def launch_dir() -> str | None:
@@ -382,8 +388,8 @@ def launch_dir() -> str | None:
 
 def _subcommand(name: str, args: list[str]) -> None:
   """Replaces this process by the subcommand `name` with `args`."""
-  if name == "report":
-    cmd = [sys.executable, "-m", "alma_jax.reports.report", *args]
+  if name in _SUBCOMMAND_MODULES:
+    cmd = [sys.executable, "-m", _SUBCOMMAND_MODULES[name], *args]
   else:
     folder = launch_dir()
     if folder is None:
@@ -402,6 +408,13 @@ def console():
   """
   if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS:
     _subcommand(sys.argv[1], sys.argv[2:])
+  if sys.argv[1:2] and not sys.argv[1].startswith("-"):  # a word that names no command
+    import difflib  # pylint: disable=g-import-not-at-top
+    close = difflib.get_close_matches(sys.argv[1], SUBCOMMANDS, n=1)
+    _fail(f"unknown command {sys.argv[1]!r}"
+          + (f" (did you mean {close[0]!r}?)" if close else "")
+          + f"; the commands: {', '.join(SUBCOMMANDS)}; a run takes flags only: alma-jax "
+          "--config=NAME --workdir=DIR (--help lists them)", 2)
   from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top
   _TYPED_ARGV[:] = sys.argv
   sys.argv = config_files.resolve_argv_or_exit(sys.argv)

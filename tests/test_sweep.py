@@ -817,6 +817,27 @@ def test_alma_jax_sweep_and_report_work_from_any_folder_by_name(tmp_path):
                    cwd=elsewhere)
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines()[-1].startswith("report: error: --workdirs: ")
+  # The findings of a committed results.csv, by the shipped grid's name.
+  proc = _alma_jax("findings", f"--results={ROOT}/docs/reproduction/mnist/results.csv",
+                   "--grid_file=findings", cwd=elsewhere)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.startswith("| finding | claim | verdict |"), proc.stdout[:200]
+
+
+@pytest.mark.parametrize("word, message", [
+    ("reprot", "unknown command 'reprot' (did you mean 'report'?); the commands: sweep, report, "
+               "findings, rerun; a run takes flags only: alma-jax --config=NAME --workdir=DIR"),
+    ("mnist_sm", "unknown command 'mnist_sm'; the commands: sweep, report, findings, rerun;"),
+])
+def test_a_word_that_names_no_command_is_refused_with_the_commands(word, message, monkeypatch,
+                                                                   capsys):
+  from alma_jax import main as main_lib  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(sys, "argv", ["alma-jax", word, "--config=mnist_sm:smoke"])
+  with pytest.raises(SystemExit) as info:
+    main_lib.console()
+  assert info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f"alma_jax: error: {message}") and err.count("\n") == 1, err
 
 
 def test_a_sequential_sweep_says_after_each_run_how_long_it_took_and_the_sweep_s_eta(
