@@ -531,8 +531,9 @@ def main() -> None:
   args = ap.parse_args(argv)
   names = [n for n in args.runs.split(",") if n]
   unknown = [n for n in names if n not in RUNS]
-  if unknown:
-    raise SystemExit(f"compile_budget: error: unknown runs {unknown}; valid: {sorted(RUNS)}")
+  if unknown or not names:
+    ap.error(f"--runs={args.runs}: " + (f"unknown runs {unknown}" if unknown else "no run")
+             + f"; valid: {sorted(RUNS)}")
   nexts = ([(NEXT_SEED, ["--config.seed=1"])] if args.next_seed == "true" else []) + (
       [(NEXT, shlex.split(args.next_flags))] if args.next_flags else [])
   results = {}

@@ -114,6 +114,11 @@ def main() -> int:
   malformed = [s for s in args.set if "=" not in s or s.startswith("=")]
   if malformed:
     ap.error(f"--set: expected FIELD=VALUE (e.g. stream.wait=2), got {malformed}")
+  if args.compare and not os.path.isdir(args.compare):
+    ap.error(f"--compare={args.compare} is not a folder of earlier runs (a --root of this "
+             "script)")
+  if os.path.exists(args.root) and not os.path.isdir(args.root):
+    ap.error(f"--root={args.root} exists and is not a folder")
   todo = runs()
   if args.only:
     unknown = sorted(set(args.only.split(",")) - set(todo))

@@ -257,3 +257,23 @@ def test_xla_cpu_s_log_of_a_real_compile_is_read():
   probe = compile_budget.xla_cpu_compiles(stderr, "alma_step_")["probe"]
   assert probe["programs"] == 1 and probe["kernels"] >= 1, stderr[-3000:]
   assert probe["hlo_passes_s"] > 0 and probe["codegen_s"] > 0 and probe["kernel_s"] > 0
+
+
+def _script(name, *args):
+  return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{name}.py"), *args],
+                        capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_benchmark_flags_that_would_run_nothing_or_compare_with_nothing_are_refused(tmp_path):
+  # Before the first run: an empty --runs, and a --compare folder that is not there (which
+  # would be known only after every config had run, as a difference for each).
+  proc = _script("compile_budget", "--runs=")
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      "compile_budget.py: error: --runs=: no run; valid: ['ff_quick', ")
+  proc = _script("smoke_records", f"--root={tmp_path}/r", f"--compare={tmp_path}/nothing")
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"smoke_records.py: error: --compare={tmp_path}/nothing is not a folder of earlier runs "
+      "(a --root of this script)")
+  assert not os.path.exists(tmp_path / "r")
