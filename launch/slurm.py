@@ -113,38 +113,62 @@ def script(flags: list[str], *, nodes: int, gpus_per_node: int, cpus_per_task: i
   return "\n".join(lines) + "\n"
 
 
+def limit_problem(time_flag: str, time: str, signal_s: int = SIGNAL_S) -> str | None:
+  """Why the time limit `time` (given as `time_flag`=`time`) and the signal `signal_s` seconds
+  before it cannot be a job's (one line), or None."""
+  if not 0 <= signal_s <= 65535:
+    return f"--signal_s={signal_s} must be from 0 to 65535 seconds (SLURM's range)"
+  if not time:
+    return None
+  try:
+    limit = time_limit_s(time)
+  except ValueError:
+    return (f"{time_flag}={time} is not a SLURM time limit; allowed: minutes, minutes:seconds, "
+            "hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds "
+            "or UNLIMITED")
+  if limit is not None and signal_s >= limit:
+    return (f"the time limit {time_flag}={time} ({limit} s) must be longer than the "
+            f"{signal_s} s before it at which the run is told to save and stop")
+  return None
+
+
+def options_problem(flag: str, options: list[str], signal_s: int = SIGNAL_S) -> str | None:
+  """Why the extra #SBATCH options `options` (each given as `flag`) cannot be a script's, a
+  time limit among them checked as `limit_problem` does (one line), or None."""
+  for option in options:
+    if not option.startswith("-") or "\n" in option:
+      return f"{flag}={option!r} must be one sbatch option, e.g. {flag}=--account=abc"
+    name, _, value = option.partition("=")
+    if name in ("--time", "-t"):
+      found = limit_problem(f"{flag}={name}", value, signal_s)
+      if found:
+        return found
+  return None
+
+
+def script_problem(flag: str, path: str) -> str | None:
+  """Why the batch script cannot be written at `path` (given as `flag`), or None."""
+  folder = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(folder):
+    return f"{flag}={path}: its folder {folder} does not exist"
+  if os.path.isdir(path):
+    return f"{flag}={path} is a directory; give the batch script's file name"
+  return None
+
+
 def _refusal(a) -> str | None:
   """Why the flags `a` cannot make a script that runs (one line), or None."""
   for name in ("nodes", "gpus_per_node", "cpus_per_task"):
     if getattr(a, name) < 1:
       return f"--{name}={getattr(a, name)} must be >= 1"
-  limit = None
-  if a.time:
-    try:
-      limit = time_limit_s(a.time)
-    except ValueError:
-      return (f"--time={a.time} is not a SLURM time limit; allowed: minutes, minutes:seconds, "
-              "hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds "
-              "or UNLIMITED")
-  if not 0 <= a.signal_s <= 65535:
-    return f"--signal_s={a.signal_s} must be from 0 to 65535 seconds (SLURM's range)"
-  if limit is not None and a.signal_s >= limit:
-    return (f"--signal_s={a.signal_s} must be below the time limit --time={a.time} ({limit} s): "
-            "the run is told to save and stop that long before it")
   for name in ("job_name", "partition"):
     if any(c.isspace() for c in getattr(a, name)):
       return f"--{name}={getattr(a, name)!r} must not contain spaces"
-  for option in a.option:
-    if not option.startswith("-") or "\n" in option:
-      return f"--option={option!r} must be one sbatch option, e.g. --option=--account=abc"
-  found = run_flags.problem(a.flags)
+  found = (limit_problem("--time", a.time, a.signal_s)
+           or options_problem("--option", a.option, a.signal_s)
+           or run_flags.problem(a.flags) or script_problem("--script", a.script))
   if found:
     return found
-  folder = os.path.dirname(os.path.abspath(a.script))
-  if not os.path.isdir(folder):
-    return f"--script={a.script}: its folder {folder} does not exist"
-  if os.path.isdir(a.script):
-    return f"--script={a.script} is a directory; give the batch script's file name"
   if a.submit and shutil.which("sbatch") is None:
     return ("--submit: sbatch is not on this machine's PATH; write the script without --submit "
             "and submit it where SLURM runs")

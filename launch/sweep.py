@@ -502,6 +502,13 @@ def _args(argv):
                      "directory (existing or new) to hold the points' workdirs")
   if args.parallel < 1:
     raise UsageError(f"--parallel={args.parallel} must be >= 1")
+  if args.slurm:
+    if args.slurm_gpus < 0:
+      raise UsageError(f"--slurm_gpus={args.slurm_gpus} must be >= 0 (0: no GPU)")
+    found = (slurm.options_problem("--slurm_option", args.slurm_option)
+             or slurm.script_problem("--slurm", args.slurm))
+    if found:
+      raise UsageError(found)
   if args.tpu:
     if not args.tpu_zone:
       raise UsageError("--tpu needs --tpu_zone")

@@ -300,15 +300,19 @@ def test_slurm_time_limit_that_is_none_of_slurm_s_formats(text):
     (["--cpus_per_task=0"], "--cpus_per_task=0 must be >= 1"),
     (["--time=2h"], "--time=2h is not a SLURM time limit; allowed: minutes, minutes:seconds,"),
     (["--signal_s=-5"], "--signal_s=-5 must be from 0 to 65535 seconds"),
-    (["--time=1:00"], "--signal_s=120 must be below the time limit --time=1:00 (60 s)"),
+    (["--time=1:00"], "the time limit --time=1:00 (60 s) must be longer than the 120 s before "
+     "it at which the run is told to save and stop"),
+    (["--option=--time=2h"], "--option=--time=2h is not a SLURM time limit"),
     (["--job_name=a b"], "--job_name='a b' must not contain spaces"),
-    (["--option=account=abc"], "--option='account=abc' must be one sbatch option"),
+    (["--option=account=abc"], "--option='account=abc' must be one sbatch option, e.g. "
+     "--option=--account=abc"),
     (["--script={tmp}/missing/run.sbatch"], "--script={tmp}/missing/run.sbatch: its folder "
      "{tmp}/missing does not exist"),
     (["--script={tmp}"], "--script={tmp} is a directory"),
     (["--submit"], "--submit: sbatch is not on this machine's PATH"),
     (["--", "--config=configs/mnist_sm.py"], "the flags after -- must give --workdir="),
-], ids=["nodes", "gpus", "cpus", "time", "signal_range", "signal_past_limit", "job_name",
+], ids=["nodes", "gpus", "cpus", "time", "signal_range", "signal_past_limit", "option_time",
+        "job_name",
         "option", "script_folder", "script_dir", "no_sbatch", "run_flags"])
 def test_slurm_refuses_a_script_that_would_not_run_and_writes_nothing(args, message, tmp_path,
                                                                       capsys, monkeypatch):

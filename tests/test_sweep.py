@@ -195,6 +195,27 @@ def test_a_refused_flag_is_one_line_and_exit_code_2_as_for_argparse(tmp_path):
   assert info.value.code == 2
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--slurm={tmp}/missing/a.sbatch"], "--slurm={tmp}/missing/a.sbatch: its folder "
+     "{tmp}/missing does not exist"),
+    (["--slurm={tmp}"], "--slurm={tmp} is a directory; give the batch script's file name"),
+    (["--slurm={tmp}/a.sbatch", "--slurm_gpus=-1"], "--slurm_gpus=-1 must be >= 0 (0: no GPU)"),
+    (["--slurm={tmp}/a.sbatch", "--slurm_option=time=4:00"],
+     "--slurm_option='time=4:00' must be one sbatch option, e.g. --slurm_option=--account=abc"),
+    (["--slurm={tmp}/a.sbatch", "--slurm_option=--time=1:00"], "the time limit "
+     "--slurm_option=--time=1:00 (60 s) must be longer than the 120 s before it at which the "
+     "run is told to save and stop"),
+], ids=["folder", "directory", "gpus", "option", "time_limit"])
+def test_an_array_script_that_would_not_run_is_refused_before_it_is_written(args, message,
+                                                                             tmp_path):
+  args = [a.format(tmp=tmp_path / "s") for a in args]
+  (tmp_path / "s").mkdir()
+  with pytest.raises(sweep.UsageError) as info:
+    sweep.main([f"--config={SMOKE}", f"--root={tmp_path}/root", "--grid=seed=0", *args])
+  assert str(info.value) == f"sweep: error: {message.format(tmp=tmp_path / 's')}"
+  assert os.listdir(tmp_path / "s") == []
+
+
 def test_config_that_does_not_load():
   with pytest.raises(SystemExit, match=r"sweep: error: --config=no_such\.py: .*no_such\.py"):
     sweep.main(["--config=no_such.py", "--root=/tmp/x", "--grid=seed=0"])
