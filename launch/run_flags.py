@@ -51,7 +51,7 @@ def _config_problem(config: str, flags: list[str]) -> str | None:
   """Why `--config=config` with the overrides among `flags` is not a valid config to run from
   the repository's folder, or None: its file or name, variant, overrides and rules (not the
   data, which the run's machine may hold and this one not)."""
-  if ROOT not in sys.path:
+  if os.path.isdir(os.path.join(ROOT, "alma_jax")) and ROOT not in sys.path:  # a checkout
     sys.path.insert(0, ROOT)
   from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top
   with contextlib.chdir(ROOT):  # where the run starts
