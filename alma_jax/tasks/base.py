@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import logging
 from flax import struct
 
 from alma_jax import models
@@ -34,6 +35,16 @@ from alma_jax.configuration import plugins
 from alma_jax.configuration.plugins import tasks as declared
 from alma_jax.data import images
 from alma_jax.errors import ConfigError
+
+
+def subset_size(field: str, value: int, available: int, what: str) -> int:
+  """The examples that `config.data.<field>=value` (> 0) takes of the `available` ones (`what`:
+  e.g. "training examples of 'mnist'"): all of them when it asks for more, which a warning
+  says (the run's config records the value asked for)."""
+  if value > available:
+    logging.warning("config.data.%s=%d asks for more than the %d %s: all %d are used", field,
+                    value, available, what, available)
+  return min(value, available)
 
 
 # -- losses and likelihoods shared by the tasks ---------------------------------------------------

@@ -57,12 +57,13 @@ def device_data(ds) -> DeviceData:
                     num_train=len(ds.train_y))
 
 
-def subset_indices(config, num_train: int, seed: int) -> np.ndarray | None:
-  """The training examples (sorted indices) a run with `seed` uses; None: all of them."""
+def subset_indices(config, num_train: int, seed: int, n: int | None = None) -> np.ndarray | None:
+  """The training examples (sorted indices) a run with `seed` uses; None: all of them. `n`:
+  how many (default: `data.train_subset`, at most `num_train`)."""
   if not config.data.train_subset:
     return None
   rng = np.random.default_rng([seed, 7])
-  n = min(int(config.data.train_subset), num_train)
+  n = min(int(config.data.train_subset), num_train) if n is None else n
   return np.sort(rng.choice(num_train, n, replace=False))
 
 
@@ -75,13 +76,16 @@ def load_data(config, seeds: list[int]):
   ds = images.load_image_dataset(config.data.name, data_dir=config.data.data_dir,
                                  cache_dir=config.data.cache_dir, use_cache=config.data.use_cache,
                                  download=config.data.download)
-  changes = {}
-  subsets = [subset_indices(config, len(ds.train_y), sd) for sd in seeds]
+  changes, d = {}, config.data
+  n = (base.subset_size("train_subset", int(d.train_subset), len(ds.train_y),
+                        f"training examples of {d.name!r}") if d.train_subset else None)
+  subsets = [subset_indices(config, len(ds.train_y), sd, n) for sd in seeds]
   if len(seeds) == 1 and subsets[0] is not None:
     sel, subsets = subsets[0], [None]
     changes.update(train_x=np.asarray(ds.train_x[sel]), train_y=np.asarray(ds.train_y[sel]))
-  if config.data.test_subset:
-    n = min(int(config.data.test_subset), len(ds.test_y))
+  if d.test_subset:
+    n = base.subset_size("test_subset", int(d.test_subset), len(ds.test_y),
+                         f"test examples of {d.name!r}")
     changes.update(test_x=np.asarray(ds.test_x[:n]), test_y=np.asarray(ds.test_y[:n]))
   return (dataclasses.replace(ds, **changes) if changes else ds), subsets
 

@@ -150,9 +150,11 @@ class TextTask(declared.Text, base.Task):
     n_train = text_data.num_sequences(len(corpus.train_tokens), l)
     n_test = text_data.num_sequences(len(corpus.test_tokens), l)
     if d.train_subset:
-      n_train = min(n_train, int(d.train_subset))
+      n_train = base.subset_size("train_subset", int(d.train_subset), n_train,
+                                 f"training sequences of {corpus.name!r} at seq_len={l}")
     if d.test_subset:
-      n_test = min(n_test, int(d.test_subset))
+      n_test = base.subset_size("test_subset", int(d.test_subset), n_test,
+                                f"test sequences of {corpus.name!r} at seq_len={l}")
     if n_train < 1 or n_test < 1:
       raise ConfigError(f"config.data.seq_len={l} leaves {n_train} training and {n_test} test "
                         f"sequences of {corpus.name!r} ({len(corpus.train_tokens)} and "

@@ -27,6 +27,7 @@ from alma_jax.stream import run as run_lib
 from alma_jax.stream import validation
 from alma_jax.tasks import base as task_base
 from tests import helpers
+from tests.conftest import requires_mnist
 
 
 # -- which task ------------------------------------------------------------------------------------
@@ -242,3 +243,28 @@ def test_a_task_from_a_test_file_runs_sm_through_the_loop(blobs, tmp_path):
   with pytest.raises(ConfigError, match=r"config\.model\.name='vgg' cannot model blobs; "
                                         r"valid values: \['mlp'\]"):
     validation.validate(c)
+
+
+def test_a_subset_field_beyond_the_data_takes_all_of_it_with_a_warning(caplog):
+  with caplog.at_level("WARNING"):
+    assert task_base.subset_size("train_subset", 500, 600, "training examples of 'x'") == 500
+    assert task_base.subset_size("train_subset", 600, 600, "training examples of 'x'") == 600
+  assert not caplog.text
+  with caplog.at_level("WARNING"):
+    assert task_base.subset_size("test_subset", 10**7, 600, "test examples of 'x'") == 600
+  assert ("config.data.test_subset=10000000 asks for more than the 600 test examples of 'x': "
+          "all 600 are used") in caplog.text
+
+
+@requires_mnist
+def test_image_subsets_beyond_the_data_set_use_all_of_it(caplog):
+  from alma_jax.tasks import images as image_tasks  # pylint: disable=g-import-not-at-top
+  c = config_lib.base_config("mnist", "sm")
+  c.data.train_subset, c.data.test_subset = 10**7, 20000
+  with caplog.at_level("WARNING"):
+    ds, subsets = image_tasks.load_data(c, [0, 1])
+  assert len(ds.train_y) == 60000 and len(ds.test_y) == 10000
+  assert [len(s) for s in subsets] == [60000, 60000]
+  assert "config.data.train_subset=10000000 asks for more than the 60000 training examples of " \
+         "'mnist': all 60000 are used" in caplog.text
+  assert "config.data.test_subset=20000 asks for more than the 10000 test examples" in caplog.text
