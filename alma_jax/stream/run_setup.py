@@ -289,7 +289,7 @@ def build(config, workdir: str) -> Setup:
   n_train = len(ds.train_y) if subsets[0] is None else len(subsets[0])
   streams = [stream_lib.make_stream(n_train, s.num_megabatches, s.val_fraction, sd)
              for sd in seeds]
-  validation.validate_data(c, n_train, streams[0])
+  validation.validate_data(c, n_train, streams[0], len(ds.test_y))
   shape, data = ds.train_x.shape[1:], task.device_data(ds)
   validation.check_input_shape(c, shape)
   inputs = fingerprint(data)

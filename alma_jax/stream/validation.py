@@ -153,8 +153,9 @@ def check_input_shape(config, input_shape) -> None:
                               f"config.data.name={config.data.name!r}")
 
 
-def validate_data(config, num_train: int, stream) -> None:
-  """Checks the fields that depend on the loaded data and its stream."""
+def validate_data(config, num_train: int, stream, num_test: int | None = None) -> None:
+  """Checks the fields that depend on the loaded data (`num_train` training examples, or text
+  sequences, and `num_test` test ones) and its stream."""
   smallest = min(len(t) for t in stream.train)
   smallest_val = min(len(v) for v in stream.val)
   where = (f"{num_train} training examples in config.stream.num_megabatches="
@@ -173,6 +174,12 @@ def validate_data(config, num_train: int, stream) -> None:
                     "without replay (%d examples: %s, config.stream.wait=%d); each epoch of "
                     "such a stage is a single partial batch", b, smallest * config.stream.wait,
                     where, config.stream.wait)
+  eb, largest = config.train.eval_batch_size, max(num_train, num_test or 0)
+  if eb > largest:
+    logging.warning("config.train.eval_batch_size=%d is larger than every set the run evaluates "
+                    "(%d training%s examples), so each evaluation pads its batch to %d "
+                    "examples; %d or less would pad less", eb,
+                    num_train, "" if num_test is None else f" and {num_test} test", eb, largest)
   warn_if_it_never_grows(config, stream.num_megabatches)
 
 

@@ -589,6 +589,23 @@ def test_batch_larger_than_a_stage_is_a_warning_not_an_error(caplog):
   assert "batch_size" not in caplog.text
 
 
+@pytest.mark.parametrize("eval_batch, num_test, warned", [
+    (1000, 1000, False), (2000, 1000, False), (2001, 1000, True), (2001, 3000, False),
+    (2001, None, True)])
+def test_an_evaluation_batch_beyond_every_evaluated_set_is_a_warning(eval_batch, num_test,
+                                                                     warned, caplog):
+  from alma_jax.data import stream as stream_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.base_config("mnist")
+  c.train.eval_batch_size, c.stream.wait = eval_batch, 4
+  with caplog.at_level("WARNING"):
+    validation.validate_data(c, 2000, stream_lib.make_stream(2000, 4, 0.1, 0), num_test)
+  message = (f"config.train.eval_batch_size={eval_batch} is larger than every set the run "
+             f"evaluates (2000 training{'' if num_test is None else f' and {num_test} test'} "
+             f"examples), so each evaluation pads its batch to {eval_batch} examples; 2000 or "
+             "less would pad less")
+  assert (message in caplog.text) == warned, caplog.text
+
+
 @pytest.mark.parametrize("method, fields, warned", [
     ("gmoe", {"method.grow_every": 4}, "its first growth comes before stage 5 "
      "(config.method.grow_every=4) and config.stream.wait_policy='fixed' plans 4 training "
