@@ -317,13 +317,25 @@ def main(argv):
   except Exception:  # pylint: disable=broad-except
     setting = "auto"  # a config that fails to load is reported below
   start, why = multihost.wanted(setting, _DISTRIBUTED.value)
+  try:
+    multihost.check_flags(start, _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    caches.check_compilation_cache_dir(_COMPILATION_CACHE.value)
+  except ValueError as e:
+    _fail(str(e), 2)
   _check_config(multiprocess=start)
   _choose_cpu_fusion(multiprocess=start)  # before JAX starts its backend
   from alma_jax.outputs import interrupts  # pylint: disable=g-import-not-at-top
   if start:
     interrupts.hold_early()  # the processes stop together, at the run's first check
     logging.info("starting jax.distributed (%s)", why)
-    multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    try:
+      multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    except Exception as e:  # pylint: disable=broad-except  (JAX's own errors: one line)
+      if _DEBUG.value:
+        raise
+      _fail(f"jax.distributed.initialize() failed ({why}): {errors.one_line(e).rstrip('.')}; "
+            "where JAX cannot detect the processes, give --coordinator_address, "
+            "--num_processes and --process_id (docs/devices.md)", errors.exit_code(e))
   cache = caches.enable_compilation_cache(_COMPILATION_CACHE.value)
   logging.info("JAX %s, backend %s, process %d of %d, devices: %s; allocator tuned for XLA:CPU: "
                "%s; compilation cache: %s", jax.__version__, jax.default_backend(),

@@ -56,6 +56,28 @@ def compilation_cache_dir(chosen: str | None = None) -> str | None:
   return None if path.lower() == "none" else path
 
 
+def check_compilation_cache_dir(chosen: str | None = None) -> None:
+  """Raises ValueError, naming where the folder came from, when the persistent compilation
+  cache's folder (`compilation_cache_dir(chosen)`) cannot serve: a file, or a folder that
+  cannot be created or written (JAX would warn at every program instead)."""
+  path = compilation_cache_dir(chosen)
+  if path is None:
+    return
+  where = ("--compilation_cache_dir" if chosen else "$ALMA_JAX_COMPILATION_CACHE_DIR"
+           if os.environ.get("ALMA_JAX_COMPILATION_CACHE_DIR") else
+           "the compilation cache (<cache dir>/xla, the cache dir $ALMA_JAX_CACHE_DIR or "
+           "~/.cache/alma_jax)")
+  hint = "; give a writable folder, or --compilation_cache_dir=none to run without the cache"
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ValueError(f"{where}={path} exists and is not a directory{hint}")
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"{where}={path} cannot be created: {e.strerror or e}{hint}") from e
+  if not os.access(path, os.W_OK | os.X_OK):
+    raise ValueError(f"{where}={path} is not writable{hint}")
+
+
 def enable_compilation_cache(chosen: str | None = None) -> str | None:
   """Points this process's JAX at the persistent compilation cache (`compilation_cache_dir`);
   returns its folder (None: no persistent cache)."""

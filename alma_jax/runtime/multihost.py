@@ -51,6 +51,29 @@ def wanted(setting: str, flag: bool, environ=None) -> tuple[bool, str]:
   return why is not None, why or "a single process"
 
 
+def check_flags(start: bool, coordinator_address: str | None = None,
+                num_processes: int | None = None, process_id: int | None = None) -> None:
+  """Raises ValueError, naming the flag, for `--coordinator_address`, `--num_processes` or
+  `--process_id` that cannot start a multi-process run (`start`: whether this is one)."""
+  given = [f"--{name}={value}" for name, value in (
+      ("coordinator_address", coordinator_address), ("num_processes", num_processes),
+      ("process_id", process_id)) if value is not None]
+  if given and not start:
+    raise ValueError(f"{' '.join(given)}: these flags set up a multi-process run; add "
+                     "--jax_distributed (or set config.mesh.distributed=yes)")
+  if num_processes is not None and num_processes < 1:
+    raise ValueError(f"--num_processes={num_processes} must be >= 1")
+  if process_id is not None and (process_id < 0 or (
+      num_processes is not None and process_id >= num_processes)):
+    last = num_processes - 1 if num_processes is not None else "--num_processes - 1"
+    raise ValueError(f"--process_id={process_id} must be from 0 to {last}")
+  if coordinator_address is not None:
+    host, colon, port = coordinator_address.rpartition(":")
+    if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
+      raise ValueError(f"--coordinator_address={coordinator_address!r} must be host:port, e.g. "
+                       "10.0.0.1:1234 (a port from 1 to 65535)")
+
+
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None) -> None:
   """`jax.distributed.initialize()`; arguments left None are detected by JAX."""

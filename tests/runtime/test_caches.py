@@ -93,3 +93,23 @@ def test_an_error_in_the_block_releases_the_lock(tmp_path):
       raise RuntimeError("boom")
   with caches.exclusive(path, "x", poll_s=60.0) as held:  # would wait a minute if still held
     assert held
+
+
+def test_a_compilation_cache_folder_that_cannot_serve_is_refused_by_where_it_came_from(
+    tmp_path, monkeypatch):
+  monkeypatch.delenv("ALMA_JAX_COMPILATION_CACHE_DIR", raising=False)
+  blocker = tmp_path / "a_file"
+  blocker.write_text("x")
+  with pytest.raises(ValueError, match=rf"^--compilation_cache_dir={blocker} exists and is not "
+                                       "a directory; give a writable folder, or "
+                                       "--compilation_cache_dir=none to run without the cache$"):
+    caches.check_compilation_cache_dir(str(blocker))
+  with pytest.raises(ValueError, match=rf"^--compilation_cache_dir={blocker}/xla cannot be "
+                                       "created: Not a directory;"):
+    caches.check_compilation_cache_dir(f"{blocker}/xla")
+  monkeypatch.setenv("ALMA_JAX_COMPILATION_CACHE_DIR", str(blocker))
+  with pytest.raises(ValueError, match=r"^\$ALMA_JAX_COMPILATION_CACHE_DIR=.* exists and is not"):
+    caches.check_compilation_cache_dir()
+  caches.check_compilation_cache_dir(str(tmp_path / "new" / "xla"))  # made
+  assert (tmp_path / "new" / "xla").is_dir()
+  caches.check_compilation_cache_dir("none")

@@ -440,9 +440,17 @@ def test_command_line_errors_are_one_line(args, code, pattern, tmp_path):
      r"config\.mesh\.num_devices=4096 but only \d+ cpu devices are visible; use 0 for all"),
     (["--config=configs/cifar_sm.py:smoke", "--config.mesh.model=4096"],
      r"config\.mesh\.model=4096 does not divide the \d+ devices of the mesh"),
-], ids=["wait", "seeds_of_a_growing_method", "mesh_devices", "mesh_model"])
+    (["--config=configs/cifar_sm.py:smoke", "--compilation_cache_dir={tmp}/wd_file"],
+     r"--compilation_cache_dir=.*/wd_file exists and is not a directory; give a writable "
+     r"folder, or --compilation_cache_dir=none to run without the cache"),
+    (["--config=configs/cifar_sm.py:smoke", "--num_processes=2"],
+     r"--num_processes=2: these flags set up a multi-process run; add --jax_distributed"),
+], ids=["wait", "seeds_of_a_growing_method", "mesh_devices", "mesh_model", "cache_dir",
+        "process_flags"])
 def test_a_broken_rule_is_reported_before_the_speed_settings_are_measured(args, pattern,
                                                                          tmp_path):
+  (tmp_path / "wd_file").write_text("x")
+  args = [a.format(tmp=tmp_path) for a in args]
   proc = _main_measuring(args[0], f"{tmp_path}/wd", args[1:], tmp_path)
   _check_one_line(proc, 2, pattern)
   assert not os.path.exists(tmp_path / "wd")
