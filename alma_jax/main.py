@@ -320,6 +320,7 @@ def main(argv):
   try:
     multihost.check_flags(start, _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     caches.check_compilation_cache_dir(_COMPILATION_CACHE.value)
+    cpu_tuning.check_env()
   except ValueError as e:
     _fail(str(e), 2)
   _check_config(multiprocess=start)

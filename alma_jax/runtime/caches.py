@@ -63,19 +63,23 @@ def check_compilation_cache_dir(chosen: str | None = None) -> None:
   path = compilation_cache_dir(chosen)
   if path is None:
     return
-  where = ("--compilation_cache_dir" if chosen else "$ALMA_JAX_COMPILATION_CACHE_DIR"
-           if os.environ.get("ALMA_JAX_COMPILATION_CACHE_DIR") else
-           "the compilation cache (<cache dir>/xla, the cache dir $ALMA_JAX_CACHE_DIR or "
-           "~/.cache/alma_jax)")
+  if chosen:
+    where = f"--compilation_cache_dir={path}"
+  elif os.environ.get("ALMA_JAX_COMPILATION_CACHE_DIR"):
+    where = f"$ALMA_JAX_COMPILATION_CACHE_DIR={path}"
+  elif os.environ.get("ALMA_JAX_CACHE_DIR"):
+    where = f"the compilation cache {path} (of $ALMA_JAX_CACHE_DIR={default_cache_dir()})"
+  else:
+    where = f"the compilation cache {path}"
   hint = "; give a writable folder, or --compilation_cache_dir=none to run without the cache"
   if os.path.exists(path) and not os.path.isdir(path):
-    raise ValueError(f"{where}={path} exists and is not a directory{hint}")
+    raise ValueError(f"{where} exists and is not a directory{hint}")
   try:
     os.makedirs(path, exist_ok=True)
   except OSError as e:
-    raise ValueError(f"{where}={path} cannot be created: {e.strerror or e}{hint}") from e
+    raise ValueError(f"{where} cannot be created: {e.strerror or e}{hint}") from e
   if not os.access(path, os.W_OK | os.X_OK):
-    raise ValueError(f"{where}={path} is not writable{hint}")
+    raise ValueError(f"{where} is not writable{hint}")
 
 
 def enable_compilation_cache(chosen: str | None = None) -> str | None:

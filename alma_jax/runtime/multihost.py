@@ -54,7 +54,13 @@ def wanted(setting: str, flag: bool, environ=None) -> tuple[bool, str]:
 def check_flags(start: bool, coordinator_address: str | None = None,
                 num_processes: int | None = None, process_id: int | None = None) -> None:
   """Raises ValueError, naming the flag, for `--coordinator_address`, `--num_processes` or
-  `--process_id` that cannot start a multi-process run (`start`: whether this is one)."""
+  `--process_id` that cannot start a multi-process run (`start`: whether this is one), and
+  for an ALMA_JAX_DISTRIBUTED that is neither 1 nor 0."""
+  asked = os.environ.get("ALMA_JAX_DISTRIBUTED", "")
+  if asked not in ("", "0", "1"):
+    raise ValueError(f"ALMA_JAX_DISTRIBUTED={asked!r} in the environment: allowed values '1' (a "
+                     "multi-process run) and '0' or unset (as the config's mesh.distributed "
+                     "says)")
   given = [f"--{name}={value}" for name, value in (
       ("coordinator_address", coordinator_address), ("num_processes", num_processes),
       ("process_id", process_id)) if value is not None]

@@ -48,6 +48,14 @@ ENV = "ALMA_JAX_MALLOC_TUNING"
 _applied: bool | None = None
 
 
+def check_env() -> None:
+  """Raises ValueError for an ALMA_JAX_MALLOC_TUNING that is neither 0 nor 1."""
+  value = os.environ.get(ENV, "")
+  if value not in ("", "0", "1"):
+    raise ValueError(f"{ENV}={value!r} in the environment: allowed values '0' (glibc's "
+                     f"defaults, whatever {FIELD} says) and '1' or unset (as {FIELD} says)")
+
+
 def choose(setting: str, *, conv_heavy: bool, accelerator: bool) -> tuple[str, str]:
   """(`tuned` or `glibc`, how it was decided) for the config's `train.cpu_allocator`
   `setting`, a run whose backbone is (or not) convolution-heavy, on an accelerator or not."""

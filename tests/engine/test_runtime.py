@@ -33,6 +33,20 @@ def test_allocator_tuning_applies_and_can_be_turned_off():
   assert _apply_in_subprocess("0") == ["False", "False"]
 
 
+@pytest.mark.parametrize("value, refused", [("0", False), ("1", False), ("", False),
+                                             ("off", True)])
+def test_the_allocator_s_environment_variable_is_0_1_or_unset(value, refused, monkeypatch):
+  from alma_jax.tuning import cpu_tuning  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("ALMA_JAX_MALLOC_TUNING", value)
+  if not refused:
+    cpu_tuning.check_env()
+    return
+  with pytest.raises(ValueError, match=r"^ALMA_JAX_MALLOC_TUNING='off' in the environment: "
+                                       r"allowed values '0' \(glibc's defaults, whatever "
+                                       r"train\.cpu_allocator says\) and '1' or unset"):
+    cpu_tuning.check_env()
+
+
 def test_breakdown_moves_compilation_out_of_the_timed_part():
   bd = timing.Breakdown()
 

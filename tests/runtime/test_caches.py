@@ -110,6 +110,11 @@ def test_a_compilation_cache_folder_that_cannot_serve_is_refused_by_where_it_cam
   monkeypatch.setenv("ALMA_JAX_COMPILATION_CACHE_DIR", str(blocker))
   with pytest.raises(ValueError, match=r"^\$ALMA_JAX_COMPILATION_CACHE_DIR=.* exists and is not"):
     caches.check_compilation_cache_dir()
+  monkeypatch.delenv("ALMA_JAX_COMPILATION_CACHE_DIR")
+  monkeypatch.setenv("ALMA_JAX_CACHE_DIR", str(blocker))
+  with pytest.raises(ValueError, match=rf"^the compilation cache {blocker}/xla \(of "
+                                       rf"\$ALMA_JAX_CACHE_DIR={blocker}\) cannot be created"):
+    caches.check_compilation_cache_dir()
   caches.check_compilation_cache_dir(str(tmp_path / "new" / "xla"))  # made
   assert (tmp_path / "new" / "xla").is_dir()
   caches.check_compilation_cache_dir("none")

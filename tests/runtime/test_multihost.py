@@ -33,3 +33,15 @@ def test_process_flags_of_a_run_pass(flags):
   multihost.check_flags(True, **flags)
   if not flags:
     multihost.check_flags(False)
+
+
+@pytest.mark.parametrize("value, refused", [("1", False), ("0", False), ("", False),
+                                             ("yes", True), ("2", True)])
+def test_alma_jax_distributed_is_1_0_or_unset(value, refused, monkeypatch):
+  monkeypatch.setenv("ALMA_JAX_DISTRIBUTED", value)
+  if not refused:
+    multihost.check_flags(True)
+    return
+  with pytest.raises(ValueError, match=rf"^ALMA_JAX_DISTRIBUTED='{value}' in the environment: "
+                                       r"allowed values '1' \(a multi-process run\) and '0'"):
+    multihost.check_flags(False)
