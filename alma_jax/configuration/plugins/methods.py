@@ -82,11 +82,6 @@ class UMix(Ens):
 
 class GEns(Ens):
   name = "gens"
-
-  @classmethod
-  def growth_period(cls, config, planned_stages: int) -> int | None:
-    del config, planned_stages
-    return 1  # `grow_by` >= 1 members before every later stage
   HIDDEN_UNITS = True  # members in slots: `Method.unit_active` says which are the learner's
   FIELDS = (F.Field("method.initial_members", 1, F.integer(1),
                     "members at the start, all trained at the first stage"),
@@ -103,6 +98,11 @@ class GEns(Ens):
                     "member slots: pow2 (the next power of two: one compiled structure per "
                     "power of two of the members) or exact (one per growth)"),
             STRATEGY)
+
+  @classmethod
+  def growth_period(cls, config, planned_stages: int) -> int | None:
+    del config, planned_stages
+    return 1  # `grow_by` >= 1 members before every later stage
 
 
 # gMoE on a backbone with experts of its own (the Switch Transformer): its experts are copied.
