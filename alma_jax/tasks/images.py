@@ -57,13 +57,9 @@ def device_data(ds) -> DeviceData:
                     num_train=len(ds.train_y))
 
 
-def subset_indices(config, num_train: int, seed: int, n: int | None = None) -> np.ndarray | None:
-  """The training examples (sorted indices) a run with `seed` uses; None: all of them. `n`:
-  how many (default: `data.train_subset`, at most `num_train`)."""
-  if not config.data.train_subset:
-    return None
+def subset_indices(num_train: int, n: int, seed: int) -> np.ndarray:
+  """The `n` training examples (sorted indices) of `num_train` that a run with `seed` uses."""
   rng = np.random.default_rng([seed, 7])
-  n = min(int(config.data.train_subset), num_train) if n is None else n
   return np.sort(rng.choice(num_train, n, replace=False))
 
 
@@ -77,9 +73,11 @@ def load_data(config, seeds: list[int]):
                                  cache_dir=config.data.cache_dir, use_cache=config.data.use_cache,
                                  download=config.data.download)
   changes, d = {}, config.data
-  n = (base.subset_size("train_subset", int(d.train_subset), len(ds.train_y),
-                        f"training examples of {d.name!r}") if d.train_subset else None)
-  subsets = [subset_indices(config, len(ds.train_y), sd, n) for sd in seeds]
+  subsets = [None] * len(seeds)
+  if d.train_subset:
+    n = base.subset_size("train_subset", int(d.train_subset), len(ds.train_y),
+                         f"training examples of {d.name!r}")
+    subsets = [subset_indices(len(ds.train_y), n, sd) for sd in seeds]
   if len(seeds) == 1 and subsets[0] is not None:
     sel, subsets = subsets[0], [None]
     changes.update(train_x=np.asarray(ds.train_x[sel]), train_y=np.asarray(ds.train_y[sel]))

@@ -171,8 +171,8 @@ def choose(config, workdir: str | None, *, shapes: tuple | None, multiprocess: b
 
 
 def _choose(config, workdir, shapes, multiprocess, cache_file, measure):
-  if _sets_a_flag(os.environ.get("XLA_FLAGS", "")):
-    return KEEP_ENV, f"set in XLA_FLAGS ({os.environ['XLA_FLAGS']})", None
+  if _sets_a_flag(xla_flags.current()):
+    return KEEP_ENV, f"set in XLA_FLAGS ({xla_flags.current()})", None
   setting = F.get(config.train, "train.cpu_fusion")
   if setting != "auto":
     return setting, "set in the config", None
@@ -238,7 +238,7 @@ class _Child:
   call of one of them on request."""
 
   def __init__(self, config, input_shape, num_classes, setting: str, impls):
-    env = dict(os.environ, XLA_FLAGS=flags_with(setting, os.environ.get("XLA_FLAGS", "")))
+    env = dict(os.environ, XLA_FLAGS=flags_with(setting, xla_flags.current()))
     request = {"config": json.loads(config.to_json()), "input_shape": list(input_shape),
                "num_classes": num_classes, "impls": list(impls)}
     self._stderr = tempfile.TemporaryFile("w+")  # read on failure; a pipe could fill up

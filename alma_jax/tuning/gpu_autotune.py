@@ -29,8 +29,8 @@ from __future__ import annotations
 import math
 
 from alma_jax.configuration import config_lib
-from alma_jax.runtime import xla_flags
 from alma_jax.configuration import fields as F
+from alma_jax.runtime import xla_flags
 
 FIELD = "train.gpu_autotune"
 FLAG = "--xla_gpu_autotune_level"
