@@ -228,7 +228,7 @@ def _check_config(multiprocess: bool) -> None:
     with interrupts.Signals():  # a signal: one line and 128 + its number, as later
       devices = None if multiprocess else cpu_fusion.cpu_devices_expected()
       config = validation.validate(config, backend=False, devices=devices)
-      if _WORKDIR.value:
+      if _WORKDIR.value is not None:  # given, as the flag's check asks: empty is refused here
         wd.check_writable(_WORKDIR.value)
         if not multiprocess:
           with workdir_lock.hold(_WORKDIR.value):

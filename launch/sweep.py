@@ -497,6 +497,12 @@ def _args(argv):
   args = p.parse_args(argv)
   if args.grid_file:
     args.grid_file = grid_path(args.grid_file)
+  if not args.root:
+    raise UsageError("--root is empty; give a directory (existing or new) to hold the "
+                     "points' workdirs")
+  if args.report_dir == "":
+    raise UsageError("--report_dir is empty; give the directory for the report, or leave "
+                     "the flag out for <root>/report")
   if os.path.exists(args.root) and not os.path.isdir(args.root):
     raise UsageError(f"--root={args.root} exists and is not a directory; give a "
                      "directory (existing or new) to hold the points' workdirs")

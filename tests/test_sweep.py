@@ -800,6 +800,19 @@ def test_a_root_that_is_a_file_is_refused(tmp_path):
   assert path.read_text() == "mine"
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--root="], r"--root is empty; give a directory"),
+    (["--root={tmp}", "--report_dir="], r"--report_dir is empty; give the directory for the "
+                                        r"report, or leave the flag out for <root>/report")])
+def test_an_empty_root_or_report_folder_is_refused_before_anything_runs(flags, message, tmp_path,
+                                                                        monkeypatch):
+  monkeypatch.chdir(tmp_path)  # where an empty folder would put the workdirs
+  with pytest.raises(SystemExit, match=rf"^sweep: error: {message}"):
+    sweep.main([f"--config={SMOKE}", "--grid=seed=0"] + [f.format(tmp=tmp_path / "root")
+                                                         for f in flags])
+  assert not os.listdir(tmp_path)
+
+
 def test_a_grid_file_that_raises_is_one_line_naming_its_line(tmp_path):
   path = _grid_file(tmp_path, "WIDTHS = [8]\nGRID = {'model.width': WIDTHS + [undefined]}\n")
   with pytest.raises(SystemExit, match=r"^sweep: error: --grid_file=.*grid\.py: .*grid\.py, "

@@ -476,6 +476,8 @@ def test_a_workdir_that_cannot_hold_the_run_is_reported_before_the_speed_setting
   blocker.write_text("x")
   proc = _main_measuring(config, str(blocker), [], tmp_path)
   _check_one_line(proc, 2, r"--workdir=.*a_file exists and is not a directory")
+  proc = _main_measuring(config, "", [], tmp_path)  # `--workdir=`
+  _check_one_line(proc, 2, r"--workdir is empty; give a directory for the run's outputs")
   # A workdir with another config's run (its config.json, and a record).
   wd = tmp_path / "wd"
   printed = _main([config, "--print_config", "--config.model.width=9"])
