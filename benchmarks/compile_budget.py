@@ -529,6 +529,9 @@ def main() -> None:
                        "accelerator's compile goes), per program kind")
   ap.add_argument("--out", default=None, help="also write the results as JSON here")
   args = ap.parse_args(argv)
+  sys.path.insert(0, ROOT)  # this checkout's package
+  from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top
+  io_utils.check_output_file(ap, "--out", args.out)  # before measuring
   names = [n for n in args.runs.split(",") if n]
   unknown = [n for n in names if n not in RUNS]
   if unknown or not names:

@@ -45,6 +45,7 @@ from jax import lax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import peer  # pylint: disable=wrong-import-position
+from alma_jax.outputs import io_utils  # pylint: disable=wrong-import-position
 from alma_jax.kernels import native  # pylint: disable=wrong-import-position
 from alma_jax.models import inference  # pylint: disable=wrong-import-position
 from alma_jax.models import vgg  # pylint: disable=wrong-import-position
@@ -207,6 +208,7 @@ def main() -> None:
                  help="glibc's allocator as train.cpu_allocator (auto: tuned, as a VGG run's)")
   p.add_argument("--json", default="", help="write the results here as JSON")
   args = p.parse_args()
+  io_utils.check_output_file(p, "--json", args.json)  # before measuring
   tune.allocator_for(["vgg"], args.allocator)  # before JAX starts its backend
   rng = np.random.default_rng(0)
   result = {"cpu": peer.this_cpu(), "jax": jax.__version__,

@@ -65,6 +65,9 @@ def main(argv=None):
   p.add_argument("--out", help="write the results as JSON here")
   p.add_argument("extra", nargs="*", help="flags passed to every run (after --)")
   args = p.parse_args(argv)
+  sys.path.insert(0, ROOT)  # this checkout's package
+  from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top
+  io_utils.check_output_file(p, "--out", args.out)  # before measuring
   results = {}
   print("| protocol | wall s (median, min-max) | breakdown (median s) | final accuracy |")
   print("|---|---|---|---|")

@@ -29,6 +29,7 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from alma_jax.outputs import io_utils  # pylint: disable=wrong-import-position
 from alma_jax.tuning import tune  # pylint: disable=wrong-import-position
 
 import jax  # pylint: disable=wrong-import-position,g-import-not-at-top
@@ -122,6 +123,7 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=7, help="timed calls per setting (median)")
   p.add_argument("--out", default="", help="also write the results as JSON here")
   args = p.parse_args(argv)
+  io_utils.check_output_file(p, "--out", args.out)  # before measuring
   tune.allocator_for(args.models.split(","))  # as runs of these backbones, before JAX starts
   backend = jax.default_backend()
   print(f"backend={backend} devices={jax.devices()[0].device_kind} cpus={os.cpu_count()} "

@@ -67,6 +67,9 @@ def main(argv=None) -> int:
                   help="comma-separated method.slots values ('' : as configured)")
   ap.add_argument("--out", default="", help="a JSON file for the results")
   args = ap.parse_args(argv)
+  sys.path.insert(0, ROOT)  # this checkout's package
+  from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top
+  io_utils.check_output_file(ap, "--out", args.out)  # before measuring
   specs = [s.strip() for s in args.runs.split(",") if s.strip()]
   slot_values = [s.strip() for s in args.slots.split(",")] if args.slots else [""]
   results = []

@@ -35,6 +35,7 @@ import end_to_end  # pylint: disable=wrong-import-position
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from alma_jax.outputs import io_utils  # pylint: disable=wrong-import-position
 from alma_jax.runtime import host  # pylint: disable=wrong-import-position
 
 PROTOCOLS = ("P1", "P2", "P3", "P4")
@@ -185,6 +186,7 @@ def main(argv=None) -> int:
   p.add_argument("--out", help="write every run's figures here as JSON")
   p.add_argument("extra", nargs="*", help="flags passed to every alma_jax run (after --)")
   args = p.parse_args(argv)
+  io_utils.check_output_file(p, "--out", args.out)  # before measuring
   protocols = [x.strip().upper() for x in args.only.split(",") if x.strip()]
   unknown = sorted(set(protocols) - set(PROTOCOLS))
   if unknown or args.repeat < 1:

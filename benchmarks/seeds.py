@@ -31,6 +31,9 @@ def main(argv=None):
   p.add_argument("--out", help="write the results as JSON here")
   p.add_argument("extra", nargs="*", help="flags passed to every run (after --)")
   args = p.parse_args(argv)
+  sys.path.insert(0, ROOT)  # this checkout's package
+  from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top
+  io_utils.check_output_file(p, "--out", args.out)  # before measuring
   config = os.path.join(ROOT, args.config)
   together, separate, last = [], [], {}
   for _ in range(args.repeats):

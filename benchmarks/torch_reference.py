@@ -48,6 +48,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from alma_jax.outputs import io_utils  # pylint: disable=wrong-import-position
 from alma_jax.models import vgg  # pylint: disable=wrong-import-position
 from alma_jax.tuning import cpu_fusion  # pylint: disable=wrong-import-position
 from alma_jax.tuning import cpu_tuning  # pylint: disable=wrong-import-position
@@ -72,7 +73,9 @@ def _parse():
   p.add_argument("--batch_size", type=int, default=128)
   p.add_argument("--json", default="", help="write the results here as JSON")
   p.add_argument("--worker", default="", help=argparse.SUPPRESS)  # a party's process (internal)
-  return p.parse_args()
+  args = p.parse_args()
+  io_utils.check_output_file(p, "--json", args.json)  # before measuring
+  return args
 
 
 def torch_trainer(torch, backbone: str, width: int, batch_size: int, seed: int = 0):

@@ -39,6 +39,7 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from alma_jax.outputs import io_utils  # pylint: disable=wrong-import-position
 from alma_jax.tuning import cpu_tuning  # pylint: disable=wrong-import-position
 from alma_jax.tuning import tune  # pylint: disable=wrong-import-position  (no backend yet)
 
@@ -99,7 +100,9 @@ def _parse():
                  help="glibc's allocator as train.cpu_allocator (auto: tuned when every row's "
                       "backbone is convolution-heavy, as their runs are)")
   p.add_argument("--json", default="", help="write the results here as JSON")
-  return p.parse_args()
+  args = p.parse_args()
+  io_utils.check_output_file(p, "--json", args.json)  # before measuring
+  return args
 
 
 def _peak_gflops(jax, jnp, n=2048, repeats=5) -> float:

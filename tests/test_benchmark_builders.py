@@ -11,6 +11,7 @@ import threading
 
 import jax
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -277,3 +278,26 @@ def test_benchmark_flags_that_would_run_nothing_or_compare_with_nothing_are_refu
       f"smoke_records.py: error: --compare={tmp_path}/nothing is not a folder of earlier runs "
       "(a --root of this script)")
   assert not os.path.exists(tmp_path / "r")
+
+
+# Every benchmark that writes its results as JSON when it ends: the flag that names the file.
+_JSON_FLAGS = {"compile_budget": "--out", "peer": "--out", "end_to_end": "--out", "seeds": "--out",
+               "ensemble_strategy": "--out", "growth_programs": "--out", "conv_parts": "--json",
+               "torch_reference": "--json", "train_speed": "--json"}
+
+
+@pytest.mark.parametrize("name", sorted(_JSON_FLAGS))
+def test_a_results_file_that_cannot_be_written_is_refused_before_anything_is_measured(name,
+                                                                                      tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("x")
+  flag = _JSON_FLAGS[name]
+  args = ["--runs=configs/mnist_sm.py:smoke"] if name == "growth_programs" else []
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{name}.py"), *args,
+                         f"{flag}={blocker}/results.json"], cwd=str(tmp_path),
+                        capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stderr.splitlines()[-1] == (
+      f"{name}.py: error: {flag}={blocker}/results.json: its folder {blocker} cannot be made: "
+      f"{blocker} is a file")
+  assert proc.stdout == "" and sorted(os.listdir(tmp_path)) == ["a_file"]

@@ -78,6 +78,39 @@ def output_errors(path: str):
     raise WorkdirWriteError(path, e.errno, e.strerror) from e
 
 
+def output_file_problem(flag: str, path: str | None) -> str | None:
+  """Why the file `path` (given as `flag`), which a command writes when it ends, could not be
+  written; None when it can, or when no file is asked for. Its folder is made if missing. A
+  command asks when it starts, so that a long measurement does not end in an error that
+  loses its results."""
+  if not path:
+    return None
+  if os.path.isdir(path):
+    return f"{flag}={path} is a directory; give the file to write"
+  folder = os.path.dirname(os.path.abspath(path))
+  try:
+    os.makedirs(folder, exist_ok=True)
+  except OSError as e:
+    above, why = folder, e.strerror or str(e)
+    while os.path.dirname(above) != above:  # a file where a folder should be
+      if os.path.exists(above) and not os.path.isdir(above):
+        why = f"{above} is a file"
+        break
+      above = os.path.dirname(above)
+    return f"{flag}={path}: its folder {folder} cannot be made: {why}"
+  if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+    return f"{flag}={path} is not writable"
+  return None
+
+
+def check_output_file(parser, flag: str, path: str | None) -> None:
+  """`output_file_problem`, reported through `parser` (an argparse parser: one line and exit
+  code 2)."""
+  found = output_file_problem(flag, path)
+  if found:
+    parser.error(found)
+
+
 # -- processes, hosts, permissions --------------------------------------------------------------
 def host_tag(host: str | None = None) -> str:
   """8 hex digits naming a host (of `socket.gethostname()` by default)."""
