@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import traceback
 
 
@@ -54,8 +55,15 @@ def cli_error(exc: BaseException) -> tuple[str, int]:
   return msg, exit_code(exc)
 
 
+# absl's words around an error raised while a config file loads (e.g. an unknown variant):
+# "flag --config=<arg>: Error whilst parsing config file: ValueError: <the error>".
+_CONFIG_FILE_WORDS = re.compile(r"^flag --\w+=.*?: Error whilst parsing config file: "
+                                r"(?:ValueError: )?")
+
+
 def flag_error(exc: BaseException) -> str:
-  """The gist of a flag or config-file error: one line, no traceback."""
+  """The gist of a flag or config-file error: one line, no traceback (for a config file that
+  raised while loading, the error it raised, without absl's words around it)."""
   text = str(exc)
   if text[:1] in "'\"":  # a quoted message (a KeyError inside an AttributeError)
     try:
@@ -65,7 +73,7 @@ def flag_error(exc: BaseException) -> str:
   lines = [l.strip() for l in text.splitlines() if l.strip()]
   if any(l.startswith("Traceback") for l in lines):
     lines = lines[:1] + lines[-1:]
-  return " ".join(lines)
+  return _CONFIG_FILE_WORDS.sub("", " ".join(lines), count=1)
 
 
 def located(exc: BaseException, path: str) -> str | None:

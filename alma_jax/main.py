@@ -188,6 +188,8 @@ def _parse_flags(argv):
     where = errors.located(e, config_arg.partition(":")[0])
     if where is not None:  # the config file does not compile or raised
       _fail(f"--config={config_arg}: {where} (rerun with --debug for the traceback)", 2)
+    if isinstance(e, flags.Error) and str(e).startswith("flag --config="):  # the file itself
+      _fail(f"--config={_typed_config() or config_arg}: {errors.flag_error(e)}", 2)
     if isinstance(e, flags.Error):
       _fail(f"{_override_type_error(e) or errors.flag_error(e)} (see --helpfull)", 2)
     if not isinstance(e, (AttributeError, KeyError, TypeError, ValueError)):
@@ -281,6 +283,16 @@ def _resume_command() -> str:
 # The command line as the user typed it (a config's name, not the file it names), for the
 # resume hint; set by `console`.
 _TYPED_ARGV: list[str] = []
+
+
+def _typed_config() -> str | None:
+  """`--config` as the user typed it (`--config=X` or `--config X`); None if not found."""
+  for i, a in enumerate(_TYPED_ARGV):
+    if a.startswith("--config="):
+      return a.split("=", 1)[1]
+    if a == "--config" and i + 1 < len(_TYPED_ARGV):
+      return _TYPED_ARGV[i + 1]
+  return None
 
 
 def _print_config() -> None:
