@@ -57,6 +57,9 @@ class OwnExperts:
     self.backbone_class = models.get_backbone(method.config.model.name)
     self._nets: dict[tuple[int, int], object] = {}
     self._inits: dict[int, object] = {}
+    # The initial model, built now (as the other methods build theirs), so that its sizes are
+    # checked with the config (a dimension its heads do not divide), not at the first program.
+    self.net(self.opts.initial_experts)
 
   @property
   def leaf_axes(self):

@@ -15,6 +15,7 @@ from alma_jax.errors import ConfigError
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import workdir
 from alma_jax.stream import run as run_lib
+from alma_jax.stream import validation
 from tests.data.test_text import SMALL_VOCAB, requires_bpe, requires_shakespeare, smoke
 
 V = 512  # a small vocabulary: its size plays no part in these tests
@@ -95,6 +96,17 @@ def test_lm_gmoe_follows_its_growth_schedule_then_grow_by():
 def test_lm_gmoe_refuses_a_bad_growth_schedule(value):
   with pytest.raises(ConfigError, match="config.method.grow_schedule="):
     lm_method("lm_gmoe", grow_schedule=value)
+
+
+@pytest.mark.parametrize("name", ["lm_sm", "lm_ens", "lm_gens", "lm_gmoe"])
+def test_every_lm_method_checks_its_model_s_sizes_with_the_config(name):
+  # As `validation.validate` checks a config (`--print_config`, the launchers): before any
+  # program is built.
+  c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", name), "smoke")
+  c.model.dim, c.model.num_heads = 30, 4
+  with pytest.raises(ConfigError, match=r"^config\.model\.dim=30 must be a multiple of "
+                                        r"config\.model\.num_heads=4"):
+    validation.validate(c, data=False)
 
 
 def architecture(wd):
