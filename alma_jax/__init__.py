@@ -16,6 +16,8 @@ needs when first called.
 
 from __future__ import annotations
 
+import os
+
 __version__ = "0.1.0"
 __all__ = ["load_config", "run", "read_results"]
 
@@ -66,6 +68,7 @@ def run(config, workdir: str, *, overwrite: bool = False, log: bool = True) -> d
   elif not isinstance(config, ml_collections.ConfigDict):
     raise TypeError(f"run(config, workdir): config must be a config (load_config's) or a "
                     f"config's name or path, e.g. 'mnist_sm:quick'; got {type(config).__name__}")
+  workdir = _folder(workdir, "run(config, workdir)")
   with (_progress_to_stderr() if log else contextlib.nullcontext()):
     try:
       return run_lib.run(config, workdir, overwrite=overwrite)
@@ -74,6 +77,16 @@ def run(config, workdir: str, *, overwrite: bool = False, log: bool = True) -> d
       if translated is None:
         raise
       raise translated from e
+
+
+def _folder(workdir, call: str) -> str:
+  """`workdir` as a string (a path object's text); a `TypeError` naming `call` otherwise."""
+  if isinstance(workdir, os.PathLike):
+    workdir = os.fspath(workdir)
+  if not isinstance(workdir, str):
+    raise TypeError(f"{call}: workdir must be a folder's path, a string or a path object, "
+                    f"e.g. '/tmp/mnist_sm'; got {type(workdir).__name__} {workdir!r}")
+  return workdir
 
 
 # The command line's words for the arguments of `run`, in the order they are replaced.
@@ -133,6 +146,7 @@ def read_results(workdir: str) -> list:
   `config`, `records` (the log, one dict per time step), `summary` (None until
   the run finishes) and `curve(field)`."""
   from alma_jax.reports import report  # pylint: disable=g-import-not-at-top
+  workdir = _folder(workdir, "read_results(workdir)")
   try:
     return report.load_runs(workdir)
   except report.ReportError as e:

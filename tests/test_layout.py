@@ -109,7 +109,11 @@ def test_load_config_takes_a_name_or_a_path_with_a_variant():
      r"or path as a string, e.g. 'mnist_sm:quick'; got NoneType None$"),
     (lambda: alma_jax.run({"seed": 0}, "/nonexistent"), r"^run\(config, workdir\): config must "
      r"be a config \(load_config's\) or a config's name or path, e.g. 'mnist_sm:quick'; got dict$"),
-], ids=["load_config", "run"])
+    (lambda: alma_jax.run("mnist_sm:smoke", None), r"^run\(config, workdir\): workdir must be "
+     r"a folder's path, a string or a path object, e\.g\. '/tmp/mnist_sm'; got NoneType None$"),
+    (lambda: alma_jax.read_results(3), r"^read_results\(workdir\): workdir must be a folder's "
+     r"path, a string or a path object, e\.g\. '/tmp/mnist_sm'; got int 3$"),
+], ids=["load_config", "run", "run_workdir", "read_results"])
 def test_the_api_refuses_an_argument_of_another_type_by_its_name(call, message):
   with pytest.raises(TypeError, match=message):
     call()
@@ -156,9 +160,9 @@ def _config_dict_readers(monkeypatch) -> set:
 def test_run_and_read_results(tmp_path, monkeypatch):
   config = alma_jax.load_config("mnist_gmoe:smoke")
   readers = _config_dict_readers(monkeypatch)
-  summary = alma_jax.run(config, str(tmp_path))
+  summary = alma_jax.run(config, tmp_path)  # a path object, as a string
   assert not readers, sorted(readers)  # nothing below the set-up reads the ConfigDict
-  (seed,) = alma_jax.read_results(str(tmp_path))
+  (seed,) = alma_jax.read_results(tmp_path)
   assert seed.summary == summary
   # One record per time step, t = 0 (before any data) to B.
   assert [r["t"] for r in seed.records] == list(range(config.stream.num_megabatches + 1))
