@@ -12,9 +12,7 @@ in every process.
 
 from __future__ import annotations
 
-import ast
 import os
-import re
 import shlex
 import signal
 import sys
@@ -159,22 +157,6 @@ def _fail(message: str, code: int):
   sys.exit(code)
 
 
-def _override_type_error(exc: BaseException) -> str | None:
-  """A `--config.<path>=<value>` that the flag could not convert to the field's type, in the
-  words of the field's own check (with its allowed values); None for other flag errors."""
-  m = re.match(r"flag --config\.([\w.]+)=(.*?): ", str(exc))
-  if m is None:
-    return None
-  from alma_jax.stream import validation  # pylint: disable=g-import-not-at-top
-  path, text = m.groups()
-  try:
-    value = ast.literal_eval(text)  # 1.5 for an integer field: a float, not a string
-  except Exception:  # pylint: disable=broad-except
-    value = text
-  message = validation.value_error(path, value)
-  return None if message is None else f"invalid --config override: {message}"
-
-
 def _parse_flags(argv):
   if any(a in _HELP for a in argv[1:]):
     print(help_text())
@@ -191,7 +173,10 @@ def _parse_flags(argv):
     if isinstance(e, flags.Error) and str(e).startswith("flag --config="):  # the file itself
       _fail(f"--config={_typed_config() or config_arg}: {errors.flag_error(e)}", 2)
     if isinstance(e, flags.Error):
-      _fail(f"{_override_type_error(e) or errors.flag_error(e)} (see --helpfull)", 2)
+      from alma_jax.stream import config_resolve  # pylint: disable=g-import-not-at-top
+      typed = config_resolve.override_type_error(e)
+      _fail(f"invalid --config override: {typed} (see --helpfull)" if typed else
+            f"{errors.flag_error(e)} (see --helpfull)", 2)
     if not isinstance(e, (AttributeError, KeyError, TypeError, ValueError)):
       _fail(f"--config={config_arg}: {errors.flag_error(e)} (rerun with --debug for the "
             "traceback)", 2)

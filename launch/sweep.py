@@ -33,7 +33,7 @@ The grid comes from `--grid=field=v1,v2,...` flags, from a Python file
 (`--grid_file=F`) that defines GRID, or both: GRID is a dict of field -> list
 of values, or a list of such dicts (their union, e.g. one sub-grid per
 method); each `--grid` flag is crossed with every one of them (and replaces a
-field of the same name). The field `config` (a list of config files, e.g.
+field of the same name, as a later `--grid` flag replaces an earlier one's). The field `config` (a list of config files, e.g.
 ["configs/mnist_gmoe.py:quick"]) gives a grid its own config files in place of
 `--config`, so one grid file can cover methods whose fields differ, or several
 data sets; the file's name and variant then lead the workdir name. A grid's
@@ -151,7 +151,9 @@ LOGS_DIR, status, has_records = sweep_state.LOGS_DIR, sweep_state.status, sweep_
 
 
 def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
-  grid = []
+  """The `--grid` flags' fields and values; a later flag of a field replaces the values of an
+  earlier one (as a flag replaces a grid file's field)."""
+  grid: dict[str, list[str]] = {}
   for item in items:
     if "=" not in item:
       raise UsageError(f"--grid={item!r} must look like field=v1,v2,...")
@@ -159,8 +161,11 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
     vals = [v for v in values.split(",") if v]
     if not vals:
       raise UsageError(f"--grid={item!r} has no values")
-    grid.append((field, vals))
-  return grid
+    repeated = sorted({v for v in vals if vals.count(v) > 1})
+    if repeated:
+      raise UsageError(f"--grid={item!r} repeats {', '.join(repeated)}: each value once")
+    grid[field] = vals
+  return list(grid.items())
 
 
 def _value(v) -> str:
@@ -416,8 +421,9 @@ def command(config: str | None, root: str, point, extra: list[str]) -> tuple[lis
   config_file, flags = point_args(config, point, extra)
   try:
     resolved = config_resolve.resolved_dict(config_file, flags)
-  except config_resolve.ConfigResolveError as e:
-    raise UsageError(f"{e}") from e
+  except config_resolve.ConfigResolveError as e:  # the config named as given, not its file
+    given = dict(point).get(CONFIG_FIELD, config)
+    raise UsageError(str(e).replace(config_file, given)) from e
   point = canonical_point(point, resolved)
   config, flags = point_args(config, point, extra)
   workdir = find_workdir(root, workdir_name(point), config_resolve.config_hash(resolved), resolved)

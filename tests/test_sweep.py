@@ -813,6 +813,28 @@ def test_an_empty_root_or_report_folder_is_refused_before_anything_runs(flags, m
   assert not os.listdir(tmp_path)
 
 
+def test_a_repeated_value_is_refused(tmp_path):
+  with pytest.raises(SystemExit, match=r"^sweep: error: --grid='seed=0,1,0' repeats 0: each "
+                                       r"value once$"):
+    sweep.main([f"--config={SMOKE}", f"--root={tmp_path}", "--grid=seed=0,1,0", "--dry_run"])
+
+
+def test_a_later_grid_flag_replaces_an_earlier_one_s_field(tmp_path, capsys):
+  # Its values alone, each point's command with one value of the field (the last flag's).
+  lines = _dry(tmp_path, capsys, "--grid=model.width=4,8", "--grid=stream.wait=1,2",
+               "--grid=model.width=16")
+  runs = [l for l in lines if l.startswith("[")]
+  assert len(runs) == 2 and all(l.count("--config.model.width=") == 1 for l in runs)
+  assert all("--config.model.width=16" in l and "/width-16_wait-" in l for l in runs)
+
+
+def test_a_value_the_field_refuses_is_named_with_the_config_as_given(tmp_path):
+  with pytest.raises(SystemExit, match=r"^sweep: error: --config=mnist_sm:smoke: "
+                                       r"config\.model\.width='a' must be an integer, got str$"):
+    sweep.main(["--config=mnist_sm:smoke", f"--root={tmp_path}", "--grid=model.width=4,a",
+                "--dry_run"])
+
+
 def test_a_grid_file_that_raises_is_one_line_naming_its_line(tmp_path):
   path = _grid_file(tmp_path, "WIDTHS = [8]\nGRID = {'model.width': WIDTHS + [undefined]}\n")
   with pytest.raises(SystemExit, match=r"^sweep: error: --grid_file=.*grid\.py: .*grid\.py, "

@@ -12,6 +12,7 @@ exactly when one can resume the other's run.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import re
@@ -83,9 +84,27 @@ def check_overrides(args: Sequence[str]) -> None:
         "give --config.stream.warm_start alone")
 
 
+def override_type_error(exc: BaseException) -> str | None:
+  """A `--config.<path>=<value>` that the flag could not convert to the field's type, in the
+  words of the field's own check (with its allowed values); None for other errors."""
+  m = re.match(r"flag --config\.([\w.]+)=(.*?): ", str(exc))
+  if m is None:
+    return None
+  path, text = m.groups()
+  try:
+    value = ast.literal_eval(text)  # 1.5 for an integer field: a float, not a string
+  except Exception:  # pylint: disable=broad-except
+    value = text
+  return validation.value_error(path, value)
+
+
 def override_error(config_arg: str, args: Sequence[str], exc: BaseException) -> str:
-  """The gist of a config-loading error; an override of a field that the config lacks is
-  named with the fields its section has (methods declare fields of their own)."""
+  """The gist of a config-loading error: an override the field's type refuses in the field's
+  own words; an override of a field that the config lacks named with the fields its section
+  has (methods declare fields of their own)."""
+  typed = override_type_error(exc)
+  if typed is not None:
+    return typed
   text = errors.flag_error(exc)
   if not isinstance(exc, (KeyError, AttributeError)):
     return text

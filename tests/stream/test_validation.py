@@ -695,6 +695,15 @@ def test_a_library_error_raised_for_a_config_file_keeps_its_own_message():
   assert str(info.value) == f"--config=configs/mnist_sm.py:smok: {_UNKNOWN_VARIANT}"
 
 
+def test_an_override_its_field_s_type_refuses_is_said_in_the_field_s_words():
+  # The command line said so already; the API, the launchers and the sweep said "invalid
+  # literal for int() with base 10: 'a'".
+  with pytest.raises(config_resolve.ConfigResolveError) as info:
+    config_resolve.resolve("configs/mnist_sm.py:smoke", ["--config.model.width=a"])
+  assert str(info.value) == ("--config=configs/mnist_sm.py:smoke: config.model.width='a' must "
+                             "be an integer, got str")
+
+
 @pytest.mark.parametrize("typed", [["--config=mnist_sm:smok"], ["--config", "mnist_sm:smok"]])
 def test_the_command_line_names_an_unknown_variant_s_config_as_typed(typed):
   proc = _main(typed + ["--workdir=/nonexistent/wd"])
