@@ -33,7 +33,8 @@ The grid comes from `--grid=field=v1,v2,...` flags, from a Python file
 (`--grid_file=F`) that defines GRID, or both: GRID is a dict of field -> list
 of values, or a list of such dicts (their union, e.g. one sub-grid per
 method); each `--grid` flag is crossed with every one of them (and replaces a
-field of the same name, as a later `--grid` flag replaces an earlier one's). The field `config` (a list of config files, e.g.
+field of the same name, as a later `--grid` flag replaces an earlier one's).
+The field `config` (a list of config files, e.g.
 ["configs/mnist_gmoe.py:quick"]) gives a grid its own config files in place of
 `--config`, so one grid file can cover methods whose fields differ, or several
 data sets; the file's name and variant then lead the workdir name. A grid's
@@ -41,24 +42,25 @@ consecutive seeds (`--grid=seed=0,1,2`) become one run of `config.num_seeds`
 seeds (seed=0, num_seeds=3: the seeds vmapped in one program, faster than
 separate runs), except for methods whose growth depends on the seed (gMoE, FF:
 one run per seed always), for waiting policies that time each seed's stages
-from its own data (`triggered`: one run per seed always), and for convolution-heavy backbones (VGG, ResNet) on
-a CPU, where separate runs are faster (`--seeds_together=yes|no` decides
-instead). Runs go one after another, `--parallel=P` at a time (each one's
-output then goes to <root>/logs/<workdir name>.log), into a
-SLURM array script, or one after another on every worker of a Cloud TPU VM
-(`--tpu`, through launch/tpu_pod.py: the code is copied and installed on the
-workers once, then each point runs as one multi-host program; `--root` must
-be a directory every worker sees, mounted at the same path where the sweep
-runs for the report). When the runs are over, the report
-(`python -m alma_jax.reports.report`) of every grid point's workdir is written to
+from its own data (`triggered`: one run per seed always), and for
+convolution-heavy backbones (VGG, ResNet) on a CPU, where separate runs are
+faster (`--seeds_together=yes|no` decides instead). Runs go one after another,
+`--parallel=P` at a time (each one's output then goes to <root>/logs/<workdir
+name>.log), into a SLURM array script, or one after another on every worker of
+a Cloud TPU VM (`--tpu`, through launch/tpu_pod.py: the code is copied and
+installed on the workers once, then each point runs as one multi-host program;
+`--root` must be a directory every worker sees, mounted at the same path where
+the sweep runs for the report). When the runs are over, the report (`python -m
+alma_jax.reports.report`) of every grid point's workdir is written to
 `--report_dir` (default <root>/report), with the verdicts of the grid file's
-FINDINGS (`alma_jax.reports.findings`) when it names them; `--no-report` skips it. After
-each run the sweep prints its ETA: from the grid file's `run_seconds(config)` (one run's
-seconds where they were measured), scaled to this host by the runs that finished, when the
-file defines it, or else from the mean finished run (a failed or refused run sets no pace). SIGINT
-(Ctrl-C), SIGTERM or SIGHUP is passed on to the runs in progress (which stop
-at a safe point); the sweep then names them with their exit codes, prints its
-own command line to resume, and exits with 128 + the signal number.
+FINDINGS (`alma_jax.reports.findings`) when it names them; `--no-report` skips
+it. After each run the sweep prints its ETA: from the grid file's
+`run_seconds(config)` (one run's seconds where they were measured), scaled to
+this host by the runs that finished, when the file defines it, or else from
+the mean finished run (a failed or refused run sets no pace). SIGINT (Ctrl-C),
+SIGTERM or SIGHUP is passed on to the runs in progress (which stop at a safe
+point); the sweep then names them with their exit codes, prints its own
+command line to resume, and exits with 128 + the signal number.
 
 Examples:
   # Print the commands of a 2 x 3 grid without running them.
