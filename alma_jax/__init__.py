@@ -38,14 +38,8 @@ def load_config(spec: str):
                     f"e.g. 'mnist_sm:quick'; got {type(spec).__name__} {spec!r}")
   from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top
   from alma_jax.stream import config_resolve  # pylint: disable=g-import-not-at-top
-  resolved = config_files.resolve(spec)
-  try:
-    return config_resolve.resolve(resolved)
-  except config_resolve.ConfigResolveError as e:
-    if resolved == spec:
-      raise
-    # The config as the caller named it, not the file its name stands for.
-    raise config_resolve.ConfigResolveError(str(e).replace(resolved, spec)) from e
+  # Errors name the config as the caller did, not the file its name stands for.
+  return config_resolve.resolve(config_files.resolve(spec), given=spec)
 
 
 def run(config, workdir: str, *, overwrite: bool = False, log: bool = True) -> dict:

@@ -421,11 +421,11 @@ def command(config: str | None, root: str, point, extra: list[str]) -> tuple[lis
   field, if any, replaces the sweep's `--config`. Its numbers are written as the resolved
   config holds them (`canonical_point`)."""
   config_file, flags = point_args(config, point, extra)
-  try:
-    resolved = config_resolve.resolved_dict(config_file, flags)
-  except config_resolve.ConfigResolveError as e:  # the config named as given, not its file
-    given = dict(point).get(CONFIG_FIELD, config)
-    raise UsageError(str(e).replace(config_file, given)) from e
+  try:  # errors name the config as given, not the file its name stands for
+    resolved = config_resolve.resolved_dict(config_file, flags,
+                                            given=dict(point).get(CONFIG_FIELD, config))
+  except config_resolve.ConfigResolveError as e:
+    raise UsageError(f"{e}") from e
   point = canonical_point(point, resolved)
   config, flags = point_args(config, point, extra)
   workdir = find_workdir(root, workdir_name(point), config_resolve.config_hash(resolved), resolved)

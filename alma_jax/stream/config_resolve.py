@@ -31,8 +31,19 @@ class ConfigResolveError(ValueError):
   """The config file or an override cannot be loaded."""
 
 
-def resolve(config_arg: str, args: Sequence[str] = ()):
-  """The ConfigDict of `--config=config_arg` with the `--config.*` overrides among `args`."""
+def resolve(config_arg: str, args: Sequence[str] = (), given: str | None = None):
+  """The ConfigDict of `--config=config_arg` with the `--config.*` overrides among `args`.
+  `given`: the config as the user named it (e.g. `mnist_sm:smok` for the file
+  `config_files.resolve` found), which the errors name in place of `config_arg`."""
+  try:
+    return _resolve(config_arg, args)
+  except ConfigResolveError as e:
+    if given is None or given == config_arg:
+      raise
+    raise ConfigResolveError(str(e).replace(config_arg, given)) from e
+
+
+def _resolve(config_arg: str, args: Sequence[str]):
   argv = ["alma_jax.main", f"--config={config_arg}", *args]
   registry = flags.FlagValues()
   config_flags.DEFINE_config_file("config", None, "Experiment config file.", flag_values=registry,
@@ -130,9 +141,10 @@ def override_error(config_arg: str, args: Sequence[str], exc: BaseException) -> 
           f"{known}" + (f" ({hint})" if hint else ""))
 
 
-def resolved_dict(config_arg: str, args: Sequence[str] = ()) -> dict:
-  """The resolved config as the `config.json` that a run of it writes."""
-  return workdir.config_dict(validation.complete(resolve(config_arg, args)))
+def resolved_dict(config_arg: str, args: Sequence[str] = (), given: str | None = None) -> dict:
+  """The resolved config as the `config.json` that a run of it writes (`given`: see
+  `resolve`)."""
+  return workdir.config_dict(validation.complete(resolve(config_arg, args, given)))
 
 
 def config_hash(config: dict, length: int = 8) -> str:
