@@ -171,7 +171,9 @@ def _parse_flags(argv):
     if where is not None:  # the config file does not compile or raised
       _fail(f"--config={config_arg}: {where} (rerun with --debug for the traceback)", 2)
     if isinstance(e, flags.Error) and str(e).startswith("flag --config="):  # the file itself
-      _fail(f"--config={_typed_config() or config_arg}: {errors.flag_error(e)}", 2)
+      from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top
+      typed = config_files.config_value(_TYPED_ARGV) or config_arg
+      _fail(f"--config={typed}: {errors.flag_error(e)}", 2)
     if isinstance(e, flags.Error):
       from alma_jax.stream import config_resolve  # pylint: disable=g-import-not-at-top
       typed = config_resolve.override_type_error(e)
@@ -268,16 +270,6 @@ def _resume_command() -> str:
 # The command line as the user typed it (a config's name, not the file it names), for the
 # resume hint; set by `console`.
 _TYPED_ARGV: list[str] = []
-
-
-def _typed_config() -> str | None:
-  """`--config` as the user typed it (`--config=X` or `--config X`); None if not found."""
-  for i, a in enumerate(_TYPED_ARGV):
-    if a.startswith("--config="):
-      return a.split("=", 1)[1]
-    if a == "--config" and i + 1 < len(_TYPED_ARGV):
-      return _TYPED_ARGV[i + 1]
-  return None
 
 
 def _print_config() -> None:

@@ -241,6 +241,11 @@ def test_argv_rewrites_only_the_config_flag(folder):
                                    folder) == [
       "prog", "--config", os.path.join(folder, "mnist_gmoe.py"),
       f"-config={os.path.join(folder, 'mnist_sm.py')}"]
+  # The value as written, of the last flag before `--` (the one the flag parser keeps).
+  assert config_files.config_value(argv) == "mnist_sm:quick"
+  assert config_files.config_value(["prog", "--config", "mnist_gmoe", "-config=mnist_sm"]) == (
+      "mnist_sm")
+  assert config_files.config_value(["prog", "--config.seed=1", "--", "--config=x"]) is None
 
 
 def test_an_unknown_name_exits_with_code_2_and_one_line(capsys):

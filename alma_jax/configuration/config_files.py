@@ -121,6 +121,27 @@ def resolve(value: str, folder: str | None = None) -> str:
                            f"Available names: {listed}")
 
 
+def _config_flags(argv: Sequence[str]):
+  """(index, flag prefix, value) of each `--config` value in `argv` (a command line, its
+  program first): `--config=VALUE` at its own index with the prefix `--config=`, `--config
+  VALUE` at the value's index with no prefix; none after `--`."""
+  for i in range(1, len(argv)):
+    arg = argv[i]
+    if arg == "--":
+      break
+    flag, eq, value = arg.partition("=")
+    if flag in _FLAGS and eq:
+      yield i, f"{flag}=", value
+    elif arg in _FLAGS and i + 1 < len(argv):
+      yield i + 1, "", argv[i + 1]
+
+
+def config_value(argv: Sequence[str]) -> str | None:
+  """The value of the last `--config` flag in `argv` as written (None: no such flag)."""
+  values = [value for _, _, value in _config_flags(argv)]
+  return values[-1] if values else None
+
+
 def resolve_argv(argv: Sequence[str], folder: str | None = None) -> list[str]:
   """`argv` with the value of its `--config` flag resolved (see `resolve`).
 
@@ -128,15 +149,8 @@ def resolve_argv(argv: Sequence[str], folder: str | None = None) -> list[str]:
   overrides, other flags and everything after `--` are left as they are.
   """
   out = list(argv)
-  for i in range(1, len(out)):
-    arg = out[i]
-    if arg == "--":
-      break
-    flag, eq, value = arg.partition("=")
-    if flag in _FLAGS and eq:
-      out[i] = f"{flag}={resolve(value, folder)}"
-    elif arg in _FLAGS and i + 1 < len(out):
-      out[i + 1] = resolve(out[i + 1], folder)
+  for i, prefix, value in _config_flags(argv):
+    out[i] = prefix + resolve(value, folder)
   return out
 
 
