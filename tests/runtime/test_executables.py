@@ -1,6 +1,7 @@
 """Compiled programs kept across processes and found again without tracing
 (`alma_jax.runtime.executables`)."""
 
+import hashlib
 import importlib
 import json
 import os
@@ -27,14 +28,34 @@ def _affine(w, x, n):
   return w * x + n + _OFFSET[0]
 
 
+# A number of the test run, the same in all of a parallel session's workers (which share JAX's
+# persistent cache), new for every run.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or os.urandom(8).hex()
+
+
+def _offsets(session) -> dict[str, float]:
+  """A constant of its own for each of this module's tests in the session: a multiple of 1/1024
+  in (0, 1), so that every sum in these tests is exact in float32."""
+  here = sys.modules[__name__]
+  ids = sorted(item.nodeid for item in session.items if getattr(item, "module", None) is here)
+  start = int(hashlib.sha256(_RUN.encode()).hexdigest(), 16)
+  return {node: ((start + i) % 1023 + 1) / 1024 for i, node in enumerate(ids)}
+
+
 @pytest.fixture(autouse=True)
 def _fresh_program(request):
   # Each test's program has a constant of its own: a program that JAX's persistent cache
-  # (shared by the test session) already holds is not kept (see the last test).
-  # (A multiple of 1/1024 below 1: every sum in these tests is exact in float32.)
-  _OFFSET[0] = float(abs(hash(request.node.nodeid)) % 1000) / 1024
+  # (shared by the test session) already holds is not kept (see the last test), and a test
+  # that needs its first call compiled must not find another test's program there.
+  _OFFSET[0] = _offsets(request.session)[request.node.nodeid]
   yield
   _OFFSET[0] = 0.0
+
+
+def test_every_test_here_has_a_constant_of_its_own(request):
+  offsets = _offsets(request.session)
+  assert len(set(offsets.values())) == len(offsets) > 1
+  assert all(0 < value < 1 and (value * 1024).is_integer() for value in offsets.values())
 
 
 def _want(size=4):
