@@ -396,6 +396,24 @@ def test_the_beyond_grid_expands_as_documented(tmp_path, capsys):
   assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == 66
 
 
+def test_the_lm_growth_grid_expands_as_documented(tmp_path, capsys):
+  # launch/grids/lm_growth.py: SM with E = 4, 8, 12 and gEns with three seeds in one run each;
+  # gMoE one run per seed (the experts it copies depend on the seed).
+  assert sweep.main([f"--root={tmp_path}", "--grid_file=launch/grids/lm_growth.py",
+                     "--dry_run"]) == 0
+  lines = [l + " " for l in capsys.readouterr().out.strip().splitlines() if "alma_jax.main" in l]
+  assert len(lines) == 7 and len({l.split("--workdir=")[1].split()[0] for l in lines}) == 7
+  together = [l for l in lines if "--config.seed=0 --config.num_seeds=3 " in l]
+  assert len(together) == 4
+  for experts in (4, 8, 12):
+    assert sum("configs/lm_sm.py:quick " in l and f"--config.model.num_experts={experts} " in l
+               for l in together) == 1
+  assert sum("configs/lm_gens.py:quick " in l for l in together) == 1
+  apart = [l for l in lines if "num_seeds" not in l]
+  assert sorted(l.split("--config.seed=")[1].split()[0] for l in apart) == ["0", "1", "2"]
+  assert all("configs/lm_gmoe.py:quick " in l for l in apart)
+
+
 def test_the_cifar_grids_expand_as_documented(tmp_path, capsys):
   # launch/grids/findings_cifar.py: 19 points x 3 seeds, one run per seed (the VGG on a CPU),
   # all on the reduced protocol (early stopping within 8 epochs); launch/grids/paper_cifar.py:
@@ -419,7 +437,8 @@ def test_the_cifar_grids_expand_as_documented(tmp_path, capsys):
 
 @pytest.mark.parametrize("grid_file", ["launch/grids/findings.py",
                                        "launch/grids/findings_cifar.py",
-                                       "launch/grids/beyond.py"])
+                                       "launch/grids/beyond.py",
+                                       "launch/grids/lm_growth.py"])
 def test_every_finding_of_a_grid_compares_points_of_that_grid(tmp_path, grid_file):
   # Each selector of the grid file's FINDINGS picks exactly one of its points (seeds aside), so
   # the report can judge every comparison once the grid has run.
@@ -435,7 +454,8 @@ def test_every_finding_of_a_grid_compares_points_of_that_grid(tmp_path, grid_fil
     group = json.dumps({k: v for k, v in flat.items() if k not in ("seed", "num_seeds")},
                        sort_keys=True, default=repr)
     rows.append(dict(flat, workdir=workdir, finished=True, group=group, cer_percent=1.0,
-                     final_error=0.1, final_perplexity=100.0, comp_paper_total=1.0, mem=1.0,
+                     final_error=0.1, final_perplexity=100.0, mean_perplexity=100.0,
+                     comp_paper_total=1.0, mem=1.0,
                      final_dormant_fraction=0.1))
   text = io.StringIO()
   writer = csv.DictWriter(text, sorted(set().union(*rows)), lineterminator="\n")
