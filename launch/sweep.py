@@ -475,7 +475,7 @@ def _args(argv):
   p.add_argument("--root", required=True, help="directory holding one workdir per grid point")
   p.add_argument("--grid", action="append", default=[], help="field=v1,v2,... (repeatable)")
   p.add_argument("--grid_file", help="a Python file defining GRID (see above), or the name of "
-                 "a grid shipped with alma_jax (findings, findings_cifar, beyond, paper_cifar)")
+                 f"a grid shipped with alma_jax ({', '.join(grid_files.names())})")
   p.add_argument("--parallel", type=int, default=1, help="runs at a time on this machine")
   p.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
                  help="write the report of the sweep's workdirs when its runs are over")
