@@ -397,21 +397,26 @@ def test_the_beyond_grid_expands_as_documented(tmp_path, capsys):
 
 
 def test_the_lm_growth_grid_expands_as_documented(tmp_path, capsys):
-  # launch/grids/lm_growth.py: SM with E = 4, 8, 12 and gEns with three seeds in one run each;
-  # gMoE one run per seed (the experts it copies depend on the seed).
+  # launch/grids/lm_growth.py, for the tiny preset and the balanced model each: SM with E = 4, 8,
+  # 12 and gEns with three seeds in one run each; gMoE one run per seed (the experts it copies
+  # depend on the seed). The balanced model's fields on its 7 runs, none on the tiny ones.
   assert sweep.main([f"--root={tmp_path}", "--grid_file=launch/grids/lm_growth.py",
                      "--dry_run"]) == 0
   lines = [l + " " for l in capsys.readouterr().out.strip().splitlines() if "alma_jax.main" in l]
-  assert len(lines) == 7 and len({l.split("--workdir=")[1].split()[0] for l in lines}) == 7
-  together = [l for l in lines if "--config.seed=0 --config.num_seeds=3 " in l]
-  assert len(together) == 4
-  for experts in (4, 8, 12):
-    assert sum("configs/lm_sm.py:quick " in l and f"--config.model.num_experts={experts} " in l
-               for l in together) == 1
-  assert sum("configs/lm_gens.py:quick " in l for l in together) == 1
-  apart = [l for l in lines if "num_seeds" not in l]
-  assert sorted(l.split("--config.seed=")[1].split()[0] for l in apart) == ["0", "1", "2"]
-  assert all("configs/lm_gmoe.py:quick " in l for l in apart)
+  assert len(lines) == 14 and len({l.split("--workdir=")[1].split()[0] for l in lines}) == 14
+  balanced = ("--config.data.vocab_size=2048 --config.model.dim=128 --config.model.ffn_dim=256 "
+              "--config.train.steps_per_epoch=800 ")
+  for model in ([l for l in lines if balanced in l], [l for l in lines if "dim=" not in l]):
+    assert len(model) == 7
+    together = [l for l in model if "--config.seed=0 " in l and "--config.num_seeds=3 " in l]
+    assert len(together) == 4
+    for experts in (4, 8, 12):
+      assert sum("configs/lm_sm.py:quick " in l and f"--config.model.num_experts={experts} " in l
+                 for l in together) == 1
+    assert sum("configs/lm_gens.py:quick " in l for l in together) == 1
+    apart = [l for l in model if "num_seeds" not in l]
+    assert sorted(l.split("--config.seed=")[1].split()[0] for l in apart) == ["0", "1", "2"]
+    assert all("configs/lm_gmoe.py:quick " in l for l in apart)
 
 
 def test_the_cifar_grids_expand_as_documented(tmp_path, capsys):
@@ -1066,6 +1071,10 @@ def test_the_findings_grids_estimate_every_run_from_their_time_tables(tmp_path, 
               ) == [29] * 3
     assert by(model__width=64, stream__wait_policy="geometric", stream__geometric_w0=10.0
               ) == [35]
+  elif path.endswith("lm_growth.py"):  # SM's and gEns's seeds in one run, gMoE's apart
+    assert by(method__name="lm_sm", model__num_experts=12, model__dim=0) == [372]
+    assert by(method__name="lm_gmoe", model__dim=0) == [162] * 3
+    assert by(method__name="lm_gens", model__dim=0) == [774]
   else:  # the seeds of a point in one run, but for gMoE and Firefly
     assert by(method__name="lm_ens", stream__num_megabatches=4, stream__iid=False) == [1407]
     assert by(method__name="gmoe", method__tree=False) == [84] * 3
