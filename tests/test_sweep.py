@@ -1047,7 +1047,8 @@ def test_a_bad_run_seconds_is_an_error_before_any_run(tmp_path, monkeypatch, tex
 
 @pytest.mark.parametrize("path, runs", [("launch/grids/findings.py", 34),
                                         ("launch/grids/findings_cifar.py", 57),
-                                        ("launch/grids/beyond.py", 66)])
+                                        ("launch/grids/beyond.py", 66),
+                                        ("launch/grids/lm_growth.py", 14)])
 def test_the_findings_grids_estimate_every_run_from_their_time_tables(tmp_path, path, runs):
   # run_seconds names every run of the grid (its TIME_S), so the sweep's ETA uses it throughout.
   made = sweep.plan(sweep._args([f"--root={tmp_path}", f"--grid_file={path}"]))
@@ -1075,6 +1076,7 @@ def test_the_findings_grids_estimate_every_run_from_their_time_tables(tmp_path, 
     assert by(method__name="lm_sm", model__num_experts=12, model__dim=0) == [372]
     assert by(method__name="lm_gmoe", model__dim=0) == [162] * 3
     assert by(method__name="lm_gens", model__dim=0) == [774]
+    assert by(method__name="lm_gmoe", model__dim=128) == [118] * 3
   else:  # the seeds of a point in one run, but for gMoE and Firefly
     assert by(method__name="lm_ens", stream__num_megabatches=4, stream__iid=False) == [1407]
     assert by(method__name="gmoe", method__tree=False) == [84] * 3

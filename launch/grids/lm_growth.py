@@ -11,8 +11,8 @@ models of the same shape (2 blocks, each a mixture of experts):
   GPT-2 vocabulary) with its 80 steps per stage. Its tied embedding holds 3.2M of its 3.4M
   parameters and its output layer most of its compute: an expert is 1% of the parameters;
 * the balanced model (`BALANCED`): d = 128, experts' hidden size 256, the 2,047 tokens most
-  frequent in the training text and one token for the rest, 800 steps per stage (about 2.7
-  passes over a mega-batch). An expert is 131k parameters against 0.4M shared, near the
+  frequent in the training text and one token for the rest, 800 steps per stage (about five
+  and a half passes over a mega-batch). An expert is 132k parameters against 0.4M shared, near the
   paper's large model (28M per expert against 96M shared), and the model trains at ten times
   the tiny one's tokens per second.
 
@@ -88,7 +88,9 @@ FINDINGS = _findings("t", "tiny preset") + _findings("b", "balanced model")
 # (`wall_s` of docs/reproduction/lm_growth/results.csv). The sweep's ETA scales them to its
 # host.
 TIME_S = {"t lm_sm E=4": 467, "t lm_sm E=8": 467, "t lm_sm E=12": 372, "t lm_gmoe": 162,
-          "t lm_gens": 774}
+          "t lm_gens": 774,
+          "b lm_sm E=4": 299, "b lm_sm E=8": 371, "b lm_sm E=12": 414, "b lm_gmoe": 118,
+          "b lm_gens": 257}
 
 
 def run_seconds(config) -> float | None:

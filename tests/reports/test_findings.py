@@ -3,10 +3,12 @@
 import csv
 import io
 import math
+import os
 
 import pytest
 
 from alma_jax.reports import findings as F
+from tests import helpers
 
 
 def _rows(groups):
@@ -234,3 +236,15 @@ def test_findings_of_a_shipped_grid_by_name_and_a_grid_that_fails_by_its_line(tm
   with pytest.raises(F.FindingsError, match=rf"^--grid_file={grid}: {grid}, line 2: NameError: "
                                             "name 'x' is not defined$"):
     F.load_findings(str(grid))
+
+
+@pytest.mark.parametrize("folder, grid", [("mnist", "findings"), ("cifar10", "findings_cifar"),
+                                          ("beyond", "beyond"), ("lm_growth", "lm_growth")])
+def test_a_committed_report_s_verdicts_are_those_of_its_results_and_grid(folder, grid):
+  # REPRODUCTION.md quotes the verdicts of docs/reproduction/<folder>/report.md: the findings
+  # computed again from the committed results.csv and the grid file as it is now are the same.
+  base = os.path.join(helpers.ROOT, "docs", "reproduction", folder)
+  found = F.evaluate(F.read_results(os.path.join(base, "results.csv")), F.load_findings(grid))
+  assert found
+  with open(os.path.join(base, "report.md")) as f:
+    assert F.table(found).strip() in f.read()
