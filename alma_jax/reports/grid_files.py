@@ -37,16 +37,21 @@ def names() -> list[str]:
 
 
 def path(value: str, flag: str = "--grid_file") -> str:
-  """The file that `flag=value` names: `value` itself when it exists, else the shipped grid
-  of that name (`findings`, `findings.py` or `launch/grids/findings.py`)."""
-  if os.path.exists(value):
+  """The file that `flag=value` names: `value` itself when it is a file, else the shipped grid
+  of that name (`findings`, `findings.py` or `launch/grids/findings.py`). A folder is never a
+  grid file: `findings` names the shipped grid in a folder that holds a sweep's root of that
+  name (`--root=findings`)."""
+  if os.path.exists(value) and not os.path.isdir(value):
     return value
   folder = grids_dir()
-  name = os.path.basename(value).removesuffix(".py")
+  name = os.path.basename(value.rstrip(os.sep)).removesuffix(".py")
   if folder and os.sep not in value.rstrip(os.sep).removeprefix("launch/grids/"):
     shipped = os.path.join(folder, name + ".py")
     if os.path.isfile(shipped):
       return shipped
+  if os.path.isdir(value):
+    raise GridFileError(f"{flag}={value}: a folder, not a grid file, nor the name of a grid "
+                        f"of alma_jax's (names: {', '.join(names()) or 'none'})")
   raise GridFileError(f"{flag}={value}: no such file, nor a grid of alma_jax's "
                       f"(names: {', '.join(names()) or 'none'})")
 

@@ -248,3 +248,15 @@ def test_a_committed_report_s_verdicts_are_those_of_its_results_and_grid(folder,
   assert found
   with open(os.path.join(base, "report.md")) as f:
     assert F.table(found).strip() in f.read()
+
+
+def test_a_folder_named_like_a_shipped_grid_does_not_hide_it(tmp_path, monkeypatch):
+  # `alma-jax sweep --grid_file=findings --root=findings`, run again from the same folder: the
+  # sweep's root is a folder named `findings`, and the name still means the shipped grid.
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "findings").mkdir()
+  assert F.load_findings("findings") == F.load_findings("launch/grids/findings.py") != []
+  (tmp_path / "no_grid").mkdir()
+  with pytest.raises(F.FindingsError, match=r"^--grid_file=no_grid: a folder, not a grid file, "
+                                            r"nor the name of a grid of alma_jax's \(names: "):
+    F.load_findings("no_grid")
