@@ -12,9 +12,9 @@ models of the same shape (2 blocks, each a mixture of experts):
   parameters and its output layer most of its compute: an expert is 1% of the parameters;
 * the balanced model (`BALANCED`): d = 128, experts' hidden size 256, the 2,047 tokens most
   frequent in the training text and one token for the rest, 800 steps per stage (about five
-  and a half passes over a mega-batch). An expert is 132k parameters against 0.4M shared, near the
-  paper's large model (28M per expert against 96M shared), and the model trains at ten times
-  the tiny one's tokens per second.
+  and a half passes over a mega-batch). An expert is 132k parameters against 0.4M shared,
+  near the paper's large model (28M per expert against 96M shared), and the model trains at
+  ten times the tiny one's tokens per second.
 
 Per model:
 * SM with E = 4, 8 and 12 experts per mixture block (the paper's three SM models);
@@ -40,25 +40,27 @@ the host it runs on (`run_seconds`).
 
 _SEEDS = [0, 1, 2]
 EXPERTS = [4, 8, 12]
-TINY = {"model.dim": 0}  # the preset's sizes, whole vocabulary, the variant's 80 steps
 BALANCED = {"data.vocab_size": 2048, "model.dim": 128, "model.ffn_dim": 256,
             "train.steps_per_epoch": 800}
-MODELS = {"t": TINY, "b": BALANCED}
-_ON = {"b": {k: [v] for k, v in BALANCED.items()}, "t": {}}
+# Each model's fields over the variant's (the tiny preset: none), and its `model.dim`, which
+# tells the two apart in a run's config (0: the preset's sizes).
+_FIELDS = {"b": {k: [v] for k, v in BALANCED.items()}, "t": {}}
+_DIM = {"b": BALANCED["model.dim"], "t": 0}
 
-GRID = [g for on in _ON.values() for g in (
-    {"config": ["configs/lm_sm.py:quick"], "model.num_experts": EXPERTS, "seed": _SEEDS, **on},
-    {"config": ["configs/lm_gmoe.py:quick", "configs/lm_gens.py:quick"], "seed": _SEEDS, **on},
+GRID = [g for fields in _FIELDS.values() for g in (
+    {"config": ["configs/lm_sm.py:quick"], "model.num_experts": EXPERTS, "seed": _SEEDS,
+     **fields},
+    {"config": ["configs/lm_gmoe.py:quick", "configs/lm_gens.py:quick"], "seed": _SEEDS,
+     **fields},
 )]
 
 
 def _sm(model, experts):
-  return {"method.name": "lm_sm", "model.num_experts": experts, "model.dim": MODELS[model][
-      "model.dim"]}
+  return {"method.name": "lm_sm", "model.num_experts": experts, "model.dim": _DIM[model]}
 
 
 def _grown(model, method):
-  return {"method.name": method, "model.dim": MODELS[model]["model.dim"]}
+  return {"method.name": method, "model.dim": _DIM[model]}
 
 
 def _findings(m: str, name: str) -> list[dict]:
@@ -98,6 +100,6 @@ def run_seconds(config) -> float | None:
   on); None for a point TIME_S does not name. `config`: the point's resolved config, a nested
   dict."""
   name = config["method"]["name"]
-  model = next(m for m, fields in MODELS.items() if config["model"]["dim"] == fields["model.dim"])
+  model = next(m for m, dim in _DIM.items() if config["model"]["dim"] == dim)
   return TIME_S.get(f"{model} {name} E={config['model']['num_experts']}" if name == "lm_sm"
                     else f"{model} {name}")
