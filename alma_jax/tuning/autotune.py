@@ -26,10 +26,14 @@ The run logs every choice (and the times behind a new one) and writes them to
 `summary.json` under "choices".
 
 The rules decide with `train.autotune="rules"`, in a run of several
-processes (which must agree without measuring or reading files) and for a
-candidate that fails to build: `models.conv.resolve_impl`, `methods.ensemble.
-choose_strategy`, and `steps_per_call_rule` (`RULE_STEPS_PER_CALL` steps per
-call on CPU, `SHORT_STEPS_PER_CALL` for an MLP's short steps there, and
+processes (which must agree without measuring or reading files), for a
+candidate that fails to build, and for a run on an accelerator that plans
+fewer train steps than `gpu_autotune.MIN_STEPS` (`short_accelerator_run`:
+there a candidate's cold compile costs seconds that a short run's steps
+cannot win back; a choice measured earlier on the machine is still used).
+They are `models.conv.resolve_impl`, `methods.ensemble.choose_strategy`
+and `steps_per_call_rule` (`RULE_STEPS_PER_CALL` steps per call on CPU,
+`SHORT_STEPS_PER_CALL` for an MLP's short steps there, and
 `ACCELERATOR_STEPS_PER_CALL` on accelerators, where a small step is bound by
 the launch of each call).
 """
@@ -56,6 +60,7 @@ from alma_jax.methods import ensemble
 from alma_jax.models import conv
 from alma_jax.outputs import io_utils
 from alma_jax.runtime import host
+from alma_jax.tuning import gpu_autotune
 
 FILE = "autotune.json"
 MODES = ("measure", "rules")
@@ -157,6 +162,23 @@ def _short_steps(config) -> bool:
   host."""
   return (_calls_from_the_host(config)
           and "images" in models.spec(config.model.name).tasks)
+
+
+def _accelerator() -> bool:
+  return jax.default_backend() != "cpu"
+
+
+def short_accelerator_run(config) -> int | None:
+  """The run's planned train steps (`gpu_autotune.planned_steps`) when it runs on an
+  accelerator and plans fewer than `gpu_autotune.MIN_STEPS`, the bound below which XLA's own
+  autotuning is not worth its compile time either; None otherwise (a CPU, a longer run, data
+  of unknown size). Such a run takes its rules instead of measuring: on an H200, measuring
+  P1's two convolution implementations compiled a second train step (4.9 s) and timed both,
+  for a run whose about 800 steps train in 5.4 s (`gpu_autotune`)."""
+  if not _accelerator():
+    return None
+  steps = gpu_autotune.planned_steps(config)
+  return steps if steps is not None and steps < gpu_autotune.MIN_STEPS else None
 
 
 def steps_per_call_rule(config) -> int:
@@ -357,6 +379,10 @@ def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
       value, how = tunable.rule(config), "by rule"
     elif key in machine:
       value, how = machine[key], f"measured earlier on this machine ({cache_file})"
+    elif (short := short_accelerator_run(config)) is not None:
+      value, how = tunable.rule(config), (
+          f"by rule ({short:,} planned train steps on an accelerator < "
+          f"{gpu_autotune.MIN_STEPS:,}: measuring would compile more than it can save)")
     else:
       timer = measure_eval if tunable.timed == "eval" else measure
       value, how, measured = _measure(config, tunable, build, timer, choices)

@@ -108,6 +108,49 @@ def test_rules_explicit_values_and_fields_that_do_not_apply_are_not_measured(tmp
   assert [t.path for t in autotune.pending(mlp)] == ["method.strategy"]
 
 
+def test_a_short_run_on_an_accelerator_takes_the_rules_and_a_long_one_measures(
+    tmp_path, monkeypatch, caplog):
+  monkeypatch.setattr(autotune, "_accelerator", lambda: True)
+  build, measure, calls = _fake({(1, "auto", "vmap"): 2.0, (1, "auto", "loop"): 1.0})
+  cache = str(tmp_path / "machine.json")
+  vgg = _small("cifar10", method="ens", width=4)
+  vgg.method.num_members = 2
+  steps = autotune.gpu_autotune.planned_steps(vgg)
+  assert steps < autotune.gpu_autotune.MIN_STEPS
+  assert autotune.short_accelerator_run(vgg) == steps
+  with caplog.at_level(logging.INFO):
+    got = autotune.choose(vgg, (32, 32, 3), build, mode="measure", cache_file=cache,
+                          measure=measure)
+  assert got == autotune.choose(vgg, (32, 32, 3), build, mode="rules", cache_file=cache,
+                                measure=measure)
+  assert set(got) == {"model.conv_impl", "method.strategy"}
+  assert not calls and not os.path.exists(cache)  # nothing compiled, timed or remembered
+  assert (f"by rule ({steps:,} planned train steps on an accelerator < 8,000: measuring "
+          "would compile more than it can save)") in caplog.text
+  # A run of at least MIN_STEPS planned steps measures (an MLP's ensemble: its strategy).
+  mlp = _small(method="ens")
+  mlp.method.num_members = 2
+  assert [t.path for t in autotune.pending(mlp)] == ["method.strategy"]
+  assert autotune.short_accelerator_run(mlp) is not None
+  mlp.train.epochs = -(-autotune.gpu_autotune.MIN_STEPS // autotune.gpu_autotune.planned_steps(
+      mlp)) * mlp.train.epochs
+  assert autotune.short_accelerator_run(mlp) is None
+  long = autotune.choose(mlp, MNIST, build, mode="measure", cache_file=cache, measure=measure)
+  assert long == {"method.strategy": "loop"} and sorted(calls) == [(1, "auto", "loop"),
+                                                                  (1, "auto", "vmap")]
+  # What this machine measured serves a short run of the same step (the epochs are not in
+  # the key), though the rule would say otherwise.
+  calls.clear()
+  mlp.train.epochs = 2
+  assert autotune.short_accelerator_run(mlp) is not None
+  assert autotune.by_rules(mlp).method.strategy == "vmap"
+  assert autotune.choose(mlp, MNIST, build, mode="measure", cache_file=cache,
+                         measure=measure) == {"method.strategy": "loop"} and not calls
+  # On a CPU the same short run measures.
+  monkeypatch.setattr(autotune, "_accelerator", lambda: False)
+  assert autotune.short_accelerator_run(vgg) is None
+
+
 def test_a_candidate_that_fails_leaves_the_choice_to_the_rule(tmp_path, caplog):
   c = _small(steps_per_call=0)
 
