@@ -146,7 +146,7 @@ def test_a_short_run_on_an_accelerator_takes_the_rules_and_a_long_one_measures(
   assert autotune.by_rules(mlp).method.strategy == "vmap"
   assert autotune.choose(mlp, MNIST, build, mode="measure", cache_file=cache,
                          measure=measure) == {"method.strategy": "loop"} and not calls
-  # On a CPU the same short run measures.
+  # On a CPU no run is a short accelerator run (the CPU's measurements: the tests above).
   monkeypatch.setattr(autotune, "_accelerator", lambda: False)
   assert autotune.short_accelerator_run(vgg) is None
 
