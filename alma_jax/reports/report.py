@@ -203,6 +203,9 @@ def _read_seed(path: str) -> Run:
 def load_runs(path: str) -> list[Run]:
   """The seeds of the run in `path` (one, or those of its `seed_<k>/` folders)."""
   if not os.path.isdir(path):
+    if glob.has_magic(path):  # a pattern `expand_workdirs` kept: it matched no run
+      raise ReportError(f"--workdirs: {path} matches no run's workdir (a folder with "
+                        f"{wd.CONFIG_FILE})")
     raise ReportError(f"--workdirs: {path} is not a directory")
   seeds = wd.output_dirs(path)[1:]
   if seeds and os.path.exists(os.path.join(path, wd.CONFIG_FILE)):

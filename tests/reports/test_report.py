@@ -395,6 +395,10 @@ def test_a_pattern_stands_for_the_runs_it_matches(runs, tmp_path):
   assert report.expand_workdirs([str(tmp_path / "*")]) == sorted(runs)
   assert report.expand_workdirs([str(tmp_path / "sm8_s?"), "a"]) == sorted(runs[:2]) + ["a"]
   assert report.expand_workdirs([str(tmp_path / "none*")]) == [str(tmp_path / "none*")]
+  for pattern in ("none*", "logs*"):  # no folder, or folders that are not runs
+    with pytest.raises(report.ReportError, match=rf"{pattern}\* matches no run's workdir "
+                       r"\(a folder with config\.json\)"):
+      report.load_runs(report.expand_workdirs([str(tmp_path / pattern)])[0])
   proc = subprocess.run([sys.executable, "-m", "alma_jax.reports.report",
                          f"--workdirs={tmp_path}/*,{runs[0]}", f"--out={tmp_path / 'report'}",
                          "--nogating"], cwd=ROOT,
