@@ -191,6 +191,7 @@ def clear_outputs(workdir: str) -> None:
   and what is kept is named in the log.
   """
   kept: list[str] = []
+  before = _tree(workdir)
   _clear_output_dir(workdir, _FILES, _DIRS, kept)
   for d in output_dirs(workdir)[1:]:
     if os.path.islink(d):
@@ -201,9 +202,18 @@ def clear_outputs(workdir: str) -> None:
     if not left:
       os.rmdir(d)
     kept.extend(p for p in left if not any(k.startswith(p + os.sep) for k in kept))
-  logging.warning("--overwrite: removed the previous run's outputs from %s", workdir)
+  if before - _tree(workdir):  # nothing to say where no run had written
+    logging.warning("removed the previous run's outputs from %s (overwrite)", workdir)
   if kept:
-    logging.warning("--overwrite: kept %s, which a run does not write", ", ".join(kept))
+    logging.warning("kept %s, which a run does not write (overwrite)", ", ".join(kept))
+
+
+def _tree(directory: str) -> set[str]:
+  """The paths of every file, folder and link below `directory` (links not followed)."""
+  out = set()
+  for root, dirs, files in os.walk(directory):
+    out.update(os.path.join(root, n) for n in dirs + files)
+  return out
 
 
 def sync_architecture_log(workdir: str, last_t: int, lines: list[dict] | None = None) -> None:

@@ -409,6 +409,21 @@ def test_overwrite_keeps_a_users_files_in_the_checkpoint_and_wandb_folders(tmp_p
   assert "kept" in caplog.text and "my_model.pt" in caplog.text
 
 
+def test_overwrite_says_it_removed_outputs_only_where_there_were_some(tmp_path, caplog):
+  wd = tmp_path / "wd"
+  wd.mkdir()
+  (wd / "mine.txt").write_text("mine")
+  with caplog.at_level(logging.WARNING):
+    workdir_lib.clear_outputs(str(wd))  # a folder no run wrote in
+  assert "removed" not in caplog.text and sorted(os.listdir(wd)) == ["mine.txt"]
+  (wd / "log.jsonl").write_text('{"t": 0}\n')
+  with caplog.at_level(logging.WARNING):
+    workdir_lib.clear_outputs(str(wd))
+  # In words that fit the command line's --overwrite and the API's overwrite=True alike.
+  assert f"removed the previous run's outputs from {wd} (overwrite)" in caplog.text
+  assert "--overwrite" not in caplog.text and sorted(os.listdir(wd)) == ["mine.txt"]
+
+
 def test_overwrite_removes_folders_that_held_only_a_runs_outputs(tmp_path):
   wd = tmp_path / "wd"
   wd.mkdir()
