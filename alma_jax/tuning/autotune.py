@@ -364,6 +364,7 @@ def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
   cache_file = cache_file or default_cache_file()
   given = given or {}
   mine, machine = read(workdir_file), read(cache_file)
+  short = short_accelerator_run(config)
   choices: dict[str, Any] = {}
   for tunable in pending(config):
     path = tunable.path
@@ -379,7 +380,7 @@ def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
       value, how = tunable.rule(config), "by rule"
     elif key in machine:
       value, how = machine[key], f"measured earlier on this machine ({cache_file})"
-    elif (short := short_accelerator_run(config)) is not None:
+    elif short is not None:
       value, how = tunable.rule(config), (
           f"by rule ({short:,} planned train steps on an accelerator < "
           f"{gpu_autotune.MIN_STEPS:,}: measuring would compile more than it can save)")
