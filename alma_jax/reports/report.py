@@ -203,9 +203,6 @@ def _read_seed(path: str) -> Run:
 def load_runs(path: str) -> list[Run]:
   """The seeds of the run in `path` (one, or those of its `seed_<k>/` folders)."""
   if not os.path.isdir(path):
-    if glob.has_magic(path):  # a pattern `expand_workdirs` kept: it matched no run
-      raise ReportError(f"--workdirs: {path} matches no run's workdir (a folder with "
-                        f"{wd.CONFIG_FILE})")
     raise ReportError(f"--workdirs: {path} is not a directory")
   seeds = wd.output_dirs(path)[1:]
   if seeds and os.path.exists(os.path.join(path, wd.CONFIG_FILE)):
@@ -528,6 +525,15 @@ def expand_workdirs(items: Sequence[str]) -> list[str]:
   return out
 
 
+def check_matched(workdirs: Sequence[str]) -> None:
+  """A `ReportError` naming the first pattern that `expand_workdirs` kept in `workdirs`
+  because it matched no run."""
+  for item in workdirs:
+    if glob.has_magic(item) and not os.path.isdir(item):
+      raise ReportError(f"--workdirs: {item} matches no run's workdir (a folder with "
+                        f"{wd.CONFIG_FILE})")
+
+
 def _fail(message: str) -> None:
   """Ends the command with one line on stderr and exit code 2 (a bad input)."""
   print(f"report: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
@@ -541,6 +547,7 @@ def main(argv):
   if not workdirs or FLAGS.out is None:
     _fail("give --workdirs=DIR[,DIR...] (or directories as arguments) and --out=DIR")
   try:
+    check_matched(workdirs)
     found = findings_lib.load_findings(FLAGS.findings, "--findings") if FLAGS.findings else ()
     figures = write_report(workdirs, FLAGS.out, gating=FLAGS.gating, findings=found)
   except (ReportError, findings_lib.FindingsError) as e:

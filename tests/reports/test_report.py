@@ -398,7 +398,8 @@ def test_a_pattern_stands_for_the_runs_it_matches(runs, tmp_path):
   for pattern in ("none*", "logs*"):  # no folder, or folders that are not runs
     with pytest.raises(report.ReportError, match=rf"{pattern}\* matches no run's workdir "
                        r"\(a folder with config\.json\)"):
-      report.load_runs(report.expand_workdirs([str(tmp_path / pattern)])[0])
+      report.check_matched(report.expand_workdirs([str(tmp_path / pattern)]))
+  report.check_matched(report.expand_workdirs([str(tmp_path / "*")]))  # patterns that matched
   proc = subprocess.run([sys.executable, "-m", "alma_jax.reports.report",
                          f"--workdirs={tmp_path}/*,{runs[0]}", f"--out={tmp_path / 'report'}",
                          "--nogating"], cwd=ROOT,
