@@ -1077,6 +1077,9 @@ def test_the_findings_grids_estimate_every_run_from_their_time_tables(tmp_path, 
     assert by(method__name="lm_gmoe", model__dim=0) == [162] * 3
     assert by(method__name="lm_gens", model__dim=0) == [774]
     assert by(method__name="lm_gmoe", model__dim=128) == [118] * 3
+    # A point of neither model (another dim) has no estimate, as the file's docstring says.
+    other = {"method": {"name": "lm_sm"}, "model": {"dim": 96, "num_experts": 4}}
+    assert sweep.load_run_seconds(path)(other) is None
   else:  # the seeds of a point in one run, but for gMoE and Firefly
     assert by(method__name="lm_ens", stream__num_megabatches=4, stream__iid=False) == [1407]
     assert by(method__name="gmoe", method__tree=False) == [84] * 3

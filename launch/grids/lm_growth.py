@@ -100,6 +100,8 @@ def run_seconds(config) -> float | None:
   on); None for a point TIME_S does not name. `config`: the point's resolved config, a nested
   dict."""
   name = config["method"]["name"]
-  model = next(m for m, dim in _DIM.items() if config["model"]["dim"] == dim)
+  model = next((m for m, dim in _DIM.items() if config["model"]["dim"] == dim), None)
+  if model is None:  # a model of neither size
+    return None
   return TIME_S.get(f"{model} {name} E={config['model']['num_experts']}" if name == "lm_sm"
                     else f"{model} {name}")
