@@ -347,7 +347,7 @@ def apply_variant(c: ml_collections.ConfigDict, arg: str | None,
       be a `ByDataset` (by `c.data.name`), a `ByMethod` (by `c.method.name`) and `KEEP`.
 
   Raises:
-    ValueError: an unknown variant, naming the valid ones.
+    ValueError: an unknown variant, naming the valid ones, or one named twice.
   """
   scaled = None
   if table is None:
@@ -361,6 +361,10 @@ def apply_variant(c: ml_collections.ConfigDict, arg: str | None,
     elif p not in table:
       valid = list(table) + (["'Kx' with K a positive integer such as '2x'"] if scaled else [])
       raise ValueError(f"config variant {p!r} is unknown; valid: {valid} (comma-separated)")
+  repeated = sorted({p for p in parts if parts.count(p) > 1})
+  if repeated:
+    raise ValueError(f"config variant {repeated[0]!r} is named more than once in {arg!r}; "
+                     "name each variant once")
   parts = sorted(parts, key=lambda p: p not in FIRST_VARIANTS)  # stable: the rest keep order
   for p in parts:
     for path, value in table.get(p, {}).items():

@@ -230,8 +230,12 @@ def main(argv=None) -> int:
                  help="comma-separated summary columns to compare (default: those of "
                       f"{','.join(DEFAULT_METRICS)} that the files have)")
   args = p.parse_args(argv)
-  metrics = [m for m in args.metrics.split(",") if m] if args.metrics else None
+  metrics = None if args.metrics is None else [m.strip() for m in args.metrics.split(",")
+                                                if m.strip()]
   try:
+    if metrics == []:
+      raise RerunError(f"--metrics={args.metrics!r} names no column; give comma-separated "
+                       "summary columns, or leave the flag out for the defaults")
     this = findings_lib.read_results(args.results, "--results")
     earlier = findings_lib.read_results(args.against, "--against")
     print(table(compare(this, earlier, metrics)), end="")

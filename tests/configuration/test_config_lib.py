@@ -143,6 +143,19 @@ def test_an_unknown_variant_names_the_valid_ones(dataset, method, arg, message):
     config_lib.apply_variant(config_lib.base_config(dataset, method), arg)
 
 
+@pytest.mark.parametrize("dataset, method, arg, named", [
+    ("mnist", "sm", "smoke,smoke", "smoke"),
+    ("mnist", "sm", "quick, paper,quick", "quick"),
+    ("tiny_shakespeare", "lm_sm", "smoke,2x,2x", "2x"),
+])
+def test_a_variant_named_twice_is_refused(dataset, method, arg, named):
+  # Twice is either a slip (a variant's fields set again) or, for Kx, a factor that compounds
+  # unseen: neither is what the command line seems to say.
+  with pytest.raises(ValueError, match=rf"config variant '{named}' is named more than once in "
+                     rf"'{arg}'; name each variant once"):
+    config_lib.apply_variant(config_lib.base_config(dataset, method), arg)
+
+
 def test_a_timing_protocol_takes_only_its_own_variant():
   c = config_lib.protocol(config_lib.base_config("mnist"), "smoke", num_megabatches=10, width=64,
                           epochs=5)

@@ -112,6 +112,15 @@ def test_default_metrics_are_those_the_files_have_and_an_unknown_one_is_named(tm
   assert R.main([f"--results={paths['this']}", f"--against={paths['earlier']}",
                  "--metrics=cer_percent,wall"]) == 2
   assert "rerun: error: --metrics: ['wall']" in capsys.readouterr().err
+  # An empty list (an unset shell variable) is not taken for the defaults.
+  for empty in ("", " , "):
+    assert R.main([f"--results={paths['this']}", f"--against={paths['earlier']}",
+                   f"--metrics={empty}"]) == 2
+    assert (f"rerun: error: --metrics={empty!r} names no column; give comma-separated summary "
+            "columns, or leave the flag out for the defaults") in capsys.readouterr().err
+  assert R.main([f"--results={paths['this']}", f"--against={paths['earlier']}",
+                 "--metrics= final_error"]) == 0
+  assert "| mnist sm | final_error |" in capsys.readouterr().out
 
 
 def test_groups_that_differ_only_in_a_field_the_other_file_lacks_are_an_error():
