@@ -38,6 +38,7 @@ from alma_jax.outputs import io_utils
 Series = dict[str, Any]
 FONT_PT = 8
 LEGEND_HANDLE_PT = 40.0  # a legend entry's marker, line and padding, in points
+TITLE_MARGIN_PT = 12.0  # a panel's title keeps this far from the next panel's, in points
 LEGEND_LINE_IN = 0.15  # the height of a legend label's line, in inches
 LABEL_PT = 9
 LOG_SPAN = 10.0
@@ -206,10 +207,14 @@ def whole_steps(axis) -> None:
 
 
 def finish(ax, xlabel: str, ylabel: str, title: str = "") -> None:
+  """Axis labels, ticks and grid; `title` broken into lines that fit the panel's width (a
+  title wider than its panel would run into its neighbour's)."""
   ax.set_xlabel(xlabel, fontsize=LABEL_PT)
   ax.set_ylabel(ylabel, fontsize=LABEL_PT)
   if title:
-    ax.set_title(title, fontsize=LABEL_PT)
+    grid = ax.get_gridspec()
+    room = ax.figure.get_figwidth() * 72 / (grid.ncols if grid else 1) - TITLE_MARGIN_PT
+    ax.set_title(fit_label(title, room, LABEL_PT), fontsize=LABEL_PT)
   ax.tick_params(labelsize=FONT_PT)
   ax.grid(alpha=0.3)
 
@@ -239,12 +244,12 @@ def text_width_pt(text: str, size: float = FONT_PT) -> float:
   return TextPath((0, 0), text, size=size).get_extents().width if text.strip() else 0.0
 
 
-def fit_label(label: str, room_pt: float) -> str:
-  """`label` broken at spaces into lines of at most `room_pt` points each (a word wider than
-  that keeps a line of its own)."""
+def fit_label(label: str, room_pt: float, size: float = FONT_PT) -> str:
+  """`label` broken at spaces into lines of at most `room_pt` points each, set at `size` (a
+  word wider than that keeps a line of its own)."""
   lines: list[str] = []
   for word in label.split(" "):
-    if lines and text_width_pt(f"{lines[-1]} {word}") <= room_pt:
+    if lines and text_width_pt(f"{lines[-1]} {word}", size) <= room_pt:
       lines[-1] = f"{lines[-1]} {word}"
     else:
       lines.append(word)

@@ -52,6 +52,85 @@ subplots, save, mean_std, mean_std_columns = (style.subplots, style.save, style.
                                               style.mean_std_columns)
 
 
+# -- the models of a report: image backbones' widths, Switch Transformers' sizes ------------------
+# The fields that size a Switch Transformer and its vocabulary (0: the preset's size, the whole
+# vocabulary). A report of Switch Transformers of several sizes draws each size in panels of its
+# own, or as the points that a config's line joins, as it does an image backbone's widths.
+SWITCH_SIZE_FIELDS = ("model.preset", "model.num_layers", "model.dim", "model.num_heads",
+                      "model.ffn_dim", "model.moe_every", "data.vocab_size")
+# Fields that may change with the size alone (a grid's steps per stage for each model): then
+# they belong to its title, not to the configs' labels.
+_SIZE_PREFIXES = ("model.", "data.", "train.")
+
+
+class Models:
+  """The Switch Transformer sizes among a data set's groups: `fields` (empty unless all groups
+  are Switch Transformers and two sizes differ) are those that set the sizes apart, with the
+  fields that change with the size alone; `title(g)` names `g`'s size by them, a size field
+  at 0 by what it stands for (the preset's value, `vocab_size=all`)."""
+
+  def __init__(self, groups, fields: Sequence[str] = ()):
+    self.fields: tuple[str, ...] = ()
+    if not groups or any(g.get("model.name") != "switch" for g in groups):
+      return
+    size = [f for f in SWITCH_SIZE_FIELDS if _differs(f, groups)]
+    if not size:
+      return
+    by_size: dict[tuple, list] = {}
+    for g in groups:
+      by_size.setdefault(tuple(_value(g.get(f)) for f in size), []).append(g)
+
+    def with_size(f):  # one value per size, and not the same for all
+      return (f not in size and f.startswith(_SIZE_PREFIXES) and f != "model.num_experts"
+              and all(not _differs(f, members) for members in by_size.values())
+              and _differs(f, groups))
+
+    self.fields = tuple(size + [f for f in fields if with_size(f)])
+
+  def __bool__(self) -> bool:
+    return bool(self.fields)
+
+  def _resolved(self, g, field: str):
+    v = g.get(field)
+    if field == "data.vocab_size" and not v:
+      return "all"
+    if field in SWITCH_SIZE_FIELDS and field != "model.preset" and not v:
+      from alma_jax.models import switch  # pylint: disable=g-import-not-at-top
+      preset = switch.PRESETS.get(g.get("model.preset"))
+      name = field.split(".")[-1]
+      return v if preset is None else preset[switch.SIZE_FIELDS.index(name)]
+    return v
+
+  def title(self, g) -> str:
+    """`g`'s size: "dim=64 ffn_dim=128 vocab_size=all ..." ("" for a report of one size)."""
+    return " ".join(f"{f.split('.')[-1]}={_value(self._resolved(g, f))}" for f in self.fields)
+
+  def order(self, g) -> tuple:
+    """A sort key of `g`'s size, numbers by value ("all" after any number)."""
+    def key(v):
+      return (0, float(v), "") if isinstance(v, (int, float)) else (1, 0.0, str(v))
+    return tuple(key(self._resolved(g, f)) for f in self.fields)
+
+  def others(self, fields: Sequence[str]) -> list[str]:
+    """`fields` less the sizes' own."""
+    return [f for f in fields if f not in self.fields]
+
+
+def _labeller(groups, fields: Sequence[str]):
+  """g -> its label among `groups` in the trade-offs and error figures: `series_label` of
+  `fields`; for Switch Transformers, of those that set them apart (`lm_label_fields`: not the
+  wait and replay that all share), an i.i.d. run marked as such."""
+  if not (groups and all(g.get("model.name") == "switch" for g in groups)):
+    return lambda g: series_label(g, groups, fields)
+  shown = lm_label_fields(groups, fields)
+
+  def label(g):
+    if not _is_iid(g):
+      return series_label(g, groups, shown)
+    return series_label(g, groups, [f for f in shown if f not in IID_DERIVED]) + " i.i.d."
+  return label
+
+
 # -- CER vs compute and memory (Fig. 2/7), replay (Fig. 4) -----------------------------------------
 def _stat_points(groups, xfield: str, yfield: str, xscale: float, yscale: float = 1.0):
   pts = [(g.stat(xfield), g.stat(yfield)) for g in groups]
@@ -64,18 +143,24 @@ def _line_key(g, fields: Sequence[str]) -> tuple:
 
 
 def tradeoff_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
-  """{"comp": ..., "mem": ...}: one series per config across widths (finished runs only)."""
-  looks = Looks(groups, fields)
+  """{"comp": ..., "mem": ...}: one series per config across widths (finished runs only), or
+  across the sizes of Switch Transformers (`Models`; `widths` then holds their titles)."""
+  models = Models(groups, fields)
+  looks = Looks(groups, models.others(fields))
   groups = [g for g in groups if g.finished]
-  line_fields = [f for f in fields if f != "model.width"]
+  line_fields = [f for f in models.others(fields) if f != "model.width"]
+  label = _labeller(groups, line_fields)
   lines: dict[tuple, list] = {}
   for g in groups:
     lines.setdefault(_line_key(g, line_fields), []).append(g)
   out = {"comp": [], "mem": []}
   for members in lines.values():
-    members = sorted(members, key=lambda g: float(g.get("model.width") or 0))
-    look = dict(looks.of(members[0]), label=series_label(members[0], groups, line_fields),
-                widths=[m.get("model.width") for m in members])
+    if models:
+      members = sorted(members, key=models.order)
+    else:
+      members = sorted(members, key=lambda g: float(g.get("model.width") or 0))
+    look = dict(looks.of(members[0]), label=label(members[0]),
+                widths=[models.title(m) if models else m.get("model.width") for m in members])
     out["comp"].append(dict(look, **_stat_points(members, COMP_AXIS, "cer_percent", TERA)))
     out["mem"].append(dict(look, **_stat_points(members, "mem", "cer_percent", 1.0)))
   return out
@@ -274,14 +359,18 @@ def policy_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
 
 # -- error over time (Fig. 1/3) --------------------------------------------------------------------
 def error_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
-  """{"width=<w>": one series per config}: mean test error (%) over t, std over seeds."""
-  looks = Looks(groups, fields)
-  others = [f for f in fields if f != "model.width"]
+  """{"width=<w>": one series per config}: mean test error (%) over t, std over seeds. Switch
+  Transformers have no width: a panel per size (`Models.title`; "" when all share one)."""
+  models = Models(groups, fields)
+  looks = Looks(groups, models.others(fields))
+  switch = groups and all(g.get("model.name") == "switch" for g in groups)
+  label = _labeller(groups, [f for f in models.others(fields) if f != "model.width"])
   out: dict[str, list[Series]] = {}
-  for g in sorted(groups, key=lambda g: float(g.get("model.width") or 0)):
+  order = models.order if switch else (lambda g: float(g.get("model.width") or 0))
+  for g in sorted(groups, key=order):
     t, mean, std = g.curve("test_error")
-    out.setdefault(f"width={g.get('model.width')}", []).append(
-        dict(looks.of(g), label=series_label(g, groups, others), x=t.tolist(),
+    out.setdefault(models.title(g) if switch else f"width={g.get('model.width')}", []).append(
+        dict(looks.of(g), label=label(g), x=t.tolist(),
              y=(100 * mean).tolist(),
              yerr=(100 * std).tolist()))
   return out
@@ -403,10 +492,11 @@ def lm_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   nothing). Compute and parameters are drawn on log axes, so the mega-batches before a
   learner first trains (no compute yet) have no point in the compute panel."""
   groups = [g for g in groups if g.finished and has_perplexity(g)]
-  shown = lm_label_fields(groups, fields)
+  models = Models(groups, fields)
+  shown = lm_label_fields(groups, models.others(fields))
   looks = style.Looks(groups, shown + ["stream.iid"] * any(_is_iid(g) for g in groups))
   out: dict[str, list[Series]] = {"comp": [], "params": [], "experts": []}
-  for g in groups:
+  for g in sorted(groups, key=models.order) if models else groups:
     n = min(len(r.records) for r in g.finished)
     if n < 2:
       continue
@@ -420,10 +510,19 @@ def lm_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
       if not keep.any():
         continue
       out[panel].append(dict(looks.of(g), label=lm_label(g, shown), iid=_is_iid(g),
-                             x=x[keep].tolist(), xerr=xstd[keep].tolist(),
-                             y=y[keep].tolist(), yerr=ystd[keep].tolist()))
-  return {k: v for k, v in out.items()
-          if v and (k == "comp" or len({x for s in v for x in s["x"]}) > 1)}
+                             model=models.title(g), x=x[keep].tolist(),
+                             xerr=xstd[keep].tolist(), y=y[keep].tolist(),
+                             yerr=ystd[keep].tolist()))
+  kinds = {k: v for k, v in out.items()
+           if v and (k == "comp" or len({x for s in v for x in s["x"]}) > 1)}
+  if not models:
+    return kinds
+  # A row of panels per size, in the order of the sizes: "<kind>: <size>".
+  drawn = {s["model"] for v in kinds.values() for s in v}
+  titles = [t for t in dict.fromkeys(models.title(g) for g in sorted(groups, key=models.order))
+            if t in drawn]
+  return {f"{k}: {t}": [s for s in v if s["model"] == t] for t in titles
+          for k, v in kinds.items()}
 
 
 # -- the figures -----------------------------------------------------------------------------------
@@ -446,7 +545,7 @@ def error_figure(curves: dict[str, list[Series]], data: str):
   fig, axes = subplots(len(curves), height=2.6,
                        legend_entries=len({s["label"] for v in curves.values() for s in v}))
   for ax, (panel, series) in zip(axes, curves.items()):
-    style.draw_curves(ax, series, "mega-batch t", "test error (%)", f"{data} {panel}")
+    style.draw_curves(ax, series, "mega-batch t", "test error (%)", f"{data} {panel}".strip())
   style.legend(fig, axes)
   return fig
 
@@ -486,10 +585,16 @@ def policy_figure(panels: dict[str, list[Series]], data: str):
 
 
 def lm_figure(lm: dict[str, list[Series]], data: str):
-  fig, axes = subplots(len(lm), legend_entries=len({s["label"] for v in lm.values() for s in v}))
+  """The panels of `lm_series`: a row per Switch Transformer size ("<kind>: <size>" keys),
+  titled with it, each row's kinds in columns; one panel per kind for a single size."""
+  kinds = list(dict.fromkeys(panel.split(":")[0] for panel in lm))
+  fig, axes = subplots(len(lm), legend_entries=len({s["label"] for v in lm.values() for s in v}),
+                       max_cols=max(2, len(kinds)) if len(kinds) < len(lm) else 2)
   for ax, (panel, series) in zip(axes, lm.items()):
-    style.draw_points(ax, series, LM_XLABELS[panel], "mean test perplexity, mega-batches 1..t",
-                      data, logx=panel != "experts", engineering=panel == "params")
+    kind, _, size = panel.partition(": ")
+    style.draw_points(ax, series, LM_XLABELS[kind], "mean test perplexity\nover mega-batches 1..t",
+                      f"{data} {size}".strip(), logx=kind != "experts",
+                      engineering=kind == "params")
   style.legend(fig, axes)
   return fig
 

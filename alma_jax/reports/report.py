@@ -9,10 +9,11 @@ differ only by their seed, and writes into `--out`, per data set:
 * `tradeoffs_<data>.png/.pdf`: CER (%) vs paper-comparable TFLOPs of all the
   learner's work (`comp_paper_total`, forward multiply-adds x examples of training,
   growth's passes over data and a waiting policy's evaluations) and vs Mem, one colour per
-  method, a line across widths, a marker per waiting time (paper Fig. 2/7);
+  method, a line across widths (Switch Transformers: across sizes, `plots.Models`), a
+  marker per waiting time (paper Fig. 2/7);
   error bars are one sample standard deviation (ddof=1) over seeds.
 * `error_<data>.png/.pdf`: test error vs mega-batch t, one panel per width
-  (Fig. 1/3), the band one standard deviation over seeds.
+  (Switch Transformers: per size) (Fig. 1/3), the band one standard deviation over seeds.
 * `wait_<data>.png/.pdf`: CER vs waiting time w, a line per config over its
   waits (paper Fig. 2's question: which wait is best), when a config has two
   or more.
@@ -23,7 +24,8 @@ differ only by their seed, and writes into `--out`, per data set:
   paper's: CER vs compute per width, each method's fixed waits (fine-tuned,
   no replay) as a line in order of compute, every other policy config a point.
 * `lm_<data>.png/.pdf`: average perplexity vs compute, parameters and
-  experts (Fig. 5), for runs whose records carry `test_perplexity`.
+  experts (Fig. 5), for runs whose records carry `test_perplexity`; a row of
+  panels per size where Switch Transformers of several sizes are compared.
 * `plasticity_<data>.png/.pdf`: when some run recorded plasticity diagnostics
   (`log.plasticity`): dormant units (%), the effective rank of the last hidden layer and
   the distance from the initial parameters against t, a line per config.

@@ -816,9 +816,84 @@ def test_the_language_model_figure_shows_the_iid_learner_where_it_is_evaluated(t
   np.testing.assert_allclose(iid["y"], [355.0])  # its perplexity at t=B, not an average
   np.testing.assert_allclose(iid["yerr"], [np.std([350.0, 360.0], ddof=1)])
   assert seq["color"] == plot_style.method_color("sm") and iid["color"] != seq["color"]
+  # In the CER figures too, the i.i.d. learner is named as such, not by the wait and steps it
+  # sets, and the wait and replay that all share are left out.
+  trade = figs["tradeoffs_tiny_shakespeare"]["comp"]
+  assert sorted(s["label"] for s in trade) == ["lm_sm", "lm_sm i.i.d."]
+  assert sorted(s["label"] for s in figs["error_tiny_shakespeare"][""]) == [
+      "lm_sm", "lm_sm i.i.d."]
   fig = plots.lm_figure(lm, "tiny_shakespeare")
   assert len(fig.axes) == 1 and fig.axes[0].get_yscale() == "linear"
   assert (tmp_path / "out" / "lm_tiny_shakespeare.png").exists()
+
+
+def _switch_run(tmp_path, method, experts, balanced, seed, ppl):
+  """A tiny_shakespeare run of the tiny preset or of a wider model with a smaller vocabulary
+  and ten times the steps (the sizes of `launch/grids/lm_growth.py`)."""
+  c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", method), "quick")
+  c.seed, c.model.num_experts = seed, experts
+  if balanced:
+    c.data.vocab_size, c.model.dim, c.model.ffn_dim = 2048, 128, 256
+    c.train.steps_per_epoch *= 10
+  config = wd.config_dict(validation.complete(c))
+  params = (1_000_000 if balanced else 3_000_000) + 10_000 * experts
+  records = _records([0.9, 0.8, 0.7, 0.6, 0.5], params=params, macs=(8e12 if balanced else 5e12),
+                     extra={"test_perplexity": [2e3] + [ppl + 10 * t for t in (3, 2, 1, 0)]})
+  return _write(tmp_path / f"{method}_{experts}_{int(balanced)}_{seed}", config, records)
+
+
+def test_switch_transformers_of_two_sizes_are_drawn_apart_and_labelled_by_what_differs(tmp_path):
+  # Two sizes of one grid: the per-size fields (the widths and vocabulary, and the steps chosen
+  # for each) name the size, in the panels' titles or along a config's line; the labels keep
+  # only what sets the configs of one size apart (the method, the experts), not the wait and
+  # replay that all share or a field at 0 that stands for the preset's value.
+  dirs = [_switch_run(tmp_path, m, e, b, s, (40.0 if b else 400.0) - e)
+          for b in (True, False) for m, e in (("lm_sm", 4), ("lm_sm", 8), ("lm_gmoe", 4))
+          for s in (0, 1)]
+  figs = report.write_report(dirs, str(tmp_path / "out"), gating=False)
+  steps = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"),
+                                   "quick").train.steps_per_epoch
+  tiny = f"dim=64 ffn_dim=128 vocab_size=all steps_per_epoch={steps}"
+  wide = f"dim=128 ffn_dim=256 vocab_size=2048 steps_per_epoch={10 * steps}"
+  labels = {"lm_sm num_experts=4", "lm_sm num_experts=8", "lm_gmoe num_experts=4"}
+  lm = figs["lm_tiny_shakespeare"]
+  assert list(lm) == [f"comp: {tiny}", f"params: {tiny}", f"comp: {wide}", f"params: {wide}"]
+  for panel, series in lm.items():
+    assert {s["label"] for s in series} == labels, panel
+    assert {s["model"] for s in series} == {panel.split(": ")[1]}
+  by_size = {panel: {s["label"]: s for s in series} for panel, series in lm.items()}
+  np.testing.assert_allclose(by_size[f"comp: {wide}"]["lm_sm num_experts=8"]["y"][-1],
+                             np.mean([62.0, 52.0, 42.0, 32.0]))
+  np.testing.assert_allclose(by_size[f"comp: {tiny}"]["lm_sm num_experts=8"]["y"][-1],
+                             np.mean([422.0, 412.0, 402.0, 392.0]))
+  # A config has one colour in every size's panels, and its method's shades among its configs.
+  for label in labels:
+    assert len({by_size[p][label]["color"] for p in lm}) == 1
+  assert by_size[f"comp: {tiny}"]["lm_sm num_experts=4"]["color"] != (
+      by_size[f"comp: {tiny}"]["lm_sm num_experts=8"]["color"])
+  # The trade-offs: a line per config through its two sizes, the smaller model first.
+  trade = {s["label"]: s for s in figs["tradeoffs_tiny_shakespeare"]["comp"]}
+  assert set(trade) == labels
+  assert trade["lm_sm num_experts=4"]["widths"] == [tiny, wide]
+  np.testing.assert_allclose(trade["lm_sm num_experts=4"]["x"], [20.0, 32.0])  # 4 stages
+  # The test error over t: a panel per size.
+  errors = figs["error_tiny_shakespeare"]
+  assert list(errors) == [tiny, wide]
+  assert {s["label"] for s in errors[wide]} == labels
+  fig = plots.lm_figure(lm, "tiny_shakespeare")
+  # Titled by the size, on as many lines as the panel's width needs.
+  assert [ax.get_title().replace("\n", " ") for ax in fig.axes] == [
+      f"tiny_shakespeare {tiny}"] * 2 + [f"tiny_shakespeare {wide}"] * 2
+  room = fig.get_figwidth() * 72 / 2 - plot_style.TITLE_MARGIN_PT
+  assert all(plot_style.text_width_pt(line, plot_style.LABEL_PT) <= room
+             for ax in fig.axes for line in ax.get_title().split("\n"))
+  assert all("\n" in ax.get_title() for ax in fig.axes)  # one line would not fit
+  assert fig.axes[0].get_subplotspec().rowspan != fig.axes[2].get_subplotspec().rowspan
+  # One size: the panels and labels as before, without a size in their titles.
+  one = report.write_report(dirs[:6], str(tmp_path / "one"), gating=False)
+  assert set(one["lm_tiny_shakespeare"]) == {"comp", "params"}
+  assert list(one["error_tiny_shakespeare"]) == [""]
+  assert {s["label"] for s in one["tradeoffs_tiny_shakespeare"]["comp"]} == labels
 
 
 def test_the_gating_figure_gives_every_expert_a_colour_and_readable_legends(tmp_path):
