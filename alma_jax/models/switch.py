@@ -82,19 +82,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from alma_jax.configuration import fields as F
+from alma_jax.configuration.plugins import backbones as declared_backbones
 from alma_jax.models import inference
 from alma_jax.models import registry
 from alma_jax.models import slots
 
-PRESETS = {
-    # name: (layers, model dimension, heads, feed-forward dimension, a mixture every k-th block).
-    # base and large: the paper's sizes (section 5: 40M shared + 6M per expert, 96M + 28M),
-    # with Switch Transformers' d_ff = 4 d and a mixture in every other block.
-    "tiny": (2, 64, 2, 128, 1),
-    "base": (6, 512, 8, 2048, 2),
-    "large": (12, 768, 12, 3072, 2),
-}
-SIZE_FIELDS = ("num_layers", "dim", "num_heads", "ffn_dim", "moe_every")
+# name: (layers, model dimension, heads, feed-forward dimension, a mixture every k-th block).
+PRESETS = declared_backbones.SWITCH_PRESETS
+SIZE_FIELDS = declared_backbones.SWITCH_SIZE_FIELDS
 INIT_STD = 0.02
 
 
@@ -523,10 +518,8 @@ class SwitchTransformer(nn.Module):
     if preset not in PRESETS:
       raise ValueError(f"config.model.preset={preset!r} is unknown; valid values: "
                        f"{sorted(PRESETS)}")
-    sizes = dict(zip(SIZE_FIELDS, PRESETS[preset]))
-    for k in sizes:
-      if model_config.get(k, 0):
-        sizes[k] = int(model_config[k])
+    sizes = {k: declared_backbones.switch_size(preset, k, model_config.get(k, 0) or 0)
+             for k in SIZE_FIELDS}
     if sizes["moe_every"] > sizes["num_layers"]:
       raise ValueError(f"config.model.moe_every={sizes['moe_every']} leaves no block with "
                        f"experts among config.model.num_layers={sizes['num_layers']}; allowed "

@@ -31,6 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from alma_jax.configuration import plugins
+from alma_jax.configuration.plugins import backbones as declared_backbones
 from alma_jax.outputs import io_utils
 from alma_jax.reports import plot_style as style
 from alma_jax.reports.plot_style import Series
@@ -56,8 +57,9 @@ subplots, save, mean_std, mean_std_columns = (style.subplots, style.save, style.
 # The fields that size a Switch Transformer and its vocabulary (0: the preset's size, the whole
 # vocabulary). A report of Switch Transformers of several sizes draws each size in panels of its
 # own, or as the points that a config's line joins, as it does an image backbone's widths.
-SWITCH_SIZE_FIELDS = ("model.preset", "model.num_layers", "model.dim", "model.num_heads",
-                      "model.ffn_dim", "model.moe_every", "data.vocab_size")
+SWITCH_SIZE_FIELDS = (("model.preset",)
+                      + tuple(f"model.{f}" for f in declared_backbones.SWITCH_SIZE_FIELDS)
+                      + ("data.vocab_size",))
 # Fields that may change with the size alone (a grid's steps per stage for each model): then
 # they belong to its title, not to the configs' labels.
 _SIZE_PREFIXES = ("model.", "data.", "train.")
@@ -94,11 +96,10 @@ class Models:
     v = g.get(field)
     if field == "data.vocab_size" and not v:
       return "all"
-    if field in SWITCH_SIZE_FIELDS and field != "model.preset" and not v:
-      from alma_jax.models import switch  # pylint: disable=g-import-not-at-top
-      preset = switch.PRESETS.get(g.get("model.preset"))
-      name = field.split(".")[-1]
-      return v if preset is None else preset[switch.SIZE_FIELDS.index(name)]
+    name = field.split(".")[-1]
+    if (field.startswith("model.") and name in declared_backbones.SWITCH_SIZE_FIELDS
+        and g.get("model.preset") in declared_backbones.SWITCH_PRESETS):
+      return declared_backbones.switch_size(g.get("model.preset"), name, v or 0)
     return v
 
   def title(self, g) -> str:
