@@ -53,7 +53,7 @@ subplots, save, mean_std, mean_std_columns = (style.subplots, style.save, style.
                                               style.mean_std_columns)
 
 
-# -- the models of a report: image backbones' widths, Switch Transformers' sizes ------------------
+# -- a report's model sizes: image backbones' widths, Switch Transformers' sizes -----------------
 # The fields that size a Switch Transformer and its vocabulary (0: the preset's size, the whole
 # vocabulary). A report of Switch Transformers of several sizes draws each size in panels of its
 # own, or as the points that a config's line joins, as it does an image backbone's widths.
@@ -65,7 +65,7 @@ SWITCH_SIZE_FIELDS = (("model.preset",)
 _SIZE_PREFIXES = ("model.", "data.", "train.")
 
 
-class Models:
+class SwitchSizes:
   """The Switch Transformer sizes among a data set's groups: `fields` (empty unless all groups
   are Switch Transformers and two sizes differ) are those that set the sizes apart, with the
   fields that change with the size alone; `title(g)` names `g`'s size by them, a size field
@@ -145,23 +145,23 @@ def _line_key(g, fields: Sequence[str]) -> tuple:
 
 def tradeoff_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   """{"comp": ..., "mem": ...}: one series per config across widths (finished runs only), or
-  across the sizes of Switch Transformers (`Models`; `widths` then holds their titles)."""
-  models = Models(groups, fields)
-  looks = Looks(groups, models.others(fields))
+  across the sizes of Switch Transformers (`SwitchSizes`; `widths` then holds their titles)."""
+  sizes = SwitchSizes(groups, fields)
+  looks = Looks(groups, sizes.others(fields))
   groups = [g for g in groups if g.finished]
-  line_fields = [f for f in models.others(fields) if f != "model.width"]
+  line_fields = [f for f in sizes.others(fields) if f != "model.width"]
   label = _labeller(groups, line_fields)
   lines: dict[tuple, list] = {}
   for g in groups:
     lines.setdefault(_line_key(g, line_fields), []).append(g)
   out = {"comp": [], "mem": []}
   for members in lines.values():
-    if models:
-      members = sorted(members, key=models.order)
+    if sizes:
+      members = sorted(members, key=sizes.order)
     else:
       members = sorted(members, key=lambda g: float(g.get("model.width") or 0))
     look = dict(looks.of(members[0]), label=label(members[0]),
-                widths=[models.title(m) if models else m.get("model.width") for m in members])
+                widths=[sizes.title(m) if sizes else m.get("model.width") for m in members])
     out["comp"].append(dict(look, **_stat_points(members, COMP_AXIS, "cer_percent", TERA)))
     out["mem"].append(dict(look, **_stat_points(members, "mem", "cer_percent", 1.0)))
   return out
@@ -361,16 +361,16 @@ def policy_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
 # -- error over time (Fig. 1/3) --------------------------------------------------------------------
 def error_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   """{"width=<w>": one series per config}: mean test error (%) over t, std over seeds. Switch
-  Transformers have no width: a panel per size (`Models.title`; "" when all share one)."""
-  models = Models(groups, fields)
-  looks = Looks(groups, models.others(fields))
+  Transformers have no width: a panel per size (`SwitchSizes.title`; "" when all share one)."""
+  sizes = SwitchSizes(groups, fields)
+  looks = Looks(groups, sizes.others(fields))
   switch = groups and all(g.get("model.name") == "switch" for g in groups)
-  label = _labeller(groups, [f for f in models.others(fields) if f != "model.width"])
+  label = _labeller(groups, [f for f in sizes.others(fields) if f != "model.width"])
   out: dict[str, list[Series]] = {}
-  order = models.order if switch else (lambda g: float(g.get("model.width") or 0))
+  order = sizes.order if switch else (lambda g: float(g.get("model.width") or 0))
   for g in sorted(groups, key=order):
     t, mean, std = g.curve("test_error")
-    out.setdefault(models.title(g) if switch else f"width={g.get('model.width')}", []).append(
+    out.setdefault(sizes.title(g) if switch else f"width={g.get('model.width')}", []).append(
         dict(looks.of(g), label=label(g), x=t.tolist(),
              y=(100 * mean).tolist(),
              yerr=(100 * std).tolist()))
@@ -493,11 +493,11 @@ def lm_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   nothing). Compute and parameters are drawn on log axes, so the mega-batches before a
   learner first trains (no compute yet) have no point in the compute panel."""
   groups = [g for g in groups if g.finished and has_perplexity(g)]
-  models = Models(groups, fields)
-  shown = lm_label_fields(groups, models.others(fields))
+  sizes = SwitchSizes(groups, fields)
+  shown = lm_label_fields(groups, sizes.others(fields))
   looks = style.Looks(groups, shown + ["stream.iid"] * any(_is_iid(g) for g in groups))
   out: dict[str, list[Series]] = {"comp": [], "params": [], "experts": []}
-  for g in sorted(groups, key=models.order) if models else groups:
+  for g in sorted(groups, key=sizes.order) if sizes else groups:
     n = min(len(r.records) for r in g.finished)
     if n < 2:
       continue
@@ -511,18 +511,18 @@ def lm_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
       if not keep.any():
         continue
       out[panel].append(dict(looks.of(g), label=lm_label(g, shown), iid=_is_iid(g),
-                             model=models.title(g), x=x[keep].tolist(),
+                             size=sizes.title(g), x=x[keep].tolist(),
                              xerr=xstd[keep].tolist(), y=y[keep].tolist(),
                              yerr=ystd[keep].tolist()))
   kinds = {k: v for k, v in out.items()
            if v and (k == "comp" or len({x for s in v for x in s["x"]}) > 1)}
-  if not models:
+  if not sizes:
     return kinds
   # A row of panels per size, in the order of the sizes: "<kind>: <size>".
-  drawn = {s["model"] for v in kinds.values() for s in v}
-  titles = [t for t in dict.fromkeys(models.title(g) for g in sorted(groups, key=models.order))
+  drawn = {s["size"] for v in kinds.values() for s in v}
+  titles = [t for t in dict.fromkeys(sizes.title(g) for g in sorted(groups, key=sizes.order))
             if t in drawn]
-  return {f"{k}: {t}": [s for s in v if s["model"] == t] for t in titles
+  return {f"{k}: {t}": [s for s in v if s["size"] == t] for t in titles
           for k, v in kinds.items()}
 
 

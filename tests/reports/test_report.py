@@ -860,7 +860,7 @@ def test_switch_transformers_of_two_sizes_are_drawn_apart_and_labelled_by_what_d
   assert list(lm) == [f"comp: {tiny}", f"params: {tiny}", f"comp: {wide}", f"params: {wide}"]
   for panel, series in lm.items():
     assert {s["label"] for s in series} == labels, panel
-    assert {s["model"] for s in series} == {panel.split(": ")[1]}
+    assert {s["size"] for s in series} == {panel.split(": ")[1]}
   by_size = {panel: {s["label"]: s for s in series} for panel, series in lm.items()}
   np.testing.assert_allclose(by_size[f"comp: {wide}"]["lm_sm num_experts=8"]["y"][-1],
                              np.mean([62.0, 52.0, 42.0, 32.0]))
