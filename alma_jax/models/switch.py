@@ -87,7 +87,7 @@ from alma_jax.models import inference
 from alma_jax.models import registry
 from alma_jax.models import slots
 
-# name: (layers, model dimension, heads, feed-forward dimension, a mixture every k-th block).
+# The presets' sizes, declared where configs and reports read them without importing JAX.
 PRESETS = declared_backbones.SWITCH_PRESETS
 SIZE_FIELDS = declared_backbones.SWITCH_SIZE_FIELDS
 INIT_STD = 0.02

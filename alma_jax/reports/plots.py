@@ -57,9 +57,9 @@ subplots, save, mean_std, mean_std_columns = (style.subplots, style.save, style.
 # The fields that size a Switch Transformer and its vocabulary (0: the preset's size, the whole
 # vocabulary). A report of Switch Transformers of several sizes draws each size in panels of its
 # own, or as the points that a config's line joins, as it does an image backbone's widths.
-SWITCH_SIZE_FIELDS = (("model.preset",)
-                      + tuple(f"model.{f}" for f in declared_backbones.SWITCH_SIZE_FIELDS)
-                      + ("data.vocab_size",))
+SWITCH_SIZE_PATHS = (("model.preset",)
+                     + tuple(f"model.{f}" for f in declared_backbones.SWITCH_SIZE_FIELDS)
+                     + ("data.vocab_size",))
 # Fields that may change with the size alone (a grid's steps per stage for each model): then
 # they belong to its title, not to the configs' labels.
 _SIZE_PREFIXES = ("model.", "data.", "train.")
@@ -73,9 +73,9 @@ class SwitchSizes:
 
   def __init__(self, groups, fields: Sequence[str] = ()):
     self.fields: tuple[str, ...] = ()
-    if not groups or any(g.get("model.name") != "switch" for g in groups):
+    if not _all_switch(groups):
       return
-    size = [f for f in SWITCH_SIZE_FIELDS if _differs(f, groups)]
+    size = [f for f in SWITCH_SIZE_PATHS if _differs(f, groups)]
     if not size:
       return
     by_size: dict[tuple, list] = {}
@@ -117,11 +117,16 @@ class SwitchSizes:
     return [f for f in fields if f not in self.fields]
 
 
+def _all_switch(groups) -> bool:
+  """Whether there are groups and all of them are Switch Transformers."""
+  return bool(groups) and all(g.get("model.name") == "switch" for g in groups)
+
+
 def _labeller(groups, fields: Sequence[str]):
   """g -> its label among `groups` in the trade-offs and error figures: `series_label` of
   `fields`; for Switch Transformers, of those that set them apart (`lm_label_fields`: not the
   wait and replay that all share), an i.i.d. run marked as such."""
-  if not (groups and all(g.get("model.name") == "switch" for g in groups)):
+  if not _all_switch(groups):
     return lambda g: series_label(g, groups, fields)
   shown = lm_label_fields(groups, fields)
 
@@ -364,7 +369,7 @@ def error_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   Transformers have no width: a panel per size (`SwitchSizes.title`; "" when all share one)."""
   sizes = SwitchSizes(groups, fields)
   looks = Looks(groups, sizes.others(fields))
-  switch = groups and all(g.get("model.name") == "switch" for g in groups)
+  switch = _all_switch(groups)
   label = _labeller(groups, [f for f in sizes.others(fields) if f != "model.width"])
   out: dict[str, list[Series]] = {}
   order = sizes.order if switch else (lambda g: float(g.get("model.width") or 0))
@@ -471,7 +476,7 @@ def lm_label_fields(groups, fields: Sequence[str]) -> list[str]:
   differ, less the width of a Switch Transformer (it has presets) and the fields that
   `stream.iid` sets (wait B, B times the steps) where only it sets them apart."""
   sequential = [g for g in groups if not _is_iid(g)]
-  switch = all(g.get("model.name") == "switch" for g in groups)
+  switch = _all_switch(groups)
   return [f for f in fields if f == "method.name" or (
       not (switch and f in LM_UNLABELLED) and f != "stream.iid"
       and _differs(f, sequential if f in IID_DERIVED else groups))]
@@ -497,7 +502,9 @@ def lm_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   shown = lm_label_fields(groups, sizes.others(fields))
   looks = style.Looks(groups, shown + ["stream.iid"] * any(_is_iid(g) for g in groups))
   out: dict[str, list[Series]] = {"comp": [], "params": [], "experts": []}
-  for g in sorted(groups, key=sizes.order) if sizes else groups:
+  if sizes:
+    groups = sorted(groups, key=sizes.order)
+  for g in groups:
     n = min(len(r.records) for r in g.finished)
     if n < 2:
       continue
@@ -520,8 +527,7 @@ def lm_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
     return kinds
   # A row of panels per size, in the order of the sizes: "<kind>: <size>".
   drawn = {s["size"] for v in kinds.values() for s in v}
-  titles = [t for t in dict.fromkeys(sizes.title(g) for g in sorted(groups, key=sizes.order))
-            if t in drawn]
+  titles = [t for t in dict.fromkeys(sizes.title(g) for g in groups) if t in drawn]
   return {f"{k}: {t}": [s for s in v if s["size"] == t] for t in titles
           for k, v in kinds.items()}
 
