@@ -44,6 +44,10 @@ LABEL_PT = 9
 LOG_SPAN = 10.0
 SQUASH_SPAN = 3.0
 MARKER_SIZE = 5.0
+# A series' `marker_scale` runs from the first to the last of these (a figure's smallest model
+# to its largest), so that a marker's size tells which model the point is.
+MARKER_SCALES = (0.7, 1.4)
+KEY_COLOR = "#4d4d4d"  # the legend's key to the marker sizes: a grey that no method has
 PANEL_W, PANEL_H = 3.5, 2.9  # inches
 DPI = 150
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
@@ -271,16 +275,27 @@ def dodge(series: Sequence[Series], log: bool = True) -> list[float]:
   return out
 
 
-def dodge_margin(shifts: Sequence[float], width_in: float = PANEL_W) -> float:
+def marker_scale(n: int) -> list[float]:
+  """The marker sizes (times `MARKER_SIZE`) of n models, smallest first: growing evenly from
+  `MARKER_SCALES[0]` to `MARKER_SCALES[1]`; [1.0] for a single model."""
+  if n <= 1:
+    return [1.0] * n
+  lo, hi = MARKER_SCALES
+  return [round(lo + (hi - lo) * i / (n - 1), 3) for i in range(n)]
+
+
+def dodge_margin(shifts: Sequence[float], width_in: float = PANEL_W,
+                 marker_pt: float = MARKER_SIZE) -> float:
   """The x margin (matplotlib's fraction of the data's span, each side) that keeps a marker
-  shifted by up to max |shifts| points inside an axes of a panel `width_in` inches wide,
+  `marker_pt` points wide shifted by up to max |shifts| points inside an axes of a panel
+  `width_in` inches wide,
   0 where nothing is shifted. The axes take at least `AXES_SHARE` of the panel's width (the
   rest: the y axis' ticks and label); a margin m leaves m / (1 + 2m) of the axes' width at
   each end, which must hold the shift and the marker's half width."""
   widest = max((abs(p) for p in shifts), default=0.0)
   if not widest:
     return 0.0
-  need = widest + MARKER_SIZE / 2 + 1.0  # points: the shift, half the marker, its edge
+  need = widest + marker_pt / 2 + 1.0  # points: the shift, half the widest marker, its edge
   axes_pt = AXES_SHARE * width_in * 72.0
   return need / (axes_pt - 2 * need)
 
@@ -299,7 +314,9 @@ def _shifted(ax, artists, points: float) -> None:
 def draw_points(ax, series: Sequence[Series], xlabel: str, ylabel: str, title: str = "",
                 logx: bool = True, engineering: bool = False) -> None:
   """Markers with error bars, a line through each series' points (dashed with replay; a
-  segment's hollow ends drawn hollow); log x (tidy ticks), y log where it spans > LOG_SPAN."""
+  segment's hollow ends drawn hollow; each marker `MARKER_SIZE` times the series'
+  `marker_scale` of its point, where it has one); log x (tidy ticks), y log where it spans
+  > LOG_SPAN."""
   shifts = dodge(series, logx)
   for s, points in zip(series, shifts):
     x = np.asarray(s["x"], np.float64)
@@ -309,18 +326,22 @@ def draw_points(ax, series: Sequence[Series], xlabel: str, ylabel: str, title: s
                        linestyle="-" if filled else "--", linewidth=1.2, capsize=2,
                        marker="none", elinewidth=0.8, label=None)
     drawn = list(bars.get_children())
+    scale = s.get("marker_scale") or [1.0] * len(x)
     for filled_pts in (True, False):
-      sel = [i for i in range(len(x)) if hollow[i] != filled_pts]
-      if sel:
-        drawn += ax.plot(x[sel], np.asarray(s["y"])[sel], linestyle="none", marker=s["marker"],
-                         markersize=MARKER_SIZE, color=s["color"], markeredgewidth=1.0,
-                         markerfacecolor=s["color"] if filled_pts else "white")
+      for size in sorted(set(scale)):
+        sel = [i for i in range(len(x)) if hollow[i] != filled_pts and scale[i] == size]
+        if sel:
+          drawn += ax.plot(x[sel], np.asarray(s["y"])[sel], linestyle="none",
+                           marker=s["marker"], markersize=MARKER_SIZE * size, color=s["color"],
+                           markeredgewidth=1.0,
+                           markerfacecolor=s["color"] if filled_pts else "white")
     _shifted(ax, drawn, points)
     ax.plot([], [], color=s["color"], marker=s["marker"], markersize=MARKER_SIZE,
             linestyle="-" if filled else "--", markerfacecolor=s["color"] if filled else "white",
             label=s["label"])
   grid = ax.get_gridspec()
-  margin = dodge_margin(shifts, ax.figure.get_figwidth() / (grid.ncols if grid else 1))
+  widest = MARKER_SIZE * max((max(s.get("marker_scale") or [1.0]) for s in series), default=1.0)
+  margin = dodge_margin(shifts, ax.figure.get_figwidth() / (grid.ncols if grid else 1), widest)
   if margin > ax.margins()[0]:
     ax.set_xmargin(margin)
   _scales(ax, series, logx, engineering)

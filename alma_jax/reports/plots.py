@@ -13,9 +13,10 @@ process never imports matplotlib.
 The figures share one look (`alma_jax.reports.plot_style`): a colour per method, the
 same in every figure and report, lighter or darker for its variants (e.g.
 gMoE with tree and flat gating); a marker per waiting time (per width where
-the wait is the x axis), hollow and dashed with replay; CER and perplexity
-axes logarithmic where their values span more than `plot_style.LOG_SPAN`
-times; fonts of at least 8 pt.
+the wait is the x axis), hollow and dashed with replay; markers growing along a
+line through a config's widths or sizes, from the smallest model to the largest; CER
+and perplexity axes logarithmic where their values span more than
+`plot_style.LOG_SPAN` times; fonts of at least 8 pt.
 """
 
 from __future__ import annotations
@@ -150,7 +151,9 @@ def _line_key(g, fields: Sequence[str]) -> tuple:
 
 def tradeoff_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   """{"comp": ..., "mem": ...}: one series per config across widths (finished runs only), or
-  across the sizes of Switch Transformers (`SwitchSizes`; `widths` then holds their titles)."""
+  across the sizes of Switch Transformers (`SwitchSizes`; `widths` then holds their titles).
+  A point's marker size tells its model: `marker_scale`, growing from the figure's smallest
+  model to its largest (1 where all share one)."""
   sizes = SwitchSizes(groups, fields)
   looks = Looks(groups, sizes.others(fields))
   groups = [g for g in groups if g.finished]
@@ -159,14 +162,21 @@ def tradeoff_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   lines: dict[tuple, list] = {}
   for g in groups:
     lines.setdefault(_line_key(g, line_fields), []).append(g)
+
+  def model(g):
+    return sizes.title(g) if sizes else g.get("model.width")
+
+  def smallest_first(g):
+    return sizes.order(g) if sizes else float(g.get("model.width") or 0)
+
+  models = list(dict.fromkeys(model(g) for g in sorted(groups, key=smallest_first)))
+  scale = dict(zip(models, style.marker_scale(len(models))))
   out = {"comp": [], "mem": []}
   for members in lines.values():
-    if sizes:
-      members = sorted(members, key=sizes.order)
-    else:
-      members = sorted(members, key=lambda g: float(g.get("model.width") or 0))
+    members = sorted(members, key=smallest_first)
     look = dict(looks.of(members[0]), label=label(members[0]),
-                widths=[sizes.title(m) if sizes else m.get("model.width") for m in members])
+                widths=[model(m) for m in members],
+                marker_scale=[scale[model(m)] for m in members])
     out["comp"].append(dict(look, **_stat_points(members, COMP_AXIS, "cer_percent", TERA)))
     out["mem"].append(dict(look, **_stat_points(members, "mem", "cer_percent", 1.0)))
   return out
@@ -539,11 +549,25 @@ TFLOPS = "TFLOPs, paper count (training, growth, waiting policy)"
 TFLOPS_2 = TFLOPS.replace(" (", "\n(")
 
 
+def model_sizes_legend(series: Sequence[Series]) -> list[tuple[str, float]]:
+  """(label, marker scale) of each model of a tradeoffs figure, smallest first; [] where all
+  its points share one model (one marker size)."""
+  scales = {w: f for s in series for w, f in zip(s.get("widths", ()), s.get("marker_scale", ()))}
+  if len(scales) < 2:
+    return []
+  return [(w if isinstance(w, str) else f"width {w}", f)
+          for w, f in sorted(scales.items(), key=lambda kv: kv[1])]
+
+
 def tradeoffs_figure(trade: dict[str, list[Series]], data: str):
-  fig, axes = subplots(2, legend_entries=len(trade["comp"]))
+  models = model_sizes_legend(trade["comp"])
+  fig, axes = subplots(2, legend_entries=len(trade["comp"]) + len(models))
   style.draw_points(axes[0], trade["comp"], TFLOPS, CER, data)
   style.draw_points(axes[1], trade["mem"], "Mem (sum of parameter counts)", CER, data,
                     engineering=True)
+  for label, scale in models:  # the legend's key to the marker sizes
+    axes[0].plot([], [], color=style.KEY_COLOR, marker="o", linestyle="none",
+                 markersize=style.MARKER_SIZE * scale, label=label)
   style.legend(fig, axes)
   return fig
 

@@ -218,6 +218,7 @@ def test_unfinished_runs_are_listed_but_not_in_the_cer_figures(tmp_path):
   partial = _write(tmp_path / "b", _config(width=32), _records([0.5, 0.4]), finished=False)
   figs = report.write_report([done, partial], str(tmp_path / "out"))
   assert [s["widths"] for s in figs["tradeoffs_mnist"]["comp"]] == [[8]]
+  assert [s["marker_scale"] for s in figs["tradeoffs_mnist"]["comp"]] == [[1.0]]
   assert "width=32" in figs["error_mnist"]
   assert "0 of 1 finished" in (tmp_path / "out" / "report.md").read_text()
 
@@ -769,20 +770,56 @@ def test_series_that_share_an_x_are_drawn_apart_on_the_page_with_exact_data():
 def test_a_dodged_marker_at_either_end_of_the_axis_stays_inside_it():
   # Eight series that share their smallest and largest x (as the methods of one width share
   # Mem): the outermost are shifted by 3.5 x DODGE_PT, the tradeoffs figure's worst case.
+  # The markers grow along each line, as the tradeoffs figure draws them: the largest at the
+  # right-hand end.
   series = [{"label": f"s{i}", "color": "#1f77b4", "marker": "o", "x": [2.7e4, 1e5, 1.2e6],
-             "y": [900.0 - i, 800.0, 650.0 + i], "yerr": [5.0] * 3} for i in range(8)]
+             "y": [900.0 - i, 800.0, 650.0 + i], "yerr": [5.0] * 3,
+             "marker_scale": plot_style.marker_scale(3)} for i in range(8)]
   assert max(plot_style.dodge(series)) == 3.5 * plot_style.DODGE_PT
   fig = plots.tradeoffs_figure({"comp": series, "mem": series}, "cifar10")
   _canvas(fig)
   for ax in fig.axes:
     box = ax.get_window_extent()
-    radius = plot_style.MARKER_SIZE / 2 * fig.dpi / 72.0
     for line in ax.get_lines():
+      radius = line.get_markersize() / 2 * fig.dpi / 72.0
       if len(line.get_xdata()) and str(line.get_marker()) not in ("None", "none", ""):
         pts = line.get_transform().transform(np.column_stack([
             np.asarray(line.get_xdata(), np.float64), np.asarray(line.get_ydata(), np.float64)]))
         assert np.all(pts[:, 0] - radius >= box.x0), (ax.get_xlabel(), pts[:, 0], box)
         assert np.all(pts[:, 0] + radius <= box.x1), (ax.get_xlabel(), pts[:, 0], box)
+
+
+def test_the_markers_along_a_line_grow_from_its_smallest_model_to_its_largest(runs, tmp_path):
+  assert plot_style.marker_scale(1) == [1.0]
+  four = plot_style.marker_scale(4)
+  assert four[0] == plot_style.MARKER_SCALES[0] and four[-1] == plot_style.MARKER_SCALES[1]
+  assert all(a < b for a, b in zip(four, four[1:]))
+  figs = report.write_report(runs, str(tmp_path / "out"))
+  comp = {s["label"]: s for s in figs["tradeoffs_mnist"]["comp"]}
+  sm = comp["sm wait=1 replay=0"]
+  assert sm["widths"] == [8, 16] and sm["marker_scale"] == plot_style.marker_scale(2)
+  fig = plots.tradeoffs_figure(figs["tradeoffs_mnist"], "mnist")
+  _canvas(fig)
+  for ax, panel in zip(fig.axes, ("comp", "mem")):
+    line_of = {s["label"]: s for s in figs["tradeoffs_mnist"][panel]}["sm wait=1 replay=0"]
+    points = list(zip(map(float, line_of["x"]), map(float, line_of["y"])))
+    size = {}  # the drawn marker sizes at each of the SM line's points
+    for line in ax.get_lines():
+      if line.get_color() == sm["color"] and str(line.get_marker()) == sm["marker"]:
+        for p in zip(map(float, line.get_xdata()), map(float, line.get_ydata())):
+          size.setdefault(p, []).append(line.get_markersize())
+    assert [size[p] for p in points] == [[plot_style.MARKER_SIZE * f]
+                                         for f in plot_style.marker_scale(2)], size
+  # The legend keys the sizes: a grey marker of each size, named by its width.
+  key = plots.model_sizes_legend(figs["tradeoffs_mnist"]["comp"])
+  assert key == [("width 8", plot_style.MARKER_SCALES[0]), ("width 16", plot_style.MARKER_SCALES[1])]
+  (legend,) = fig.legends
+  handles = dict(zip([t.get_text() for t in legend.get_texts()], legend.legend_handles))
+  assert [handles[label].get_markersize() for label, _ in key] == [
+      plot_style.MARKER_SIZE * f for _, f in key]
+  # One model in the figure: one marker size, no key.
+  one = [dict(s, widths=[8], marker_scale=[1.0]) for s in figs["tradeoffs_mnist"]["comp"]]
+  assert plots.model_sizes_legend(one) == []
 
 
 def _lm_run(tmp_path, name, iid, seed, ppl):
