@@ -212,13 +212,15 @@ def whole_steps(axis) -> None:
 
 def finish(ax, xlabel: str, ylabel: str, title: str = "") -> None:
   """Axis labels, ticks and grid; `title` broken into lines that fit the panel's width (a
-  title wider than its panel would run into its neighbour's)."""
-  ax.set_xlabel(xlabel, fontsize=LABEL_PT)
+  title wider than its panel would run into its neighbour's), and `xlabel` into lines that
+  fit the least width of its axes (`fit_axis_label`: centred under the axes, a wider label
+  runs off a figure's right-hand panel)."""
+  grid = ax.get_gridspec()
+  panel_pt = ax.figure.get_figwidth() * 72 / (grid.ncols if grid else 1)
+  ax.set_xlabel(fit_axis_label(xlabel, AXES_SHARE * panel_pt, LABEL_PT), fontsize=LABEL_PT)
   ax.set_ylabel(ylabel, fontsize=LABEL_PT)
   if title:
-    grid = ax.get_gridspec()
-    room = ax.figure.get_figwidth() * 72 / (grid.ncols if grid else 1) - TITLE_MARGIN_PT
-    ax.set_title(fit_label(title, room, LABEL_PT), fontsize=LABEL_PT)
+    ax.set_title(fit_label(title, panel_pt - TITLE_MARGIN_PT, LABEL_PT), fontsize=LABEL_PT)
   ax.tick_params(labelsize=FONT_PT)
   ax.grid(alpha=0.3)
 
@@ -258,6 +260,20 @@ def fit_label(label: str, room_pt: float, size: float = FONT_PT) -> str:
     else:
       lines.append(word)
   return "\n".join(lines)
+
+
+def fit_axis_label(label: str, room_pt: float, size: float = LABEL_PT) -> str:
+  """`label` with each of its lines that is wider than `room_pt` points broken: before its
+  first parenthesis where that leaves a head that fits (a unit or a gloss goes to a line of
+  its own), then at spaces (`fit_label`)."""
+  out = []
+  for line in label.split("\n"):
+    head, paren, tail = line.partition(" (")
+    if text_width_pt(line, size) > room_pt and paren and text_width_pt(head, size) <= room_pt:
+      out += [head, fit_label("(" + tail, room_pt, size)]
+    else:
+      out.append(line if text_width_pt(line, size) <= room_pt else fit_label(line, room_pt, size))
+  return "\n".join(out)
 
 
 def dodge(series: Sequence[Series], log: bool = True) -> list[float]:

@@ -545,8 +545,6 @@ def lm_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
 # -- the figures -----------------------------------------------------------------------------------
 CER = "CER (%)"
 TFLOPS = "TFLOPs, paper count (training, growth, waiting policy)"
-# The same on two lines: wider than a panel, it would run off a figure's right-hand panel.
-TFLOPS_2 = TFLOPS.replace(" (", "\n(")
 
 
 def model_sizes_legend(series: Sequence[Series]) -> list[tuple[str, float]]:
@@ -610,7 +608,7 @@ def policy_figure(panels: dict[str, list[Series]], data: str):
   fig, axes = subplots(len(panels), legend_entries=len({s["label"] for v in panels.values()
                                                        for s in v}))
   for ax, (panel, series) in zip(axes, panels.items()):
-    style.draw_points(ax, series, TFLOPS_2, CER, f"{data} {panel}: policies vs fixed waits")
+    style.draw_points(ax, series, TFLOPS, CER, f"{data} {panel}: policies vs fixed waits")
   style.legend(fig, axes)
   return fig
 

@@ -862,6 +862,24 @@ def test_the_language_model_figure_shows_the_iid_learner_where_it_is_evaluated(t
   fig = plots.lm_figure(lm, "tiny_shakespeare")
   assert len(fig.axes) == 1 and fig.axes[0].get_yscale() == "linear"
   assert (tmp_path / "out" / "lm_tiny_shakespeare.png").exists()
+  # A panel alone in its figure: the compute axis' label, wider than the axes, is broken
+  # before its parenthesis and stays inside the figure.
+  renderer = _canvas(fig)
+  label = fig.axes[0].xaxis.label
+  assert label.get_text() == plots.TFLOPS.replace(" (", "\n(")
+  box = label.get_window_extent(renderer)
+  assert box.x0 >= 0 and box.x1 <= fig.bbox.x1, (box, fig.bbox)
+
+
+def test_an_axis_label_wider_than_its_axes_is_broken_into_lines_that_fit():
+  room = plot_style.text_width_pt("TFLOPs, paper count", plot_style.LABEL_PT) + 1.0
+  assert plot_style.fit_axis_label("TFLOPs", room) == "TFLOPs"  # fits: unchanged
+  assert plot_style.fit_axis_label(plots.TFLOPS, room).split("\n")[0] == "TFLOPs, paper count"
+  for text in (plots.TFLOPS, "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 3,
+               "first line\nsecond (with a gloss that does not fit the room at all)"):
+    lines = plot_style.fit_axis_label(text, room).split("\n")
+    assert " ".join(lines).replace("( ", "(").split() == text.split()  # every word, in order
+    assert all(plot_style.text_width_pt(l, plot_style.LABEL_PT) <= room for l in lines), lines
 
 
 def _switch_run(tmp_path, method, experts, balanced, seed, ppl):
