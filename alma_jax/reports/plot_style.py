@@ -304,10 +304,10 @@ def dodge_margin(shifts: Sequence[float], width_in: float = PANEL_W,
                  marker_pt: float = MARKER_SIZE) -> float:
   """The x margin (matplotlib's fraction of the data's span, each side) that keeps a marker
   `marker_pt` points wide shifted by up to max |shifts| points inside an axes of a panel
-  `width_in` inches wide,
-  0 where nothing is shifted. The axes take at least `AXES_SHARE` of the panel's width (the
-  rest: the y axis' ticks and label); a margin m leaves m / (1 + 2m) of the axes' width at
-  each end, which must hold the shift and the marker's half width."""
+  `width_in` inches wide, 0 where nothing is shifted. The axes take at least `AXES_SHARE`
+  of the panel's width (the rest: the y axis' ticks and label); a margin m leaves
+  m / (1 + 2m) of the axes' width at each end, which must hold the shift and the marker's
+  half width."""
   widest = max((abs(p) for p in shifts), default=0.0)
   if not widest:
     return 0.0

@@ -13,10 +13,11 @@ process never imports matplotlib.
 The figures share one look (`alma_jax.reports.plot_style`): a colour per method, the
 same in every figure and report, lighter or darker for its variants (e.g.
 gMoE with tree and flat gating); a marker per waiting time (per width where
-the wait is the x axis), hollow and dashed with replay; markers growing along a
-line through a config's widths or sizes, from the smallest model to the largest; CER
-and perplexity axes logarithmic where their values span more than
-`plot_style.LOG_SPAN` times; fonts of at least 8 pt.
+the wait is the x axis), hollow and dashed with replay; in the tradeoffs figure, a
+marker's size by its model's width (or Switch Transformer size), keyed in the legend;
+CER and perplexity axes logarithmic where their values span more than
+`plot_style.LOG_SPAN` times; x-axis labels broken to fit their axes; fonts of at
+least 8 pt.
 """
 
 from __future__ import annotations
