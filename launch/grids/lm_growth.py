@@ -13,8 +13,9 @@ models of the same shape (2 blocks, each a mixture of experts):
 * the balanced model (`BALANCED`): d = 128, experts' hidden size 256, the 2,047 tokens most
   frequent in the training text and one token for the rest, 800 steps per stage (about five
   and a half passes over a mega-batch). An expert is 132k parameters against 0.4M shared,
-  near the paper's large model (28M per expert against 96M shared), and the model trains at
-  ten times the tiny one's tokens per second.
+  near the paper's large model (28M per expert against 96M shared); its output layer, a
+  twelfth of the tiny one's, lets it run its ten times as many steps in about the tiny
+  one's time (REPRODUCTION.md, "Growing language models").
 
 Per model:
 * SM with E = 4, 8 and 12 experts per mixture block (the paper's three SM models);
