@@ -269,10 +269,12 @@ def fit_axis_label(label: str, room_pt: float, size: float = LABEL_PT) -> str:
   out = []
   for line in label.split("\n"):
     head, paren, tail = line.partition(" (")
-    if text_width_pt(line, size) > room_pt and paren and text_width_pt(head, size) <= room_pt:
+    if text_width_pt(line, size) <= room_pt:
+      out.append(line)
+    elif paren and text_width_pt(head, size) <= room_pt:
       out += [head, fit_label("(" + tail, room_pt, size)]
     else:
-      out.append(line if text_width_pt(line, size) <= room_pt else fit_label(line, room_pt, size))
+      out.append(fit_label(line, room_pt, size))
   return "\n".join(out)
 
 

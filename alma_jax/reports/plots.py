@@ -119,6 +119,11 @@ class SwitchSizes:
     return [f for f in fields if f not in self.fields]
 
 
+def _by_width(g) -> float:
+  """A sort key of `g`'s model width (0 where it has none)."""
+  return float(g.get("model.width") or 0)
+
+
 def _all_switch(groups) -> bool:
   """Whether there are groups and all of them are Switch Transformers."""
   return bool(groups) and all(g.get("model.name") == "switch" for g in groups)
@@ -168,7 +173,7 @@ def tradeoff_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
     return sizes.title(g) if sizes else g.get("model.width")
 
   def smallest_first(g):
-    return sizes.order(g) if sizes else float(g.get("model.width") or 0)
+    return sizes.order(g) if sizes else _by_width(g)
 
   models = list(dict.fromkeys(model(g) for g in sorted(groups, key=smallest_first)))
   scale = dict(zip(models, style.marker_scale(len(models))))
@@ -383,7 +388,7 @@ def error_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   switch = _all_switch(groups)
   label = _labeller(groups, [f for f in sizes.others(fields) if f != "model.width"])
   out: dict[str, list[Series]] = {}
-  order = sizes.order if switch else (lambda g: float(g.get("model.width") or 0))
+  order = sizes.order if switch else _by_width
   for g in sorted(groups, key=order):
     t, mean, std = g.curve("test_error")
     out.setdefault(sizes.title(g) if switch else f"width={g.get('model.width')}", []).append(
@@ -425,7 +430,7 @@ def plasticity_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
              for i, k in enumerate(sorted(set(labels.values())))}
   out: dict[str, list[Series]] = {}
   for field, _, scale in PLASTICITY_PANELS:
-    for g in sorted(drawn, key=lambda g: float(g.get("model.width") or 0)):
+    for g in sorted(drawn, key=_by_width):
       t, mean, std = g.curve(field)
       if len(t):
         label = labels[id(g)]
