@@ -94,29 +94,37 @@ class SwitchSizes:
   def __bool__(self) -> bool:
     return bool(self.fields)
 
-  def _resolved(self, g, field: str):
-    v = g.get(field)
-    if field == "data.vocab_size" and not v:
-      return "all"
-    name = field.split(".")[-1]
-    if (field.startswith("model.") and name in declared_backbones.SWITCH_SIZE_FIELDS
-        and g.get("model.preset") in declared_backbones.SWITCH_PRESETS):
-      return declared_backbones.switch_size(g.get("model.preset"), name, v or 0)
-    return v
-
   def title(self, g) -> str:
     """`g`'s size: "dim=64 ffn_dim=128 vocab_size=all ..." ("" for a report of one size)."""
-    return " ".join(f"{f.split('.')[-1]}={_value(self._resolved(g, f))}" for f in self.fields)
+    return " ".join(size_label(g, f) for f in self.fields)
 
   def order(self, g) -> tuple:
     """A sort key of `g`'s size, numbers by value ("all" after any number)."""
     def key(v):
       return (0, float(v), "") if isinstance(v, (int, float)) else (1, 0.0, str(v))
-    return tuple(key(self._resolved(g, f)) for f in self.fields)
+    return tuple(key(resolved_size(g, f)) for f in self.fields)
 
   def others(self, fields: Sequence[str]) -> list[str]:
     """`fields` less the sizes' own."""
     return [f for f in fields if f not in self.fields]
+
+
+def resolved_size(g, field: str):
+  """`g`'s value of `field` (a config path), a Switch Transformer's size field at 0 resolved to
+  what it stands for: its preset's size, or the whole vocabulary ("all")."""
+  v = g.get(field)
+  if field == "data.vocab_size" and not v:
+    return "all"
+  name = field.split(".")[-1]
+  if (field.startswith("model.") and name in declared_backbones.SWITCH_SIZE_FIELDS
+      and g.get("model.preset") in declared_backbones.SWITCH_PRESETS):
+    return declared_backbones.switch_size(g.get("model.preset"), name, v or 0)
+  return v
+
+
+def size_label(g, field: str) -> str:
+  """"name=value" of `field` in `g`, by `resolved_size` ("dim=64", "vocab_size=all")."""
+  return f"{field.split('.')[-1]}={_value(resolved_size(g, field))}"
 
 
 def _by_width(g) -> float:

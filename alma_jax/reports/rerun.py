@@ -40,6 +40,7 @@ from typing import Mapping, Sequence
 
 from alma_jax.configuration import config_lib
 from alma_jax.reports import findings as findings_lib
+from alma_jax.reports import plots
 from alma_jax.reports import report as report_lib
 
 DEFAULT_METRICS = ("cer_percent", "final_error", "final_perplexity", "mem", "comp_paper_total")
@@ -94,9 +95,17 @@ def _key_fields(this, earlier) -> tuple[list[str], list[tuple[str, str, str]]]:
   return keys, apart
 
 
+def _typed(v):
+  """A CSV cell as the number it holds (an integral one as an int), else as it is: a size field's
+  value as `plots.size_label` reads it."""
+  n = findings_lib._norm(v)  # pylint: disable=protected-access
+  return int(n) if isinstance(n, float) and n.is_integer() else n
+
+
 def _labels(groups: Mapping[tuple, list], keys: Sequence[str]) -> dict[tuple, str]:
   """A short label per group: its data and method, then the key fields that differ among the
-  groups of that data and method (the others are their settings, the same in each)."""
+  groups of that data and method (the others are their settings, the same in each), a Switch
+  Transformer's size at 0 by what it stands for (`plots.size_label`: "dim=64", "vocab_size=all")."""
   kind = {k: (rows[0].get("data.name", ""), rows[0].get("method.name", ""))
           for k, rows in groups.items()}
   shown = {}
@@ -106,8 +115,9 @@ def _labels(groups: Mapping[tuple, list], keys: Sequence[str]) -> dict[tuple, st
                     and len({k[i] for k in alike}) > 1]
   out = {}
   for k, rows in groups.items():
-    first = rows[0]
-    parts = list(kind[k]) + [f"{f.split('.')[-1]}={first.get(f, '')}" for f in shown[kind[k]]]
+    first = dict(rows[0])
+    first.update({f: _typed(first[f]) for f in plots.SWITCH_SIZE_PATHS if f in first})
+    parts = list(kind[k]) + [plots.size_label(first, f) for f in shown[kind[k]]]
     out[k] = " ".join(p for p in parts if p)
   return out
 

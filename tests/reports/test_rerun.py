@@ -132,3 +132,21 @@ def test_groups_that_differ_only_in_a_field_the_other_file_lacks_are_an_error():
   # With one value of the field, the groups match.
   (row,) = R.compare(this[:3], earlier).rows
   assert row.outcome == R.IDENTICAL
+
+
+def test_a_switch_size_at_zero_is_labelled_by_what_it_stands_for():
+  def lm(vocab, dim, ffn):
+    return {"data.name": "tiny_shakespeare", "method.name": "lm_sm", "model.name": "switch",
+            "model.preset": "tiny", "data.vocab_size": vocab, "model.dim": dim,
+            "model.ffn_dim": ffn, "stream.wait": 1.0}
+  runs = {"t": (lm(0, 0, 0), {"cer_percent": [1.0, 2.0, 3.0]}),
+          "b": (lm(2048, 128, 256), {"cer_percent": [4.0, 5.0, 6.0]})}
+  got = R.compare(_rows(runs), _rows(runs))
+  # The preset's sizes and the whole vocabulary, not the zeros that stand for them; a field that
+  # sizes no model keeps its value as the file writes it.
+  assert sorted({r.group for r in got.rows}) == [
+      "tiny_shakespeare lm_sm vocab_size=2048 dim=128 ffn_dim=256",
+      "tiny_shakespeare lm_sm vocab_size=all dim=64 ffn_dim=128"]
+  runs["b"][0]["stream.wait"] = 2.0
+  assert "tiny_shakespeare lm_sm vocab_size=2048 dim=128 ffn_dim=256 wait=2.0" in {
+      r.group for r in R.compare(_rows(runs), _rows(runs)).rows}
