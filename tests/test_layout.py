@@ -188,7 +188,7 @@ LAYERS = (
     ("methods",),
     ("engine",),
     ("tuning",),
-    ("reports.plots", "reports.plot_style"),
+    ("reports.plots", "reports.plot_style", "reports.labels"),
     ("observers",),
     ("stream",),
     ("reports",),

@@ -57,6 +57,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from alma_jax import errors
 from alma_jax.reports import grid_files
+from alma_jax.reports import labels
 
 CLEAR_T = 3.0
 VERDICTS = ("reproduced", "partly", "not reproduced", "against", "not shown")
@@ -201,8 +202,9 @@ def _groups(rows: Sequence[Mapping[str, str]]) -> dict[str, list[Mapping[str, st
   return out
 
 
-def _describe(selector: Mapping[str, Any]) -> str:
-  return " ".join(f"{k.split('.')[-1]}={v}" for k, v in selector.items())
+def _describe(selector: Mapping[str, Any], row: Mapping[str, Any]) -> str:
+  """The label of the group that `selector` picked (`row`: one of its rows)."""
+  return labels.label({**row, **selector}, list(selector))
 
 
 def _select(groups, selector: Mapping[str, Any], finding: str) -> tuple[str, list] | None:
@@ -220,7 +222,7 @@ def _select(groups, selector: Mapping[str, Any], finding: str) -> tuple[str, lis
     raise FindingsError(f"finding {finding}: the selector {dict(selector)} matches "
                         f"{len(found)} groups; they differ in {differ[:6]}: add one of these "
                         "fields to it")
-  return (_describe(selector), found[0][1]) if found else None
+  return (_describe(selector, found[0][1][0]), found[0][1]) if found else None
 
 
 def _finished(picked) -> list[Mapping[str, str]]:

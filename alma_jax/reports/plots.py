@@ -33,8 +33,8 @@ from typing import Sequence
 import numpy as np
 
 from alma_jax.configuration import plugins
-from alma_jax.configuration.plugins import backbones as declared_backbones
 from alma_jax.outputs import io_utils
+from alma_jax.reports import labels
 from alma_jax.reports import plot_style as style
 from alma_jax.reports.plot_style import Series
 
@@ -56,12 +56,9 @@ subplots, save, mean_std, mean_std_columns = (style.subplots, style.save, style.
 
 
 # -- a report's model sizes: image backbones' widths, Switch Transformers' sizes -----------------
-# The fields that size a Switch Transformer and its vocabulary (0: the preset's size, the whole
-# vocabulary). A report of Switch Transformers of several sizes draws each size in panels of its
-# own, or as the points that a config's line joins, as it does an image backbone's widths.
-SWITCH_SIZE_PATHS = (("model.preset",)
-                     + tuple(f"model.{f}" for f in declared_backbones.SWITCH_SIZE_FIELDS)
-                     + ("data.vocab_size",))
+# A report of Switch Transformers of several sizes (`labels.SWITCH_SIZE_PATHS`) draws each size
+# in panels of its own, or as the points that a config's line joins, as it does an image
+# backbone's widths.
 # Fields that may change with the size alone (a grid's steps per stage for each model): then
 # they belong to its title, not to the configs' labels.
 _SIZE_PREFIXES = ("model.", "data.", "train.")
@@ -77,7 +74,7 @@ class SwitchSizes:
     self.fields: tuple[str, ...] = ()
     if not _all_switch(groups):
       return
-    size = [f for f in SWITCH_SIZE_PATHS if _differs(f, groups)]
+    size = [f for f in labels.SWITCH_SIZE_PATHS if _differs(f, groups)]
     if not size:
       return
     by_size: dict[tuple, list] = {}
@@ -96,35 +93,17 @@ class SwitchSizes:
 
   def title(self, g) -> str:
     """`g`'s size: "dim=64 ffn_dim=128 vocab_size=all ..." ("" for a report of one size)."""
-    return " ".join(size_label(g, f) for f in self.fields)
+    return " ".join(labels.size_label(g, f) for f in self.fields)
 
   def order(self, g) -> tuple:
     """A sort key of `g`'s size, numbers by value ("all" after any number)."""
     def key(v):
       return (0, float(v), "") if isinstance(v, (int, float)) else (1, 0.0, str(v))
-    return tuple(key(resolved_size(g, f)) for f in self.fields)
+    return tuple(key(labels.resolved_size(g, f)) for f in self.fields)
 
   def others(self, fields: Sequence[str]) -> list[str]:
     """`fields` less the sizes' own."""
     return [f for f in fields if f not in self.fields]
-
-
-def resolved_size(g, field: str):
-  """`g`'s value of `field` (a config path), a Switch Transformer's size field at 0 resolved to
-  what it stands for: its preset's size, or the whole vocabulary ("all")."""
-  v = g.get(field)
-  if field == "data.vocab_size" and not v:
-    return "all"
-  name = field.split(".")[-1]
-  if (field.startswith("model.") and name in declared_backbones.SWITCH_SIZE_FIELDS
-      and g.get("model.preset") in declared_backbones.SWITCH_PRESETS):
-    return declared_backbones.switch_size(g.get("model.preset"), name, v or 0)
-  return v
-
-
-def size_label(g, field: str) -> str:
-  """"name=value" of `field` in `g`, by `resolved_size` ("dim=64", "vocab_size=all")."""
-  return f"{field.split('.')[-1]}={_value(resolved_size(g, field))}"
 
 
 def _by_width(g) -> float:

@@ -40,7 +40,7 @@ from typing import Mapping, Sequence
 
 from alma_jax.configuration import config_lib
 from alma_jax.reports import findings as findings_lib
-from alma_jax.reports import plots
+from alma_jax.reports import labels
 from alma_jax.reports import report as report_lib
 
 DEFAULT_METRICS = ("cer_percent", "final_error", "final_perplexity", "mem", "comp_paper_total")
@@ -95,17 +95,10 @@ def _key_fields(this, earlier) -> tuple[list[str], list[tuple[str, str, str]]]:
   return keys, apart
 
 
-def _typed(v):
-  """A CSV cell as the number it holds (an integral one as an int), else as it is: a size field's
-  value as `plots.size_label` reads it."""
-  n = findings_lib._norm(v)  # pylint: disable=protected-access
-  return int(n) if isinstance(n, float) and n.is_integer() else n
-
-
 def _labels(groups: Mapping[tuple, list], keys: Sequence[str]) -> dict[tuple, str]:
   """A short label per group: its data and method, then the key fields that differ among the
-  groups of that data and method (the others are their settings, the same in each), a Switch
-  Transformer's size at 0 by what it stands for (`plots.size_label`: "dim=64", "vocab_size=all")."""
+  groups of that data and method (the others are their settings, the same in each), by
+  `labels.label`."""
   kind = {k: (rows[0].get("data.name", ""), rows[0].get("method.name", ""))
           for k, rows in groups.items()}
   shown = {}
@@ -113,13 +106,8 @@ def _labels(groups: Mapping[tuple, list], keys: Sequence[str]) -> dict[tuple, st
     alike = [k for k in groups if kind[k] == which]
     shown[which] = [f for i, f in enumerate(keys) if f not in ("data.name", "method.name")
                     and len({k[i] for k in alike}) > 1]
-  out = {}
-  for k, rows in groups.items():
-    first = dict(rows[0])
-    first.update({f: _typed(first[f]) for f in plots.SWITCH_SIZE_PATHS if f in first})
-    parts = list(kind[k]) + [plots.size_label(first, f) for f in shown[kind[k]]]
-    out[k] = " ".join(p for p in parts if p)
-  return out
+  return {k: labels.label(rows[0], ["data.name", "method.name"] + shown[kind[k]])
+          for k, rows in groups.items()}
 
 
 def _by_key(rows, keys, name: str) -> dict[tuple, list]:

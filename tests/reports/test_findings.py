@@ -8,6 +8,7 @@ import os
 import pytest
 
 from alma_jax.reports import findings as F
+from alma_jax.reports import labels
 from tests import helpers
 
 
@@ -120,6 +121,23 @@ def test_a_missing_group_is_not_shown_and_an_ambiguous_selector_is_an_error():
   assert "not in the results" in F.table([got])
 
 
+def test_a_side_is_labelled_by_its_names_and_its_sizes_as_they_stand():
+  def lm(dim, vocab):
+    return {"data.name": "tiny_shakespeare", "method.name": "lm_sm", "model.name": "switch",
+            "model.preset": "tiny", "model.dim": dim, "data.vocab_size": vocab}
+  rows = _rows({"tiny": (lm(0, 0), [5.0, 5.1, 4.9]), "wide": (lm(128, 2048), [3.0, 3.1, 2.9])})
+  spec = {"id": "L", "claim": "", "comparisons": [
+      {"better": {"data.name": "tiny_shakespeare", "model.dim": 128, "data.vocab_size": 2048},
+       "worse": {"method.name": "lm_sm", "model.dim": 0, "data.vocab_size": 0}}]}
+  (c,) = F.evaluate(rows, [spec])[0].comparisons
+  # A name by its value alone (not "name=tiny_shakespeare name=lm_sm"); a size at 0 by the
+  # preset's size and the whole vocabulary, as the figures name it.
+  assert c.better.label == "tiny_shakespeare dim=128 vocab_size=2048"
+  assert c.worse.label == "lm_sm dim=64 vocab_size=all"
+  assert labels.label({"stream.replay": 0.0, "method.name": ""},
+                      ["method.name", "stream.replay"]) == "replay=0.0"
+
+
 def test_within_a_budget_the_largest_candidate_that_spends_no_more_is_compared():
   rows = _rows({
       "s4": (_sm(4), [5.0, 5.1, 4.9], {"comp_total": 1.0}),
@@ -132,7 +150,7 @@ def test_within_a_budget_the_largest_candidate_that_spends_no_more_is_compared()
        "worse": {"method.name": "gmoe"}}]}
   (got,) = F.evaluate(rows, [spec])
   (c,) = got.comparisons
-  assert c.better.label == "name=sm width=16 wait=10" and c.outcome == F.CLEAR_FOR
+  assert c.better.label == "sm width=16 wait=10" and c.outcome == F.CLEAR_FOR
   assert "comp_total 3 vs 4" in c.note
   spec["comparisons"][0]["better"] = [_sm(64)]  # nothing within the budget
   (got,) = F.evaluate(rows, [spec])
@@ -151,11 +169,11 @@ def test_pick_best_compares_the_lowest_metric_within_the_budget():
   comp = {"better": [_r(4), _r(16), _r(64)], "within": "comp_total", "worse": _r(4, 1.0)}
   spec = {"id": "F5", "claim": "", "comparisons": [dict(comp, pick="best")]}
   (c,) = F.evaluate(rows, [spec])[0].comparisons
-  assert c.better.label == "name=sm width=4 wait=10 replay=0.0" and c.outcome == F.CLEAR_FOR
+  assert c.better.label == "sm width=4 wait=10 replay=0.0" and c.outcome == F.CLEAR_FOR
   assert "the best of 2 within comp_total: 1 vs 4" in c.note
   spec["comparisons"] = [comp]  # the default picks the one spending most: width 16, worse
   (c,) = F.evaluate(rows, [spec])[0].comparisons
-  assert c.better.label == "name=sm width=16 wait=10 replay=0.0" and c.outcome == F.CLEAR_AGAINST
+  assert c.better.label == "sm width=16 wait=10 replay=0.0" and c.outcome == F.CLEAR_AGAINST
 
 
 @pytest.mark.parametrize("bad", [{"pick": "cheapest"}, {"pick": "best", "within": None}])
@@ -173,7 +191,7 @@ def test_a_list_without_a_budget_compares_its_best_candidate():
   spec = {"id": "F1", "claim": "", "comparisons": [
       {"better": [_sm(4, 10), _sm(4, 50)], "worse": _sm(4, w)} for w in (1, 500)]}
   (got,) = F.evaluate(rows, [spec])
-  assert [c.better.label for c in got.comparisons] == ["name=sm width=4 wait=10"] * 2
+  assert [c.better.label for c in got.comparisons] == ["sm width=4 wait=10"] * 2
   assert got.verdict == "reproduced" and "the best of 2" in got.comparisons[0].note
 
 
