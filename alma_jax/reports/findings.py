@@ -57,7 +57,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from alma_jax import errors
 from alma_jax.reports import grid_files
-from alma_jax.reports import labels
+from alma_jax.reports import labels as labels_lib
 
 CLEAR_T = 3.0
 VERDICTS = ("reproduced", "partly", "not reproduced", "against", "not shown")
@@ -204,7 +204,7 @@ def _groups(rows: Sequence[Mapping[str, str]]) -> dict[str, list[Mapping[str, st
 
 def _describe(selector: Mapping[str, Any], row: Mapping[str, Any]) -> str:
   """The label of the group that `selector` picked (`row`: one of its rows)."""
-  return labels.label({**row, **selector}, list(selector))
+  return labels_lib.label({**row, **selector}, list(selector))
 
 
 def _select(groups, selector: Mapping[str, Any], finding: str) -> tuple[str, list] | None:

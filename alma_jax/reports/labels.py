@@ -12,11 +12,16 @@ from typing import Any, Mapping, Sequence
 
 from alma_jax.configuration.plugins import backbones as declared_backbones
 
-# The fields that size a Switch Transformer and its vocabulary (0: the preset's size, the whole
-# vocabulary).
-SWITCH_SIZE_PATHS = (("model.preset",)
-                     + tuple(f"model.{f}" for f in declared_backbones.SWITCH_SIZE_FIELDS)
+# The size fields of a Switch Transformer and its vocabulary, whose 0 stands for the preset's size
+# or the whole vocabulary; with the preset, the fields that set a Switch Transformer's size.
+_SIZE_FIELD_PATHS = (tuple(f"model.{f}" for f in declared_backbones.SWITCH_SIZE_FIELDS)
                      + ("data.vocab_size",))
+SWITCH_SIZE_PATHS = ("model.preset",) + _SIZE_FIELD_PATHS
+
+
+def value_text(v: Any) -> str:
+  """A config value as a label shows it: a float in its shortest form ("0.5", "1e-05")."""
+  return f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def _number(v: Any) -> Any:
@@ -34,7 +39,7 @@ def resolved_size(g: Mapping[str, Any], field: str) -> Any:
   Switch Transformer's size field at 0 resolved to what it stands for: its preset's size, or
   the whole vocabulary ("all")."""
   v = g.get(field)
-  if field not in SWITCH_SIZE_PATHS[1:]:
+  if field not in _SIZE_FIELD_PATHS:
     return v
   v = _number(v)
   if field == "data.vocab_size":
@@ -47,8 +52,7 @@ def resolved_size(g: Mapping[str, Any], field: str) -> Any:
 
 def size_label(g: Mapping[str, Any], field: str) -> str:
   """"name=value" of `field` in `g`, by `resolved_size` ("dim=64", "vocab_size=all")."""
-  v = resolved_size(g, field)
-  return f"{field.split('.')[-1]}={v:g}" if isinstance(v, float) else f"{field.split('.')[-1]}={v}"
+  return f"{field.split('.')[-1]}={value_text(resolved_size(g, field))}"
 
 
 def label(g: Mapping[str, Any], fields: Sequence[str]) -> str:

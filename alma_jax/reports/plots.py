@@ -34,7 +34,7 @@ import numpy as np
 
 from alma_jax.configuration import plugins
 from alma_jax.outputs import io_utils
-from alma_jax.reports import labels
+from alma_jax.reports import labels as labels_lib
 from alma_jax.reports import plot_style as style
 from alma_jax.reports.plot_style import Series
 
@@ -56,8 +56,8 @@ subplots, save, mean_std, mean_std_columns = (style.subplots, style.save, style.
 
 
 # -- a report's model sizes: image backbones' widths, Switch Transformers' sizes -----------------
-# A report of Switch Transformers of several sizes (`labels.SWITCH_SIZE_PATHS`) draws each size
-# in panels of its own, or as the points that a config's line joins, as it does an image
+# A report of Switch Transformers of several sizes (`labels_lib.SWITCH_SIZE_PATHS`) draws each
+# size in panels of its own, or as the points that a config's line joins, as it does an image
 # backbone's widths.
 # Fields that may change with the size alone (a grid's steps per stage for each model): then
 # they belong to its title, not to the configs' labels.
@@ -74,12 +74,12 @@ class SwitchSizes:
     self.fields: tuple[str, ...] = ()
     if not _all_switch(groups):
       return
-    size = [f for f in labels.SWITCH_SIZE_PATHS if _differs(f, groups)]
+    size = [f for f in labels_lib.SWITCH_SIZE_PATHS if _differs(f, groups)]
     if not size:
       return
     by_size: dict[tuple, list] = {}
     for g in groups:
-      by_size.setdefault(tuple(_value(g.get(f)) for f in size), []).append(g)
+      by_size.setdefault(tuple(labels_lib.value_text(g.get(f)) for f in size), []).append(g)
 
     def with_size(f):  # one value per size, and not the same for all
       return (f not in size and f.startswith(_SIZE_PREFIXES) and f != "model.num_experts"
@@ -93,13 +93,13 @@ class SwitchSizes:
 
   def title(self, g) -> str:
     """`g`'s size: "dim=64 ffn_dim=128 vocab_size=all ..." ("" for a report of one size)."""
-    return " ".join(labels.size_label(g, f) for f in self.fields)
+    return " ".join(labels_lib.size_label(g, f) for f in self.fields)
 
   def order(self, g) -> tuple:
     """A sort key of `g`'s size, numbers by value ("all" after any number)."""
     def key(v):
       return (0, float(v), "") if isinstance(v, (int, float)) else (1, 0.0, str(v))
-    return tuple(key(labels.resolved_size(g, f)) for f in self.fields)
+    return tuple(key(labels_lib.resolved_size(g, f)) for f in self.fields)
 
   def others(self, fields: Sequence[str]) -> list[str]:
     """`fields` less the sizes' own."""
@@ -223,10 +223,6 @@ def _plain(g) -> bool:
   return all(g.get(f) in values for f, values in PLAIN_POLICIES.items())
 
 
-def _value(v) -> str:
-  return f"{v:g}" if isinstance(v, float) else str(v)
-
-
 # A policy's colour, the same in every figure: the spare colours, then the methods' with SM's last
 # (the fixed waits' line of SM, the usual baseline, keeps its blue to itself).
 POLICY_PALETTE = (style.SPARE_COLORS + tuple(c for m, c in style.METHOD_COLORS.items() if m != "sm")
@@ -273,7 +269,8 @@ def _policy_parts(g, groups) -> list[str]:
     users = [o for o in groups if str(o.get(field)) == name]
     own = [f.path for f in (table[name].FIELDS if name in table else ())
            if _differs(f.path, users) or g.get(f.path) not in (None, f.default)]
-    parts.append(" ".join([name] + [f"{p.split('.')[-1]}={_value(g.get(p))}" for p in own]))
+    parts.append(" ".join([name] + [f"{p.split('.')[-1]}={labels_lib.value_text(g.get(p))}"
+                                    for p in own]))
   return parts
 
 
@@ -295,7 +292,7 @@ def _policy_label(g, groups, fields: Sequence[str]) -> str:
   a fixed wait and the other `fields` that differ among the `groups` but the width."""
   parts = _policy_parts(g, groups)
   if _fixed_wait(g):
-    parts.append(f"w={_value(g.get('stream.wait'))}")
+    parts.append(f"w={labels_lib.value_text(g.get('stream.wait'))}")
   skip = _policy_fields() | {"model.width", "stream.wait"}
   rest = [f for f in fields if f not in skip and _differs(f, groups)]
   return ", ".join(parts + ([g.label(rest)] if g.label(rest) else []))

@@ -40,7 +40,7 @@ from typing import Mapping, Sequence
 
 from alma_jax.configuration import config_lib
 from alma_jax.reports import findings as findings_lib
-from alma_jax.reports import labels
+from alma_jax.reports import labels as labels_lib
 from alma_jax.reports import report as report_lib
 
 DEFAULT_METRICS = ("cer_percent", "final_error", "final_perplexity", "mem", "comp_paper_total")
@@ -98,7 +98,7 @@ def _key_fields(this, earlier) -> tuple[list[str], list[tuple[str, str, str]]]:
 def _labels(groups: Mapping[tuple, list], keys: Sequence[str]) -> dict[tuple, str]:
   """A short label per group: its data and method, then the key fields that differ among the
   groups of that data and method (the others are their settings, the same in each), by
-  `labels.label`."""
+  `labels_lib.label`."""
   kind = {k: (rows[0].get("data.name", ""), rows[0].get("method.name", ""))
           for k, rows in groups.items()}
   shown = {}
@@ -106,7 +106,7 @@ def _labels(groups: Mapping[tuple, list], keys: Sequence[str]) -> dict[tuple, st
     alike = [k for k in groups if kind[k] == which]
     shown[which] = [f for i, f in enumerate(keys) if f not in ("data.name", "method.name")
                     and len({k[i] for k in alike}) > 1]
-  return {k: labels.label(rows[0], ["data.name", "method.name"] + shown[kind[k]])
+  return {k: labels_lib.label(rows[0], ["data.name", "method.name"] + shown[kind[k]])
           for k, rows in groups.items()}
 
 
