@@ -55,6 +55,7 @@ from __future__ import annotations
 import collections
 import csv
 import dataclasses
+import functools
 import glob
 import hashlib
 import io
@@ -104,8 +105,9 @@ class Run:
   records: tuple[dict, ...]
   summary: dict | None  # None: the run has not finished
 
-  @property
+  @functools.cached_property
   def flat(self) -> dict:
+    """The config as {"a.b.c": value} (read, never changed: a report asks for it often)."""
     return wd.flatten(self.config)
 
   @property
@@ -117,8 +119,11 @@ class Run:
 
 
 # -- loading -----------------------------------------------------------------------------------
+_PLAIN_NUMBERS = frozenset((int, float, bool))  # what JSON reads; checked first, as it is fast
+
+
 def _is_number(v: Any) -> bool:
-  return isinstance(v, numbers.Real)  # bools too: a record's `trained`
+  return type(v) in _PLAIN_NUMBERS or isinstance(v, numbers.Real)  # bools too: `trained`
 
 
 def _read_json(path: str) -> dict:

@@ -1115,3 +1115,20 @@ def test_a_legend_of_long_labels_stays_inside_its_figure():
   fitted = plot_style.fit_label(words, room)
   assert all(plot_style.text_width_pt(line) <= room for line in fitted.split("\n"))
   assert plot_style.fit_label("short", room) == "short"
+
+
+def test_a_text_s_width_is_remembered_per_font_and_math_setting():
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  from matplotlib.textpath import TextPath  # pylint: disable=g-import-not-at-top
+  text = "gmoe wait=10 $x$"
+  measure = lambda: TextPath((0, 0), text, size=9.0).get_extents().width  # pylint: disable=unnecessary-lambda-assignment
+  plain = plot_style.text_width_pt(text, 9.0)
+  assert plain == measure() and plot_style.text_width_pt(text, 9.0) == plain  # remembered
+  assert plot_style.text_width_pt(text, 12.0) > plain
+  # The same text in another font, or with its dollars read as text, is measured anew.
+  for params in ({"font.family": "serif"}, {"font.weight": "bold"}, {"text.parse_math": False}):
+    with matplotlib.rc_context(params):
+      width = plot_style.text_width_pt(text, 9.0)
+      assert width == measure() and width != plain, params
+  assert plot_style.text_width_pt(text, 9.0) == plain
+  assert plot_style.text_width_pt("   ", 9.0) == 0.0
