@@ -333,6 +333,7 @@ def test_a_changed_input_file_is_refused_on_resume(tmp_path, monkeypatch):
   c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
   c.mesh.num_devices = 1
   c.data.text_file, c.data.name = str(text), "book"
+  c.data.vocab_size = SMALL_VOCAB  # (its size plays no part here)
   wd = str(tmp_path / "wd")
   helpers.interrupt(c, wd, "t=2:saved", monkeypatch)
   text.write_text(text.read_text().replace("lazy dog", "sleepy cat"), encoding="utf-8")
