@@ -94,27 +94,25 @@ def test_two_process_run_writes_one_log_and_resumes_after_a_kill(tmp_path):
   log, summary = _outputs(tmp_path / "whole")
   assert [r["t"] for r in log] == [0, 1, 2, 3, 4]  # ... and one of them writes the log, once
   assert len(io_utils.read_jsonl(tmp_path / "whole" / "architecture.jsonl")) == 4
-  # Both processes kill themselves once the checkpoint of t=2 is written (the asynchronous
-  # write is confirmed when t=3 saves, after logging t=3); both resume.
-  code, out = _launch(tmp_path / "killed", cache, kill_at="t=2:saved")
-  assert code == 137, out[-5000:]
-  assert [r["t"] for r in io_utils.read_jsonl(tmp_path / "killed" / "log.jsonl")] == [
-      0, 1, 2, 3]
-  code, out = _launch(tmp_path / "killed", cache)
-  assert code == 0, out[-5000:]
-  assert out.count("resuming") == 2
-  assert _outputs(tmp_path / "killed") == (log, summary)
   # SIGTERM reaches process 1 alone, before its stage at t=2: both processes stop at the same
   # check, each with its own message (process 0 is not left waiting in a collective until the
-  # launcher kills it), and the run resumes.
-  code, out = _launch(tmp_path / "stopped", cache, kill_at="t=2:stage", signal="SIGTERM",
-                      process=1)
+  # launcher kills it).
+  wd = tmp_path / "interrupted"
+  code, out = _launch(wd, cache, kill_at="t=2:stage", signal="SIGTERM", process=1)
   assert code == 143, out[-5000:]
   for i in (0, 1):
     assert f"[{i}] alma_jax: error: interrupted by SIGTERM; the last checkpoint is t=1" in out, (
         out[-5000:])
   assert "SIGKILL" not in out and "did not stop" not in out, out[-5000:]
-  assert [r["t"] for r in io_utils.read_jsonl(tmp_path / "stopped" / "log.jsonl")] == [0, 1]
-  code, out = _launch(tmp_path / "stopped", cache)
+  assert [r["t"] for r in io_utils.read_jsonl(wd / "log.jsonl")] == [0, 1]
+  # Both resume from t=1 and kill themselves once the checkpoint of t=2 is written (the
+  # asynchronous write is confirmed when t=3 saves, after logging t=3) ...
+  code, out = _launch(wd, cache, kill_at="t=2:saved")
+  assert code == 137, out[-5000:]
+  assert out.count("resuming") == 2, out[-5000:]
+  assert [r["t"] for r in io_utils.read_jsonl(wd / "log.jsonl")] == [0, 1, 2, 3]
+  # ... and both resume again, to the outputs of the uninterrupted run.
+  code, out = _launch(wd, cache)
   assert code == 0, out[-5000:]
-  assert _outputs(tmp_path / "stopped") == (log, summary)
+  assert out.count("resuming") == 2, out[-5000:]
+  assert _outputs(wd) == (log, summary)
