@@ -230,4 +230,3 @@ def pytest_runtest_setup(item):  # pylint: disable=unused-argument
   since the last freeze made."""
   gc.collect()
   gc.freeze()
-
