@@ -79,6 +79,7 @@ from alma_jax.outputs import log_lines
 from alma_jax.outputs import workdir as wd
 from alma_jax.reports import findings as findings_lib
 from alma_jax.reports import gating_plot
+from alma_jax.reports import labels as labels_lib
 from alma_jax.reports import plots
 
 # Config fields that tell groups apart in labels and table columns, in this order.
@@ -279,9 +280,7 @@ class Group:
 
 
 def _fmt(v: Any) -> str:
-  if v is None:  # a field of another method
-    return "–"
-  return f"{v:g}" if isinstance(v, float) else str(v)
+  return "–" if v is None else labels_lib.value_text(v)  # None: a field of another method
 
 
 def group_runs(runs: Sequence[Run]) -> list[Group]:
