@@ -283,7 +283,7 @@ def test_benchmark_flags_that_would_run_nothing_or_compare_with_nothing_are_refu
 # Every benchmark that writes its results as JSON when it ends: the flag that names the file.
 _JSON_FLAGS = {"compile_budget": "--out", "peer": "--out", "end_to_end": "--out", "seeds": "--out",
                "ensemble_strategy": "--out", "growth_programs": "--out", "conv_parts": "--json",
-               "torch_reference": "--json", "train_speed": "--json"}
+               "torch_reference": "--json", "train_speed": "--json", "suite_time": "--out"}
 
 
 @pytest.mark.parametrize("name", sorted(_JSON_FLAGS))
@@ -301,3 +301,69 @@ def test_a_results_file_that_cannot_be_written_is_refused_before_anything_is_mea
       f"{name}.py: error: {flag}={blocker}/results.json: its folder {blocker} cannot be made: "
       f"{blocker} is a file")
   assert proc.stdout == "" and sorted(os.listdir(tmp_path)) == ["a_file"]
+
+
+# -- the suite's time ------------------------------------------------------------------------------
+_DURATIONS = """\
+============================= slowest durations ==============================
+12.50s call     tests/a/test_x.py::test_one[p-1]
+2.25s setup    tests/a/test_x.py::test_one[p-1]
+0.75s call     tests/test_y.py::test_two
+0.01s teardown tests/a/test_x.py::test_three
+(40 durations < 0.005s hidden.  Use -vv to show these durations.)
+=========================== short test summary info ============================
+FAILED tests/test_y.py::test_two - AssertionError
+======= 1 failed, 41 passed, 2 skipped, 3 warnings, 1 error in 84.20s (0:01:24) ========
+"""
+
+
+def test_suite_time_reads_pytest_s_durations_per_file_and_its_outcome():
+  parsed = _load("suite_time").parse(_DURATIONS)
+  assert parsed["pytest_s"] == 84.2
+  assert parsed["outcome"] == {"failed": 1, "passed": 41, "skipped": 2, "errors": 1}
+  assert parsed["files"] == {"tests/a/test_x.py": 14.76, "tests/test_y.py": 0.75}
+  assert parsed["worker_s"] == 15.51
+  assert parsed["slowest"][0] == [12.5, "call", "tests/a/test_x.py::test_one[p-1]"]
+  assert [p[0] for p in parsed["slowest"]] == [12.5, 2.25, 0.75, 0.01]
+
+
+def test_suite_time_runs_pytest_between_probes_and_compares_two_results(tmp_path):
+  tests = tmp_path / "tiny"
+  tests.mkdir()
+  (tests / "test_tiny.py").write_text(
+      "import time\n\ndef test_slow():\n  time.sleep(0.3)\n\n"
+      "def test_fails():\n  time.sleep(0.1)\n  assert False\n")
+  out = tmp_path / "r" / "suite.json"
+  proc = _script("suite_time", f"--out={out}", "--probe_runs=1", "--", str(tests))
+  assert proc.returncode == 1, proc.stderr[-3000:]  # a test failed
+  result = json.loads(out.read_text())
+  assert result["outcome"] == {"failed": 1, "passed": 1}
+  assert result["returncode"] == 1 and "assert False" in result["output_tail"]
+  (file_s,) = result["files"].values()
+  assert 0.4 <= file_s < 10 and result["worker_s"] == pytest.approx(file_s)
+  assert result["wall_s"] >= result["pytest_s"] > 0.4
+  assert len(result["probe_before_s"]) == len(result["probe_after_s"]) == 1
+  assert all(s > 0 for s in result["probe_before_s"] + result["probe_after_s"])
+  assert result["command"].endswith(f"--durations=0 {tests}") and result["cpu"]
+  assert "workers' seconds" in proc.stdout
+  # Two results files compared, nothing run.
+  other = dict(result, files={n: 2 * s for n, s in result["files"].items()}, commit="c2")
+  (tmp_path / "other.json").write_text(json.dumps(other))
+  proc = _script("suite_time", f"--compare={out}", f"--read={tmp_path}/other.json")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "median ratio of the files of a second or more" in proc.stdout
+  assert "2.00" in proc.stdout.splitlines()[-1]
+
+
+def test_suite_time_flags_that_would_measure_nothing_are_refused(tmp_path):
+  for args, error in [
+      ((f"--read={tmp_path}/a.json",), f"--read={tmp_path}/a.json: nothing to compare it with; "
+                                        "give --compare"),
+      ((), "--out is missing: the file that keeps the results of the run"),
+      ((f"--out={tmp_path}/o.json", "--probe_runs=-1"), "--probe_runs=-1: must be 0 or more"),
+      ((f"--out={tmp_path}/o.json", f"--compare={tmp_path}/none.json"),
+       f"--compare={tmp_path}/none.json is not a results file of this script (FileNotFoundError")]:
+    proc = _script("suite_time", *args)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"suite_time.py: error: {error}")
+  assert not os.listdir(tmp_path)
