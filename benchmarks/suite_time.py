@@ -17,6 +17,7 @@ longer while the probe took as much longer is the host, not the change.
   # against an earlier file: per test file, the seconds of both and their ratio
   python benchmarks/suite_time.py --out=new.json --compare=old.json
   python benchmarks/suite_time.py --compare=old.json --read=new.json   # no new run
+  python benchmarks/suite_time.py --probe_only   # the probe alone (e.g. beside a CI run)
 
 Run it on an idle machine: the suite keeps both cores busy, and anything
 beside it is in its time. Arguments after `--` go to pytest in place of
@@ -204,7 +205,15 @@ def main() -> None:
                   help="compare this results file with --compare instead of running the suite")
   ap.add_argument("--probe_runs", type=int, default=3,
                   help="fresh processes of the probe before and after the suite (0: none)")
+  ap.add_argument("--probe_only", action="store_true",
+                  help="run the probe alone and print its seconds (no suite, no file)")
   args = ap.parse_args(argv)
+  if args.probe_only:
+    if args.probe_runs < 1 or args.out or args.compare or args.read or extra:
+      ap.error("--probe_only runs the probe alone: give --probe_runs of 1 or more and no "
+               "other flag")
+    print(json.dumps({"probe_s": probe(args.probe_runs)}))
+    return
   if args.read and not args.compare:
     ap.error(f"--read={args.read}: nothing to compare it with; give --compare")
   if args.read and (args.out or extra):

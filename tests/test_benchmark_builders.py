@@ -353,6 +353,11 @@ def test_suite_time_runs_pytest_between_probes_and_compares_two_results(tmp_path
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "median ratio of the files of a second or more" in proc.stdout
   assert "2.00" in proc.stdout.splitlines()[-1]
+  # The probe alone.
+  proc = _script("suite_time", "--probe_only", "--probe_runs=1")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (seconds,) = json.loads(proc.stdout)["probe_s"]
+  assert seconds > 0
 
 
 def test_suite_time_flags_that_would_measure_nothing_are_refused(tmp_path):
@@ -361,6 +366,8 @@ def test_suite_time_flags_that_would_measure_nothing_are_refused(tmp_path):
                                         "give --compare"),
       ((), "--out is missing: the file that keeps the results of the run"),
       ((f"--out={tmp_path}/o.json", "--probe_runs=-1"), "--probe_runs=-1: must be 0 or more"),
+      (("--probe_only", "--probe_runs=0"), "--probe_only runs the probe alone: give "
+                                           "--probe_runs of 1 or more and no other flag"),
       ((f"--out={tmp_path}/o.json", f"--compare={tmp_path}/none.json"),
        f"--compare={tmp_path}/none.json is not a results file of this script (FileNotFoundError")]:
     proc = _script("suite_time", *args)
