@@ -130,13 +130,23 @@ def run_suite(pytest_args: list[str], probe_runs: int) -> dict:
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_before": _load_average()}
   result["probe_before_s"] = probe(probe_runs)
+  print(f"probe before: {result['probe_before_s']} s; running {' '.join(command[1:])}",
+        file=sys.stderr, flush=True)
   start = time.monotonic()
-  proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+  lines = []
+  with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True) as proc:
+    for line in proc.stdout:  # pytest's progress shown as it comes, its durations kept
+      lines.append(line)
+      if not _PHASE.match(line.strip()):
+        sys.stderr.write(line)
+        sys.stderr.flush()
   result["wall_s"] = round(time.monotonic() - start, 2)
   result["returncode"] = proc.returncode
-  result.update(parse(proc.stdout))
+  output = "".join(lines)
+  result.update(parse(output))
   if proc.returncode != 0:
-    result["output_tail"] = (proc.stdout + proc.stderr)[-4000:]
+    result["output_tail"] = output[-4000:]
   result["probe_after_s"] = probe(probe_runs)
   return result
 
@@ -188,7 +198,8 @@ def compare_text(old: dict, new: dict, top: int = 25) -> str:
 
 
 def _minutes(seconds: float) -> str:
-  return f"{int(seconds // 60)} min {int(round(seconds % 60))} s"
+  minutes, rest = divmod(int(round(seconds)), 60)
+  return f"{minutes} min {rest} s"
 
 
 def main() -> None:

@@ -346,6 +346,7 @@ def test_suite_time_runs_pytest_between_probes_and_compares_two_results(tmp_path
   assert all(s > 0 for s in result["probe_before_s"] + result["probe_after_s"])
   assert result["command"].endswith(f"--durations=0 {tests}") and result["cpu"]
   assert "workers' seconds" in proc.stdout
+  assert "probe before:" in proc.stderr and "1 failed, 1 passed" in proc.stderr  # as it runs
   # Two results files compared, nothing run.
   other = dict(result, files={n: 2 * s for n, s in result["files"].items()}, commit="c2")
   (tmp_path / "other.json").write_text(json.dumps(other))
