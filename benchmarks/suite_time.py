@@ -130,7 +130,7 @@ def run_suite(pytest_args: list[str], probe_runs: int) -> dict:
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_before": _load_average()}
   result["probe_before_s"] = probe(probe_runs)
-  print(f"probe before: {result['probe_before_s']} s; running {' '.join(command[1:])}",
+  print(f"probe before: {result['probe_before_s']} s; running {result['command']}",
         file=sys.stderr, flush=True)
   start = time.monotonic()
   lines = []
