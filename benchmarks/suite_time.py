@@ -12,6 +12,10 @@ the suite does thousands of times) timed in fresh processes before and after
 the suite. The probe does not depend on this package's code or on the
 suite's settings, so its seconds compare across commits: a suite that took
 longer while the probe took as much longer is the host, not the change.
+It also records how busy the CPUs were in the second before the suite (what
+the load average, a minute's memory, cannot say) and the CPU seconds the
+suite used: their share of the cores over its wall time says how much of
+the machine the two workers kept busy.
 
   python benchmarks/suite_time.py --out=benchmarks/results/<host>_<date>/suite_<commit>.json
   # against an earlier file: per test file, the seconds of both and their ratio
@@ -31,6 +35,7 @@ import collections
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -38,8 +43,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's package
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
+import peer  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 WORKERS = 2  # the README's test command: `python -m pytest -q -n 2 tests`
 SLOWEST = 60  # slowest test phases kept in the results
@@ -119,6 +126,12 @@ def _load_average() -> float | None:
     return None
 
 
+def _children_cpu_s() -> float:
+  """User and system CPU seconds of the ended child processes of this one (and theirs)."""
+  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return usage.ru_utime + usage.ru_stime
+
+
 def run_suite(pytest_args: list[str], probe_runs: int) -> dict:
   """Runs the suite (`pytest_args` in place of `tests`) between two probes of the host."""
   from alma_jax.observers import summary  # pylint: disable=g-import-not-at-top
@@ -130,9 +143,10 @@ def run_suite(pytest_args: list[str], probe_runs: int) -> dict:
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_before": _load_average()}
   result["probe_before_s"] = probe(probe_runs)
+  result["busy_before"] = round(peer.busy_share(), 3)  # after the probes: their CPU is done
   print(f"probe before: {result['probe_before_s']} s; running {result['command']}",
         file=sys.stderr, flush=True)
-  start = time.monotonic()
+  start, used = time.monotonic(), _children_cpu_s()
   lines = []
   with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                         text=True) as proc:
@@ -142,6 +156,9 @@ def run_suite(pytest_args: list[str], probe_runs: int) -> dict:
         sys.stderr.write(line)
         sys.stderr.flush()
   result["wall_s"] = round(time.monotonic() - start, 2)
+  result["cpu_s"] = round(_children_cpu_s() - used, 2)  # the suite's processes, all of them
+  cores = os.cpu_count() or 1
+  result["cpu_share"] = round(result["cpu_s"] / max(result["wall_s"] * cores, 1e-9), 3)
   result["returncode"] = proc.returncode
   output = "".join(lines)
   result.update(parse(output))
@@ -165,10 +182,20 @@ def summary_text(result: dict, top: int = 15) -> str:
            f"workers' seconds {result['worker_s']:.1f}; probe {result['probe_before_s']} s "
            f"before, {result['probe_after_s']} s after" +
            (f"; wall / probe median {result['wall_s'] / p:.0f}" if p else ""),
+           _cpu_text(result),
            "slowest files (workers' seconds):"]
   slowest = sorted(result["files"].items(), key=lambda kv: -kv[1])[:top]
   lines += [f"  {s:7.1f}  {f}" for f, s in slowest]
   return "\n".join(lines)
+
+
+def _cpu_text(result: dict) -> str:
+  """The CPUs' use, where the file has it (files written before it was recorded do not)."""
+  if "cpu_s" not in result:
+    return "CPU seconds not recorded"
+  return (f"CPU {result['cpu_s']:.0f} s: {100 * result['cpu_share']:.0f}% of the cores over "
+          f"the wall time; the CPUs {100 * result['busy_before']:.0f}% busy in the second "
+          "before")
 
 
 def compare_text(old: dict, new: dict, top: int = 25) -> str:
@@ -190,6 +217,7 @@ def compare_text(old: dict, new: dict, top: int = 25) -> str:
            "probe median " + (f"{po:.2f} -> {pn:.2f} s ({pn / po:.2f}x)" if po and pn else
                               "missing") +
            f"; median ratio of the files of a second or more {med:.2f}x",
+           f"old {_cpu_text(old)}", f"new {_cpu_text(new)}",
            f"{'old s':>8} {'new s':>8} {'ratio':>6} {'beyond':>7}  file"]
   for name, a, b in sorted(pairs, key=lambda p: -abs(p[2] - p[1] * med))[:top]:
     ratio = f"{b / a:.2f}" if a and b else "only"

@@ -345,7 +345,13 @@ def test_suite_time_runs_pytest_between_probes_and_compares_two_results(tmp_path
   assert len(result["probe_before_s"]) == len(result["probe_after_s"]) == 1
   assert all(s > 0 for s in result["probe_before_s"] + result["probe_after_s"])
   assert result["command"].endswith(f"--durations=0 {tests}") and result["cpu"]
-  assert "workers' seconds" in proc.stdout
+  # The suite's CPU seconds: at least pytest's import and collection in its process, and
+  # at most every core over the wall time; the CPUs' busy share before it, a fraction.
+  assert 0 < result["cpu_s"] <= result["wall_s"] * os.cpu_count() + 0.5
+  assert result["cpu_share"] == pytest.approx(
+      result["cpu_s"] / (result["wall_s"] * os.cpu_count()), abs=1e-3)
+  assert 0 <= result["busy_before"] <= 1
+  assert "workers' seconds" in proc.stdout and "% of the cores over the wall time" in proc.stdout
   assert "probe before:" in proc.stderr and "1 failed, 1 passed" in proc.stderr  # as it runs
   # Two results files compared, nothing run.
   other = dict(result, files={n: 2 * s for n, s in result["files"].items()}, commit="c2")
@@ -354,6 +360,13 @@ def test_suite_time_runs_pytest_between_probes_and_compares_two_results(tmp_path
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "median ratio of the files of a second or more" in proc.stdout
   assert "2.00" in proc.stdout.splitlines()[-1]
+  assert "old CPU " in proc.stdout and "new CPU " in proc.stdout
+  # A file written before the CPUs' use was recorded still compares.
+  older = {k: v for k, v in result.items() if k not in ("cpu_s", "cpu_share", "busy_before")}
+  (tmp_path / "older.json").write_text(json.dumps(older))
+  proc = _script("suite_time", f"--compare={tmp_path}/older.json", f"--read={out}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "old CPU seconds not recorded" in proc.stdout
   # The probe alone.
   proc = _script("suite_time", "--probe_only", "--probe_runs=1")
   assert proc.returncode == 0, proc.stderr[-3000:]
