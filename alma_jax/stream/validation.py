@@ -33,10 +33,38 @@ from alma_jax.models import registry as backbones
 KNOWN_SHAPES = tasks.images.KNOWN_SHAPES
 
 
-# Checks of the optimizer arguments that every optimizer of `alma_jax.engine.optim` takes (a config
-# file may also give a schedule: a callable).
+def _or_none(check: fields.Check) -> fields.Check:
+  """`check`, or None: the optimizer's own default (optax.sgd's `momentum`: no momentum)."""
+  def either(path, v):
+    if v is None:
+      return None
+    try:
+      return check(path, v)
+    except ConfigError as e:
+      raise ConfigError(f"{e} (or None)") from None
+  return fields.Check(either, check.kind)
+
+
+_DECAY = fields.number(0.0, 1.0)  # a moving average's decay: 0 keeps nothing, 1 nothing new
+# Checks of the optimizer arguments of `alma_jax.engine.optim`'s optimizers, by argument name:
+# each name means the same in every optax optimizer that takes it (a config file may also give
+# a schedule: a callable, not checked here). Whether the optimizer takes the argument at all is
+# checked when it is built.
 OPTIMIZER_KWARG_CHECKS = {
     "learning_rate": fields.number(0.0, math.inf, open_lo=True, open_hi=True),
+    # Adam's family (adam, adamw, nadam, radam, adamax, lamb, lion, novograd, yogi): the
+    # decays of the first and second moments; at 1 a moment never moves from its start.
+    "b1": fields.number(0.0, 1.0, open_hi=True),
+    "b2": fields.number(0.0, 1.0, open_hi=True),
+    "eps": fields.number(0.0, math.inf),
+    "eps_root": fields.number(0.0, math.inf),
+    "rho": _DECAY,  # adadelta
+    "decay": _DECAY,  # rmsprop
+    "momentum": _or_none(_DECAY),  # sgd, rmsprop, adafactor
+    "nesterov": fields.boolean(),
+    "centered": fields.boolean(),  # rmsprop
+    "weight_decay": fields.number(0.0, math.inf),  # adamw, lamb, lion, novograd, adadelta
+    "initial_accumulator_value": fields.number(0.0, math.inf),  # adagrad
 }
 
 

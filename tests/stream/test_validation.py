@@ -207,6 +207,61 @@ def test_valid_configs_pass():
       validation.validate(c)
 
 
+# -- the optimizer's arguments --------------------------------------------------------------------
+@pytest.mark.parametrize("name, kwargs, pattern", [
+    ("adam", {"b1": float("nan")}, r"config\.optimizer\.kwargs\.b1=nan must be in \[0\.0, 1\.0\)"),
+    ("adam", {"b2": 1.0}, r"config\.optimizer\.kwargs\.b2=1\.0 must be in \[0\.0, 1\.0\)"),
+    ("lion", {"b1": -0.1}, r"config\.optimizer\.kwargs\.b1=-0\.1 must be in \[0\.0, 1\.0\)"),
+    ("adamw", {"eps": -1e-8}, r"config\.optimizer\.kwargs\.eps=-1e-08 must be in \[0\.0, inf\)"),
+    ("adam", {"eps_root": float("inf")},
+     r"config\.optimizer\.kwargs\.eps_root=inf must be in \[0\.0, inf\)"),
+    ("adadelta", {"rho": 1.5}, r"config\.optimizer\.kwargs\.rho=1\.5 must be in \[0\.0, 1\.0\]"),
+    ("rmsprop", {"decay": -0.5}, r"config\.optimizer\.kwargs\.decay=-0\.5 must be in \[0\.0, 1\.0\]"),
+    ("sgd", {"momentum": 1.1},
+     r"config\.optimizer\.kwargs\.momentum=1\.1 must be in \[0\.0, 1\.0\] \(or None\)"),
+    ("sgd", {"momentum": "high"},
+     r"config\.optimizer\.kwargs\.momentum='high' must be a number in \[0\.0, 1\.0\], got "
+     r"str \(or None\)"),
+    ("sgd", {"nesterov": "yes"},
+     r"config\.optimizer\.kwargs\.nesterov='yes' must be true or false, got str"),
+    ("rmsprop", {"centered": 1}, r"config\.optimizer\.kwargs\.centered=1 must be true or false, got int"),
+    ("adamw", {"weight_decay": -1e-4},
+     r"config\.optimizer\.kwargs\.weight_decay=-0\.0001 must be in \[0\.0, inf\)"),
+    ("adagrad", {"initial_accumulator_value": -0.1},
+     r"config\.optimizer\.kwargs\.initial_accumulator_value=-0\.1 must be in \[0\.0, inf\)"),
+])
+def test_the_optimizer_s_arguments_are_checked_by_name(name, kwargs, pattern):
+  # Optax builds these optimizers with any of these values: Adam's first update is NaN with
+  # b1=nan or b2=1.0 (the run is then reported as a divergence), and an SGD momentum above 1
+  # makes the steps grow without bound.
+  c = helpers.smoke(optimizer__name=name, optimizer__kwargs={"learning_rate": 0.1, **kwargs})
+  with pytest.raises(ConfigError, match=rf"^{pattern}$"):
+    validation.validate(c, backend=False, data=False)
+
+
+def test_the_optimizer_s_arguments_at_their_bounds_and_its_defaults_pass():
+  for name, kwargs in [("adam", {"b1": 0.0, "b2": 0.0, "eps": 0.0, "eps_root": 0.0}),
+                       ("sgd", {"momentum": None, "nesterov": False}),
+                       ("sgd", {"momentum": 1.0, "nesterov": True}),
+                       ("adadelta", {"rho": 1.0}), ("rmsprop", {"decay": 0.0, "centered": True}),
+                       ("adamw", {"weight_decay": 0.0}),
+                       ("adagrad", {"initial_accumulator_value": 0.0})]:
+    c = helpers.smoke(optimizer__name=name, optimizer__kwargs={"learning_rate": 0.1, **kwargs})
+    validation.validate(c, backend=False, data=False)
+
+
+def test_an_optimizer_argument_on_the_command_line_is_checked_in_its_words():
+  lm = os.path.join(ROOT, "configs", "lm_sm.py:smoke")  # Adam with b1, b2 and eps
+  c = config_resolve.resolve(lm, ["--config.optimizer.kwargs.b2=1.0"])
+  with pytest.raises(ConfigError, match=r"^config\.optimizer\.kwargs\.b2=1\.0 must be in "
+                                        r"\[0\.0, 1\.0\)$"):
+    validation.validate(c, backend=False, data=False)
+  with pytest.raises(config_resolve.ConfigResolveError,
+                     match=r"config\.optimizer\.kwargs\.b1='high' must be a number in "
+                           r"\[0\.0, 1\.0\), got str"):
+    config_resolve.resolve(lm, ["--config.optimizer.kwargs.b1=high"])
+
+
 @pytest.mark.parametrize("path", sorted(
     glob.glob(os.path.join(ROOT, "configs", "*.py"))
     + glob.glob(os.path.join(ROOT, "configs", "bench", "*.py"))),
