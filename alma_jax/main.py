@@ -161,6 +161,12 @@ def _parse_flags(argv):
   if any(a in _HELP for a in argv[1:]):
     print(help_text())
     sys.exit(0)
+  if not any(a.startswith("--helpfull") or a.startswith("--helpxml") for a in argv[1:]):
+    from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top
+    given = config_files.config_value(argv)
+    if not given:  # None: no --config flag at all; "": an empty one
+      _fail(f"--config is {'missing' if given is None else 'empty'}: give a config name or "
+            "file, e.g. --config=mnist_sm:quick (alma-jax --help lists them)", 2)
   try:
     return flags.FLAGS(argv)
   except Exception as e:  # pylint: disable=broad-except

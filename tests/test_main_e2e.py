@@ -207,6 +207,21 @@ def test_help_lists_the_configs_their_variants_and_the_flags(flag):
   assert direct.stdout == out  # the module prints the same help
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--workdir=/tmp/never"], "missing"), (["--print_config"], "missing"),
+    (["--config=", "--workdir=/tmp/never"], "empty"),
+    (["--config=mnist_sm:smoke", "--config="], "empty"),  # the last one counts, as for absl
+    (["--config", "", "--print_config"], "empty")])
+def test_a_missing_or_empty_config_is_said_before_anything_starts(argv, said, capsys):
+  from alma_jax import main as main_lib  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit) as info:
+    main_lib._parse_flags(["alma-jax", *argv])  # pylint: disable=protected-access
+  assert info.value.code == 2
+  assert capsys.readouterr().err == (
+      f"alma_jax: error: --config is {said}: give a config name or file, e.g. "
+      "--config=mnist_sm:quick (alma-jax --help lists them)\n")
+
+
 def test_print_config_resolves_validates_and_prints_without_running(tmp_path):
   proc = _cli("--config=mnist_sm:quick", "--config.model.width=4", "--print_config",
               cwd=str(tmp_path))
