@@ -757,6 +757,11 @@ def main(argv=None):
     to_run += state == "run"
     if state == "run" and not args.dry_run:
       todo.append((i + 1, cmd, workdir, resolved))
+  if todo and not args.tpu:  # the points' workdirs and logs go under the root, here
+    try:
+      wd.check_writable(args.root, "--root", "the points' workdirs")
+    except errors.ConfigError as e:
+      raise UsageError(f"{e}; no run was started") from None
   if args.tpu and args.tpu_setup and to_run:
     if _tpu_pod().execute([], tpu=args.tpu, zone=args.tpu_zone, project=args.tpu_project,
                           steps=["copy", "install"], dry_run=args.dry_run):

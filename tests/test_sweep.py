@@ -216,6 +216,20 @@ def test_an_array_script_that_would_not_run_is_refused_before_it_is_written(args
   assert os.listdir(tmp_path / "s") == []
 
 
+def test_a_root_that_cannot_hold_the_workdirs_is_refused_before_any_run(tmp_path, monkeypatch):
+  calls, _ = _fake_runs(monkeypatch)
+  (tmp_path / "a_file").write_text("")
+  root = tmp_path / "a_file" / "sweep"
+  with pytest.raises(sweep.UsageError) as info:
+    sweep.main([f"--config={SMOKE}", f"--root={root}", "--grid=seed=0,1"])
+  assert str(info.value) == (f"sweep: error: --root={root} is not writable: Not a directory; "
+                             "no run was started")
+  assert info.value.code == 2 and not calls
+  # A dry run only prints the plan, and a root made later serves.
+  assert sweep.main([f"--config={SMOKE}", f"--root={root}", "--grid=seed=0,1", "--dry_run",
+                     "--no-report"]) == 0 and not calls
+
+
 def test_config_that_does_not_load():
   with pytest.raises(SystemExit, match=r"sweep: error: --config=no_such\.py: .*no_such\.py"):
     sweep.main(["--config=no_such.py", "--root=/tmp/x", "--grid=seed=0"])

@@ -42,19 +42,21 @@ def seed_dir(workdir: str, seed: int) -> str:
   return os.path.join(workdir, f"{SEED_DIR_PREFIX}{seed}")
 
 
-def check_writable(workdir: str) -> None:
-  """The workdir exists (created if needed) and is writable."""
+def check_writable(workdir: str, flag: str = "--workdir",
+                   holds: str = "the run's outputs") -> None:
+  """The workdir exists (created if needed) and is writable; the errors name it as `flag`
+  (a sweep's `--root`, which `holds` the points' workdirs)."""
   if not workdir:
-    raise ConfigError("--workdir is empty; give a directory for the run's outputs")
+    raise ConfigError(f"{flag} is empty; give a directory for {holds}")
   if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise ConfigError(f"--workdir={workdir} exists and is not a directory")
+    raise ConfigError(f"{flag}={workdir} exists and is not a directory")
   try:
     os.makedirs(workdir, exist_ok=True)
     fd, probe = tempfile.mkstemp(dir=workdir, prefix=".write-test-")
     os.close(fd)
     os.unlink(probe)
   except OSError as e:
-    raise ConfigError(f"--workdir={workdir} is not writable: {e.strerror or e}") from e
+    raise ConfigError(f"{flag}={workdir} is not writable: {e.strerror or e}") from e
 
 
 def has_progress(workdir: str) -> bool:
