@@ -71,6 +71,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from alma_jax import errors
 from alma_jax import tasks
 from alma_jax.configuration import config_lib
 from alma_jax.outputs import checkpoint as ckpt_lib
@@ -561,5 +562,14 @@ def main(argv):
   print(f"wrote {os.path.join(FLAGS.out, 'report.md')} and {len(figures)} figures")
 
 
+def _parse_flags(argv):
+  """absl's parse, with a flag it refuses said in one line (exit code 2) with the flags."""
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    _fail(f"{errors.flag_error(e).rstrip('.')}; the flags: --workdirs, --out, --gating, "
+          "--findings (--helpshort says what they take)")
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

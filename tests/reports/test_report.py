@@ -321,6 +321,12 @@ def test_command_line_error_names_the_path(tmp_path):
                         env=dict(os.environ, PYTHONPATH=ROOT), check=False)
   assert proc.returncode == 2
   assert f"report: error: --workdirs: {tmp_path / 'x'} is not a run's workdir" in proc.stderr
+  # A flag the report does not have (a sweep's --root) is one line too, with its flags.
+  proc = _report("--root=/tmp", f"--out={tmp_path / 'o'}")
+  assert proc.returncode == 2 and proc.stdout == ""
+  assert proc.stderr == ("report: error: Unknown command line flag 'root'; the flags: "
+                         "--workdirs, --out, --gating, --findings (--helpshort says what they "
+                         "take)\n")
 
 
 def _report(*args):
