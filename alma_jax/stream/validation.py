@@ -98,10 +98,17 @@ def _check_rules(config, backend: bool = True, devices: int | None = None) -> No
   for name, check in OPTIMIZER_KWARG_CHECKS.items():
     if name in kwargs and not callable(kwargs[name]):
       check(f"optimizer.kwargs.{name}", kwargs[name])
+  no_rate = ConfigError(f"config.optimizer.kwargs has no learning_rate: give the learning rate "
+                        f"of optax.{config.optimizer.name}, e.g. "
+                        "--config.optimizer.kwargs.learning_rate=0.01 (a number > 0)")
   try:
-    optim.from_config(config)
+    optim.from_config(config)  # an argument it does not take is said first (a typo)
   except (TypeError, ValueError) as e:
+    if isinstance(e, TypeError) and "learning_rate" not in kwargs:
+      raise no_rate from None
     raise ConfigError(f"config.optimizer: {e}") from e
+  if "learning_rate" not in kwargs:  # optax.adadelta takes None: an update up the gradient
+    raise no_rate
   sharding.check_rules(dict(config.mesh.rules.items()))
   if backend:
     _check_mesh(config, jax.device_count(), jax.default_backend())

@@ -135,6 +135,14 @@ CONFIG_CASES = [
      r"^config\.optimizer\.kwargs\.learning_rate=inf must be in \(0\.0, inf\)$"),
     ("learning_rate_none", {"optimizer__kwargs": {"learning_rate": None}},
      r"^config\.optimizer\.kwargs\.learning_rate=None must be a number"),
+    # optax.adadelta without a learning rate (None) updates up the gradient; optax.sgd
+    # without one does not build.
+    ("learning_rate_missing", {"optimizer__kwargs": {}},
+     r"^config\.optimizer\.kwargs has no learning_rate: give the learning rate of "
+     r"optax\.adadelta, e\.g\. --config\.optimizer\.kwargs\.learning_rate=0\.01 \(a number > 0\)$"),
+    ("learning_rate_missing_sgd",
+     {"optimizer__name": "sgd", "optimizer__kwargs": {"momentum": 0.9}},
+     r"^config\.optimizer\.kwargs has no learning_rate: give the learning rate of optax\.sgd, "),
     ("weight_decay_negative", {"optimizer__weight_decay": -1.0},
      r"config\.optimizer\.weight_decay=-1\.0 must be in"),
 ]
