@@ -40,8 +40,8 @@ def _or_none(check: fields.Check) -> fields.Check:
       return None
     try:
       return check(path, v)
-    except ConfigError as e:
-      raise ConfigError(f"{e} (or None)") from None
+    except ConfigError as e:  # "... must be in [0, 1]" -> "... must be None or in [0, 1]"
+      raise ConfigError(str(e).replace(" must be ", " must be None or ", 1)) from None
   return fields.Check(either, check.kind)
 
 

@@ -226,10 +226,10 @@ def test_valid_configs_pass():
     ("adadelta", {"rho": 1.5}, r"config\.optimizer\.kwargs\.rho=1\.5 must be in \[0\.0, 1\.0\]"),
     ("rmsprop", {"decay": -0.5}, r"config\.optimizer\.kwargs\.decay=-0\.5 must be in \[0\.0, 1\.0\]"),
     ("sgd", {"momentum": 1.1},
-     r"config\.optimizer\.kwargs\.momentum=1\.1 must be in \[0\.0, 1\.0\] \(or None\)"),
+     r"config\.optimizer\.kwargs\.momentum=1\.1 must be None or in \[0\.0, 1\.0\]"),
     ("sgd", {"momentum": "high"},
-     r"config\.optimizer\.kwargs\.momentum='high' must be a number in \[0\.0, 1\.0\], got "
-     r"str \(or None\)"),
+     r"config\.optimizer\.kwargs\.momentum='high' must be None or a number in \[0\.0, 1\.0\], "
+     r"got str"),
     ("sgd", {"nesterov": "yes"},
      r"config\.optimizer\.kwargs\.nesterov='yes' must be true or false, got str"),
     ("rmsprop", {"centered": 1}, r"config\.optimizer\.kwargs\.centered=1 must be true or false, got int"),
