@@ -3,8 +3,8 @@
 Fields of the config are overridden on the command line, e.g.
 `--config.stream.wait=5 --config.model.width=16`. Rerunning the same command
 resumes the run in DIR; `--overwrite` starts it afresh. Errors are one line on
-stderr, exit code 2 for invalid inputs (config, data, workdir, checkpoints), 1
-for failures while running, 128 + signal number after SIGINT/SIGTERM/SIGHUP
+stderr, exit code 2 for invalid inputs (config, data, workdir, checkpoints, a
+JAX_PLATFORMS whose backend cannot start), 1 for failures while running, 128 + signal number after SIGINT/SIGTERM/SIGHUP
 (130 for Ctrl-C while starting); `--debug` shows tracebacks. A multi-process
 run (`alma_jax.runtime.multihost`, the launchers in `launch/`) runs this same command
 in every process.
@@ -333,8 +333,19 @@ def main(argv):
             "where JAX cannot detect the processes, give --coordinator_address, "
             "--num_processes and --process_id (docs/devices.md)", errors.exit_code(e))
   cache = caches.enable_compilation_cache(_COMPILATION_CACHE.value)
+  try:
+    backend = jax.default_backend()  # the first use of a device starts it
+  except Exception as e:  # pylint: disable=broad-except  (a platform not here, a driver failing)
+    if _DEBUG.value:
+      raise
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:  # JAX's own errors here range from a RuntimeError to a bare AssertionError
+      _fail(f"JAX cannot start the backend of JAX_PLATFORMS={platforms!r}: "
+            f"{errors.one_line(e).rstrip('.')}; install JAX's build for it (README, Setup) or "
+            "unset JAX_PLATFORMS to run on the devices that are here", 2)
+    _fail(f"JAX cannot start its backend: {errors.one_line(e).rstrip('.')}", 1)
   logging.info("JAX %s, backend %s, process %d of %d, devices: %s; allocator tuned for XLA:CPU: "
-               "%s; compilation cache: %s", jax.__version__, jax.default_backend(),
+               "%s; compilation cache: %s", jax.__version__, backend,
                jax.process_index(), jax.process_count(), jax.devices(), cpu_tuning.is_applied(),
                cache)
   from alma_jax.engine import timing  # pylint: disable=g-import-not-at-top

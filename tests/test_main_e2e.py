@@ -222,6 +222,21 @@ def test_a_missing_or_empty_config_is_said_before_anything_starts(argv, said, ca
       "--config=mnist_sm:quick (alma-jax --help lists them)\n")
 
 
+def test_a_backend_jax_cannot_start_is_one_line_and_keeps_the_workdir(tmp_path):
+  wd = tmp_path / "wd"
+  wd.mkdir()
+  (wd / "notes.txt").write_text("kept")
+  proc = run_main("configs/mnist_sm.py:smoke", str(wd), "--overwrite",
+                  env=dict(os.environ, JAX_PLATFORMS="no_such_platform"))
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("alma_jax: error: JAX cannot start the backend of "
+                         "JAX_PLATFORMS='no_such_platform': ") and "no_such_platform" in last[70:]
+  assert last.endswith("install JAX's build for it (README, Setup) or unset JAX_PLATFORMS to "
+                       "run on the devices that are here")
+  assert "Traceback" not in proc.stderr and os.listdir(wd) == ["notes.txt"]
+
+
 def test_print_config_resolves_validates_and_prints_without_running(tmp_path):
   proc = _cli("--config=mnist_sm:quick", "--config.model.width=4", "--print_config",
               cwd=str(tmp_path))
