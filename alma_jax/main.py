@@ -4,10 +4,10 @@ Fields of the config are overridden on the command line, e.g.
 `--config.stream.wait=5 --config.model.width=16`. Rerunning the same command
 resumes the run in DIR; `--overwrite` starts it afresh. Errors are one line on
 stderr, exit code 2 for invalid inputs (config, data, workdir, checkpoints, a
-JAX_PLATFORMS whose backend cannot start), 1 for failures while running, 128 + signal number after SIGINT/SIGTERM/SIGHUP
-(130 for Ctrl-C while starting); `--debug` shows tracebacks. A multi-process
-run (`alma_jax.runtime.multihost`, the launchers in `launch/`) runs this same command
-in every process.
+JAX_PLATFORMS whose backend cannot start), 1 for failures while running, 128 +
+signal number after SIGINT/SIGTERM/SIGHUP (130 for Ctrl-C while starting);
+`--debug` shows tracebacks. A multi-process run (`alma_jax.runtime.multihost`,
+the launchers in `launch/`) runs this same command in every process.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def _parse_flags(argv):
   if any(a in _HELP for a in argv[1:]):
     print(help_text())
     sys.exit(0)
-  if not any(a.startswith("--helpfull") or a.startswith("--helpxml") for a in argv[1:]):
+  if not any(a.startswith(("--helpfull", "--helpxml", "--flagfile")) for a in argv[1:]):
     from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top
     given = config_files.config_value(argv)
     if not given:  # None: no --config flag at all; "": an empty one
