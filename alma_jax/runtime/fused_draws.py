@@ -20,6 +20,11 @@ Anything else (another key implementation, the non-partitionable Threefry,
 64-bit draws, a function with side effects, fewer than two draws) is evaluated
 as `fn` traced it. Meant inside `jax.jit`: an initialisation or a growth step's
 draws, not a train step (whose one draw per step gains nothing).
+
+The traversal reads JAX's jaxprs through `jax.extend`, which promises no
+stability from one JAX release to the next. Where this JAX lacks a name it
+uses, or its jaxprs are not as expected, `fn` is evaluated as it traced
+(the same values, each draw hashed alone) and a warning says so once.
 """
 
 from __future__ import annotations
@@ -32,13 +37,19 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jcore
-from jax.extend import random as jrandom
-from jax.extend.core import primitives as P
+from absl import logging
 
-# Calls whose body is inlined, so that the draws inside `jax.random`'s own jitted helpers
-# (and a nested program's) are seen.
-_INLINED = (P.jit_p, P.closed_call_p)
+try:  # `jax.extend` may rename or drop these between releases: then draws are not fused
+  from jax.extend import core as jcore
+  from jax.extend import random as jrandom
+  from jax.extend.core import primitives as P
+  # Calls whose body is inlined, so that the draws inside `jax.random`'s own jitted helpers
+  # (and a nested program's) are seen.
+  _INLINED = (P.jit_p, P.closed_call_p)
+  _UNAVAILABLE = None
+except (ImportError, AttributeError) as _e:  # pragma: no cover (a JAX other than the pinned one)
+  _UNAVAILABLE = f"{type(_e).__name__}: {_e}"
+_warned = []  # the warning of a JAX whose jaxprs this module cannot read is given once
 _BIT_WIDTHS = (8, 16, 32)  # 64-bit draws combine the two hash words differently
 # The counters hashed by one kernel at most: 256 MiB per uint32 array where XLA materialises
 # one (a 64M-parameter Switch Transformer's initialisation in one hash raised a run's peak
@@ -182,18 +193,34 @@ def fuse_draws(fn: Callable) -> Callable:
   """`fn` with its independent random draws hashed together. Positional arguments are array
   pytrees; keyword arguments are static (as `jax.jit`'s `static_argnames` pass them)."""
 
+  if _UNAVAILABLE is not None:
+    _warn_once(_UNAVAILABLE)
+    return fn
+
   @functools.wraps(fn)
   def fused(*args, **static):
     bound = functools.partial(fn, **static) if static else fn
     closed, out_shape = jax.make_jaxpr(bound, return_shape=True)(*args)
-    fresh = iter(range(1 << 62))
-    in_refs = [next(fresh) for _ in closed.jaxpr.invars]
-    nodes: list[_Node] = []
-    out_refs = _flatten(closed, in_refs, nodes, fresh)
     leaves = jax.tree.leaves(args)
-    outs = _evaluate(nodes, dict(zip(in_refs, leaves)), out_refs)
+    try:
+      fresh = iter(range(1 << 62))
+      in_refs = [next(fresh) for _ in closed.jaxpr.invars]
+      nodes: list[_Node] = []
+      out_refs = _flatten(closed, in_refs, nodes, fresh)
+      outs = _evaluate(nodes, dict(zip(in_refs, leaves)), out_refs)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # jaxprs unlike those expected
+      _warn_once(f"{type(e).__name__}: {e}")
+      outs = None  # an error of `fn` itself is raised again below, as `fn` would raise it
     if outs is None:  # the traced function as it is (not traced again)
       outs = jcore.jaxpr_as_fun(closed)(*leaves)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
   return fused
+
+
+def _warn_once(why: str) -> None:
+  if not _warned:
+    _warned.append(why)
+    logging.warning("random draws are hashed one by one, not together (the same values; "
+                    "slower compiles of the initialisations): jax %s's jaxprs are not as "
+                    "alma_jax.runtime.fused_draws reads them (%s)", jax.__version__, why)

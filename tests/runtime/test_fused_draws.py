@@ -134,6 +134,31 @@ def test_what_cannot_be_fused_is_evaluated_as_given():
     _assert_bitwise(jax.jit(fused_draws.fuse_draws(fn))(key), jax.jit(fn)(key))
 
 
+def test_a_jax_whose_jaxprs_it_cannot_read_gets_the_draws_one_by_one_and_a_warning(
+    monkeypatch, caplog):
+  # `jax.extend` promises no stability across JAX releases: a name gone or a jaxpr of another
+  # shape leaves the values as they are, each draw hashed alone, and says so once.
+  key = jax.random.key(5)
+  expected = jax.jit(_many)(key)
+
+  def unreadable(*args):
+    raise AttributeError("module 'jax.extend.core.primitives' has no attribute 'jit_p'")
+
+  monkeypatch.setattr(fused_draws, "_warned", [])
+  monkeypatch.setattr(fused_draws, "_flatten", unreadable)
+  with caplog.at_level("WARNING"):
+    fused = fused_draws.fuse_draws(_many)
+    _assert_bitwise(jax.jit(fused)(key), expected)
+    assert _primitives(fused, key) == _primitives(_many, key)  # as `_many` traced
+    jax.jit(fused_draws.fuse_draws(lambda k: _many(k)["dense"]))(key)
+  warnings = [r.getMessage() for r in caplog.records if "hashed one by one" in r.getMessage()]
+  assert len(warnings) == 1 and "has no attribute 'jit_p'" in warnings[0], warnings
+  assert f"jax {jax.__version__}'s jaxprs" in warnings[0]
+  # A module that could not import its names hands the function back as it is.
+  monkeypatch.setattr(fused_draws, "_UNAVAILABLE", "ImportError: cannot import name 'core'")
+  assert fused_draws.fuse_draws(_many) is _many
+
+
 @pytest.mark.parametrize("dataset,name", [("mnist", "sm"), ("mnist", "gmoe"), ("mnist", "ff"),
                                           ("mnist", "gens"), ("cifar10", "umix")])
 def test_a_population_s_initialisation_hashes_its_draws_together(dataset, name):
