@@ -62,7 +62,11 @@ from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
-from jax.experimental import serialize_executable
+
+try:  # experimental in JAX: without it (another release) no program is kept, runs still run
+  from jax.experimental import serialize_executable
+except ImportError:  # pragma: no cover (a JAX other than the pinned one)
+  serialize_executable = None
 
 _active: "_Store | None" = None
 _serial = 0  # numbers the stores, so that a program's memory of one is not taken for another's

@@ -5,6 +5,7 @@ import hashlib
 import importlib
 import json
 import os
+import subprocess
 import sys
 from unittest import mock
 
@@ -137,6 +138,23 @@ def test_a_key_that_names_an_address_is_not_kept_and_the_call_still_runs(tmp_pat
   assert store.stored == 0 and not os.path.exists(tmp_path / "programs")
   with pytest.raises(executables.Unkeepable):
     executables.stable(object())
+
+
+def test_without_jax_s_serialisation_nothing_is_kept_and_the_call_still_runs(tmp_path,
+                                                                             monkeypatch):
+  # `jax.experimental.serialize_executable` is experimental: a JAX without it keeps nothing.
+  monkeypatch.setattr(executables, "serialize_executable", None)
+  for _ in range(2):
+    with executables.keeping(str(tmp_path), "run A") as store:
+      out = _kept()(*_args())
+    np.testing.assert_array_equal(np.asarray(out), _want())
+    assert store.stored == 0 and store.loaded == 0
+  # And the module imports without it.
+  code = ("import sys; sys.modules['jax.experimental.serialize_executable'] = None; "
+          "from alma_jax.runtime import executables; print(executables.serialize_executable)")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=helpers.ROOT, capture_output=True,
+                        text=True, timeout=120, check=False)
+  assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stderr[-2000:]
 
 
 def test_outside_keeping_and_inside_a_trace_the_call_is_plain_jit(tmp_path):
