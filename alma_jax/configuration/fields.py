@@ -64,21 +64,25 @@ def integer(lo: int | None = None, optional: bool = False, hi: int | None = None
 
 
 def number(lo: float = -math.inf, hi: float = math.inf, *, open_lo: bool = False,
-           open_hi: bool = False, allow_inf: bool = False) -> Check:
+           open_hi: bool = False, allow_inf: bool = False, optional: bool = False) -> Check:
   """A number in the interval from `lo` to `hi`; finite (an infinite bound is open) unless
-  the field opts in with `allow_inf` (a time interval where inf means never). NaN never is."""
+  the field opts in with `allow_inf` (a time interval where inf means never). NaN never is.
+  `optional`: None passes too (a library's own default, e.g. optax.sgd's `momentum`)."""
   if not allow_inf:
     open_lo, open_hi = open_lo or lo == -math.inf, open_hi or hi == math.inf
   interval = f"{'(' if open_lo else '['}{float(lo)}, {float(hi)}{')' if open_hi else ']'}"
+  none = "None or " if optional else ""
 
   def check(path, v):
+    if v is None and optional:
+      return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-      raise ConfigError(f"config.{path}={v!r} must be a number in {interval}, got "
+      raise ConfigError(f"config.{path}={v!r} must be {none}a number in {interval}, got "
                         f"{type(v).__name__}")
     ok_lo = v > lo if open_lo else v >= lo
     ok_hi = v < hi if open_hi else v <= hi
     if math.isnan(v) or not (ok_lo and ok_hi):
-      raise ConfigError(f"config.{path}={v} must be in {interval}")
+      raise ConfigError(f"config.{path}={v} must be {none}in {interval}")
     return float(v)
   return Check(check, float)
 

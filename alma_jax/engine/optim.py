@@ -8,6 +8,7 @@ import optax
 
 from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields as F
+from alma_jax.errors import ConfigError
 
 # Names accepted in `config.optimizer.name`: optax's gradient transformations
 # that take a learning rate.
@@ -58,8 +59,11 @@ def make_optimizer(opt_config, total_steps: int = 0) -> optax.GradientTransforma
   if unknown:
     raise ValueError(f"config.optimizer.kwargs has {unknown} which optax.{name} does not take; "
                      f"valid keys: {sorted(accepted)}")
-  if "learning_rate" in kwargs:
-    kwargs["learning_rate"] = learning_rate(opt_config, kwargs["learning_rate"], total_steps)
+  if "learning_rate" not in kwargs:  # optax.adadelta takes None: an update up the gradient
+    raise ConfigError(f"config.optimizer.kwargs has no learning_rate: give the learning rate of "
+                      f"optax.{name}, e.g. --config.optimizer.kwargs.learning_rate=0.01 (a "
+                      "number > 0)")
+  kwargs["learning_rate"] = learning_rate(opt_config, kwargs["learning_rate"], total_steps)
   tx = fn(**kwargs)
   wd = float(F.get(opt_config, "optimizer.weight_decay"))
   if wd < 0:

@@ -33,18 +33,6 @@ from alma_jax.models import registry as backbones
 KNOWN_SHAPES = tasks.images.KNOWN_SHAPES
 
 
-def _or_none(check: fields.Check) -> fields.Check:
-  """`check`, or None: the optimizer's own default (optax.sgd's `momentum`: no momentum)."""
-  def either(path, v):
-    if v is None:
-      return None
-    try:
-      return check(path, v)
-    except ConfigError as e:  # "... must be in [0, 1]" -> "... must be None or in [0, 1]"
-      raise ConfigError(str(e).replace(" must be ", " must be None or ", 1)) from None
-  return fields.Check(either, check.kind)
-
-
 _DECAY = fields.number(0.0, 1.0)  # a moving average's decay: 0 keeps nothing, 1 nothing new
 # Checks of the optimizer arguments of `alma_jax.engine.optim`'s optimizers, by argument name:
 # each name means the same in every optax optimizer that takes it (a config file may also give
@@ -60,7 +48,7 @@ OPTIMIZER_KWARG_CHECKS = {
     "eps_root": fields.number(0.0, math.inf),
     "rho": _DECAY,  # adadelta
     "decay": _DECAY,  # rmsprop
-    "momentum": _or_none(_DECAY),  # sgd, rmsprop, adafactor
+    "momentum": fields.number(0.0, 1.0, optional=True),  # sgd, rmsprop, adafactor: None, none
     "nesterov": fields.boolean(),
     "centered": fields.boolean(),  # rmsprop
     "weight_decay": fields.number(0.0, math.inf),  # adamw, lamb, lion, novograd, adadelta
@@ -98,17 +86,12 @@ def _check_rules(config, backend: bool = True, devices: int | None = None) -> No
   for name, check in OPTIMIZER_KWARG_CHECKS.items():
     if name in kwargs and not callable(kwargs[name]):
       check(f"optimizer.kwargs.{name}", kwargs[name])
-  no_rate = ConfigError(f"config.optimizer.kwargs has no learning_rate: give the learning rate "
-                        f"of optax.{config.optimizer.name}, e.g. "
-                        "--config.optimizer.kwargs.learning_rate=0.01 (a number > 0)")
   try:
-    optim.from_config(config)  # an argument it does not take is said first (a typo)
+    optim.from_config(config)
+  except ConfigError:  # already in the field's words (a missing learning rate)
+    raise
   except (TypeError, ValueError) as e:
-    if isinstance(e, TypeError) and "learning_rate" not in kwargs:
-      raise no_rate from None
     raise ConfigError(f"config.optimizer: {e}") from e
-  if "learning_rate" not in kwargs:  # optax.adadelta takes None: an update up the gradient
-    raise no_rate
   sharding.check_rules(dict(config.mesh.rules.items()))
   if backend:
     _check_mesh(config, jax.device_count(), jax.default_backend())

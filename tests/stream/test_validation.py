@@ -260,6 +260,17 @@ def test_the_optimizer_s_arguments_at_their_bounds_and_its_defaults_pass():
     validation.validate(c, backend=False, data=False)
 
 
+def test_every_optimizer_built_without_a_learning_rate_is_refused():
+  # Not only in validation: any code that builds the optimizer (a report's gating plot, a
+  # speed-setting child) gets the same refusal, never Adadelta's step up the gradient.
+  from alma_jax.engine import optim  # pylint: disable=g-import-not-at-top
+  for name in ("adadelta", "sgd", "adam"):
+    c = helpers.smoke(optimizer__name=name, optimizer__kwargs={})
+    with pytest.raises(ConfigError, match=rf"^config\.optimizer\.kwargs has no learning_rate: "
+                                          rf"give the learning rate of optax\.{name}, "):
+      optim.make_optimizer(c.optimizer)
+
+
 def test_an_optimizer_argument_on_the_command_line_is_checked_in_its_words():
   lm = os.path.join(ROOT, "configs", "lm_sm.py:smoke")  # Adam with b1, b2 and eps
   c = config_resolve.resolve(lm, ["--config.optimizer.kwargs.b2=1.0"])
