@@ -27,7 +27,8 @@ Switch Transformer presets with the smoke stream (lm_base, lm_large; with
 `_unrolled` for the unrolled form): the preset's model and sequence length
 (L = 512), 2 sequences per step, 8 steps per call, two stages -- the preset's
 programs, with little training; and ff_quick (`configs/mnist_ff.py:quick`
-over 50 mega-batches with a stage every 5: nine growths). Anything after `--` is passed to every run.
+over 50 mega-batches with a stage every 5: nine growths, in `:quick`'s 256 channel
+slots from the start; `-- --config.method.min_slots=0` for powers of two alone). Anything after `--` is passed to every run.
 It runs unchanged on a GPU (benchmarks/README.md says how).
 
 `--xla_cpu_log=true` (a CPU) also splits the cold run's XLA compiles, per

@@ -9,7 +9,8 @@ Run:
   python -m alma_jax.main --config=configs/mnist_ff.py --workdir=/tmp/mnist_ff
 Variants:
   :smoke  a few seconds: 2,000 training images, B=4, H=8, 2 epochs.
-  :quick  the whole stream (B=500) with w=10 and at most 20 epochs per stage.
+  :quick  the whole stream (B=500) with w=10 and at most 20 epochs per stage, every layer
+          in at least 256 channel slots (method.min_slots: fewer structures to compile).
   :paper  the paper's values (or, where it is silent, the released code's) of the
           fields whose defaults are neither: model.init=torch, train.patience_delta=0.001,
           method.epsilon=1 (the released unscaled splits).

@@ -124,6 +124,19 @@ def test_a_variant_sets_its_fields_for_the_data_set(dataset, expected):
   assert {p: F.lookup(c, p) for p in expected} == expected
 
 
+@pytest.mark.parametrize("dataset, variant, min_slots", [
+    ("mnist", "quick", 256), ("mnist", "quick,paper", 256), ("mnist", "", 0),
+    ("mnist", "smoke", 0), ("cifar10", "quick", 0),
+])
+def test_mnist_s_quick_firefly_starts_in_256_slots(dataset, variant, min_slots):
+  """A quick run is often a machine's first: Firefly skips the 64- and 128-slot structures."""
+  c = config_lib.apply_variant(config_lib.base_config(dataset, "ff"), variant)
+  assert (c.method.min_slots, c.method.slots) == (min_slots, "pow2")
+  # methods without slots of channels have no such field to set
+  assert "min_slots" not in config_lib.apply_variant(config_lib.base_config(dataset, "gmoe"),
+                                                     variant).method
+
+
 def test_text_variants_compose_in_order_and_scale_steps():
   c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"),
                                "smoke,large,iid,3x")

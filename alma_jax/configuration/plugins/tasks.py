@@ -79,7 +79,12 @@ IMAGE_VARIANTS = {
               "train.autotune": "rules"},
     "quick": {"stream.wait": _CIFAR_OR(KEEP, 10), "stream.num_megabatches": _CIFAR_OR(10, KEEP),
               "model.width": _CIFAR_OR(16, KEEP), "train.epochs": _CIFAR_OR(3, 20),
-              "train.patience": _CIFAR_OR(3, 5)},
+              "train.patience": _CIFAR_OR(3, 5),
+              # Firefly's MLP in 256 channel slots from the start: a quick run is often a
+              # machine's first, on a cold compilation cache, and skips compiling the 64- and
+              # 128-slot structures it would use for a stage or two (benchmarks/README.md,
+              # "Firefly's slots and a cold cache").
+              "method.min_slots": _CIFAR_OR(KEEP, F.ByMethod({"ff": 256}, KEEP))},
 }
 
 
