@@ -82,8 +82,8 @@ IMAGE_VARIANTS = {
               "train.patience": _CIFAR_OR(3, 5),
               # Firefly's MLP in 256 channel slots from the start: a quick run is often a
               # machine's first, on a cold compilation cache, and skips compiling the 64- and
-              # 128-slot structures it would use for a stage or two (benchmarks/README.md,
-              # "Firefly's slots and a cold cache").
+              # 128-slot structures that only its first few stages would use
+              # (benchmarks/README.md, "Firefly's slots and a cold cache").
               "method.min_slots": _CIFAR_OR(KEEP, F.ByMethod({"ff": 256}, KEEP))},
 }
 
