@@ -383,6 +383,21 @@ def test_the_findings_grid_expands_as_documented(tmp_path, capsys):
   assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == 34
 
 
+def test_the_findings_grid_s_run_times_are_its_committed_results():
+  # Each entry of launch/grids/findings.py's TIME_S (the sweep's ETA) is the mean `wall_s` of
+  # that point's rows in the results.csv committed from the grid's last run.
+  import csv  # pylint: disable=g-import-not-at-top
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location("findings_grid", "launch/grids/findings.py")
+  grid = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(grid)
+  with open("docs/reproduction/mnist/results.csv", encoding="utf-8") as f:
+    rows = list(csv.DictReader(f))
+  for fields, seconds in grid.TIME_S:
+    walls = [float(r["wall_s"]) for r in rows if all(r[k] == str(v) for k, v in fields.items())]
+    assert walls and round(sum(walls) / len(walls)) == seconds, (fields, walls, seconds)
+
+
 def test_the_beyond_grid_expands_as_documented(tmp_path, capsys):
   # launch/grids/beyond.py, REPRODUCTION.md's "Beyond the paper": H in {4, 64} x (6 fixed
   # waits, 2 geometric, 5 warm starts at w in {1, 10}) with three seeds in one run each; the
@@ -1095,6 +1110,6 @@ def test_the_findings_grids_estimate_every_run_from_their_time_tables(tmp_path, 
     other = {"method": {"name": "lm_sm"}, "model": {"dim": 96, "num_experts": 4}}
     assert sweep.load_run_seconds(path)(other) is None
   else:  # the seeds of a point in one run, but for gMoE and Firefly
-    assert by(method__name="lm_ens", stream__num_megabatches=4, stream__iid=False) == [1407]
-    assert by(method__name="gmoe", method__tree=False) == [84] * 3
-    assert by(method__name="sm", model__width=64, stream__wait=50, stream__replay=1.0) == [193]
+    assert by(method__name="lm_ens", stream__num_megabatches=4, stream__iid=False) == [755]
+    assert by(method__name="gmoe", method__tree=False) == [35] * 3
+    assert by(method__name="sm", model__width=64, stream__wait=50, stream__replay=1.0) == [100]

@@ -102,19 +102,20 @@ FINDINGS = [
 ]
 
 # Wall seconds of each point's run (three seeds in one run; gMoE and Firefly: the mean of their
-# runs of one seed) on a 2-core AMD EPYC (family 25), two runs at a time, at commit 5ab70ee
-# (`wall_s` of docs/reproduction/mnist/results.csv). The sweep's ETA scales them to its host.
+# runs of one seed) on a 2-core AMD EPYC (family 25), two runs at a time, at commit f516e8f,
+# with the compilation cache of an earlier run of the grid on the host (`wall_s` of
+# docs/reproduction/mnist/results.csv). The sweep's ETA scales them to its host.
 TIME_S = [
-    (_sm(4), 44), (_sm(16), 50), (_sm(64), 47), (_sm(256), 119),
-    (_mnist("ens", 4), 129), (_mnist("ens", 64), 209),
-    (_mnist("umix", 4), 66), (_mnist("umix", 64), 146),
-    (_sm(4, 1), 125), (_sm(4, 25), 22), (_sm(4, 50), 20), (_sm(4, 250), 19), (_sm(4, 500), 17),
-    (_sm(64, 1), 155), (_sm(64, 25), 38), (_sm(64, 50), 30), (_sm(64, 250), 43),
-    (_sm(64, 500), 43),
-    (_sm(4, 50, 1.0), 46), (_sm(64, 50, 1.0), 193),
-    (_mnist("gens"), 508), (_mnist("ff"), 245),
-    (_GMOE_TREE, 79), (_mnist("gmoe", **{"method.tree": False}), 84),
-    (_lm(4, False), 1407), (_lm(3, False), 746), (_lm(4, True), 1194), (_lm(3, True), 634),
+    (_sm(4), 15), (_sm(16), 16), (_sm(64), 24), (_sm(256), 58),
+    (_mnist("ens", 4), 37), (_mnist("ens", 64), 97),
+    (_mnist("umix", 4), 15), (_mnist("umix", 64), 65),
+    (_sm(4, 1), 58), (_sm(4, 25), 9), (_sm(4, 50), 8), (_sm(4, 250), 10), (_sm(4, 500), 11),
+    (_sm(64, 1), 90), (_sm(64, 25), 19), (_sm(64, 50), 18), (_sm(64, 250), 17),
+    (_sm(64, 500), 21),
+    (_sm(4, 50, 1.0), 51), (_sm(64, 50, 1.0), 100),
+    (_mnist("gens"), 217), (_mnist("ff"), 135),
+    (_GMOE_TREE, 35), (_mnist("gmoe", **{"method.tree": False}), 35),
+    (_lm(4, False), 755), (_lm(3, False), 580), (_lm(4, True), 593), (_lm(3, True), 479),
 ]
 
 
