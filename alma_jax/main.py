@@ -88,9 +88,19 @@ except KeyboardInterrupt:
   _exit_now("interrupted by SIGINT while starting, before the run; run the same command again "
             "to start it", 130)
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "The experiment: a config name (mnist_sm) or file (configs/mnist_sm.py), "
-    "with variants after a colon (mnist_sm:quick).", lock_config=True)
+
+def _flag_file_error(exc: BaseException) -> str:
+  """The one line for a `--flagfile` that cannot be read."""
+  return f"--flagfile: {' '.join(str(exc).replace('ERROR::', '').split())}"
+
+
+try:  # the config flag reads the flag files of sys.argv as it is defined
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", None, "The experiment: a config name (mnist_sm) or file (configs/mnist_sm.py), "
+      "with variants after a colon (mnist_sm:quick).", lock_config=True)
+except flags.Error as _e:
+  print(f"alma_jax: error: {_flag_file_error(_e)}", file=sys.stderr, flush=True)
+  sys.exit(2)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, log.jsonl, summary.json.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Discard a previous run's outputs in --workdir "
                                "(by default a run there is resumed).")
@@ -278,6 +288,17 @@ def _resume_command() -> str:
 _TYPED_ARGV: list[str] = []
 
 
+def _read_flag_files(argv: list[str]) -> list[str]:
+  """`argv` with every `--flagfile=FILE` replaced by the flags that FILE holds, as absl reads
+  them, so that a config name given in a flag file is resolved as one typed is."""
+  if not any(a.startswith(("--flagfile", "-flagfile")) for a in argv[1:]):
+    return argv
+  try:
+    return argv[:1] + flags.FLAGS.read_flags_from_files(argv[1:], force_gnu=False)
+  except flags.Error as e:
+    _fail(_flag_file_error(e), 2)
+
+
 def _print_config() -> None:
   """`--print_config`: the resolved, validated config as JSON on stdout."""
   import json  # pylint: disable=g-import-not-at-top
@@ -436,7 +457,7 @@ def console():
           "--config=NAME --workdir=DIR (--help lists them)", 2)
   from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top
   _TYPED_ARGV[:] = sys.argv
-  sys.argv = config_files.resolve_argv_or_exit(sys.argv)
+  sys.argv = config_files.resolve_argv_or_exit(_read_flag_files(sys.argv))
   try:
     app.run(main, flags_parser=_parse_flags)
   except KeyboardInterrupt:  # outside the run's own handling (`alma_jax.outputs.interrupts`)

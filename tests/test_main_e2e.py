@@ -255,6 +255,24 @@ def test_print_config_resolves_validates_and_prints_without_running(tmp_path):
   assert "--workdir must have a value (or give --print_config)" in missing.stderr
 
 
+def test_a_flag_file_s_config_name_resolves_as_a_typed_one(tmp_path):
+  # A config name and its overrides in a --flagfile (absl's) are read as if typed, from any
+  # folder; a flag file that cannot be read is one line and exit code 2.
+  flag_file = tmp_path / "run.flags"
+  flag_file.write_text("--config=mnist_sm:quick\n--config.model.width=4\n")
+  proc = _cli(f"--flagfile={flag_file}", "--print_config", cwd=str(tmp_path))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert json.loads(proc.stdout) == config_resolve.resolved_dict("configs/mnist_sm.py:quick",
+                                                                 ["--config.model.width=4"])
+  nested = tmp_path / "outer.flags"  # names a flag file that is not there
+  nested.write_text(f"--flagfile={tmp_path / 'missing.flags'}\n")
+  bad = _cli(f"--flagfile={nested}", "--print_config")
+  assert bad.returncode == 2 and bad.stdout == "", bad.stderr[-2000:]
+  assert bad.stderr.strip().splitlines() == [
+      f"alma_jax: error: --flagfile: Unable to open flagfile: [Errno 2] No such file or "
+      f"directory: '{tmp_path / 'missing.flags'}'"]
+
+
 @requires_mnist
 def test_the_python_api_prints_progress_and_speaks_of_its_own_arguments(tmp_path):
   # A fresh interpreter, as a notebook or script starts: Python's logging shows WARNING only.
