@@ -353,7 +353,9 @@ def read_results(path: str, flag: str = "--results") -> list[dict]:
   try:
     with open(path, encoding="utf-8") as f:
       rows = read_rows(f.read())
-  except (OSError, UnicodeDecodeError, csv.Error) as e:
+  except OSError as e:
+    raise FindingsError(f"{flag}={path}: {e.strerror or errors.one_line(e)}") from e
+  except (UnicodeDecodeError, csv.Error) as e:
     raise FindingsError(f"{flag}={path}: {errors.one_line(e)}") from e
   if not rows:
     raise FindingsError(f"{flag}={path} has no rows: a results.csv that the report wrote has "

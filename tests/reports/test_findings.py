@@ -227,8 +227,8 @@ def test_the_command_prints_the_table(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("content, message", [
-    (None, r"^--results=\S+: FileNotFoundError: \[Errno 2\] No such file or directory"),
-    ("dir", r"^--results=\S+: IsADirectoryError: \[Errno 21\] Is a directory"),
+    (None, r"^--results=\S+: No such file or directory$"),
+    ("dir", r"^--results=\S+: Is a directory$"),
     (b"\xff\xfe\x00", r"^--results=\S+: 'utf-8' codec can't decode byte 0xff in position 0"),
     (b"", r"^--results=\S+ has no rows: a results.csv that the report wrote has a row per seed"),
     (b"group,cer_percent\n", r"^--results=\S+ has no rows"),
