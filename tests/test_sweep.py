@@ -386,14 +386,10 @@ def test_the_findings_grid_expands_as_documented(tmp_path, capsys):
 def test_the_findings_grid_s_run_times_are_its_committed_results():
   # Each entry of launch/grids/findings.py's TIME_S (the sweep's ETA) is the mean `wall_s` of
   # that point's rows in the results.csv committed from the grid's last run.
-  import csv  # pylint: disable=g-import-not-at-top
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  spec = importlib.util.spec_from_file_location("findings_grid", "launch/grids/findings.py")
-  grid = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(grid)
-  with open("docs/reproduction/mnist/results.csv", encoding="utf-8") as f:
-    rows = list(csv.DictReader(f))
-  for fields, seconds in grid.TIME_S:
+  from alma_jax.reports import findings  # pylint: disable=g-import-not-at-top
+  from alma_jax.reports import grid_files  # pylint: disable=g-import-not-at-top
+  rows = findings.read_results("docs/reproduction/mnist/results.csv")
+  for fields, seconds in grid_files.scope("launch/grids/findings.py")["TIME_S"]:
     walls = [float(r["wall_s"]) for r in rows if all(r[k] == str(v) for k, v in fields.items())]
     assert walls and round(sum(walls) / len(walls)) == seconds, (fields, walls, seconds)
 
