@@ -414,3 +414,130 @@ def test_an_unknown_option_of_the_program_itself_is_an_error_and_keeps_the_once_
   with pytest.raises(jax.errors.JaxRuntimeError, match="xla_cpu_no_such_option"):
     once(*helpers.gathered_dot_args())
   assert not executables._refused and executables.once_options() == executables.ONCE_OPTIONS
+
+
+# -- programs whose floats only move ---------------------------------------------------------------
+def _bits_of_specials() -> np.ndarray:
+  """float32 values where a rounding, a conversion or a sign could go two ways: NaNs with
+  payloads, signed zeros and infinities, subnormals, halves, ties of bfloat16's rounding and
+  values beyond int32's range."""
+  bits = [0x7FC00001, 0xFFC12345, 0x7F800001, 0x00000000, 0x80000000, 0x7F800000, 0xFF800000,
+          0x00000001, 0x807FFFFF, 0x00400000, 0x7F7FFFFF, 0xFF7FFFFF, 0x3F808000, 0x3F818000,
+          0x3F808001, 0xBF818000]
+  values = np.array(bits, np.uint32).view(np.float32)
+  halves = np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3e9, -3e9, 2147483520.0, 1e-40],
+                    np.float32)
+  return np.concatenate([values, halves])
+
+
+def _moving(x, keep, idx):
+  """Every kind of operation that `floats_only_move` accepts, on float32 `x`."""
+  flipped = x[::-1]
+  rows = jnp.stack([x, flipped])
+  picked = jnp.where(keep, jnp.round(x), jnp.floor(flipped))
+  return (picked, jnp.ceil(x), -x, jnp.abs(x), jnp.sign(x), rows.T, rows[:, idx],
+          jax.lax.round(x, jax.lax.RoundingMethod.AWAY_FROM_ZERO),
+          jnp.sort(jnp.abs(jnp.nan_to_num(x, nan=7.0, posinf=8.0, neginf=9.0))),
+          jax.lax.dynamic_update_slice(x, flipped[:4], (idx[0],)),
+          jnp.concatenate([x, jnp.pad(x[:3], 2)]), x.astype(jnp.bfloat16),
+          x.astype(jnp.float16), x.astype(jnp.float64) if jax.config.jax_enable_x64 else x,
+          x.astype(jnp.int32), x.astype(jnp.complex64), jax.lax.bitcast_convert_type(x, jnp.int32),
+          jax.lax.fori_loop(0, 3, lambda i, c: c[::-1], x))
+
+
+def _lowered(fn, *args):
+  return jax.jit(fn).lower(*args).compiler_ir("stablehlo")
+
+
+@pytest.mark.parametrize("fn, args", [
+    (_moving, (_bits_of_specials(), np.arange(26) % 3 == 0, np.arange(26, dtype=np.int32) % 5)),
+    (lambda key: jax.random.permutation(key, 100), (jax.random.PRNGKey(0),)),  # integers only
+    (lambda m: (jnp.sum(m), jnp.any(m)), (np.ones(4, bool),)),  # reductions of booleans
+], ids=["moves", "integers", "booleans"])
+def test_programs_whose_floats_only_move_are_told_apart(fn, args):
+  assert executables.floats_only_move(_lowered(fn, *args))
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x + 1, lambda x: x * x, lambda x: jnp.sum(x), lambda x: jnp.max(x),
+    lambda x: jnp.exp(x) > 1,  # a boolean result of float arithmetic
+    lambda x: jnp.argmax(x), lambda x: x @ jnp.ones((4, 4)),
+    lambda x: jnp.maximum(x, 0), lambda x: jax.lax.fori_loop(0, 3, lambda i, c: c * 2, x),
+    lambda x: jax.random.normal(jax.random.PRNGKey(0), (4,)) + x[::-1],
+], ids=["add", "multiply", "sum", "max", "exp", "argmax", "dot", "maximum", "loop", "normal"])
+def test_a_program_with_floating_point_arithmetic_is_not_among_them(fn):
+  assert not executables.floats_only_move(_lowered(fn, np.ones(4, np.float32)))
+
+
+def test_sharding_annotations_do_not_count_as_arithmetic():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+  fn = lambda x: jax.lax.with_sharding_constraint(x[::-1], spec)  # pylint: disable=unnecessary-lambda-assignment
+  assert executables.floats_only_move(_lowered(fn, np.ones(8 * len(jax.devices()), np.float32)))
+  assert not executables.floats_only_move(_lowered(lambda x: fn(x) * 2, np.ones(
+      8 * len(jax.devices()), np.float32)))
+
+
+def test_a_program_whose_floats_only_move_computes_the_same_bits_at_level_0():
+  # The premise of `MOVING_OPTIONS`: each accepted operation has one exact result. Compiled with
+  # and without the options (on top of `ONCE_OPTIONS` too), every output bit for bit the same.
+  args = (_bits_of_specials(), np.arange(26) % 3 == 0, np.arange(26, dtype=np.int32) % 5)
+  lowered = jax.jit(_moving).lower(*args)
+  assert executables.floats_only_move(lowered.compiler_ir("stablehlo"))
+  outs = [lowered.compile(compiler_options=options)(*args)
+          for options in (None, executables.MOVING_OPTIONS, executables.ONCE_OPTIONS,
+                          {**executables.ONCE_OPTIONS, **executables.MOVING_OPTIONS})]
+  for out in outs[1:]:
+    for got, want in zip(out, outs[0]):
+      got, want = np.asarray(got), np.asarray(want)
+      assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+
+
+def _compile_options_of(monkeypatch) -> list:
+  """The `compiler_options` of every `Lowered.compile` call from now on."""
+  seen, compile_ = [], jax.stages.Lowered.compile
+
+  def spy(self, compiler_options=None, **kwargs):
+    seen.append(compiler_options)
+    return compile_(self, compiler_options, **kwargs)
+
+  monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
+  return seen
+
+
+def _moves_only(x, idx):
+  return jnp.where(idx % 2 == 0, x[idx], -x[::-1]), jnp.full((4,), _OFFSET[0])
+
+
+@pytest.mark.parametrize("once, fn, level_0", [
+    (True, _moves_only, True), (False, _moves_only, False), (True, _affine, False)],
+    ids=["once-moves", "many-moves", "once-arithmetic"])
+def test_a_program_that_runs_once_and_only_moves_floats_compiles_at_level_0(
+    tmp_path, monkeypatch, once, fn, level_0):
+  monkeypatch.setattr(executables, "_level_refused", [])
+  seen = _compile_options_of(monkeypatch)
+  args = ((np.arange(4, dtype=np.float32), np.arange(4, dtype=np.int32)) if fn is _moves_only
+          else _args())
+  jax.clear_caches()
+  kept = executables.jit(fn, fn.__name__, (_OFFSET[0], once), once=once)
+  with executables.keeping(str(tmp_path), "run A") as store:
+    out = kept(*args)
+  assert store.stored == 1
+  assert seen == [executables.MOVING_OPTIONS if level_0 else None]
+  jax.clear_caches()
+  np.testing.assert_array_equal(jax.tree.leaves(out), jax.tree.leaves(jax.jit(fn)(*args)))
+
+
+def test_a_level_that_xla_does_not_know_is_dropped_for_the_process(tmp_path, monkeypatch):
+  monkeypatch.setattr(executables, "MOVING_OPTIONS", {"xla_cpu_no_such_option": True})
+  monkeypatch.setattr(executables, "_level_refused", [])
+  seen = _compile_options_of(monkeypatch)
+  args = (np.arange(4, dtype=np.float32), np.arange(4, dtype=np.int32))
+  for i in range(2):
+    jax.clear_caches()
+    kept = executables.jit(_moves_only, "moves", (_OFFSET[0], i), once=True)
+    with executables.keeping(str(tmp_path), "run A"):
+      out = kept(*args)
+    np.testing.assert_array_equal(np.asarray(out[0]), [0, -2, 2, -0])
+  assert "No such compile option" in executables._level_refused[0]
+  assert seen == [{"xla_cpu_no_such_option": True}, None, None]  # asked once, then not
