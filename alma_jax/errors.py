@@ -10,7 +10,9 @@ from __future__ import annotations
 import ast
 import os
 import re
+import sys
 import traceback
+from typing import Any, Callable, Sequence
 
 
 class ConfigError(ValueError):
@@ -53,6 +55,22 @@ def cli_error(exc: BaseException) -> tuple[str, int]:
   if not _plain(exc):
     msg += " (rerun with --debug for the traceback)"
   return msg, exit_code(exc)
+
+
+# absl's flags that print help and end the process (with exit code 1) as they are parsed.
+_HELP_FLAGS = ("--help", "--helpshort", "--helpfull", "--helpxml", "-?")
+
+
+def help_succeeds(parse: Callable[[Sequence[str]], Any], argv: Sequence[str]) -> Any:
+  """`parse(argv)` (absl's flag parse), where a help flag that printed what was asked ends the
+  process with exit code 0, not absl's 1: asking for help is not a failure."""
+  try:
+    return parse(argv)
+  except SystemExit as e:
+    if e.code == 1 and any(a.split("=", 1)[0] in _HELP_FLAGS for a in argv[1:]):
+      sys.stdout.flush()
+      sys.exit(0)
+    raise
 
 
 # absl's words around an error raised while a config file loads (e.g. an unknown variant):

@@ -178,7 +178,7 @@ def _parse_flags(argv):
       _fail(f"--config is {'missing' if given is None else 'empty'}: give a config name or "
             "file, e.g. --config=mnist_sm:quick (alma-jax --help lists them)", 2)
   try:
-    return flags.FLAGS(argv)
+    return errors.help_succeeds(flags.FLAGS, argv)
   except Exception as e:  # pylint: disable=broad-except
     if "--debug" in argv:
       raise

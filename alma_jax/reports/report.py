@@ -565,7 +565,7 @@ def main(argv):
 def _parse_flags(argv):
   """absl's parse, with a flag it refuses said in one line (exit code 2) with the flags."""
   try:
-    return FLAGS(argv)
+    return errors.help_succeeds(FLAGS, argv)
   except flags.Error as e:
     _fail(f"{errors.flag_error(e).rstrip('.')}; the flags: --workdirs, --out, --gating, "
           "--findings (--helpshort says what they take)")
