@@ -469,13 +469,22 @@ def test_a_program_with_floating_point_arithmetic_is_not_among_them(fn):
   assert not executables.floats_only_move(_lowered(fn, np.ones(4, np.float32)))
 
 
-def test_sharding_annotations_do_not_count_as_arithmetic():
+@pytest.mark.parametrize("shardy", [True, False])  # a `sdy` operation, or a custom call
+def test_sharding_annotations_do_not_count_as_arithmetic(shardy):
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
   spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
-  fn = lambda x: jax.lax.with_sharding_constraint(x[::-1], spec)  # pylint: disable=unnecessary-lambda-assignment
-  assert executables.floats_only_move(_lowered(fn, np.ones(8 * len(jax.devices()), np.float32)))
-  assert not executables.floats_only_move(_lowered(lambda x: fn(x) * 2, np.ones(
-      8 * len(jax.devices()), np.float32)))
+  x = np.ones(8 * len(jax.devices()), np.float32)
+  moves = lambda x: jax.lax.with_sharding_constraint(x[::-1], spec)  # pylint: disable=unnecessary-lambda-assignment
+  before = jax.config.jax_use_shardy_partitioner
+  jax.config.update("jax_use_shardy_partitioner", shardy)
+  try:
+    modules = [_lowered(moves, x), _lowered(lambda x: moves(x) * 2, x)]
+  finally:
+    jax.config.update("jax_use_shardy_partitioner", before)
+  text = str(modules[0])
+  assert ("sdy.sharding_constraint" in text) == shardy and ("@Sharding" in text) != shardy
+  assert executables.floats_only_move(modules[0])
+  assert not executables.floats_only_move(modules[1])
 
 
 def test_a_program_whose_floats_only_move_computes_the_same_bits_at_level_0():
