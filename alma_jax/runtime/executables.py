@@ -551,12 +551,6 @@ def once_options(options: dict | None = None) -> dict | None:
 # floating-point arithmetic the level may change the order or the fusing of roundings
 # (benchmarks/README.md, "Programs that run once").
 MOVING_OPTIONS = {"xla_backend_optimization_level": 0}
-# The most bytes of arguments a program compiled with `MOVING_OPTIONS` takes. Unoptimised, its
-# copies run about 1.5x slower (a select of 1M float32 values 1.7-1.9 -> 2.8-3.3 ms; of 16M 28-30
-# -> 41-47 ms, on a 2-core CPU), and some of these programs run once per epoch or stage: up to
-# 4 MiB, a call loses at most about 1.5 ms, so the 0.1-0.3 s a compile saves pays for a hundred
-# or more calls; larger programs (a language model's or a ResNet's parameters) keep their level.
-MOVING_MAX_BYTES = 4 << 20
 
 # The StableHLO operations whose floating-point results are exact at any optimisation level:
 # they copy, select, reorder or convert values, or round each one on its own; control flow and
@@ -606,13 +600,11 @@ def compile_lowered(lowered, once: bool = False, name: str = ""):
   """`lowered.compile()`, with `MOVING_OPTIONS` on top of its own for a program that runs about
   once (`once`) on a CPU and whose floats only move (`floats_only_move`): the same bits,
   compiled faster. An XLA that does not know the option is asked once. `name` is for the log."""
-  size = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(lowered.args_info))
-  if (once and not _level_refused and size <= MOVING_MAX_BYTES
-      and jax.default_backend() == "cpu" and floats_only_move(lowered.compiler_ir("stablehlo"))):
+  if (once and not _level_refused and jax.default_backend() == "cpu"
+      and floats_only_move(lowered.compiler_ir("stablehlo"))):
     try:
       compiled = lowered.compile(compiler_options=MOVING_OPTIONS)
-      _log.debug("'%s' only moves floats (%d bytes in): compiled with %s", name, size,
-                 MOVING_OPTIONS)
+      _log.debug("'%s' only moves floats: compiled with %s", name, MOVING_OPTIONS)
       return compiled
     except jax.errors.JaxRuntimeError as e:
       if "No such compile option" not in str(e):

@@ -518,14 +518,11 @@ def _moves_only(x, idx):
   return jnp.where(idx % 2 == 0, x[idx], -x[::-1]), jnp.full((4,), _OFFSET[0])
 
 
-@pytest.mark.parametrize("once, fn, max_bytes, level_0", [
-    (True, _moves_only, 32, True), (False, _moves_only, 32, False),
-    (True, _moves_only, 31, False), (True, _affine, 1 << 20, False)],
-    ids=["once-moves", "many-moves", "once-moves-too-large", "once-arithmetic"])
+@pytest.mark.parametrize("once, fn, level_0", [
+    (True, _moves_only, True), (False, _moves_only, False), (True, _affine, False)],
+    ids=["once-moves", "many-moves", "once-arithmetic"])
 def test_a_program_that_runs_once_and_only_moves_floats_compiles_at_level_0(
-    tmp_path, monkeypatch, once, fn, max_bytes, level_0):
-  # `_moves_only`'s arguments: 4 float32 and 4 int32 values, 32 bytes.
-  monkeypatch.setattr(executables, "MOVING_MAX_BYTES", max_bytes)
+    tmp_path, monkeypatch, once, fn, level_0):
   monkeypatch.setattr(executables, "_level_refused", [])
   seen = _compile_options_of(monkeypatch)
   args = ((np.arange(4, dtype=np.float32), np.arange(4, dtype=np.int32)) if fn is _moves_only
