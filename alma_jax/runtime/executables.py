@@ -451,9 +451,8 @@ class Kept:
         return compiled
     hits = _persistent_hits[0]
     with _persistent_cache_keys() as keys:
-      compiled = self._outside_traces(
-          lambda jitted: compile_lowered(jitted.lower(*args, **kwargs), self._once, self.name),
-          args, kwargs)
+      compiled = self._outside_traces(lambda jitted: jitted.lower(*args, **kwargs).compile(),
+                                      args, kwargs)
     saved = store.save_program(compiled, keys if _persistent_hits[0] != hits else None,
                                self._loaded_plain)
     if saved is not None:
@@ -542,77 +541,6 @@ def once_options(options: dict | None = None) -> dict | None:
   if _refused or jax.default_backend() != "cpu":
     return options
   return {**(options or {}), **ONCE_OPTIONS}
-
-
-# XLA:CPU's options for a program that runs about once and whose floating-point values are only
-# moved, selected, rounded or negated (`floats_only_move`): LLVM's lowest optimisation level,
-# which compiles such a program in about half the time. Every one of those operations has one
-# exact result, so the values are bit for bit those of the default level; for any other
-# floating-point arithmetic the level may change the order or the fusing of roundings
-# (benchmarks/README.md, "Programs that run once").
-MOVING_OPTIONS = {"xla_backend_optimization_level": 0}
-
-# The StableHLO operations whose floating-point results are exact at any optimisation level:
-# they copy, select, reorder or convert values, or round each one on its own; control flow and
-# calls, whose bodies are checked operation by operation.
-_EXACT = frozenset(f"stablehlo.{name}" for name in (
-    "constant", "iota", "broadcast_in_dim", "reshape", "transpose", "slice", "dynamic_slice",
-    "dynamic_update_slice", "concatenate", "pad", "reverse", "gather", "sort", "select",
-    "convert", "bitcast_convert", "round_nearest_even", "round_nearest_afz", "floor", "ceil",
-    "negate", "abs", "sign", "optimization_barrier", "tuple", "get_tuple_element", "while",
-    "case", "if", "return")) | {"func.func", "func.call", "func.return", "sdy.sharding_constraint"}
-# Custom calls that only annotate how a value is laid out across devices.
-_LAYOUT_CALLS = frozenset({"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"})
-
-_level_refused: list[str] = []  # why XLA refused MOVING_OPTIONS in this process, if it did
-
-
-def floats_only_move(module) -> bool:
-  """Whether every operation of the StableHLO `module` (a lowered program's `compiler_ir()`)
-  that gives a floating-point result is one of `_EXACT` (or a layout annotation): then the
-  program computes the same bits at any optimisation level. Integer and boolean operations
-  are exact at any level, whatever they compute."""
-  from jax.extend.mlir import ir  # pylint: disable=g-import-not-at-top
-
-  def floating(value) -> bool:
-    t = value.type
-    if isinstance(t, ir.ShapedType):
-      t = t.element_type
-    return isinstance(t, (ir.FloatType, ir.ComplexType))
-
-  pending = [module.operation]
-  while pending:
-    op = pending.pop()
-    for region in op.regions:
-      for block in region.blocks:
-        for child in block.operations:
-          child = child.operation
-          name = child.name
-          if name not in _EXACT and any(floating(r) for r in child.results):
-            if name != "stablehlo.custom_call" or ir.StringAttr(
-                child.attributes["call_target_name"]).value not in _LAYOUT_CALLS:
-              return False
-          pending.append(child)
-  return True
-
-
-def compile_lowered(lowered, once: bool = False, name: str = ""):
-  """`lowered.compile()`, with `MOVING_OPTIONS` on top of its own for a program that runs about
-  once (`once`) on a CPU and whose floats only move (`floats_only_move`): the same bits,
-  compiled faster. An XLA that does not know the option is asked once. `name` is for the log."""
-  if (once and not _level_refused and jax.default_backend() == "cpu"
-      and floats_only_move(lowered.compiler_ir("stablehlo"))):
-    try:
-      compiled = lowered.compile(compiler_options=MOVING_OPTIONS)
-      _log.debug("'%s' only moves floats: compiled with %s", name, MOVING_OPTIONS)
-      return compiled
-    except jax.errors.JaxRuntimeError as e:
-      if "No such compile option" not in str(e):
-        raise
-      _log.info("XLA:CPU does not know %s (%s): programs that only move floats are compiled "
-                "as the others", MOVING_OPTIONS, e)
-      _level_refused.append(str(e))
-  return lowered.compile()
 
 
 def accepts(options: dict | None) -> bool:
