@@ -57,8 +57,15 @@ def cli_error(exc: BaseException) -> tuple[str, int]:
   return msg, exit_code(exc)
 
 
-# absl's flags that print help and end the process (with exit code 1) as they are parsed.
-_HELP_FLAGS = ("--help", "--helpshort", "--helpfull", "--helpxml", "-?")
+# absl's flags that print help and end the process (with exit code 1) as they are parsed, with
+# one dash or two, as absl takes every flag.
+_HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")
+
+
+def asks_help(argv: Sequence[str]) -> bool:
+  """Whether the arguments `argv[1:]` hold one of absl's help flags."""
+  return any(a.startswith("-") and a.split("=", 1)[0].lstrip("-") in _HELP_FLAGS
+             for a in argv[1:])
 
 
 def help_succeeds(parse: Callable[[Sequence[str]], Any], argv: Sequence[str]) -> Any:
@@ -67,8 +74,7 @@ def help_succeeds(parse: Callable[[Sequence[str]], Any], argv: Sequence[str]) ->
   try:
     return parse(argv)
   except SystemExit as e:
-    if e.code == 1 and any(a.split("=", 1)[0] in _HELP_FLAGS for a in argv[1:]):
-      sys.stdout.flush()
+    if e.code == 1 and asks_help(argv):
       sys.exit(0)
     raise
 

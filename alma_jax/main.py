@@ -171,7 +171,8 @@ def _parse_flags(argv):
   if any(a in _HELP for a in argv[1:]):
     print(help_text())
     sys.exit(0)
-  if not any(a.startswith(("--helpfull", "--helpxml", "--flagfile")) for a in argv[1:]):
+  if not (errors.asks_help(argv) or any(a.startswith(("--flagfile", "-flagfile"))
+                                        for a in argv[1:])):
     from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top
     given = config_files.config_value(argv)
     if not given:  # None: no --config flag at all; "": an empty one

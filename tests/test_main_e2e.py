@@ -228,16 +228,20 @@ def test_a_help_flag_s_exit_becomes_0_and_other_exits_stay():
       raise SystemExit(code)
     return parse
 
-  for flag in ("--help", "--helpshort", "--helpfull", "--helpxml", "-?"):
+  for flag in ("--help", "--helpshort", "--helpfull", "--helpxml", "-?", "-helpfull"):
     with pytest.raises(SystemExit) as info:
       errors.help_succeeds(exits(1), ["prog", "--x=1", flag])
     assert info.value.code == 0
   for code, argv in [(1, ["prog", "--x=1"]), (2, ["prog", "--helpfull"]),
-                     (1, ["prog", "--helpfullness"])]:
+                     (1, ["prog", "--helpfullness"]), (1, ["prog", "helpfull"])]:
     with pytest.raises(SystemExit) as info:
       errors.help_succeeds(exits(code), argv)
     assert info.value.code == code
   assert errors.help_succeeds(lambda argv: argv[1:], ["prog", "--helpshort"]) == ["--helpshort"]
+  # The same flags let `alma-jax` skip its check for a --config before absl prints the help.
+  assert errors.asks_help(["prog", "-helpxml"]) and errors.asks_help(["prog", "--helpfull=true"])
+  assert not any(errors.asks_help(["prog", *a]) for a in (
+      ["--workdir=--help"], ["helpfull"], ["--helpfullness"], []))
 
 
 @pytest.mark.parametrize("argv, said", [
