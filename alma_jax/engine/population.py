@@ -146,7 +146,10 @@ def _init_members(method, stacked_keys: jax.Array) -> Learner:
 
 
 _init_members.__name__ = _init_members.__qualname__ = programs.UTILITY_PREFIX + "init"
-_initial = jax.jit(_init_members, static_argnums=0)
+# Runs once per run, compiled for a short compile (`executables.once_options`); not kept: no
+# text identifies its static argument, the method.
+_initial = executables.jit(_init_members, _init_members.__name__, once=True, keep=False,
+                           static_argnums=0)
 
 
 def numpy_rngs(stacked_keys: jax.Array) -> list[np.random.Generator]:

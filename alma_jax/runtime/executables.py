@@ -335,7 +335,7 @@ class Kept:
   without tracing. Arguments are positional, but for those that `static_argnames` names."""
 
   def __init__(self, fn: Callable, name: str, key: Any = (), origin: Callable | None = None,
-               once: bool = False, **options):
+               once: bool = False, keep: bool = True, **options):
     self.jitted = jax.jit(fn, **options)
     self.name = name
     self._fn, self._options, self._once = fn, options, once
@@ -347,6 +347,8 @@ class Kept:
                               stable(sorted((k, repr(v)) for k, v in options.items())),
                               "once" if once else ""))
     except Unkeepable:
+      self._site = None
+    if not keep:
       self._site = None
     self._programs: dict[tuple, Any] = {}  # signature -> Compiled, or None: not kept
     # A plain jit call (outside `keeping`) that JAX served from its persistent cache: JAX then
@@ -515,13 +517,14 @@ def _serialize_from_cache(compiled, cache_key: str) -> tuple:
 
 
 def jit(fn: Callable, name: str, key: Any = (), origin: Callable | None = None,
-        once: bool = False, **options) -> Kept:
+        once: bool = False, keep: bool = True, **options) -> Kept:
   """`jax.jit(fn, **options)`, its programs kept while `keeping` is active; `name` and `key`
   tell it apart from every other program that the code location of `origin` (default `fn`:
   the function a wrapper calls) does not, e.g. the structure a closure was built for.
   `once`: a program that runs about once per structure it is built for, compiled for a short
-  compile (`once_options`)."""
-  return Kept(fn, name, key, origin, once, **options)
+  compile (`once_options`). `keep=False`: never kept (e.g. a static argument whose value no
+  text identifies), a plain jit with the options of `once`."""
+  return Kept(fn, name, key, origin, once, keep, **options)
 
 
 # XLA:CPU's options for a program that runs about once per structure it is built for (an

@@ -12,6 +12,7 @@ from alma_jax.engine import population
 from alma_jax.engine import train
 from alma_jax.errors import ConfigError
 from alma_jax.reports import plot_style
+from alma_jax.runtime import executables
 from alma_jax.stream import validation
 from tests import helpers
 from tests import kill_points
@@ -185,3 +186,22 @@ def test_initial_learners_are_each_keys_init_in_one_program(method_name):
   assert learner.structure == one_by_one.structure
   chex.assert_trees_all_equal((learner.params, learner.model_state),
                               (one_by_one.params, one_by_one.model_state))
+
+
+@pytest.mark.parametrize("method_name", ["sm", "gmoe", "ff"])
+def test_initial_learners_compile_as_a_program_that_runs_once(method_name, monkeypatch):
+  """The initialisation runs once per run: it asks for `executables.ONCE_OPTIONS` (on a CPU,
+  XLA's elemental emitters: a shorter compile, the same values; every `:smoke` record is the
+  same with either, `benchmarks/smoke_records.py --compare`)."""
+  ds = helpers.synthetic_dataset(n_train=64, n_test=16)
+  method, _ = helpers.make_steps(helpers.small_config(method=method_name, width=6), ds)
+  keys = population.keys((5, 6))
+  expected = population.initial(method, keys)
+  # An option that XLA does not know shows that the program asks for them (then dropped).
+  monkeypatch.setattr(executables, "ONCE_OPTIONS", {"xla_cpu_no_such_option": True})
+  monkeypatch.setattr(executables, "_refused", [])
+  monkeypatch.setattr(population._initial, "_top_jitted", None)  # pylint: disable=protected-access
+  learner = population.initial(method, keys)
+  assert "No such compile option" in executables._refused[0]  # pylint: disable=protected-access
+  assert "xla_cpu_no_such_option" in executables._refused[0]  # pylint: disable=protected-access
+  chex.assert_trees_all_equal(learner, expected)

@@ -392,6 +392,20 @@ def test_a_program_that_runs_once_compiles_with_the_once_options_except_inside_a
   assert jax.eval_shape(lambda: once(*args)).shape == (256,)
 
 
+def test_a_program_never_kept_is_compiled_with_the_once_options_and_not_stored(tmp_path,
+                                                                              monkeypatch):
+  monkeypatch.setattr(executables, "ONCE_OPTIONS", _NO_YNN)
+  monkeypatch.setattr(executables, "_refused", [])
+  args = helpers.gathered_dot_args()
+  never = executables.jit(helpers.gathered_dot, "gathered_dot", (_OFFSET[0],), once=True,
+                          keep=False)
+  assert "ynn_fusion" not in never.top_jitted().lower(*args).compile().as_text()
+  with executables.keeping(str(tmp_path), "run A") as store:
+    out = never(*args)
+  assert store.stored == 0 and store.loaded == 0 and never._last is None
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(never.jitted(*args)))
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_once_options_that_xla_does_not_know_are_dropped_for_the_process(tmp_path, monkeypatch,
                                                                         keep):
