@@ -21,13 +21,6 @@ PyTree = Any
 NO_BEST = -1.0  # `StopState.best_score` of a unit with no best epoch yet
 
 
-def fold_in(key: jax.Array, i: int) -> jax.Array:
-  """`jax.random.fold_in(key, i)` with `i` as a 0-d uint32 array: every fold of a run (seeds,
-  members, policies, growth) shares one compiled program, where a Python or numpy scalar
-  would compile a conversion of its own."""
-  return jax.random.fold_in(key, np.asarray(i, np.uint32))
-
-
 @struct.dataclass
 class Learner:
   """The learner's state: a pytree with a static structure descriptor.

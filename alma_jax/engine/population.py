@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alma_jax import state as state_lib
 from alma_jax.engine import programs
 from alma_jax.models import slots
 from alma_jax.runtime import executables
 from alma_jax.runtime import fused_draws
+from alma_jax.runtime import host_random
 from alma_jax.state import Learner
 
 PyTree = Any
@@ -97,8 +97,11 @@ _select_units = jax.jit(_select, static_argnums=(0, 1))
 
 
 def keys(seeds: Sequence[int]) -> jax.Array:
-  """The root PRNG keys of `seeds`, stacked (one small program, not one per operation)."""
-  return _keys(tuple(int(s) for s in seeds))
+  """The root PRNG keys of `seeds`, stacked: made on the host (`host_random.seed_keys`), else
+  by one small program (not one per operation)."""
+  seeds = tuple(int(s) for s in seeds)
+  made = host_random.seed_keys(seeds)
+  return _keys(seeds) if made is None else made
 
 
 def _seed_keys(seeds: tuple[int, ...]) -> jax.Array:
@@ -125,10 +128,10 @@ def member_keys(stacked_keys: jax.Array) -> list[jax.Array]:
 
 
 def fold(stacked_keys: jax.Array, i: int) -> jax.Array:
-  """`jax.random.fold_in(key, i)` for every key of the population: each member's by the one
-  program of a single key's fold (`alma_jax.state.fold_in`, which every fold shares), the
-  keys restacked on the host."""
-  return stack_keys([state_lib.fold_in(k, i) for k in member_keys(stacked_keys)])
+  """`jax.random.fold_in(key, i)` for every key of the population: each member's on the host
+  (`host_random.fold_in`; where it cannot, by the one program of a single key's fold that every
+  fold shares), the keys restacked on the host."""
+  return stack_keys([host_random.fold_in(k, i) for k in member_keys(stacked_keys)])
 
 
 def initial(method, stacked_keys: jax.Array, place: Callable | None = None) -> Learner:

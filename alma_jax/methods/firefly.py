@@ -73,6 +73,7 @@ from alma_jax.models import registry as backbones
 from alma_jax.models import slots as slots_lib
 from alma_jax.runtime import executables
 from alma_jax.runtime import fused_draws
+from alma_jax.runtime import host_random
 
 PyTree = Any
 Path = tuple[str, ...]
@@ -664,15 +665,19 @@ class Firefly(declared.FF, base.Method):
     return cands, jax.tree.map(jnp.add, sums, grads)
 
   def fit_indices(self, train_idx, key: jax.Array) -> np.ndarray:
-    """The stage's examples in a random order, at most `fit_examples` of them (the order
-    drawn by one compiled program per number of examples)."""
+    """The stage's examples in a random order (`jax.random.permutation`'s, drawn on the host by
+    `host_random.permutation`, else by one compiled program per number of examples), at most
+    `fit_examples` of them."""
     idx = np.asarray(train_idx, np.int32)
     n = len(idx)
+    perm = host_random.permutation(key, n)
+    if perm is None:
 
-    def order(key):
-      return jax.random.permutation(key, n)
+      def order(key):
+        return jax.random.permutation(key, n)
 
-    idx = idx[np.asarray(self._compiled(("order", n), order)(key))]
+      perm = np.asarray(self._compiled(("order", n), order)(key))
+    idx = idx[perm]
     return idx[:self.opts.fit_examples] if self.opts.fit_examples else idx
 
   def plan_growth(self, learner: base.Learner, key: jax.Array, ctx) -> GrowthPlan:

@@ -54,7 +54,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from alma_jax import policies
-from alma_jax import state as state_lib
 from alma_jax.configuration.plugins import methods as declared
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
@@ -66,6 +65,7 @@ from alma_jax.models import slots as slots_lib
 from alma_jax.models import units
 from alma_jax.runtime import executables
 from alma_jax.runtime import fused_draws
+from alma_jax.runtime import host_random
 
 SPLIT_BY = declared.SPLIT_BY
 SLOTS = declared.SLOT_POLICIES
@@ -508,7 +508,7 @@ class GrowingMoE(declared.GMoE, base.Method):
       if self.opts.max_experts and e >= self.opts.max_experts:
         continue
       leaves[layer] = losing_expert(np.asarray(layer_scores)[:e])
-      keys[layer] = state_lib.fold_in(key, layer)
+      keys[layer] = host_random.fold_in(key, layer)
       slots[layer] = self.slots(e + 1)
     return split_experts(learner, leaves, keys, self.net.init_scheme, slots)
 

@@ -14,20 +14,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alma_jax import state as state_lib
 from alma_jax.configuration import fields as F
 from alma_jax.configuration import plugins
 from alma_jax.configuration.plugins import methods as declared_methods
 from alma_jax.configuration.plugins import policies as declared
 from alma_jax.errors import ConfigError
 from alma_jax.models import registry as backbones
+from alma_jax.runtime import host_random
 
 PyTree = Any
 
 
-# A learner's stage key k gives fold_in(k, i) (`alma_jax.state.fold_in`): i = 1 re-initialises
-# (a policy), 2 grows before the stage (`Method.before_stage`), 3 trains; 4 is not used. A
-# policy that needs keys of its own folds in FIRST_FREE_KEY or above.
+# A learner's stage key k gives fold_in(k, i) (`alma_jax.runtime.host_random.fold_in`): i = 1
+# re-initialises (a policy), 2 grows before the stage (`Method.before_stage`), 3 trains; 4 is
+# not used. A policy that needs keys of its own folds in FIRST_FREE_KEY or above.
 REINIT_KEY, GROWTH_KEY, FIRST_FREE_KEY = 1, 2, 5
 
 
@@ -82,7 +82,7 @@ class StagePolicy(declared.Declaration):
 
   def grow(self, method, learner, key: jax.Array, ctx):
     """The method's growth before the stage (`Method.before_stage`), with its key."""
-    return method.before_stage(learner, state_lib.fold_in(key, GROWTH_KEY), ctx)
+    return method.before_stage(learner, host_random.fold_in(key, GROWTH_KEY), ctx)
 
 
 def _mixture_units(spec, model_config) -> bool:

@@ -16,11 +16,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from alma_jax import state as state_lib
 from alma_jax.configuration.plugins import policies as declared
 from alma_jax.models import units as plasticity
 from alma_jax.policies.base import (FIRST_FREE_KEY, StagePolicy, Started, check_unit_resets,
                                     register)
+from alma_jax.runtime import host_random
 
 
 def measured(method, learner, ctx) -> list[np.ndarray]:
@@ -32,7 +32,7 @@ def measured(method, learner, ctx) -> list[np.ndarray]:
 def redraw(method, learner, key: jax.Array, masks) -> tuple:
   """(`learner` with the units of `masks` drawn afresh (`plasticity.reset_units`, from the
   policy's own key), the record fields that say how many)."""
-  fresh = method.init(state_lib.fold_in(key, FIRST_FREE_KEY), learner.structure)
+  fresh = method.init(host_random.fold_in(key, FIRST_FREE_KEY), learner.structure)
   return (plasticity.reset_units(method.unit_layout(), learner, fresh, masks,
                                  method.unit_members_of(learner)),
           {"units_reset": int(sum(np.sum(m) for m in masks))})

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import jax
 
-from alma_jax import state as state_lib
 from alma_jax.configuration.plugins import policies as declared
 from alma_jax.policies.base import REINIT_KEY, StagePolicy, register
+from alma_jax.runtime import host_random
 
 
 @register
@@ -35,4 +35,4 @@ class Scratch(declared.Scratch, StagePolicy):
   def start_stage(self, method, learner, key: jax.Array, ctx, opt_state):
     del opt_state  # a fresh optimizer state
     grown = self.grow(method, learner, key, ctx)
-    return method.reinit(grown, state_lib.fold_in(key, REINIT_KEY)), None
+    return method.reinit(grown, host_random.fold_in(key, REINIT_KEY)), None

@@ -20,9 +20,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from alma_jax import state as state_lib
 from alma_jax.configuration.plugins import policies as declared
 from alma_jax.policies.base import REINIT_KEY, StagePolicy, register
+from alma_jax.runtime import host_random
 
 
 def mix(learnt, fresh, lam: float, sigma: float):
@@ -42,7 +42,7 @@ class ShrinkPerturb(declared.ShrinkPerturb, StagePolicy):
     s = self.config.stream
     lam, sigma = float(s.shrink), float(s.perturb)
     grown = self.grow(method, learner, key, ctx)
-    fresh = method.reinit(grown, state_lib.fold_in(key, REINIT_KEY))
+    fresh = method.reinit(grown, host_random.fold_in(key, REINIT_KEY))
     mixed = grown.replace(params=mix(grown.params, fresh.params, lam, sigma),
                           model_state=mix(grown.model_state, fresh.model_state, lam, sigma))
     take = jnp.ones((method.num_units(grown.structure),), bool)

@@ -25,7 +25,6 @@ from absl import logging
 from alma_jax import methods
 from alma_jax import models
 from alma_jax import policies
-from alma_jax import state as state_lib
 from alma_jax import tasks
 from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields as F
@@ -42,6 +41,7 @@ from alma_jax.outputs import checkpoint as ckpt_lib
 from alma_jax.outputs import workdir as wd
 from alma_jax.policies import schedule
 from alma_jax.runtime import background
+from alma_jax.runtime import host_random
 from alma_jax.runtime import multihost
 from alma_jax.stream import validation
 from alma_jax.tuning import tune
@@ -159,7 +159,7 @@ class Setup:
     if learner.structure not in self._grown_init:
       self._grown_init.clear()
       self._grown_init[learner.structure] = [
-          self.method.init(state_lib.fold_in(k, 0), learner.structure)
+          self.method.init(host_random.fold_in(k, 0), learner.structure)
           for k in population.member_keys(self.keys)]
     fresh = self._grown_init[learner.structure]
     return population.stack([

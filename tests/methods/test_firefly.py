@@ -274,10 +274,10 @@ def test_growth_adds_the_budget_before_later_stages_and_compiles_once(mlp_steps)
 
 
 def test_a_growth_runs_as_its_own_compiled_programs_alone():
-  """A growth is five compiled programs: the candidates' draw (which also splits the key),
-  the order of the fitting examples, the fit and score passes, and the growth itself. No JAX
-  operation runs eagerly on the way (a key split, a permutation or an unstacking would each
-  build a program of its own)."""
+  """A growth is four compiled programs: the candidates' draw (which also splits the key), the
+  fit and score passes, and the growth itself; the order of the fitting examples is drawn on
+  the host. No JAX operation runs eagerly on the way (a key split, a permutation or an
+  unstacking would each build a program of its own)."""
   names = helpers.compiled_in_a_new_process("""
       import numpy as np
       ds = helpers.synthetic_dataset(n_train=96, n_test=16)
@@ -292,7 +292,7 @@ def test_a_growth_runs_as_its_own_compiled_programs_alone():
       assert sum(grown.structure) == sum(learner.structure) + method.n_grow
   """)
   assert sorted(names) == sorted([
-      "jit(draw_and_order_key)", "jit(order)", "jit(alma_step_scan_Firefly_fit_batch)",
+      "jit(draw_and_order_key)", "jit(alma_step_scan_Firefly_fit_batch)",
       "jit(alma_step_scan_Firefly_score_batch)", "jit(grow)"]), names
 
 
