@@ -533,6 +533,8 @@ def main() -> None:
   sys.path.insert(0, ROOT)  # this checkout's package
   from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top
   io_utils.check_output_file(ap, "--out", args.out)  # before measuring
+  started = {"started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+             "load_before": [round(x, 2) for x in os.getloadavg()]}
   names = [n for n in args.runs.split(",") if n]
   unknown = [n for n in names if n not in RUNS]
   if unknown or not names:
@@ -564,9 +566,13 @@ def main() -> None:
     print()
     print(xla_pass_table(results))
   if args.out:
+    from alma_jax.observers import summary  # pylint: disable=g-import-not-at-top
     with open(args.out, "w") as f:
       json.dump({"runs": {n: RUNS[n] for n in names}, "extra": extra,
-                 "next_flags": args.next_flags, "results": results}, f, indent=1)
+                 "next_flags": args.next_flags, "results": results,
+                 # what measured it: the package's commit, the CPU, the versions, the command,
+                 # when it started and the load averages then (1, 5, 15 minutes)
+                 "provenance": {**summary.provenance(), **started}}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def test_compile_budget_s_runs_import_the_package_beside_the_script(tmp_path):
 
 
 def test_compile_budget_s_next_runs_run_on_the_same_cache_and_list_their_misses(
-    monkeypatch, capsys):
+    monkeypatch, capsys, tmp_path):
   from benchmarks import compile_budget  # pylint: disable=g-import-not-at-top
   calls = []
 
@@ -89,9 +89,19 @@ def test_compile_budget_s_next_runs_run_on_the_same_cache_and_list_their_misses(
 
   monkeypatch.setattr(compile_budget, "run_one", fake_run)
   monkeypatch.setattr(sys, "argv", [
-      "compile_budget.py", "--runs=p4", "--next_seed=true",
+      "compile_budget.py", "--runs=p4", "--next_seed=true", f"--out={tmp_path / 'out.json'}",
       "--next_flags=--config.stream.wait=2 --config.stream.replay=0.5", "--", "--config.x=1"])
   compile_budget.main()
+  # The JSON says what measured it: the package's commit, the CPU, the versions, the load.
+  with open(tmp_path / "out.json") as f:
+    written = json.load(f)
+  from alma_jax.observers import summary  # pylint: disable=g-import-not-at-top
+  provenance = written["provenance"]
+  assert {k: provenance[k] for k in ("commit", "cpu", "jax", "jaxlib")} == {
+      k: summary.provenance()[k] for k in ("commit", "cpu", "jax", "jaxlib")}
+  assert len(provenance["load_before"]) == 3 and provenance["started_utc"][:2] == "20"
+  assert set(written["results"]["p4"]) == {"cold", "warm", compile_budget.NEXT_SEED,
+                                           compile_budget.NEXT}
   assert [c[1] for c in calls] == [["--config.x=1"]] * 2 + [
       ["--config.x=1", "--config.seed=1"],
       ["--config.x=1", "--config.stream.wait=2", "--config.stream.replay=0.5"]]
