@@ -533,8 +533,10 @@ def main() -> None:
   sys.path.insert(0, ROOT)  # this checkout's package
   from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top
   io_utils.check_output_file(ap, "--out", args.out)  # before measuring
-  started = {"started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-             "load_before": [round(x, 2) for x in os.getloadavg()]}
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  # Here, not at the top: a child process imports alma_jax.main before anything else.
+  import peer  # pylint: disable=g-import-not-at-top
+  started = peer.start_stamp()
   names = [n for n in args.runs.split(",") if n]
   unknown = [n for n in names if n not in RUNS]
   if unknown or not names:
@@ -571,7 +573,7 @@ def main() -> None:
       json.dump({"runs": {n: RUNS[n] for n in names}, "extra": extra,
                  "next_flags": args.next_flags, "results": results,
                  # what measured it: the package's commit, the CPU, the versions, the command,
-                 # when it started and the load averages then (1, 5, 15 minutes)
+                 # when it started and the load average over the minute before
                  "provenance": {**summary.provenance(), **started}}, f, indent=1)
 
 

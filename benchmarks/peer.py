@@ -74,6 +74,17 @@ def _cpu_times() -> tuple[int, int]:
   return sum(values) - idle, sum(values)
 
 
+def start_stamp() -> dict:
+  """When a measurement started (UTC) and the host's load average over the minute before it
+  (None where the system keeps none): what a results file records beside its figures."""
+  try:
+    load = os.getloadavg()[0]
+  except (AttributeError, OSError):
+    load = None
+  return {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+          "load_before": load}
+
+
 def busy_share(seconds: float = 1.0) -> float:
   """The share of all CPUs busy over the next `seconds` (0: idle; 1: every core busy)."""
   try:

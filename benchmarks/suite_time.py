@@ -119,13 +119,6 @@ def parse(output: str) -> dict:
           "slowest": [list(p) for p in phases[:SLOWEST]]}
 
 
-def _load_average() -> float | None:
-  try:
-    return os.getloadavg()[0]
-  except OSError:
-    return None
-
-
 def _children_cpu_s() -> float:
   """User and system CPU seconds of the ended child processes of this one (and theirs)."""
   usage = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -139,9 +132,7 @@ def run_suite(pytest_args: list[str], probe_runs: int) -> dict:
   command = [sys.executable, "-m", "pytest", "-q", "-n", str(WORKERS), "-p", "no:cacheprovider",
              "--durations=0", *(pytest_args or ["tests"])]
   result = {"commit": source["commit"], "cpu": source["cpu"], "jax": source["jax"],
-            "python": source["python"], "command": " ".join(command[1:]),
-            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "load_before": _load_average()}
+            "python": source["python"], "command": " ".join(command[1:]), **peer.start_stamp()}
   result["probe_before_s"] = probe(probe_runs)
   result["busy_before"] = round(peer.busy_share(), 3)  # after the probes: their CPU is done
   print(f"probe before: {result['probe_before_s']} s; running {result['command']}",
