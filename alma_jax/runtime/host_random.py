@@ -64,8 +64,8 @@ def threefry2x32(k0, k1, x0, x1) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _host_data(key) -> np.ndarray | None:
-  """The data (..., 2) of a concrete Threefry key array held by this process, else None."""
-  if isinstance(key, jax.core.Tracer) or not isinstance(key, jax.Array):
+  """The data (2,) of a single concrete Threefry key held by this process, else None."""
+  if isinstance(key, jax.core.Tracer) or not isinstance(key, jax.Array) or key.shape:
     return None
   if _THREEFRY is None or getattr(key.dtype, "_impl", None) is not _THREEFRY:
     return None  # another implementation, or raw key data (uint32) rather than a typed key
@@ -86,7 +86,7 @@ def seed_keys(seeds: Sequence[int]) -> jax.Array | None:
       or getattr(jax.config, "jax_default_prng_impl", None) != "threefry2x32"
       or not all(0 <= s < 2 ** 32 for s in seeds)):
     return None
-  return _wrap(np.array([[0, s] for s in seeds], np.uint64).astype(_U32))
+  return _wrap(np.array([[0, s] for s in seeds], _U32))
 
 
 def fold_in(key: jax.Array, i: int) -> jax.Array:
@@ -94,34 +94,28 @@ def fold_in(key: jax.Array, i: int) -> jax.Array:
   as JAX converts it)."""
   i = np.asarray(i, _U32)
   data = _host_data(key)
-  if data is None or data.shape != (2,):
+  if data is None:
     return jax.random.fold_in(key, i)  # where every fold shares one program
   y0, y1 = threefry2x32(data[0], data[1], 0, i)
   return _wrap(np.stack([y0, y1]))
 
 
-def _split_data(data: np.ndarray, num: int) -> np.ndarray:
-  """A single key's data split into `num` keys' data (partitionable Threefry)."""
-  y0, y1 = threefry2x32(data[0], data[1], 0, np.arange(num, dtype=_U32))
-  return np.stack([y0, y1], axis=-1)
-
-
-def _bits32(data: np.ndarray, n: int) -> np.ndarray:
-  """`jax.random.bits(key, (n,), uint32)` of a single key's data (partitionable Threefry)."""
-  y0, y1 = threefry2x32(data[0], data[1], 0, np.arange(n, dtype=_U32))
-  return y0 ^ y1
+def _hash_indices(data: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+  """The hashed words of the counters 0 .. n-1 under a single key's data: a split's keys
+  (the two words of each) and a draw's 32-bit words (their xor), partitionable Threefry."""
+  return threefry2x32(data[0], data[1], 0, np.arange(n, dtype=_U32))
 
 
 def permutation(key: jax.Array, n: int) -> np.ndarray | None:
   """`jax.random.permutation(key, n)` of a single key, as a numpy int32 array; None where it
   cannot be made on the host (the caller then draws it with JAX)."""
   data = _host_data(key)
-  if data is None or data.shape != (2,) or not jax.config.jax_threefry_partitionable \
-      or not 0 <= n < 2 ** 31:
+  if data is None or not jax.config.jax_threefry_partitionable or not 0 <= n < 2 ** 31:
     return None
   order = np.arange(n, dtype=np.int32)
   rounds = math.ceil(3 * math.log(max(1, n)) / math.log(2 ** 32 - 1))
   for _ in range(rounds):
-    data, sub = _split_data(data, 2)
-    order = order[np.argsort(_bits32(sub, n), kind="stable")]
+    data, sub = np.stack(_hash_indices(data, 2), axis=-1)  # the key split in two
+    words = np.bitwise_xor(*_hash_indices(sub, n))  # the second key's draw of n words
+    order = order[np.argsort(words, kind="stable")]
   return order
