@@ -24,11 +24,12 @@ Anything whose text is not reproducible across processes (a `repr` holding an
 address) is not kept: the call goes through `jax.jit` as usual, as does every
 call outside `keeping` and in a run of several processes. A program that
 cannot be serialised (closed-over constants) is compiled and used, not kept.
-A program that JAX loaded from its persistent cache is kept from that entry's
-bytes (`_serialize_from_cache`); one that JAX loaded from that cache for a
-call outside `keeping` first (a speed measurement before the run) is not kept
-by that process, as JAX may then hand it back from memory without a hit to
-tell which entry.
+A program that JAX loaded from its persistent cache, or compiled and wrote
+there, is kept from that entry's bytes (`_serialize_from_cache`): XLA
+serialises an executable once, for JAX's entry, not a second time for the
+kept one. One that JAX loaded from that cache for a call outside `keeping`
+first (a speed measurement before the run) is not kept by that process, as
+JAX may then hand it back from memory without a hit to tell which entry.
 
 A kept program loaded from disk is reported through `jax.monitoring` as a
 compilation-cache hit and a backend compile of its name (the seconds the load
@@ -74,7 +75,8 @@ _EVENTS = ("/jax/compilation_cache/compile_requests_use_cache", "/jax/compilatio
            "/alma_jax/kept_programs/loaded")
 _LOAD_EVENT = "/jax/core/compile/backend_compile_duration"
 _log = logging.getLogger(__name__)
-_HIT_NOTE = "Persistent compilation cache hit for"  # JAX's compiler's debug note
+_HIT_NOTE = "Persistent compilation cache hit for"  # JAX's compiler's debug notes
+_MISS_NOTE = "PERSISTENT COMPILATION CACHE MISS for"  # (then it compiles and writes)
 _persistent_hits = [0]  # programs this process loaded from JAX's persistent compilation cache
 
 
@@ -217,15 +219,22 @@ class _Store:
       with contextlib.suppress(OSError, UnboundLocalError):
         os.unlink(tmp)
 
-  def save_program(self, compiled, cache_keys: list[str] | None, loaded_plain: bool):
+  def save_program(self, compiled, cache_keys: list[str] | None, loaded_plain: bool,
+                   written: tuple[str, ...] = ()):
     """What `write` keeps of `compiled` (None: not kept). `cache_keys`: the persistent cache
     entries JAX loaded while compiling it (None: it compiled); `loaded_plain`: a plain call
-    of the same program loaded one from that cache earlier."""
+    of the same program loaded one from that cache earlier; `written`: the entries JAX
+    looked for and missed while compiling it (then it writes the executable there)."""
     try:
       if cache_keys is None:
         if loaded_plain:  # perhaps that loaded executable, without its code: not kept
           return None
-        saved = serialize_executable.serialize(compiled)
+        # The entry JAX has just written holds the executable's bytes: read back, not made
+        # again (JAX writes none for a program with host callbacks, for example).
+        saved = (_serialize_from_cache(compiled, written[0], missing_ok=True)
+                 if len(written) == 1 else None)
+        if saved is None:
+          saved = serialize_executable.serialize(compiled)
       elif len(cache_keys) == 1:
         saved = _serialize_from_cache(compiled, cache_keys[0])
       else:
@@ -267,8 +276,8 @@ class _MemoryStore(_Store):
   def write(self, path: str, value) -> None:
     _memory[path] = value
 
-  def save_program(self, compiled, cache_keys, loaded_plain):
-    del cache_keys, loaded_plain
+  def save_program(self, compiled, cache_keys, loaded_plain, written=()):
+    del cache_keys, loaded_plain, written
     return compiled
 
   def load_program(self, saved):
@@ -452,11 +461,11 @@ class Kept:
         _log.debug("Kept program loaded for '%s'", self.name)
         return compiled
     hits = _persistent_hits[0]
-    with _persistent_cache_keys() as keys:
+    with _persistent_cache_keys() as (keys, missed):
       compiled = self._outside_traces(lambda jitted: jitted.lower(*args, **kwargs).compile(),
                                       args, kwargs)
     saved = store.save_program(compiled, keys if _persistent_hits[0] != hits else None,
-                               self._loaded_plain)
+                               self._loaded_plain, tuple(missed))
     if saved is not None:
       store.write(path, saved)
       store.stored += 1
@@ -464,40 +473,47 @@ class Kept:
 
 
 @contextlib.contextmanager
-def _persistent_cache_keys() -> Iterator[list[str]]:
-  """The keys of the entries JAX loads from its persistent cache inside the block (from its
-  compiler's debug notes, which are dropped unless that logger shows debug messages)."""
+def _persistent_cache_keys() -> Iterator[tuple[list[str], list[str]]]:
+  """(the keys of the entries JAX loads from its persistent cache inside the block, those it
+  looks for there and misses), from its compiler's notes, which are dropped unless that logger
+  shows debug messages (JAX may log a miss as a warning: that one is shown)."""
   keys: list[str] = []
+  missed: list[str] = []
   logger = logging.getLogger("jax._src.compiler")
   level, shown = logger.level, logger.getEffectiveLevel() <= logging.DEBUG
 
   class Notes(logging.Filter):
     def filter(self, record):
-      if (isinstance(record.msg, str) and record.msg.startswith(_HIT_NOTE)
-          and isinstance(record.args, tuple) and len(record.args) == 2):
-        keys.append(str(record.args[1]))
+      if (isinstance(record.msg, str) and isinstance(record.args, tuple)
+          and len(record.args) == 2):
+        for note, found in ((_HIT_NOTE, keys), (_MISS_NOTE, missed)):
+          if record.msg.startswith(note):
+            found.append(str(record.args[1]))
       return shown or record.levelno > logging.DEBUG
 
   notes = Notes()
   logger.addFilter(notes)
   logger.setLevel(logging.DEBUG)
   try:
-    yield keys
+    yield keys, missed
   finally:
     logger.removeFilter(notes)
     logger.setLevel(level)
 
 
-def _serialize_from_cache(compiled, cache_key: str) -> tuple:
+def _serialize_from_cache(compiled, cache_key: str, missing_ok: bool = False) -> tuple | None:
   """`serialize_executable.serialize(compiled)` for a program JAX loaded from its persistent
-  cache entry `cache_key`: the executable's bytes are that entry's (XLA:CPU, jaxlib 0.10.2,
-  serialises such a loaded executable again without its code: loaded from those bytes, it
-  fails when run)."""
+  cache entry `cache_key`, or compiled and wrote there: the executable's bytes are that
+  entry's (XLA:CPU, jaxlib 0.10.2, serialises such a loaded executable again without its
+  code: loaded from those bytes, it fails when run; and a compiled one's serialisation is
+  what JAX has just made for the entry). No entry: an error, None where `missing_ok`."""
   from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
 
   cache = compilation_cache._get_cache(compiled.runtime_executable().client)  # pylint: disable=protected-access
-  raw = cache.get(cache_key)
+  raw = None if cache is None else cache.get(cache_key)
   if raw is None:
+    if missing_ok:
+      return None
     raise ValueError(f"no persistent cache entry {cache_key}")
   code, _ = compilation_cache.extract_executable_and_time(
       compilation_cache.decompress_executable(raw))

@@ -240,6 +240,48 @@ def test_a_program_jax_loaded_from_its_persistent_cache_is_kept_from_that_entry(
   _a_later_process_loads_it(tmp_path)
 
 
+def _counting_serialisations(monkeypatch) -> list:
+  """Counts XLA's serialisations of executables for `executables.serialize_executable`."""
+  made = []
+  real = executables.serialize_executable.serialize
+
+  def counted(compiled):
+    made.append(compiled)
+    return real(compiled)
+
+  monkeypatch.setattr(executables.serialize_executable, "serialize", counted)
+  return made
+
+
+def test_a_program_compiled_afresh_is_kept_from_the_entry_jax_wrote(tmp_path, monkeypatch):
+  # JAX serialises a program it compiles for its persistent cache's entry; the kept program
+  # takes those bytes back instead of having XLA serialise the executable a second time.
+  assert jax.config.jax_compilation_cache_dir, "the tests run with a persistent cache (conftest)"
+  made = _counting_serialisations(monkeypatch)
+  kept, args = _kept(), _args()
+  before = timing.compile_counts()["compile_cache_hits"]
+  with executables.keeping(str(tmp_path), "run A") as store:
+    out = kept(*args)
+  assert timing.compile_counts()["compile_cache_hits"] == before  # compiled, not loaded
+  np.testing.assert_array_equal(np.asarray(out), _want())
+  assert store.stored == 1 and not made
+  _a_later_process_loads_it(tmp_path)
+
+
+def test_a_program_compiled_without_a_cache_entry_is_serialised_and_kept(tmp_path, monkeypatch):
+  # JAX writes no entry for some programs (a program with host callbacks, one under a size
+  # threshold: here none at all); the kept program is then serialised from the executable.
+  made = _counting_serialisations(monkeypatch)
+  from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
+  with mock.patch.object(compilation_cache, "put_executable_and_time") as put:
+    with executables.keeping(str(tmp_path), "run A") as store:
+      out = _kept()(*_args())
+  assert put.call_count == 1  # JAX compiled it and would have written its entry
+  np.testing.assert_array_equal(np.asarray(out), _want())
+  assert store.stored == 1 and len(made) == 1
+  _a_later_process_loads_it(tmp_path)
+
+
 def test_calls_of_other_shapes_trees_or_shardings_than_the_last_run_their_own_programs(tmp_path):
   kept = _kept()
   two = np.float32(2.0)
