@@ -234,6 +234,7 @@ class Tally:
         collections.Counter())
     self.name_seconds = collections.Counter()  # a program's tracing, lowering and compile
     self.cache = {"hits": [], "misses": [], "not_written": []}
+    self.cpu = {}  # label -> [CPU seconds of the thread that ran it, calls] (`timed_cpu`)
     self.slow = []  # (seconds since start, function, phase, duration) of each phase over 0.5 s
     self._lock = threading.RLock()
 
@@ -255,6 +256,12 @@ class Tally:
       if duration > 0.5 or event == self.backend_compile:
         self.write()  # what a run cut short had compiled so far stays readable
 
+  def add_cpu(self, label: str, seconds: float) -> None:
+    with self._lock:
+      entry = self.cpu.setdefault(label, [0.0, 0])
+      entry[0] += seconds
+      entry[1] += 1
+
   def note(self, key: str, text: str) -> None:
     """A persistent-cache note (`key`: hits, misses or not_written) about a program."""
     with self._lock:
@@ -268,8 +275,33 @@ class Tally:
                    "programs": dict(self.programs), "names": dict(self.names.most_common()),
                    "name_seconds": {n: round(s, 3) for n, s in self.name_seconds.most_common()},
                    "phases": dict(self.phases),
-                   "slow_phases": self.slow, **self.cache}, f)
+                   "slow_phases": self.slow, "cache_write_cpu_s": self.cpu, **self.cache}, f)
       os.replace(self.out_path + ".tmp", self.out_path)
+
+
+def timed_cpu(owner, name: str, label: str, tally: Tally) -> bool:
+  """Replaces `owner.name` (a function or method) by one that adds the CPU seconds of each call
+  (its thread's) to `tally` under `label`; False, and nothing replaced, where `owner` has no
+  such attribute (another JAX)."""
+  real = getattr(owner, name, None)
+  if real is None:
+    return False
+
+  def timed(*args, **kwargs):
+    t0 = time.thread_time()
+    try:
+      return real(*args, **kwargs)
+    finally:
+      tally.add_cpu(label, time.thread_time() - t0)
+
+  setattr(owner, name, timed)
+  return True
+
+
+# What a compiled program costs to write down (CPU seconds): JAX's persistent cache entry
+# (XLA serialises the executable, then compresses it) and the kept program (`executables`).
+CACHE_WRITES = (("jax._src.compilation_cache", "put_executable_and_time", "jax_entry"),
+                ("alma_jax.runtime.executables", "_Store.save_program", "kept_program"))
 
 
 def child(out_path: str, argv: list[str]) -> None:
@@ -293,6 +325,14 @@ def child(out_path: str, argv: list[str]) -> None:
       tally.duration(event, duration, **kwargs)
 
   monitoring.register_event_duration_secs_listener(on_duration)
+  import importlib  # pylint: disable=g-import-not-at-top
+  for module, attr, label in CACHE_WRITES:
+    owner, _, name = attr.rpartition(".")
+    try:
+      target = importlib.import_module(module)
+    except ImportError:
+      continue
+    timed_cpu(getattr(target, owner) if owner else target, name, label, tally)
   patterns = (("hits", re.compile(r"(?:Persistent compilation cache hit|Kept program loaded) "
                                   r"for '([^']*)'")),
               ("misses", re.compile(r"PERSISTENT COMPILATION CACHE MISS for '([^']*)'")),
@@ -433,11 +473,17 @@ def _kinds(r: dict, top: int = 4) -> str:
   return ", ".join(f"{k} {r['seconds'][k]:.1f} s / {r['programs'].get(k, 0)}" for k in order)
 
 
+def _writes(r: dict) -> str:
+  cpu = r.get("cache_write_cpu_s") or {}
+  return " / ".join(f"{cpu[k][0]:.2f}" if k in cpu else "-" for k in ("jax_entry", "kept_program"))
+
+
 def table(results: dict) -> str:
   lines = ["| run | cache | process s | compile s (share) | trace / lower / compile or load s | "
            "FLOP-counting traces s | XLA programs | cache hits / requests | "
+           "writing programs down, CPU s (JAX's entries / kept) | "
            "compile s / programs by kind | warm misses |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for name, by_cache in results.items():
     for which, r in by_cache.items():
       asked = len(r["hits"]) + len(r["misses"])
@@ -451,7 +497,7 @@ def table(results: dict) -> str:
       lines.append(f"| {name} | {which} | {r['process_s']:.1f} | {r['compile_s']:.1f} "
                    f"({share:.0%}) | {phases} | {r.get('counting_s', 0.0):.1f} | "
                    f"{r['xla_programs']} | "
-                   f"{len(r['hits'])} / {asked} | {_kinds(r)} | "
+                   f"{len(r['hits'])} / {asked} | {_writes(r)} | {_kinds(r)} | "
                    f"{missed or ('none' if which != 'cold' else '')} |")
   return "\n".join(lines)
 
