@@ -72,14 +72,12 @@ from absl import flags
 from absl import logging
 
 from alma_jax import errors
-from alma_jax import tasks
 from alma_jax.configuration import config_lib
-from alma_jax.outputs import checkpoint as ckpt_lib
+from alma_jax.configuration import plugins
 from alma_jax.outputs import io_utils
 from alma_jax.outputs import log_lines
 from alma_jax.outputs import workdir as wd
 from alma_jax.reports import findings as findings_lib
-from alma_jax.reports import gating_plot
 from alma_jax.reports import labels as labels_lib
 from alma_jax.reports import plots
 
@@ -328,7 +326,7 @@ def table(groups: Sequence[Group]) -> str:
   """A Markdown table: one row per group, mean ± std over its finished seeds."""
   fields = varying_fields(groups)
   # The tasks' own fields (language models: perplexities), columns only where a group has them.
-  stats = TABLE_STATS + tuple(s for s in tasks.summary_stats()
+  stats = TABLE_STATS + tuple(s for s in plugins.summary_stats()
                               if any(not math.isnan(g.stat(s[0])[0]) for g in groups))
   head = ["data"] + [f.split(".")[-1] if f in KEY_FIELDS else f for f in fields] + ["seeds"]
   head += [name for _, name, _ in stats]
@@ -422,6 +420,10 @@ def gating_figures(groups: Sequence[Group], out: str,
   """`gating_<workdir name>` of the first seed of every gMoE group, titled with its values of
   `fields` (a run that cannot be drawn, e.g. without checkpoints, is skipped with a
   warning)."""
+  # Restoring a run's learner takes JAX: imported here, so that a report without gating
+  # figures starts without it.
+  from alma_jax.outputs import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from alma_jax.reports import gating_plot  # pylint: disable=g-import-not-at-top
   figures = {}
   for g in groups:
     if g.get("method.name") != "gmoe":

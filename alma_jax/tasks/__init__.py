@@ -67,8 +67,9 @@ def check(config) -> None:
 
 
 def summary_stats() -> tuple[tuple[str, str, str], ...]:
-  """The summary fields of every registered task that the report's table shows."""
-  return tuple(s for cls in TASKS.values() for s in cls.SUMMARY_STATS)
+  """The summary fields of every registered task that the report's table shows
+  (`plugins.summary_stats`)."""
+  return plugins.summary_stats()
 
 
 __all__ = ["Task", "ImageTask", "TextTask", "TASKS", "DEFAULT", "register", "method_aliases",

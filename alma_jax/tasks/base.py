@@ -140,16 +140,14 @@ class Task(declared.Declaration):
   """Classification of examples by their most probable class; the base of every task.
 
   Class attributes:
-    name, FIELDS, DATASETS, BACKBONES, METHOD_ALIASES, VARIANTS and the class methods
-      `claims`, `defaults` and `complete`: what a config needs of the task, from its
-      declaration (`alma_jax.configuration.plugins.tasks.Declaration`).
-    SUMMARY_STATS: the summary fields of its own that the report's table shows:
-      (summary field, column title, format).
+    name, FIELDS, DATASETS, BACKBONES, METHOD_ALIASES, VARIANTS, SUMMARY_STATS and the
+      class methods `claims`, `defaults` and `complete`: what a config and a report need of
+      the task, from its declaration (`alma_jax.configuration.plugins.tasks.Declaration`;
+      SUMMARY_STATS: the summary fields of its own that the report's table shows).
     input_dtype: the dtype of the model inputs (what a backbone is initialised
       with).
   """
 
-  SUMMARY_STATS: tuple[tuple[str, str, str], ...] = ()
   input_dtype = np.float32
 
   @classmethod

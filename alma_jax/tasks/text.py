@@ -72,8 +72,6 @@ def _corpus(config, bpe_folder: str | None) -> dict:
 class TextTask(declared.Text, base.Task):
   """Next-token prediction on sequences of L + 1 tokens."""
 
-  SUMMARY_STATS = (("final_perplexity", "final perplexity", "{:.2f}"),
-                   ("mean_perplexity", "mean perplexity", "{:.2f}"))
   input_dtype = np.int32
 
   def __init__(self, seq_len: int, balance_weight: float = 0.01):

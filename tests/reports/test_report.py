@@ -106,6 +106,30 @@ def test_seeds_are_grouped_and_their_mean_and_std_computed(runs):
   np.testing.assert_array_equal(t, np.arange(5))
 
 
+_HEAVY = ("jax", "flax", "optax", "orbax", "tensorflow")
+_REPORT_IMPORTS = """
+import runpy, sys
+sys.argv = ["report"] + sys.argv[1:]
+try:
+  runpy.run_module("alma_jax.reports.report", run_name="__main__")
+finally:
+  print(sorted(m for m in {heavy!r} if m in sys.modules))
+"""
+
+
+def test_a_report_without_gating_figures_imports_no_jax(runs, tmp_path):
+  # A report reads files and draws them: it starts without JAX, its model and checkpoint
+  # libraries or TensorFlow (about 0.6 s of imports), which only the gating figures need.
+  proc = subprocess.run(
+      [sys.executable, "-c", _REPORT_IMPORTS.format(heavy=_HEAVY), "--nogating",
+       f"--workdirs={','.join(runs)}", f"--out={tmp_path / 'out'}"],
+      cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
+      check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert (tmp_path / "out" / "report.md").exists()
+  assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_report_writes_figures_whose_data_are_the_runs(runs, tmp_path):
   out = tmp_path / "out"
   figs = report.write_report(runs, str(out))

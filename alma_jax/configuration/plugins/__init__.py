@@ -54,6 +54,12 @@ def declare_task(cls: type) -> None:
   _declare(TASKS, cls, "task")
 
 
+def summary_stats() -> tuple[tuple[str, str, str], ...]:
+  """The summary fields of every declared task that a report's table shows
+  (`tasks.Declaration.SUMMARY_STATS`)."""
+  return tuple(s for cls in TASKS.values() for s in cls.SUMMARY_STATS)
+
+
 def declare_method(cls: type) -> None:
   """Adds method declaration `cls` (a class with the attributes of `methods.Declaration`)."""
   _declare(METHODS, cls, "method")

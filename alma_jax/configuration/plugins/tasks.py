@@ -4,8 +4,9 @@ A task's declaration names it, says which configs are its (`claims`: the data
 sets, `DATASETS`; `METHOD_ALIASES`, method names that stand for a method on it;
 `BACKBONES`, backbones it serves besides those whose declaration names it),
 declares its config fields (`FIELDS`), sets the base fields it changes
-(`defaults`), derives fields (`complete`) and owns its variants (`VARIANTS`:
-named sets of field values, see `config_lib.apply_variant`). The task's class
+(`defaults`), derives fields (`complete`), owns its variants (`VARIANTS`:
+named sets of field values, see `config_lib.apply_variant`) and names the
+summary fields of its own that a report's table shows (`SUMMARY_STATS`). The task's class
 (`alma_jax.tasks`) derives from its declaration, so each of these is written
 once.
 """
@@ -38,6 +39,9 @@ class Declaration:
   METHOD_ALIASES: dict[str, str] = {}
   VARIANTS: dict[str, dict] | None = None  # None: the image variants
   SCALED_STEPS: re.Pattern | None = None  # a variant name that multiplies the steps per epoch
+  # The summary fields of its own that the report's table shows: (summary field, column
+  # title, format).
+  SUMMARY_STATS: tuple[tuple[str, str, str], ...] = ()
 
   @classmethod
   def claims(cls, config) -> bool:
@@ -214,6 +218,8 @@ class Text(Declaration):
   METHOD_ALIASES = {"lm_sm": "sm", "lm_ens": "ens", "lm_gens": "gens", "lm_gmoe": "gmoe"}
   VARIANTS = TEXT_VARIANTS
   SCALED_STEPS = re.compile(r"[1-9][0-9]*x")  # `Kx`: K times train.steps_per_epoch
+  SUMMARY_STATS = (("final_perplexity", "final perplexity", "{:.2f}"),
+                   ("mean_perplexity", "mean perplexity", "{:.2f}"))
 
   @classmethod
   def claims(cls, config) -> bool:
