@@ -6,9 +6,9 @@ sets, `DATASETS`; `METHOD_ALIASES`, method names that stand for a method on it;
 declares its config fields (`FIELDS`), sets the base fields it changes
 (`defaults`), derives fields (`complete`), owns its variants (`VARIANTS`:
 named sets of field values, see `config_lib.apply_variant`) and names the
-summary fields of its own that a report's table shows (`SUMMARY_STATS`). The task's class
-(`alma_jax.tasks`) derives from its declaration, so each of these is written
-once.
+summary fields of its own that a report's table shows (`SUMMARY_STATS`). The
+task's class (`alma_jax.tasks`) derives from its declaration, so each of
+these is written once.
 """
 
 from __future__ import annotations
