@@ -58,6 +58,7 @@ import pickle
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -476,16 +477,19 @@ class Kept:
 def _persistent_cache_keys() -> Iterator[tuple[list[str], list[str]]]:
   """(the keys of the entries JAX loads from its persistent cache inside the block, those it
   looks for there and misses), from its compiler's notes, which are dropped unless that logger
-  shows debug messages (JAX may log a miss as a warning: that one is shown)."""
+  shows debug messages (JAX may log a miss as a warning: that one is shown). Only this
+  thread's notes count: JAX compiles in the calling thread, and another thread's compile
+  (of another program) may log meanwhile."""
   keys: list[str] = []
   missed: list[str] = []
   logger = logging.getLogger("jax._src.compiler")
   level, shown = logger.level, logger.getEffectiveLevel() <= logging.DEBUG
+  here = threading.get_ident()
 
   class Notes(logging.Filter):
     def filter(self, record):
-      if (isinstance(record.msg, str) and isinstance(record.args, tuple)
-          and len(record.args) == 2):
+      if (record.thread == here and isinstance(record.msg, str)
+          and isinstance(record.args, tuple) and len(record.args) == 2):
         for note, found in ((_HIT_NOTE, keys), (_MISS_NOTE, missed)):
           if record.msg.startswith(note):
             found.append(str(record.args[1]))

@@ -282,6 +282,26 @@ def test_a_program_compiled_without_a_cache_entry_is_serialised_and_kept(tmp_pat
   _a_later_process_loads_it(tmp_path)
 
 
+def test_only_the_compiling_thread_s_cache_notes_name_its_program():
+  # JAX compiles in the calling thread; a compile in another thread (of another program) that
+  # logs a hit or a miss meanwhile must not be taken for this program's entry.
+  import logging  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  log = logging.getLogger("jax._src.compiler")
+
+  def notes(prefix):
+    log.debug("Persistent compilation cache hit for '%s' with key %r", "jit_f", f"{prefix}-hit")
+    log.debug("PERSISTENT COMPILATION CACHE MISS for '%s' with key %r", "jit_f",
+              f"{prefix}-miss")
+
+  with executables._persistent_cache_keys() as (keys, missed):  # pylint: disable=protected-access
+    other = threading.Thread(target=notes, args=("other",))
+    other.start()
+    other.join()
+    notes("mine")
+  assert keys == ["mine-hit"] and missed == ["mine-miss"]
+
+
 def test_calls_of_other_shapes_trees_or_shardings_than_the_last_run_their_own_programs(tmp_path):
   kept = _kept()
   two = np.float32(2.0)
