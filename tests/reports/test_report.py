@@ -119,7 +119,7 @@ finally:
 
 def test_a_report_without_gating_figures_imports_no_jax(runs, tmp_path):
   # A report reads files and draws them: it starts without JAX, its model and checkpoint
-  # libraries or TensorFlow (about 0.6 s of imports), which only the gating figures need.
+  # libraries or TensorFlow, which only the gating figures need.
   proc = subprocess.run(
       [sys.executable, "-c", _REPORT_IMPORTS.format(heavy=_HEAVY), "--nogating",
        f"--workdirs={','.join(runs)}", f"--out={tmp_path / 'out'}"],
