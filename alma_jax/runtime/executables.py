@@ -232,8 +232,12 @@ class _Store:
           return None
         # The entry JAX has just written holds the executable's bytes: read back, not made
         # again (JAX writes none for a program with host callbacks, for example).
-        saved = (_serialize_from_cache(compiled, written[0], missing_ok=True)
-                 if len(written) == 1 else None)
+        saved = None
+        if len(written) == 1:
+          try:
+            saved = _serialize_from_cache(compiled, written[0], missing_ok=True)
+          except Exception:  # pylint: disable=broad-except  (another JAX's cache: as below)
+            saved = None
         if saved is None:
           saved = serialize_executable.serialize(compiled)
       elif len(cache_keys) == 1:

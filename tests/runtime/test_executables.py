@@ -282,6 +282,24 @@ def test_a_program_compiled_without_a_cache_entry_is_serialised_and_kept(tmp_pat
   _a_later_process_loads_it(tmp_path)
 
 
+def test_a_cache_entry_that_cannot_be_read_back_leaves_the_program_serialised_and_kept(
+    tmp_path, monkeypatch):
+  # Reading JAX's entry back uses JAX's internals; where that fails (another JAX), the program
+  # is serialised from the executable, as before, and still kept.
+  made = _counting_serialisations(monkeypatch)
+
+  def unreadable(*args, **kwargs):
+    raise AttributeError("another JAX")
+
+  monkeypatch.setattr(executables, "_serialize_from_cache", unreadable)
+  with executables.keeping(str(tmp_path), "run A") as store:
+    out = _kept()(*_args())
+  np.testing.assert_array_equal(np.asarray(out), _want())
+  assert store.stored == 1 and len(made) == 1
+  monkeypatch.undo()
+  _a_later_process_loads_it(tmp_path)
+
+
 def test_only_the_compiling_thread_s_cache_notes_name_its_program():
   # JAX compiles in the calling thread; a compile in another thread (of another program) that
   # logs a hit or a miss meanwhile must not be taken for this program's entry.
