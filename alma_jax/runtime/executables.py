@@ -231,13 +231,12 @@ class _Store:
         if loaded_plain:  # perhaps that loaded executable, without its code: not kept
           return None
         # The entry JAX has just written holds the executable's bytes: read back, not made
-        # again (JAX writes none for a program with host callbacks, for example).
-        saved = None
-        if len(written) == 1:
-          try:
-            saved = _serialize_from_cache(compiled, written[0], missing_ok=True)
-          except Exception:  # pylint: disable=broad-except  (another JAX's cache: as below)
-            saved = None
+        # again. Where there is none (JAX writes none for a program with host callbacks, for
+        # example) or it cannot be read back (another JAX's cache), XLA serialises it.
+        try:
+          saved = _serialize_from_cache(compiled, written[0]) if len(written) == 1 else None
+        except Exception:  # pylint: disable=broad-except
+          saved = None
         if saved is None:
           saved = serialize_executable.serialize(compiled)
       elif len(cache_keys) == 1:
@@ -509,19 +508,17 @@ def _persistent_cache_keys() -> Iterator[tuple[list[str], list[str]]]:
     logger.setLevel(level)
 
 
-def _serialize_from_cache(compiled, cache_key: str, missing_ok: bool = False) -> tuple | None:
+def _serialize_from_cache(compiled, cache_key: str) -> tuple:
   """`serialize_executable.serialize(compiled)` for a program JAX loaded from its persistent
   cache entry `cache_key`, or compiled and wrote there: the executable's bytes are that
   entry's (XLA:CPU, jaxlib 0.10.2, serialises such a loaded executable again without its
   code: loaded from those bytes, it fails when run; and a compiled one's serialisation is
-  what JAX has just made for the entry). No entry: an error, None where `missing_ok`."""
+  what JAX has just made for the entry). No entry: ValueError."""
   from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
 
   cache = compilation_cache._get_cache(compiled.runtime_executable().client)  # pylint: disable=protected-access
   raw = None if cache is None else cache.get(cache_key)
   if raw is None:
-    if missing_ok:
-      return None
     raise ValueError(f"no persistent cache entry {cache_key}")
   code, _ = compilation_cache.extract_executable_and_time(
       compilation_cache.decompress_executable(raw))
