@@ -15,13 +15,15 @@ longer while the probe took as much longer is the host, not the change.
 It also records how busy the CPUs were in the second before the suite (what
 the load average, a minute's memory, cannot say) and the CPU seconds the
 suite used: their share of the cores over its wall time says how much of
-the machine the two workers kept busy.
+the machine the workers kept busy.
 
   python benchmarks/suite_time.py --out=benchmarks/results/<host>_<date>/suite_<commit>.json
   # against an earlier file: per test file, the seconds of both and their ratio
   python benchmarks/suite_time.py --out=new.json --compare=old.json
   python benchmarks/suite_time.py --compare=old.json --read=new.json   # no new run
   python benchmarks/suite_time.py --probe_only   # the probe alone (e.g. beside a CI run)
+  # every whole-suite run kept under benchmarks/results, per host (CONTRIBUTING.md's table)
+  python benchmarks/suite_time.py --history [--runs]
 
 Run it on an idle machine: the suite keeps both cores busy, and anything
 beside it is in its time. Arguments after `--` go to pytest in place of
@@ -48,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
 import peer  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-WORKERS = 2  # the README's test command: `python -m pytest -q -n 2 tests`
+WORKERS = 3  # the README's test command: `python -m pytest -q -n 3 tests`
 SLOWEST = 60  # slowest test phases kept in the results
 _PHASE = re.compile(r"^(\d+(?:\.\d+)?)s (call|setup|teardown)\s+(\S.*)$")
 _END = re.compile(r"^=*\s*(.*?) in (\d+(?:\.\d+)?)s(?: \(\S+\))?\s*=*$")
@@ -216,6 +218,107 @@ def compare_text(old: dict, new: dict, top: int = 25) -> str:
   return "\n".join(lines)
 
 
+# -- the runs kept under benchmarks/results ----------------------------------------------------
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# A whole-suite run of a commit's own code: this script's JSON, or the closing lines of
+# pytest kept as text: `suite_<commit>` and one of these endings. Files named otherwise hold
+# experiments (changed settings, a profiler, some test files only) and are not listed.
+_RUN_FILE = re.compile(r"^suite_([0-9a-f]{7})(_clone|_clone_first|_clone_second|_durations|"
+                       r"_second|_third|_2)?\.(txt|json)$")
+_HOST = re.compile(r"^(xeon|epyc)(\d*?)(?:m(\d+))?_(\d{4}-\d{2}-\d{2})\w*$")
+_PROBE_LINE = re.compile(r"^probe_(before|after) (\{.*\})\s*$")
+
+
+def host_of(folder: str) -> tuple[str, str] | None:
+  """(the CPU, as `lscpu` names it, with its family and model; the date) of a results folder
+  named `<cpu><family>m<model>_<date>` (the Xeons: `xeon<model>`, family 6), else None."""
+  m = _HOST.match(folder)
+  if not m:
+    return None
+  kind, family, model, date = m.groups()
+  if kind == "xeon":
+    return (f"Intel Xeon, family 6 model {family}" if family else "Intel Xeon"), date
+  parts = [f"family {family}" if family else "", f"model {model}" if model else ""]
+  return ", ".join(["AMD EPYC", " ".join(p for p in parts if p)]).rstrip(", "), date
+
+
+def read_run(path: str) -> dict | None:
+  """A kept run: its commit, whether it ran in a fresh clone (`.ci/run`), pytest's seconds and
+  outcome, the probes where the file has them (this script's JSON, or `probe_before` and
+  `probe_after` lines of `--probe_only`'s JSON) and the file's path from the checkout; None
+  if pytest's closing line is missing."""
+  name = os.path.basename(path)
+  commit, ending, _ = _RUN_FILE.match(name).groups()
+  if name.endswith(".json"):
+    result = io_utils.read_json(path)
+    probes = {"before": result.get("probe_before_s"), "after": result.get("probe_after_s")}
+  else:
+    with open(path) as f:
+      text = f.read()
+    result = parse(text)
+    probes = {k: json.loads(v)["probe_s"] for line in text.splitlines()
+              for k, v in _PROBE_LINE.findall(line.strip())}
+  if result.get("pytest_s") is None:
+    return None
+  return {"commit": commit, "clone": bool(ending and ending.startswith("_clone")),
+          "pytest_s": result["pytest_s"], "outcome": result["outcome"],
+          "probes": [s for k in ("before", "after") for s in probes.get(k) or []],
+          "file": os.path.relpath(path, ROOT)}
+
+
+def history(results: str = RESULTS) -> dict[str, list[dict]]:
+  """Every kept whole-suite run under `results`, per CPU (`host_of` its folder), in the order
+  of their folders' dates and names."""
+  hosts: dict[str, list[dict]] = {}
+  for folder in sorted(os.listdir(results), key=lambda f: (host_of(f) or ("", ""))[1] + f):
+    host = host_of(folder)
+    if host is None or not os.path.isdir(os.path.join(results, folder)):
+      continue
+    for name in sorted(os.listdir(os.path.join(results, folder))):
+      if _RUN_FILE.match(name):
+        path = os.path.join(results, folder, name)
+        try:
+          run = read_run(path)
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+          raise ValueError(f"{os.path.relpath(path, ROOT)} is not a kept run of the suite "
+                           f"({type(e).__name__}: {e})") from e
+        if run is not None:
+          hosts.setdefault(host[0], []).append(dict(run, date=host[1]))
+  return hosts
+
+
+def _passed_only(run: dict) -> bool:
+  return run["outcome"].get("passed", 0) > 0 and not any(
+      run["outcome"].get(k) for k in ("failed", "errors"))
+
+
+def history_text(hosts: dict[str, list[dict]], runs: bool = False) -> str:
+  """Per CPU, the runs in which every test passed: how many, their dates, and the fastest,
+  median and slowest of pytest's times; with `runs`, every run, one line each."""
+  lines = ["| CPU (`lscpu`) | runs | dates | fastest | median | slowest |",
+           "|---|---|---|---|---|---|"]
+  for cpu, kept in sorted(hosts.items()):
+    passed = [r for r in kept if _passed_only(r)]
+    if not passed:
+      continue
+    seconds = sorted(r["pytest_s"] for r in passed)
+    dates = sorted({r["date"] for r in passed})
+    span = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    lines.append(f"| {cpu} | {len(passed)} | {span} | {_minutes(seconds[0])} | "
+                 f"{_minutes(statistics.median(seconds))} | {_minutes(seconds[-1])} |")
+  if runs:
+    lines += ["", "| CPU | date | commit | where | pytest | tests | probe s | file |",
+              "|---|---|---|---|---|---|---|---|"]
+    for cpu, kept in sorted(hosts.items()):
+      for r in kept:
+        outcome = ", ".join(f"{n} {k}" for k, n in sorted(r["outcome"].items()))
+        probes = (f"{min(r['probes']):.2f}-{max(r['probes']):.2f}" if r["probes"] else "")
+        lines.append(f"| {cpu} | {r['date']} | {r['commit']} | "
+                     f"{'fresh clone' if r['clone'] else 'checkout'} | {_minutes(r['pytest_s'])} "
+                     f"| {outcome} | {probes} | `{r['file']}` |")
+  return "\n".join(lines)
+
+
 def _minutes(seconds: float) -> str:
   minutes, rest = divmod(int(round(seconds)), 60)
   return f"{minutes} min {rest} s"
@@ -237,7 +340,21 @@ def main() -> None:
                   help="fresh processes of the probe before and after the suite (0: none)")
   ap.add_argument("--probe_only", action="store_true",
                   help="run the probe alone and print its seconds (no suite, no file)")
+  ap.add_argument("--history", action="store_true",
+                  help="per CPU, the suite's times of the runs kept under benchmarks/results "
+                       "(no suite, no file)")
+  ap.add_argument("--runs", action="store_true", help="with --history: every run, one line each")
   args = ap.parse_args(argv)
+  if args.runs and not args.history:
+    ap.error("--runs lists the kept runs: give it with --history")
+  if args.history:
+    if args.out or args.compare or args.read or args.probe_only or extra:
+      ap.error("--history reads the kept runs and runs nothing: give no other flag but --runs")
+    try:
+      print(history_text(history(), runs=args.runs))
+    except ValueError as e:
+      ap.error(str(e))
+    return
   if args.probe_only:
     if args.probe_runs < 1 or args.out or args.compare or args.read or extra:
       ap.error("--probe_only runs the probe alone: give --probe_runs of 1 or more and no "

@@ -418,6 +418,66 @@ def test_suite_time_runs_pytest_between_probes_and_compares_two_results(tmp_path
   assert seconds > 0
 
 
+def _kept_run(folder, name, text):
+  folder.mkdir(exist_ok=True)
+  (folder / name).write_text(text)
+
+
+def test_suite_time_s_history_lists_the_kept_whole_suite_runs_per_cpu(tmp_path):
+  st = _load("suite_time")
+  epyc, xeon = tmp_path / "epyc25m17_2026-12-06", tmp_path / "xeon167_2026-12-04"
+  _kept_run(epyc, "suite_abcdef1_clone.txt",
+            "# CI=true bash .ci/run in a fresh clone\n"
+            'probe_before {"probe_s": [1.5, 1.25]}\n'
+            "12 passed, 3 warnings in 700.40s (0:11:40)\n"
+            'probe_after {"probe_s": [1.75]}\n')
+  _kept_run(epyc, "suite_1234567.json", json.dumps(
+      {"pytest_s": 760.0, "outcome": {"passed": 12}, "probe_before_s": [1.3],
+       "probe_after_s": [1.4], "files": {}}))
+  _kept_run(epyc, "suite_7654321_durations.txt",  # a test failed: listed, not summarised
+            "============ 1 failed, 11 passed in 1000.00s (0:16:40) ============\n")
+  _kept_run(epyc, "suite_abcdef1_vocab_durations.txt",  # an experiment: not a commit's run
+            "12 passed in 10.00s\n")
+  _kept_run(epyc, "suite_abcdef2_clone.txt", "# stopped before its closing line\n")
+  _kept_run(xeon, "suite_0000000_clone.txt", "12 passed in 725.00s (0:12:05)\n")
+  _kept_run(tmp_path / "h200_2026-11-27", "suite_1111111.txt", "12 passed in 9.00s\n")
+  hosts = st.history(str(tmp_path))
+  assert sorted(hosts) == ["AMD EPYC, family 25 model 17", "Intel Xeon, family 6 model 167"]
+  runs = hosts["AMD EPYC, family 25 model 17"]
+  assert [(r["commit"], r["clone"], r["pytest_s"], r["probes"]) for r in runs] == [
+      ("1234567", False, 760.0, [1.3, 1.4]),
+      ("7654321", False, 1000.0, []),
+      ("abcdef1", True, 700.4, [1.5, 1.25, 1.75])]
+  assert runs[1]["outcome"] == {"failed": 1, "passed": 11}
+  table = st.history_text(hosts).splitlines()
+  assert table[2:] == [
+      "| AMD EPYC, family 25 model 17 | 2 | 2026-12-06 | 11 min 40 s | 12 min 10 s | "
+      "12 min 40 s |",
+      "| Intel Xeon, family 6 model 167 | 1 | 2026-12-04 | 12 min 5 s | 12 min 5 s | "
+      "12 min 5 s |"]
+  every = st.history_text(hosts, runs=True)
+  assert ("| AMD EPYC, family 25 model 17 | 2026-12-06 | 7654321 | checkout | 16 min 40 s | "
+          "1 failed, 11 passed |  | `") in every
+  assert "| fresh clone | 11 min 40 s | 12 passed | 1.25-1.75 |" in every
+  assert st.host_of("epyc25_2026-11-28") == ("AMD EPYC, family 25", "2026-11-28")
+  assert st.host_of("xeon_2026-11-28") == ("Intel Xeon", "2026-11-28")
+  # A damaged kept run is named, not skipped.
+  _kept_run(epyc, "suite_2222222.json", "{")
+  with pytest.raises(ValueError, match=r"epyc25m17_2026-12-06/suite_2222222\.json is not a "
+                                       r"kept run of the suite \(JSONDecodeError"):
+    st.history(str(tmp_path))
+
+
+def test_contributing_quotes_the_suite_s_times_of_the_kept_runs():
+  # The table in CONTRIBUTING.md is what `suite_time.py --history` prints from the files
+  # under benchmarks/results: a run kept there changes it.
+  with open(os.path.join(ROOT, "CONTRIBUTING.md")) as f:
+    text = f.read()
+  quoted = text.split("<!-- suite_time.py --history -->\n", 1)[1].split("\n<!-- end -->", 1)[0]
+  st = _load("suite_time")
+  assert quoted == st.history_text(st.history())
+
+
 def test_suite_time_flags_that_would_measure_nothing_are_refused(tmp_path):
   for args, error in [
       ((f"--read={tmp_path}/a.json",), f"--read={tmp_path}/a.json: nothing to compare it with; "
@@ -427,7 +487,10 @@ def test_suite_time_flags_that_would_measure_nothing_are_refused(tmp_path):
       (("--probe_only", "--probe_runs=0"), "--probe_only runs the probe alone: give "
                                            "--probe_runs of 1 or more and no other flag"),
       ((f"--out={tmp_path}/o.json", f"--compare={tmp_path}/none.json"),
-       f"--compare={tmp_path}/none.json is not a results file of this script (FileNotFoundError")]:
+       f"--compare={tmp_path}/none.json is not a results file of this script (FileNotFoundError"),
+      (("--runs",), "--runs lists the kept runs: give it with --history"),
+      (("--history", f"--out={tmp_path}/o.json"), "--history reads the kept runs and runs "
+                                                  "nothing: give no other flag but --runs")]:
     proc = _script("suite_time", *args)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines()[-1].startswith(f"suite_time.py: error: {error}")

@@ -58,7 +58,7 @@ def test_the_readme_keeps_the_setup_commands_and_links_every_page():
   with open(os.path.join(ROOT, ".ci", "run")) as f:
     ci = f.read()
   # .ci/run runs the README's install and test commands: both are in both.
-  for command in ("pip install -r requirements.txt -e .", "python -m pytest -q -n 2 tests"):
+  for command in ("pip install -r requirements.txt -e .", "python -m pytest -q -n 3 tests"):
     assert command in readme and command in ci
   for page in glob.glob(os.path.join(ROOT, "docs", "*.md")):
     assert f"(docs/{os.path.basename(page)}" in readme, page
