@@ -238,8 +238,8 @@ def host_of(folder: str) -> tuple[str, str] | None:
   kind, family, model, date = m.groups()
   if kind == "xeon":
     return (f"Intel Xeon, family 6 model {family}" if family else "Intel Xeon"), date
-  parts = [f"family {family}" if family else "", f"model {model}" if model else ""]
-  return ", ".join(["AMD EPYC", " ".join(p for p in parts if p)]).rstrip(", "), date
+  detail = " ".join(p for p in (family and f"family {family}", model and f"model {model}") if p)
+  return (f"AMD EPYC, {detail}" if detail else "AMD EPYC"), date
 
 
 def read_run(path: str) -> dict | None:
@@ -269,11 +269,10 @@ def read_run(path: str) -> dict | None:
 def history(results: str = RESULTS) -> dict[str, list[dict]]:
   """Every kept whole-suite run under `results`, per CPU (`host_of` its folder), in the order
   of their folders' dates and names."""
+  folders = sorted((host[1], folder, host[0]) for folder in os.listdir(results)
+                   if (host := host_of(folder)) and os.path.isdir(os.path.join(results, folder)))
   hosts: dict[str, list[dict]] = {}
-  for folder in sorted(os.listdir(results), key=lambda f: (host_of(f) or ("", ""))[1] + f):
-    host = host_of(folder)
-    if host is None or not os.path.isdir(os.path.join(results, folder)):
-      continue
+  for date, folder, cpu in folders:
     for name in sorted(os.listdir(os.path.join(results, folder))):
       if _RUN_FILE.match(name):
         path = os.path.join(results, folder, name)
@@ -283,7 +282,7 @@ def history(results: str = RESULTS) -> dict[str, list[dict]]:
           raise ValueError(f"{os.path.relpath(path, ROOT)} is not a kept run of the suite "
                            f"({type(e).__name__}: {e})") from e
         if run is not None:
-          hosts.setdefault(host[0], []).append(dict(run, date=host[1]))
+          hosts.setdefault(cpu, []).append(dict(run, date=date))
   return hosts
 
 
