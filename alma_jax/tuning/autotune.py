@@ -19,7 +19,8 @@ A choice is remembered under a key made of the device, the JAX version and
 the shapes that decide it (for XLA's options, also the options offered):
   * in `<cache dir>/autotune.json` (beside the persistent compilation cache;
     the cache dir is `$ALMA_JAX_CACHE_DIR` or `~/.cache/alma_jax`), so only the
-    first run of a shape on a machine pays for the measurement;
+    first run of a shape on a machine pays for the measurement (`measured_once`: runs
+    that start together wait for one process's measurement and take its answer);
   * in the run's workdir (`autotune.json`), so a resumed run keeps its
     choices even on another machine.
 The run logs every choice (and the times behind a new one) and writes them to
@@ -41,6 +42,7 @@ the launch of each call).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from typing import Any, Callable
@@ -59,6 +61,7 @@ from alma_jax.engine import timing
 from alma_jax.methods import ensemble
 from alma_jax.models import conv
 from alma_jax.outputs import io_utils
+from alma_jax.runtime import caches
 from alma_jax.runtime import host
 from alma_jax.tuning import gpu_autotune
 
@@ -386,9 +389,9 @@ def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
           f"{gpu_autotune.MIN_STEPS:,}: measuring would compile more than it can save)")
     else:
       timer = measure_eval if tunable.timed == "eval" else measure
-      value, how, measured = _measure(config, tunable, build, timer, choices)
-      if measured:  # a rule's answer is not remembered as a measurement
-        remember(cache_file, key, value)
+      value, how, _ = measured_once(
+          cache_file, key, path,
+          lambda t=tunable, m=timer: _measure(config, t, build, m, choices))
     logging.info("%s: %r %s", path, value, how)
     choices[path] = value
     if workdir_file and jax.process_count() == 1 and tunable.measured:  # a rule decides again
@@ -397,6 +400,37 @@ def choose(config, input_shape, build: Callable[[Any], Any], *, mode: str,
       else:
         remember(workdir_file, key, value)
   return choices
+
+
+def lock_file(cache_file: str, key: str) -> str:
+  """The lock file under which one process at a time measures the choice `key` recorded in
+  `cache_file` (beside it, in the cache folder's lock files)."""
+  digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+  return caches.lock_file(os.path.dirname(cache_file) or ".", f"autotune_{digest}")
+
+
+def measured_once(cache_file: str, key: str, path: str,
+                  measure_now: Callable[[], tuple[Any, str, bool]]) -> tuple[Any, str, bool]:
+  """(value, how, whether it is a measurement) of the choice `key` of field `path`: measured by
+  `measure_now` (-> the same triple) and remembered in `cache_file`, by one process of this
+  machine at a time. Runs that start together (a sweep's parallel runs, an array job on one
+  node) would otherwise each time the candidates while the others load the cores, and could
+  choose differently for the same shapes; a run that finds the measurement under way waits
+  for it and takes its answer. A rule's answer (a candidate failed) is not remembered, so
+  the next process tries again."""
+  def earlier(_warn: bool):
+    stored = read(cache_file)
+    return ((stored[key], f"measured earlier on this machine ({cache_file})", True)
+            if key in stored else None)
+
+  def now():
+    value, how, measured = measure_now()
+    if measured:
+      remember(cache_file, key, value)
+    return value, how, measured
+
+  return caches.read_or_make(lock_file(cache_file, key), f"the measurement of {path}",
+                             earlier, now)
 
 
 def _measure(config, tunable: Tunable, build, measure, chosen: dict) -> tuple[Any, str, bool]:

@@ -192,11 +192,11 @@ def _choose(config, workdir, shapes, multiprocess, cache_file, measure):
     return RULE, "by rule", None
   if key in stored_machine:
     return stored_machine[key], f"measured earlier on this machine ({cache_file})", key
-  value, how, measured = _measure(config, shapes, measure)
-  if not measured:  # a rule's answer is not remembered as a measurement
-    return value, how, None
-  autotune.remember(cache_file, key, value)
-  return value, how, key
+  # One process of the machine measures (runs that start together wait for it); a rule's
+  # answer is not remembered as a measurement.
+  value, how, measured = autotune.measured_once(cache_file, key, "train.cpu_fusion",
+                                                lambda: _measure(config, shapes, measure))
+  return value, how, key if measured else None
 
 
 def _measure(config, shapes, measure) -> tuple[str, str, bool]:

@@ -3,6 +3,8 @@
 import json
 import logging
 import os
+import threading
+import time
 import types
 
 import jax
@@ -166,6 +168,92 @@ def test_a_candidate_that_fails_leaves_the_choice_to_the_rule(tmp_path, caplog):
   assert got == {"train.steps_per_call": autotune.steps_per_call_rule(c)}
   assert "train.steps_per_call=8 could not be timed (RuntimeError: out of memory)" in caplog.text
   assert not os.path.exists(cache)  # a rule's answer is not a measurement
+
+
+def _wait_for(caplog, text: str, timeout_s: float = 30.0) -> None:
+  """Until a log record (of any thread) holds `text`."""
+  deadline = time.monotonic() + timeout_s
+  while not any(text in r.getMessage() for r in caplog.records):
+    assert time.monotonic() < deadline, f"no log record holds {text!r}"
+    time.sleep(0.02)
+
+
+def test_runs_that_start_together_measure_a_choice_once_and_share_it(tmp_path, caplog):
+  # Two runs (here threads: each takes the lock through a file of its own, as two processes
+  # do) reach the same unmeasured choice of one machine. The first measures; the second waits
+  # for it instead of timing the candidates while the first loads the cores, and takes its
+  # answer.
+  caplog.set_level(logging.INFO)
+  c = _small(steps_per_call=0)
+  cache = str(tmp_path / "machine.json")
+  key = autotune.machine_key(c, MNIST, "train.steps_per_call")
+  inside, release, calls, got = threading.Event(), threading.Event(), [], {}
+
+  def slow(built):  # the first run's measurement, held until the second waits for it
+    calls.append(("first", sorted(built)))
+    inside.set()
+    assert release.wait(30)
+    return {1: 2.0 * 128, 8: 1.0 * 128}
+
+  def never(built):
+    calls.append(("second", sorted(built)))
+    return {1: 1.0, 8: 2.0}
+
+  def run(name, measure):
+    got[name] = autotune.choose(c, MNIST, lambda cfg: cfg, mode="measure", cache_file=cache,
+                                measure=measure)
+
+  first = threading.Thread(target=run, args=("first", slow))
+  first.start()
+  assert inside.wait(30)
+  second = threading.Thread(target=run, args=("second", never))
+  second.start()
+  _wait_for(caplog, "waiting for the measurement of train.steps_per_call in another process")
+  release.set()
+  first.join(30)
+  second.join(30)
+  assert got == {"first": {"train.steps_per_call": 8}, "second": {"train.steps_per_call": 8}}
+  assert calls == [("first", [1, 8])]
+  assert json.load(open(cache)) == {key: 8}
+  assert f"train.steps_per_call: 8 measured earlier on this machine ({cache})" in caplog.text
+  assert os.path.isfile(autotune.lock_file(cache, key))
+  # Another shape's choice has a lock of its own.
+  c.train.batch_size = 64
+  assert autotune.lock_file(cache, autotune.machine_key(c, MNIST, "train.steps_per_call")
+                            ) != autotune.lock_file(cache, key)
+
+
+def test_a_waiting_run_measures_itself_when_the_first_fell_back_on_the_rule(tmp_path, caplog):
+  # A rule's answer (a candidate failed to build) is not a measurement: the run that waited
+  # measures the choice itself and remembers it.
+  caplog.set_level(logging.INFO)
+  c = _small(steps_per_call=0)
+  cache = str(tmp_path / "machine.json")
+  inside, release, got = threading.Event(), threading.Event(), {}
+
+  def failing(cfg):
+    if cfg.train.steps_per_call == 8:
+      inside.set()
+      assert release.wait(30)
+      raise RuntimeError("out of memory")
+    return cfg
+
+  first = threading.Thread(target=lambda: got.update(first=autotune.choose(
+      c, MNIST, failing, mode="measure", cache_file=cache, measure=each(lambda s: 1.0))))
+  first.start()
+  assert inside.wait(30)
+  second = threading.Thread(target=lambda: got.update(second=autotune.choose(
+      c, MNIST, lambda cfg: cfg, mode="measure", cache_file=cache,
+      measure=each(lambda s: {1: 2.0, 8: 1.0}[s.train.steps_per_call]))))
+  second.start()
+  _wait_for(caplog, "waiting for the measurement of train.steps_per_call in another process")
+  release.set()
+  first.join(30)
+  second.join(30)
+  assert got == {"first": {"train.steps_per_call": autotune.steps_per_call_rule(c)},
+                 "second": {"train.steps_per_call": 8}}
+  key = autotune.machine_key(c, MNIST, "train.steps_per_call")
+  assert json.load(open(cache)) == {key: 8}
 
 
 def test_a_measurement_initialises_its_learner_with_the_run_s_program():

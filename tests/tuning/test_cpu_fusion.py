@@ -5,12 +5,15 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from alma_jax.configuration import config_lib
 from alma_jax.kernels import native
 from alma_jax.models import conv
+from alma_jax.runtime import caches
 from alma_jax.stream import validation
 from alma_jax.tuning import autotune
 from alma_jax.tuning import cpu_fusion
@@ -57,6 +60,29 @@ def _fake(seconds: dict, fails=lambda setting: None):
 
 def _choose(config, workdir=None, *, multiprocess=False, **kwargs):
   return cpu_fusion.choose(config, workdir, shapes=CIFAR, multiprocess=multiprocess, **kwargs)
+
+
+def test_a_run_waits_for_the_measurement_another_process_is_making(tmp_path, caplog):
+  # While another process of the machine measures the same choice (it holds the choice's
+  # lock), a run waits, then takes the remembered answer without starting children.
+  caplog.set_level(logging.INFO)
+  c = _vgg()
+  measure, calls = _fake({})
+  cache = str(tmp_path / "machine.json")
+  key = cpu_fusion.process_key(c, CIFAR[0])
+  got = []
+  with caches.exclusive(autotune.lock_file(cache, key), "the test"):
+    waiting = threading.Thread(target=lambda: got.append(_choose(c, cache_file=cache,
+                                                                 measure=measure)))
+    waiting.start()
+    deadline = time.monotonic() + 30
+    while "waiting for the measurement of train.cpu_fusion" not in caplog.text:
+      assert time.monotonic() < deadline
+      time.sleep(0.02)
+    autotune.remember(cache, key, "onednn")  # what the other process measured
+  waiting.join(30)
+  assert got == [("onednn", f"measured earlier on this machine ({cache})")] and not calls
+  assert cpu_fusion.decision(c, CIFAR[0]) == (key, "onednn")
 
 
 def test_the_fastest_pair_is_chosen_remembered_and_given_to_the_run(tmp_path, caplog,
