@@ -421,6 +421,31 @@ def test_the_beyond_grid_expands_as_documented(tmp_path, capsys):
   assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == 66
 
 
+def test_the_ten_seeds_grid_expands_as_documented(tmp_path, capsys):
+  # launch/grids/ten_seeds.py: 9 SM points (H = 4 at five fixed waits, H = 64 and 256 at
+  # w = 10, ReDo and the geometric wait at H = 4) with seeds 0-9 in one run each; gMoE's two
+  # gatings one run per seed. Its gMoE runs are named as the findings grid's, so seeds 0-2
+  # repeat those runs.
+  assert sweep.main([f"--root={tmp_path}", "--grid_file=launch/grids/ten_seeds.py",
+                     "--dry_run"]) == 0
+  lines = [l + " " for l in capsys.readouterr().out.strip().splitlines()]
+  assert len(lines) == 29 and len({l.split("--workdir=")[1].split()[0] for l in lines}) == 29
+  together = [l for l in lines if "--config.seed=0 --config.num_seeds=10 " in l]
+  assert len(together) == 9 and all("configs/mnist_sm.py:quick " in l for l in together)
+  for wait in (1, 5, 25, 50):  # and 10, the config's own
+    assert sum(f"--config.stream.wait={wait} " in l for l in together) == 1 + 2 * (wait == 1)
+  assert sum("--config.model.width=4 " in l for l in together) == 7
+  assert sum("--config.stream.warm_start=redo " in l for l in together) == 1
+  assert sum("--config.stream.wait_policy=geometric " in l for l in together) == 1
+  apart = [l for l in lines if "num_seeds" not in l]
+  assert len(apart) == 20 and all("configs/mnist_gmoe.py:quick " in l for l in apart)
+  for tree in ("True", "False"):
+    seeds = [l.split("--config.seed=")[1].split()[0] for l in apart
+             if f"--config.method.tree={tree} " in l]
+    assert sorted(seeds, key=int) == [str(s) for s in range(10)]
+  assert "mnist_gmoe-quick_tree-True_seed-0-7e24346a " in " ".join(apart)
+
+
 def test_the_lm_growth_grid_expands_as_documented(tmp_path, capsys):
   # launch/grids/lm_growth.py, for the tiny preset and the balanced model each: SM with E = 4, 8,
   # 12 and gEns with three seeds in one run each; gMoE one run per seed (the experts it copies
@@ -468,7 +493,8 @@ def test_the_cifar_grids_expand_as_documented(tmp_path, capsys):
 @pytest.mark.parametrize("grid_file", ["launch/grids/findings.py",
                                        "launch/grids/findings_cifar.py",
                                        "launch/grids/beyond.py",
-                                       "launch/grids/lm_growth.py"])
+                                       "launch/grids/lm_growth.py",
+                                       "launch/grids/ten_seeds.py"])
 def test_every_finding_of_a_grid_compares_points_of_that_grid(tmp_path, grid_file):
   # Each selector of the grid file's FINDINGS picks exactly one of its points (seeds aside), so
   # the report can judge every comparison once the grid has run.
@@ -495,10 +521,11 @@ def test_every_finding_of_a_grid_compares_points_of_that_grid(tmp_path, grid_fil
   spec = findings.load_findings(grid_file)
   assert spec, f"{grid_file} names no FINDINGS"
   found = findings.evaluate(findings.read_rows(text.getvalue()), spec)
+  seeds = 10 if grid_file.endswith("ten_seeds.py") else 3  # every point's seeds, each compared
   for f in found:
     for c in f.comparisons:
       assert c.outcome != findings.MISSING, (f.id, c)
-      assert c.better.n == 3 and c.worse.n == 3, (f.id, c)
+      assert c.better.n == seeds and c.worse.n == seeds, (f.id, c)
 
 
 @pytest.mark.parametrize("text, message", [
