@@ -328,10 +328,10 @@ class Looks(style.Looks):
 
 def policy_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   """{"width=<w>": series} when a group uses another waiting or warm-start policy than the
-  paper's: first each method's frontier of the fixed waits (fine-tuned, without replay, joined
-  in order of compute), then one point per other config, labelled by its policies and their
-  settings (`_policy_label`), a colour per policy and a marker per setting; CER against compute
-  (finished runs only)."""
+  paper's: first each method's frontiers of the fixed waits (fine-tuned, without replay, joined
+  in order of compute; one per setting of the other fields that differ among them), then one
+  point per other config, labelled by its policies and their settings (`_policy_label`), a
+  colour per policy and a marker per setting; CER against compute (finished runs only)."""
   groups = [g for g in groups if g.finished and not g.get("stream.replay")]
   if all(_plain(g) for g in groups):
     return {}
@@ -343,15 +343,23 @@ def policy_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
     settings.setdefault(_policy_kind(g), set()).add(labels[id(g)])
   markers = {label: style.MARKERS[i % len(style.MARKERS)]
              for kind_labels in settings.values() for i, label in enumerate(sorted(kind_labels))}
+  skip = _policy_fields() | {"method.name", "model.width", "stream.wait"}
   out: dict[str, list[Series]] = {}
   for width in sorted({g.get("model.width") for g in groups}, key=lambda w: float(w or 0)):
     same = [g for g in groups if g.get("model.width") == width]
+    plain = [g for g in same if _plain(g)]
+    # A frontier per method and per setting of the other fields that differ among its
+    # configs (gMoE's two gatings are two frontiers, not two waits of one).
+    rest = [f for f in fields if f not in skip and _differs(f, plain)]
+    lines: dict[tuple, list] = {}
+    for g in plain:
+      lines.setdefault((str(g.get("method.name")), _line_key(g, rest)), []).append(g)
     series = []
-    for method in sorted({str(g.get("method.name")) for g in same if _plain(g)}):
-      fixed = sorted((g for g in same if _plain(g) and str(g.get("method.name")) == method),
-                     key=lambda g: g.stat(COMP_AXIS)[0])
+    for (method, _), members in sorted(lines.items()):
+      fixed = sorted(members, key=lambda g: g.stat(COMP_AXIS)[0])
       waits = ", ".join(str(g.get("stream.wait")) for g in fixed)
-      series.append(dict(looks.of(fixed[0]), label=f"{method} fixed waits w = {waits} (finetune)",
+      name = " ".join(x for x in (method, fixed[0].label(rest)) if x)
+      series.append(dict(looks.of(fixed[0]), label=f"{name} fixed waits w = {waits} (finetune)",
                          **_stat_points(fixed, COMP_AXIS, "cer_percent", TERA)))
     for g in same:
       if _plain(g):

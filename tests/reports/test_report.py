@@ -1040,6 +1040,24 @@ def test_the_policies_figure_sets_each_policy_against_the_frontier_of_fixed_wait
   assert colors["sm wait=1 replay=0"] == plot_style.method_color("sm")
 
 
+def test_the_policies_figure_draws_a_frontier_per_setting_of_the_fields_that_differ(tmp_path):
+  # gMoE with tree and with flat gating, at one wait each, beside a policy's point: two
+  # frontiers of one point each, named by their gating, not one line through "w = 1, 1".
+  dirs = []
+  for tree, errors in ((True, [0.9, 0.5, 0.4, 0.3, 0.2]), (False, [0.9, 0.6, 0.5, 0.4, 0.3])):
+    c = _config("gmoe")
+    c["method"]["tree"] = tree
+    dirs.append(_write(tmp_path / f"tree_{tree}", c, _records(errors)))
+  c = _config("gmoe")
+  c["stream"]["warm_start"] = "scratch"
+  dirs.append(_write(tmp_path / "scratch", c, _records([0.9, 0.9, 0.8, 0.8, 0.7])))
+  panels = report.write_report(dirs, str(tmp_path / "out"), gating=False)["policies_mnist"]
+  labels = [s["label"] for s in panels["width=8"]]
+  assert labels == ["gmoe tree=False fixed waits w = 1 (finetune)",
+                    "gmoe tree=True fixed waits w = 1 (finetune)", "scratch, w=1"], labels
+  assert [len(s["x"]) for s in panels["width=8"]] == [1, 1, 1]
+
+
 def test_the_report_computes_the_findings_verdicts_from_its_results_csv(runs, tmp_path):
   import csv  # pylint: disable=g-import-not-at-top
   found = [{"id": "F3", "claim": "Ens beats SM", "comparisons": [
