@@ -383,13 +383,14 @@ def test_the_findings_grid_expands_as_documented(tmp_path, capsys):
   assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == 34
 
 
-def test_the_findings_grid_s_run_times_are_its_committed_results():
-  # Each entry of launch/grids/findings.py's TIME_S (the sweep's ETA) is the mean `wall_s` of
-  # that point's rows in the results.csv committed from the grid's last run.
+@pytest.mark.parametrize("grid, folder", [("findings", "mnist"), ("ten_seeds", "ten_seeds")])
+def test_the_findings_grid_s_run_times_are_its_committed_results(grid, folder):
+  # Each entry of the grid file's TIME_S (the sweep's ETA) is the mean `wall_s` of that point's
+  # rows in the results.csv committed from the grid's last run.
   from alma_jax.reports import findings  # pylint: disable=g-import-not-at-top
   from alma_jax.reports import grid_files  # pylint: disable=g-import-not-at-top
-  rows = findings.read_results("docs/reproduction/mnist/results.csv")
-  for fields, seconds in grid_files.scope("launch/grids/findings.py")["TIME_S"]:
+  rows = findings.read_results(f"docs/reproduction/{folder}/results.csv")
+  for fields, seconds in grid_files.scope(f"launch/grids/{grid}.py")["TIME_S"]:
     walls = [float(r["wall_s"]) for r in rows if all(r[k] == str(v) for k, v in fields.items())]
     assert walls and round(sum(walls) / len(walls)) == seconds, (fields, walls, seconds)
 
@@ -1100,7 +1101,8 @@ def test_a_bad_run_seconds_is_an_error_before_any_run(tmp_path, monkeypatch, tex
 @pytest.mark.parametrize("path, runs", [("launch/grids/findings.py", 34),
                                         ("launch/grids/findings_cifar.py", 57),
                                         ("launch/grids/beyond.py", 66),
-                                        ("launch/grids/lm_growth.py", 14)])
+                                        ("launch/grids/lm_growth.py", 14),
+                                        ("launch/grids/ten_seeds.py", 29)])
 def test_the_findings_grids_estimate_every_run_from_their_time_tables(tmp_path, path, runs):
   # run_seconds names every run of the grid (its TIME_S), so the sweep's ETA uses it throughout.
   made = sweep.plan(sweep._args([f"--root={tmp_path}", f"--grid_file={path}"]))
@@ -1132,6 +1134,15 @@ def test_the_findings_grids_estimate_every_run_from_their_time_tables(tmp_path, 
     # A point of neither model (another dim) has no estimate, as the file's docstring says.
     other = {"method": {"name": "lm_sm"}, "model": {"dim": 96, "num_experts": 4}}
     assert sweep.load_run_seconds(path)(other) is None
+  elif path.endswith("ten_seeds.py"):  # SM's ten seeds in one run, gMoE's apart
+    from alma_jax.reports import grid_files  # pylint: disable=g-import-not-at-top
+    scope = grid_files.scope(path)
+    assert sorted(estimates.values()) == sorted(
+        [s for f, s in scope["TIME_S"] if f["method.name"] == "sm"]
+        + [s for f, s in scope["TIME_S"] if f["method.name"] == "gmoe" for _ in range(10)])
+    assert by(method__name="gmoe", method__tree=False) == [50] * 10
+    assert by(method__name="sm", model__width=4, stream__wait=1,
+              stream__warm_start="redo") == [227]
   else:  # the seeds of a point in one run, but for gMoE and Firefly
     assert by(method__name="lm_ens", stream__num_megabatches=4, stream__iid=False) == [755]
     assert by(method__name="gmoe", method__tree=False) == [35] * 3

@@ -66,3 +66,17 @@ def scope(file: str, flag: str = "--grid_file") -> dict:
     what = errors.located(e, file) or errors.one_line(e)
     raise GridFileError(f"{flag}={file}: {what}") from e
   return defined
+
+
+def seconds_by_fields(time_s, config: dict) -> float | None:
+  """A grid file's `run_seconds` by a table of measured times: the seconds of the first entry
+  of `time_s` ((fields, seconds) pairs, fields as {dotted path: value}) whose every field has
+  its value in `config` (a point's resolved config, a nested dict); None where none does."""
+  def field(path: str):
+    value = config
+    for name in path.split("."):
+      value = value.get(name) if isinstance(value, dict) else None
+    return value
+
+  return next((s for fields, s in time_s
+               if all(field(k) == v for k, v in fields.items())), None)

@@ -14,6 +14,8 @@ FINDINGS names, next to the points, what each finding compares; the report
 sweep's ETA scales to the host it runs on (`run_seconds`).
 """
 
+from alma_jax.reports import grid_files
+
 _SEEDS = [0, 1, 2]
 _SM = ["configs/mnist_sm.py:quick"]
 _LM = ["configs/lm_ens.py:quick"]
@@ -119,15 +121,7 @@ TIME_S = [
 ]
 
 
-def _field(config: dict, path: str):
-  """The value of a dotted field of `config` (a nested dict), or None where it has none."""
-  for name in path.split("."):
-    config = config.get(name) if isinstance(config, dict) else None
-  return config
-
-
 def run_seconds(config) -> float | None:
   """One run's seconds by TIME_S, for the sweep's ETA; None for a point TIME_S does not name.
   `config`: the point's resolved config, a nested dict."""
-  return next((s for fields, s in TIME_S
-               if all(_field(config, k) == v for k, v in fields.items())), None)
+  return grid_files.seconds_by_fields(TIME_S, config)

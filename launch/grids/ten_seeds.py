@@ -21,6 +21,8 @@ The verdicts follow the rule of the other grids (Welch's t over the seeds, clear
 the host it runs on (`run_seconds`).
 """
 
+from alma_jax.reports import grid_files
+
 _SEEDS = list(range(10))
 _SM = ["configs/mnist_sm.py:quick"]
 
@@ -66,3 +68,19 @@ FINDINGS = [
      "waits w = 1, 5 and 10 (H = 4)",
      "comparisons": [{"better": _GEOMETRIC, "worse": _sm(4, w)} for w in (1, 5, 10)]},
 ]
+
+# Wall seconds of each point's run (SM: ten seeds in one run; gMoE: the mean of its runs of one
+# seed) on a 2-core AMD EPYC (family 25, model 1; AVX2), two runs at a time, at commit
+# e3ad328, from an empty cache folder (`wall_s` of docs/reproduction/ten_seeds/results.csv).
+# The sweep's ETA scales them to its host.
+TIME_S = [
+    (_sm(4, 1), 203), (_sm(4, 5), 85), (_sm(4), 45), (_sm(4, 25), 32), (_sm(4, 50), 33),
+    (_sm(64), 120), (_sm(256), 298), (_sm(4, 1, "redo"), 227), (_GEOMETRIC, 43),
+    (_gmoe(True), 51), (_gmoe(False), 50),
+]
+
+
+def run_seconds(config) -> float | None:
+  """One run's seconds by TIME_S, for the sweep's ETA; None for a point TIME_S does not name.
+  `config`: the point's resolved config, a nested dict."""
+  return grid_files.seconds_by_fields(TIME_S, config)

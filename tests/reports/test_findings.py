@@ -257,7 +257,8 @@ def test_findings_of_a_shipped_grid_by_name_and_a_grid_that_fails_by_its_line(tm
 
 
 @pytest.mark.parametrize("folder, grid", [("mnist", "findings"), ("cifar10", "findings_cifar"),
-                                          ("beyond", "beyond"), ("lm_growth", "lm_growth")])
+                                          ("beyond", "beyond"), ("lm_growth", "lm_growth"),
+                                          ("ten_seeds", "ten_seeds")])
 def test_a_committed_report_s_verdicts_are_those_of_its_results_and_grid(folder, grid):
   # REPRODUCTION.md quotes the verdicts of docs/reproduction/<folder>/report.md: the findings
   # computed again from the committed results.csv and the grid file as it is now are the same.
