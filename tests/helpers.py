@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import types
 
 import jax
@@ -323,3 +324,11 @@ def unraisable_reports():
 
 def describe_reports(reports) -> list[str]:
   return [f"{type(r.exc_value).__name__}: {str(r.exc_value)[:200]}" for r in reports]
+
+
+def wait_for_log(caplog, text: str, timeout_s: float = 30.0) -> None:
+  """Returns once a log record (of any thread) holds `text`; fails after `timeout_s`."""
+  deadline = time.monotonic() + timeout_s
+  while not any(text in r.getMessage() for r in caplog.records):
+    assert time.monotonic() < deadline, f"no log record holds {text!r}"
+    time.sleep(0.02)

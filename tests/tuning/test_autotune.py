@@ -4,7 +4,6 @@ import json
 import logging
 import os
 import threading
-import time
 import types
 
 import jax
@@ -170,14 +169,6 @@ def test_a_candidate_that_fails_leaves_the_choice_to_the_rule(tmp_path, caplog):
   assert not os.path.exists(cache)  # a rule's answer is not a measurement
 
 
-def _wait_for(caplog, text: str, timeout_s: float = 30.0) -> None:
-  """Until a log record (of any thread) holds `text`."""
-  deadline = time.monotonic() + timeout_s
-  while not any(text in r.getMessage() for r in caplog.records):
-    assert time.monotonic() < deadline, f"no log record holds {text!r}"
-    time.sleep(0.02)
-
-
 def test_runs_that_start_together_measure_a_choice_once_and_share_it(tmp_path, caplog):
   # Two runs (here threads: each takes the lock through a file of its own, as two processes
   # do) reach the same unmeasured choice of one machine. The first measures; the second waits
@@ -208,7 +199,8 @@ def test_runs_that_start_together_measure_a_choice_once_and_share_it(tmp_path, c
   assert inside.wait(30)
   second = threading.Thread(target=run, args=("second", never))
   second.start()
-  _wait_for(caplog, "waiting for the measurement of train.steps_per_call in another process")
+  helpers.wait_for_log(
+      caplog, "waiting for the measurement of train.steps_per_call in another process")
   release.set()
   first.join(30)
   second.join(30)
@@ -246,7 +238,8 @@ def test_a_waiting_run_measures_itself_when_the_first_fell_back_on_the_rule(tmp_
       c, MNIST, lambda cfg: cfg, mode="measure", cache_file=cache,
       measure=each(lambda s: {1: 2.0, 8: 1.0}[s.train.steps_per_call]))))
   second.start()
-  _wait_for(caplog, "waiting for the measurement of train.steps_per_call in another process")
+  helpers.wait_for_log(
+      caplog, "waiting for the measurement of train.steps_per_call in another process")
   release.set()
   first.join(30)
   second.join(30)

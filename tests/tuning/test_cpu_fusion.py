@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -75,10 +74,7 @@ def test_a_run_waits_for_the_measurement_another_process_is_making(tmp_path, cap
     waiting = threading.Thread(target=lambda: got.append(_choose(c, cache_file=cache,
                                                                  measure=measure)))
     waiting.start()
-    deadline = time.monotonic() + 30
-    while "waiting for the measurement of train.cpu_fusion" not in caplog.text:
-      assert time.monotonic() < deadline
-      time.sleep(0.02)
+    helpers.wait_for_log(caplog, "waiting for the measurement of train.cpu_fusion")
     autotune.remember(cache, key, "onednn")  # what the other process measured
   waiting.join(30)
   assert got == [("onednn", f"measured earlier on this machine ({cache})")] and not calls
