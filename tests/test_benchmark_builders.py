@@ -14,6 +14,8 @@ import jax
 import numpy as np
 import pytest
 
+from tests.conftest import requires_mnist
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -324,10 +326,37 @@ def test_benchmark_flags_that_would_run_nothing_or_compare_with_nothing_are_refu
   assert not os.path.exists(tmp_path / "r")
 
 
+@requires_mnist
+def test_gpu_compile_offline_writes_down_a_run_s_programs_and_asks_for_the_cuda_plugin(tmp_path):
+  # The first step runs on any machine: the run's programs as JAX lowered them, with what
+  # ran. The second needs JAX's CUDA plugin (not in this environment): refused before any
+  # compile, with the command that installs it.
+  offline = _load("gpu_compile_offline")
+  ir = tmp_path / "ir"
+  proc = _script("gpu_compile_offline", "dump", "--run=configs/mnist_sm.py:smoke", f"--ir={ir}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  names = [name for name, _ in offline.dumped_programs(str(ir))]
+  assert "jit_alma_step_eval" in names, names
+  assert {"jit_alma_step_train", "jit_alma_step_stage"} & set(names), names  # call or stage
+  with open(ir / offline.DUMP_INFO) as f:
+    info = json.load(f)
+  assert info["run"] == "configs/mnist_sm.py:smoke" and info["returncode"] == 0
+  assert "--compilation_cache_dir=none" in info["command"] and info["commit"]
+  proc = _script("gpu_compile_offline", "dump", "--run=p4", f"--ir={ir}")  # not over a dump
+  assert proc.returncode == 1 and "already holds programs" in proc.stderr
+  proc = _script("gpu_compile_offline", "compile", f"--ir={ir}")
+  assert proc.returncode == 2 and proc.stdout == ""
+  assert proc.stderr.splitlines()[-1] == (
+      "gpu_compile_offline.py: error: compile: compiling for a GPU needs JAX's CUDA plugin in "
+      "this Python, of its JAX's version: pip install \"jax[cuda13]=="
+      f"{jax.__version__}\" in a virtualenv of its own (no GPU is needed)")
+
+
 # Every benchmark that writes its results as JSON when it ends: the flag that names the file.
 _JSON_FLAGS = {"compile_budget": "--out", "peer": "--out", "end_to_end": "--out", "seeds": "--out",
                "ensemble_strategy": "--out", "growth_programs": "--out", "conv_parts": "--json",
-               "torch_reference": "--json", "train_speed": "--json", "suite_time": "--out"}
+               "torch_reference": "--json", "train_speed": "--json", "suite_time": "--out",
+               "gpu_compile_offline": "--out"}
 
 
 @pytest.mark.parametrize("name", sorted(_JSON_FLAGS))
@@ -336,7 +365,8 @@ def test_a_results_file_that_cannot_be_written_is_refused_before_anything_is_mea
   blocker = tmp_path / "a_file"
   blocker.write_text("x")
   flag = _JSON_FLAGS[name]
-  args = ["--runs=configs/mnist_sm.py:smoke"] if name == "growth_programs" else []
+  args = {"growth_programs": ["--runs=configs/mnist_sm.py:smoke"],
+          "gpu_compile_offline": ["compile", f"--ir={tmp_path}"]}.get(name, [])
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{name}.py"), *args,
                          f"{flag}={blocker}/results.json"], cwd=str(tmp_path),
                         capture_output=True, text=True, timeout=120, check=False)

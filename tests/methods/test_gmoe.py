@@ -418,3 +418,23 @@ def test_the_path_product_is_bitwise_that_of_gate_after_gate_and_so_is_its_gradi
   # `slots` terms in two orders differ by at most 2 * slots * eps * sum |terms|.
   bound = 2 * slots * np.finfo(np.float32).eps * float(np.abs(cotangent).sum(1).max())
   np.testing.assert_allclose(grad(new), grad(old), rtol=0, atol=bound)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_the_path_product_compiles_to_one_loop_whatever_the_number_of_gates(train):
+  # Unrolled, the products were a chain of G - 1 multiplications of slices of one array,
+  # which XLA:GPU's fusion pass took superlinear time over (benchmarks/README.md, "Compiling
+  # for a GPU without one"). The lowered program holds one loop over the gates (the gradient
+  # a second, backwards), and its text is as long for 16 slots as for 4.
+  def lowered(slots):
+    tree = moe.balanced_tree(slots)
+    path = jnp.asarray(moe.tree_arrays(tree, slots)["path"])
+    values = jax.ShapeDtypeStruct((8, slots - 1, 2), jnp.float32)
+    f = lambda v: moe._path_product(path, v)
+    if train:
+      f = jax.grad(lambda v: jnp.sum(moe._path_product(path, v)))
+    text = jax.jit(f).lower(values).as_text()
+    return text.count("stablehlo.while"), len(text.splitlines())
+
+  assert lowered(4)[0] == (2 if train else 1)
+  assert lowered(4) == lowered(16)

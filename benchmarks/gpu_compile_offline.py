@@ -1,0 +1,188 @@
+"""XLA:GPU's compile of a run's programs, on a machine without a GPU.
+
+XLA compiles for a GPU on the host: its HLO passes, LLVM and ptxas need no device when the
+device is described instead (a `GpuTargetConfigProto`; `gpu_targets/h200.txtpb` here, an
+NVIDIA H200 at XLA's autotuning level 0, which needs no device either). This script times
+that compile, program by program and pass by pass, in two steps:
+
+  # 1. in this project's environment: the run on the CPU, every program's StableHLO written
+  #    down as JAX lowers it (no persistent cache, so that every program is lowered)
+  python benchmarks/gpu_compile_offline.py dump --run=p4 --ir=/tmp/p4_ir
+  # 2. in an environment with JAX's CUDA plugin of the same JAX version (no GPU needed):
+  #    python3 -m venv /tmp/gpu && /tmp/gpu/bin/pip install -r requirements.txt "jax[cuda13]==0.10.2"
+  /tmp/gpu/bin/python benchmarks/gpu_compile_offline.py compile --ir=/tmp/p4_ir --out=gpu.json
+
+`--run` names a run of benchmarks/compile_budget.py (p1-p4, lm_base, ff_quick, ...) or is a
+config; arguments after `--` go to the run. `compile --only=eval,train` compiles the programs
+whose names hold one of those words. Each program compiles in a process of its own, with
+XLA's pass log (`compile_budget.XLA_PASS_LOG`): the table gives its compile seconds, the
+seconds of its HLO passes and its slowest passes; the rest is code generation (LLVM, ptxas).
+A real GPU adds what needs the device (autotuning above level 0) and its host's speed: the
+seconds here rank programs and show how a compile grows, not what a GPU machine measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+TARGET = os.path.join(HERE, "gpu_targets", "h200.txtpb")
+PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")  # JAX's CUDA plugins, by CUDA version
+NO_PLUGIN = (f"compiling for a GPU needs JAX's CUDA plugin in this Python, of its JAX's "
+             f"version: pip install \"jax[cuda13]=={importlib.metadata.version('jax')}\" in "
+             f"a virtualenv of its own (no GPU is needed)")
+DUMP_INFO = "dump.json"  # what `dump` ran, beside the programs: run, command, commit
+_DUMPED = re.compile(r"^jax_ir(\d+)_(.+)_compile\.mlir$")  # JAX's name of a lowered program
+
+
+def dumped_programs(ir_dir: str) -> list[tuple[str, str]]:
+  """(program name, file) of every program JAX wrote to `ir_dir`, in the order it lowered
+  them ("jax_ir0051_jit_alma_step_eval_compile.mlir" -> "jit_alma_step_eval")."""
+  found = []
+  for path in glob.glob(os.path.join(ir_dir, "*.mlir")):
+    m = _DUMPED.match(os.path.basename(path))
+    if m:
+      found.append((int(m.group(1)), m.group(2), path))
+  return [(name, path) for _, name, path in sorted(found)]
+
+
+def dump(run: str, ir_dir: str, extra: list[str]) -> int:
+  """Runs `run` on the CPU with JAX writing every lowered program to `ir_dir`."""
+  import compile_budget  # pylint: disable=g-import-not-at-top
+  config, *flags = compile_budget.RUNS.get(run, run).split()
+  os.makedirs(ir_dir, exist_ok=True)
+  if dumped_programs(ir_dir):
+    sys.exit(f"--ir={ir_dir} already holds programs; give an empty or new folder")
+  env = dict(os.environ, JAX_DUMP_IR_TO=ir_dir, JAX_PLATFORMS="cpu")
+  with tempfile.TemporaryDirectory() as workdir:
+    cmd = [sys.executable, "-m", "alma_jax.main", f"--config={config}", f"--workdir={workdir}",
+           "--compilation_cache_dir=none", "--config.log.error_png=False", *flags, *extra]
+    code = subprocess.run(cmd, cwd=ROOT, env=env, check=False).returncode
+  commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                          capture_output=True, text=True, check=False).stdout.strip()
+  with open(os.path.join(ir_dir, DUMP_INFO), "w") as f:
+    json.dump({"run": run, "command": cmd[1:], "commit": commit, "returncode": code}, f,
+              indent=1)
+  print(f"{len(dumped_programs(ir_dir))} programs in {ir_dir}")
+  return code
+
+
+def compile_one(path: str, target: str) -> float:
+  """(child) Compiles the StableHLO in `path` for the GPU `target` describes; its seconds."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax._src import compiler  # pylint: disable=g-import-not-at-top
+  from jax._src.interpreters import mlir  # pylint: disable=g-import-not-at-top
+  from jax._src.lib.mlir import ir  # pylint: disable=g-import-not-at-top
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  from jaxlib import _jax  # pylint: disable=g-import-not-at-top
+
+  with open(target) as f:
+    config = f.read()
+  try:
+    devices = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                           target_config=config).devices
+  except NotImplementedError:
+    sys.exit(NO_PLUGIN)
+  options = compiler.get_compile_options(num_replicas=1, num_partitions=1,
+                                         device_assignment=np.array([[0]]))
+  with open(path) as f:
+    text = f.read()
+  start = time.perf_counter()
+  with mlir.make_ir_context():
+    devices[0].client.compile(ir.Module.parse(text), executable_devices=_jax.DeviceList(
+        tuple(devices[:1])), compile_options=options)
+  return time.perf_counter() - start
+
+
+def compile_all(ir_dir: str, target: str, only: list[str], top: int) -> list[dict]:
+  """Compiles every program of `ir_dir` (those named with a word of `only`, if any), each in
+  a child process with XLA's pass log; one row per program."""
+  import compile_budget  # pylint: disable=g-import-not-at-top
+  env = dict(os.environ, **compile_budget.XLA_PASS_LOG, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
+             JAX_PLATFORMS="cuda")
+  env.setdefault("XLA_FLAGS", "")
+  if "xla_gpu_autotune_level" not in env["XLA_FLAGS"]:  # level 0 needs no device
+    env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} --xla_gpu_autotune_level=0".strip()
+  rows = []
+  for name, path in dumped_programs(ir_dir):
+    if only and not any(word in name for word in only):
+      continue
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "_child", path,
+                           f"--target={target}"], capture_output=True, text=True, env=env,
+                          check=False)
+    if proc.returncode:
+      sys.exit(f"{os.path.basename(path)}: {proc.stderr.strip().splitlines()[-1]}")
+    passes = compile_budget.xla_passes(proc.stderr, step_prefix="\0").get("other", {})
+    slowest = sorted(passes.get("by_pass", {}).items(), key=lambda kv: -kv[1][0])[:top]
+    with open(path) as f:
+      lines = sum(1 for _ in f)
+    rows.append({"file": os.path.basename(path), "program": name, "stablehlo_lines": lines,
+                 "compile_s": float(proc.stdout.split()[-1]),
+                 "passes_s": passes.get("passes_s", 0.0),
+                 "slowest_passes": {p: round(s, 3) for p, (s, _) in slowest}})
+    print(table_row(rows[-1]), flush=True)
+  return rows
+
+
+def table_row(r: dict) -> str:
+  slow = ", ".join(f"{p} {s:.2f}" for p, s in r["slowest_passes"].items())
+  return (f"| {r['file']} | {r['stablehlo_lines']} | {r['compile_s']:.2f} | "
+          f"{r['passes_s']:.2f} | {slow} |")
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  ap.add_argument("mode", choices=("dump", "compile", "_child"))
+  ap.add_argument("path", nargs="?", help=argparse.SUPPRESS)  # _child: the program's file
+  ap.add_argument("--run", default="p4", help="a run of compile_budget.py, or a config")
+  ap.add_argument("--ir", help="the folder of the programs' StableHLO (dump writes it)")
+  ap.add_argument("--target", default=TARGET, help="the GPU, as a GpuTargetConfigProto text")
+  ap.add_argument("--only", default="", help="compile only programs whose names hold one of "
+                  "these comma-separated words")
+  ap.add_argument("--top", type=int, default=2, help="slowest passes shown per program")
+  ap.add_argument("--out", help="also write the rows as JSON here")
+  args, extra = ap.parse_known_args()
+  extra = [a for a in extra if a != "--"]
+  sys.path.insert(0, ROOT)
+  sys.path.insert(0, HERE)
+  if args.mode == "_child":
+    print(f"{compile_one(args.path, args.target):.4f}")
+    return
+  from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top
+  io_utils.check_output_file(ap, "--out", args.out)  # before compiling
+  if not args.ir:
+    ap.error("--ir is needed")
+  if args.mode == "dump":
+    sys.exit(dump(args.run, args.ir, extra))
+  if not dumped_programs(args.ir):
+    sys.exit(f"--ir={args.ir} holds no programs (`dump` writes them)")
+  if not any(importlib.util.find_spec(p) for p in PLUGINS):
+    ap.error(f"compile: {NO_PLUGIN}")
+  print(f"| program (as JAX wrote it) | StableHLO lines | compile s | HLO passes s | "
+        f"slowest passes s |\n|---|---|---|---|---|")
+  rows = compile_all(args.ir, args.target, [w for w in args.only.split(",") if w], args.top)
+  if args.out:
+    import jax  # pylint: disable=g-import-not-at-top
+    import peer  # pylint: disable=g-import-not-at-top
+    with open(args.out, "w") as f:
+      info = {}
+      if os.path.exists(os.path.join(args.ir, DUMP_INFO)):
+        with open(os.path.join(args.ir, DUMP_INFO)) as g:
+          info = json.load(g)
+      json.dump({"target": os.path.relpath(args.target, ROOT), "jax": jax.__version__,
+                 "cpu": peer.this_cpu(), "dump": info, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
