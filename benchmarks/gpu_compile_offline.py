@@ -13,7 +13,10 @@ that compile, program by program and pass by pass, in two steps:
   /tmp/gpu/bin/python benchmarks/gpu_compile_offline.py compile --ir=/tmp/p4_ir --out=gpu.json
 
 `--run` names a run of benchmarks/compile_budget.py (p1-p4, lm_base, ff_quick, ...) or is a
-config; arguments after `--` go to the run. `compile --only=eval,train` compiles the programs
+config; arguments after `--` go to the run. The run measures no speed choice
+(`PORTABLE`: `train.autotune=rules`; measuring compiles candidates in other processes) and
+uses XLA's convolutions (`model.conv_impl=xla`: the package's native kernels are XLA:CPU's
+alone); its other choices are the CPU's rules, and flags after `--` set a GPU run's values. `compile --only=eval,train` compiles the programs
 whose names hold one of those words. Each program compiles in a process of its own, with
 XLA's pass log (`compile_budget.XLA_PASS_LOG`): the table gives its compile seconds, the
 seconds of its HLO passes and its slowest passes; the rest is code generation (LLVM, ptxas).
@@ -42,6 +45,9 @@ PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")  # JAX's CUDA plugins, by C
 NO_PLUGIN = (f"compiling for a GPU needs JAX's CUDA plugin in this Python, of its JAX's "
              f"version: pip install \"jax[cuda13]=={importlib.metadata.version('jax')}\" in "
              f"a virtualenv of its own (no GPU is needed)")
+# What `dump` sets before the run's own flags: the choices a CPU would make otherwise that
+# build other programs than a GPU's, or that compile candidates in processes of their own.
+PORTABLE = ("--config.train.autotune=rules", "--config.model.conv_impl=xla")
 DUMP_INFO = "dump.json"  # what `dump` ran, beside the programs: run, command, commit
 _DUMPED = re.compile(r"^jax_ir(\d+)_(.+)_compile\.mlir$")  # JAX's name of a lowered program
 
@@ -67,7 +73,8 @@ def dump(run: str, ir_dir: str, extra: list[str]) -> int:
   env = dict(os.environ, JAX_DUMP_IR_TO=ir_dir, JAX_PLATFORMS="cpu")
   with tempfile.TemporaryDirectory() as workdir:
     cmd = [sys.executable, "-m", "alma_jax.main", f"--config={config}", f"--workdir={workdir}",
-           "--compilation_cache_dir=none", "--config.log.error_png=False", *flags, *extra]
+           "--compilation_cache_dir=none", "--config.log.error_png=False", *PORTABLE, *flags,
+           *extra]
     code = subprocess.run(cmd, cwd=ROOT, env=env, check=False).returncode
   commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
                           capture_output=True, text=True, check=False).stdout.strip()

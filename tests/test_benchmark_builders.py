@@ -342,6 +342,7 @@ def test_gpu_compile_offline_writes_down_a_run_s_programs_and_asks_for_the_cuda_
     info = json.load(f)
   assert info["run"] == "configs/mnist_sm.py:smoke" and info["returncode"] == 0
   assert "--compilation_cache_dir=none" in info["command"] and info["commit"]
+  assert set(offline.PORTABLE) <= set(info["command"])  # no measuring; XLA's convolutions
   proc = _script("gpu_compile_offline", "dump", "--run=p4", f"--ir={ir}")  # not over a dump
   assert proc.returncode == 1 and "already holds programs" in proc.stderr
   proc = _script("gpu_compile_offline", "compile", f"--ir={ir}")
