@@ -298,8 +298,8 @@ def _path_product(path, values: jnp.ndarray) -> jnp.ndarray:
   every structure). The scan stays a loop in the compiled program: unrolled,
   its chain of G - 1 multiplications of slices of one array made XLA:GPU's
   fusion pass grow faster than the slots (compiled for an H200 on a CPU, P4's
-  16-slot evaluation: 3.2 s of fusion in a 5.5 s compile, against 0.2 s of
-  1.3 s as a loop; benchmarks/README.md, "Compiling for a GPU without one"),
+  16-slot evaluation: 2.8 s of fusion in a 5.4 s compile, against 0.3 s of
+  1.2 s as a loop; benchmarks/README.md, "Compiling for a GPU without one"),
   while on a CPU the loop of at most 15 small multiplications costs no
   measurable time.
   """
