@@ -170,14 +170,16 @@ def main() -> None:
   io_utils.check_output_file(ap, "--out", args.out)  # before compiling
   if not args.ir:
     ap.error("--ir is needed")
+  if extra and args.mode != "dump":  # only a run takes flags of its own
+    ap.error(f"unrecognized arguments: {' '.join(extra)} (flags after `--` go to `dump`'s run)")
   if args.mode == "dump":
     sys.exit(dump(args.run, args.ir, extra))
   if not dumped_programs(args.ir):
     sys.exit(f"--ir={args.ir} holds no programs (`dump` writes them)")
   if not any(importlib.util.find_spec(p) for p in PLUGINS):
     ap.error(f"compile: {NO_PLUGIN}")
-  print(f"| program (as JAX wrote it) | StableHLO lines | compile s | HLO passes s | "
-        f"slowest passes s |\n|---|---|---|---|---|")
+  print("| program (as JAX wrote it) | StableHLO lines | compile s | HLO passes s | "
+        "slowest passes s |\n|---|---|---|---|---|")
   rows = compile_all(args.ir, args.target, [w for w in args.only.split(",") if w], args.top)
   if args.out:
     import jax  # pylint: disable=g-import-not-at-top

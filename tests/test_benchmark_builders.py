@@ -345,6 +345,10 @@ def test_gpu_compile_offline_writes_down_a_run_s_programs_and_asks_for_the_cuda_
   assert set(offline.PORTABLE) <= set(info["command"])  # no measuring; XLA's convolutions
   proc = _script("gpu_compile_offline", "dump", "--run=p4", f"--ir={ir}")  # not over a dump
   assert proc.returncode == 1 and "already holds programs" in proc.stderr
+  proc = _script("gpu_compile_offline", "compile", f"--ir={ir}", "--iR=typo")
+  assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == (
+      "gpu_compile_offline.py: error: unrecognized arguments: --iR=typo (flags after `--` go "
+      "to `dump`'s run)")
   proc = _script("gpu_compile_offline", "compile", f"--ir={ir}")
   assert proc.returncode == 2 and proc.stdout == ""
   assert proc.stderr.splitlines()[-1] == (
