@@ -130,6 +130,7 @@ def compile_all(ir_dir: str, target: str, only: list[str], top: int) -> list[dic
                           check=False)
     if proc.returncode:
       sys.exit(f"{os.path.basename(path)}: {proc.stderr.strip().splitlines()[-1]}")
+    # One program per process: no step prefix, so all its passes count under "other".
     passes = compile_budget.xla_passes(proc.stderr, step_prefix="\0").get("other", {})
     slowest = sorted(passes.get("by_pass", {}).items(), key=lambda kv: -kv[1][0])[:top]
     with open(path) as f:
@@ -184,11 +185,11 @@ def main() -> None:
   if args.out:
     import jax  # pylint: disable=g-import-not-at-top
     import peer  # pylint: disable=g-import-not-at-top
+    info = {}
+    if os.path.exists(os.path.join(args.ir, DUMP_INFO)):
+      with open(os.path.join(args.ir, DUMP_INFO)) as f:
+        info = json.load(f)
     with open(args.out, "w") as f:
-      info = {}
-      if os.path.exists(os.path.join(args.ir, DUMP_INFO)):
-        with open(os.path.join(args.ir, DUMP_INFO)) as g:
-          info = json.load(g)
       json.dump({"target": os.path.relpath(args.target, ROOT), "jax": jax.__version__,
                  "cpu": peer.this_cpu(), "dump": info, "rows": rows}, f, indent=1)
 

@@ -112,6 +112,7 @@ from alma_jax import methods  # pylint: disable=g-import-not-at-top,wrong-import
 from alma_jax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax import policies  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top,wrong-import-position
+from alma_jax.configuration import fields as F  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.engine import meter  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
 from alma_jax.outputs import workdir as wd  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -390,21 +391,12 @@ def point_args(config: str | None, point, extra: list[str]) -> tuple[str, list[s
   return config, flags
 
 
-def _resolved_value(resolved: dict, path: str):
-  node = resolved
-  for part in path.split("."):
-    if not isinstance(node, dict) or part not in node:
-      return None
-    node = node[part]
-  return node
-
-
 def canonical_point(point, resolved: dict):
   """`point` with each number written as its field holds it in the resolved config (`1e-1`
   -> `0.1`, `1` -> `1.0` for a float field), so one config gets one workdir name."""
   out = []
   for f, v in point:
-    value = _resolved_value(resolved, f) if f != CONFIG_FIELD else None
+    value = F.lookup(resolved, f, None) if f != CONFIG_FIELD else None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       try:
         given = ast.literal_eval(v)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from alma_jax import errors
+from alma_jax.configuration import fields as F
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # alma_jax/
 
@@ -72,11 +73,5 @@ def seconds_by_fields(time_s, config: dict) -> float | None:
   """A grid file's `run_seconds` by a table of measured times: the seconds of the first entry
   of `time_s` ((fields, seconds) pairs, fields as {dotted path: value}) whose every field has
   its value in `config` (a point's resolved config, a nested dict); None where none does."""
-  def field(path: str):
-    value = config
-    for name in path.split("."):
-      value = value.get(name) if isinstance(value, dict) else None
-    return value
-
   return next((s for fields, s in time_s
-               if all(field(k) == v for k, v in fields.items())), None)
+               if all(F.lookup(config, k, None) == v for k, v in fields.items())), None)
