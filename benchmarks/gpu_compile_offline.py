@@ -5,18 +5,23 @@ device is described instead (a `GpuTargetConfigProto`; `gpu_targets/h200.txtpb` 
 NVIDIA H200 at XLA's autotuning level 0, which needs no device either). This script times
 that compile, program by program and pass by pass, in two steps:
 
-  # 1. in this project's environment: the run on the CPU, every program's StableHLO written
-  #    down as JAX lowers it (no persistent cache, so that every program is lowered)
+  # 1. in this project's environment: the run on the CPU, every program it compiles also
+  #    lowered for a GPU and written down (no persistent cache, so that every program is lowered)
   python benchmarks/gpu_compile_offline.py dump --run=p4 --ir=/tmp/p4_ir
   # 2. in an environment with JAX's CUDA plugin of the same JAX version (no GPU needed):
   #    python3 -m venv /tmp/gpu && /tmp/gpu/bin/pip install -r requirements.txt "jax[cuda13]==0.10.2"
   /tmp/gpu/bin/python benchmarks/gpu_compile_offline.py compile --ir=/tmp/p4_ir --out=gpu.json
 
 `--run` names a run of benchmarks/compile_budget.py (p1-p4, lm_base, ff_quick, ...) or is a
-config; arguments after `--` go to the run. The run measures no speed choice
+config; arguments after `--` go to the run. `dump` writes each program as JAX lowers it for
+CUDA (`lowering_platforms`, which needs no plugin), not as the CPU ran it: JAX lowers some
+operations per platform (the Threefry hash of random draws is a loop on a CPU, its rounds
+written out or jaxlib's kernel on a GPU: `train.gpu_threefry`), so a CPU's programs can
+compile far faster for a GPU than a GPU run's own. The run measures no speed choice
 (`PORTABLE`: `train.autotune=rules`; measuring compiles candidates in other processes) and
 uses XLA's convolutions (`model.conv_impl=xla`: the package's native kernels are XLA:CPU's
-alone); its other choices are the CPU's rules, and flags after `--` set a GPU run's values. `compile --only=eval,train` compiles the programs
+alone); its other choices are the CPU's rules, and flags after `--` set a GPU run's values
+(`-- --config.train.gpu_threefry=xla`). `compile --only=eval,train` compiles the programs
 whose names hold one of those words. Each program compiles in a process of its own, with
 XLA's pass log (`compile_budget.XLA_PASS_LOG`): the table gives its compile seconds, the
 seconds of its HLO passes and its slowest passes; the rest is code generation (LLVM, ptxas).
@@ -30,6 +35,7 @@ import argparse
 import glob
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -37,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,6 +56,7 @@ NO_PLUGIN = (f"compiling for a GPU needs JAX's CUDA plugin in this Python, of it
 # build other programs than a GPU's, or that compile candidates in processes of their own.
 PORTABLE = ("--config.train.autotune=rules", "--config.model.conv_impl=xla")
 DUMP_INFO = "dump.json"  # what `dump` ran, beside the programs: run, command, commit
+NOT_LOWERED = "not_lowered.jsonl"  # the programs that JAX could not lower for CUDA, if any
 _DUMPED = re.compile(r"^jax_ir(\d+)_(.+)_compile\.mlir$")  # JAX's name of a lowered program
 
 
@@ -64,25 +72,81 @@ def dumped_programs(ir_dir: str) -> list[tuple[str, str]]:
 
 
 def dump(run: str, ir_dir: str, extra: list[str]) -> int:
-  """Runs `run` on the CPU with JAX writing every lowered program to `ir_dir`."""
+  """Runs `run` on the CPU, every program it compiles also lowered for CUDA into `ir_dir`."""
   import compile_budget  # pylint: disable=g-import-not-at-top
   config, *flags = compile_budget.RUNS.get(run, run).split()
   os.makedirs(ir_dir, exist_ok=True)
   if dumped_programs(ir_dir):
     sys.exit(f"--ir={ir_dir} already holds programs; give an empty or new folder")
-  env = dict(os.environ, JAX_DUMP_IR_TO=ir_dir, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("JAX_DUMP_IR_TO", None)  # the CPU's programs are not what is compiled here
+  failed = os.path.join(ir_dir, NOT_LOWERED)
+  if os.path.exists(failed):
+    os.remove(failed)
   with tempfile.TemporaryDirectory() as workdir:
-    cmd = [sys.executable, "-m", "alma_jax.main", f"--config={config}", f"--workdir={workdir}",
-           "--compilation_cache_dir=none", "--config.log.error_png=False", *PORTABLE, *flags,
-           *extra]
+    args = [f"--config={config}", f"--workdir={workdir}", "--compilation_cache_dir=none",
+            "--config.log.error_png=False", *PORTABLE, *flags, *extra]
+    cmd = [sys.executable, os.path.abspath(__file__), "_run", ir_dir, *args]
     code = subprocess.run(cmd, cwd=ROOT, env=env, check=False).returncode
   commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
                           capture_output=True, text=True, check=False).stdout.strip()
+  not_lowered = []
+  if os.path.exists(failed):
+    with open(failed) as f:
+      not_lowered = [json.loads(line) for line in f]
   with open(os.path.join(ir_dir, DUMP_INFO), "w") as f:
-    json.dump({"run": run, "command": cmd[1:], "commit": commit, "returncode": code}, f,
-              indent=1)
-  print(f"{len(dumped_programs(ir_dir))} programs in {ir_dir}")
-  return code
+    json.dump({"run": run, "command": ["-m", "alma_jax.main", *args], "lowered_for": "cuda",
+               "commit": commit, "returncode": code, "not_lowered": not_lowered}, f, indent=1)
+  print(f"{len(dumped_programs(ir_dir))} programs lowered for CUDA in {ir_dir}")
+  for entry in not_lowered:
+    print(f"not lowered for CUDA: {entry['program']}: {entry['error']}", file=sys.stderr)
+  return code or (1 if not_lowered else 0)
+
+
+def lowering_also_for_cuda(lower: Callable, ir_dir: str) -> Callable:
+  """`lower` (JAX's `pjit._resolve_and_lower`) that also lowers every program this process
+  compiles for CUDA, in the same trace context, and writes it to `ir_dir` under JAX's own
+  dump name (`jax_ir0007_jit_alma_step_eval_compile.mlir`). A program that cannot be lowered
+  for CUDA is named, with the error, in `ir_dir`'s NOT_LOWERED; the process goes on."""
+  from jax._src.interpreters import mlir  # pylint: disable=g-import-not-at-top
+  from jax._src.lib.mlir import ir  # pylint: disable=g-import-not-at-top
+  counter = itertools.count()
+
+  def lower_also_for_cuda(*args, **kwargs):
+    lowered = lower(*args, **kwargs)
+    if kwargs.get("lowering_platforms") is None:  # a program for this process's backend
+      name = kwargs.get("name", "program")
+      try:
+        module = lower(*args, **dict(kwargs, lowering_platforms=("cuda",),
+                                     pgle_profiler=None)).stablehlo()
+        text = mlir.module_to_string(module)
+        name = ir.StringAttr(module.operation.attributes["sym_name"]).value
+      except Exception as e:  # pylint: disable=broad-except  (named in the dump's record)
+        with open(os.path.join(ir_dir, NOT_LOWERED), "a") as f:
+          f.write(json.dumps({"program": name, "error": f"{type(e).__name__}: {e}"[:500]}) + "\n")
+        return lowered
+      safe = re.sub(r"[^\w.)( -]", "", name)
+      with open(os.path.join(ir_dir, f"jax_ir{next(counter):04d}_{safe}_compile.mlir"), "w") as f:
+        f.write(text)
+    return lowered
+
+  return lower_also_for_cuda
+
+
+def run_lowering_for_cuda(ir_dir: str, main_args: list[str]) -> None:
+  """(child) Runs `alma_jax.main` with `main_args`, its programs lowered for CUDA too
+  (`lowering_also_for_cuda`)."""
+  import runpy  # pylint: disable=g-import-not-at-top
+  from jax._src import pjit  # pylint: disable=g-import-not-at-top
+  from jax._src.interpreters import mlir  # pylint: disable=g-import-not-at-top
+
+  lower = getattr(pjit, "_resolve_and_lower", None)
+  if lower is None or not hasattr(mlir, "module_to_string"):
+    sys.exit("this JAX has no jax._src.pjit._resolve_and_lower (or mlir.module_to_string): "
+             "dump cannot lower the run's programs for CUDA; use the JAX of requirements.txt")
+  pjit._resolve_and_lower = lowering_also_for_cuda(lower, ir_dir)  # pylint: disable=protected-access
+  sys.argv = ["alma_jax.main", *main_args]
+  runpy.run_module("alma_jax.main", run_name="__main__", alter_sys=True)
 
 
 def compile_one(path: str, target: str) -> float:
@@ -151,6 +215,10 @@ def table_row(r: dict) -> str:
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  if sys.argv[1:2] == ["_run"]:  # dump's child: the run, its programs lowered for CUDA too
+    sys.path.insert(0, ROOT)
+    run_lowering_for_cuda(sys.argv[2], sys.argv[3:])
+    return
   ap.add_argument("mode", choices=("dump", "compile", "_child"))
   ap.add_argument("path", nargs="?", help=argparse.SUPPRESS)  # _child: the program's file
   ap.add_argument("--run", default="p4", help="a run of compile_budget.py, or a config")

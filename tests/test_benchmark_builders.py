@@ -327,6 +327,36 @@ def test_benchmark_flags_that_would_run_nothing_or_compare_with_nothing_are_refu
 
 
 @requires_mnist
+def test_gpu_compile_offline_names_a_program_that_cannot_be_lowered_for_cuda(monkeypatch,
+                                                                             tmp_path):
+  # dump's child lowers every program its run compiles for CUDA too; one that fails is named
+  # with its error, and the run goes on.
+  offline = _load("gpu_compile_offline")
+  from jax._src import pjit  # pylint: disable=g-import-not-at-top
+  original = pjit._resolve_and_lower  # pylint: disable=protected-access
+
+  def refusing_halve(*args, **kwargs):
+    if kwargs.get("lowering_platforms") == ("cuda",) and kwargs["name"] == "halve":
+      raise NotImplementedError("no CUDA lowering")
+    return original(*args, **kwargs)
+
+  def triple(v):
+    return v * 3.0
+
+  def halve(v):
+    return v / 2.0
+
+  monkeypatch.setattr(pjit, "_resolve_and_lower",
+                      offline.lowering_also_for_cuda(refusing_halve, str(tmp_path)))
+  x = np.arange(3.0, dtype=np.float32)
+  np.testing.assert_array_equal(jax.jit(triple)(x), x * 3.0)
+  np.testing.assert_array_equal(jax.jit(halve)(x), x / 2.0)  # runs on the CPU all the same
+  assert [name for name, _ in offline.dumped_programs(str(tmp_path))] == ["jit_triple"]
+  with open(tmp_path / offline.NOT_LOWERED) as f:
+    assert [json.loads(line) for line in f] == [
+        {"program": "halve", "error": "NotImplementedError: no CUDA lowering"}]
+
+
 def test_gpu_compile_offline_writes_down_a_run_s_programs_and_asks_for_the_cuda_plugin(tmp_path):
   # The first step runs on any machine: the run's programs as JAX lowered them, with what
   # ran. The second needs JAX's CUDA plugin (not in this environment): refused before any
@@ -343,6 +373,13 @@ def test_gpu_compile_offline_writes_down_a_run_s_programs_and_asks_for_the_cuda_
   assert info["run"] == "configs/mnist_sm.py:smoke" and info["returncode"] == 0
   assert "--compilation_cache_dir=none" in info["command"] and info["commit"]
   assert set(offline.PORTABLE) <= set(info["command"])  # no measuring; XLA's convolutions
+  assert info["lowered_for"] == "cuda" and info["not_lowered"] == []
+  # Lowered as a GPU run lowers them: the initialisation's Threefry hash is jaxlib's CUDA
+  # kernel (`train.gpu_threefry=kernel`), where the CPU's program loops over the rounds.
+  programs = dict(offline.dumped_programs(str(ir)))
+  with open(programs["jit_alma_utility_init"]) as f:
+    init = f.read()
+  assert "custom_call @cu_threefry2x32_ffi(" in init and "stablehlo.while" not in init
   proc = _script("gpu_compile_offline", "dump", "--run=p4", f"--ir={ir}")  # not over a dump
   assert proc.returncode == 1 and "already holds programs" in proc.stderr
   proc = _script("gpu_compile_offline", "compile", f"--ir={ir}", "--iR=typo")

@@ -147,6 +147,13 @@ BASE_FIELDS = (
             "the run's process on an accelerator: 0-4, or auto (0 for a run of fewer than 8,000 "
             "planned train steps, 4 otherwise; see alma_jax/tuning/gpu_autotune.py); an "
             "XLA_FLAGS that sets it wins; speed only", resumable=True),
+    F.Field("train.gpu_threefry", "kernel",
+            F.choice(F.owned("alma_jax.tuning.gpu_threefry:CHOICES")),
+            "how a GPU computes the Threefry hash of the run's random draws: kernel (jaxlib's "
+            "compiled kernel, one call per hash) or xla (XLA:GPU compiles the hash's operations "
+            "into the program's fusions: the same bits, a much longer compile of programs that "
+            "draw, such as an initialisation; see alma_jax/tuning/gpu_threefry.py); nothing "
+            "changes on a CPU or a TPU; speed only", resumable=True),
     F.Field("train.cpu_allocator", "auto",
             F.choice(F.owned("alma_jax.tuning.cpu_tuning:CHOICES")),
             "glibc's allocator settings of the run's process: tuned (freed memory kept in the "

@@ -3,8 +3,9 @@
 A speed choice changes how fast a run goes, never what it learns (at most the
 order of float summation). Two moments apply them:
 
-  `process_flags(...)`    glibc's allocator (`train.cpu_allocator`), the XLA:CPU fusion flags
-                          and XLA:GPU's autotuning level, before JAX starts its backend;
+  `process_flags(...)`    glibc's allocator (`train.cpu_allocator`), the XLA:CPU fusion flags,
+                          XLA:GPU's autotuning level and the GPU's Threefry hash
+                          (`train.gpu_threefry`), before JAX starts its backend;
   `run_choices(...)`      the fields left to be chosen (`model.conv_impl='auto'`,
                           `method.strategy='auto'`, `train.steps_per_call=0`,
                           `train.eval_fusion='auto'`), measured once
@@ -26,6 +27,7 @@ from alma_jax.tuning import autotune
 from alma_jax.tuning import cpu_fusion
 from alma_jax.tuning import cpu_tuning
 from alma_jax.tuning import gpu_autotune
+from alma_jax.tuning import gpu_threefry
 
 signature = autotune.signature
 with_choices = autotune.with_choices
@@ -75,6 +77,9 @@ def process_flags(config, workdir: str | None, *, shapes, multiprocess: bool,
     gpu_autotune.apply(level)
     _gpu_level.append(level)
     logging.info("%s: %r %s", gpu_autotune.FIELD, level, how)
+  threefry = F.get(config.train, gpu_threefry.FIELD)
+  if threefry in gpu_threefry.CHOICES:  # a setting of JAX's; the run's validation names a bad one
+    gpu_threefry.apply(threefry)
 
 
 def allocator_for(backbones, setting: str = "auto") -> bool:

@@ -96,6 +96,7 @@ def test_resumable_fields_are_those_declared_resumable():
       "checkpoint.stage_every_epochs", "mesh.distributed", "log.tensorboard", "log.wandb",
       "log.progress", "log.error_png",
           "train.autotune", "train.cpu_fusion", "train.stage_program", "train.gpu_autotune",
+          "train.gpu_threefry",
           "train.cpu_allocator", "train.step_fusion", "train.eval_fusion"}
 
 
