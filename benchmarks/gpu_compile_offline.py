@@ -19,8 +19,8 @@ operations per platform (the Threefry hash of random draws is a loop on a CPU, i
 written out or jaxlib's kernel on a GPU: `train.gpu_threefry`), so a CPU's programs can
 compile far faster for a GPU than a GPU run's own. The run measures no speed choice
 (`PORTABLE`: `train.autotune=rules`; measuring compiles candidates in other processes) and
-uses XLA's convolutions (`model.conv_impl=xla`: the package's native kernels are XLA:CPU's
-alone); its other choices are the CPU's rules, and flags after `--` set a GPU run's values
+uses XLA's convolutions (`model.conv_impl=xla`, where the model has the field: the package's
+native kernels are XLA:CPU's alone); its other choices are the CPU's rules, and flags after `--` set a GPU run's values
 (`-- --config.train.gpu_threefry=xla`). `compile --only=eval,train` compiles the programs
 whose names hold one of those words. Each program compiles in a process of its own, with
 XLA's pass log (`compile_budget.XLA_PASS_LOG`): the table gives its compile seconds, the
@@ -71,6 +71,26 @@ def dumped_programs(ir_dir: str) -> list[tuple[str, str]]:
   return [(name, path) for _, name, path in sorted(found)]
 
 
+def portable_flags(config_arg: str) -> tuple[str, ...]:
+  """`PORTABLE` for the config `config_arg` ("path[:variants]"), less the choice of XLA's
+  convolutions where its task refuses that field (the Switch Transformer has none)."""
+  from alma_jax import tasks  # pylint: disable=g-import-not-at-top
+  from alma_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  path, _, variants = config_arg.partition(":")
+  spec = importlib.util.spec_from_file_location("dumped_config", os.path.join(ROOT, path))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(variants or None)
+  with config.unlocked():
+    config.model.conv_impl = "xla"
+  try:
+    tasks.task_class(config).check(config)
+  except ConfigError as e:
+    if "model.conv_impl" in str(e):
+      return tuple(f for f in PORTABLE if not f.startswith("--config.model.conv_impl="))
+  return PORTABLE
+
+
 def dump(run: str, ir_dir: str, extra: list[str]) -> int:
   """Runs `run` on the CPU, every program it compiles also lowered for CUDA into `ir_dir`."""
   import compile_budget  # pylint: disable=g-import-not-at-top
@@ -85,7 +105,7 @@ def dump(run: str, ir_dir: str, extra: list[str]) -> int:
     os.remove(failed)
   with tempfile.TemporaryDirectory() as workdir:
     args = [f"--config={config}", f"--workdir={workdir}", "--compilation_cache_dir=none",
-            "--config.log.error_png=False", *PORTABLE, *flags, *extra]
+            "--config.log.error_png=False", *portable_flags(config), *flags, *extra]
     cmd = [sys.executable, os.path.abspath(__file__), "_run", ir_dir, *args]
     code = subprocess.run(cmd, cwd=ROOT, env=env, check=False).returncode
   commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,

@@ -373,6 +373,8 @@ def test_gpu_compile_offline_writes_down_a_run_s_programs_and_asks_for_the_cuda_
   assert info["run"] == "configs/mnist_sm.py:smoke" and info["returncode"] == 0
   assert "--compilation_cache_dir=none" in info["command"] and info["commit"]
   assert set(offline.PORTABLE) <= set(info["command"])  # no measuring; XLA's convolutions
+  # The Switch Transformer has no convolutions, and its task refuses the field.
+  assert offline.portable_flags("configs/lm_sm.py:smoke") == ("--config.train.autotune=rules",)
   assert info["lowered_for"] == "cuda" and info["not_lowered"] == []
   # Lowered as a GPU run lowers them: the initialisation's Threefry hash is jaxlib's CUDA
   # kernel (`train.gpu_threefry=kernel`), where the CPU's program loops over the rounds.
