@@ -22,7 +22,8 @@ compile far faster for a GPU than a GPU run's own. The run measures no speed cho
 uses XLA's convolutions (`model.conv_impl=xla`, where the model has the field: the package's
 native kernels are XLA:CPU's alone); its other choices are the CPU's rules, and flags after `--` set a GPU run's values
 (`-- --config.train.gpu_threefry=xla`). `compile --only=eval,train` compiles the programs
-whose names hold one of those words. Each program compiles in a process of its own, with
+whose names hold one of those words, and `summary RESULTS.json...` puts results files side by
+side: each one's compile seconds in all and of its programs that draw. Each program compiles in a process of its own, with
 XLA's pass log (`compile_budget.XLA_PASS_LOG`): the table gives its compile seconds, the
 seconds of its HLO passes and its slowest passes; the rest is code generation (LLVM, ptxas).
 A real GPU adds what needs the device (autotuning above level 0) and its host's speed: the
@@ -218,8 +219,9 @@ def compile_all(ir_dir: str, target: str, only: list[str], top: int) -> list[dic
     passes = compile_budget.xla_passes(proc.stderr, step_prefix="\0").get("other", {})
     slowest = sorted(passes.get("by_pass", {}).items(), key=lambda kv: -kv[1][0])[:top]
     with open(path) as f:
-      lines = sum(1 for _ in f)
-    rows.append({"file": os.path.basename(path), "program": name, "stablehlo_lines": lines,
+      text = f.read()
+    rows.append({"file": os.path.basename(path), "program": name,
+                 "stablehlo_lines": text.count("\n"), "threefry": threefry_lowering(text),
                  "compile_s": float(proc.stdout.split()[-1]),
                  "passes_s": passes.get("passes_s", 0.0),
                  "slowest_passes": {p: round(s, 3) for p, (s, _) in slowest}})
@@ -227,10 +229,44 @@ def compile_all(ir_dir: str, target: str, only: list[str], top: int) -> list[dic
   return rows
 
 
+def threefry_lowering(text: str) -> str:
+  """How a program's StableHLO computes the Threefry hash of its random draws: "kernel"
+  (jaxlib's GPU kernel, `train.gpu_threefry=kernel`), "xla" (its rounds written out, or a
+  CPU's loop), "" (it draws nothing). JAX lowers the hash as a function of that name."""
+  if "threefry2x32_ffi" in text:
+    return "kernel"
+  return "xla" if re.search(r"func\.func private @threefry2x32(_\d+)?\(", text) else ""
+
+
+TABLE_HEAD = ("| program (as JAX wrote it) | StableHLO lines | Threefry hash | compile s | "
+              "HLO passes s | slowest passes s |\n|---|---|---|---|---|---|")
+
+
 def table_row(r: dict) -> str:
   slow = ", ".join(f"{p} {s:.2f}" for p, s in r["slowest_passes"].items())
-  return (f"| {r['file']} | {r['stablehlo_lines']} | {r['compile_s']:.2f} | "
-          f"{r['passes_s']:.2f} | {slow} |")
+  return (f"| {r['file']} | {r['stablehlo_lines']} | {r['threefry'] or '-'} | "
+          f"{r['compile_s']:.2f} | {r['passes_s']:.2f} | {slow} |")
+
+
+SUMMARY_HEAD = ("| results file | run | commit | Threefry hash | programs | compile s | "
+                "programs that draw | their compile s | slowest program s |\n"
+                "|---|---|---|---|---|---|---|---|---|")
+
+
+def summary_row(path: str) -> str:
+  """One line of `summary`: a results file of `compile --out`, its programs' compile seconds
+  in all and of those that draw (whose Threefry hash the GPU lowering decides)."""
+  with open(path) as f:
+    results = json.load(f)
+  rows, dump_info = results["rows"], results.get("dump", {})
+  drawing = [r for r in rows if r.get("threefry")]
+  hashes = "/".join(sorted({r["threefry"] for r in drawing})) or "-"
+  slowest = max(rows, key=lambda r: r["compile_s"])
+  return (f"| {os.path.basename(path)} | {dump_info.get('run', '?')} | "
+          f"{dump_info.get('commit', '?')} | {hashes} | {len(rows)} | "
+          f"{sum(r['compile_s'] for r in rows):.1f} | {len(drawing)} | "
+          f"{sum(r['compile_s'] for r in drawing):.1f} | "
+          f"{slowest['program']} {slowest['compile_s']:.1f} |")
 
 
 def main() -> None:
@@ -239,8 +275,9 @@ def main() -> None:
     sys.path.insert(0, ROOT)
     run_lowering_for_cuda(sys.argv[2], sys.argv[3:])
     return
-  ap.add_argument("mode", choices=("dump", "compile", "_child"))
-  ap.add_argument("path", nargs="?", help=argparse.SUPPRESS)  # _child: the program's file
+  ap.add_argument("mode", choices=("dump", "compile", "summary", "_child"))
+  # _child: the program's file; summary: results files of `compile --out`
+  ap.add_argument("path", nargs="*", help=argparse.SUPPRESS)
   ap.add_argument("--run", default="p4", help="a run of compile_budget.py, or a config")
   ap.add_argument("--ir", help="the folder of the programs' StableHLO (dump writes it)")
   ap.add_argument("--target", default=TARGET, help="the GPU, as a GpuTargetConfigProto text")
@@ -253,7 +290,19 @@ def main() -> None:
   sys.path.insert(0, ROOT)
   sys.path.insert(0, HERE)
   if args.mode == "_child":
-    print(f"{compile_one(args.path, args.target):.4f}")
+    print(f"{compile_one(args.path[0], args.target):.4f}")
+    return
+  if args.path and args.mode != "summary":
+    ap.error(f"unrecognized arguments: {' '.join(args.path)}")
+  if args.mode == "summary":
+    if not args.path or extra:
+      ap.error("summary: give the results files of `compile --out` (and no other flags)")
+    missing = [p for p in args.path if not os.path.isfile(p)]
+    if missing:
+      ap.error(f"summary: no such results file: {', '.join(missing)}")
+    print(SUMMARY_HEAD)
+    for path in args.path:
+      print(summary_row(path))
     return
   from alma_jax.outputs import io_utils  # pylint: disable=g-import-not-at-top
   io_utils.check_output_file(ap, "--out", args.out)  # before compiling
@@ -267,8 +316,7 @@ def main() -> None:
     sys.exit(f"--ir={args.ir} holds no programs (`dump` writes them)")
   if not any(importlib.util.find_spec(p) for p in PLUGINS):
     ap.error(f"compile: {NO_PLUGIN}")
-  print("| program (as JAX wrote it) | StableHLO lines | compile s | HLO passes s | "
-        "slowest passes s |\n|---|---|---|---|---|")
+  print(TABLE_HEAD)
   rows = compile_all(args.ir, args.target, [w for w in args.only.split(",") if w], args.top)
   if args.out:
     import jax  # pylint: disable=g-import-not-at-top

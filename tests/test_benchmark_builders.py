@@ -327,6 +327,33 @@ def test_benchmark_flags_that_would_run_nothing_or_compare_with_nothing_are_refu
 
 
 @requires_mnist
+def test_gpu_compile_offline_summary_sets_results_side_by_side(tmp_path):
+  offline = _load("gpu_compile_offline")
+  # How a program hashes its draws, read from its StableHLO as JAX lowers it.
+  kernel = "func.func private @threefry2x32_0(%a) {\n  stablehlo.custom_call @cu_threefry2x32_ffi(%a)"
+  assert offline.threefry_lowering(kernel) == "kernel"
+  assert offline.threefry_lowering("func.func private @threefry2x32(%a: tensor<2xui32>)") == "xla"
+  assert offline.threefry_lowering("func.func public @main(%a) { stablehlo.add }") == ""
+
+  def row(program, seconds, threefry):
+    return {"file": f"{program}.mlir", "program": program, "stablehlo_lines": 10,
+            "threefry": threefry, "compile_s": seconds, "passes_s": 0.1, "slowest_passes": {}}
+
+  results = tmp_path / "p9_xla.json"
+  results.write_text(json.dumps({"dump": {"run": "p9", "commit": "abc1234"}, "rows": [
+      row("jit_alma_utility_init", 12.5, "xla"), row("jit_alma_step_eval", 1.25, ""),
+      row("jit_alma_step_train", 4.0, "xla")]}))
+  proc = _script("gpu_compile_offline", "summary", str(results))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.splitlines()[2] == (
+      "| p9_xla.json | p9 | abc1234 | xla | 3 | 17.8 | 2 | 16.5 | jit_alma_utility_init 12.5 |")
+  proc = _script("gpu_compile_offline", "summary", str(tmp_path / "none.json"))
+  assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == (
+      f"gpu_compile_offline.py: error: summary: no such results file: {tmp_path / 'none.json'}")
+  proc = _script("gpu_compile_offline", "compile", f"--ir={tmp_path}", "stray")
+  assert proc.returncode == 2 and "error: unrecognized arguments: stray" in proc.stderr
+
+
 def test_gpu_compile_offline_names_a_program_that_cannot_be_lowered_for_cuda(monkeypatch,
                                                                              tmp_path):
   # dump's child lowers every program its run compiles for CUDA too; one that fails is named
