@@ -16,8 +16,8 @@ the bits: an initialisation, whose draws are hashed together
 (`alma_jax.runtime.fused_draws`), gives its priority fusion one hash with a
 consumer per parameter array. Compiled for an NVIDIA H200 on a 2-core CPU
 (`benchmarks/gpu_compile_offline.py`, programs lowered as a GPU run lowers
-them), P1's initialisation took 15.5 s with `xla` and 2.4 s with `kernel`,
-and the base Switch Transformer's 94.4 s and 4.9 s (benchmarks/README.md,
+them), P1's initialisation took 10.4-13.1 s with `xla` and 1.6-2.1 s with
+`kernel`, the base Switch Transformer's 68-79 s and 3.3 s (benchmarks/README.md,
 "The Threefry hash on a GPU"). Hence `kernel`, the default.
 
 The setting is JAX's, for the whole process, and means nothing on a CPU or a
