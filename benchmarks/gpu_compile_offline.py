@@ -19,11 +19,12 @@ operations per platform (the Threefry hash of random draws is a loop on a CPU, i
 written out or jaxlib's kernel on a GPU: `train.gpu_threefry`), so a CPU's programs can
 compile far faster for a GPU than a GPU run's own. The run measures no speed choice
 (`PORTABLE`: `train.autotune=rules`; measuring compiles candidates in other processes) and
-uses XLA's convolutions (`model.conv_impl=xla`, where the model has the field: the package's
-native kernels are XLA:CPU's alone); its other choices are the CPU's rules, and flags after `--` set a GPU run's values
-(`-- --config.train.gpu_threefry=xla`). `compile --only=eval,train` compiles the programs
-whose names hold one of those words, and `summary RESULTS.json...` puts results files side by
-side: each one's compile seconds in all and of its programs that draw. Each program compiles in a process of its own, with
+uses XLA's convolutions (`model.conv_impl=xla`, where the model has the field: the
+package's native kernels are XLA:CPU's alone); its other choices are the CPU's rules, and
+flags after `--` set a GPU run's values (`-- --config.train.gpu_threefry=xla`).
+`compile --only=eval,train` compiles the programs whose names hold one of those words, and
+`summary RESULTS.json...` puts results files side by side: each one's compile seconds in all
+and of its programs that draw. Each program compiles in a process of its own, with
 XLA's pass log (`compile_budget.XLA_PASS_LOG`): the table gives its compile seconds, the
 seconds of its HLO passes and its slowest passes; the rest is code generation (LLVM, ptxas).
 A real GPU adds what needs the device (autotuning above level 0) and its host's speed: the
@@ -78,10 +79,13 @@ def portable_flags(config_arg: str) -> tuple[str, ...]:
   from alma_jax import tasks  # pylint: disable=g-import-not-at-top
   from alma_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
   path, _, variants = config_arg.partition(":")
-  spec = importlib.util.spec_from_file_location("dumped_config", os.path.join(ROOT, path))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config(variants or None)
+  try:
+    spec = importlib.util.spec_from_file_location("dumped_config", os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(variants or None)
+  except Exception:  # pylint: disable=broad-except  (the run itself names what is wrong)
+    return PORTABLE
   with config.unlocked():
     config.model.conv_impl = "xla"
   try:
