@@ -74,16 +74,13 @@ def dumped_programs(ir_dir: str) -> list[tuple[str, str]]:
 
 
 def portable_flags(config_arg: str) -> tuple[str, ...]:
-  """`PORTABLE` for the config `config_arg` ("path[:variants]"), less the choice of XLA's
+  """`PORTABLE` for the config `config_arg` (`--config`'s value), less the choice of XLA's
   convolutions where its task refuses that field (the Switch Transformer has none)."""
+  import alma_jax  # pylint: disable=g-import-not-at-top
   from alma_jax import tasks  # pylint: disable=g-import-not-at-top
   from alma_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  path, _, variants = config_arg.partition(":")
   try:
-    spec = importlib.util.spec_from_file_location("dumped_config", os.path.join(ROOT, path))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(variants or None)
+    config = alma_jax.load_config(config_arg)
   except Exception:  # pylint: disable=broad-except  (the run itself names what is wrong)
     return PORTABLE
   with config.unlocked():
