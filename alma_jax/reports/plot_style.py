@@ -189,14 +189,15 @@ def _plain(v: float, _=None) -> str:
 
 def tidy_log_axis(axis, values, engineering: bool = False) -> None:
   """Few major ticks on log `axis` (a matplotlib Axis) for data `values`: every decade over
-  2.5 decades or more, 1 and 3 per decade over one or more, 1, 2 and 5 over less, evenly
-  spaced ticks within 0.4 decades; no labelled minor ticks; labels plain (0.01, 200) or
-  engineering (2M, 100k)."""
+  2.5 decades or more, 1 and 3 per decade over one or more, 1, 2, 3 and 5 over less (so that
+  an axis from 10,000 to 45,000 has a label above 20,000), evenly spaced ticks within 0.4
+  decades; no labelled minor ticks; labels plain (0.01, 200) or engineering (2M, 100k)."""
   from matplotlib import ticker  # pylint: disable=g-import-not-at-top
   v = [x for x in values if x is not None and math.isfinite(x) and x > 0]
   decades = math.log10(max(v) / min(v)) if v else 0.0
   if decades >= 0.4:
-    subs = (1.0,) if decades >= 2.5 else (1.0, 3.0) if decades >= 1.0 else (1.0, 2.0, 5.0)
+    subs = ((1.0,) if decades >= 2.5 else (1.0, 3.0) if decades >= 1.0
+            else (1.0, 2.0, 3.0, 5.0))
     axis.set_major_locator(ticker.LogLocator(base=10, subs=subs, numticks=8))
   else:
     axis.set_major_locator(ticker.MaxNLocator(nbins=4, steps=[1, 2, 2.5, 5, 10]))

@@ -269,9 +269,23 @@ def _policy_parts(g, groups) -> list[str]:
     users = [o for o in groups if str(o.get(field)) == name]
     own = [f.path for f in (table[name].FIELDS if name in table else ())
            if _differs(f.path, users) or g.get(f.path) not in (None, f.default)]
-    parts.append(" ".join([name] + [f"{p.split('.')[-1]}={labels_lib.value_text(g.get(p))}"
-                                    for p in own]))
+    words = [name]
+    for path in own:
+      field_name, value = path.split(".")[-1], labels_lib.value_text(g.get(path))
+      if field_name == name:  # the policy's one number, named after it: "l2_init=0.001"
+        words[0] = f"{name}={value}"
+      else:
+        words.append(f"{policy_field_name(name, field_name)}={value}")
+    parts.append(" ".join(words))
   return parts
+
+
+def policy_field_name(policy: str, field_name: str) -> str:
+  """A policy's field as its label names it, after the policy's name: without the word in
+  front that repeats that name ("geometric_w0" of geometric: "w0"; "trigger_margin" of
+  triggered: "margin"), else whole ("cbp_fraction", "shrink")."""
+  head, _, rest = field_name.partition("_")
+  return rest if rest and policy.startswith(head) else field_name
 
 
 def _fixed_wait(g) -> bool:
@@ -626,17 +640,23 @@ def lm_figure(lm: dict[str, list[Series]], data: str):
   return fig
 
 
-def dataset_figures(data: str, groups, fields: Sequence[str],
-                    out: str) -> dict[str, dict[str, list[Series]]]:
+# The figures drawn from the runs' summaries alone (the others need their records over t).
+SUMMARY_FIGURES = ("tradeoffs", "replay", "wait", "policies")
+
+
+def dataset_figures(data: str, groups, fields: Sequence[str], out: str,
+                    over_t: bool = True) -> dict[str, dict[str, list[Series]]]:
   """Writes the figures of one data set's groups into `out`; returns their data.
 
-  `fields`: the config fields that tell the groups apart (labels and lines).
+  `fields`: the config fields that tell the groups apart (labels and lines). `over_t`: also
+  the figures of the runs' records over t (False: `SUMMARY_FIGURES` only, for runs read
+  without their records).
   """
   figures = {}
   trade = tradeoff_series(groups, fields)
   if trade["comp"]:
     figures[f"tradeoffs_{data}"] = (trade, tradeoffs_figure(trade, data))
-  curves = error_series(groups, fields)
+  curves = error_series(groups, fields) if over_t else {}
   if curves:
     figures[f"error_{data}"] = (curves, error_figure(curves, data))
   replay = replay_series(groups, fields)
@@ -648,10 +668,10 @@ def dataset_figures(data: str, groups, fields: Sequence[str],
   panels = policy_series(groups, fields)
   if panels:
     figures[f"policies_{data}"] = (panels, policy_figure(panels, data))
-  lm = lm_series(groups, fields)
+  lm = lm_series(groups, fields) if over_t else {}
   if lm:
     figures[f"lm_{data}"] = (lm, lm_figure(lm, data))
-  plasticity = plasticity_series(groups, fields)
+  plasticity = plasticity_series(groups, fields) if over_t else {}
   if plasticity:
     figures[f"plasticity_{data}"] = (plasticity, plasticity_figure(plasticity, data))
   for name, (_, fig) in figures.items():

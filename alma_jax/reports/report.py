@@ -39,6 +39,13 @@ differ only by their seed, and writes into `--out`, per data set:
   field (flattened paths: `model.width`) and every summary metric (nested ones
   flattened: `timings.train_s`), for `pandas.read_csv`.
 
+  python -m alma_jax.reports.report --results=docs/reproduction/mnist/results.csv --out=/tmp/redrawn
+
+draws again, from a `results.csv` that a report wrote, the figures that need only the runs'
+summaries (`plots.SUMMARY_FIGURES`: tradeoffs, wait, replay and policies) and writes `report.md`
+with its table (and verdicts, with `--findings`): the runs' folders are not needed, and the
+figures over t and the gating trees, which are, are left out.
+
 A run without a summary (unfinished) is listed in the table but left out of
 the CER figures. A folder that is not a run is an error naming what it lacks;
 a pattern (`--workdirs=/tmp/sweep/*`, quoted or not: the shell does not expand
@@ -381,6 +388,68 @@ def _csv_row(r: Run, group: str, config_cols) -> dict:
   return row
 
 
+# -- results.csv read back ------------------------------------------------------------------------
+def _csv_cell(text: str) -> Any:
+  """A value of results.csv as the run's JSON held it (`_csv_value` wrote it): "" is None,
+  True and False, JSON for lists and dicts, then an int, a float, else the text."""
+  if text == "":
+    return None
+  if text in ("True", "False"):
+    return text == "True"
+  if text[0] in "[{":
+    try:
+      return json.loads(text)
+    except ValueError:
+      return text
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return text
+
+
+def _nest(flat: dict) -> dict:
+  """{"a.b": v} -> {"a": {"b": v}} (the inverse of `wd.flatten`)."""
+  out: dict = {}
+  for path, value in flat.items():
+    *parents, leaf = path.split(".")
+    node = out
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  return out
+
+
+def results_groups(path: str) -> list[Group]:
+  """The groups of the runs in a `results.csv` that a report wrote: a row per seed, its
+  config from the columns under the config's sections (`checkpoint.`, ..., `train.`, and
+  `seed`, `num_seeds`) and, where it finished, its summary from the others; no records, so
+  only what the summaries give can be drawn from them (`plots.SUMMARY_FIGURES`)."""
+  try:
+    with open(path, newline="") as f:
+      rows = list(csv.DictReader(f))
+  except (OSError, UnicodeDecodeError, csv.Error) as e:
+    raise ReportError(f"--results={path} cannot be read: {getattr(e, 'strerror', None) or e}"
+                      ) from e
+  head = list(rows[0]) if rows else []
+  sections = {f.path.split(".")[0] for f in config_lib.base_fields()}
+  config_cols = [c for c in head if c.split(".")[0] in sections]
+  missing = [c for c in ("workdir", "finished", "method.name", "data.name") if c not in head]
+  if not rows or missing:
+    raise ReportError(f"--results={path} is not a report's results.csv: " +
+                      ("it has no rows" if not rows else f"it has no {', '.join(missing)} "
+                       "column" + "s" * (len(missing) > 1)))
+  skip = set(config_cols) | {"workdir", "finished", findings_lib.GROUP_COLUMN}
+  runs = []
+  for row in rows:
+    config = _nest({c: _csv_cell(row[c]) for c in config_cols if row[c] != ""})
+    finished = row["finished"] == "True"
+    summary = _nest({c: _csv_cell(v) for c, v in row.items() if c not in skip and v != ""})
+    runs.append(Run(row["workdir"], config, (), with_totals(summary) if finished else None))
+  return group_runs(runs)
+
+
 # -- the whole report ----------------------------------------------------------------------------
 def run_identity(run: Run) -> str:
   """What a run computes: its config less the fields that do not change its records
@@ -454,15 +523,19 @@ def can_draw() -> bool:
 
 
 def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True,
-                 findings: Sequence[dict] = ()) -> dict:
+                 findings: Sequence[dict] = (), results: str | None = None) -> dict:
   """Writes the figures, `results.csv` and `report.md` into `out`; returns {figure name: its
   plotted data}. `findings` (a grid file's FINDINGS, `alma_jax.reports.findings`) adds their
-  verdicts, computed from the rows of `results.csv`, to `report.md`."""
+  verdicts, computed from the rows of `results.csv`, to `report.md`. With `results` (a
+  `results.csv` that a report wrote) instead of `workdirs`: the figures that its rows give
+  (`plots.SUMMARY_FIGURES`) and `report.md`, from those rows alone."""
   if not out:
     raise ReportError("--out is empty; give the directory for the figures and report.md")
   if os.path.exists(out) and not os.path.isdir(out):
     raise ReportError(f"--out={out} exists and is not a directory")
-  groups = load_groups(workdirs)
+  if results is not None and workdirs:
+    raise ReportError("give --workdirs or --results, not both")
+  groups = results_groups(results) if results is not None else load_groups(workdirs)
   try:
     os.makedirs(out, exist_ok=True)
   except OSError as e:
@@ -471,14 +544,18 @@ def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True,
   by_data = collections.OrderedDict()
   for g in groups:
     by_data.setdefault(g.dataset, []).append(g)
+  source = (f"[{RESULTS_CSV}]({RESULTS_CSV}) holds one row per run and seed: its config fields "
+            "and summary metrics." if results is None else
+            f"Drawn from `{results}` alone (one row per run and seed: its config fields and "
+            "summary metrics): the figures over t and the gating trees need the runs' folders "
+            "(`--workdirs`).")
   text = ["# ALMA report", "", f"{sum(len(g.runs) for g in groups)} runs in {len(groups)} "
           "groups (runs that differ only by their seed); mean ± sample standard deviation "
           "(ddof=1) over seeds. Comp (paper count) counts forward multiply-adds × examples, the "
           "unit of the paper's figures, of all the learner's work: training, growth's passes over "
           "data and a waiting policy's evaluations (`comp_paper_total`; `comp_total` counts the "
-          f"same work in FLOPs of the compiled steps). [{RESULTS_CSV}]({RESULTS_CSV}) holds one row per "
-          "run and seed: its config fields and summary metrics.", ""]
-  csv_text = results_csv(groups)
+          f"same work in FLOPs of the compiled steps). {source}", ""]
+  csv_text = results_csv(groups) if results is None else _read_text(results)
   if findings:
     try:
       found = findings_lib.evaluate(findings_lib.read_rows(csv_text), findings)
@@ -497,12 +574,14 @@ def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True,
     text += [f"*{NO_FIGURES}*", ""]
   for data, gs in by_data.items():
     fields = varying_fields(gs)
-    drawn = plots.dataset_figures(data, gs, fields, out) if drawing else {}
-    if gating and drawing:
+    drawn = (plots.dataset_figures(data, gs, fields, out, over_t=results is None) if drawing
+             else {})
+    if gating and drawing and results is None:
       drawn.update(gating_figures(gs, out, fields))
     figures.update(drawn)
     text += [f"## {data}", "", table(gs)] + [f"![{name}]({name}.png)\n" for name in drawn]
-  for name, content in ((RESULTS_CSV, csv_text), ("report.md", "\n".join(text))):
+  written = [("report.md", "\n".join(text))]
+  for name, content in ([(RESULTS_CSV, csv_text)] if results is None else []) + written:
     try:
       io_utils.write_text_atomic(os.path.join(out, name), content)
     except (OSError, io_utils.WorkdirWriteError) as e:
@@ -512,8 +591,20 @@ def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True,
   return figures
 
 
+def _read_text(path: str) -> str:
+  try:
+    with open(path, newline="") as f:
+      return f.read()
+  except (OSError, UnicodeDecodeError) as e:
+    raise ReportError(f"--results={path} cannot be read: {getattr(e, 'strerror', None) or e}"
+                      ) from e
+
+
 FLAGS = flags.FLAGS
 flags.DEFINE_list("workdirs", None, "run workdirs (comma-separated; shell globs expand to several)")
+flags.DEFINE_string("results", None, "instead of --workdirs: a results.csv that a report wrote; "
+                    "draws the figures its rows give (CER against compute, memory and the wait, "
+                    "replay, policies) and report.md, without the runs' folders")
 flags.DEFINE_string("out", None, "output directory of the figures and report.md")
 flags.DEFINE_bool("gating", True, "draw the gating tree of gMoE runs from their last checkpoint")
 flags.DEFINE_string("findings", None, "a grid file whose FINDINGS get verdicts in report.md "
@@ -553,12 +644,16 @@ def main(argv):
   log_lines.plain()
   workdirs = expand_workdirs(list(FLAGS.workdirs or []) +
                              [a for a in argv[1:] if not a.startswith("-")])
-  if not workdirs or FLAGS.out is None:
-    _fail("give --workdirs=DIR[,DIR...] (or directories as arguments) and --out=DIR")
+  if FLAGS.results is not None and workdirs:
+    _fail("give --workdirs or --results, not both")
+  if (not workdirs and FLAGS.results is None) or FLAGS.out is None:
+    _fail("give --workdirs=DIR[,DIR...] (or directories as arguments), or --results=FILE "
+          "(a results.csv that a report wrote), and --out=DIR")
   try:
     check_matched(workdirs)
     found = findings_lib.load_findings(FLAGS.findings, "--findings") if FLAGS.findings else ()
-    figures = write_report(workdirs, FLAGS.out, gating=FLAGS.gating, findings=found)
+    figures = write_report(workdirs, FLAGS.out, gating=FLAGS.gating, findings=found,
+                           results=FLAGS.results)
   except (ReportError, findings_lib.FindingsError) as e:
     _fail(str(e))
   print(f"wrote {os.path.join(FLAGS.out, 'report.md')} and {len(figures)} figures")
@@ -569,8 +664,8 @@ def _parse_flags(argv):
   try:
     return errors.help_succeeds(FLAGS, argv)
   except flags.Error as e:
-    _fail(f"{errors.flag_error(e).rstrip('.')}; the flags: --workdirs, --out, --gating, "
-          "--findings (--helpshort says what they take)")
+    _fail(f"{errors.flag_error(e).rstrip('.')}; the flags: --workdirs, --results, --out, "
+          "--gating, --findings (--helpshort says what they take)")
 
 
 if __name__ == "__main__":

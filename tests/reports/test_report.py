@@ -349,14 +349,71 @@ def test_command_line_error_names_the_path(tmp_path):
   proc = _report("--root=/tmp", f"--out={tmp_path / 'o'}")
   assert proc.returncode == 2 and proc.stdout == ""
   assert proc.stderr == ("report: error: Unknown command line flag 'root'; the flags: "
-                         "--workdirs, --out, --gating, --findings (--helpshort says what they "
-                         "take)\n")
+                         "--workdirs, --results, --out, --gating, --findings (--helpshort says "
+                         "what they take)\n")
 
 
 def _report(*args):
   return subprocess.run([sys.executable, "-m", "alma_jax.reports.report", "--nogating", *args], cwd=ROOT,
                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
                         check=False)
+
+
+def _plotted(figures: dict) -> str:
+  return json.dumps(figures, sort_keys=True, default=float)
+
+
+def test_the_summary_figures_are_drawn_again_from_results_csv_alone(runs, tmp_path):
+  c = _config()
+  c["stream"].update(wait_policy="geometric", geometric_ratio=3.0)
+  geo = _write(tmp_path / "geo", c, _records([0.9, 0.6, 0.6, 0.3, 0.3], macs=2e12))
+  c = _config(wait=2)
+  c["stream"]["warm_start"] = "scratch"
+  scratch = _write(tmp_path / "scratch", c, _records([0.9, 0.9, 0.5, 0.5, 0.2], macs=6e12))
+  w2 = _write(tmp_path / "sm8_w2", _config(wait=2), _records([0.9, 0.9, 0.3, 0.3, 0.1]))
+  unfinished = _write(tmp_path / "sm4", _config(width=4), _records([0.9, 0.5]), finished=False)
+  first = report.write_report(runs + [geo, scratch, w2, unfinished], str(tmp_path / "out"),
+                              gating=False)
+  csv_path = str(tmp_path / "out" / "results.csv")
+  again = report.write_report([], str(tmp_path / "again"), results=csv_path)
+  # Every figure that the summaries give, with the same points, labels, colours and markers;
+  # the error over t needs the records and is left out.
+  assert sorted(again) == sorted(n for n in first if n.split("_")[0] in plots.SUMMARY_FIGURES)
+  assert sorted(again) == ["policies_mnist", "replay_mnist", "tradeoffs_mnist", "wait_mnist"]
+  assert "error_mnist" in first
+  for name, series in again.items():
+    assert _plotted(series) == _plotted(first[name]), name
+  # The table: the same rows, the unfinished run's among them; results.csv is the input.
+  table = lambda d: [l for l in (tmp_path / d / "report.md").read_text().splitlines()
+                     if l.startswith("|")]
+  assert table("again") == table("out") and "| 0 of 1 finished |" in "\n".join(table("again"))
+  assert sorted(os.listdir(tmp_path / "again")) == sorted(
+      [f"{n}.{ext}" for n in again for ext in ("png", "pdf")] + ["report.md"])
+  text = (tmp_path / "again" / "report.md").read_text()
+  assert f"Drawn from `{csv_path}` alone" in text
+  # The command line draws the same, and refuses both sources at once or a file that is not
+  # a report's results.csv.
+  proc = _report(f"--results={csv_path}", f"--out={tmp_path / 'cli'}")
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == f"wrote {tmp_path / 'cli' / 'report.md'} and 4 figures"
+  (tmp_path / "other.csv").write_text("a,b\n1,2\n")
+  for args, message in (
+      ([f"--results={csv_path}", f"--workdirs={runs[0]}"], "give --workdirs or --results, not "
+       "both"),
+      ([f"--results={tmp_path / 'none.csv'}"], f"--results={tmp_path / 'none.csv'} cannot be "
+       "read: No such file or directory"),
+      ([f"--results={tmp_path / 'other.csv'}"], f"--results={tmp_path / 'other.csv'} is not a "
+       "report's results.csv: it has no workdir, finished, method.name, data.name columns")):
+    proc = _report(*args, f"--out={tmp_path / 'bad'}")
+    assert proc.returncode == 2 and proc.stderr == f"report: error: {message}\n", proc.stderr
+  assert not (tmp_path / "bad").exists()
+
+
+def test_results_csv_cells_read_back_as_the_run_s_values():
+  assert [report._csv_cell(t) for t in ("", "True", "False", "4", "0.0", "1e-05", "nan",
+                                        "[1, 2]", '{"a": 1}', "mnist", "[not json")] == [
+      None, True, False, 4, 0.0, 1e-05, pytest.approx(float("nan"), nan_ok=True), [1, 2],
+      {"a": 1}, "mnist", "[not json"]
 
 
 def test_a_run_given_twice_counts_once_with_a_warning(runs, tmp_path, caplog):
@@ -375,7 +432,8 @@ def test_a_run_given_twice_counts_once_with_a_warning(runs, tmp_path, caplog):
     ("a_file", r"--out=\S*a_file exists and is not a directory"),
     ("a_file/sub", r"--out=\S*a_file/sub cannot be created: Not a directory"),
     ("", r"--out is empty"),
-    (None, r"give --workdirs=DIR\[,DIR\.\.\.\] \(or directories as arguments\) and --out=DIR"),
+    (None, r"give --workdirs=DIR\[,DIR\.\.\.\] \(or directories as arguments\), or "
+           r"--results=FILE \(a results\.csv that a report wrote\), and --out=DIR"),
 ], ids=["file", "below_a_file", "empty", "missing"])
 def test_a_bad_out_is_one_line_with_exit_code_2(runs, tmp_path, out, message):
   (tmp_path / "a_file").write_text("kept")
@@ -774,6 +832,22 @@ def test_fonts_are_at_least_8_pt_and_mem_tick_labels_do_not_overlap(tmp_path):
     assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:])), [t.get_text() for t in labels]
 
 
+def test_a_log_axis_under_a_decade_has_labels_over_all_of_it():
+  # CER from about 10,000 to 42,000 on a log axis (the policies figure of a grid): a label
+  # above 20,000, so that no stretch of more than half the axis goes unlabelled.
+  fig, (ax,) = plot_style.subplots(1)
+  ax.plot([1.0, 2.0], [10_000.0, 42_000.0])
+  ax.set_yscale("log")
+  ax.set_ylim(9_000.0, 46_000.0)
+  plot_style.tidy_log_axis(ax.yaxis, [10_000.0, 42_000.0])
+  _canvas(fig)
+  shown = [float(t.get_text()) for t in ax.get_yticklabels()
+           if t.get_text() and 9_000.0 <= t.get_position()[1] <= 46_000.0]
+  assert shown == [10_000.0, 20_000.0, 30_000.0], shown
+  edges = np.log10([9_000.0, *shown, 46_000.0])
+  assert np.diff(edges).max() < 0.5 * (edges[-1] - edges[0])
+
+
 def test_series_that_share_an_x_are_drawn_apart_on_the_page_with_exact_data():
   same = [{"x": [1e6, 4e6], "y": [1.0, 2.0]}, {"x": [1e6], "y": [3.0]}, {"x": [9e6], "y": [1.0]}]
   shifts = plot_style.dodge(same)
@@ -1018,9 +1092,9 @@ def test_the_policies_figure_sets_each_policy_against_the_frontier_of_fixed_wait
   # Each other point is named by its policies with their settings off the defaults (no wait
   # under a waiting policy), and drawn in its policy's colour, the same in every figure.
   by = {s["label"]: s for s in others}
-  assert set(by) == {"geometric geometric_ratio=3", "scratch, w=2"}, set(by)
-  np.testing.assert_allclose(by["geometric geometric_ratio=3"]["x"], [8.0])
-  assert by["geometric geometric_ratio=3"]["color"] == plots.policy_color("geometric")
+  assert set(by) == {"geometric ratio=3", "scratch, w=2"}, set(by)
+  np.testing.assert_allclose(by["geometric ratio=3"]["x"], [8.0])
+  assert by["geometric ratio=3"]["color"] == plots.policy_color("geometric")
   assert by["scratch, w=2"]["color"] == plots.policy_color("scratch")
   assert len({plots.policy_color(p) for p in ("scratch", "shrink_perturb", "redo",
                                                "continual_backprop", "l2_init", "geometric",
@@ -1030,14 +1104,37 @@ def test_the_policies_figure_sets_each_policy_against_the_frontier_of_fixed_wait
   # The other figures name a policy the same way, with the rest of the label; the fields of
   # the policies a run does not use, and the wait under a waiting policy, are left out.
   labels = {s["label"] for s in figs["tradeoffs_mnist"]["comp"]}
-  assert {"sm replay=0, geometric geometric_ratio=3", "sm wait=2 replay=0, scratch",
+  assert {"sm replay=0, geometric ratio=3", "sm wait=2 replay=0, scratch",
           "sm wait=2 replay=0", "sm wait=1 replay=0"} <= labels, labels
   assert not any("wait_policy" in l or "warm_start" in l for l in labels), labels
   # ... and colour it as the policies figure does; the paper's configs keep their method's.
   colors = {s["label"]: s["color"] for s in figs["tradeoffs_mnist"]["comp"]}
   assert colors["sm wait=2 replay=0, scratch"] == plots.policy_color("scratch")
-  assert colors["sm replay=0, geometric geometric_ratio=3"] == plots.policy_color("geometric")
+  assert colors["sm replay=0, geometric ratio=3"] == plots.policy_color("geometric")
   assert colors["sm wait=1 replay=0"] == plot_style.method_color("sm")
+
+
+def test_a_policy_s_label_does_not_repeat_its_name(tmp_path):
+  # The policy's one number named after it stands as name=value; a field named with the
+  # policy's word in front loses that word; others keep their names.
+  c = _config()
+  c["stream"]["warm_start"], c["train"]["l2_init"] = "l2_init", 0.001
+  l2 = _write(tmp_path / "l2", c, _records([0.9, 0.5, 0.4, 0.3, 0.2]))
+  c = _config()
+  c["stream"].update(wait_policy="triggered", trigger_margin=0.15, trigger_fraction=0.1)
+  trig = _write(tmp_path / "trig", c, _records([0.9, 0.6, 0.6, 0.3, 0.3]))
+  plain = _write(tmp_path / "plain", _config(), _records([0.9, 0.4, 0.3, 0.2, 0.2]))
+  panels = report.write_report([l2, trig, plain], str(tmp_path / "out"),
+                               gating=False)["policies_mnist"]
+  labels = [s["label"] for s in panels["width=8"]]
+  assert labels == ["sm fixed waits w = 1 (finetune)", "l2_init=0.001, w=1",
+                    "triggered margin=0.15 fraction=0.1"], labels
+  for policy, field, shown in (("geometric", "geometric_w0", "w0"),
+                               ("triggered", "trigger_min_wait", "min_wait"),
+                               ("redo", "redo_threshold", "threshold"),
+                               ("continual_backprop", "cbp_fraction", "cbp_fraction"),
+                               ("shrink_perturb", "shrink", "shrink")):
+    assert plots.policy_field_name(policy, field) == shown
 
 
 def test_the_policies_figure_draws_a_frontier_per_setting_of_the_fields_that_differ(tmp_path):
