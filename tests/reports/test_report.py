@@ -359,11 +359,8 @@ def _report(*args):
                         check=False)
 
 
-def _plotted(figures: dict) -> str:
-  return json.dumps(figures, sort_keys=True, default=float)
-
-
-def test_the_summary_figures_are_drawn_again_from_results_csv_alone(runs, tmp_path):
+def _policy_runs(tmp_path) -> list[str]:
+  """SM width 8 under a geometric wait, trained from scratch at w=2, and fine-tuned at w=2."""
   c = _config()
   c["stream"].update(wait_policy="geometric", geometric_ratio=3.0)
   geo = _write(tmp_path / "geo", c, _records([0.9, 0.6, 0.6, 0.3, 0.3], macs=2e12))
@@ -371,8 +368,16 @@ def test_the_summary_figures_are_drawn_again_from_results_csv_alone(runs, tmp_pa
   c["stream"]["warm_start"] = "scratch"
   scratch = _write(tmp_path / "scratch", c, _records([0.9, 0.9, 0.5, 0.5, 0.2], macs=6e12))
   w2 = _write(tmp_path / "sm8_w2", _config(wait=2), _records([0.9, 0.9, 0.3, 0.3, 0.1]))
+  return [geo, scratch, w2]
+
+
+def _plotted(figures: dict) -> str:
+  return json.dumps(figures, sort_keys=True, default=float)
+
+
+def test_the_summary_figures_are_drawn_again_from_results_csv_alone(runs, tmp_path):
   unfinished = _write(tmp_path / "sm4", _config(width=4), _records([0.9, 0.5]), finished=False)
-  first = report.write_report(runs + [geo, scratch, w2, unfinished], str(tmp_path / "out"),
+  first = report.write_report(runs + _policy_runs(tmp_path) + [unfinished], str(tmp_path / "out"),
                               gating=False)
   csv_path = str(tmp_path / "out" / "results.csv")
   again = report.write_report([], str(tmp_path / "again"), results=csv_path)
@@ -1072,14 +1077,7 @@ def test_the_policies_figure_sets_each_policy_against_the_frontier_of_fixed_wait
                                                                                   tmp_path):
   assert "policies_mnist" not in report.write_report(runs, str(tmp_path / "out0"),
                                                      gating=False)
-  c = _config()
-  c["stream"].update(wait_policy="geometric", geometric_ratio=3.0)
-  geo = _write(tmp_path / "geo", c, _records([0.9, 0.6, 0.6, 0.3, 0.3], macs=2e12))
-  c = _config(wait=2)
-  c["stream"]["warm_start"] = "scratch"
-  scratch = _write(tmp_path / "scratch", c, _records([0.9, 0.9, 0.5, 0.5, 0.2], macs=6e12))
-  w2 = _write(tmp_path / "sm8_w2", _config(wait=2), _records([0.9, 0.9, 0.3, 0.3, 0.1]))
-  figs = report.write_report(runs + [geo, scratch, w2], str(tmp_path / "out"), gating=False)
+  figs = report.write_report(runs + _policy_runs(tmp_path), str(tmp_path / "out"), gating=False)
   panels = figs["policies_mnist"]
   assert set(panels) == {"width=8", "width=16"}
   ens, frontier, *others = panels["width=8"]
