@@ -290,6 +290,37 @@ def stage_steps(config) -> int:
   return int(config.train.epochs) * int(F.get(config.train, "train.steps_per_epoch"))
 
 
+# Planned train steps below which a run on an accelerator is short: better off without what
+# buys faster steps with compile time (XLA's GPU autotuning, `alma_jax.tuning.gpu_autotune`;
+# gMoE's growth in one slot structure, `method.slots`).
+SHORT_RUN_STEPS = 8000
+# Training examples of the data sets whose size is known before they are loaded.
+TRAIN_SIZES = {"mnist": 60000, "fashion_mnist": 60000, "kmnist": 60000, "cifar10": 50000,
+               "cifar100": 50000}
+
+
+def planned_steps(config) -> int | None:
+  """An upper bound on the run's train steps from its config alone (every stage running all
+  its epochs); None when the size of its data is not known before loading it."""
+  epochs = int(config.train.epochs)
+  b = int(config.stream.num_megabatches)
+  wait = int(config.stream.wait) if F.get(config.stream, "stream.wait_policy") == "fixed" else 1
+  stages = math.ceil(b / wait)
+  fixed = stage_steps(config)
+  if fixed:  # text: a fixed number of steps per epoch
+    return stages * fixed
+  n = int(F.get(config.data, "data.train_subset")) or TRAIN_SIZES.get(config.data.name)
+  if not n:
+    return None
+  batch, replay = int(config.train.batch_size), float(config.stream.replay)
+  total = 0
+  for s in range(1, stages + 1):
+    seen = n * min(b, s * wait) / b
+    new = n * min(wait, b - (s - 1) * wait) / b
+    total += epochs * math.ceil((new + replay * (seen - new)) / batch)
+  return total
+
+
 def base_config(dataset: str, method: str = "sm") -> ml_collections.ConfigDict:
   """The paper's settings (Appendix B) for `dataset` (MNIST: MLP; others: VGG) and `method`,
   with the fields and settings of the task of `dataset` (`alma_jax.tasks`)."""

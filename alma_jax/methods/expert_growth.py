@@ -80,11 +80,11 @@ class OwnExperts:
   @property
   def in_slots(self) -> bool:
     """Whether the experts live in slots (`method.slots` other than exact)."""
-    return self.opts.slots != "exact"
+    return self.method.slot_policy != "exact"
 
   def slots(self, experts: int) -> int:
     """The slots of a block with `experts` experts (`method.slots`)."""
-    return slots_lib.capacity(experts, self.opts.slots, self.opts.max_experts)
+    return self.method.slots(experts)
 
   def program_structure(self, structure) -> tuple[int, ...]:
     """`(slots, fewest experts they hold)` in slots; `structure` itself (exact, or a view's)."""
@@ -156,13 +156,7 @@ class OwnExperts:
 
   def growth(self, stage: int, num_experts: int) -> int:
     """How many experts to copy before training stage number `stage` (1 = the first)."""
-    o = self.opts
-    if not declared_methods.grows_before(stage, o.grow_every):
-      return 0
-    i = (stage - 1) // o.grow_every - 1  # 0 for the first growth
-    k = o.grow_schedule[i] if i < len(o.grow_schedule) else o.grow_by
-    room = (o.max_experts - num_experts) if o.max_experts else k
-    return max(0, min(k, room, num_experts))
+    return declared_methods.GMoE.expert_copies(self.opts, stage, num_experts)
 
   def before_stage(self, learner: base.Learner, key: jax.Array, ctx) -> base.Learner:
     """Copies, in every block, the `k` experts with the largest routed validation loss."""

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from alma_jax import policies
+from alma_jax.configuration import config_lib
 from alma_jax.configuration.plugins import methods as declared
 from alma_jax.errors import ConfigError
 from alma_jax.methods import base
@@ -282,6 +283,31 @@ def active_view(learner: base.Learner) -> base.Learner:
 
 
 # -- the method ------------------------------------------------------------------------------------
+def planned_stages(config) -> int:
+  """The stages the run's waiting policy plans over its mega-batches."""
+  return len(policies.make_wait(config).planned_times(config.stream.num_megabatches))
+
+
+def slot_rule(config) -> str:
+  """`method.slots` when left to be chosen (`auto`): `planned` for a growing gMoE on an
+  accelerator in a run of fewer than `config_lib.SHORT_RUN_STEPS` planned train steps, else
+  `pow2`. In planned slots the growth keeps one structure, so the run compiles one train step
+  and one evaluation instead of one per power of two. Where a compile costs most of a short
+  run and padding experts next to nothing (P4's MLP on a GPU), that is the faster run;
+  XLA:GPU's compile of P4's programs, run on a CPU for an H200 (benchmarks/README.md, "gMoE's
+  expert slots on a GPU"), took 25 s in power-of-two slots and 6 s in planned ones. A CPU
+  computes the padding for real and compiles fast, and a long run amortises its compiles:
+  both keep pow2. Records differ from pow2's in float round-off only."""
+  if jax.default_backend() == "cpu":
+    return "pow2"
+  steps = config_lib.planned_steps(config)
+  if steps is None or steps >= config_lib.SHORT_RUN_STEPS:
+    return "pow2"
+  grows = (expert_growth.has_own_experts(config.model)
+           or declared.GMoE.growth_period(config, planned_stages(config)) is not None)
+  return "planned" if grows else "pow2"
+
+
 @register
 class GrowingMoE(declared.GMoE, base.Method):
   """Tree-gated mixture of experts that splits its losing expert after each stage."""
@@ -300,6 +326,11 @@ class GrowingMoE(declared.GMoE, base.Method):
     if o.slots == "max" and not o.max_experts:
       raise ConfigError("config.method.slots='max' needs config.method.max_experts > 0; "
                         f"allowed values of config.method.slots: {list(SLOTS)}")
+    # `auto` decided here when the run's speed choices have not decided it (a method built
+    # from a config directly): the same rule.
+    self.slot_policy = o.slots if o.slots != "auto" else slot_rule(config)
+    self._slot_bound = (declared.GMoE.planned_experts(config, planned_stages(config))
+                        if self.slot_policy == "planned" else o.max_experts)
     # The backbone's own expert layers, grown by copying experts (None: gated mixtures).
     self.own = (expert_growth.OwnExperts(self) if expert_growth.has_own_experts(config.model)
                 else None)
@@ -337,8 +368,11 @@ class GrowingMoE(declared.GMoE, base.Method):
                        f"and config.method.tree={self.opts.tree}")
 
   def slots(self, experts: int) -> int:
-    """The expert slots of a layer with `experts` experts (`method.slots`)."""
-    return slots_lib.capacity(experts, self.opts.slots, self.opts.max_experts)
+    """The expert slots of a layer (a block) with `experts` experts (`method.slots`:
+    planned holds the planned experts as max holds max_experts, and more if a layer ever
+    outgrew them)."""
+    policy = "max" if self.slot_policy == "planned" else self.slot_policy
+    return slots_lib.capacity(experts, policy, self._slot_bound)
 
   def init(self, key: jax.Array, structure: Hashable | None = None) -> base.Learner:
     if self.own is not None:
@@ -491,9 +525,7 @@ class GrowingMoE(declared.GMoE, base.Method):
   @property
   def grow_period(self) -> int | None:
     """Stages between growths (`grow_every`, or its automatic value; None: no growth)."""
-    stream = self.config.stream
-    stages = len(policies.make_wait(self.config).planned_times(stream.num_megabatches))
-    return self.growth_period(self.config, stages)
+    return self.growth_period(self.config, planned_stages(self.config))
 
   def should_grow(self, stage: int) -> bool:
     """Whether to grow before training stage number `stage` (1 = the first: never)."""

@@ -421,6 +421,14 @@ def _nest(flat: dict) -> dict:
   return out
 
 
+def config_columns(columns: Sequence[str]) -> list[str]:
+  """The columns of a `results.csv` that hold config fields: those under the config's
+  sections (`checkpoint.`, ..., `train.`, and `seed`, `num_seeds`); the others are the
+  summaries' (`cer_percent`, `timings.train_s`, ...)."""
+  sections = {f.path.split(".")[0] for f in config_lib.base_fields()}
+  return [c for c in columns if c.split(".")[0] in sections]
+
+
 def results_groups(path: str) -> list[Group]:
   """The groups of the runs in a `results.csv` that a report wrote: a row per seed, its
   config from the columns under the config's sections (`checkpoint.`, ..., `train.`, and
@@ -433,8 +441,7 @@ def results_groups(path: str) -> list[Group]:
     raise ReportError(f"--results={path} cannot be read: {getattr(e, 'strerror', None) or e}"
                       ) from e
   head = list(rows[0]) if rows else []
-  sections = {f.path.split(".")[0] for f in config_lib.base_fields()}
-  config_cols = [c for c in head if c.split(".")[0] in sections]
+  config_cols = config_columns(head)
   missing = [c for c in ("workdir", "finished", "method.name", "data.name") if c not in head]
   if not rows or missing:
     raise ReportError(f"--results={path} is not a report's results.csv: " +

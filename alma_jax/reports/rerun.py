@@ -72,9 +72,8 @@ class Comparison:
 
 
 def _config_fields(columns: Sequence[str]) -> list[str]:
-  sections = set(config_lib.base_config("mnist", "sm").keys())
   ignore = set(report_lib.SEED_FIELDS) | set(config_lib.resumable_paths())
-  return [c for c in columns if c.split(".")[0] in sections and c not in ignore]
+  return [c for c in report_lib.config_columns(columns) if c not in ignore]
 
 
 def _values(rows, field: str) -> set:

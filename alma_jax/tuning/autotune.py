@@ -53,12 +53,14 @@ from absl import logging
 from alma_jax import methods
 from alma_jax import models
 from alma_jax import tasks
+from alma_jax.configuration import config_lib
 from alma_jax.configuration import options
 from alma_jax.data import images
 from alma_jax.engine import population
 from alma_jax.engine import programs
 from alma_jax.engine import timing
 from alma_jax.methods import ensemble
+from alma_jax.methods import gmoe
 from alma_jax.models import conv
 from alma_jax.outputs import io_utils
 from alma_jax.runtime import caches
@@ -172,7 +174,7 @@ def _accelerator() -> bool:
 
 
 def short_accelerator_run(config) -> int | None:
-  """The run's planned train steps (`gpu_autotune.planned_steps`) when it runs on an
+  """The run's planned train steps (`config_lib.planned_steps`) when it runs on an
   accelerator and plans fewer than `gpu_autotune.MIN_STEPS`, the bound below which XLA's own
   autotuning is not worth its compile time either; None otherwise (a CPU, a longer run, data
   of unknown size). Such a run takes its rules instead of measuring: on an H200, measuring
@@ -180,7 +182,7 @@ def short_accelerator_run(config) -> int | None:
   for a run whose about 800 steps train in 5.4 s (`gpu_autotune`)."""
   if not _accelerator():
     return None
-  steps = gpu_autotune.planned_steps(config)
+  steps = config_lib.planned_steps(config)
   return steps if steps is not None and steps < gpu_autotune.MIN_STEPS else None
 
 
@@ -214,6 +216,9 @@ TUNABLES = (
             steps_per_call_rule),
     Tunable("train.stage_program", "auto", lambda c: ("per_epoch", "whole"), stage_program_rule,
             measured=False),
+    # gMoE's expert slots: planned (one structure) for a short run on an accelerator.
+    Tunable("method.slots", "auto", lambda c: ("pow2", "planned"), gmoe.slot_rule,
+            lambda c: str(c.method.name) == "gmoe", measured=False),
     Tunable(STEP_FUSION, "auto", step_fusion_candidates, lambda c: FUSION_RULE),
     Tunable(EVAL_FUSION, "auto", eval_fusion_candidates, lambda c: FUSION_RULE, timed="eval"),
 )

@@ -16,7 +16,7 @@ The rule of `auto`, applied when an accelerator backend is expected: level 0
 when the run plans fewer than `MIN_STEPS` train steps (the compile time saved
 by P1's measurement over the time lost per step, rounded down), XLA's default
 otherwise. The planned steps are counted from the config before JAX starts
-(`planned_steps`: an upper bound, every stage running all its epochs; a data
+(`config_lib.planned_steps`: an upper bound, every stage running all its epochs; a data
 set of unknown size counts as long). A run on a CPU leaves `XLA_FLAGS` alone:
 the flag means nothing to XLA:CPU, and setting it would only change the keys
 of the persistent cache. An `XLA_FLAGS` that already sets the flag wins. The
@@ -25,8 +25,6 @@ level is a speed choice: the learned function is the same, only the kernels
 """
 
 from __future__ import annotations
-
-import math
 
 from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields as F
@@ -37,32 +35,8 @@ FLAG = "--xla_gpu_autotune_level"
 LEVELS = ("0", "1", "2", "3", "4")
 CHOICES = ("auto",) + LEVELS
 XLA_DEFAULT = "4"
-MIN_STEPS = 8000
-# Training examples of the data sets whose size is known before they are loaded.
-TRAIN_SIZES = {"mnist": 60000, "fashion_mnist": 60000, "kmnist": 60000, "cifar10": 50000,
-               "cifar100": 50000}
-
-
-def planned_steps(config) -> int | None:
-  """An upper bound on the run's train steps from its config alone; None when the size of
-  its data is not known before loading it."""
-  epochs = int(config.train.epochs)
-  b = int(config.stream.num_megabatches)
-  wait = int(config.stream.wait) if F.get(config.stream, "stream.wait_policy") == "fixed" else 1
-  stages = math.ceil(b / wait)
-  fixed = config_lib.stage_steps(config)
-  if fixed:  # text: a fixed number of steps per epoch
-    return stages * fixed
-  n = int(F.get(config.data, "data.train_subset")) or TRAIN_SIZES.get(config.data.name)
-  if not n:
-    return None
-  batch, replay = int(config.train.batch_size), float(config.stream.replay)
-  total = 0
-  for s in range(1, stages + 1):
-    seen = n * min(b, s * wait) / b
-    new = n * min(wait, b - (s - 1) * wait) / b
-    total += epochs * math.ceil((new + replay * (seen - new)) / batch)
-  return total
+# A run this short is better off without what costs compile time for faster steps.
+MIN_STEPS = config_lib.SHORT_RUN_STEPS
 
 
 def choose(config, accelerator: bool) -> tuple[str | None, str]:
@@ -76,7 +50,7 @@ def choose(config, accelerator: bool) -> tuple[str | None, str]:
   setting = F.get(config.train, FIELD)
   if setting != "auto":
     return setting, "set in the config"
-  steps = planned_steps(config)
+  steps = config_lib.planned_steps(config)
   if steps is None:
     return XLA_DEFAULT, "by rule (the data's size is unknown before loading it)"
   if steps < MIN_STEPS:

@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import alma_jax
 from alma_jax import methods
 from alma_jax.configuration import config_lib
+from alma_jax.configuration.plugins import methods as declared_methods
 from alma_jax.engine import timing
 from alma_jax.methods import ensemble
 from alma_jax.methods import firefly as ff
@@ -28,6 +30,7 @@ from alma_jax.outputs import workdir
 from alma_jax.stream import config_resolve
 from alma_jax.stream import run as run_lib
 from alma_jax.stream import validation
+from alma_jax.tuning import autotune
 from tests import helpers
 from tests.methods.test_gmoe import SPLIT_ATOL, batch, loss_and_predictions, make_method, randomize_gates
 
@@ -145,6 +148,59 @@ def test_slots_fields_are_checked():
   assert gmoe.num_slots(method.init(jax.random.key(0)), 0) == 6
   with pytest.raises(Exception, match=r"config\.method\.slots='many' is unknown"):
     make_method(slots="many")
+
+
+def test_planned_slots_hold_the_experts_the_growth_plans_over_the_run():
+  # P4: one expert per layer, a split before each of its nine later stages: ten.
+  p4 = alma_jax.load_config("bench/p4_mnist_gmoe")
+  assert gmoe.planned_stages(p4) == 10
+  assert declared_methods.GMoE.planned_experts(p4, 10) == 10
+  with p4.unlocked():
+    p4.method.max_experts = 6
+  assert declared_methods.GMoE.planned_experts(p4, 10) == 6  # no split past max_experts
+  with p4.unlocked():
+    p4.method.max_experts, p4.method.grow_every = 0, 3
+  assert declared_methods.GMoE.planned_experts(p4, 10) == 4  # before stages 4, 7 and 10
+  with p4.unlocked():
+    p4.method.grow = False
+  assert declared_methods.GMoE.planned_experts(p4, 10) == 1
+  # The method in planned slots: every layer in that many slots from the start, so every
+  # growth up to them keeps the program structure; past them (a longer stream than planned),
+  # as many as it has.
+  method = make_method(slots="planned", initial_experts=1, grow_every=1)
+  planned = declared_methods.GMoE.planned_experts(method.config, gmoe.planned_stages(
+      method.config))
+  assert planned == method.config.stream.num_megabatches > 2
+  learner = method.init(jax.random.key(0))
+  assert [gmoe.num_slots(learner, l) for l in (0, 1)] == [planned, planned]
+  structures = {method.program_structure(learner.structure)}
+  for _ in range(planned - 1):
+    learner = method.grow_learner(learner, [np.arange(8.0)] * 2, jax.random.key(1))
+    structures.add(method.program_structure(learner.structure))
+  assert gmoe.experts_per_layer(learner.structure) == [planned, planned]
+  assert len(structures) == 1 and gmoe.num_slots(learner, 0) == planned
+  assert method.slots(planned + 1) == planned + 1
+
+
+def test_the_slot_rule_plans_the_slots_of_a_short_growing_run_on_an_accelerator(monkeypatch):
+  p4 = alma_jax.load_config("bench/p4_mnist_gmoe")  # 2,350 planned train steps
+  paper = alma_jax.load_config("mnist_gmoe")  # 50,000
+  lm = alma_jax.load_config("lm_gmoe:quick")  # 320
+  assert [gmoe.slot_rule(c) for c in (p4, paper, lm)] == ["pow2"] * 3  # this CPU
+  monkeypatch.setattr(gmoe.jax, "default_backend", lambda: "gpu")
+  assert [gmoe.slot_rule(c) for c in (p4, paper, lm)] == ["planned", "pow2", "planned"]
+  fixed = p4.copy_and_resolve_references()
+  fixed.method.grow = False
+  assert gmoe.slot_rule(fixed) == "pow2"  # nothing grows: nothing to plan
+  # `auto` is decided by the rule with the run's other speed choices, and by a method built
+  # from the config directly.
+  with p4.unlocked():
+    p4.method.slots = "auto"
+  assert autotune.by_rules(p4).method.slots == "planned"
+  assert gmoe.GrowingMoE(p4, (28, 28, 1), 10).slot_policy == "planned"
+  monkeypatch.undo()
+  assert autotune.by_rules(p4).method.slots == "pow2"
+  assert autotune.by_rules(alma_jax.load_config("bench/p4_mnist_gmoe")).method.slots == "pow2"
 
 
 def test_gens_member_slots_keep_the_programs_and_the_prediction():
@@ -393,6 +449,24 @@ def test_compiled_programs_per_run_are_bounded(tmp_path, method, extra, bound):
     # trained parameters as the combination of the trained and frozen parts (gMoE freezes
     # none), the keys and initial learners made an operation at a time.
     assert programs <= 6 * 4 + 6 + 3, programs
+
+
+def test_a_gmoe_run_in_planned_slots_compiles_one_structure_and_grows_as_in_pow2(tmp_path):
+  fields = {"stream__num_megabatches": 5, "train__epochs": 1, "checkpoint__enabled": False,
+            "method__grow_every": 1}
+  runs = {}
+  for slots in ("planned", "pow2"):
+    summary, compiled, _ = _run(tmp_path / slots, "gmoe", method__slots=slots, **fields)
+    arch = io_utils.read_jsonl(str(tmp_path / slots / "gmoe" / "architecture.jsonl"))
+    runs[slots] = (summary, compiled, [(a["experts"], a["num_params"]) for a in arch])
+  # Experts 1 -> 5 per layer: the train step and the evaluation once (pow2: for 1, 2, 4, 8).
+  assert runs["planned"][1] == runs["planned"][0]["num_compilations"] == 2
+  assert runs["pow2"][1] == 2 * 4
+  # The same growth, Mem and compute: the padding slots are not counted.
+  assert runs["planned"][2] == runs["pow2"][2]
+  assert runs["planned"][2][-1][0] == [5, 5]
+  assert [runs[s][0][k] for s in runs for k in ("mem", "comp_paper")] == [
+      runs["pow2"][0][k] for _ in runs for k in ("mem", "comp_paper")]
 
 
 def test_ff_run_compiles_once_per_power_of_two_of_the_widest_layer(tmp_path):

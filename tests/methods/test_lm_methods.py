@@ -92,6 +92,19 @@ def test_lm_gmoe_follows_its_growth_schedule_then_grow_by():
   assert [m.own.growth(s, 4) for s in range(1, 8)] == [0, 0, 1, 0, 4, 0, 2]
 
 
+def test_lm_gmoe_in_planned_slots_keeps_one_program_structure_over_its_growth():
+  # 4 -> 6 -> 8 -> 12 over the smoke's four stages: twelve slots from the start, the
+  # dispatch buffer sized for the fewest experts they hold.
+  m = lm_method("lm_gmoe", slots="planned")
+  sizes = [4]
+  for stage in range(2, 5):
+    sizes.append(sizes[-1] + m.own.growth(stage, sizes[-1]))
+  assert sizes == [4, 6, 8, 12]
+  assert {m.program_structure((n,)) for n in sizes} == {(12, 4)}
+  capped = lm_method("lm_gmoe", slots="planned", max_experts=10)
+  assert {capped.program_structure((n,)) for n in (4, 6, 8, 10)} == {(10, 4)}
+
+
 @pytest.mark.parametrize("value", ["2,x", "2;4", "0,2"])
 def test_lm_gmoe_refuses_a_bad_growth_schedule(value):
   with pytest.raises(ConfigError, match="config.method.grow_schedule="):

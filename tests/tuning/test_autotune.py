@@ -11,6 +11,7 @@ import numpy as np
 
 import pytest
 
+from alma_jax.configuration import config_lib
 from alma_jax.engine import population
 from alma_jax.runtime import executables
 from alma_jax.stream import run as run_lib
@@ -116,7 +117,7 @@ def test_a_short_run_on_an_accelerator_takes_the_rules_and_a_long_one_measures(
   cache = str(tmp_path / "machine.json")
   vgg = _small("cifar10", method="ens", width=4)
   vgg.method.num_members = 2
-  steps = autotune.gpu_autotune.planned_steps(vgg)
+  steps = config_lib.planned_steps(vgg)
   assert steps < autotune.gpu_autotune.MIN_STEPS
   assert autotune.short_accelerator_run(vgg) == steps
   with caplog.at_level(logging.INFO):
@@ -133,7 +134,7 @@ def test_a_short_run_on_an_accelerator_takes_the_rules_and_a_long_one_measures(
   mlp.method.num_members = 2
   assert [t.path for t in autotune.pending(mlp)] == ["method.strategy"]
   assert autotune.short_accelerator_run(mlp) is not None
-  mlp.train.epochs = -(-autotune.gpu_autotune.MIN_STEPS // autotune.gpu_autotune.planned_steps(
+  mlp.train.epochs = -(-autotune.gpu_autotune.MIN_STEPS // config_lib.planned_steps(
       mlp)) * mlp.train.epochs
   assert autotune.short_accelerator_run(mlp) is None
   long = autotune.choose(mlp, MNIST, build, mode="measure", cache_file=cache, measure=measure)
@@ -293,7 +294,6 @@ def test_a_run_records_its_choices_in_the_workdir_the_cache_and_the_summary(tmp_
 
 
 def test_the_measurement_of_a_language_model_is_logged_in_tokens_per_second(tmp_path, caplog):
-  from alma_jax.configuration import config_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", "lm_sm"), "smoke")
   c.train.stage_program = "per_epoch"
   c.train.step_fusion = c.train.eval_fusion = "same"
@@ -461,7 +461,6 @@ def test_the_passes_that_growth_runs_get_the_options_of_programs_that_run_once(
 ])
 def test_the_steps_per_call_rule_and_candidates_on_a_cpu(dataset, method, model, stage, rule,
                                                           measured):
-  from alma_jax.configuration import config_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.base_config(dataset, method)
   c.model.name, c.train.stage_program = model, stage
   assert jax.default_backend() == "cpu" and c.train.steps_per_call == 0  # chosen by default

@@ -30,7 +30,7 @@ def _config(name: str, **fields):
 def test_planned_steps_of_p1_are_counted_by_hand():
   # 10 mega-batches of 50,000 / 10 images, no replay, 2 epochs of ceil(5,000 / 128) = 40 steps.
   c = _config("configs/bench/p1_cifar_sm.py")
-  assert gpu_autotune.planned_steps(c) == 10 * 2 * 40
+  assert config_lib.planned_steps(c) == 10 * 2 * 40
   assert gpu_autotune.choose(c, accelerator=True) == (
       "0", "by rule (800 planned train steps < 8,000: no autotuning)")
 
@@ -41,12 +41,12 @@ def test_planned_steps_with_replay_and_a_wait():
   c = _config("configs/mnist_sm.py", **{"data.train_subset": 1000, "stream.num_megabatches": 4,
                                         "stream.wait": 2, "stream.replay": 0.5,
                                         "train.batch_size": 100, "train.epochs": 3})
-  assert gpu_autotune.planned_steps(c) == 3 * (5 + 8)
+  assert config_lib.planned_steps(c) == 3 * (5 + 8)
 
 
 def test_a_long_text_run_keeps_xla_s_autotuning():
   c = _config("configs/lm_sm.py")  # base: 4 stages of 120,000 steps
-  assert gpu_autotune.planned_steps(c) == 4 * 120000
+  assert config_lib.planned_steps(c) == 4 * 120000
   level, how = gpu_autotune.choose(c, accelerator=True)
   assert level == gpu_autotune.XLA_DEFAULT and "480,000 planned train steps >= 8,000" in how
   quick = _config("configs/lm_sm.py:quick")
@@ -54,9 +54,9 @@ def test_a_long_text_run_keeps_xla_s_autotuning():
 
 
 def test_a_data_set_of_unknown_size_counts_as_long(monkeypatch):
-  monkeypatch.delitem(gpu_autotune.TRAIN_SIZES, "cifar10")
+  monkeypatch.delitem(config_lib.TRAIN_SIZES, "cifar10")
   c = _config("configs/bench/p1_cifar_sm.py")
-  assert gpu_autotune.planned_steps(c) is None
+  assert config_lib.planned_steps(c) is None
   assert gpu_autotune.choose(c, accelerator=True)[0] == gpu_autotune.XLA_DEFAULT
 
 

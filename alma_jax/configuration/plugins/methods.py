@@ -19,6 +19,15 @@ SPLIT_BY = ("loss", "usage")
 # two, the maximum from the start, or exactly.
 SLOT_POLICIES = ("pow2", "max", "exact")
 MEMBER_SLOTS = ("pow2", "exact")
+# gMoE's: also every expert its growth plans from the start (planned), or the choice of a rule
+# made with the run's other speed choices (auto: `alma_jax.methods.gmoe.slot_rule`).
+GMOE_SLOTS = ("auto", "planned") + SLOT_POLICIES
+_GMOE_SLOTS_HELP = ("{parts} slots: pow2 (default; the next power of two: one compiled "
+                    "structure per power of two), planned (as many as the growth plans over "
+                    "the run's stages, from the start: one compiled structure), auto (planned "
+                    "for a short run on an accelerator, pow2 elsewhere; chosen with the run's "
+                    "other speed choices), max (max_experts slots from the start: one "
+                    "structure) or exact (no padding: one structure per growth)")
 
 STRATEGY = F.Field("method.strategy", "auto", F.choice(("auto", "loop", "vmap")),
                    "how members run in a compiled step: vmap, loop, or auto (chosen: see "
@@ -119,10 +128,8 @@ EXPERT_GROWTH_FIELDS = (
     F.Field("method.router_noise", 0.0, F.number(0.0, math.inf),
             "standard deviation of a perturbation of the copies' router columns (0: the "
             "copy keeps every token's routing and gate)"),
-    F.Field("method.slots", "pow2", F.choice(SLOT_POLICIES),
-            "expert slots of every block: pow2 (the next power of two: one compiled "
-            "structure per power of two), max (max_experts slots from the start: one "
-            "structure) or exact (no padding: one structure per growth)"),
+    F.Field("method.slots", "pow2", F.choice(GMOE_SLOTS),
+            _GMOE_SLOTS_HELP.format(parts="every block's expert")),
 )
 
 
@@ -150,10 +157,8 @@ class GMoE(Declaration):
               "side of the average pool of a VGG block's gate input"),
       F.Field("method.max_experts", 0, F.integer(0),
               "stop splitting a layer at this many experts (0: no limit)"),
-      F.Field("method.slots", "pow2", F.choice(SLOT_POLICIES),
-              "expert slots a layer is allocated in: pow2 (the next power of two: one "
-              "compiled structure per power of two), max (max_experts slots from the start: "
-              "one structure) or exact (no padding: one structure per split)"),
+      F.Field("method.slots", "pow2", F.choice(GMOE_SLOTS),
+              _GMOE_SLOTS_HELP.format(parts="a layer's expert")),
   )
 
   @classmethod
@@ -168,6 +173,36 @@ class GMoE(Declaration):
     if not F.lookup(config, "method.grow", True):
       return None
     return F.lookup(config, "method.grow_every", 0) or max(1, planned_stages // 10)
+
+  @staticmethod
+  def expert_copies(opts, stage: int, num_experts: int) -> int:
+    """On a backbone with experts of its own: how many of a block's `num_experts` experts
+    the growth copies before training stage number `stage` (1 = the first; `opts`: the
+    method's resolved fields): the schedule's k, then `grow_by`, at most doubling the
+    block and never past `max_experts`."""
+    if not grows_before(stage, opts.grow_every):
+      return 0
+    i = (stage - 1) // opts.grow_every - 1  # 0 for the first growth
+    k = opts.grow_schedule[i] if i < len(opts.grow_schedule) else opts.grow_by
+    room = (opts.max_experts - num_experts) if opts.max_experts else k
+    return max(0, min(k, room, num_experts))
+
+  @classmethod
+  def planned_experts(cls, config, planned_stages: int) -> int:
+    """The experts of each layer (block) after `planned_stages` stages: the initial ones and
+    those of every growth before them (`method.slots=planned` holds this many from the start).
+    A gated mixture's growth splits one expert per layer, up to `max_experts`."""
+    opts = F.resolve(config, cls.fields(config))
+    n = opts.initial_experts
+    if backbones.own_experts(config.model.name):
+      for stage in range(1, planned_stages + 1):
+        n += cls.expert_copies(opts, stage, n)
+      return n
+    period = cls.growth_period(config, planned_stages)
+    if period is None:
+      return n
+    n += sum(grows_before(stage, period) for stage in range(1, planned_stages + 1))
+    return min(n, opts.max_experts) if opts.max_experts else n
 
 
 class FF(Declaration):
