@@ -296,9 +296,9 @@ def slot_rule(config) -> str:
   run and padding experts next to nothing (P4's MLP on a GPU), that is the faster run;
   XLA:GPU's compile of P4's programs, run on a CPU for an H200 (benchmarks/README.md, "gMoE's
   expert slots on a GPU"), took 25.5 and 28.1 s in power-of-two slots (38 programs), 5.8 and
-  5.9 s in planned ones (8). A CPU
-  computes the padding for real and compiles fast, and a long run amortises its compiles:
-  both keep pow2. Records differ from pow2's in float round-off only."""
+  5.9 s in planned ones (8). A CPU computes the padding for real and compiles fast, and a long
+  run amortises its compiles: both keep pow2. Records differ from pow2's in float round-off
+  only."""
   if jax.default_backend() == "cpu":
     return "pow2"
   steps = config_lib.planned_steps(config)

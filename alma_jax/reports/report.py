@@ -429,31 +429,32 @@ def config_columns(columns: Sequence[str]) -> list[str]:
   return [c for c in columns if c.split(".")[0] in sections]
 
 
-def results_groups(path: str) -> list[Group]:
-  """The groups of the runs in a `results.csv` that a report wrote: a row per seed, its
-  config from the columns under the config's sections (`checkpoint.`, ..., `train.`, and
-  `seed`, `num_seeds`) and, where it finished, its summary from the others; no records, so
-  only what the summaries give can be drawn from them (`plots.SUMMARY_FIGURES`)."""
+def results_groups(text: str, path: str) -> list[Group]:
+  """The groups of the runs in `text`, a `results.csv` that a report wrote (read from `path`,
+  which errors name): a row per seed, its config from the columns under the config's sections
+  (`config_columns`) and, where it finished, its summary from the others; no records, so only
+  what the summaries give can be drawn from them (`plots.SUMMARY_FIGURES`)."""
   try:
-    with open(path, newline="") as f:
-      rows = list(csv.DictReader(f))
-  except (OSError, UnicodeDecodeError, csv.Error) as e:
-    raise ReportError(f"--results={path} cannot be read: {getattr(e, 'strerror', None) or e}"
-                      ) from e
+    rows = list(csv.DictReader(io.StringIO(text)))
+  except csv.Error as e:
+    raise ReportError(f"--results={path} cannot be read: {e}") from e
   head = list(rows[0]) if rows else []
-  config_cols = config_columns(head)
   missing = [c for c in ("workdir", "finished", "method.name", "data.name") if c not in head]
   if not rows or missing:
     raise ReportError(f"--results={path} is not a report's results.csv: " +
                       ("it has no rows" if not rows else f"it has no {', '.join(missing)} "
                        "column" + "s" * (len(missing) > 1)))
-  skip = set(config_cols) | {"workdir", "finished", findings_lib.GROUP_COLUMN}
+  config_cols = set(config_columns(head))
+  skip = config_cols | {"workdir", "finished", findings_lib.GROUP_COLUMN}
   runs = []
-  for row in rows:
-    config = _nest({c: _csv_cell(row[c]) for c in config_cols if row[c] != ""})
-    finished = row["finished"] == "True"
+  for i, row in enumerate(rows, start=2):
+    if None in row or None in row.values():  # more or fewer cells than the header has
+      raise ReportError(f"--results={path}: line {i} does not have the header's {len(head)} "
+                        "cells")
+    config = _nest({c: _csv_cell(v) for c, v in row.items() if c in config_cols and v != ""})
     summary = _nest({c: _csv_cell(v) for c, v in row.items() if c not in skip and v != ""})
-    runs.append(Run(row["workdir"], config, (), with_totals(summary) if finished else None))
+    runs.append(Run(row["workdir"], config, (),
+                    with_totals(summary) if row["finished"] == "True" else None))
   return group_runs(runs)
 
 
@@ -542,7 +543,9 @@ def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True,
     raise ReportError(f"--out={out} exists and is not a directory")
   if results is not None and workdirs:
     raise ReportError("give --workdirs or --results, not both")
-  groups = results_groups(results) if results is not None else load_groups(workdirs)
+  csv_text = _read_text(results) if results is not None else None
+  groups = (results_groups(csv_text, results) if results is not None
+            else load_groups(workdirs))
   try:
     os.makedirs(out, exist_ok=True)
   except OSError as e:
@@ -562,7 +565,7 @@ def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True,
           "unit of the paper's figures, of all the learner's work: training, growth's passes over "
           "data and a waiting policy's evaluations (`comp_paper_total`; `comp_total` counts the "
           f"same work in FLOPs of the compiled steps). {source}", ""]
-  csv_text = results_csv(groups) if results is None else _read_text(results)
+  csv_text = results_csv(groups) if results is None else csv_text
   if findings:
     try:
       found = findings_lib.evaluate(findings_lib.read_rows(csv_text), findings)

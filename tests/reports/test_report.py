@@ -402,13 +402,17 @@ def test_the_summary_figures_are_drawn_again_from_results_csv_alone(runs, tmp_pa
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.strip() == f"wrote {tmp_path / 'cli' / 'report.md'} and 4 figures"
   (tmp_path / "other.csv").write_text("a,b\n1,2\n")
+  lines = open(csv_path).read().splitlines()
+  (tmp_path / "cut.csv").write_text("\n".join(lines[:2] + [lines[2].rsplit(",", 1)[0]]) + "\n")
   for args, message in (
       ([f"--results={csv_path}", f"--workdirs={runs[0]}"], "give --workdirs or --results, not "
        "both"),
       ([f"--results={tmp_path / 'none.csv'}"], f"--results={tmp_path / 'none.csv'} cannot be "
        "read: No such file or directory"),
       ([f"--results={tmp_path / 'other.csv'}"], f"--results={tmp_path / 'other.csv'} is not a "
-       "report's results.csv: it has no workdir, finished, method.name, data.name columns")):
+       "report's results.csv: it has no workdir, finished, method.name, data.name columns"),
+      ([f"--results={tmp_path / 'cut.csv'}"], f"--results={tmp_path / 'cut.csv'}: line 3 does "
+       f"not have the header's {len(lines[0].split(','))} cells")):
     proc = _report(*args, f"--out={tmp_path / 'bad'}")
     assert proc.returncode == 2 and proc.stderr == f"report: error: {message}\n", proc.stderr
   assert not (tmp_path / "bad").exists()
