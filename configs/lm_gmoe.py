@@ -16,6 +16,9 @@ Options:
   --config.method.router_noise=1e-3       perturb the copies' router columns
   --config.method.slots=exact             no padding expert slots (one compiled step per
                                           growth instead of one per power of two)
+  --config.method.slots=planned           the 12 planned experts' slots from the start (one
+                                          compiled step; auto: planned for a short run on
+                                          a GPU or TPU)
 """
 
 from alma_jax.configuration import config_lib
