@@ -125,7 +125,7 @@ def _resize_gates(lp: dict, flat: bool, feat_dim: int, slots: int) -> dict:
     pad = max(slots - g["bias"].shape[0], 0)
     out["gate"] = {"kernel": jnp.pad(g["kernel"], ((0, 0), (0, pad)))[:, :slots],
                    "bias": jnp.pad(g["bias"], (0, pad))[:slots]}
-  elif slots > 1:
+  elif slots > 1 or "gates" in lp:  # a layer in slots cut to one expert keeps no gate rows
     g = lp.get("gates", {"kernel": jnp.zeros((0, feat_dim, 2), jnp.float32),
                          "bias": jnp.zeros((0, 2), jnp.float32)})
     pad = max(slots - 1 - g["bias"].shape[0], 0)

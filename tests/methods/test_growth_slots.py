@@ -19,6 +19,7 @@ import alma_jax
 from alma_jax import methods
 from alma_jax.configuration import config_lib
 from alma_jax.configuration.plugins import methods as declared_methods
+from alma_jax.engine import plasticity
 from alma_jax.engine import timing
 from alma_jax.methods import ensemble
 from alma_jax.methods import firefly as ff
@@ -180,6 +181,21 @@ def test_planned_slots_hold_the_experts_the_growth_plans_over_the_run():
   assert gmoe.experts_per_layer(learner.structure) == [planned, planned]
   assert len(structures) == 1 and gmoe.num_slots(learner, 0) == planned
   assert method.slots(planned + 1) == planned + 1
+
+
+def test_a_tree_in_slots_cut_to_one_expert_is_a_cut_of_the_learner():
+  # One expert in planned (or max) slots: the active view keeps the learner's tree, with
+  # gates of no rows, so the plasticity diagnostics and L2 Init can cut the learner to it
+  # (they refused it as another tree structure); its values are pow2's one expert's.
+  planned = make_method(slots="planned", initial_experts=1, grow_every=1)
+  pow2 = make_method(initial_experts=1, grow_every=1)
+  learner, ref = planned.init(jax.random.key(0)), pow2.init(jax.random.key(0))
+  assert gmoe.num_slots(learner, 0) > 1 == gmoe.num_slots(ref, 0)
+  active = plasticity.active_params(planned, learner)
+  for layer in ("mix0", "mix1"):
+    assert active[layer]["gates"]["bias"].shape[0] == 0
+    chex.assert_trees_all_equal(active[layer]["experts"], ref.params[layer]["experts"])
+  assert planned.num_params(learner) == pow2.num_params(ref)
 
 
 def test_the_slot_rule_plans_the_slots_of_a_short_growing_run_on_an_accelerator(monkeypatch):
