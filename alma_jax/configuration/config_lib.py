@@ -321,6 +321,13 @@ def planned_steps(config) -> int | None:
   return total
 
 
+def short_run_steps(config) -> int | None:
+  """The run's planned train steps (`planned_steps`) when they are fewer than
+  `SHORT_RUN_STEPS`; None for a longer run or data of unknown size."""
+  steps = planned_steps(config)
+  return steps if steps is not None and steps < SHORT_RUN_STEPS else None
+
+
 def base_config(dataset: str, method: str = "sm") -> ml_collections.ConfigDict:
   """The paper's settings (Appendix B) for `dataset` (MNIST: MLP; others: VGG) and `method`,
   with the fields and settings of the task of `dataset` (`alma_jax.tasks`)."""

@@ -299,10 +299,7 @@ def slot_rule(config) -> str:
   5.9 s in planned ones (8). A CPU computes the padding for real and compiles fast, and a long
   run amortises its compiles: both keep pow2. Records differ from pow2's in float round-off
   only."""
-  if jax.default_backend() == "cpu":
-    return "pow2"
-  steps = config_lib.planned_steps(config)
-  if steps is None or steps >= config_lib.SHORT_RUN_STEPS:
+  if jax.default_backend() == "cpu" or config_lib.short_run_steps(config) is None:
     return "pow2"
   grows = (expert_growth.has_own_experts(config.model)
            or declared.GMoE.growth_period(config, planned_stages(config)) is not None)

@@ -654,8 +654,6 @@ def main(argv):
   log_lines.plain()
   workdirs = expand_workdirs(list(FLAGS.workdirs or []) +
                              [a for a in argv[1:] if not a.startswith("-")])
-  if FLAGS.results is not None and workdirs:
-    _fail("give --workdirs or --results, not both")
   if (not workdirs and FLAGS.results is None) or FLAGS.out is None:
     _fail("give --workdirs=DIR[,DIR...] (or directories as arguments), or --results=FILE "
           "(a results.csv that a report wrote), and --out=DIR")

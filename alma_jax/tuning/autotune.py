@@ -180,10 +180,7 @@ def short_accelerator_run(config) -> int | None:
   of unknown size). Such a run takes its rules instead of measuring: on an H200, measuring
   P1's two convolution implementations compiled a second train step (4.9 s) and timed both,
   for a run whose about 800 steps train in 5.4 s (`gpu_autotune`)."""
-  if not _accelerator():
-    return None
-  steps = config_lib.planned_steps(config)
-  return steps if steps is not None and steps < gpu_autotune.MIN_STEPS else None
+  return config_lib.short_run_steps(config) if _accelerator() else None
 
 
 def steps_per_call_rule(config) -> int:
@@ -218,7 +215,7 @@ TUNABLES = (
             measured=False),
     # gMoE's expert slots: planned (one structure) for a short run on an accelerator.
     Tunable("method.slots", "auto", lambda c: ("pow2", "planned"), gmoe.slot_rule,
-            lambda c: str(c.method.name) == "gmoe", measured=False),
+            lambda c: methods.get(c.method.name) is gmoe.GrowingMoE, measured=False),
     Tunable(STEP_FUSION, "auto", step_fusion_candidates, lambda c: FUSION_RULE),
     Tunable(EVAL_FUSION, "auto", eval_fusion_candidates, lambda c: FUSION_RULE, timed="eval"),
 )

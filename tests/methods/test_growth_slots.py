@@ -213,6 +213,8 @@ def test_the_slot_rule_plans_the_slots_of_a_short_growing_run_on_an_accelerator(
   with p4.unlocked():
     p4.method.slots = "auto"
   assert autotune.by_rules(p4).method.slots == "planned"
+  lm.method.slots = "auto"  # the Switch Transformer's gMoE (method.name lm_gmoe) too
+  assert autotune.by_rules(lm).method.slots == "planned"
   assert gmoe.GrowingMoE(p4, (28, 28, 1), 10).slot_policy == "planned"
   monkeypatch.undo()
   assert autotune.by_rules(p4).method.slots == "pow2"
