@@ -230,6 +230,7 @@ def _check_config(multiprocess: bool) -> None:
   from alma_jax.outputs import workdir as wd  # pylint: disable=g-import-not-at-top
   from alma_jax.outputs import workdir_lock  # pylint: disable=g-import-not-at-top
   from alma_jax.tuning import cpu_fusion  # pylint: disable=g-import-not-at-top
+  from alma_jax.tuning import tune  # pylint: disable=g-import-not-at-top
   try:
     with interrupts.Signals():  # a signal: one line and 128 + its number, as later
       devices = None if multiprocess else cpu_fusion.cpu_devices_expected()
@@ -240,7 +241,7 @@ def _check_config(multiprocess: bool) -> None:
           with workdir_lock.hold(_WORKDIR.value):
             pass
         if not _OVERWRITE.value:
-          wd.check_resume(_WORKDIR.value, config)
+          wd.check_resume(_WORKDIR.value, tune.resumed(config, _WORKDIR.value, log=False))
   except interrupts.RunInterrupted as e:
     _exit_now(f"interrupted by {signal.Signals(e.signum).name} while checking the config and "
               f"the workdir, before the run; to start it, run the same command again: "

@@ -17,8 +17,8 @@ Options:
   --config.method.slots=exact             no padding expert slots (one compiled step per
                                           growth instead of one per power of two)
   --config.method.slots=planned           the 12 planned experts' slots from the start (one
-                                          compiled step; auto: planned for a short run on
-                                          a GPU or TPU)
+                                          compiled step; the default, auto: planned for a
+                                          short run on a GPU or TPU, pow2 elsewhere)
 """
 
 from alma_jax.configuration import config_lib

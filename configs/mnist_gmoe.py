@@ -35,8 +35,9 @@ Ablations on the command line:
   --config.method.tree=False           flat gating (not function-preserving)
 Speed (the same growth; records differ in float round-off):
   --config.method.slots=planned        every layer's planned experts in slots from the
-                                       start: one compiled structure (auto: planned for a
-                                       short run on a GPU or TPU, pow2 elsewhere)
+                                       start: one compiled structure (the default, auto:
+                                       planned for a short run on a GPU or TPU, pow2
+                                       elsewhere)
 """
 
 from alma_jax.configuration import config_lib

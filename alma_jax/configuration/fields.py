@@ -192,6 +192,11 @@ class ByMethod:
     return self.values.get(method, self.other)
 
 
+# `Field.was_default` of a field whose default never changed.
+UNCHANGED = type("Unchanged", (), {"__repr__": lambda self: "UNCHANGED"})()
+CHANGED_DEFAULTS: set[str] = set()  # the paths of fields (of any method) whose default changed
+
+
 @dataclasses.dataclass(frozen=True)
 class Field:
   """One config field.
@@ -203,6 +208,9 @@ class Field:
     doc: one line for the field table (docs/fields.md) and `--help` readers.
     resumable: the field may change when a run is resumed (it does not
       change results, e.g. where data is read from).
+    was_default: the default before it changed to `default`, or `UNCHANGED`:
+      a config at either default names the same folder of a sweep (its hash
+      takes the old one, `alma_jax.outputs.workdir.hashed_value`).
   """
 
   path: str
@@ -210,6 +218,11 @@ class Field:
   check: Check
   doc: str = ""
   resumable: bool = False
+  was_default: Any = UNCHANGED
+
+  def __post_init__(self):
+    if self.was_default is not UNCHANGED:
+      CHANGED_DEFAULTS.add(self.path)
 
   def default_for(self, dataset: str) -> Any:
     d = self.default.get(dataset) if isinstance(self.default, ByDataset) else self.default

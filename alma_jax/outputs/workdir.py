@@ -18,6 +18,7 @@ import tempfile
 from typing import Any, Sequence
 
 from absl import logging
+import ml_collections
 
 from alma_jax.configuration import config_lib
 from alma_jax.configuration import fields as F
@@ -263,22 +264,46 @@ def _is_nan(v) -> bool:
   return isinstance(v, float) and math.isnan(v)
 
 
-def added_field_at_default(path: str, value: Any, config: dict) -> bool:
-  """Whether `path` is a field declared after runs were written (`config_lib.ADDED_FIELDS`)
-  and `value` is its default in `config`: a config lacking it ran the same way. A method's
-  field is its config's method's (methods may give one path different defaults)."""
-  if path not in config_lib.ADDED_FIELDS:
-    return False
-  dataset = config.get("data", {}).get("name", "")
+def _declared_field(path: str, config: dict) -> F.Field | None:
+  """The field at `path` of the resolved config `config`: a method's field is its config's
+  method's (methods may give one path different defaults); None where unknown."""
   if path.startswith("method."):
     try:
-      fields = plugins.method(config.get("method", {}).get("name", "")).FIELDS
-    except ConfigError:  # a method this code does not know: not one of its added fields
-      fields = ()
-    field = next((f for f in fields if f.path == path), None)
-  else:
-    field = F.declared(path)
+      declaration = plugins.method(config.get("method", {}).get("name", ""))
+    except ConfigError:  # a method this code does not know: not one of its fields
+      return None
+    try:
+      fields = declaration.fields(ml_collections.ConfigDict(config))
+    except (AttributeError, KeyError, TypeError, ValueError):  # a config without the section
+      fields = declaration.FIELDS
+    return next((f for f in fields if f.path == path), None)
+  try:
+    return F.declared(path)
+  except KeyError:
+    return None
+
+
+def added_field_at_default(path: str, value: Any, config: dict) -> bool:
+  """Whether `path` is a field declared after runs were written (`config_lib.ADDED_FIELDS`)
+  and `value` is its default in `config`: a config lacking it ran the same way."""
+  if path not in config_lib.ADDED_FIELDS:
+    return False
+  field = _declared_field(path, config)
+  dataset = config.get("data", {}).get("name", "")
   return field is not None and value == field.default_for(dataset)
+
+
+def hashed_value(path: str, value: Any, config: dict) -> Any:
+  """The value of field `path` that a config's hash takes: a field whose default changed
+  (`Field.was_default`) hashes its new default as the old one, so a config at either names
+  the folder that earlier runs of it were given (`config_resolve.config_hash`)."""
+  if path not in F.CHANGED_DEFAULTS:
+    return value
+  field = _declared_field(path, config)
+  if field is None or field.was_default is F.UNCHANGED:
+    return value
+  dataset = config.get("data", {}).get("name", "")
+  return field.was_default if value == field.default_for(dataset) else value
 
 
 def config_diff(old: dict, new: dict, ignore: Sequence[str] | None = None) -> list[str]:
@@ -300,21 +325,31 @@ def config_diff(old: dict, new: dict, ignore: Sequence[str] | None = None) -> li
   return diffs
 
 
-def check_resume(workdir: str, config) -> None:
-  """Raises when `workdir` holds progress of a run with a different config."""
+def previous_config(workdir: str) -> dict | None:
+  """The config (its `config.json`) of the run that `workdir` holds progress of, the run a
+  run there resumes; None where it holds none."""
   path = os.path.join(workdir, CONFIG_FILE)
   if not has_progress(workdir) or not os.path.exists(path):
-    return
-  hint = "choose another --workdir, or pass --overwrite to discard the old run's outputs"
+    return None
   try:
-    old = io_utils.read_json(path)
+    return io_utils.read_json(path)
   except (OSError, ValueError) as e:
     raise ConfigError(f"{path} cannot be read ({e}); delete it to resume from the checkpoints "
-                      f"(they hold the config and check it), or {hint}") from e
-  diffs = config_diff(old, config_dict(config))
+                      f"(they hold the config and check it), or {_NEW_RUN_HINT}") from e
+
+
+_NEW_RUN_HINT = ("choose another --workdir, or pass --overwrite to discard the old run's "
+                 "outputs")
+
+
+def check_resume(workdir: str, config) -> None:
+  """Raises when `workdir` holds progress of a run with a different config."""
+  old = previous_config(workdir)
+  diffs = [] if old is None else config_diff(old, config_dict(config))
   if diffs:
     raise ConfigError(f"--workdir={workdir} holds a run with a different config: "
-                      f"{'; '.join(diffs)}; rerun with the old values to resume it, or {hint}")
+                      f"{'; '.join(diffs)}; rerun with the old values to resume it, or "
+                      f"{_NEW_RUN_HINT}")
 
 
 # -- previous outputs ---------------------------------------------------------------------------

@@ -39,6 +39,7 @@ import sys
 from typing import Mapping, Sequence
 
 from alma_jax.configuration import config_lib
+from alma_jax.configuration import fields as F
 from alma_jax.reports import findings as findings_lib
 from alma_jax.reports import labels as labels_lib
 from alma_jax.reports import report as report_lib
@@ -140,6 +141,19 @@ def _side(values: Mapping[float, float], label: str) -> findings_lib.Side:
   return findings_lib.Side(label, tuple(values[s] for s in sorted(values)))
 
 
+def _as_chosen(rows: Sequence[Mapping[str, str]]) -> list[Mapping[str, str]]:
+  """`rows` with the cells of a field whose default changed (`fields.CHANGED_DEFAULTS`, e.g.
+  gMoE's `method.slots`, pow2 before auto) that the run left to be chosen read as the value it
+  chose (its `choices.<field>` cell), so a grid run again after the change matches the earlier
+  run's groups where its runs chose what those set."""
+  out = []
+  for r in rows:
+    chosen = {f: r[f"choices.{f}"] for f in F.CHANGED_DEFAULTS
+              if f in r and r.get(f"choices.{f}")}
+    out.append({**r, **chosen} if chosen else r)
+  return out
+
+
 def compare(this: Sequence[Mapping[str, str]], earlier: Sequence[Mapping[str, str]],
             metrics: Sequence[str] | None = None) -> Comparison:
   """Every metric of every group found in both `this` and `earlier` (rows of results.csv);
@@ -154,6 +168,7 @@ def compare(this: Sequence[Mapping[str, str]], earlier: Sequence[Mapping[str, st
     numeric = sorted(c for c in known if c not in _config_fields(sorted(known)))
     raise RerunError(f"--metrics: {unknown} is in neither results.csv; its columns include "
                      f"{numeric}")
+  this, earlier = _as_chosen(this), _as_chosen(earlier)
   keys, apart = _key_fields(this, earlier)
   ours, theirs = _by_key(this, keys, "--results"), _by_key(earlier, keys, "--against")
   labels = _labels({**theirs, **ours}, keys)

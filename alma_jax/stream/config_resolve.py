@@ -149,8 +149,9 @@ def resolved_dict(config_arg: str, args: Sequence[str] = (), given: str | None =
 
 def config_hash(config: dict, length: int = 8) -> str:
   """Hex digest of `config` (a resolved dict) without the fields that may change on resume
-  (nor the fields added since earlier runs, at their defaults: their hashes stay)."""
-  flat = {k: v for k, v in workdir.flatten(config).items()
+  (nor the fields added since earlier runs, at their defaults: their hashes stay), a field at
+  a default that changed taken at the old one (`workdir.hashed_value`: its hashes stay too)."""
+  flat = {k: workdir.hashed_value(k, v, config) for k, v in workdir.flatten(config).items()
           if k not in config_lib.resumable_paths()
           and not workdir.added_field_at_default(k, v, config)}
   text = json.dumps(flat, sort_keys=True, default=repr)

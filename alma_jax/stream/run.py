@@ -102,6 +102,9 @@ def run(config, workdir: str, *, overwrite: bool = False, startup_s: float | Non
   wd.check_writable(workdir)
   with workdir_lock.hold(workdir, primary=multihost.is_primary()):
     if not overwrite:
+      resumed = tune.resumed(config, workdir)
+      if resumed is not config:  # values it ran with, checked as this code checks them
+        config = validation.validate(resumed)
       wd.check_resume(workdir, config)
     wd.check_outputs(workdir, config, overwrite)
     multihost.sync("alma_jax: workdir checked")  # before process 0 writes to it

@@ -226,6 +226,23 @@ def pending(config) -> list[Tunable]:
   return [t for t in TUNABLES if t.applies(config) and _get(config, t.path) == t.auto]
 
 
+def kept_from(config, earlier: dict | None) -> dict[str, Any]:
+  """The fields that `config` leaves to be chosen and `earlier` (the resolved config of the
+  run it resumes, as its `config.json` holds it) set to a value, with that value: a resumed
+  run keeps them as it ran (its checkpoints hold that structure, where a rule might choose
+  otherwise on this machine). A field that `earlier` lacks ran with its value of
+  `config_lib.ADDED_WITH_OLD_VALUE`, if it has one."""
+  if not earlier:
+    return {}
+  kept = {}
+  for t in pending(config):
+    section, name = t.path.split(".")
+    value = earlier.get(section, {}).get(name, config_lib.ADDED_WITH_OLD_VALUE.get(t.path, t.auto))
+    if value != t.auto:
+      kept[t.path] = value
+  return kept
+
+
 def by_rules(config):
   """A copy of `config` with every field it leaves to be chosen decided by its rule (what
   `train.autotune="rules"` decides, without logging or files)."""

@@ -23,6 +23,7 @@ from absl import logging
 
 from alma_jax import models
 from alma_jax.configuration import fields as F
+from alma_jax.outputs import workdir as wd
 from alma_jax.tuning import autotune
 from alma_jax.tuning import cpu_fusion
 from alma_jax.tuning import cpu_tuning
@@ -80,6 +81,17 @@ def process_flags(config, workdir: str | None, *, shapes, multiprocess: bool,
   threefry = F.get(config.train, gpu_threefry.FIELD)
   if threefry in gpu_threefry.CHOICES:  # a setting of JAX's; the run's validation names a bad one
     gpu_threefry.apply(threefry)
+
+
+def resumed(config, workdir: str | None, log: bool = True):
+  """`config` with the fields it leaves to be chosen that the run held by `workdir` (the run
+  it resumes) set, at the values that run had (`autotune.kept_from`), each logged where
+  `log`; `config` itself where there are none."""
+  kept = autotune.kept_from(config, None if workdir is None else wd.previous_config(workdir))
+  for path, value in kept.items() if log else ():
+    logging.info("%s: %r as the resumed run had it (the config leaves it to be chosen)",
+                 path, value)
+  return with_choices(config, kept) if kept else config
 
 
 def allocator_for(backbones, setting: str = "auto") -> bool:

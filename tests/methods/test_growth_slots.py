@@ -208,12 +208,11 @@ def test_the_slot_rule_plans_the_slots_of_a_short_growing_run_on_an_accelerator(
   fixed = p4.copy_and_resolve_references()
   fixed.method.grow = False
   assert gmoe.slot_rule(fixed) == "pow2"  # nothing grows: nothing to plan
-  # `auto` is decided by the rule with the run's other speed choices, and by a method built
-  # from the config directly.
-  with p4.unlocked():
-    p4.method.slots = "auto"
+  # `auto`, the default, is decided by the rule with the run's other speed choices, and by a
+  # method built from the config directly.
+  assert p4.method.slots == lm.method.slots == "auto"
   assert autotune.by_rules(p4).method.slots == "planned"
-  lm.method.slots = "auto"  # the Switch Transformer's gMoE (method.name lm_gmoe) too
+  # The Switch Transformer's gMoE (method.name lm_gmoe) too.
   assert autotune.by_rules(lm).method.slots == "planned"
   assert gmoe.GrowingMoE(p4, (28, 28, 1), 10).slot_policy == "planned"
   monkeypatch.undo()
@@ -542,6 +541,65 @@ def test_ff_runs_written_before_min_slots_resume_and_keep_their_hash():
   held["method"]["min_slots"] = 16
   assert workdir.config_diff(old, held) == ["config.method.min_slots: '<absent>' → 16"]
   assert config_resolve.config_hash(held) != config_resolve.config_hash(new)
+
+
+@pytest.mark.parametrize("dataset,method", [("mnist", "gmoe"), ("tiny_shakespeare", "lm_gmoe")])
+def test_gmoe_runs_written_at_the_old_slots_default_keep_their_hash_and_resume_as_they_ran(
+    dataset, method):
+  config = validation.complete(config_lib.base_config(dataset, method))
+  new = workdir.config_dict(config)
+  assert new["method"]["slots"] == "auto"  # the default, pow2 before
+  old = copy.deepcopy(new)
+  old["method"]["slots"] = "pow2"
+  # A sweep finds the folder of a point run at the old default, and its resume is refused
+  # only where nothing keeps the value it ran with (`autotune.kept_from`).
+  assert config_resolve.config_hash(old) == config_resolve.config_hash(new)
+  assert workdir.config_diff(old, new) == ["config.method.slots: 'pow2' → 'auto'"]
+  for value in ("planned", "max", "exact"):
+    other = copy.deepcopy(new)
+    other["method"]["slots"] = value
+    assert config_resolve.config_hash(other) != config_resolve.config_hash(new), value
+    # A run at any value resumes with that value where the config leaves it to be chosen.
+    assert autotune.kept_from(config, other) == {"method.slots": value}
+  assert autotune.kept_from(config, old) == {"method.slots": "pow2"}
+  kept = autotune.with_choices(config, autotune.kept_from(config, old))
+  assert workdir.config_diff(old, workdir.config_dict(kept)) == []
+  assert autotune.kept_from(config, new) == {} and autotune.kept_from(config, None) == {}
+  # Set in the config, the value is the config's: a run of another value is refused.
+  pinned = autotune.with_choices(config, {"method.slots": "planned"})
+  assert autotune.kept_from(pinned, old) == {}
+  absent = copy.deepcopy(new)
+  del absent["method"]["slots"]  # written before the field: its experts ran without slots
+  assert autotune.kept_from(config, absent) == {"method.slots": "exact"}
+  # The other methods' slots keep their default, and their hash takes the value as it is.
+  gens = workdir.config_dict(validation.complete(config_lib.base_config(dataset, "gens")))
+  assert gens["method"]["slots"] == "pow2"
+  assert workdir.hashed_value("method.slots", "pow2", gens) == "pow2"
+  assert workdir.hashed_value("method.slots", "auto", new) == "pow2"
+  assert workdir.hashed_value("method.slots", "planned", new) == "planned"
+
+
+def test_a_gmoe_run_resumes_in_the_slots_it_ran_with_where_the_config_leaves_them_to_be_chosen(
+    tmp_path, monkeypatch):
+  # Experts 1, 2, 3, 4 in 4 slots from the start (max); the resume's config says auto, which
+  # this CPU's rule would take as pow2 (1, 2, 4 slots): the checkpoint at t=3 holds 4 slots.
+  def config(slots):
+    return helpers.smoke("gmoe", train__epochs=1, method__grow_every=1, method__max_experts=4,
+                         method__slots=slots)
+
+  run_lib.run(config("max"), str(tmp_path / "whole"))
+  wd = str(tmp_path / "resumed")
+  monkeypatch.setenv("ALMA_JAX_TEST_KILL_AT", "t=3:checkpoint")
+  monkeypatch.setenv("ALMA_JAX_TEST_KILL_SIGNAL", "SIGINT")
+  with pytest.raises(run_lib.RunInterrupted):
+    run_lib.run(config("max"), wd)
+  monkeypatch.delenv("ALMA_JAX_TEST_KILL_AT")
+  run_lib.run(config("auto"), wd)
+  assert helpers.outputs(wd) == helpers.outputs(str(tmp_path / "whole"))
+  assert io_utils.read_json(str(tmp_path / "resumed" / "config.json"))["method"]["slots"] == "max"
+  # A config that sets another value is refused, naming the field.
+  with pytest.raises(ValueError, match=r"config\.method\.slots: 'max' → 'pow2'"):
+    run_lib.run(config("pow2"), wd)
 
 
 def test_ff_run_with_min_slots_past_its_widest_layer_compiles_one_structure(tmp_path):

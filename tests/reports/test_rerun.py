@@ -150,3 +150,27 @@ def test_a_switch_size_at_zero_is_labelled_by_what_it_stands_for():
   runs["b"][0]["stream.wait"] = 2.0
   assert "tiny_shakespeare lm_sm vocab_size=2048 dim=128 ffn_dim=256 wait=2.0" in {
       r.group for r in R.compare(_rows(runs), _rows(runs)).rows}
+
+
+def test_a_run_that_chose_the_old_default_of_a_changed_field_matches_the_runs_set_to_it():
+  def gmoe(wait, slots, chosen=None):
+    fields = {"data.name": "mnist", "method.name": "gmoe", "stream.wait": wait,
+              "method.slots": slots}
+    return {**fields, "choices.method.slots": chosen} if chosen else fields
+
+  # Written when gMoE's slots defaulted to pow2, beside a method without the field.
+  earlier = _rows({"s": (_sm(4), {"cer_percent": [1.0, 2.0, 3.0]}),
+                   "g": (gmoe(10, "pow2"), {"cer_percent": [4.0, 5.0, 6.0]}),
+                   "h": (gmoe(50, "pow2"), {"cer_percent": [7.0, 8.0, 9.0]})})
+  # Run again at the new default, auto: pow2 chosen for one point, planned for the other.
+  this = _rows({"s": (_sm(4), {"cer_percent": [1.0, 2.0, 3.0]}),
+                "g": (gmoe(10, "auto", "pow2"), {"cer_percent": [4.0, 5.0, 6.0]}),
+                "h": (gmoe(50, "auto", "planned"), {"cer_percent": [7.0, 8.0, 9.0]})})
+  got = R.compare(this, earlier)
+  assert sorted(r.group for r in got.rows) == ["mnist gmoe slots=pow2 wait=10", "mnist sm"]
+  assert {r.outcome for r in got.rows} == {R.IDENTICAL}
+  assert got.only_this == ("mnist gmoe slots=planned wait=50",)
+  assert got.only_earlier == ("mnist gmoe slots=pow2 wait=50",)
+  # Without the choice (a field that kept its default), `auto` is a value of its own.
+  plain = _rows({"g": (gmoe(10, "auto"), {"cer_percent": [4.0, 5.0, 6.0]})})
+  assert R.compare(plain, earlier).rows == ()

@@ -10,6 +10,7 @@ import types
 
 import pytest
 
+import alma_jax
 from alma_jax import errors
 from alma_jax import methods
 from alma_jax.configuration import config_lib
@@ -18,6 +19,7 @@ from alma_jax.data import text as text_data
 from alma_jax.errors import ConfigError, DivergenceError
 from alma_jax.outputs import checkpoint
 from alma_jax.outputs import io_utils
+from alma_jax.outputs import workdir as workdir_lib
 from alma_jax.outputs import workdir_lock
 from alma_jax.stream import config_resolve
 from alma_jax.stream import run
@@ -530,6 +532,25 @@ def test_a_broken_rule_is_reported_before_the_speed_settings_are_measured(args, 
   proc = _main_measuring(args[0], f"{tmp_path}/wd", args[1:], tmp_path)
   _check_one_line(proc, 2, pattern)
   assert not os.path.exists(tmp_path / "wd")
+
+
+@requires_mnist
+def test_a_run_written_at_a_default_since_left_to_be_chosen_resumes_through_the_command_line(
+    tmp_path):
+  # gMoE's slots defaulted to pow2, now auto: the command's check of the workdir, before the
+  # run, takes the value the run was written with, as the run does.
+  written = alma_jax.load_config("mnist_gmoe:smoke")
+  written.method.slots = "pow2"
+  wd = tmp_path / "wd"
+  wd.mkdir()
+  io_utils.write_json_atomic(str(wd / "config.json"), workdir_lib.config_dict(
+      validation.validate(written, backend=False)))
+  (wd / "log.jsonl").write_text('{"t": 1}\n')  # a record: the workdir holds a run
+  proc = _main(["--config=configs/mnist_gmoe.py:smoke", f"--workdir={wd}"])
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "method.slots: 'pow2' as the resumed run had it" in proc.stderr
+  assert io_utils.read_json(str(wd / "config.json"))["method"]["slots"] == "pow2"
+  assert "final_error" in io_utils.read_json(str(wd / "summary.json"))
 
 
 def _main_measuring(config, workdir, args, tmp_path):

@@ -22,12 +22,13 @@ MEMBER_SLOTS = ("pow2", "exact")
 # gMoE's: also every expert its growth plans from the start (planned), or the choice of a rule
 # made with the run's other speed choices (auto: `alma_jax.methods.gmoe.slot_rule`).
 GMOE_SLOTS = ("auto", "planned") + SLOT_POLICIES
-_GMOE_SLOTS_HELP = ("{parts} slots: pow2 (default; the next power of two: one compiled "
-                    "structure per power of two), planned (as many as the growth plans over "
-                    "the run's stages, from the start: one compiled structure), auto (planned "
-                    "for a short run on an accelerator, pow2 elsewhere; chosen with the run's "
-                    "other speed choices), max (max_experts slots from the start: one "
-                    "structure) or exact (no padding: one structure per growth)")
+_GMOE_SLOTS_HELP = ("{parts} slots: auto (default; planned for a short run on an accelerator, "
+                    "pow2 elsewhere; chosen with the run's other speed choices, and kept as "
+                    "a resumed run ran), pow2 (the next power of two: one compiled structure "
+                    "per power of two; the default before auto), planned (as many as the "
+                    "growth plans over the run's stages, from the start: one compiled "
+                    "structure), max (max_experts slots from the start: one structure) or "
+                    "exact (no padding: one structure per growth)")
 
 STRATEGY = F.Field("method.strategy", "auto", F.choice(("auto", "loop", "vmap")),
                    "how members run in a compiled step: vmap, loop, or auto (chosen: see "
@@ -128,8 +129,8 @@ EXPERT_GROWTH_FIELDS = (
     F.Field("method.router_noise", 0.0, F.number(0.0, math.inf),
             "standard deviation of a perturbation of the copies' router columns (0: the "
             "copy keeps every token's routing and gate)"),
-    F.Field("method.slots", "pow2", F.choice(GMOE_SLOTS),
-            _GMOE_SLOTS_HELP.format(parts="every block's expert")),
+    F.Field("method.slots", "auto", F.choice(GMOE_SLOTS),
+            _GMOE_SLOTS_HELP.format(parts="every block's expert"), was_default="pow2"),
 )
 
 
@@ -157,8 +158,8 @@ class GMoE(Declaration):
               "side of the average pool of a VGG block's gate input"),
       F.Field("method.max_experts", 0, F.integer(0),
               "stop splitting a layer at this many experts (0: no limit)"),
-      F.Field("method.slots", "pow2", F.choice(GMOE_SLOTS),
-              _GMOE_SLOTS_HELP.format(parts="a layer's expert")),
+      F.Field("method.slots", "auto", F.choice(GMOE_SLOTS),
+              _GMOE_SLOTS_HELP.format(parts="a layer's expert"), was_default="pow2"),
   )
 
   @classmethod
