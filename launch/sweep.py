@@ -455,7 +455,9 @@ def find_workdir(root: str, name: str, digest: str, resolved: dict) -> str:
       stored = io_utils.read_json(os.path.join(root, n, wd.CONFIG_FILE))
     except (OSError, ValueError):
       continue
-    if isinstance(stored, dict) and not config_resolve.same_run(stored, resolved):
+    # The same config (a folder of another point's name is that point's run, not this one's,
+    # where this one leaves a field to be chosen that the other set).
+    if isinstance(stored, dict) and not wd.config_diff(stored, resolved):
       return os.path.join(root, n)
   return canonical
 
@@ -698,8 +700,10 @@ def plan(args) -> dict:
   for pt in (pt for g in grids for pt in points(g)):
     cmd, workdir, resolved = command(args.config, args.root, pt, args.extra)
     digest = config_resolve.config_hash(resolved)
+    # Two points of one sweep are one run where their configs are equal (a field left to be
+    # chosen is not the value another point sets: `same_run` takes it so for a resume alone).
     same = next((w for w in hashes.get(digest, [])
-                 if not config_resolve.same_run(made[w][2], resolved)), None)
+                 if not wd.config_diff(made[w][2], resolved)), None)
     if same is not None:
       if sorted(given[same]) != sorted(pt):  # not merely the same point again
         flags = " ".join(f"{f}={v}" for f, v in pt)

@@ -307,6 +307,28 @@ def test_rerun_skips_only_a_point_of_the_same_config(tmp_path, monkeypatch, caps
       in out and not calls
 
 
+@requires_mnist
+def test_a_point_run_at_a_default_since_left_to_be_chosen_is_found_and_done(tmp_path, capsys):
+  # gMoE's slots defaulted to pow2, now auto: a sweep's point at the default finds the folder
+  # an earlier sweep ran it in, done, where a point that sets auto in a grid of both values is
+  # a run of its own.
+  root, config = tmp_path / "r", "configs/mnist_gmoe.py:smoke"
+  _, workdir, resolved = sweep.command(config, str(root), [("stream.wait", "1")], [])
+  assert resolved["method"]["slots"] == "auto"
+  os.makedirs(workdir)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump({**resolved, "method": {**resolved["method"], "slots": "pow2"}}, f)
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump({}, f)
+  flags = [f"--config={config}", f"--root={root}", "--grid=stream.wait=1", "--dry_run"]
+  assert sweep.main(flags) == 0
+  assert "[1/1] done, skipped: " in capsys.readouterr().out
+  assert sweep.main(flags + ["--grid=method.slots=pow2,auto"]) == 0
+  (pow2, auto) = capsys.readouterr().out.strip().splitlines()[:2]
+  assert pow2.startswith("[1/2] done, skipped: ") and f"--workdir={workdir} " in pow2
+  assert auto.startswith("[2/2] ") and "done" not in auto and f"--workdir={workdir} " not in auto
+
+
 # -- grid files, parallel runs, the report ------------------------------------------------------
 def _grid_file(tmp_path, text):
   path = tmp_path / "grid.py"

@@ -7,24 +7,27 @@ private flag registry); other flags are ignored. `resolved_dict` gives the
 JSON form that a run writes to its `config.json`, and `config_hash` a short
 digest of the fields that decide a run's results (the resumable fields, such
 as data paths, left out), so that two command lines get the same hash
-exactly when one can resume the other's run.
+where one can resume the other's run (`same_run`).
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import hashlib
 import json
 import re
 from typing import Sequence
 
 from absl import flags
+import ml_collections
 from ml_collections import config_flags
 
 from alma_jax import errors
 from alma_jax.configuration import config_lib
 from alma_jax.outputs import workdir
 from alma_jax.stream import validation
+from alma_jax.tuning import autotune
 
 
 class ConfigResolveError(ValueError):
@@ -159,5 +162,13 @@ def config_hash(config: dict, length: int = 8) -> str:
 
 
 def same_run(old: dict, new: dict) -> list[str]:
-  """The differences (`workdir.config_diff`) that keep `new` from resuming `old`'s run."""
+  """The differences (`workdir.config_diff`) that keep `new` from resuming `old`'s run, where
+  a field that `new` leaves to be chosen is taken at the value `old` ran with, as the resumed
+  run takes it (`autotune.kept_from`: e.g. gMoE's `method.slots`, `auto` now, `pow2` then)."""
+  kept = autotune.kept_from(ml_collections.ConfigDict(new), old)
+  if kept:
+    new = copy.deepcopy(new)
+    for path, value in kept.items():
+      section, name = path.split(".")
+      new[section][name] = value
   return workdir.config_diff(old, new)
