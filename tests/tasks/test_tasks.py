@@ -67,14 +67,15 @@ ALIASES = {"lm_sm": ("sm", sm.SingleModel), "lm_ens": ("ens", ensemble.Ensemble)
 # The method fields that the lm_ configs recorded before they were names of SM, Ens, gEns and
 # gMoE on text (their config.json must stay the same, so that their runs resume), and lm_gmoe's
 # `slots`, added since (a run recorded without it resumes with `exact`:
-# tests/models/test_switch.py).
+# tests/models/test_switch.py), whose default is now `auto` (it was `pow2`; a run recorded with
+# either resumes as it ran: tests/methods/test_growth_slots.py).
 RECORDED_METHOD_FIELDS = {
     "lm_sm": {"name": "lm_sm"},
     "lm_ens": {"name": "lm_ens", "num_members": 2, "strategy": "auto"},
     "lm_gens": {"name": "lm_gens", "initial_members": 1, "grow_by": 1, "new_member": "copy",
                 "combine": "probs", "slots": "pow2", "strategy": "auto"},
     "lm_gmoe": {"name": "lm_gmoe", "initial_experts": 4, "grow_by": 2, "grow_schedule": "2,2,4",
-                "grow_every": 1, "max_experts": 0, "router_noise": 0.0, "slots": "pow2"},
+                "grow_every": 1, "max_experts": 0, "router_noise": 0.0, "slots": "auto"},
 }
 
 
