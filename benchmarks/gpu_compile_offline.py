@@ -21,7 +21,9 @@ compile far faster for a GPU than a GPU run's own. The run measures no speed cho
 (`PORTABLE`: `train.autotune=rules`; measuring compiles candidates in other processes) and
 uses XLA's convolutions (`model.conv_impl=xla`, where the model has the field: the
 package's native kernels are XLA:CPU's alone); its other choices are the CPU's rules, and
-flags after `--` set a GPU run's values (`-- --config.train.gpu_threefry=xla`).
+flags after `--` set a GPU run's values (`-- --config.train.gpu_threefry=xla`; gMoE's
+default slots, `auto`, are `pow2` on the CPU and `planned` in a short GPU run:
+`-- --config.method.slots=planned` dumps the programs of the latter).
 `compile --only=eval,train` compiles the programs whose names hold one of those words, and
 `summary RESULTS.json...` puts results files side by side: each one's compile seconds in all
 and of its programs that draw. Each program compiles in a process of its own, with
