@@ -269,6 +269,16 @@ def with_choices(config, choices: dict[str, Any]):
 CONV_FIELDS = ("model.conv_impl", "train.cpu_fusion")
 
 
+def _method_fields(config) -> dict[str, Any]:
+  """The method's fields as a choice's key holds them, a field its rule decides (gMoE's
+  `method.slots=auto`) at the rule's value: the step it builds (runs that chose before gMoE's
+  slots defaulted to `auto`, set to `pow2`, keep their choices)."""
+  ruled = {t.path: t.rule(config) for t in pending(config)
+           if not t.measured and t.path.startswith("method.")}
+  return {k: ruled.get(f"method.{k}", v) for k, v in sorted(config.method.items())
+          if isinstance(v, (int, float, str, bool)) and k != "strategy"}
+
+
 def step_facts(config, input_shape, path: str) -> dict[str, Any]:
   """The facts of the train step that a choice of field `path` depends on."""
   return {
@@ -279,8 +289,7 @@ def step_facts(config, input_shape, path: str) -> dict[str, Any]:
       # The options there are to choose from: a new one is measured on a machine again.
       **({"candidates": list(MEASURED_FUSIONS)} if path in (STEP_FUSION, EVAL_FUSION) else {}),
       **({"conv_impls": list(conv.IMPLS)} if path in CONV_FIELDS else {}),
-      "method_fields": {k: v for k, v in sorted(config.method.items())
-                        if isinstance(v, (int, float, str, bool)) and k != "strategy"},
+      "method_fields": _method_fields(config),
       "mesh": [config.mesh.get("num_devices"), config.mesh.get("model")],
   }
 

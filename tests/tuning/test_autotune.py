@@ -11,6 +11,7 @@ import numpy as np
 
 import pytest
 
+import alma_jax
 from alma_jax.configuration import config_lib
 from alma_jax.engine import population
 from alma_jax.runtime import executables
@@ -467,3 +468,16 @@ def test_the_steps_per_call_rule_and_candidates_on_a_cpu(dataset, method, model,
   assert autotune.steps_per_call_rule(c) == rule
   # Where nothing is measured the rule's answer is the one candidate: no program is compiled.
   assert autotune.steps_per_call_candidates(c) == ((1, 8) if measured else (rule,))
+
+
+def test_a_method_field_decided_by_rule_is_keyed_at_the_rule_s_value(monkeypatch):
+  # gMoE's slots: `auto` keys the machine's choices as the slots it takes, so those measured
+  # at `pow2` (the default before `auto`) serve the same step on a CPU.
+  c = validation.complete(config_lib.base_config("mnist", "gmoe"))
+  pow2 = autotune.with_choices(c, {"method.slots": "pow2"})
+  planned = autotune.with_choices(c, {"method.slots": "planned"})
+  key = lambda cfg: autotune.machine_key(cfg, MNIST, "train.steps_per_call")  # pylint: disable=unnecessary-lambda-assignment
+  assert c.method.slots == "auto" and key(c) == key(pow2) != key(planned)
+  monkeypatch.setattr(autotune.gmoe.jax, "default_backend", lambda: "gpu")
+  p4 = validation.complete(alma_jax.load_config("bench/p4_mnist_gmoe"))
+  assert key(p4) == key(autotune.with_choices(p4, {"method.slots": "planned"}))
