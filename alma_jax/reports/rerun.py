@@ -21,11 +21,18 @@ identical); Comp counts the epochs that early stopping picks, so it moves
 with the validation curve, as the errors do.
 
   python -m alma_jax.reports.rerun --results=new/results.csv --against=old/results.csv
+  python -m alma_jax.reports.rerun --results=seed0/results.csv --against=old/results.csv --seeds=0
+  python -m alma_jax.reports.rerun --results=new/results.csv --against=old/results.csv --choices
 
-prints a Markdown table of every matched group and metric, a count of the
-clear differences, the groups found in only one file, and the config fields
-whose value differs between the files but is the same within each (a
-field's new default, other epochs: not used to match, so read them). Fields
+prints a Markdown table of every matched group and metric (`--seeds`: of
+those seeds alone on both sides, as for a rerun of a grid's first seed; with
+one seed a side a comparison is identical or not, with no t; `--choices`:
+with a column saying how the speed choices of the group's runs differ
+between the sides, as those change the order of float sums where the config
+leaves them to be timed on the host), a count of the clear differences, the
+groups found in only one file, and the config fields whose value differs
+between the files but is the same within each (a field's new default,
+other epochs: not used to match, so read them). Fields
 that change no record (`config_lib.resumable_paths`: data paths, progress,
 checkpointing) are left out, as the report's groups leave them out.
 """
@@ -46,6 +53,8 @@ from alma_jax.reports import report as report_lib
 
 DEFAULT_METRICS = ("cer_percent", "final_error", "final_perplexity", "mem", "comp_paper_total")
 IDENTICAL, CLEAR = "identical", "clear"
+CHOICES = "choices."  # the columns of the speed choices a run made (`choices.train.step_fusion`)
+ALIKE = "alike"  # the speed choices of both sides' runs (`choice_text`)
 
 
 class RerunError(ValueError):
@@ -62,6 +71,7 @@ class Row:
   this: findings_lib.Side
   t: float
   outcome: str  # IDENTICAL, CLEAR or ""
+  choices: str = ""  # with `compare(choices=True)`: `choice_text` of the group's runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,12 +164,53 @@ def _as_chosen(rows: Sequence[Mapping[str, str]]) -> list[Mapping[str, str]]:
   return out
 
 
+def _of_seeds(rows: Sequence[Mapping[str, str]], seeds: Sequence[float], name: str) -> list:
+  """The rows of `rows` whose seed is one of `seeds`; an error naming the file's seeds if none
+  is."""
+  kept = [r for r in rows if _seed(r) in set(seeds)]
+  if not kept:
+    have = sorted({_seed(r) for r in rows})
+    raise RerunError(f"--seeds={','.join(f'{s:g}' for s in seeds)} keeps no row of {name}; "
+                     f"its seeds: {', '.join(f'{s:g}' for s in have)}")
+  return kept
+
+
+def _choice_fields(rows: Sequence[Mapping[str, str]]) -> set[str]:
+  return {c[len(CHOICES):] for r in rows for c in r if c.startswith(CHOICES)}
+
+
+def _made(rows: Sequence[Mapping[str, str]], fields) -> dict[str, tuple[str, ...]]:
+  """Field -> the values that the runs of `rows` chose for it or were set to (a speed choice:
+  a run's `choices.<field>` cell where it has one, else the field's own cell)."""
+  return {f: tuple(sorted({str(r.get(CHOICES + f) or r.get(f) or "") for r in rows}))
+          for f in sorted(fields)}
+
+
+def choice_text(earlier: Sequence[Mapping[str, str]], this: Sequence[Mapping[str, str]]) -> str:
+  """How the speed choices of two groups' runs differ: "alike", or per field the values of
+  each side ("train.step_fusion no_ynn -> same")."""
+  fields = _choice_fields(earlier) | _choice_fields(this)
+  a, b = _made(earlier, fields), _made(this, fields)
+  differ = [f for f in sorted(fields) if a[f] != b[f]]
+  if not differ:
+    return ALIKE
+  def side(values):
+    return "/".join(v or "–" for v in values)
+  return "; ".join(f"{f} {side(a[f])} -> {side(b[f])}" for f in differ)
+
+
 def compare(this: Sequence[Mapping[str, str]], earlier: Sequence[Mapping[str, str]],
-            metrics: Sequence[str] | None = None) -> Comparison:
+            metrics: Sequence[str] | None = None,
+            seeds: Sequence[float] | None = None, choices: bool = False) -> Comparison:
   """Every metric of every group found in both `this` and `earlier` (rows of results.csv);
-  `metrics`: the summary columns to compare (None: those of `DEFAULT_METRICS` either has)."""
+  `metrics`: the summary columns to compare (None: those of `DEFAULT_METRICS` either has);
+  `seeds`: the seeds compared on both sides (None: every seed), e.g. a rerun of a grid's
+  first seed against the whole grid; `choices`: each row says how the speed choices of the
+  group's runs differ between the sides (`choice_text`)."""
   if not this or not earlier:
     raise RerunError("both results.csv files need at least one row")
+  if seeds is not None:
+    this, earlier = _of_seeds(this, seeds, "--results"), _of_seeds(earlier, seeds, "--against")
   known = set(this[0]) | set(earlier[0])
   if metrics is None:
     metrics = [m for m in DEFAULT_METRICS if m in known]
@@ -177,18 +228,19 @@ def compare(this: Sequence[Mapping[str, str]], earlier: Sequence[Mapping[str, st
     if key not in theirs:
       continue
     label = labels[key]
+    made = choice_text(theirs[key], mine) if choices else ""
     for metric in metrics:
       by_a, by_b = _by_seed(theirs[key], metric), _by_seed(mine, metric)
       if not by_a or not by_b:
         continue
       a, b = _side(by_a, "earlier"), _side(by_b, "this")
       if by_a == by_b:  # every seed on both sides, with the same value
-        rows.append(Row(label, metric, a, b, 0.0, IDENTICAL))
+        rows.append(Row(label, metric, a, b, 0.0, IDENTICAL, made))
         continue
       # welch_t(better, worse) is (mean(worse) - mean(better)) / se: positive when this is higher.
       t = findings_lib.welch_t(a.values, b.values)
       rows.append(Row(label, metric, a, b, t,
-                      CLEAR if abs(t) > findings_lib.CLEAR_T else ""))
+                      CLEAR if abs(t) > findings_lib.CLEAR_T else "", made))
   only_this = tuple(labels[k] for k in ours if k not in theirs)
   only_earlier = tuple(labels[k] for k in theirs if k not in ours)
   return Comparison(tuple(rows), only_this, only_earlier, tuple(apart))
@@ -205,21 +257,29 @@ def _side_text(s: findings_lib.Side) -> str:
 
 def table(c: Comparison, earlier_name: str = "--against", this_name: str = "--results") -> str:
   """The Markdown text of a comparison."""
-  lines = [f"| group | metric | {earlier_name} | {this_name} | Welch t | |",
-           "|---|---|---|---|---|---|"]
+  made = any(r.choices for r in c.rows)  # a column of the speed choices (`compare(choices=True)`)
+  lines = [f"| group | metric | {earlier_name} | {this_name} | Welch t | |"
+           + (" speed choices |" if made else ""),
+           "|---|---|---|---|---|---|" + ("---|" if made else "")]
   for r in c.rows:
     t = "–" if r.outcome == IDENTICAL else findings_lib._t_text(r.t)  # pylint: disable=protected-access
     lines.append(f"| {r.group} | {r.metric} | {_side_text(r.earlier)} | {_side_text(r.this)} "
-                 f"| {t} | {r.outcome} |")
+                 f"| {t} | {r.outcome} |" + (f" {r.choices} |" if made else ""))
   lines.append("")
   groups = len({r.group for r in c.rows})
   clear = [r for r in c.rows if r.outcome == CLEAR]
   same = sum(r.outcome == IDENTICAL for r in c.rows)
+  moved = [r for r in c.rows if r.outcome != IDENTICAL]
   lines.append(f"{groups} group{'s' if groups != 1 else ''} in both files, "
                f"{len(c.rows)} comparison{'s' if len(c.rows) != 1 else ''}: {same} identical, "
                f"{len(clear)} clearly different (|t| > {findings_lib.CLEAR_T:g})"
                + (": " + "; ".join(f"{r.group} {r.metric} t = {findings_lib._t_text(r.t)}"  # pylint: disable=protected-access
                                    for r in clear) if clear else "") + ".")
+  if made:
+    other = {r.group for r in c.rows if r.choices != ALIKE}
+    lines.append(f"Speed choices: the runs of {len(other)} of the {groups} groups made other "
+                 f"ones on the two sides; of the {len(moved)} comparisons not identical, "
+                 f"{sum(r.group in other for r in moved)} are of those groups.")
   listed = False
   for name, only in ((this_name, c.only_this), (earlier_name, c.only_earlier)):
     if only:  # a list, one group a line: a rerun of part of a grid leaves out many
@@ -234,6 +294,15 @@ def table(c: Comparison, earlier_name: str = "--against", this_name: str = "--re
   return "\n".join(lines) + "\n"
 
 
+def _seeds_flag(text: str) -> list[float]:
+  """The seeds of `--seeds` (comma-separated whole numbers >= 0)."""
+  parts = [s.strip() for s in text.split(",") if s.strip()]
+  if not parts or not all(s.isdigit() for s in parts):
+    raise RerunError(f"--seeds={text!r}: give comma-separated seeds (whole numbers >= 0), "
+                     "e.g. --seeds=0 or --seeds=0,1")
+  return [float(s) for s in parts]
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
   p.add_argument("--results", required=True, help="the rerun's results.csv")
@@ -241,6 +310,13 @@ def main(argv=None) -> int:
   p.add_argument("--metrics", default=None,
                  help="comma-separated summary columns to compare (default: those of "
                       f"{','.join(DEFAULT_METRICS)} that the files have)")
+  p.add_argument("--seeds", default=None,
+                 help="comma-separated seeds to compare on both sides (default: every seed), "
+                      "e.g. 0 for a rerun of a grid's first seed against the whole grid")
+  p.add_argument("--choices", action="store_true",
+                 help="a column saying how the speed choices of each group's runs (its "
+                      "choices.* cells: XLA's options, steps per call...) differ between the "
+                      "sides: differences of float order that no config field shows")
   args = p.parse_args(argv)
   metrics = None if args.metrics is None else [m.strip() for m in args.metrics.split(",")
                                                 if m.strip()]
@@ -248,9 +324,10 @@ def main(argv=None) -> int:
     if metrics == []:
       raise RerunError(f"--metrics={args.metrics!r} names no column; give comma-separated "
                        "summary columns, or leave the flag out for the defaults")
+    seeds = None if args.seeds is None else _seeds_flag(args.seeds)
     this = findings_lib.read_results(args.results, "--results")
     earlier = findings_lib.read_results(args.against, "--against")
-    print(table(compare(this, earlier, metrics)), end="")
+    print(table(compare(this, earlier, metrics, seeds, args.choices)), end="")
   except (RerunError, findings_lib.FindingsError) as e:
     print(f"rerun: error: {e}", file=sys.stderr)
     return 2

@@ -123,6 +123,75 @@ def test_default_metrics_are_those_the_files_have_and_an_unknown_one_is_named(tm
   assert "| mnist sm | final_error |" in capsys.readouterr().out
 
 
+def test_seeds_compare_a_rerun_of_some_seeds_with_the_same_seeds_of_the_whole_grid(
+    tmp_path, capsys):
+  earlier = _rows({"a": (_sm(4), {"cer_percent": [1.0, 2.0, 3.0]}),
+                   "b": (_sm(16), {"cer_percent": [4.0, 5.0, 6.0]})})
+  first = _rows({"a": (_sm(4), {"cer_percent": [1.0]}), "b": (_sm(16), {"cer_percent": [4.5]})})
+  # Every seed of both: seed 0 alone against three, never identical.
+  assert {r.outcome for r in R.compare(first, earlier).rows} == {""}
+  same, moved = R.compare(first, earlier, seeds=[0]).rows
+  assert (same.outcome, same.earlier.values, same.this.values) == (R.IDENTICAL, (1.0,), (1.0,))
+  assert moved.outcome == "" and math.isnan(moved.t)
+  assert (moved.earlier.values, moved.this.values) == ((4.0,), (4.5,))
+  # Two seeds of three, and a seed that one side lacks is left out of the other's side too.
+  two = R.compare(earlier, earlier, seeds=[1, 2])
+  assert [r.earlier.values for r in two.rows] == [(2.0, 3.0), (5.0, 6.0)]
+  assert {r.outcome for r in two.rows} == {R.IDENTICAL}
+  with pytest.raises(R.RerunError, match=r"--seeds=5 keeps no row of --results; its seeds: 0$"):
+    R.compare(first, earlier, seeds=[5])
+  paths = {}
+  for name, rows in (("first", first), ("earlier", earlier)):
+    paths[name] = tmp_path / f"{name}.csv"
+    paths[name].write_text(_csv_text(rows))
+  args = [f"--results={paths['first']}", f"--against={paths['earlier']}"]
+  assert R.main(args + ["--seeds=0"]) == 0
+  out = capsys.readouterr().out
+  assert "| mnist sm width=4 | cer_percent | 1 (n=1) | 1 (n=1) | – | identical |" in out
+  assert "2 groups in both files, 2 comparisons: 1 identical," in out
+  for bad in ("", "a", "0,-1", "1.5"):
+    assert R.main(args + [f"--seeds={bad}"]) == 2
+    assert (f"rerun: error: --seeds={bad!r}: give comma-separated seeds (whole numbers >= 0)"
+            in capsys.readouterr().err)
+
+
+def test_choices_say_which_groups_ran_with_other_speed_choices(tmp_path, capsys):
+  auto = {"train.step_fusion": "auto", "train.steps_per_call": "0"}
+  earlier = _rows({"a": ({**_sm(4), **auto}, {"cer_percent": [1.0, 2.0, 3.0]}),
+                   "b": ({**_sm(16), **auto}, {"cer_percent": [4.0, 5.0, 6.0]}),
+                   "c": ({**_sm(64), **auto}, {"cer_percent": [7.0, 8.0, 9.0]})})
+  this = _rows({"a": ({**_sm(4), **auto}, {"cer_percent": [1.0, 2.0, 3.0]}),
+                "b": ({**_sm(16), **auto}, {"cer_percent": [4.5, 5.0, 6.0]}),
+                # A run that set the value the earlier runs chose chose alike.
+                "c": ({**_sm(64), "train.step_fusion": "no_ynn", "train.steps_per_call": "0"},
+                      {"cer_percent": [7.0, 8.0, 9.0]})})
+  for rows, made in ((earlier, {"a": "onednn", "b": "same", "c": "no_ynn"}),
+                     (this, {"a": "onednn", "b": "no_ynn", "c": ""})):
+    for r in rows:
+      r["choices.train.step_fusion"] = made[r["group"]]
+      r["choices.train.steps_per_call"] = "1"
+  this[4]["choices.train.steps_per_call"] = "4"  # one seed of b chose otherwise
+  assert {r.choices for r in R.compare(this, earlier).rows} == {""}  # not asked for
+  rows = {r.group: r for r in R.compare(this, earlier, choices=True).rows}
+  assert rows["mnist sm width=4"].choices == R.ALIKE
+  assert rows["mnist sm width=64"].choices == R.ALIKE
+  assert rows["mnist sm width=16"].choices == ("train.step_fusion same -> no_ynn; "
+                                                "train.steps_per_call 1 -> 1/4")
+  paths = {}
+  for name, rows in (("this", this), ("earlier", earlier)):
+    paths[name] = tmp_path / f"{name}.csv"
+    paths[name].write_text(_csv_text(rows))
+  assert R.main([f"--results={paths['this']}", f"--against={paths['earlier']}", "--choices"]) == 0
+  out = capsys.readouterr().out
+  assert "| group | metric | --against | --results | Welch t | | speed choices |" in out
+  assert ("| mnist sm width=4 | cer_percent | 2 ± 1 (n=3) | 2 ± 1 (n=3) | – | identical "
+          "| alike |") in out
+  assert ("Speed choices: the runs of 1 of the 3 groups made other ones on the two sides; of "
+          "the 1 comparisons not identical, 1 are of those groups.") in out
+  assert R.main([f"--results={paths['this']}", f"--against={paths['earlier']}"]) == 0
+  assert "speed choices" not in capsys.readouterr().out.lower()
+
+
 def test_groups_that_differ_only_in_a_field_the_other_file_lacks_are_an_error():
   earlier = _rows({"a": (_sm(4), {"cer_percent": [1.0, 2.0, 3.0]})})
   this = _rows({"s": ({**_sm(4), "model.scan_layers": True}, {"cer_percent": [1.0, 2.0, 3.0]}),
