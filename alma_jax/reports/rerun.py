@@ -8,7 +8,8 @@ reads two `results.csv` files written by the report (one row per run and
 seed), matches their groups (the runs that differ only by their seed) by the
 config fields that tell the groups of either file apart (groups of one file
 that differ only in fields the other lacks cannot be matched: an error
-naming them), and compares each metric of each matched group: the mean ±
+naming them where the other file has a group they could be, else they are
+listed as found in one file only), and compares each metric of each matched group: the mean ±
 sample standard deviation (ddof=1) over the finished seeds on each side,
 and Welch's t of the difference
 (`findings.welch_t`; positive when `--results` is higher). A difference is
@@ -120,20 +121,39 @@ def _labels(groups: Mapping[tuple, list], keys: Sequence[str]) -> dict[tuple, st
           for k, rows in groups.items()}
 
 
-def _by_key(rows, keys, name: str) -> dict[tuple, list]:
-  """The groups of `rows` by their values of `keys`; two groups with the same values differ
-  only in fields that the other file lacks, and cannot be matched (an error)."""
-  out: dict[tuple, list] = {}
+def _by_key(rows, keys) -> dict[tuple, list[list]]:
+  """The groups of `rows` by their values of `keys`: key -> its groups (more than one where
+  groups differ only in fields that the other file lacks)."""
+  out: dict[tuple, list[list]] = {}
   for group in findings_lib._groups(rows).values():  # pylint: disable=protected-access
     key = tuple(findings_lib._norm(group[0].get(k, "")) for k in keys)  # pylint: disable=protected-access
-    if key in out:
-      other = out[key][0]
-      differ = sorted(c for c in _config_fields(list(group[0]))
-                      if len(_values([group[0], other], c)) > 1)
+    out.setdefault(key, []).append(list(group))
+  return out
+
+
+def _differ(groups: Sequence[list]) -> list[str]:
+  """The config fields whose value differs among `groups` (each a list of rows)."""
+  return sorted(c for c in _config_fields(list(groups[0][0]))
+                if len(_values([g[0] for g in groups], c)) > 1)
+
+
+def _unmatched(by_key: dict[tuple, list[list]], other: dict, keys: Sequence[str],
+               name: str) -> list[str]:
+  """Labels of the groups of `by_key` that share a key (values of `keys`) with another group of
+  their file, which the other file's groups (`other`) do not have; an error where the other
+  file has that key, as its group cannot be matched to one of them."""
+  named = [k for k in keys if k not in ("data.name", "method.name")]
+  out = []
+  for key, groups in by_key.items():
+    if len(groups) < 2:
+      continue
+    differ = _differ(groups)
+    if key in other:
       raise RerunError(f"{name}: groups differ in {differ}, which the other results.csv does "
                        "not have: they cannot be matched to its groups; compare a results.csv "
                        "that holds one value of these fields")
-    out[key] = list(group)
+    out += [labels_lib.label(g[0], ["data.name", "method.name"] + named + differ)
+            for g in groups]
   return out
 
 
@@ -221,7 +241,11 @@ def compare(this: Sequence[Mapping[str, str]], earlier: Sequence[Mapping[str, st
                      f"{numeric}")
   this, earlier = _as_chosen(this), _as_chosen(earlier)
   keys, apart = _key_fields(this, earlier)
-  ours, theirs = _by_key(this, keys, "--results"), _by_key(earlier, keys, "--against")
+  ours, theirs = _by_key(this, keys), _by_key(earlier, keys)
+  spare_this = _unmatched(ours, theirs, keys, "--results")
+  spare_earlier = _unmatched(theirs, ours, keys, "--against")
+  ours = {k: g[0] for k, g in ours.items() if len(g) == 1}
+  theirs = {k: g[0] for k, g in theirs.items() if len(g) == 1}
   labels = _labels({**theirs, **ours}, keys)
   rows = []
   for key, mine in ours.items():
@@ -241,8 +265,8 @@ def compare(this: Sequence[Mapping[str, str]], earlier: Sequence[Mapping[str, st
       t = findings_lib.welch_t(a.values, b.values)
       rows.append(Row(label, metric, a, b, t,
                       CLEAR if abs(t) > findings_lib.CLEAR_T else "", made))
-  only_this = tuple(labels[k] for k in ours if k not in theirs)
-  only_earlier = tuple(labels[k] for k in theirs if k not in ours)
+  only_this = tuple(labels[k] for k in ours if k not in theirs) + tuple(spare_this)
+  only_earlier = tuple(labels[k] for k in theirs if k not in ours) + tuple(spare_earlier)
   return Comparison(tuple(rows), only_this, only_earlier, tuple(apart))
 
 
@@ -278,8 +302,10 @@ def table(c: Comparison, earlier_name: str = "--against", this_name: str = "--re
   if made:
     other = {r.group for r in c.rows if r.choices != ALIKE}
     lines.append(f"Speed choices: the runs of {len(other)} of the {groups} groups made other "
-                 f"ones on the two sides; of the {len(moved)} comparisons not identical, "
-                 f"{sum(r.group in other for r in moved)} are of those groups.")
+                 "ones on the two sides" + (
+                     f"; of the {len(moved)} comparisons not identical, "
+                     f"{sum(r.group in other for r in moved)} are of those groups" if moved
+                     else "") + ".")
   listed = False
   for name, only in ((this_name, c.only_this), (earlier_name, c.only_earlier)):
     if only:  # a list, one group a line: a rerun of part of a grid leaves out many

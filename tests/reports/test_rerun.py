@@ -192,7 +192,7 @@ def test_choices_say_which_groups_ran_with_other_speed_choices(tmp_path, capsys)
   assert "speed choices" not in capsys.readouterr().out.lower()
 
 
-def test_groups_that_differ_only_in_a_field_the_other_file_lacks_are_an_error():
+def test_groups_that_differ_only_in_a_field_the_other_file_lacks_match_none_of_its_groups():
   earlier = _rows({"a": (_sm(4), {"cer_percent": [1.0, 2.0, 3.0]})})
   this = _rows({"s": ({**_sm(4), "model.scan_layers": True}, {"cer_percent": [1.0, 2.0, 3.0]}),
                 "u": ({**_sm(4), "model.scan_layers": False}, {"cer_percent": [1.5, 2.5, 3.5]})})
@@ -201,6 +201,21 @@ def test_groups_that_differ_only_in_a_field_the_other_file_lacks_are_an_error():
   # With one value of the field, the groups match.
   (row,) = R.compare(this[:3], earlier).rows
   assert row.outcome == R.IDENTICAL
+  # Where the other file has no group of their key (a rerun of part of a grid), they are listed
+  # as found in one file only, named by the field, and the other groups are compared.
+  other = _rows({"a": (_sm(16), {"cer_percent": [1.0, 2.0, 3.0]}),
+                 "b": (_sm(4, wait=50), {"cer_percent": [4.0, 5.0, 6.0]})})
+  wider = _rows({"s": ({**_sm(16), "model.scan_layers": True}, {"cer_percent": [1.0, 2.0, 3.0]}),
+                 "u": ({**_sm(16), "model.scan_layers": False}, {"cer_percent": [1.0, 2.0, 3.0]}),
+                 "w": ({**_sm(4, wait=50), "model.scan_layers": False},
+                       {"cer_percent": [4.0, 5.0, 6.0]})})
+  with pytest.raises(R.RerunError, match=r"--results: groups differ in \['model.scan_layers'\]"):
+    R.compare(wider, other)
+  part = R.compare(other[3:], wider)
+  assert [(r.group, r.outcome) for r in part.rows] == [("mnist sm", R.IDENTICAL)]
+  assert part.only_earlier == ("mnist sm width=16 wait=10 scan_layers=True",
+                               "mnist sm width=16 wait=10 scan_layers=False")
+  assert "\n- mnist sm width=16 wait=10 scan_layers=True\n" in R.table(part)
 
 
 def test_a_switch_size_at_zero_is_labelled_by_what_it_stands_for():
