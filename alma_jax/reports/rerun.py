@@ -9,9 +9,9 @@ seed), matches their groups (the runs that differ only by their seed) by the
 config fields that tell the groups of either file apart (groups of one file
 that differ only in fields the other lacks cannot be matched: an error
 naming them where the other file has a group they could be, else they are
-listed as found in one file only), and compares each metric of each matched group: the mean ±
-sample standard deviation (ddof=1) over the finished seeds on each side,
-and Welch's t of the difference
+listed as found in one file only), and compares each metric of each matched
+group: the mean ± sample standard deviation (ddof=1) over the finished seeds
+on each side, and Welch's t of the difference
 (`findings.welch_t`; positive when `--results` is higher). A difference is
 called clear when |t| > `findings.CLEAR_T`, the rule of the findings. With
 three seeds a side, |t| > 3 happens by chance alone in one comparison in
