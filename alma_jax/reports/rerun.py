@@ -178,8 +178,8 @@ def _as_chosen(rows: Sequence[Mapping[str, str]]) -> list[Mapping[str, str]]:
   run's groups where its runs chose what those set."""
   out = []
   for r in rows:
-    chosen = {f: r[f"choices.{f}"] for f in F.CHANGED_DEFAULTS
-              if f in r and r.get(f"choices.{f}")}
+    chosen = {f: r[CHOICES + f] for f in F.CHANGED_DEFAULTS
+              if f in r and r.get(CHOICES + f)}
     out.append({**r, **chosen} if chosen else r)
   return out
 
@@ -187,7 +187,8 @@ def _as_chosen(rows: Sequence[Mapping[str, str]]) -> list[Mapping[str, str]]:
 def _of_seeds(rows: Sequence[Mapping[str, str]], seeds: Sequence[float], name: str) -> list:
   """The rows of `rows` whose seed is one of `seeds`; an error naming the file's seeds if none
   is."""
-  kept = [r for r in rows if _seed(r) in set(seeds)]
+  wanted = set(seeds)
+  kept = [r for r in rows if _seed(r) in wanted]
   if not kept:
     have = sorted({_seed(r) for r in rows})
     raise RerunError(f"--seeds={','.join(f'{s:g}' for s in seeds)} keeps no row of {name}; "
