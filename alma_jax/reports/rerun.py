@@ -24,8 +24,11 @@ with the validation curve, as the errors do.
   python -m alma_jax.reports.rerun --results=new/results.csv --against=old/results.csv
   python -m alma_jax.reports.rerun --results=seed0/results.csv --against=old/results.csv --seeds=0
   python -m alma_jax.reports.rerun --results=new/results.csv --against=old/results.csv --choices
+  python -m alma_jax.reports.rerun --results=seed0/results.csv,seeds12/results.csv \
+      --against=old/results.csv
 
-prints a Markdown table of every matched group and metric (`--seeds`: of
+prints a Markdown table of every matched group and metric (either flag takes several
+files, comma-separated, for a grid run in parts: `read_parts`; `--seeds`: of
 those seeds alone on both sides, as for a rerun of a grid's first seed; with
 one seed a side a comparison is identical or not, with no t; `--choices`:
 with a column saying how the speed choices of the group's runs differ
@@ -321,6 +324,38 @@ def table(c: Comparison, earlier_name: str = "--against", this_name: str = "--re
   return "\n".join(lines) + "\n"
 
 
+def read_parts(text: str, flag: str) -> list[dict]:
+  """The rows of the results.csv files that `flag=text` names, comma-separated: a grid run
+  again in parts (seed 0 at one commit, seeds 1 and 2 at another) is compared as one. The
+  parts must hold the same config fields (the columns of `report_lib.config_columns`); a
+  summary column that some parts lack is empty in their rows. A `RerunError` names the flag
+  where they differ or where a run's seed stands in two parts."""
+  paths = [p.strip() for p in text.split(",") if p.strip()]
+  if not paths:
+    raise RerunError(f"{flag}={text!r} names no file; give a results.csv, or several "
+                     "comma-separated")
+  parts = [findings_lib.read_results(p, flag) for p in paths]
+  if len(parts) == 1:
+    return parts[0]
+  fields = [set(report_lib.config_columns(list(rows[0]))) for rows in parts]
+  for path, these in zip(paths[1:], fields[1:]):
+    if these != fields[0]:
+      odd = sorted(these ^ fields[0])
+      raise RerunError(f"{flag}: {path} and {paths[0]} hold other config fields "
+                       f"({', '.join(odd[:6])}{', ...' if len(odd) > 6 else ''}): the parts of "
+                       "one rerun are runs of one grid by the same code")
+  where: dict[tuple, int] = {}
+  for i, rows in enumerate(parts):
+    for r in rows:
+      run = (r.get(findings_lib.GROUP_COLUMN, ""), r.get("seed", ""))
+      if where.setdefault(run, i) != i:
+        raise RerunError(f"{flag}: seed {r.get('seed', '')} of {r.get('workdir', '')} is in "
+                         f"both {paths[where[run]]} (part {where[run] + 1}) and {paths[i]} "
+                         f"(part {i + 1}); give each run's seed in one part")
+  columns = dict.fromkeys(c for rows in parts for c in rows[0])
+  return [{c: r.get(c, "") for c in columns} for rows in parts for r in rows]
+
+
 def _seeds_flag(text: str) -> list[float]:
   """The seeds of `--seeds` (comma-separated whole numbers >= 0)."""
   parts = [s.strip() for s in text.split(",") if s.strip()]
@@ -332,8 +367,11 @@ def _seeds_flag(text: str) -> list[float]:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-  p.add_argument("--results", required=True, help="the rerun's results.csv")
-  p.add_argument("--against", required=True, help="the results.csv it repeats")
+  p.add_argument("--results", required=True,
+                 help="the rerun's results.csv (comma-separated: the parts of a rerun, e.g. "
+                      "seed 0 run at one commit and seeds 1 and 2 at another)")
+  p.add_argument("--against", required=True,
+                 help="the results.csv it repeats (comma-separated: in parts, likewise)")
   p.add_argument("--metrics", default=None,
                  help="comma-separated summary columns to compare (default: those of "
                       f"{','.join(DEFAULT_METRICS)} that the files have)")
@@ -352,8 +390,8 @@ def main(argv=None) -> int:
       raise RerunError(f"--metrics={args.metrics!r} names no column; give comma-separated "
                        "summary columns, or leave the flag out for the defaults")
     seeds = None if args.seeds is None else _seeds_flag(args.seeds)
-    this = findings_lib.read_results(args.results, "--results")
-    earlier = findings_lib.read_results(args.against, "--against")
+    this = read_parts(args.results, "--results")
+    earlier = read_parts(args.against, "--against")
     print(table(compare(this, earlier, metrics, seeds, args.choices)), end="")
   except (RerunError, findings_lib.FindingsError) as e:
     print(f"rerun: error: {e}", file=sys.stderr)

@@ -258,3 +258,43 @@ def test_a_run_that_chose_the_old_default_of_a_changed_field_matches_the_runs_se
   # Without the choice (a field that kept its default), `auto` is a value of its own.
   plain = _rows({"g": (gmoe(10, "auto"), {"cer_percent": [4.0, 5.0, 6.0]})})
   assert R.compare(plain, earlier).rows == ()
+
+
+def test_a_rerun_in_parts_is_compared_as_one_and_a_seed_in_two_parts_is_refused(
+    tmp_path, capsys):
+  earlier = _rows({"a": (_sm(4), {"cer_percent": [1.0, 2.0, 3.0], "mem": [5.0] * 3}),
+                   "b": (_sm(16), {"cer_percent": [4.0, 5.0, 6.0], "mem": [7.0] * 3})})
+  rerun = _rows({"a": (_sm(4), {"cer_percent": [1.0, 2.0, 3.0], "mem": [5.0] * 3}),
+                 "b": (_sm(16), {"cer_percent": [4.0, 5.5, 6.0], "mem": [7.0] * 3})})
+  # Seed 0 ran at one commit, seeds 1 and 2 at a later one whose summaries have a column more.
+  parts = {"first": [r for r in rerun if r["seed"] == "0"],
+           "rest": [{**r, "timings.xla_programs": "12"} for r in rerun if r["seed"] != "0"],
+           "other_fields": [{**r, "train.epochs": "5"} for r in rerun if r["seed"] != "0"],
+           "earlier0": [r for r in earlier if r["seed"] == "0"],
+           "earlier12": [r for r in earlier if r["seed"] != "0"], "earlier": earlier}
+  path = {}
+  for name, rows in parts.items():
+    path[name] = tmp_path / f"{name}.csv"
+    path[name].write_text(_csv_text(rows))
+  joined = R.read_parts(f"{path['first']}, {path['rest']}", "--results")
+  assert [(r["group"], r["seed"]) for r in joined] == [
+      ("a", "0"), ("b", "0"), ("a", "1"), ("a", "2"), ("b", "1"), ("b", "2")]
+  assert [r["timings.xla_programs"] for r in joined] == ["", "", "12", "12", "12", "12"]
+  for against in (f"{path['earlier']}", f"{path['earlier0']},{path['earlier12']}"):
+    assert R.main([f"--results={path['first']},{path['rest']}", f"--against={against}"]) == 0
+    out = capsys.readouterr().out
+    assert "| mnist sm width=4 | cer_percent | 2 ± 1 (n=3) | 2 ± 1 (n=3) | – | identical |" in out
+    assert "| mnist sm width=16 | cer_percent | 5 ± 1 (n=3) | 5.167 ± 1.041 (n=3) |" in out
+    assert "2 groups in both files, 4 comparisons: 3 identical, 0 clearly different" in out
+  # A run's seed in two parts, parts of other config fields, and no file at all are refused.
+  def refused(results):
+    assert R.main([f"--results={results}", f"--against={path['earlier']}"]) == 2
+    return capsys.readouterr().err
+  err = refused(f"{path['first']},{path['first']}")
+  assert (f"rerun: error: --results: seed 0 of /runs/a/seed_0 is in both {path['first']} "
+          f"(part 1) and {path['first']} (part 2); give each run's seed in one part") in err
+  err = refused(f"{path['first']},{path['other_fields']}")
+  assert (f"rerun: error: --results: {path['other_fields']} and {path['first']} hold other "
+          "config fields (train.epochs): the parts of one rerun are runs of one grid by the "
+          "same code") in err
+  assert "rerun: error: --results=',' names no file" in refused(",")
