@@ -324,13 +324,18 @@ def table(c: Comparison, earlier_name: str = "--against", this_name: str = "--re
   return "\n".join(lines) + "\n"
 
 
+def _listed(text: str) -> list[str]:
+  """The items of a comma-separated flag value, stripped, empty ones left out."""
+  return [s.strip() for s in text.split(",") if s.strip()]
+
+
 def read_parts(text: str, flag: str) -> list[dict]:
   """The rows of the results.csv files that `flag=text` names, comma-separated: a grid run
   again in parts (seed 0 at one commit, seeds 1 and 2 at another) is compared as one. The
   parts must hold the same config fields (the columns of `report_lib.config_columns`); a
   summary column that some parts lack is empty in their rows. A `RerunError` names the flag
   where they differ or where a run's seed stands in two parts."""
-  paths = [p.strip() for p in text.split(",") if p.strip()]
+  paths = _listed(text)
   if not paths:
     raise RerunError(f"{flag}={text!r} names no file; give a results.csv, or several "
                      "comma-separated")
@@ -347,7 +352,7 @@ def read_parts(text: str, flag: str) -> list[dict]:
   where: dict[tuple, int] = {}
   for i, rows in enumerate(parts):
     for r in rows:
-      run = (r.get(findings_lib.GROUP_COLUMN, ""), r.get("seed", ""))
+      run = (r.get(findings_lib.GROUP_COLUMN, ""), _seed(r))
       if where.setdefault(run, i) != i:
         raise RerunError(f"{flag}: seed {r.get('seed', '')} of {r.get('workdir', '')} is in "
                          f"both {paths[where[run]]} (part {where[run] + 1}) and {paths[i]} "
@@ -358,7 +363,7 @@ def read_parts(text: str, flag: str) -> list[dict]:
 
 def _seeds_flag(text: str) -> list[float]:
   """The seeds of `--seeds` (comma-separated whole numbers >= 0)."""
-  parts = [s.strip() for s in text.split(",") if s.strip()]
+  parts = _listed(text)
   if not parts or not all(s.isdigit() for s in parts):
     raise RerunError(f"--seeds={text!r}: give comma-separated seeds (whole numbers >= 0), "
                      "e.g. --seeds=0 or --seeds=0,1")
@@ -383,8 +388,7 @@ def main(argv=None) -> int:
                       "choices.* cells: XLA's options, steps per call...) differ between the "
                       "sides: differences of float order that no config field shows")
   args = p.parse_args(argv)
-  metrics = None if args.metrics is None else [m.strip() for m in args.metrics.split(",")
-                                                if m.strip()]
+  metrics = None if args.metrics is None else _listed(args.metrics)
   try:
     if metrics == []:
       raise RerunError(f"--metrics={args.metrics!r} names no column; give comma-separated "
