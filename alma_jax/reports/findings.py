@@ -40,8 +40,12 @@ A comparison whose two means are equal (both sides without spread, e.g. no
 dormant unit left under either) is `equal`: neither for the paper nor against.
 
   python -m alma_jax.reports.findings --results=results.csv --grid_file=launch/grids/findings.py
+  python -m alma_jax.reports.findings --results=seed0/results.csv,seeds12/results.csv \
+      --grid_file=launch/grids/findings.py
 
-prints the table that the report writes into `report.md`.
+prints the table that the report writes into `report.md`. `--results` takes several files,
+comma-separated, for a grid run in parts (`read_parts`: seed 0 at one commit, seeds 1 and 2
+at another), whose rows are read as one file's.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ import sys
 from typing import Any, Iterable, Mapping, Sequence
 
 from alma_jax import errors
+from alma_jax.configuration import config_lib
 from alma_jax.reports import grid_files
 from alma_jax.reports import labels as labels_lib
 
@@ -363,13 +368,66 @@ def read_results(path: str, flag: str = "--results") -> list[dict]:
   return rows
 
 
+def config_columns(columns: Sequence[str]) -> list[str]:
+  """The columns of a `results.csv` that hold config fields: those under the config's
+  sections (`checkpoint.`, ..., `train.`, and `seed`, `num_seeds`); the others are the
+  summaries' (`cer_percent`, `timings.train_s`, ...)."""
+  sections = {f.path.split(".")[0] for f in config_lib.base_fields()}
+  return [c for c in columns if c.split(".")[0] in sections]
+
+
+def listed(text: str) -> list[str]:
+  """The items of a comma-separated flag value, stripped, empty ones left out."""
+  return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def seed_of(row: Mapping[str, str]) -> float:
+  """The seed of a `results.csv` row, as a number (`0` and `0.0` are one seed)."""
+  return float(row.get("seed") or 0)
+
+
+def read_parts(text: str, flag: str = "--results") -> list[dict]:
+  """The rows of the results.csv files that `flag=text` names, comma-separated: a grid run
+  in parts (seed 0 at one commit, seeds 1 and 2 at another) is read as one. The parts must
+  hold the same config fields (`config_columns`); a summary column that some parts lack is
+  empty in their rows. A `FindingsError` names the flag where they differ or where a run's
+  seed stands in two parts."""
+  paths = listed(text)
+  if not paths:
+    raise FindingsError(f"{flag}={text!r} names no file; give a results.csv, or several "
+                        "comma-separated")
+  parts = [read_results(p, flag) for p in paths]
+  if len(parts) == 1:
+    return parts[0]
+  fields = [set(config_columns(list(rows[0]))) for rows in parts]
+  for path, these in zip(paths[1:], fields[1:]):
+    if these != fields[0]:
+      odd = sorted(these ^ fields[0])
+      raise FindingsError(f"{flag}: {path} and {paths[0]} hold other config fields "
+                          f"({', '.join(odd[:6])}{', ...' if len(odd) > 6 else ''}): give the "
+                          "parts of one grid, run by the same code")
+  where: dict[tuple, int] = {}
+  for i, rows in enumerate(parts):
+    for r in rows:
+      run = (r.get(GROUP_COLUMN, ""), seed_of(r))
+      if where.setdefault(run, i) != i:
+        raise FindingsError(f"{flag}: seed {r.get('seed', '')} of {r.get('workdir', '')} is in "
+                            f"both {paths[where[run]]} (part {where[run] + 1}) and {paths[i]} "
+                            f"(part {i + 1}); give each run's seed in one part")
+  columns = dict.fromkeys(c for rows in parts for c in rows[0])
+  return [{c: r.get(c, "") for c in columns} for rows in parts for r in rows]
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-  p.add_argument("--results", required=True, help="a results.csv written by the report")
+  p.add_argument("--results", required=True,
+                 help="a results.csv written by the report (comma-separated: the parts of a "
+                      "grid run in parts, e.g. seed 0 at one commit and seeds 1 and 2 at "
+                      "another)")
   p.add_argument("--grid_file", required=True, help="a grid file that defines FINDINGS")
   args = p.parse_args(argv)
   try:
-    rows = read_results(args.results)
+    rows = read_parts(args.results)
     print(table(evaluate(rows, load_findings(args.grid_file))), end="")
   except FindingsError as e:
     print(f"findings: error: {e}", file=sys.stderr)

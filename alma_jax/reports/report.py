@@ -421,19 +421,12 @@ def _nest(flat: dict) -> dict:
   return out
 
 
-def config_columns(columns: Sequence[str]) -> list[str]:
-  """The columns of a `results.csv` that hold config fields: those under the config's
-  sections (`checkpoint.`, ..., `train.`, and `seed`, `num_seeds`); the others are the
-  summaries' (`cer_percent`, `timings.train_s`, ...)."""
-  sections = {f.path.split(".")[0] for f in config_lib.base_fields()}
-  return [c for c in columns if c.split(".")[0] in sections]
-
-
 def results_groups(text: str, path: str) -> list[Group]:
   """The groups of the runs in `text`, a `results.csv` that a report wrote (read from `path`,
   which errors name): a row per seed, its config from the columns under the config's sections
-  (`config_columns`) and, where it finished, its summary from the others; no records, so only
-  what the summaries give can be drawn from them (`plots.SUMMARY_FIGURES`)."""
+  (`findings.config_columns`) and, where it finished, its summary from the others; no
+  records, so only what the summaries give can be drawn from them
+  (`plots.SUMMARY_FIGURES`)."""
   try:
     rows = list(csv.DictReader(io.StringIO(text)))
   except csv.Error as e:
@@ -444,7 +437,7 @@ def results_groups(text: str, path: str) -> list[Group]:
     raise ReportError(f"--results={path} is not a report's results.csv: " +
                       ("it has no rows" if not rows else f"it has no {', '.join(missing)} "
                        "column" + "s" * (len(missing) > 1)))
-  config_cols = set(config_columns(head))
+  config_cols = set(findings_lib.config_columns(head))
   skip = config_cols | {"workdir", "finished", findings_lib.GROUP_COLUMN}
   runs = []
   for i, row in enumerate(rows, start=2):

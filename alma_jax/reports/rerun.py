@@ -28,7 +28,7 @@ with the validation curve, as the errors do.
       --against=old/results.csv
 
 prints a Markdown table of every matched group and metric (either flag takes several
-files, comma-separated, for a grid run in parts: `read_parts`; `--seeds`: of
+files, comma-separated, for a grid run in parts: `findings.read_parts`; `--seeds`: of
 those seeds alone on both sides, as for a rerun of a grid's first seed; with
 one seed a side a comparison is identical or not, with no t; `--choices`:
 with a column saying how the speed choices of the group's runs differ
@@ -88,7 +88,7 @@ class Comparison:
 
 def _config_fields(columns: Sequence[str]) -> list[str]:
   ignore = set(report_lib.SEED_FIELDS) | set(config_lib.resumable_paths())
-  return [c for c in report_lib.config_columns(columns) if c not in ignore]
+  return [c for c in findings_lib.config_columns(columns) if c not in ignore]
 
 
 def _values(rows, field: str) -> set:
@@ -160,13 +160,9 @@ def _unmatched(by_key: dict[tuple, list[list]], other: dict, keys: Sequence[str]
   return out
 
 
-def _seed(r) -> float:
-  return float(r.get("seed") or 0)
-
-
 def _by_seed(rows, metric: str) -> dict[float, float]:
   """Seed -> value of `metric`, over the finished runs that have one."""
-  return {_seed(r): float(r[metric]) for r in rows
+  return {findings_lib.seed_of(r): float(r[metric]) for r in rows
           if str(r.get("finished")) == "True" and r.get(metric) not in ("", None)}
 
 
@@ -191,9 +187,9 @@ def _of_seeds(rows: Sequence[Mapping[str, str]], seeds: Sequence[float], name: s
   """The rows of `rows` whose seed is one of `seeds`; an error naming the file's seeds if none
   is."""
   wanted = set(seeds)
-  kept = [r for r in rows if _seed(r) in wanted]
+  kept = [r for r in rows if findings_lib.seed_of(r) in wanted]
   if not kept:
-    have = sorted({_seed(r) for r in rows})
+    have = sorted({findings_lib.seed_of(r) for r in rows})
     raise RerunError(f"--seeds={','.join(f'{s:g}' for s in seeds)} keeps no row of {name}; "
                      f"its seeds: {', '.join(f'{s:g}' for s in have)}")
   return kept
@@ -324,46 +320,9 @@ def table(c: Comparison, earlier_name: str = "--against", this_name: str = "--re
   return "\n".join(lines) + "\n"
 
 
-def _listed(text: str) -> list[str]:
-  """The items of a comma-separated flag value, stripped, empty ones left out."""
-  return [s.strip() for s in text.split(",") if s.strip()]
-
-
-def read_parts(text: str, flag: str) -> list[dict]:
-  """The rows of the results.csv files that `flag=text` names, comma-separated: a grid run
-  again in parts (seed 0 at one commit, seeds 1 and 2 at another) is compared as one. The
-  parts must hold the same config fields (the columns of `report_lib.config_columns`); a
-  summary column that some parts lack is empty in their rows. A `RerunError` names the flag
-  where they differ or where a run's seed stands in two parts."""
-  paths = _listed(text)
-  if not paths:
-    raise RerunError(f"{flag}={text!r} names no file; give a results.csv, or several "
-                     "comma-separated")
-  parts = [findings_lib.read_results(p, flag) for p in paths]
-  if len(parts) == 1:
-    return parts[0]
-  fields = [set(report_lib.config_columns(list(rows[0]))) for rows in parts]
-  for path, these in zip(paths[1:], fields[1:]):
-    if these != fields[0]:
-      odd = sorted(these ^ fields[0])
-      raise RerunError(f"{flag}: {path} and {paths[0]} hold other config fields "
-                       f"({', '.join(odd[:6])}{', ...' if len(odd) > 6 else ''}): the parts of "
-                       "one rerun are runs of one grid by the same code")
-  where: dict[tuple, int] = {}
-  for i, rows in enumerate(parts):
-    for r in rows:
-      run = (r.get(findings_lib.GROUP_COLUMN, ""), _seed(r))
-      if where.setdefault(run, i) != i:
-        raise RerunError(f"{flag}: seed {r.get('seed', '')} of {r.get('workdir', '')} is in "
-                         f"both {paths[where[run]]} (part {where[run] + 1}) and {paths[i]} "
-                         f"(part {i + 1}); give each run's seed in one part")
-  columns = dict.fromkeys(c for rows in parts for c in rows[0])
-  return [{c: r.get(c, "") for c in columns} for rows in parts for r in rows]
-
-
 def _seeds_flag(text: str) -> list[float]:
   """The seeds of `--seeds` (comma-separated whole numbers >= 0)."""
-  parts = _listed(text)
+  parts = findings_lib.listed(text)
   if not parts or not all(s.isdigit() for s in parts):
     raise RerunError(f"--seeds={text!r}: give comma-separated seeds (whole numbers >= 0), "
                      "e.g. --seeds=0 or --seeds=0,1")
@@ -388,14 +347,14 @@ def main(argv=None) -> int:
                       "choices.* cells: XLA's options, steps per call...) differ between the "
                       "sides: differences of float order that no config field shows")
   args = p.parse_args(argv)
-  metrics = None if args.metrics is None else _listed(args.metrics)
+  metrics = None if args.metrics is None else findings_lib.listed(args.metrics)
   try:
     if metrics == []:
       raise RerunError(f"--metrics={args.metrics!r} names no column; give comma-separated "
                        "summary columns, or leave the flag out for the defaults")
     seeds = None if args.seeds is None else _seeds_flag(args.seeds)
-    this = read_parts(args.results, "--results")
-    earlier = read_parts(args.against, "--against")
+    this = findings_lib.read_parts(args.results, "--results")
+    earlier = findings_lib.read_parts(args.against, "--against")
     print(table(compare(this, earlier, metrics, seeds, args.choices)), end="")
   except (RerunError, findings_lib.FindingsError) as e:
     print(f"rerun: error: {e}", file=sys.stderr)

@@ -226,6 +226,45 @@ def test_the_command_prints_the_table(tmp_path, capsys):
   assert "FINDINGS must be a list of dicts" in capsys.readouterr().err
 
 
+def test_the_command_reads_a_grid_run_in_parts_as_one_file(tmp_path, capsys):
+  rows = _rows({"a": (_sm(4), [1.0, 1.1, 0.9]), "b": (_sm(16), [2.0, 2.1, 1.9])})
+  # Seed 0 at one commit; seeds 1 and 2 at a later one, whose summaries have a column more.
+  parts = {"whole": rows, "seed0": [r for r in rows if r["seed"] == "0"],
+           "seeds12": [{**r, "timings.xla_programs": "9"} for r in rows if r["seed"] != "0"],
+           "other_fields": [{**r, "train.epochs": "5"} for r in rows if r["seed"] != "0"]}
+  path = {}
+  for name, these in parts.items():
+    path[name] = tmp_path / f"{name}.csv"
+    text = io.StringIO()
+    writer = csv.DictWriter(text, list(these[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(these)
+    path[name].write_text(text.getvalue())
+  joined = F.read_parts(f"{path['seed0']}, {path['seeds12']}")
+  assert [(r["group"], r["seed"]) for r in joined] == [
+      ("a", "0"), ("b", "0"), ("a", "1"), ("a", "2"), ("b", "1"), ("b", "2")]
+  assert [r["timings.xla_programs"] for r in joined] == ["", "", "9", "9", "9", "9"]
+  grid = tmp_path / "grid.py"
+  grid.write_text("FINDINGS = [{'id': 'F2', 'claim': 'smaller is better', 'comparisons': "
+                  "[{'better': {'model.width': 4}, 'worse': {'model.width': 16}}]}]\n")
+  assert F.main([f"--results={path['whole']}", f"--grid_file={grid}"]) == 0
+  whole = capsys.readouterr().out
+  assert "| F2 | cer_percent | width=4: 1 ± 0.1 (n=3) | width=16: 2 ± 0.1 (n=3) | +12.2 |" in whole
+  assert F.main([f"--results={path['seed0']},{path['seeds12']}", f"--grid_file={grid}"]) == 0
+  assert capsys.readouterr().out == whole
+  # A run's seed in two parts, parts of other config fields, and no file at all are refused.
+  def refused(results):
+    assert F.main([f"--results={results}", f"--grid_file={grid}"]) == 2
+    return capsys.readouterr().err
+  assert (f"findings: error: --results: seed 0 of /runs/a/seed_0 is in both {path['seed0']} "
+          f"(part 1) and {path['whole']} (part 2); give each run's seed in one part"
+          in refused(f"{path['seed0']},{path['whole']}"))
+  assert (f"findings: error: --results: {path['other_fields']} and {path['seed0']} hold other "
+          "config fields (train.epochs): give the parts of one grid, run by the same code"
+          in refused(f"{path['seed0']},{path['other_fields']}"))
+  assert "findings: error: --results=' , ' names no file" in refused(" , ")
+
+
 @pytest.mark.parametrize("content, message", [
     (None, r"^--results=\S+: No such file or directory$"),
     ("dir", r"^--results=\S+: Is a directory$"),
@@ -256,14 +295,20 @@ def test_findings_of_a_shipped_grid_by_name_and_a_grid_that_fails_by_its_line(tm
     F.load_findings(str(grid))
 
 
-@pytest.mark.parametrize("folder, grid", [("mnist", "findings"), ("cifar10", "findings_cifar"),
-                                          ("beyond", "beyond"), ("lm_growth", "lm_growth"),
-                                          ("ten_seeds", "ten_seeds")])
-def test_a_committed_report_s_verdicts_are_those_of_its_results_and_grid(folder, grid):
+@pytest.mark.parametrize("folder, grid, results", [
+    ("mnist", "findings", "results.csv"), ("cifar10", "findings_cifar", "results.csv"),
+    ("beyond", "beyond", "results.csv"), ("lm_growth", "lm_growth", "results.csv"),
+    ("ten_seeds", "ten_seeds", "results.csv"),
+    # The grids run again later (REPRODUCTION.md), every record the same: the same verdicts.
+    ("cifar10", "findings_cifar",
+     "rerun_3ca1fb9_seed0/results.csv,rerun_4563f95_seeds12/results.csv"),
+    ("lm_growth", "lm_growth", "rerun_4563f95/results.csv")])
+def test_a_committed_report_s_verdicts_are_those_of_its_results_and_grid(folder, grid, results):
   # REPRODUCTION.md quotes the verdicts of docs/reproduction/<folder>/report.md: the findings
   # computed again from the committed results.csv and the grid file as it is now are the same.
   base = os.path.join(helpers.ROOT, "docs", "reproduction", folder)
-  found = F.evaluate(F.read_results(os.path.join(base, "results.csv")), F.load_findings(grid))
+  found = F.evaluate(F.read_parts(",".join(os.path.join(base, r) for r in results.split(","))),
+                     F.load_findings(grid))
   assert found
   with open(os.path.join(base, "report.md")) as f:
     assert F.table(found).strip() in f.read()

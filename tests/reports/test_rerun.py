@@ -276,7 +276,7 @@ def test_a_rerun_in_parts_is_compared_as_one_and_a_seed_in_two_parts_is_refused(
   for name, rows in parts.items():
     path[name] = tmp_path / f"{name}.csv"
     path[name].write_text(_csv_text(rows))
-  joined = R.read_parts(f"{path['first']}, {path['rest']}", "--results")
+  joined = F.read_parts(f"{path['first']}, {path['rest']}", "--results")
   assert [(r["group"], r["seed"]) for r in joined] == [
       ("a", "0"), ("b", "0"), ("a", "1"), ("a", "2"), ("b", "1"), ("b", "2")]
   assert [r["timings.xla_programs"] for r in joined] == ["", "", "12", "12", "12", "12"]
@@ -295,6 +295,5 @@ def test_a_rerun_in_parts_is_compared_as_one_and_a_seed_in_two_parts_is_refused(
           f"(part 1) and {path['first']} (part 2); give each run's seed in one part") in err
   err = refused(f"{path['first']},{path['other_fields']}")
   assert (f"rerun: error: --results: {path['other_fields']} and {path['first']} hold other "
-          "config fields (train.epochs): the parts of one rerun are runs of one grid by the "
-          "same code") in err
+          "config fields (train.epochs): give the parts of one grid, run by the same code") in err
   assert "rerun: error: --results=',' names no file" in refused(",")
