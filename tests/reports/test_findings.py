@@ -314,6 +314,25 @@ def test_a_committed_report_s_verdicts_are_those_of_its_results_and_grid(folder,
     assert F.table(found).strip() in f.read()
 
 
+@pytest.mark.parametrize("folder, grid, rerun", [
+    ("mnist", "findings", "rerun_3ca1fb9/results.csv"),
+    ("cifar10", "findings_cifar",
+     "rerun_3ca1fb9_seed0/results.csv,rerun_4563f95_seeds12/results.csv"),
+    ("beyond", "beyond", "rerun_de7fe6a/results.csv"),
+    ("lm_growth", "lm_growth", "rerun_4563f95/results.csv"),
+    ("ten_seeds", "ten_seeds", "rerun_de7fe6a/results.csv")])
+def test_every_grid_run_again_gives_the_committed_verdicts(folder, grid, rerun):
+  # REPRODUCTION.md says of each grid run again at a later commit (or on another CPU model)
+  # that every verdict is the one of the committed results; the numbers may differ.
+  base = os.path.join(helpers.ROOT, "docs", "reproduction", folder)
+  findings = F.load_findings(grid)
+  committed = F.evaluate(F.read_results(os.path.join(base, "results.csv")), findings)
+  again = F.evaluate(F.read_parts(",".join(os.path.join(base, r) for r in rerun.split(","))),
+                     findings)
+  assert committed and [(f.id, f.verdict) for f in again] == [
+      (f.id, f.verdict) for f in committed]
+
+
 def test_a_folder_named_like_a_shipped_grid_does_not_hide_it(tmp_path, monkeypatch):
   # `alma-jax sweep --grid_file=findings --root=findings`, run again from the same folder: the
   # sweep's root is a folder named `findings`, and the name still means the shipped grid.
