@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from alma_jax.configuration import plugins
 from alma_jax.configuration.plugins import backbones as declared_backbones
 
 # The size fields of a Switch Transformer and its vocabulary, whose 0 stands for the preset's size
@@ -17,6 +18,22 @@ from alma_jax.configuration.plugins import backbones as declared_backbones
 _SIZE_FIELD_PATHS = (tuple(f"model.{f}" for f in declared_backbones.SWITCH_SIZE_FIELDS)
                      + ("data.vocab_size",))
 SWITCH_SIZE_PATHS = ("model.preset",) + _SIZE_FIELD_PATHS
+# The fields that choose a policy, each with the declared policies it may choose.
+POLICY_TABLES = {"stream.warm_start": plugins.STAGE_POLICIES,
+                 "stream.wait_policy": plugins.WAIT_POLICIES}
+# The older spelling of the warm start `scratch` (`stream.init_from_scratch`), which the
+# config sets from `stream.warm_start`.
+LEGACY_POLICY_FIELDS = ("stream.init_from_scratch",)
+
+
+def unused_policy_fields(g: Mapping[str, Any]) -> set[str]:
+  """The fields of the policies that `g` (a group's fields, typed or as CSV text) does not
+  use, and the older spelling of its warm start: the config holds them all, but they say
+  nothing of `g`'s runs."""
+  every = {p for table in POLICY_TABLES.values() for cls in table.values() for p in cls.paths()}
+  used = {p for field, table in POLICY_TABLES.items()
+          if (cls := table.get(str(g.get(field) or ""))) is not None for p in cls.paths()}
+  return (every - used) | set(LEGACY_POLICY_FIELDS)
 
 
 def value_text(v: Any) -> str:

@@ -246,15 +246,14 @@ def _policy_kind(g) -> str:
   return " + ".join(str(g.get(f)) for f, plain in PLAIN_POLICIES.items() if g.get(f) not in plain)
 
 
-_POLICY_TABLES = {"stream.warm_start": plugins.STAGE_POLICIES,
-                  "stream.wait_policy": plugins.WAIT_POLICIES}
+_POLICY_TABLES = labels_lib.POLICY_TABLES
 
 
 def _policy_fields() -> set[str]:
   """The fields that name a policy or set one, and `stream.init_from_scratch` (the older
   spelling of the warm start `scratch`)."""
   return ({p for table in _POLICY_TABLES.values() for c in table.values() for p in c.paths()}
-          | set(_POLICY_TABLES) | {"stream.init_from_scratch"})
+          | set(_POLICY_TABLES) | set(labels_lib.LEGACY_POLICY_FIELDS))
 
 
 def _policy_parts(g, groups) -> list[str]:

@@ -111,8 +111,9 @@ def _key_fields(this, earlier) -> tuple[list[str], list[tuple[str, str, str]]]:
 
 def _labels(groups: Mapping[tuple, list], keys: Sequence[str]) -> dict[tuple, str]:
   """A short label per group: its data and method, then the key fields that differ among the
-  groups of that data and method (the others are their settings, the same in each), by
-  `labels_lib.label`."""
+  groups of that data and method (the others are their settings, the same in each), but the
+  fields of policies that the group does not use (`labels_lib.unused_policy_fields`, unless
+  two groups would then share a label), by `labels_lib.label`."""
   kind = {k: (rows[0].get("data.name", ""), rows[0].get("method.name", ""))
           for k, rows in groups.items()}
   shown = {}
@@ -120,8 +121,16 @@ def _labels(groups: Mapping[tuple, list], keys: Sequence[str]) -> dict[tuple, st
     alike = [k for k in groups if kind[k] == which]
     shown[which] = [f for i, f in enumerate(keys) if f not in ("data.name", "method.name")
                     and len({k[i] for k in alike}) > 1]
-  return {k: labels_lib.label(rows[0], ["data.name", "method.name"] + shown[kind[k]])
-          for k, rows in groups.items()}
+
+  def named(key, skip=()):
+    row = groups[key][0]
+    return labels_lib.label(row, ["data.name", "method.name"]
+                            + [f for f in shown[kind[key]] if f not in skip])
+
+  out = {k: named(k, labels_lib.unused_policy_fields(groups[k][0])) for k in groups}
+  if len(set(out.values())) < len(out):
+    return {k: named(k) for k in groups}
+  return out
 
 
 def _by_key(rows, keys) -> dict[tuple, list[list]]:

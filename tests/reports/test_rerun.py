@@ -297,3 +297,32 @@ def test_a_rerun_in_parts_is_compared_as_one_and_a_seed_in_two_parts_is_refused(
   assert (f"rerun: error: --results: {path['other_fields']} and {path['first']} hold other "
           "config fields (train.epochs): give the parts of one grid, run by the same code") in err
   assert "rerun: error: --results=',' names no file" in refused(",")
+
+
+def _policy(wait_policy="fixed", warm_start="finetune", **fields):
+  """An SM group's policy fields as a results.csv holds them: every policy's, at the defaults
+  but where `fields` (paths with "__" for ".") set them, and the older spelling of the warm
+  start."""
+  return {**_sm(64, wait=1), "stream.wait_policy": wait_policy, "stream.warm_start": warm_start,
+          "stream.geometric_w0": 1.0, "stream.shrink": 1.0, "stream.perturb": 0.0,
+          "train.l2_init": 0.0, "stream.init_from_scratch": warm_start == "scratch",
+          **{k.replace("__", "."): v for k, v in fields.items()}}
+
+
+def test_a_group_is_labelled_without_the_fields_of_policies_it_does_not_use():
+  groups = {"fine": _policy(), "scratch": _policy(warm_start="scratch"),
+            "sp": _policy(warm_start="shrink_perturb", stream__shrink=0.6, stream__perturb=0.8),
+            "l2": _policy(warm_start="l2_init", train__l2_init=0.001),
+            "geo": _policy("geometric", stream__geometric_w0=10.0)}
+  rows = _rows({g: (f, {"cer_percent": [1.0, 2.0, 3.0]}) for g, f in groups.items()})
+  assert sorted({r.group for r in R.compare(rows, rows).rows}) == [
+      "mnist sm geometric_w0=10.0 wait_policy=geometric warm_start=finetune",
+      "mnist sm perturb=0.8 shrink=0.6 wait_policy=fixed warm_start=shrink_perturb",
+      "mnist sm wait_policy=fixed warm_start=finetune",
+      "mnist sm wait_policy=fixed warm_start=l2_init l2_init=0.001",
+      "mnist sm wait_policy=fixed warm_start=scratch"]
+  # Two groups that only an unused policy's field tells apart keep every field in their labels.
+  rows = _rows({"a": (_policy(), {"cer_percent": [1.0, 2.0, 3.0]}),
+                "b": (_policy(stream__shrink=0.5), {"cer_percent": [1.0, 2.0, 3.0]})})
+  assert sorted({r.group for r in R.compare(rows, rows).rows}) == [
+      "mnist sm shrink=0.5", "mnist sm shrink=1.0"]
