@@ -536,7 +536,7 @@ def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True,
     raise ReportError(f"--out={out} exists and is not a directory")
   if results is not None and workdirs:
     raise ReportError("give --workdirs or --results, not both")
-  csv_text = _read_text(results) if results is not None else None
+  csv_text = _results_text(results) if results is not None else None
   groups = (results_groups(csv_text, results) if results is not None
             else load_groups(workdirs))
   try:
@@ -594,6 +594,22 @@ def write_report(workdirs: Sequence[str], out: str, *, gating: bool = True,
   return figures
 
 
+def _results_text(results: str) -> str:
+  """The text of the results.csv that `--results` names, or of several, comma-separated (a
+  grid run in parts: `findings.read_parts`), joined as one file's."""
+  if "," not in results:
+    return _read_text(results)
+  try:
+    rows = findings_lib.read_parts(results)
+  except findings_lib.FindingsError as e:
+    raise ReportError(str(e)) from e
+  text = io.StringIO()
+  writer = csv.DictWriter(text, list(rows[0]), lineterminator="\n")
+  writer.writeheader()
+  writer.writerows(rows)
+  return text.getvalue()
+
+
 def _read_text(path: str) -> str:
   try:
     with open(path, newline="") as f:
@@ -605,9 +621,10 @@ def _read_text(path: str) -> str:
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("workdirs", None, "run workdirs (comma-separated; shell globs expand to several)")
-flags.DEFINE_string("results", None, "instead of --workdirs: a results.csv that a report wrote; "
-                    "draws the figures its rows give (CER against compute, memory and the wait, "
-                    "replay, policies) and report.md, without the runs' folders")
+flags.DEFINE_string("results", None, "instead of --workdirs: a results.csv that a report wrote "
+                    "(comma-separated: the parts of a grid run in parts); draws the figures its "
+                    "rows give (CER against compute, memory and the wait, replay, policies) and "
+                    "report.md, without the runs' folders")
 flags.DEFINE_string("out", None, "output directory of the figures and report.md")
 flags.DEFINE_bool("gating", True, "draw the gating tree of gMoE runs from their last checkpoint")
 flags.DEFINE_string("findings", None, "a grid file whose FINDINGS get verdicts in report.md "

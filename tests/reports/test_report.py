@@ -1,5 +1,6 @@
 """Tests of the report (alma_jax/reports/report.py) and its figures (alma_jax/reports/plots.py)."""
 
+import csv
 import json
 import math
 import os
@@ -375,7 +376,8 @@ def _plotted(figures: dict) -> str:
   return json.dumps(figures, sort_keys=True, default=float)
 
 
-def test_the_summary_figures_are_drawn_again_from_results_csv_alone(runs, tmp_path):
+def test_the_summary_figures_are_drawn_again_from_results_csv_alone(runs, tmp_path,
+                                                                     monkeypatch):
   unfinished = _write(tmp_path / "sm4", _config(width=4), _records([0.9, 0.5]), finished=False)
   first = report.write_report(runs + _policy_runs(tmp_path) + [unfinished], str(tmp_path / "out"),
                               gating=False)
@@ -396,6 +398,21 @@ def test_the_summary_figures_are_drawn_again_from_results_csv_alone(runs, tmp_pa
       [f"{n}.{ext}" for n in again for ext in ("png", "pdf")] + ["report.md"])
   text = (tmp_path / "again" / "report.md").read_text()
   assert f"Drawn from `{csv_path}` alone" in text
+  # The same file in two parts (seed 0, and the other seeds) gives the same groups and table;
+  # a run's seed in both parts is refused.
+  lines = open(csv_path).read().splitlines()
+  seed_at = next(i for i, c in enumerate(next(csv.reader([lines[0]]))) if c == "seed")
+  first_seed = [l for l in lines[1:] if next(csv.reader([l]))[seed_at] in ("0", "")]
+  (tmp_path / "part0.csv").write_text("\n".join(lines[:1] + first_seed) + "\n")
+  (tmp_path / "part1.csv").write_text(
+      "\n".join(lines[:1] + [l for l in lines[1:] if l not in first_seed]) + "\n")
+  assert 0 < len(first_seed) < len(lines) - 1
+  parts = f"{tmp_path / 'part0.csv'},{tmp_path / 'part1.csv'}"
+  monkeypatch.setattr(report, "can_draw", lambda: False)  # the table alone
+  report.write_report([], str(tmp_path / "parts"), results=parts)
+  assert table("parts") == table("out")
+  with pytest.raises(report.ReportError, match=r"^--results: seed 0 of .* is in both "):
+    report.write_report([], str(tmp_path / "twice"), results=f"{csv_path},{csv_path}")
   # The command line draws the same, and refuses both sources at once or a file that is not
   # a report's results.csv.
   proc = _report(f"--results={csv_path}", f"--out={tmp_path / 'cli'}")
