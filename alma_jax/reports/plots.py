@@ -32,7 +32,6 @@ from typing import Sequence
 
 import numpy as np
 
-from alma_jax.configuration import plugins
 from alma_jax.outputs import io_utils
 from alma_jax.reports import labels as labels_lib
 from alma_jax.reports import plot_style as style
@@ -232,9 +231,8 @@ POLICY_PALETTE = (style.SPARE_COLORS + tuple(c for m, c in style.METHOD_COLORS.i
 def policy_color(kind: str) -> str:
   """The colour of a warm start or waiting policy other than the paper's (`kind`, its name), by
   its place among the declared policies; a pair of them (`"redo + geometric"`) by its name."""
-  names = [n for f, table in (("stream.warm_start", plugins.STAGE_POLICIES),
-                              ("stream.wait_policy", plugins.WAIT_POLICIES))
-           for n in table if n not in PLAIN_POLICIES[f]]
+  names = [n for f, table in labels_lib.POLICY_TABLES.items() for n in table
+           if n not in PLAIN_POLICIES[f]]
   if kind in names:
     return POLICY_PALETTE[names.index(kind) % len(POLICY_PALETTE)]
   return POLICY_PALETTE[zlib.crc32(kind.encode()) % (len(POLICY_PALETTE) - 1)]
