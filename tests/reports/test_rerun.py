@@ -1,13 +1,18 @@
 """Tests of the comparison of a rerun with the results it repeats (alma_jax/reports/rerun.py)."""
 
 import csv
+import glob
 import io
 import math
+import os
+import re
+import shlex
 
 import pytest
 
 from alma_jax.reports import findings as F
 from alma_jax.reports import rerun as R
+from tests import helpers
 
 
 def _csv_text(rows):
@@ -326,3 +331,29 @@ def test_a_group_is_labelled_without_the_fields_of_policies_it_does_not_use():
                 "b": (_policy(stream__shrink=0.5), {"cer_percent": [1.0, 2.0, 3.0]})})
   assert sorted({r.group for r in R.compare(rows, rows).rows}) == [
       "mnist sm shrink=0.5", "mnist sm shrink=1.0"]
+
+
+def _reproduction_commands() -> list[list[str]]:
+  """The arguments of every `alma_jax.reports.rerun` command in REPRODUCTION.md's code blocks
+  (continued lines joined), but those that a shell variable completes."""
+  with open(os.path.join(helpers.ROOT, "REPRODUCTION.md"), encoding="utf-8") as f:
+    text = f.read().replace("\\\n", " ")
+  found = re.findall(r"python -m alma_jax\.reports\.rerun ([^\n#]*)", text)
+  return [shlex.split(c) for c in found if "$" not in c]
+
+
+def test_every_committed_comparison_is_what_its_command_in_reproduction_prints(capsys,
+                                                                                monkeypatch):
+  # REPRODUCTION.md names each committed comparison (docs/reproduction/**/*_vs_*.md) as the
+  # output of a command it shows: every such file is what one of its commands prints now (the
+  # others' outputs are quoted in its text).
+  monkeypatch.chdir(helpers.ROOT)
+  committed = {p: open(p, encoding="utf-8").read()
+               for p in sorted(glob.glob("docs/reproduction/**/*_vs_*.md", recursive=True))}
+  printed = set()
+  commands = _reproduction_commands()
+  assert len(commands) >= len(committed) > 10
+  for args in commands:
+    assert R.main(args) == 0, args
+    printed.add(capsys.readouterr().out)
+  assert [p for p, text in committed.items() if text not in printed] == []
