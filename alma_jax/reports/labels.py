@@ -30,10 +30,9 @@ def unused_policy_fields(g: Mapping[str, Any]) -> set[str]:
   """The fields of the policies that `g` (a group's fields, typed or as CSV text) does not
   use, and the older spelling of its warm start: the config holds them all, but they say
   nothing of `g`'s runs."""
-  every = {p for table in POLICY_TABLES.values() for cls in table.values() for p in cls.paths()}
   used = {p for field, table in POLICY_TABLES.items()
           if (cls := table.get(str(g.get(field) or ""))) is not None for p in cls.paths()}
-  return (every - used) | set(LEGACY_POLICY_FIELDS)
+  return ({f.path for f in plugins.policy_fields()} - used) | set(LEGACY_POLICY_FIELDS)
 
 
 def value_text(v: Any) -> str:

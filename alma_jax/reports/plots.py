@@ -32,6 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
+from alma_jax.configuration import plugins
 from alma_jax.outputs import io_utils
 from alma_jax.reports import labels as labels_lib
 from alma_jax.reports import plot_style as style
@@ -250,8 +251,8 @@ _POLICY_TABLES = labels_lib.POLICY_TABLES
 def _policy_fields() -> set[str]:
   """The fields that name a policy or set one, and `stream.init_from_scratch` (the older
   spelling of the warm start `scratch`)."""
-  return ({p for table in _POLICY_TABLES.values() for c in table.values() for p in c.paths()}
-          | set(_POLICY_TABLES) | set(labels_lib.LEGACY_POLICY_FIELDS))
+  return ({f.path for f in plugins.policy_fields()} | set(_POLICY_TABLES)
+          | set(labels_lib.LEGACY_POLICY_FIELDS))
 
 
 def _policy_parts(g, groups) -> list[str]:
