@@ -351,8 +351,8 @@ def _shifted(ax, artists, points: float) -> None:
 
 def draw_points(ax, series: Sequence[Series], xlabel: str, ylabel: str, title: str = "",
                 logx: bool = True, engineering: bool = False) -> None:
-  """Markers with error bars, a line through each series' points (dashed with replay; a
-  segment's hollow ends drawn hollow; each marker `MARKER_SIZE` times the series'
+  """Markers with error bars, a line through each series' points (dashed with replay; none
+  where the series says it is not `joined`; a segment's hollow ends drawn hollow; each marker `MARKER_SIZE` times the series'
   `marker_scale` of its point, where it has one); log x (tidy ticks), y log where it spans
   > LOG_SPAN."""
   shifts = dodge(series, logx)
@@ -360,8 +360,9 @@ def draw_points(ax, series: Sequence[Series], xlabel: str, ylabel: str, title: s
     x = np.asarray(s["x"], np.float64)
     filled = s.get("filled", True)
     hollow = s.get("hollow", [not filled] * len(x))
+    line = ("-" if filled else "--") if s.get("joined", True) else "none"
     bars = ax.errorbar(x, s["y"], xerr=s.get("xerr"), yerr=s.get("yerr"), color=s["color"],
-                       linestyle="-" if filled else "--", linewidth=1.2, capsize=2,
+                       linestyle=line, linewidth=1.2, capsize=2,
                        marker="none", elinewidth=0.8, label=None)
     drawn = list(bars.get_children())
     scale = s.get("marker_scale") or [1.0] * len(x)
@@ -375,7 +376,7 @@ def draw_points(ax, series: Sequence[Series], xlabel: str, ylabel: str, title: s
                            markerfacecolor=s["color"] if filled_pts else "white")
     _shifted(ax, drawn, points)
     ax.plot([], [], color=s["color"], marker=s["marker"], markersize=MARKER_SIZE,
-            linestyle="-" if filled else "--", markerfacecolor=s["color"] if filled else "white",
+            linestyle=line, markerfacecolor=s["color"] if filled else "white",
             label=s["label"])
   grid = ax.get_gridspec()
   widest = MARKER_SIZE * max((max(s.get("marker_scale") or [1.0]) for s in series), default=1.0)

@@ -105,6 +105,11 @@ class SwitchSizes:
     """`fields` less the sizes' own."""
     return [f for f in fields if f not in self.fields]
 
+  def same_data(self) -> bool:
+    """Whether every size is measured on the same data: no data field (the vocabulary, which
+    sets the tokens whose error and perplexity are measured) tells the sizes apart."""
+    return not any(f.startswith("data.") for f in self.fields)
+
 
 def _by_width(g) -> float:
   """A sort key of `g`'s model width (0 where it has none)."""
@@ -146,7 +151,9 @@ def tradeoff_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
   """{"comp": ..., "mem": ...}: one series per config across widths (finished runs only), or
   across the sizes of Switch Transformers (`SwitchSizes`; `widths` then holds their titles).
   A point's marker size tells its model: `marker_scale`, growing from the figure's smallest
-  model to its largest (1 where all share one)."""
+  model to its largest (1 where all share one). Where the sizes are measured on other data
+  (another vocabulary: other tokens, whose errors do not compare), a config's points are
+  not joined by a line (`joined` False)."""
   sizes = SwitchSizes(groups, fields)
   looks = Looks(groups, sizes.others(fields))
   groups = [g for g in groups if g.finished]
@@ -169,7 +176,8 @@ def tradeoff_series(groups, fields: Sequence[str]) -> dict[str, list[Series]]:
     members = sorted(members, key=smallest_first)
     look = dict(looks.of(members[0]), label=label(members[0]),
                 widths=[model(m) for m in members],
-                marker_scale=[scale[model(m)] for m in members])
+                marker_scale=[scale[model(m)] for m in members],
+                **({} if not sizes or sizes.same_data() else {"joined": False}))
     out["comp"].append(dict(look, **_stat_points(members, COMP_AXIS, "cer_percent", TERA)))
     out["mem"].append(dict(look, **_stat_points(members, "mem", "cer_percent", 1.0)))
   return out

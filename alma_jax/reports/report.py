@@ -9,8 +9,8 @@ differ only by their seed, and writes into `--out`, per data set:
 * `tradeoffs_<data>.png/.pdf`: CER (%) vs paper-comparable TFLOPs of all the
   learner's work (`comp_paper_total`, forward multiply-adds x examples of training,
   growth's passes over data and a waiting policy's evaluations) and vs Mem, one colour per
-  method, a line across widths (Switch Transformers: across sizes, `plots.SwitchSizes`), a
-  marker per waiting time (paper Fig. 2/7);
+  method, a line across widths (Switch Transformers: across sizes, `plots.SwitchSizes`, not
+  joined where the sizes use other vocabularies), a marker per waiting time (paper Fig. 2/7);
   error bars are one sample standard deviation (ddof=1) over seeds.
 * `error_<data>.png/.pdf`: test error vs mega-batch t, one panel per width
   (Switch Transformers: per size) (Fig. 1/3), the band one standard deviation over seeds.

@@ -1012,13 +1012,14 @@ def test_an_axis_label_wider_than_its_axes_is_broken_into_lines_that_fit():
     assert all(plot_style.text_width_pt(l, plot_style.LABEL_PT) <= room for l in lines), lines
 
 
-def _switch_run(tmp_path, method, experts, balanced, seed, ppl):
+def _switch_run(tmp_path, method, experts, balanced, seed, ppl, vocab=2048):
   """A tiny_shakespeare run of the tiny preset or of a wider model with a smaller vocabulary
-  and ten times the steps (the sizes of `launch/grids/lm_growth.py`)."""
+  (`vocab`; 0: the preset's) and ten times the steps (the sizes of
+  `launch/grids/lm_growth.py`)."""
   c = config_lib.apply_variant(config_lib.base_config("tiny_shakespeare", method), "quick")
   c.seed, c.model.num_experts = seed, experts
   if balanced:
-    c.data.vocab_size, c.model.dim, c.model.ffn_dim = 2048, 128, 256
+    c.data.vocab_size, c.model.dim, c.model.ffn_dim = vocab, 128, 256
     c.train.steps_per_epoch *= 10
   config = wd.config_dict(validation.complete(c))
   params = (1_000_000 if balanced else 3_000_000) + 10_000 * experts
@@ -1056,11 +1057,15 @@ def test_switch_transformers_of_two_sizes_are_drawn_apart_and_labelled_by_what_d
     assert len({by_size[p][label]["color"] for p in lm}) == 1
   assert by_size[f"comp: {tiny}"]["lm_sm num_experts=4"]["color"] != (
       by_size[f"comp: {tiny}"]["lm_sm num_experts=8"]["color"])
-  # The trade-offs: a line per config through its two sizes, the smaller model first.
+  # The trade-offs: a config's points in its two sizes, the smaller model first, not joined by
+  # a line: the sizes' vocabularies differ, and with them the tokens whose error is measured.
   trade = {s["label"]: s for s in figs["tradeoffs_tiny_shakespeare"]["comp"]}
   assert set(trade) == labels
   assert trade["lm_sm num_experts=4"]["widths"] == [tiny, wide]
   np.testing.assert_allclose(trade["lm_sm num_experts=4"]["x"], [20.0, 32.0])  # 4 stages
+  assert all(s["joined"] is False for s in figs["tradeoffs_tiny_shakespeare"]["comp"])
+  drawn = plots.tradeoffs_figure(figs["tradeoffs_tiny_shakespeare"], "tiny_shakespeare")
+  assert _through_points(drawn.axes[0]) == ["None"] * len(labels)
   # The test error over t: a panel per size.
   errors = figs["error_tiny_shakespeare"]
   assert list(errors) == [tiny, wide]
@@ -1079,6 +1084,21 @@ def test_switch_transformers_of_two_sizes_are_drawn_apart_and_labelled_by_what_d
   assert set(one["lm_tiny_shakespeare"]) == {"comp", "params"}
   assert list(one["error_tiny_shakespeare"]) == [""]
   assert {s["label"] for s in one["tradeoffs_tiny_shakespeare"]["comp"]} == labels
+  # Sizes on one vocabulary (the preset's): each config's line joins them.
+  same = [_switch_run(tmp_path / "same", "lm_sm", 4, b, s, 40.0, vocab=0)
+          for b in (True, False) for s in (0, 1)]
+  (line,) = report.write_report(same, str(tmp_path / "same_out"),
+                                gating=False)["tradeoffs_tiny_shakespeare"]["comp"]
+  assert len(line["x"]) == 2 and line.get("joined", True)
+  drawn = plots.tradeoffs_figure({"comp": [line], "mem": [line]}, "tiny_shakespeare")
+  assert _through_points(drawn.axes[0]) == ["-"]
+
+
+def _through_points(ax) -> list[str]:
+  """The line styles of the lines through the points of a panel's series (not their markers,
+  error bars' caps or legend handles)."""
+  return [l.get_linestyle() for l in ax.get_lines()
+          if l.get_marker() in ("None", "none", "") and len(l.get_xdata()) > 1]
 
 
 def test_the_gating_figure_gives_every_expert_a_colour_and_readable_legends(tmp_path):
