@@ -235,21 +235,38 @@ def _finished(picked) -> list[Mapping[str, str]]:
   return [r for r in picked[1] if str(r.get("finished")) == "True"]
 
 
+def cell_number(row: Mapping[str, str], field: str, what: str) -> float:
+  """The number in `row`'s cell of `field`; `FindingsError` (starting with `what`, naming the
+  run) where it holds something else."""
+  cell = row.get(field)
+  try:
+    return float(cell)
+  except (TypeError, ValueError):
+    raise FindingsError(f"{what}: {field}={cell!r} of {row.get('workdir')} in results.csv is "
+                        "not a number") from None
+
+
 def _side(picked, metric: str, finding: str) -> Side | None:
+  """The finished seeds' values of `metric` in a picked group; every one must have a value: a
+  missing or nan value would count as a difference from the paper."""
   if picked is None:
     return None
   values = []
   for r in _finished(picked):
-    cell = r.get(metric, "")
-    if cell in ("", None):
+    if r.get(metric, "") in ("", None):
       raise FindingsError(f"finding {finding}: results.csv has no value of {metric!r} for "
                           f"{r.get('workdir')}")
-    values.append(float(cell))
+    value = cell_number(r, metric, f"finding {finding}")
+    if math.isnan(value):
+      raise FindingsError(f"finding {finding}: {metric}=nan of {r.get('workdir')} in "
+                          "results.csv: a comparison needs a number for every finished seed")
+    values.append(value)
   return Side(picked[0], tuple(values))
 
 
-def _mean_of(picked, field: str) -> float:
-  vals = [float(r[field]) for r in _finished(picked) if r.get(field) not in ("", None)]
+def _mean_of(picked, field: str, finding: str) -> float:
+  vals = [cell_number(r, field, f"finding {finding}") for r in _finished(picked)
+          if r.get(field) not in ("", None)]
   return math.fsum(vals) / len(vals) if vals else math.nan
 
 
@@ -277,20 +294,20 @@ def compare(groups, spec: Mapping[str, Any], metric: str, finding: str) -> Compa
   candidates = spec["better"] if isinstance(spec["better"], (list, tuple)) else [spec["better"]]
   picks = [p for p in (_select(groups, c, finding) for c in candidates) if p is not None]
   if within:
-    budget = _mean_of(worse_pick, within) if worse_pick else math.nan
-    fit = [p for p in picks if _mean_of(p, within) <= budget]
+    budget = _mean_of(worse_pick, within, finding) if worse_pick else math.nan
+    fit = [p for p in picks if _mean_of(p, within, finding) <= budget]
     if pick == "most":
-      better_pick = _lowest((-_mean_of(p, within), p) for p in fit)
+      better_pick = _lowest((-_mean_of(p, within, finding), p) for p in fit)
     else:
-      better_pick = _lowest((_mean_of(p, metric), p) for p in fit)
+      better_pick = _lowest((_mean_of(p, metric, finding), p) for p in fit)
     if better_pick is not None:
-      spent = f"{_mean_of(better_pick, within):.3g} vs {budget:.3g}"
+      spent = f"{_mean_of(better_pick, within, finding):.3g} vs {budget:.3g}"
       notes.append(f"the best of {len(fit)} within {within}: {spent}" if pick == "best"
                    else f"{within} {spent}")
     elif picks and worse_pick:
       notes.append(f"no candidate within {within} {budget:.3g}")
   elif len(candidates) > 1:  # the best of the candidates
-    better_pick = _lowest((_mean_of(p, metric), p) for p in picks)
+    better_pick = _lowest((_mean_of(p, metric, finding), p) for p in picks)
     if len(picks) > 1 and better_pick is not None:
       notes.append(f"the best of {len(picks)}")
   else:

@@ -388,7 +388,7 @@ def draw_points(ax, series: Sequence[Series], xlabel: str, ylabel: str, title: s
 
 
 def _scales(ax, series, logx: bool, engineering: bool) -> None:
-  xs = [x for s in series for x in s["x"]]
+  xs = [x for s in series for x in s["x"] if math.isfinite(x)]  # nan: a point not drawn
   ys = [y for s in series for y in s["y"]]
   if logx and xs and min(xs) > 0:
     ax.set_xscale("log")

@@ -165,12 +165,18 @@ def with_totals(summary: dict | None) -> dict | None:
   return out
 
 
+def _not_numbers(values: dict | None, fields: Sequence[str]) -> str | None:
+  """The first of `fields` that `values` holds as something other than a number (None: none)."""
+  return next((k for k in fields if values and values.get(k) is not None
+               and not _is_number(values[k])), None)
+
+
 def _check_seed(path: str, config: dict, records, summary) -> None:
   """Raises `ReportError` naming the file whose contents are not a run's."""
   flat = wd.flatten(config)
-  for k in _NUMERIC_CONFIG:
-    if flat.get(k) is not None and not _is_number(flat[k]):
-      raise ReportError(f"{os.path.join(path, wd.CONFIG_FILE)}: {k}={flat[k]!r} is not a number")
+  bad = _not_numbers(flat, _NUMERIC_CONFIG)
+  if bad:
+    raise ReportError(f"{os.path.join(path, wd.CONFIG_FILE)}: {bad}={flat[bad]!r} is not a number")
   log = os.path.join(path, wd.LOG_FILE)
   for i, r in enumerate(records):
     # Numbers, and the text of a waiting policy's decision (`wait_decision`, `wait_reason`).
@@ -180,9 +186,9 @@ def _check_seed(path: str, config: dict, records, summary) -> None:
       raise ReportError(f"{log}: record {i + 1} ({json.dumps(r)[:80]}) is not a run's record (a "
                         "JSON object of numbers and texts with the numbers 't' and "
                         "'test_error')")
-  bad = [k for k in _SUMMARY_STATS if summary and k in summary and not _is_number(summary[k])]
+  bad = _not_numbers(summary, _SUMMARY_STATS)
   if bad:
-    raise ReportError(f"{os.path.join(path, wd.SUMMARY_FILE)}: {bad[0]}={summary[bad[0]]!r} is "
+    raise ReportError(f"{os.path.join(path, wd.SUMMARY_FILE)}: {bad}={summary[bad]!r} is "
                       "not a number")
 
 
@@ -262,20 +268,25 @@ class Group:
   def seeds(self) -> list[int]:
     return [int(r.flat.get("seed", 0)) for r in self.runs]
 
+  def values(self, field: str) -> list[float]:
+    """Summary `field` of the finished seeds that have it."""
+    return [float(r.summary[field]) for r in self.finished if field in r.summary]
+
   def stat(self, field: str) -> tuple[float, float]:
     """(mean, standard deviation) of summary `field` over the finished seeds (nan: none)."""
-    vals = [float(r.summary[field]) for r in self.finished if field in r.summary]
+    vals = self.values(field)
     if not vals:
       return math.nan, math.nan
     return plots.mean_std(vals)
 
   def curve(self, field: str = "test_error") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(t, mean, std) of a per-step field over the seeds, up to the shortest log."""
-    curves = [r.curve(field) for r in self.runs if r.records and field in r.records[0]]
-    if not curves:
+    runs = [r for r in self.runs if r.records and field in r.records[0]]
+    if not runs:
       return np.zeros(0), np.zeros(0), np.zeros(0)
+    curves = [r.curve(field) for r in runs]
     n = min(len(c) for c in curves)
-    t = np.asarray([int(r["t"]) for r in self.runs[0].records[:n]])
+    t = np.asarray([int(r["t"]) for r in runs[0].records[:n]])
     return (t,) + plots.mean_std_columns([c[:n] for c in curves])
 
   def label(self, fields: Sequence[str]) -> str:
@@ -326,7 +337,7 @@ def _cell(group: Group, field: str, fmt: str) -> str:
     return "–"
   scale = 1e-12 if field in _TERA else 1.0
   text = fmt.format(mean * scale)
-  return text + (" ± " + fmt.format(std * scale) if len(group.finished) > 1 else "")
+  return text + (" ± " + fmt.format(std * scale) if len(group.values(field)) > 1 else "")
 
 
 def table(groups: Sequence[Group]) -> str:
@@ -446,6 +457,10 @@ def results_groups(text: str, path: str) -> list[Group]:
                         "cells")
     config = _nest({c: _csv_cell(v) for c, v in row.items() if c in config_cols and v != ""})
     summary = _nest({c: _csv_cell(v) for c, v in row.items() if c not in skip and v != ""})
+    bad = _not_numbers(wd.flatten(config), _NUMERIC_CONFIG) or _not_numbers(summary,
+                                                                            _SUMMARY_STATS)
+    if bad:
+      raise ReportError(f"--results={path}: line {i}: {bad}={row[bad]!r} is not a number")
     runs.append(Run(row["workdir"], config, (),
                     with_totals(summary) if row["finished"] == "True" else None))
   return group_runs(runs)

@@ -34,7 +34,8 @@ one seed a side a comparison is identical or not, with no t; `--choices`:
 with a column saying how the speed choices of the group's runs differ
 between the sides, as those change the order of float sums where the config
 leaves them to be timed on the host), a count of the clear differences, the
-groups found in only one file, and the config fields whose value differs
+groups found in only one file, those in both that no metric compares (a side
+without a finished run that has one), and the config fields whose value differs
 between the files but is the same within each (a field's new default,
 other epochs: not used to match, so read them). Fields
 that change no record (`config_lib.resumable_paths`: data paths, progress,
@@ -84,6 +85,8 @@ class Comparison:
   only_this: tuple[str, ...]
   only_earlier: tuple[str, ...]
   set_apart: tuple[tuple[str, str, str], ...]  # (field, value in --against, value in --results)
+  # Groups in both files that no metric compares: a side without a finished run that has one.
+  not_compared: tuple[str, ...] = ()
 
 
 def _config_fields(columns: Sequence[str]) -> list[str]:
@@ -171,8 +174,8 @@ def _unmatched(by_key: dict[tuple, list[list]], other: dict, keys: Sequence[str]
 
 def _by_seed(rows, metric: str) -> dict[float, float]:
   """Seed -> value of `metric`, over the finished runs that have one."""
-  return {findings_lib.seed_of(r): float(r[metric]) for r in rows
-          if str(r.get("finished")) == "True" and r.get(metric) not in ("", None)}
+  return {findings_lib.seed_of(r): findings_lib.cell_number(r, metric, f"--metrics={metric}")
+          for r in rows if str(r.get("finished")) == "True" and r.get(metric) not in ("", None)}
 
 
 def _side(values: Mapping[float, float], label: str) -> findings_lib.Side:
@@ -256,12 +259,13 @@ def compare(this: Sequence[Mapping[str, str]], earlier: Sequence[Mapping[str, st
   ours = {k: g[0] for k, g in ours.items() if len(g) == 1}
   theirs = {k: g[0] for k, g in theirs.items() if len(g) == 1}
   labels = _labels({**theirs, **ours}, keys)
-  rows = []
+  rows, not_compared = [], []
   for key, mine in ours.items():
     if key not in theirs:
       continue
     label = labels[key]
     made = choice_text(theirs[key], mine) if choices else ""
+    before = len(rows)
     for metric in metrics:
       by_a, by_b = _by_seed(theirs[key], metric), _by_seed(mine, metric)
       if not by_a or not by_b:
@@ -274,9 +278,11 @@ def compare(this: Sequence[Mapping[str, str]], earlier: Sequence[Mapping[str, st
       t = findings_lib.welch_t(a.values, b.values)
       rows.append(Row(label, metric, a, b, t,
                       CLEAR if abs(t) > findings_lib.CLEAR_T else "", made))
+    if len(rows) == before:
+      not_compared.append(label)
   only_this = tuple(labels[k] for k in ours if k not in theirs) + tuple(spare_this)
   only_earlier = tuple(labels[k] for k in theirs if k not in ours) + tuple(spare_earlier)
-  return Comparison(tuple(rows), only_this, only_earlier, tuple(apart))
+  return Comparison(tuple(rows), only_this, only_earlier, tuple(apart), tuple(not_compared))
 
 
 def _num(v: float) -> str:
@@ -303,7 +309,9 @@ def table(c: Comparison, earlier_name: str = "--against", this_name: str = "--re
   clear = [r for r in c.rows if r.outcome == CLEAR]
   same = sum(r.outcome == IDENTICAL for r in c.rows)
   moved = [r for r in c.rows if r.outcome != IDENTICAL]
-  lines.append(f"{groups} group{'s' if groups != 1 else ''} in both files, "
+  both = groups + len(c.not_compared)
+  lines.append(f"{both} group{'s' if both != 1 else ''} in both files"
+               + (f" ({groups} compared)" if c.not_compared else "") + ", "
                f"{len(c.rows)} comparison{'s' if len(c.rows) != 1 else ''}: {same} identical, "
                f"{len(clear)} clearly different (|t| > {findings_lib.CLEAR_T:g})"
                + (": " + "; ".join(f"{r.group} {r.metric} t = {findings_lib._t_text(r.t)}"  # pylint: disable=protected-access
@@ -316,9 +324,12 @@ def table(c: Comparison, earlier_name: str = "--against", this_name: str = "--re
                      f"{sum(r.group in other for r in moved)} are of those groups" if moved
                      else "") + ".")
   listed = False
-  for name, only in ((this_name, c.only_this), (earlier_name, c.only_earlier)):
+  for head, only in ((f"Only in {this_name}", c.only_this),
+                     (f"Only in {earlier_name}", c.only_earlier),
+                     ("In both files, not compared: a side has no finished run with a value of "
+                      "the metrics", c.not_compared)):
     if only:  # a list, one group a line: a rerun of part of a grid leaves out many
-      lines += ["", f"Only in {name} ({len(only)} group{'s' if len(only) > 1 else ''}):", ""]
+      lines += ["", f"{head} ({len(only)} group{'s' if len(only) > 1 else ''}):", ""]
       lines += [f"- {g}" for g in only]
       listed = True
   if c.set_apart:

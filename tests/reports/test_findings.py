@@ -206,6 +206,30 @@ def test_only_finished_seeds_count_and_a_metric_must_be_present():
     F.evaluate(rows, [spec])
 
 
+def test_a_nan_or_a_text_where_a_number_belongs_is_an_error_not_evidence():
+  # A nan mean compares false with any number: it read as a difference against the paper.
+  rows = _rows({"a": (_sm(4), [1.0, 1.1, 0.9]), "b": (_sm(16), [2.0, 2.1, 1.9])})
+  spec = {"id": "X", "claim": "", "comparisons": [{"better": _sm(4), "worse": _sm(16)}]}
+  assert F.evaluate(rows, [spec])[0].verdict == "reproduced"
+  for cell, message in (("nan", r"^finding X: cer_percent=nan of /runs/b/seed_2 in results.csv: "
+                                r"a comparison needs a number for every finished seed$"),
+                        ("n/a", r"^finding X: cer_percent='n/a' of /runs/b/seed_2 in "
+                                r"results.csv is not a number$")):
+    bad = [dict(r) for r in rows]
+    bad[-1]["cer_percent"] = cell
+    with pytest.raises(F.FindingsError, match=message):
+      F.evaluate(bad, [spec])
+  # A budget's field too; a nan budget only leaves no candidate within it.
+  rows = _rows({"a": (_sm(4), [1.0, 1.1, 0.9], {"mem": 1.0}),
+                "b": (_sm(16), [2.0, 2.1, 1.9], {"mem": 2.0})})
+  within = {"id": "X", "claim": "",
+            "comparisons": [{"better": [_sm(4)], "worse": _sm(16), "within": "mem"}]}
+  assert F.evaluate(rows, [within])[0].verdict == "reproduced"
+  rows[-1]["mem"] = "big"
+  with pytest.raises(F.FindingsError, match=r"^finding X: mem='big' of /runs/b/seed_2 in "):
+    F.evaluate(rows, [within])
+
+
 def test_the_command_prints_the_table(tmp_path, capsys):
   rows = _rows({"a": (_sm(4), [1.0, 1.1, 0.9]), "b": (_sm(16), [2.0, 2.1, 1.9])})
   results = tmp_path / "results.csv"

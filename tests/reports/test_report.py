@@ -1,6 +1,7 @@
 """Tests of the report (alma_jax/reports/report.py) and its figures (alma_jax/reports/plots.py)."""
 
 import csv
+import io
 import json
 import math
 import os
@@ -105,6 +106,32 @@ def test_seeds_are_grouped_and_their_mean_and_std_computed(runs):
   np.testing.assert_allclose(m, [0.8, 0.3, 0.2, 0.2, 0.1])
   np.testing.assert_allclose(s, np.sqrt(2) * np.array([0.0, 0.1, 0.0, 0.0, 0.1]))  # ddof=1
   np.testing.assert_array_equal(t, np.arange(5))
+
+
+def test_a_seed_without_records_yet_leaves_the_curve_of_the_others(tmp_path):
+  # A sweep in progress: seed 0 has started (an empty log), seed 1 has five records.
+  ens = tmp_path / "ens"
+  _write(ens, _config("ens", num_seeds=2), [], finished=False)
+  _write(ens / "seed_0", _config("ens", seed=0), [], finished=False)
+  _write(ens / "seed_1", _config("ens", seed=1), _records([0.8, 0.4, 0.2, 0.2, 0.2]))
+  (group,) = report.load_groups([str(ens)])
+  t, m, s = group.curve()
+  np.testing.assert_array_equal(t, np.arange(5))
+  np.testing.assert_allclose(m, [0.8, 0.4, 0.2, 0.2, 0.2])
+  assert "error_mnist" in report.write_report([str(ens)], str(tmp_path / "out"), gating=False)
+
+
+def test_a_spread_is_shown_over_two_values_or_more_not_over_two_seeds(tmp_path):
+  # Two finished seeds, one of which has no final error (an older summary, a part without
+  # the column): one value, no spread.
+  a = _write(tmp_path / "s0", _config(seed=0), _records([0.9, 0.5, 0.4, 0.3, 0.2]))
+  b = _write(tmp_path / "s1", _config(seed=1), _records([0.9, 0.7, 0.6, 0.5, 0.4]))
+  summary = io_utils.read_json(os.path.join(b, wd.SUMMARY_FILE))
+  del summary["final_error"]
+  io_utils.write_json_atomic(os.path.join(b, wd.SUMMARY_FILE), summary)
+  (group,) = report.load_groups([a, b])
+  assert report._cell(group, "final_error", "{:.4f}") == "0.2000"
+  assert report._cell(group, "cer_percent", "{:.2f}") == "270.00 ± 56.57"
 
 
 _HEAVY = ("jax", "flax", "optax", "orbax", "tensorflow")
@@ -421,6 +448,15 @@ def test_the_summary_figures_are_drawn_again_from_results_csv_alone(runs, tmp_pa
   (tmp_path / "other.csv").write_text("a,b\n1,2\n")
   lines = open(csv_path).read().splitlines()
   (tmp_path / "cut.csv").write_text("\n".join(lines[:2] + [lines[2].rsplit(",", 1)[0]]) + "\n")
+  rows = list(csv.DictReader(io.StringIO(open(csv_path).read())))
+  for name, line, field, cell in (("wide", 1, "model.width", "wide"),
+                                  ("na", 0, "cer_percent", "n/a")):
+    bad = [dict(r) for r in rows]
+    bad[line][field] = cell
+    with open(tmp_path / f"{name}.csv", "w", newline="") as f:
+      writer = csv.DictWriter(f, list(rows[0]), lineterminator="\n")
+      writer.writeheader()
+      writer.writerows(bad)
   for args, message in (
       ([f"--results={csv_path}", f"--workdirs={runs[0]}"], "give --workdirs or --results, not "
        "both"),
@@ -429,7 +465,11 @@ def test_the_summary_figures_are_drawn_again_from_results_csv_alone(runs, tmp_pa
       ([f"--results={tmp_path / 'other.csv'}"], f"--results={tmp_path / 'other.csv'} is not a "
        "report's results.csv: it has no workdir, finished, method.name, data.name columns"),
       ([f"--results={tmp_path / 'cut.csv'}"], f"--results={tmp_path / 'cut.csv'}: line 3 does "
-       f"not have the header's {len(lines[0].split(','))} cells")):
+       f"not have the header's {len(lines[0].split(','))} cells"),
+      ([f"--results={tmp_path / 'wide.csv'}"], f"--results={tmp_path / 'wide.csv'}: line 3: "
+       "model.width='wide' is not a number"),
+      ([f"--results={tmp_path / 'na.csv'}"], f"--results={tmp_path / 'na.csv'}: line 2: "
+       "cer_percent='n/a' is not a number")):
     proc = _report(*args, f"--out={tmp_path / 'bad'}")
     assert proc.returncode == 2 and proc.stderr == f"report: error: {message}\n", proc.stderr
   assert not (tmp_path / "bad").exists()
@@ -856,6 +896,17 @@ def test_fonts_are_at_least_8_pt_and_mem_tick_labels_do_not_overlap(tmp_path):
     assert all(t.get_text()[-1] in "kMG" or t.get_text().isdigit() for t in labels)
     boxes = sorted((t.get_window_extent(renderer) for t in labels), key=lambda b: b.x0)
     assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:])), [t.get_text() for t in labels]
+
+
+def test_a_point_without_an_x_leaves_the_axis_logarithmic_in_any_series_order():
+  # A growing run of an older summary has no comp_paper_total (nan): its points are not drawn,
+  # and the others' compute axis stays logarithmic whichever series comes first.
+  nan = {"label": "ff", "color": "#8c564b", "marker": "s", "x": [math.nan], "y": [90.0]}
+  sm = {"label": "sm", "color": "#1f77b4", "marker": "o", "x": [1e9, 1e11, 1e12],
+        "y": [100.0, 30.0, 10.0]}
+  for series in ([nan, sm], [sm, nan]):
+    fig = plots.tradeoffs_figure({"comp": series, "mem": series}, "mnist")
+    assert fig.axes[0].get_xscale() == "log"
 
 
 def test_a_log_axis_under_a_decade_has_labels_over_all_of_it():

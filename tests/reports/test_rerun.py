@@ -100,6 +100,34 @@ def test_identical_means_every_seed_the_same_not_only_the_mean():
   assert "\n1 group in both files, 1 comparison: 1 identical," in R.table(same)
 
 
+def test_a_group_in_both_files_that_no_metric_compares_is_listed():
+  earlier = _rows({"a": (_sm(4), {"cer_percent": [1.0, 2.0, 3.0]}),
+                   "b": (_sm(16), {"cer_percent": [4.0, 5.0, 6.0]})})
+  this = _rows({"a": (_sm(4), {"cer_percent": [1.0, 2.0, 3.0]}),
+                "b": (_sm(16), {"cer_percent": [4.0, 5.0, 6.0]})})
+  for r in this[3:]:  # width 16 not finished in the rerun
+    r["finished"] = "False"
+  c = R.compare(this, earlier)
+  assert [r.group for r in c.rows] == ["mnist sm width=4"]
+  assert c.not_compared == ("mnist sm width=16",)
+  text = R.table(c)
+  assert ("\n2 groups in both files (1 compared), 1 comparison: 1 identical," in text
+          and text.endswith("\n\nIn both files, not compared: a side has no finished run with a "
+                            "value of the metrics (1 group):\n\n- mnist sm width=16\n")), text
+  assert "compared" not in R.table(R.compare(earlier, earlier))
+
+
+def test_a_text_where_a_metric_s_number_belongs_is_named(tmp_path, capsys):
+  rows = _rows({"a": (_sm(4), {"cer_percent": [1.0, 2.0, 3.0]})})
+  rows[1]["provenance.jax"] = rows[0]["provenance.jax"] = "0.10.2"
+  (tmp_path / "r.csv").write_text(_csv_text(rows))
+  assert R.main([f"--results={tmp_path / 'r.csv'}", f"--against={tmp_path / 'r.csv'}",
+                 "--metrics=provenance.jax"]) == 2
+  assert capsys.readouterr().err == (
+      "rerun: error: --metrics=provenance.jax: provenance.jax='0.10.2' of /runs/a/seed_0 in "
+      "results.csv is not a number\n")
+
+
 def test_default_metrics_are_those_the_files_have_and_an_unknown_one_is_named(tmp_path, capsys):
   earlier = _rows({"a": (_sm(4), {"cer_percent": [1.0, 2.0, 3.0], "final_error": [.25] * 3})})
   this = _rows({"a": (_sm(4), {"cer_percent": [1.0, 2.0, 3.5], "final_error": [.25] * 3})})
