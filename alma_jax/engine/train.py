@@ -61,6 +61,8 @@ class StageHooks:
       there stops the stage (`alma_jax.outputs.interrupts.Signals.check`).
     on_epoch: called after every epoch with (epoch, mean training loss (S,), validation
       accuracy (S,), which members trained in it (S,)); it must not raise for a signal.
+    on_resumed: called with the epoch at which the stage continues from its save (its
+      earlier epochs were told to `on_epoch` before the run stopped), before it trains.
     checkpoints: saves the stage between train calls when it says so, and continues the
       stage from its last save, if it has one.
     meter: told where the stage is after every train call and epoch
@@ -70,6 +72,7 @@ class StageHooks:
   labels: Sequence[int] | None = None
   check: Callable[[], None] = lambda: None
   on_epoch: Callable[[int, np.ndarray, np.ndarray, np.ndarray], None] | None = None
+  on_resumed: Callable[[int], None] | None = None
   checkpoints: StageCheckpoints | None = None
   meter: Meter | None = None
 
@@ -129,6 +132,8 @@ def fit_stage(steps: Steps, learner: Learner, data: StageData, opt_state=None,
   timer, resume = timing.Breakdown(), None
   if hooks.checkpoints is not None:
     state, p, resume = restore(hooks.checkpoints, state, p, rngs, timer)
+    if resume is not None and hooks.on_resumed is not None:
+      hooks.on_resumed(resume.epoch)
   save = None if hooks.checkpoints is None else Saver(hooks.checkpoints, rngs, timer)
   labels = list(hooks.labels) if hooks.labels is not None else list(range(num))
   s = _Stage(steps, learner, data, hooks, rule, rngs, timer, save, labels)

@@ -54,6 +54,10 @@ class Observer:
     """An epoch of the stage at `t` ended: each seed's mean training loss and validation
     accuracy, and which seeds trained in it. Inside a critical section."""
 
+  def on_stage_resumed(self, t: int, epoch: int) -> None:
+    """The stage at `t` continues from its save, at epoch `epoch`: its epochs before that one
+    ran before the run stopped (`on_epoch` told of them then, not again)."""
+
   def on_record(self, state: RunState, records: list[Record]) -> None:
     """The records of time step `state.t`, one per seed (already in `state.logs`). Inside
     one critical section with the other observers' writes of the same records."""
@@ -100,6 +104,12 @@ class Observers:
     with self.timer("io_s"), self.signals.critical(act=False):
       for o in self.observers:
         o.on_epoch(t, epoch, loss, val_accuracy, ran)
+
+  def stage_resumed(self, t: int, epoch: int) -> None:
+    """The stage at `t` continues from its save at epoch `epoch`."""
+    with self.timer("io_s"), self.signals.critical(act=False):
+      for o in self.observers:
+        o.on_stage_resumed(t, epoch)
 
   def record(self, state: RunState, records: list[Record]) -> None:
     with self.timer("io_s"), self.signals.critical():

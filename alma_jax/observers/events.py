@@ -43,6 +43,11 @@ class EventFiles(Observer):
       if ran[i]:
         writer.epoch(t, {"train_loss": loss[i], "val_accuracy": val_accuracy[i]})
 
+  def on_stage_resumed(self, t, epoch) -> None:
+    for writer in self.writers:
+      if hasattr(writer, "stage_resumed"):  # W&B keeps what it logged: nothing to write again
+        writer.stage_resumed(t, epoch)
+
   def on_record(self, state, records) -> None:
     for writer, r in zip(self.writers, records):
       writer.step(r.to_dict())

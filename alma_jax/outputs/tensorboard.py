@@ -19,9 +19,9 @@ An event file is a sequence of TFRecords (length, masked CRC-32C of the
 length, data, masked CRC-32C of the data), each an `Event` protocol buffer;
 this module encodes the few fields it needs by hand (and decodes them, to
 resume). A resumed run rewrites its event file: the per-step scalars of the
-records it resumed with, then the per-epoch scalars written before the last
-of those steps; what followed (a stage cut short) is dropped, so the file
-holds each step once.
+records it resumed with, then the per-epoch scalars of their stages; those
+of a later stage (cut short) are dropped, so the file holds each step once. A stage that continues from its save
+(`Writer.stage_resumed`) gets its epochs before the save back.
 """
 
 from __future__ import annotations
@@ -259,13 +259,12 @@ class _Totals:
             f"{STREAM}wall_s": r["wall_s"]}
 
 
-def _kept_epochs(events, last_t: int) -> list[tuple[float, int, dict[str, float]]]:
-  """The per-epoch events written before the last per-step event of a t <= last_t."""
-  cut = 0
-  for i, (_, step, scalars) in enumerate(events):
-    if any(k.startswith(STREAM) for k in scalars) and step <= last_t:
-      cut = i + 1
-  return [e for e in events[:cut] if any(k.startswith(EPOCH) for k in e[2])]
+def _kept_epochs(events, last_t: int) -> tuple[list, list]:
+  """The per-epoch events of the stages at t <= last_t (those the records hold), and those of
+  later stages (cut short), each in the order written."""
+  epochs = [e for e in events if f"{EPOCH}t" in e[2]]
+  return ([e for e in epochs if e[2][f"{EPOCH}t"] <= last_t],
+          [e for e in epochs if e[2][f"{EPOCH}t"] > last_t])
 
 
 class Writer:
@@ -279,7 +278,7 @@ class Writer:
     walls = {(step, tag): wall for wall, step, scalars in old for tag in scalars}
     last_t = int(records[-1]["t"]) if records else -1
     self.last_t = max(last_t, 0)
-    epochs = _kept_epochs(old, last_t)
+    epochs, self.dropped = _kept_epochs(old, last_t)
     self.epochs = max((step for _, step, _ in epochs), default=0)
     self.path = os.path.join(directory, f"{FILE_PREFIX}{int(time.time()):010d}{FILE_SUFFIX}")
     frames = [frame(event(time.time(), file_version="brain.Event:2"))]
@@ -327,6 +326,16 @@ class Writer:
                and math.isfinite(float(v))}
     now = time.time()
     self._append(event(now, self.last_t, scalars, values=[hparams_end_value(now)]))
+
+  def stage_resumed(self, t: int, epoch: int) -> None:
+    """The stage at `t` continues from its save at epoch `epoch`: its epochs before that one,
+    which the file had before the rewrite dropped them, are written again (their scalars and
+    wall times; steps after the epochs written since)."""
+    again = [e for e in self.dropped if e[2].get(f"{EPOCH}t") == t][:max(epoch - 1, 0)]
+    self.dropped = []
+    for wall, _, scalars in again:
+      self.epochs += 1
+      self._append(event(wall, self.epochs, scalars))
 
   def epoch(self, t: int, scalars: dict[str, float]) -> None:
     """Per-epoch scalars (tags below `epoch/`; non-finite ones left out) of an epoch of the

@@ -302,7 +302,9 @@ def _stage(setup: Setup, state: RunState, t: int, observers: Observers,
                                         setup.anchor(learner) if steps.programs.l2_init else None),
         opt_state,
         train.StageHooks(labels=setup.seeds, check=signals.check,
-                         on_epoch=lambda *a: observers.epoch(t, *a), checkpoints=store,
+                         on_epoch=lambda *a: observers.epoch(t, *a),
+                         on_resumed=lambda epoch: observers.stage_resumed(t, epoch),
+                         checkpoints=store,
                          meter=meter))
   except RunInterrupted:
     checkpoints.stage_interrupted(t)

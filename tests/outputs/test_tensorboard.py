@@ -76,6 +76,30 @@ def test_reopening_keeps_what_precedes_the_records_and_drops_the_rest(tmp_path):
   assert len(tb.event_files(d)) == 1
 
 
+def test_a_stage_that_continues_from_its_save_gets_its_earlier_epochs_back(tmp_path):
+  d = str(tmp_path)
+  w = tb.Writer(d, [_record(0, 0.9)])
+  w.epoch(1, {"train_loss": 1.0})
+  w.step(_record(1, 0.5))
+  for loss in (0.9, 0.8, 0.7):  # stage 2: saved after its second epoch, stopped in its third
+    w.epoch(2, {"train_loss": loss})
+  w = tb.Writer(d, [_record(0, 0.9), _record(1, 0.5)])  # resumed after t=1
+  w.stage_resumed(2, 3)  # continues at epoch 3: epochs 1 and 2 ran before
+  w.stage_resumed(2, 3)  # told once per run: nothing more
+  w.epoch(2, {"train_loss": 0.65})
+  w.step(_record(2, 0.2))
+  epochs = [(s, v["epoch/train_loss"], v["epoch/t"]) for s, v in _tf_events(d) if "epoch/t" in v]
+  np.testing.assert_allclose(epochs, [(1, 1.0, 1), (2, 0.9, 2), (3, 0.8, 2), (4, 0.65, 2)],
+                             rtol=1e-6)
+  # Stopped again before the next record (a long stage, preempted twice): the epochs of the
+  # stages the records hold stay, wherever the rewrite put them; another stage's save, or
+  # one at its first epoch, brings nothing back.
+  for t, epoch in ((3, 5), (2, 1)):
+    w = tb.Writer(d, [_record(0, 0.9), _record(1, 0.5)])
+    w.stage_resumed(t, epoch)
+    assert [s for s, v in _tf_events(d) if "epoch/t" in v] == [1]
+
+
 # -- real runs ------------------------------------------------------------------------------------
 def _stream_errors(directory):
   return [(s, v["stream/test_error"]) for s, v in _tf_events(directory)
