@@ -112,7 +112,7 @@ class Saver:
     stage (continuing after epoch `epochs`, i.e. with nothing left to train), so that the stop
     keeps its training."""
     if getattr(self.checkpoints, "stopping", lambda: False)():
-      self._at_epoch(p, state, epochs + 1)
+      self._at_epoch(p, state, epochs + 1, trained=True)
 
   def between_epochs(self, p: Progress, state: TrainState, epoch: int, *,
                      segment: bool = False) -> bool:
@@ -126,11 +126,14 @@ class Saver:
     self._at_epoch(p, state, epoch + 1)
     return True
 
-  def _at_epoch(self, p: Progress, state: TrainState, epoch: int) -> None:
-    self._save(p, state, epoch, 0, [rng.bit_generator.state for rng in self.rngs], [], None)
+  def _at_epoch(self, p: Progress, state: TrainState, epoch: int, trained: bool = False) -> None:
+    self._save(p, state, epoch, 0, [rng.bit_generator.state for rng in self.rngs], [], None,
+               trained)
 
-  def _save(self, p: Progress, state, epoch, next_call, rng_states, losses, finite) -> None:
+  def _save(self, p: Progress, state, epoch, next_call, rng_states, losses, finite,
+            trained: bool = False) -> None:
     position = {
+        **({"trained": True} if trained else {}),  # its training over: nothing left to run
         "epoch": epoch, "next_call": next_call, "rng_states": rng_states,
         "losses": [np.asarray(l, np.float32).tolist() for l in losses],
         "finite": None if finite is None else np.asarray(finite).tolist(),

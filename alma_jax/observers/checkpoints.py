@@ -95,8 +95,8 @@ class Checkpoints(Observer):
     """A signal stopped the stage at `t`: says where the same command continues it."""
     store = self.stage_store
     if store is not None and store.saved is not None and store.saved[0] == t:
-      logging.warning("stage t=%d was saved at epoch %d, call %d: the same command continues "
-                      "it there", *store.saved)
+      logging.warning("stage t=%d was saved %s: the same command continues it there",
+                      *store.saved)
 
   # -- stream checkpoints ----------------------------------------------------------------------
   def on_step(self, state) -> None:

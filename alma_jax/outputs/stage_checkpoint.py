@@ -33,6 +33,14 @@ from alma_jax.outputs import interrupts
 from alma_jax.runtime import multihost
 
 
+def where(position: dict) -> str:
+  """Where a stage save continues its stage, in words ("at epoch 3, call 1", or after the
+  stage's training for a stage saved once it had trained)."""
+  if position.get("trained"):
+    return "after its training"
+  return f"at epoch {int(position['epoch'])}, call {int(position['next_call'])}"
+
+
 def _abstract(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
@@ -52,7 +60,7 @@ class Store:
     self.restored_facts: dict = {}
     self._ckpt: ckpt_lib.Checkpointer | None = None
     self.t, self.structure, self._last = None, None, time.monotonic()
-    self.saved: tuple[int, int, int] | None = None  # (t, epoch, next call) of the last save
+    self.saved: tuple[int, str] | None = None  # (t, `where`) of the last save
 
   def _open(self) -> ckpt_lib.Checkpointer:
     if self._ckpt is None:
@@ -92,8 +100,7 @@ class Store:
       self._set_aside(step)
       return None
     pos, self.restored_facts = meta["position"], dict(meta.get("facts", {}))
-    logging.info("stage t=%d continues from its save at epoch %d, call %d", self.t, pos["epoch"],
-                 pos["next_call"])
+    logging.info("stage t=%d continues from its save %s", self.t, where(pos))
     return arrays, pos
 
   def due(self, epoch_end: bool, epoch: int) -> bool:
@@ -118,9 +125,8 @@ class Store:
     ckpt.start_save_tree(step, arrays, meta)
     ckpt.wait()
     self._last = time.monotonic()
-    self.saved = (self.t, int(position["epoch"]), int(position["next_call"]))
-    logging.info("saved stage t=%d at epoch %d, call %d (%s)", self.t, position["epoch"],
-                 position["next_call"], self.directory)
+    self.saved = (self.t, where(position))
+    logging.info("saved stage t=%d %s (%s)", self.t, self.saved[1], self.directory)
 
   # -- clean-up ------------------------------------------------------------------------------------
   def discard_through(self, t: int) -> None:

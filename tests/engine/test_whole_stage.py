@@ -16,6 +16,7 @@ from alma_jax.configuration import config_lib
 from alma_jax.engine import epoch
 from alma_jax.engine import population
 from alma_jax.engine import train
+from alma_jax.outputs import tensorboard
 from alma_jax.stream import run
 from alma_jax.stream import validation
 from alma_jax.tuning import autotune
@@ -239,7 +240,8 @@ def test_a_long_whole_stage_is_saved_every_every_s_and_its_records_do_not_change
 
 
 @requires_mnist
-def test_a_signal_during_the_last_call_of_a_whole_stage_keeps_the_stage(tmp_path, monkeypatch):
+def test_a_signal_during_the_last_call_of_a_whole_stage_keeps_the_stage(tmp_path, monkeypatch,
+                                                                       caplog):
   # No timed saves and no stream checkpoint until the end: before, the stage trained in the
   # program was lost with the stop; now the stop saves it, and the same command resumes after it.
   import signal  # pylint: disable=g-import-not-at-top
@@ -260,11 +262,18 @@ def test_a_signal_during_the_last_call_of_a_whole_stage_keeps_the_stage(tmp_path
   wd = str(tmp_path / "wd")
   with pytest.raises(run.RunInterrupted):
     run.run(helpers.smoke(**fields), wd)
+  assert "stage t=2 was saved after its training: the same command continues it there" in (
+      caplog.text)
   stage_dir = os.path.join(wd, "checkpoints_stage")
   (step,) = [n for n in os.listdir(stage_dir) if n.isdigit()]
   with ckpt_lib.Checkpointer(stage_dir, 1) as ckpt:
     meta = ckpt.read_meta(int(step))
   assert (meta["stage_t"], meta["position"]["epoch"]) == (2, 4)  # stage 2, nothing left to train
+  assert meta["position"]["trained"] is True
   monkeypatch.undo()
   run.run(helpers.smoke(**fields), wd)
   assert helpers.outputs(wd) == helpers.outputs(reference)
+  # Its three epochs are in the event file once, as in the uninterrupted run's.
+  epochs = lambda d: [(step, scalars) for _, step, scalars in tensorboard.read_events(d)  # pylint: disable=unnecessary-lambda-assignment
+                      if "epoch/t" in scalars]
+  assert epochs(wd) == epochs(reference) and len(epochs(reference)) == 12
