@@ -123,6 +123,11 @@ class Method(declared.Declaration):
     """Re-initialises all parameters, keeping the learner's structure."""
     return self.init(key, learner.structure)
 
+  def fresh_init(self, learner: Learner, key: jax.Array) -> Learner:
+    """A fresh initialisation of what the learner's stage trains, in the learner's layout (the
+    values that `shrink_perturb` mixes in); default: `reinit`."""
+    return self.reinit(learner, key)
+
   def program_structure(self, structure: Hashable) -> Hashable:
     """What the compiled programs of a learner depend on: the shapes of its arrays.
 

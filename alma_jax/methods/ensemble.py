@@ -553,6 +553,21 @@ class GrowingEnsemble(declared.GEns, Ensemble):
     del key
     return learner
 
+  def fresh_init(self, learner: base.Learner, key: jax.Array) -> base.Learner:
+    """The learner with the members its stage trains (the last k of its n) drawn afresh, as
+    `add_member` draws fresh members (`init_backbone`, member j from `fold_in(key, j)`); the
+    frozen members and the padding slots as they are."""
+    n, k = learner.structure
+    params, model_state = _new_members(learner, key, "fresh", k, self.init_backbone)
+    _check_new(learner.params, params, "params")
+    _check_new(backbone_state(learner.model_state), model_state, "model_state")
+    params, model_state = _put_in_slots(
+        (learner.params, backbone_state(learner.model_state)), (params, model_state),
+        np.int32(n - k), slots=num_members(learner.params))
+    active = active_slots(learner.model_state)
+    return learner.replace(params=params, model_state=(
+        model_state if active is None else _with_slots(model_state, active)))
+
   def combine_members(self, logits, n: int, active=None) -> jnp.ndarray:
     if self.opts.combine == "logits":
       if active is None:

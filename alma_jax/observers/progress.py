@@ -45,6 +45,6 @@ class Progress(Observer):
               f"test_error={errors[0]:.4f}")
     else:
       line = (f"{where} seeds={len(s.seeds)} epochs={stats.epochs_run.tolist()} "
-              f"test_error={float(np.mean(errors)):.4f}±{float(np.std(errors)):.4f}")
+              f"test_error={float(np.mean(errors)):.4f}±{float(np.std(errors, ddof=1)):.4f}")
     self.meter.say(f"{line} {arch} elapsed={self.clock.elapsed():.1f}s {self.meter.fields()}",
                    level="stage")

@@ -2,7 +2,8 @@
 
 Before each stage (after the method's growth), every parameter and BatchNorm
 statistic x of what the stage trains becomes `lam * x + sigma * x_fresh`,
-where x_fresh is a fresh initialisation of the same structure (Ash & Adams,
+where x_fresh is a fresh initialisation of the same structure (`Method.fresh_init`; for
+gEns, fresh draws of the members the stage trains) (Ash & Adams,
 "On Warm-Starting Neural Network Training", 2020): fine-tuning keeps what was
 learnt but can generalise worse than training afresh; shrinking towards zero
 and perturbing restores the gradients' diversity while keeping most of it.
@@ -42,7 +43,7 @@ class ShrinkPerturb(declared.ShrinkPerturb, StagePolicy):
     s = self.config.stream
     lam, sigma = float(s.shrink), float(s.perturb)
     grown = self.grow(method, learner, key, ctx)
-    fresh = method.reinit(grown, host_random.fold_in(key, REINIT_KEY))
+    fresh = method.fresh_init(grown, host_random.fold_in(key, REINIT_KEY))
     mixed = grown.replace(params=mix(grown.params, fresh.params, lam, sigma),
                           model_state=mix(grown.model_state, fresh.model_state, lam, sigma))
     take = jnp.ones((method.num_units(grown.structure),), bool)

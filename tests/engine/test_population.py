@@ -122,6 +122,11 @@ def test_two_seeds_end_to_end_match_separate_runs_and_resume(tmp_path):
   # The two seeds differ (own streams, initialisations and data orders).
   errors = [[r["test_error"] for r in _read(str(both / f"seed_{s}" / "log.jsonl"))] for s in (5, 6)]
   assert errors[0] != errors[1]
+  # The progress line's spread over the seeds is their sample standard deviation, as in the
+  # summary and the reports.
+  final = [e[-1] for e in errors]
+  assert f"test_error={np.mean(final):.4f}±{np.std(final, ddof=1):.4f}" in proc.stderr, (
+      proc.stderr[-2000:])
 
   # Killed after the checkpoint of t=2, the run resumes to the same logs.
   killed = tmp_path / "killed"

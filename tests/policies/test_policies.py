@@ -344,6 +344,34 @@ def test_shrink_perturb_leaves_the_frozen_members_of_gens_untouched():
   assert not _same(_member(learner.params, 1), _member(trained.params, 0))
 
 
+def test_shrink_perturb_mixes_fresh_draws_into_the_members_gens_trains():
+  # The new member is a copy of the last one; x_fresh is a fresh draw of it, not the copy
+  # again (which made shrink=0, perturb=1 leave the copy as it was).
+  key, ctx = jax.random.key(3), helpers.context(2)
+  c, gens = _method("gens")
+  trained = _gens_after_a_stage(gens)
+  copied, _ = policies.make_stage(c).start_stage(gens, trained, key, ctx, None)  # finetune
+  c, gens = _method("gens", warm_start="shrink_perturb", shrink=0.0, perturb=1.0)
+  fresh, _ = policies.make_stage(c).start_stage(gens, trained, key, ctx, None)
+  assert fresh.structure == copied.structure == (2, 1)
+  assert _same(_member(fresh.params, 0), _member(trained.params, 0))
+  drawn = gens.fresh_init(copied, jax.random.key(5))
+  assert _same(_member(drawn.params, 0), _member(copied.params, 0))  # only the trained one
+  for got in (_member(fresh.params, 1), _member(drawn.params, 1)):
+    assert not any(np.allclose(a, b) for a, b in zip(jax.tree.leaves(got),
+                                                     jax.tree.leaves(_member(copied.params, 1)))
+                   if np.asarray(a).size > 1)
+  # A fresh member's values are those of a new network: a new draw of its shapes.
+  new = gens.init_backbone(jax.random.key(11))[0]
+  assert jax.tree.map(np.shape, _member(fresh.params, 1)) == jax.tree.map(np.shape, new)
+  c, gens = _method("gens", warm_start="shrink_perturb", shrink=0.5, perturb=0.1)
+  mixed, _ = policies.make_stage(c).start_stage(gens, trained, key, ctx, None)
+  for got, a, b in zip(jax.tree.leaves(_member(mixed.params, 1)),
+                       jax.tree.leaves(_member(copied.params, 1)),
+                       jax.tree.leaves(_member(fresh.params, 1))):
+    np.testing.assert_allclose(got, 0.5 * a + 0.1 * b, rtol=0, atol=0)
+
+
 def test_shrink_and_perturb_are_refused_without_their_policy():
   c = helpers.small_config("mnist", "sm")
   c.stream.perturb = 0.1
