@@ -129,3 +129,14 @@ def located(exc: BaseException, path: str) -> str | None:
       return f"{path}, line {line}: {one_line(e)}"
     e = e.__cause__ or e.__context__
   return None
+
+
+def program(argv0: str) -> list[str]:
+  """How a process whose `sys.argv[0]` is `argv0` was started: `python -m alma_jax.main` (also
+  when run through `runpy` as `alma_jax.main`), `python -m <package>`, or its script's name
+  (`alma-jax`)."""
+  if argv0.endswith(os.path.join("alma_jax", "main.py")) or argv0 == "alma_jax.main":
+    return ["python", "-m", "alma_jax.main"]
+  if os.path.basename(argv0) == "__main__.py":  # python -m <package>
+    return ["python", "-m", os.path.basename(os.path.dirname(argv0))]
+  return [os.path.basename(argv0)]

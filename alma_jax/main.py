@@ -71,6 +71,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 try:  # Ctrl-C while the libraries load (seconds): one line, no traceback
+  if __name__ == "__main__":  # the command line's process (the `alma-jax` script: `console`)
+    from alma_jax.outputs import interrupts as _early  # pylint: disable=g-import-not-at-top
+    _early.catch_early_sigint()
   from absl import app  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   from absl import logging  # pylint: disable=g-import-not-at-top
@@ -279,10 +282,9 @@ def _resume_command() -> str:
   launcher = os.environ.get("ALMA_JAX_RESUME_COMMAND")
   if launcher:
     return launcher
-  from alma_jax.observers import summary  # pylint: disable=g-import-not-at-top
-  typed = _TYPED_ARGV or sys.argv
+  typed = _TYPED_ARGV or sys.argv  # nothing imported: a Ctrl-C may have cut an import short
   args = [a for a in typed[1:] if not a.lstrip("-").startswith("overwrite")]
-  return shlex.join(summary.program(typed[0]) + args)
+  return shlex.join(errors.program(typed[0]) + args)
 
 
 # The command line as the user typed it (a config's name, not the file it names), for the
@@ -458,6 +460,8 @@ def console():
           + f"; the commands: {', '.join(SUBCOMMANDS)}; a run takes flags only: alma-jax "
           "--config=NAME --workdir=DIR (--help lists them)", 2)
   from alma_jax.configuration import config_files  # pylint: disable=g-import-not-at-top
+  from alma_jax.outputs import interrupts  # pylint: disable=g-import-not-at-top
+  interrupts.catch_early_sigint()  # until the run's own handlers
   _TYPED_ARGV[:] = sys.argv
   sys.argv = config_files.resolve_argv_or_exit(_read_flag_files(sys.argv))
   try:

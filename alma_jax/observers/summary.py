@@ -12,6 +12,7 @@ from typing import Any
 
 from absl import logging
 
+from alma_jax import errors
 from alma_jax.engine import population
 from alma_jax.observers.base import Observer, RunContext
 from alma_jax.observers.clock import Clock
@@ -43,18 +44,7 @@ def provenance() -> dict[str, str]:
     pass
   return {"commit": commit, "cpu": host.cpu_name(), "python": platform.python_version(),
           "jax": jax.__version__, "jaxlib": getattr(jaxlib, "__version__", "unknown"),
-          "command": shlex.join(program(sys.argv[0]) + sys.argv[1:])}
-
-
-def program(argv0: str) -> list[str]:
-  """How a process whose `sys.argv[0]` is `argv0` was started: `python -m alma_jax.main` (also
-  when run through `runpy` as `alma_jax.main`), `python -m <package>`, or its script's name
-  (`alma-jax`)."""
-  if argv0.endswith(os.path.join("alma_jax", "main.py")) or argv0 == "alma_jax.main":
-    return ["python", "-m", "alma_jax.main"]
-  if os.path.basename(argv0) == "__main__.py":  # python -m <package>
-    return ["python", "-m", os.path.basename(os.path.dirname(argv0))]
-  return [os.path.basename(argv0)]
+          "command": shlex.join(errors.program(sys.argv[0]) + sys.argv[1:])}
 
 
 class Summary(Observer):

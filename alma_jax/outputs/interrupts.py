@@ -58,7 +58,8 @@ def on_stop_while_compiling(exit_fn) -> None:
   _ON_STOP_WHILE_COMPILING[:] = [exit_fn]
 
 
-# Signals that arrived while `hold_early()` was in force, for the run's `Signals` to act on.
+# Signals that arrived while `hold_early()` or `catch_early_sigint()` was in force, for the
+# run's `Signals` to act on.
 _EARLY: list[int] = []
 
 
@@ -79,6 +80,24 @@ def hold_early() -> None:
     signal.signal(s, lambda signum, frame: _EARLY.append(signum))
 
 
+def catch_early_sigint() -> None:
+  """Until a run's `Signals` takes over, SIGINT raises KeyboardInterrupt as Python's own
+  handler does, and is recorded too: one raised where Python ignores exceptions (a garbage
+  collector's callback, a `__del__`: "Exception ignored in ...") still stops the run, at its
+  first check. For the command line's process; a SIGINT handler other than Python's default
+  (the caller's, or SIG_IGN) is left as it is."""
+  if (threading.current_thread() is not threading.main_thread()
+      or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    return
+
+  def handler(signum, frame):
+    del frame
+    _EARLY.append(signum)
+    raise KeyboardInterrupt
+
+  signal.signal(signal.SIGINT, handler)
+
+
 class Signals:
   """Handlers of `SIGNALS`: raise at once, or after the current `critical()` section."""
 
@@ -96,8 +115,9 @@ class Signals:
     self._old = {}
 
   def __enter__(self) -> "Signals":
-    if _EARLY and self.pending is None:  # held since `hold_early()`
+    if _EARLY and self.pending is None:  # since `hold_early()` or `catch_early_sigint()`
       self.pending = _EARLY[0]
+    _EARLY.clear()  # this run's now
     if threading.current_thread() is threading.main_thread():
       for s in _handled():
         self._old[s] = signal.signal(s, self._handle)

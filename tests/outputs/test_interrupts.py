@@ -292,6 +292,54 @@ def test_ctrl_c_while_starting_is_one_line_and_exit_code_130(tmp_path, module, m
   assert sum(l.startswith("alma_jax: error: ") for l in lines) == 1
 
 
+def test_the_resume_hint_imports_nothing():
+  # A Ctrl-C can cut a library's import short and leave it half-loaded (flax.linen without its
+  # `initializers`); the hint printed then must not import the run's modules, and with them
+  # that library, again.
+  code = ("import sys; import alma_jax.main as m; before = set(sys.modules); "
+          "sys.argv = ['alma_jax.main', '--config=mnist_sm', '--overwrite']; "
+          "print(m._resume_command()); print(sorted(set(sys.modules) - before))")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
+                        env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                        timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.splitlines() == ["python -m alma_jax.main --config=mnist_sm", "[]"]
+
+
+# Runs the entry point with a Ctrl-C that Python ignores ("Exception ignored in ..."): raised in
+# a finaliser, as in JAX's garbage-collector callback, while the run's modules load.
+_IGNORED_CTRL_C = """
+import importlib.abc, os, runpy, signal, sys
+
+class Finalised:
+  def __del__(self):
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(1000):  # the handler runs here: its KeyboardInterrupt is ignored
+      pass
+
+class Once(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path=None, target=None):
+    if name == "alma_jax.stream.run":
+      sys.meta_path.remove(self)
+      Finalised()
+    return None
+
+sys.meta_path.insert(0, Once())
+sys.argv = ["alma_jax.main"] + sys.argv[1:]
+runpy.run_module("alma_jax.main", run_name="__main__")
+"""
+
+
+def test_a_ctrl_c_that_python_ignores_before_the_run_still_stops_it(tmp_path):
+  proc = _script(_IGNORED_CTRL_C, "--config=configs/mnist_sm.py:smoke",
+                 f"--workdir={tmp_path}/wd", timeout=120)
+  assert "Exception ignored" in proc.stderr  # the KeyboardInterrupt went nowhere
+  assert proc.returncode == 130, proc.stderr[-3000:]
+  assert proc.stderr.rstrip("\n").splitlines()[-1].startswith(
+      "alma_jax: error: interrupted by SIGINT"), proc.stderr[-3000:]
+  assert not os.path.exists(tmp_path / "wd" / "summary.json")
+
+
 def _children(pid: int) -> set[int]:
   out = set()
   for task in os.listdir(f"/proc/{pid}/task"):
