@@ -264,6 +264,13 @@ def strip_wall_times(d):
   return {k: v for k, v in d.items() if k not in WALL_TIME_FIELDS}
 
 
+def epoch_events(folder):
+  """(step, scalars) of the per-epoch events in `folder`'s TensorBoard event file."""
+  from alma_jax.outputs import tensorboard  # pylint: disable=g-import-not-at-top
+  return [(step, scalars) for _, step, scalars in tensorboard.read_events(folder)
+          if "epoch/t" in scalars]
+
+
 def outputs(wd):
   """log.jsonl, summary.json (without the wall-clock fields) and architecture.jsonl of `wd`."""
   log = [strip_wall_times(r) for r in io_utils.read_jsonl(os.path.join(wd, "log.jsonl"))]

@@ -132,10 +132,9 @@ def test_sigterm_inside_a_stage_saves_it_and_the_stage_continues_there(tmp_path)
   assert "stage t=3 continues from its save at epoch 2, call 1" in err
   assert helpers.outputs(wd) == helpers.outputs(base)
   # The event file too: the stage's epoch before its save is there once, as uninterrupted.
-  epochs = lambda d: [(step, scalars) for _, step, scalars in tensorboard.read_events(d)  # pylint: disable=unnecessary-lambda-assignment
-                      if "epoch/t" in scalars]
-  assert epochs(wd) == epochs(base) and [s for s, _ in epochs(base)] == list(
-      range(1, len(epochs(base)) + 1))
+  events = helpers.epoch_events(base)
+  assert helpers.epoch_events(wd) == events
+  assert [s for s, _ in events] == list(range(1, len(events) + 1))
   # The stage save is removed once a stream checkpoint covers its stage.
   assert not [n for n in os.listdir(os.path.join(wd, "checkpoints_stage")) if n.isdigit()]
 

@@ -20,8 +20,9 @@ length, data, masked CRC-32C of the data), each an `Event` protocol buffer;
 this module encodes the few fields it needs by hand (and decodes them, to
 resume). A resumed run rewrites its event file: the per-step scalars of the
 records it resumed with, then the per-epoch scalars of their stages; those
-of a later stage (cut short) are dropped, so the file holds each step once. A stage that continues from its save
-(`Writer.stage_resumed`) gets its epochs before the save back.
+of a later stage (cut short) are dropped, so the file holds each step once.
+A stage that continues from its save (`Writer.stage_resumed`) gets its
+epochs before the save back.
 """
 
 from __future__ import annotations

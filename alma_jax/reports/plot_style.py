@@ -352,9 +352,9 @@ def _shifted(ax, artists, points: float) -> None:
 def draw_points(ax, series: Sequence[Series], xlabel: str, ylabel: str, title: str = "",
                 logx: bool = True, engineering: bool = False) -> None:
   """Markers with error bars, a line through each series' points (dashed with replay; none
-  where the series says it is not `joined`; a segment's hollow ends drawn hollow; each marker `MARKER_SIZE` times the series'
-  `marker_scale` of its point, where it has one); log x (tidy ticks), y log where it spans
-  > LOG_SPAN."""
+  where the series says it is not `joined`; a segment's hollow ends drawn hollow; each
+  marker `MARKER_SIZE` times the series' `marker_scale` of its point, where it has one);
+  log x (tidy ticks), y log where it spans > LOG_SPAN."""
   shifts = dodge(series, logx)
   for s, points in zip(series, shifts):
     x = np.asarray(s["x"], np.float64)

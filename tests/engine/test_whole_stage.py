@@ -16,7 +16,6 @@ from alma_jax.configuration import config_lib
 from alma_jax.engine import epoch
 from alma_jax.engine import population
 from alma_jax.engine import train
-from alma_jax.outputs import tensorboard
 from alma_jax.stream import run
 from alma_jax.stream import validation
 from alma_jax.tuning import autotune
@@ -274,6 +273,5 @@ def test_a_signal_during_the_last_call_of_a_whole_stage_keeps_the_stage(tmp_path
   run.run(helpers.smoke(**fields), wd)
   assert helpers.outputs(wd) == helpers.outputs(reference)
   # Its three epochs are in the event file once, as in the uninterrupted run's.
-  epochs = lambda d: [(step, scalars) for _, step, scalars in tensorboard.read_events(d)  # pylint: disable=unnecessary-lambda-assignment
-                      if "epoch/t" in scalars]
-  assert epochs(wd) == epochs(reference) and len(epochs(reference)) == 12
+  assert helpers.epoch_events(wd) == helpers.epoch_events(reference)
+  assert len(helpers.epoch_events(reference)) == 12
