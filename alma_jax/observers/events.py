@@ -45,8 +45,7 @@ class EventFiles(Observer):
 
   def on_stage_resumed(self, t, epoch) -> None:
     for writer in self.writers:
-      if hasattr(writer, "stage_resumed"):  # W&B keeps what it logged: nothing to write again
-        writer.stage_resumed(t, epoch)
+      writer.stage_resumed(t, epoch)
 
   def on_record(self, state, records) -> None:
     for writer, r in zip(self.writers, records):

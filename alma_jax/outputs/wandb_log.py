@@ -142,6 +142,11 @@ class Writer:
       self.run.config.update(json.loads(json.dumps(config, default=repr)),
                              allow_val_change=True)
 
+  def stage_resumed(self, t: int, epoch: int) -> None:
+    """Nothing: the W&B run keeps the epochs it logged before the stop (the event files,
+    rewritten on resume, write them again)."""
+    del t, epoch
+
   def summary(self, summary: dict) -> None:
     """Every number of `summary` (nested ones by dotted path) into the W&B run's summary;
     finishes the W&B run."""

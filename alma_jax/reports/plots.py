@@ -253,13 +253,10 @@ def _policy_kind(g) -> str:
   return " + ".join(str(g.get(f)) for f, plain in PLAIN_POLICIES.items() if g.get(f) not in plain)
 
 
-_POLICY_TABLES = labels_lib.POLICY_TABLES
-
-
 def _policy_fields() -> set[str]:
   """The fields that name a policy or set one, and `stream.init_from_scratch` (the older
   spelling of the warm start `scratch`)."""
-  return ({f.path for f in plugins.policy_fields()} | set(_POLICY_TABLES)
+  return ({f.path for f in plugins.policy_fields()} | set(labels_lib.POLICY_TABLES)
           | set(labels_lib.LEGACY_POLICY_FIELDS))
 
 
@@ -268,7 +265,7 @@ def _policy_parts(g, groups) -> list[str]:
   not at their defaults or whose values differ among the `groups` that use it (the fields of
   policies `g` does not use stay at their defaults and are left out)."""
   parts = []
-  for field, table in _POLICY_TABLES.items():
+  for field, table in labels_lib.POLICY_TABLES.items():
     name = str(g.get(field) or PLAIN_POLICIES[field][1])
     if name in PLAIN_POLICIES[field]:
       continue
